@@ -6,13 +6,12 @@ masking is done on global positions (``q_offset`` = position of the first local 
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from galaxy.core.layers import Dropout
+from galaxy.core.layers import Dropout, drawing_from
 
 
 def attention_mask(batch: int, q_len: int, k_len: int, device, key_padding_mask: Optional[torch.Tensor],
@@ -36,16 +35,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_padding_
     if hkv != hq:
         k = k.repeat_interleave(hq // hkv, dim=1)
         v = v.repeat_interleave(hq // hkv, dim=1)
-    drop = dropout is not None and dropout.training and dropout.p > 0
-    if not drop:
-        if causal and key_padding_mask is None and q_offset == 0 and sq == sk:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        mask = attention_mask(b, sq, sk, q.device, key_padding_mask, causal, q_offset)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    # Dropout on the probabilities needs our own generator, so this path spells the math out.
-    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(d)
-    mask = attention_mask(b, sq, sk, q.device, key_padding_mask, causal, q_offset)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    probs = dropout(torch.softmax(scores, dim=-1))
-    return torch.matmul(probs, v)
+    # A plain causal square needs no mask tensor, which lets SDPA pick its flash kernel.
+    plain_causal = causal and key_padding_mask is None and q_offset == 0 and sq == sk
+    mask = None if plain_causal else attention_mask(b, sq, sk, q.device, key_padding_mask, causal, q_offset)
+    if dropout is None or not dropout.active:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=plain_causal)
+    # SDPA's fused kernels drop probabilities on the default RNG: point it at the block's own
+    # stream for the call (backward regenerates the mask from the seed the kernel saved).
+    with drawing_from(dropout.generator):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=plain_causal, dropout_p=dropout.p)

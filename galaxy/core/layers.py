@@ -10,6 +10,7 @@ Gradient rules (DESIGN.md section 1):
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -132,20 +133,48 @@ class ParallelLinear(nn.Module):
         return f"style={self.style}, weight={tuple(self.weight.shape)}, bias={self.bias is not None}"
 
 
+@contextlib.contextmanager
+def drawing_from(generator: Optional[torch.Generator]):
+    """Run ops that only draw from the device's default RNG (``F.dropout``, the dropout inside
+    ``scaled_dot_product_attention``) on ``generator``'s stream instead: its state is swapped into
+    the default generator for the block and read back after, the default's own state restored.
+    This keeps the fused one-kernel dropouts (bool masks, flash attention with dropout) while the
+    streams stay explicit (the same on every rank in replicated regions, per rank in sharded ones)."""
+    if generator is None:
+        yield
+        return
+    device = generator.device
+    if device.type == "cuda":
+        default = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    else:
+        default = torch.default_generator
+    saved = default.get_state()
+    default.set_state(generator.get_state())
+    try:
+        yield
+    finally:
+        generator.set_state(default.get_state())
+        default.set_state(saved)
+
+
 class Dropout(nn.Module):
     """Dropout drawing its mask from an explicit generator, so replicated regions draw the same
-    mask on every rank and sharded regions draw independent ones (no global RNG involved)."""
+    mask on every rank and sharded regions draw independent ones (see ``drawing_from``)."""
 
     def __init__(self, p: float, generator: Optional[torch.Generator] = None):
         super().__init__()
         self.p = p
         self.generator = generator
 
+    @property
+    def active(self) -> bool:
+        return self.training and self.p > 0.0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
+        if not self.active:
             return x
-        keep = torch.empty_like(x).bernoulli_(1.0 - self.p, generator=self.generator)
-        return x * keep / (1.0 - self.p)
+        with drawing_from(self.generator):
+            return F.dropout(x, self.p, training=True)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

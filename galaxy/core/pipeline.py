@@ -193,12 +193,15 @@ class _Clock:
     """Compute time of one stage: CUDA events on the device (host timers would see only the
     launch of asynchronous kernels), ``perf_counter`` elsewhere."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, enabled: bool = True):
         self.cuda = device.type == "cuda"
+        self.enabled = enabled
         self.spans: list = []
         self.host_s = 0.0
 
     def start(self):
+        if not self.enabled:
+            return None
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
@@ -206,6 +209,8 @@ class _Clock:
         return time.perf_counter()
 
     def stop(self, token) -> None:
+        if not self.enabled:
+            return
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -315,14 +320,15 @@ class PipelineRunner:
         last_b = max(k for k, (kind, _) in enumerate(actions) if kind == "B")
         shapes = [self.activation_shape(mb) for mb in micro_batches] if self.pp.size > 1 else [None] * m
         stash: dict[int, tuple] = {}
-        clock = _Clock(self.ctx.device)
+        # Bubbles exist only between stages: one stage measures nothing, so it never waits for the device.
+        measure = self.pp.size > 1
+        clock = _Clock(self.ctx.device, enabled=measure)
         losses: list[torch.Tensor] = []
         peak = 0
         amp = autocast or nullcontext
-        t0 = time.perf_counter()
-        if self.ctx.device.type == "cuda":
+        if measure and self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
 
         def forward(i: int, x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             nonlocal peak
@@ -371,10 +377,10 @@ class PipelineRunner:
         else:
             self._one_f_one_b(actions, shapes, forward, backward, last_b, order)
         loss = torch.stack(losses).sum() if losses else None
-        if self.ctx.device.type == "cuda":
+        if measure and self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
         total = time.perf_counter() - t0
-        return PipelineStepResult(loss, clock.seconds(), total, peak, order)
+        return PipelineStepResult(loss, clock.seconds() if measure else total, total, peak, order)
 
     def _one_f_one_b(self, actions, shapes, forward, backward, last_b, order) -> None:
         """Megatron's non-interleaved 1F1B, with the steady state's paired exchanges."""
