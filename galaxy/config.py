@@ -55,6 +55,11 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: Optional[dict] = None
     tie_word_embeddings: bool = False
+    # How the model computes, not what it is (never written to HF configs):
+    recompute: str = "none"  # none | full (each layer's forward again in backward) | selective (attention core)
+    recompute_num_layers: Optional[int] = None  # recompute only the first K layers of the model or stage; None: all
+    fused_gate_up: bool = False  # LLaMA: gate and up in one [2, intermediate, hidden] weight, one matmul
+    kernels: str = "auto"  # auto (Triton on CUDA when it imports) | triton | torch
 
     @property
     def head_dim(self) -> int:
@@ -106,6 +111,20 @@ class TrainConfig:
     dtype: str = "float32"  # float32 | float64 | bfloat16 | float16 (autocast with fp32 master weights)
     device: str = "auto"  # auto | cpu | cuda | npu
     log_every: int = 10
+    optimizer: str = "adamw"  # adamw | sgd
+    sgd_momentum: float = 0.9
+    # Rows of one micro-batch on each dp rank: global_batch_size = micro_batch_size x dp_size x
+    # accumulation steps, so it sets num_microbatches (None: num_microbatches as given).
+    micro_batch_size: Optional[int] = None
+    grad_reduce_dtype: str = "float32"  # float32 | the compute dtype: precision of gradient all-reduces
+    loss_scale: Optional[float] = None  # float16: a static loss scale; None = dynamic scaling
+    initial_loss_scale: float = 65536.0  # float16 dynamic scaling: the starting scale
+    loss_scale_window: int = 1000  # steps without overflow before the dynamic scale doubles
+    min_loss_scale: float = 1.0
+    skip_nonfinite: bool = False  # a non-finite loss or gradient skips the step instead of stopping the run
+    task: str = "mlm"  # BERT: mlm (masked-LM pretraining) | classify (sequence classification on labelled data)
+    eval_every: int = 0  # evaluate on the held-out split every N steps (0: never)
+    eval_iters: int = 4  # global batches per evaluation
 
 
 @dataclass
@@ -134,6 +153,9 @@ class PeftConfig:
     lora_target_modules: Optional[list[str]] = None  # None: BERT query/value, LLaMA q_proj/v_proj; any module name
     lora_bias: str = "none"  # none | all | lora_only
     use_rslora: bool = False  # scale alpha / sqrt(r) instead of alpha / r
+    # CCLoRA (galaxy.kernels.cclora): scale folded into A, W + B(sA) merged when tokens >= hidden, and
+    # the branch overlapped with the TP collectives; same math and same saved factors as plain LoRA.
+    lora_fusion: bool = False
     adapter_type: str = "houlsby"  # houlsby (after ATT and MLP) | pfeiffer (after MLP)
     adapter_reduction_factor: int = 16
     adapter_non_linearity: str = "relu"  # relu | gelu | gelu_new | silu | swish | tanh
@@ -167,6 +189,7 @@ ALIASES = {
     "parallel_plan": "plan",
     "target_modules": "lora_target_modules",
     "num_micro_batches": "num_microbatches",
+    "recompute_granularity": "recompute",  # Megatron-LM's name
 }
 
 # Galaxy-LM keys that have no meaning here: accepted, with a warning naming why.
@@ -310,6 +333,23 @@ class Plan:
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 DP_ENGINES = ("ddp", "zero1", "deepspeed")
+OPTIMIZERS = ("adamw", "sgd")
+RECOMPUTE_MODES = ("none", "full", "selective")
+KERNEL_BACKENDS = ("auto", "triton", "torch")
+# ModelConfig keys that choose how a model computes, not what it is: a model loaded from a
+# checkpoint directory takes them from the run's config (e.g. ``cfg.model = config_from_hf(...)``
+# should carry them over).
+COMPUTE_KEYS = ("recompute", "recompute_num_layers", "fused_gate_up", "kernels")
+FUSED_GATE_UP_NAMES = ("gate_proj", "up_proj", "gate_up_proj")
+
+
+def fused_gate_up_targets(targets) -> list[str]:
+    """The LoRA targets that name LLaMA's gate/up projections, which ``fused_gate_up`` merges."""
+    if isinstance(targets, str):  # a regex (Python API): does it match a layer's gate/up modules?
+        import re
+
+        return [n for n in FUSED_GATE_UP_NAMES if re.fullmatch(targets, f"model.layers.0.mlp.{n}")]
+    return [t for t in targets or () if t.rsplit(".", 1)[-1] in FUSED_GATE_UP_NAMES]
 
 
 def balanced_split(total: int, parts: int) -> list[int]:
@@ -394,18 +434,22 @@ class GalaxyConfig:
         if t.seq_length > m.max_position_embeddings:
             raise ConfigError(f"config key 'seq_length' ({t.seq_length}) exceeds max_position_embeddings "
                               f"({m.max_position_embeddings}); shorten the sequence or raise the limit")
+        self._validate_precision_and_steps()
         if t.lr <= 0 or t.warmup_steps < 0 or t.weight_decay < 0 or t.grad_clip < 0:
             raise ConfigError("config keys 'lr' must be positive and 'warmup_steps', 'weight_decay', "
                               "'grad_clip' non-negative")
         choices = {
             ("train", "lr_schedule"): ("linear", "cosine", "constant"),
             ("train", "dtype"): ("float32", "float64", "bfloat16", "float16"),
+            ("train", "task"): ("mlm", "classify"),
             ("train", "device"): ("auto", "cpu", "cuda", "npu"),
             ("distributed", "distributed_backend"): ("auto", "gloo", "nccl", "hccl"),
             ("peft", "tuning"): tuple(TUNING_FLAGS.values()),
             ("peft", "lora_bias"): ("none", "all", "lora_only"),
             ("peft", "adapter_type"): ("houlsby", "pfeiffer"),
             ("peft", "adapter_non_linearity"): ("relu", "gelu", "gelu_new", "silu", "swish", "tanh"),
+            ("model", "recompute"): RECOMPUTE_MODES,
+            ("model", "kernels"): KERNEL_BACKENDS,
         }
         for (section, key), allowed in choices.items():
             value = getattr(getattr(self, section), key)
@@ -416,6 +460,10 @@ class GalaxyConfig:
                 raise ConfigError(f"config key '{key}' must be positive, got {getattr(self.peft, key)}")
         if not 0.0 <= self.peft.lora_dropout < 1.0:
             raise ConfigError(f"config key 'lora_dropout' must be in [0, 1), got {self.peft.lora_dropout}")
+        if self.peft.lora_fusion and self.peft.lora_dropout > 0:
+            raise ConfigError(f"config key 'lora_fusion' needs lora_dropout 0 (got {self.peft.lora_dropout}): dropout "
+                              "on the branch input alone cannot be merged into W; set lora_dropout to 0 or "
+                              "lora_fusion to false")
         if self.distributed.timeout_s <= 0:
             raise ConfigError("config key 'timeout_s' must be positive")
         p = self.parallel
@@ -426,6 +474,44 @@ class GalaxyConfig:
                               f"1 = no overlap), got {p.coc_parallel_num}")
         self.methods()  # method names are checked here, splits once the world size is known
         self._validate_dp_pp()
+        self._validate_compute()
+
+    def _validate_compute(self) -> None:
+        m = self.model
+        if m.recompute_num_layers is not None:
+            if m.recompute_num_layers < 1:
+                raise ConfigError(f"config key 'recompute_num_layers' must be at least 1, got "
+                                  f"{m.recompute_num_layers}; leave it unset to recompute every layer")
+            if m.recompute == "none":
+                raise ConfigError("config key 'recompute_num_layers' is set but 'recompute' is 'none'; "
+                                  "set recompute to full or selective, or drop recompute_num_layers")
+        if m.fused_gate_up and m.model_type != "llama":
+            raise ConfigError(f"config key 'fused_gate_up' fuses LLaMA's gate_proj/up_proj, but model_type is "
+                              f"'{m.model_type}'; set it to false")
+        clash = fused_gate_up_targets(self.peft.lora_target_modules) if self.peft.tuning == "lora" else []
+        if m.fused_gate_up and clash:
+            raise ConfigError(f"config key 'lora_target_modules' names {clash}, but with fused_gate_up the gate "
+                              "and up projections are one fused weight that LoRA cannot wrap; drop them from "
+                              "lora_target_modules or set fused_gate_up to false")
+
+    def _validate_precision_and_steps(self) -> None:
+        t = self.train
+        if t.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"config key 'optimizer': '{t.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
+        if not 0.0 <= t.sgd_momentum < 1.0:
+            raise ConfigError(f"config key 'sgd_momentum' must be in [0, 1), got {t.sgd_momentum}")
+        if t.grad_reduce_dtype not in ("float32", t.dtype):
+            raise ConfigError(f"config key 'grad_reduce_dtype': '{t.grad_reduce_dtype}' must be float32 or the "
+                              f"compute dtype '{t.dtype}'")
+        if t.loss_scale is not None and t.loss_scale <= 0:
+            raise ConfigError(f"config key 'loss_scale' must be positive (a static scale), got {t.loss_scale}; "
+                              "leave it unset for dynamic scaling")
+        if not t.min_loss_scale > 0 or t.initial_loss_scale < t.min_loss_scale:
+            raise ConfigError(f"config keys 'initial_loss_scale' ({t.initial_loss_scale}) and 'min_loss_scale' "
+                              f"({t.min_loss_scale}) must be positive with initial >= min")
+        for key, least in (("loss_scale_window", 1), ("eval_every", 0), ("eval_iters", 1)):
+            if getattr(t, key) < least:
+                raise ConfigError(f"config key '{key}' must be at least {least}, got {getattr(t, key)}")
 
     def _validate_dp_pp(self) -> None:
         p, t = self.parallel, self.train
@@ -446,6 +532,17 @@ class GalaxyConfig:
             raise ConfigError(f"config key 'global_batch_size' ({t.global_batch_size}) is not divisible into "
                               f"dp_size={p.dp_size} data-parallel shards; use a multiple of {p.dp_size}")
         shard = t.global_batch_size // p.dp_size
+        if t.micro_batch_size is not None:
+            if t.micro_batch_size < 1 or shard % t.micro_batch_size:
+                raise ConfigError(f"config key 'micro_batch_size' ({t.micro_batch_size}) must be a positive divisor "
+                                  f"of the {shard} rows of each data-parallel shard (global_batch_size "
+                                  f"{t.global_batch_size} / dp_size {p.dp_size})")
+            steps = shard // t.micro_batch_size
+            if p.num_microbatches not in (1, steps):
+                raise ConfigError(f"config keys 'micro_batch_size' ({t.micro_batch_size}) and 'num_microbatches' "
+                                  f"({p.num_microbatches}) disagree: {shard} rows per dp shard make {steps} "
+                                  "micro-batches; set only one of them")
+            p.num_microbatches = steps
         if shard % p.num_microbatches:
             raise ConfigError(f"config key 'num_microbatches' ({p.num_microbatches}) does not divide the "
                               f"{shard} rows of each data-parallel shard (global_batch_size "

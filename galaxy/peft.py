@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from galaxy.adapters import add_adapters, add_side_network, mark_only_adapters_as_trainable, mark_only_side_as_trainable
 from galaxy.adapters.side import SideSpec
-from galaxy.config import GalaxyConfig, Method, ModelConfig, Plan
+from galaxy.config import ConfigError, GalaxyConfig, Method, ModelConfig, Plan, fused_gate_up_targets
 from galaxy.core.grad_sync import gather_full
 from galaxy.core.layers import region_rule
 from galaxy.loralib import (DEFAULT_TARGETS, inject_lora, load_lora_pretrained, mark_only_lora_as_trainable,
@@ -52,6 +52,7 @@ class TuningOptions:
     fan_in_fan_out: bool = False
     merge_weights: bool = False
     use_rslora: bool = False
+    lora_fusion: bool = False  # CCLoRA (galaxy.kernels.cclora); the saved factors do not change
     lora_target_modules: Optional[Union[str, list[str]]] = None  # None: DEFAULT_TARGETS[model_type]
     lora_bias: str = "none"
     adapter_type: str = "houlsby"
@@ -95,9 +96,14 @@ def apply_options(model: nn.Module, opts: TuningOptions) -> nn.Module:
         if not targets:
             raise ValueError(f"no default LoRA targets for model type '{model.config.model_type}'; "
                              "set lora_target_modules")
+        clash = fused_gate_up_targets(targets) if getattr(model.config, "fused_gate_up", False) else []
+        if clash:  # config validation catches this too; targets given in Python arrive here only
+            raise ConfigError(f"config key 'lora_target_modules' names {clash}, but the model was built with "
+                              "fused_gate_up, whose single gate/up weight LoRA cannot wrap; drop them or build "
+                              "the model with fused_gate_up false")
         inject_lora(model, targets, r=opts.lora_dim, lora_alpha=opts.lora_alpha, lora_dropout=opts.lora_dropout,
                     fan_in_fan_out=opts.fan_in_fan_out, merge_weights=opts.merge_weights,
-                    use_rslora=opts.use_rslora, seed=opts.seed, init_b_std=opts.init_std)
+                    use_rslora=opts.use_rslora, seed=opts.seed, init_b_std=opts.init_std, fusion=opts.lora_fusion)
         mark_only_lora_as_trainable(model, opts.lora_bias, also=also)
     elif opts.method == "adapter":
         add_adapters(model, opts.adapter_type, opts.adapter_reduction_factor, opts.adapter_non_linearity,

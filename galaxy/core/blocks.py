@@ -18,6 +18,7 @@ from galaxy.config import Method, Plan
 from galaxy.core.attention import attention
 from galaxy.core.comm import Communicator
 from galaxy.core.layers import Dropout
+from galaxy.core.recompute import generators_of, recompute
 from galaxy.core.transitions import SEQ_DIM, Layout, transition
 
 LAYOUTS = {Method.TP: (Layout.T, Layout.P), Method.SP: (Layout.S, Layout.S), Method.NONE: (Layout.R, Layout.R)}
@@ -66,13 +67,16 @@ def self_attention(x: torch.Tensor, q_proj, k_proj, v_proj, *, method: Method, c
                    num_heads: int, num_kv_heads: int, head_dim: int, key_padding_mask=None, causal: bool = False,
                    dropout: Optional[Dropout] = None,
                    rope: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]] = None,
-                   projected: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                   projected: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                   recompute_core: bool = False) -> torch.Tensor:
     """Attention of an ATT block in its input layout; returns ``[b, s_local, num_heads * head_dim]``.
 
     ``num_heads``/``num_kv_heads`` are this rank's heads (a TP shard, or all of them).
     ``rope(q, k, positions)`` rotates q and k at global ``positions`` before K/V leave the rank.
     ``projected``: q, k, v already computed from the input (CoC fuses the block's entry transition
     with the projections); ``x`` and the ``*_proj`` modules are then not used.
+    ``recompute_core``: keep only q, k, v for backward and recompute the attention core there
+    (selective recomputation; the score matrix and dropout mask are never stored).
     """
     if projected is None:
         projected = (q_proj(x), k_proj(x), v_proj(x))
@@ -89,5 +93,10 @@ def self_attention(x: torch.Tensor, q_proj, k_proj, v_proj, *, method: Method, c
         kv = torch.cat([k, v], dim=-1).transpose(1, 2)
         kv = transition(kv, Layout.S, Layout.T, comm, plan.seq_split).transpose(1, 2)
         k, v = kv.split(head_dim, dim=-1)
-    out = attention(q, k, v, key_padding_mask=key_padding_mask, causal=causal, q_offset=offset, dropout=dropout)
+    core = dict(key_padding_mask=key_padding_mask, causal=causal, q_offset=offset, dropout=dropout)
+    if recompute_core:
+        out = recompute(attention, q, k, v, generators=generators_of([dropout] if dropout is not None else []),
+                        **core)
+    else:
+        out = attention(q, k, v, **core)
     return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from galaxy.kernels import reference
-from galaxy.kernels._backend import BACKENDS, resolve_backend, triton_available, triton_interpret_enabled
+from galaxy.kernels._backend import (BACKENDS, resolve_backend, resolve_backend_for, triton_available,
+                                     triton_interpret_enabled)
 
 __all__ = [
     "BACKENDS",
@@ -26,8 +27,10 @@ __all__ = [
     "lora_linear",
     "reference",
     "resolve_backend",
+    "resolve_backend_for",
     "rms_norm",
     "swiglu",
+    "swiglu_packed",
     "triton_available",
     "triton_interpret_enabled",
 ]
@@ -72,6 +75,18 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch
 
         return TritonSwiGLU.apply(gate, up)
     return reference.swiglu(gate, up)
+
+
+def swiglu_packed(gate_up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dim, the output of a fused
+    gate/up projection; Triton reads the halves in place and returns the gradient packed."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up's last dim must hold two equal halves, got {tuple(gate_up.shape)}")
+    if resolve_backend(backend, gate_up) == "triton":
+        from galaxy.kernels.triton_swiglu import TritonSwiGLUPacked
+
+        return TritonSwiGLUPacked.apply(gate_up)
+    return reference.swiglu(*gate_up.chunk(2, dim=-1))
 
 
 def cross_entropy(
@@ -125,6 +140,16 @@ def fused_linear_cross_entropy(
     if resolve_backend(backend, hidden) == "triton":
         from galaxy.kernels.triton_cross_entropy import FusedLinearCrossEntropy
 
+        kind = hidden.device.type
+        if torch.is_autocast_enabled(kind):
+            # Compute on what F.linear under autocast would (both operands in the autocast dtype),
+            # with autocast off inside: the Function's out= matmuls need one dtype, unconverted.
+            dtype = torch.get_autocast_dtype(kind)
+            cast = lambda t: t if t is None or t.dtype == torch.float64 else t.to(dtype)  # noqa: E731
+            flat_hidden, weight, bias = cast(flat_hidden), cast(weight), cast(bias)
+            with torch.autocast(kind, enabled=False):
+                return fused_linear_cross_entropy(flat_hidden, weight, flat_targets, ignore_index, reduction,
+                                                  chunk_size, num_targets, bias, backend)
         if not torch.is_grad_enabled():
             # Evaluation: detached inputs tell the Function to skip its in-forward gradients
             # (inside forward, needs_input_grad ignores no_grad).

@@ -35,20 +35,31 @@ def triton_interpret_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
+# The kernels compute in fp32: ``auto`` leaves float64 (the exactness tests' dtype) to torch.
+AUTO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
     """Map a requested backend to the one that will run: ``"triton"`` or ``"torch"``.
 
-    ``auto`` picks Triton only for CUDA tensors when triton imports; ``triton`` insists and
-    raises a clear error when it cannot run (not installed, or CPU tensors without the
-    interpreter, or a device Triton does not target).
+    ``auto`` picks Triton only for CUDA tensors of fp32/bf16/fp16 when triton imports;
+    ``triton`` insists and raises a clear error when it cannot run (not installed, or CPU
+    tensors without the interpreter, or a device Triton does not target).
     """
+    return resolve_backend_for(backend, tensor.device, tensor.dtype)
+
+
+def resolve_backend_for(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """``resolve_backend`` for tensors on ``device`` (of ``dtype``, when known): a model checks its
+    ``kernels`` setting with this once it knows its device, before any tensor exists."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return "torch"
-    device = tensor.device.type
+    device = torch.device(device).type
     if backend == "auto":
-        return "triton" if device == "cuda" and triton_available() else "torch"
+        fits = dtype is None or dtype in AUTO_DTYPES
+        return "triton" if device == "cuda" and fits and triton_available() else "torch"
     if not triton_available():
         raise ImportError(
             "backend='triton' needs the triton package, which is not installed: "
@@ -72,6 +83,6 @@ def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
             "(or use backend='torch' / 'auto')"
         )
     raise ValueError(
-        f"backend='triton' does not support tensors on device {tensor.device}; "
+        f"backend='triton' does not support tensors on device {device}; "
         "use backend='torch' or 'auto'"
     )

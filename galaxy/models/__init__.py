@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from galaxy.config import GalaxyConfig, Plan
+from galaxy.config import COMPUTE_KEYS, GalaxyConfig, Plan
 from galaxy.core.context import ParallelContext
 
 
@@ -27,5 +27,7 @@ def build_model(cfg: GalaxyConfig, plan: Optional[Plan], ctx: ParallelContext, t
     """A fresh seeded model, or the local checkpoint ``data.model_path``, laid out by ``plan``."""
     cls = model_class(cfg.model.model_type, task)
     if cfg.data.model_path:
-        return cls.from_pretrained(cfg.data.model_path, plan=plan, ctx=ctx)
+        # The checkpoint fixes the architecture; how it computes is still this config's choice.
+        compute = {k: getattr(cfg.model, k) for k in COMPUTE_KEYS}
+        return cls.from_pretrained(cfg.data.model_path, plan=plan, ctx=ctx, config_overrides=compute)
     return cls(cfg.model, plan, ctx, seed=cfg.train.seed)

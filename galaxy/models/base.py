@@ -14,11 +14,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from galaxy.config import Method, ModelConfig, Plan
+from galaxy.config import ConfigError, Method, ModelConfig, Plan
 from galaxy.core.context import ParallelContext, param_seed
 from galaxy.core.grad_sync import gather_full
 from galaxy.core.pipeline import gather_stage_states, stage_of
 from galaxy.core.layers import shard_spec
+from galaxy.kernels import cross_entropy, resolve_backend, resolve_backend_for
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,26 @@ ACTIVATIONS = {
 def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     """Losses are computed in fp32 under bf16/fp16 autocast, and in float64 when the model is."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def use_triton(kernels: str, x: torch.Tensor) -> bool:
+    """Whether the ``kernels`` setting (auto | triton | torch) runs the Triton kernel on ``x``."""
+    return kernels != "torch" and resolve_backend(kernels, x) == "triton"
+
+
+def plain(module: nn.Module) -> bool:
+    """No hook wraps the module, so computing its math directly (a fused kernel) skips nothing."""
+    return not (module._forward_hooks or module._forward_pre_hooks)
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, count: torch.Tensor, kernels: str,
+                   ignore_index: int = -100) -> torch.Tensor:
+    """Cross-entropy summed over this rank's tokens, divided by the global target ``count``: per-rank
+    values of a sequence-sharded stream add up to the serial mean. fp32 (fp64 for a fp64 model)."""
+    if use_triton(kernels, logits):  # reads half-precision logits as they are, no fp32 copy
+        return cross_entropy(logits, targets, ignore_index, "mean", num_targets=count, backend="triton")
+    return F.cross_entropy(at_least_fp32(logits).reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=ignore_index, reduction="sum") / count
 
 
 def activation(name: str):
@@ -75,6 +96,10 @@ class GalaxyModel(nn.Module):
         super().__init__()
         self.config, self.plan, self.ctx = config, plan, ctx
         self.stage = stage_of(config.num_hidden_layers, ctx)  # the whole model unless ctx.pp has stages
+        try:  # 'triton' that cannot run here fails now, not at the first forward
+            resolve_backend_for(config.kernels, ctx.device)
+        except (ImportError, ValueError) as e:
+            raise ConfigError(f"config key 'kernels' is '{config.kernels}' but {e}") from None
 
     # -- init
 
@@ -85,12 +110,26 @@ class GalaxyModel(nn.Module):
         for name, param in self.named_parameters():
             spec = shard_spec(param)
             full_shape = spec.full_shape(param.shape) if spec else tuple(param.shape)
-            gen = torch.Generator().manual_seed(param_seed(seed, name))
-            full = self._init_full(name, full_shape, gen)
+            full = self._init_param(name, full_shape, seed)
             param.copy_(spec.slice(full) if spec else full)
+
+    def _init_param(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """The full tensor of parameter ``name``; a model whose layout merges HF tensors overrides
+        this to draw each part under its HF name, so both layouts start from the same weights."""
+        return self._init_full(name, shape, torch.Generator().manual_seed(param_seed(seed, name)))
 
     def _init_full(self, name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
         raise NotImplementedError
+
+    # -- HF layout <-> this model's layout (the same unless a model fuses HF tensors)
+
+    def state_from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full tensors named as HF (or as another layout of this architecture) -> this model's names."""
+        return state
+
+    def state_to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full tensors with this model's names -> HF's names and shapes."""
+        return state
 
     # -- state dicts in full (plan-independent) form
 
@@ -102,7 +141,8 @@ class GalaxyModel(nn.Module):
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor], source: str = "state dict") -> None:
-        state = {k: v for k, v in state.items() if k not in self.tied_keys}
+        """Full tensors by name, in this model's layout or HF's (``state_from_hf`` converts)."""
+        state = {k: v for k, v in self.state_from_hf(state).items() if k not in self.tied_keys}
         if not self.stage.is_whole:  # a pipeline stage takes the tensors it holds from a full checkpoint
             names = {name for name, _ in self.named_parameters()}
             state = {k: v for k, v in state.items() if k in names}
@@ -150,7 +190,7 @@ class GalaxyModel(nn.Module):
         """Write config.json + model.safetensors with HF names; a collective, rank 0 writes."""
         from safetensors.torch import save_file
 
-        state = self.full_state_dict()
+        state = self.state_to_hf(self.full_state_dict())
         if self.ctx.rank != 0:
             return
         os.makedirs(path, exist_ok=True)

@@ -4,6 +4,10 @@ A layer is the chain ATT -> CON1 -> MLP -> CON2. Each block runs the method the 
 (``ParallelLinear.for_method`` picks whole / column / row weights), and the residual stream lives
 in CON's layout; ``Boundaries`` applies the transition at every block edge.
 
+``recompute`` checkpoints each layer or its attention core (``galaxy.core.recompute``); ``kernels``
+picks the Triton kernels of ``galaxy.kernels`` for the MLM decoder with its loss (and, only when
+'triton' is asked for, LayerNorm).
+
 Under pipeline parallelism (``ctx.pp.size > 1``) a model is one stage (``galaxy.core.pipeline``):
 it holds its range of ``bert.encoder.layer.i`` under their global indices, the embeddings on the
 first stage and the head on the last. The MLM decoder is tied to the word embeddings, so the last
@@ -27,17 +31,35 @@ from galaxy.core.context import ParallelContext
 from galaxy.core.grad_sync import mark_pipeline_tie
 from galaxy.core.layers import Dropout, GradRule, ParallelLinear, mark_module, region_rule
 from galaxy.core.pipeline import StageSpec, layer_stack
+from galaxy.core.recompute import generators_of, layer_modes, recompute
 from galaxy.core.transitions import Layout, reduce_to_replicated
+from galaxy.kernels import fused_linear_cross_entropy, layer_norm
 from galaxy.kernels.coc import CocBoundaries, coc_chunks
-from galaxy.models.base import GalaxyModel, ModelOutput, activation, at_least_fp32, default_plan_and_context
+from galaxy.models.base import (GalaxyModel, ModelOutput, activation, at_least_fp32, default_plan_and_context,
+                                plain, token_loss_sum, use_triton)
 
 HF_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
            "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "hidden_dropout_prob",
            "attention_probs_dropout_prob", "initializer_range", "pad_token_id")
 
 
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (same parameters, names and class name, which profiles report) that runs the
+    Triton kernel only when ``kernels`` is 'triton': measured on H200 it is slower than
+    ``F.layer_norm``, so 'auto' keeps torch's."""
+
+    def __init__(self, hidden_size: int, eps: float, kernels: str = "auto"):
+        super().__init__(hidden_size, eps=eps)
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels == "triton":
+            return layer_norm(x, self.weight, self.bias, self.eps, backend="triton")
+        return super().forward(x)
+
+
 def _layer_norm(cfg: ModelConfig, method: Method) -> nn.LayerNorm:
-    return mark_module(nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps), region_rule(method))
+    return mark_module(LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, cfg.kernels), region_rule(method))
 
 
 class BertEmbeddings(nn.Module):
@@ -119,15 +141,21 @@ class BertOutput(nn.Module):
 
 class BertLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext, edges: Boundaries,
-                 coc: Optional[CocBoundaries] = None):
+                 coc: Optional[CocBoundaries] = None, recompute_mode: str = "none"):
         super().__init__()
         self.cfg, self.plan, self.ctx, self.edges = cfg, plan, ctx, edges
         self.coc = coc
+        self.recompute_mode = recompute_mode  # none | full | selective (galaxy.core.recompute)
         self.attention = BertAttention(cfg, plan, ctx)
         self.intermediate = BertIntermediate(cfg, plan, ctx)
         self.output = BertOutput(cfg, plan, ctx)
 
     def forward(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.recompute_mode == "full":
+            return recompute(self.compute, h, key_padding_mask, generators=generators_of([self]))
+        return self.compute(h, key_padding_mask)
+
+    def compute(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
         plan, edges, att, cfg, coc = self.plan, self.edges, self.attention, self.cfg, self.coc
         # ATT (with CoC, the entry transition + q/k/v and the output dense + the exit are fused)
         fused = coc is not None and coc.fuses(plan.att, att.self.query, att.self.key, att.self.value,
@@ -137,7 +165,7 @@ class BertLayer(nn.Module):
         a = self_attention(x, att.self.query, att.self.key, att.self.value, method=plan.att, comm=self.ctx.mp,
                            plan=plan, num_heads=att.self.num_heads, num_kv_heads=att.self.num_heads,
                            head_dim=cfg.head_dim, key_padding_mask=key_padding_mask, dropout=att.self.dropout,
-                           projected=qkv)
+                           projected=qkv, recompute_core=self.recompute_mode == "selective")
         a = coc.leave(a, att.output.dense) if fused else edges.leave(att.output.dense(a), plan.att)
         # CON1
         h = att.output.LayerNorm(att.output.dropout(a) + h)
@@ -157,7 +185,8 @@ class BertEncoder(nn.Module):
         super().__init__()
         layers = range(cfg.num_hidden_layers) if layers is None else layers
         coc = CocBoundaries(ctx.mp, plan, coc_chunks(plan.coc_parallel_num))
-        self.layer = layer_stack((BertLayer(cfg, plan, ctx, edges, coc) for _ in layers), layers.start)
+        modes = layer_modes(cfg.recompute, cfg.recompute_num_layers, len(layers))
+        self.layer = layer_stack((BertLayer(cfg, plan, ctx, edges, coc, mode) for mode in modes), layers.start)
 
     def forward(self, h, key_padding_mask):
         for layer in self.layer:
@@ -319,15 +348,23 @@ class BertForMaskedLM(BertPreTrainedModel):
         h = self.bert(input_ids, attention_mask, token_type_ids, hidden_states)
         if not self.stage.is_last:
             return ModelOutput(hidden_states=h)
-        logits = self.cls(h)
+        # Training with Triton kernels: the tied decoder and the loss are one chunked kernel that never
+        # holds the [tokens, vocab] logits (so none are returned), unless a hook wraps the head.
+        head = self.cls.predictions
+        fused = (labels is not None and self.training and use_triton(self.config.kernels, h)
+                 and plain(self.cls) and plain(head))
+        logits = None if fused else self.cls(h)
         loss = None
         if labels is not None:
             # Sum over this rank's tokens, divided by the global count (labels are replicated),
             # so the per-rank losses are a partial tensor whose sum is the serial mean.
             count = (labels != -100).sum().clamp(min=1)
             local_labels = self.bert.edges.to_stream(labels)
-            loss = F.cross_entropy(at_least_fp32(logits).reshape(-1, logits.shape[-1]), local_labels.reshape(-1),
-                                   ignore_index=-100, reduction="sum") / count
+            if fused:
+                loss = fused_linear_cross_entropy(head.transform(h), head.word_embeddings[0].weight, local_labels,
+                                                  -100, "mean", num_targets=count, bias=head.bias, backend="triton")
+            else:
+                loss = token_loss_sum(logits, local_labels, count, self.config.kernels)
             if self.bert.edges.stream == Layout.S and self.ctx.mp.size > 1:
                 loss = reduce_to_replicated(loss, self.ctx.mp)
         return ModelOutput(loss=loss, logits=logits, hidden_states=h)

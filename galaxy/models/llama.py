@@ -18,6 +18,12 @@ which receives the *global* sequence positions of the local queries (SP included
 cos/sin table per forward serves every plan. A KV cache (``past_key_values``/``use_cache``)
 is available on plans without SP, for ``galaxy.models.generation.generate``.
 
+Options of how it computes (``ModelConfig``): ``fused_gate_up`` holds gate and up as one
+``mlp.gate_up_proj.weight`` ``[2, intermediate, hidden]`` (one matmul; HF checkpoints are
+converted both ways by ``state_from_hf`` / ``state_to_hf``); ``recompute`` checkpoints each layer or
+its attention core (``galaxy.core.recompute``); ``kernels`` runs RMSNorm, RoPE, SwiGLU and the head
+with its loss on the Triton kernels of ``galaxy.kernels``.
+
 Under pipeline parallelism (``ctx.pp.size > 1``) a model is one stage (``galaxy.core.pipeline``):
 ``model.layers.i`` under their global indices, ``embed_tokens`` on the first stage, the final
 norm and ``lm_head`` on the last. With tied embeddings the last stage holds its own copy of
@@ -31,7 +37,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -43,10 +49,14 @@ from galaxy.core.blocks import Boundaries, self_attention
 from galaxy.core.context import ParallelContext
 from galaxy.core.grad_sync import mark_pipeline_tie
 from galaxy.core.pipeline import StageSpec, layer_stack
-from galaxy.core.layers import Dropout, GradRule, ParallelLinear, mark_module, region_rule
+from galaxy.core.layers import (Dropout, GradRule, ParallelLinear, ShardSpec, mark_module, region_rule,
+                                set_param_meta)
+from galaxy.core.recompute import generators_of, layer_modes, recompute
 from galaxy.core.transitions import Layout, reduce_to_replicated
+from galaxy.kernels import apply_rope, fused_linear_cross_entropy, rms_norm, swiglu, swiglu_packed
 from galaxy.kernels.coc import CocBoundaries, coc_chunks
-from galaxy.models.base import GalaxyModel, ModelOutput, activation, at_least_fp32, default_plan_and_context
+from galaxy.models.base import (GalaxyModel, ModelOutput, activation, at_least_fp32, default_plan_and_context,
+                                plain, token_loss_sum, use_triton)
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +72,8 @@ HF_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, 
                    rms_norm_eps=1e-6, tie_word_embeddings=False)
 # Kept from a loaded checkpoint and written back on save (HF falls back to LLaMA-1's ids otherwise).
 SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id")
+# fused_gate_up: one parameter in place of HF's two (gate first).
+GATE, UP, GATE_UP = "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.gate_up_proj.weight"
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -123,11 +135,14 @@ class RopeAt:
     sequence the tables were built for (global positions under SP), so each rank rotates its
     local queries and keys at their true positions before K/V are gathered."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
-        self.cos, self.sin = cos, sin
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, kernels: str = "auto"):
+        self.cos, self.sin, self.kernels = cos, sin, kernels
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos[:, idx].unsqueeze(1), self.sin[:, idx].unsqueeze(1)  # [b or 1, 1, s, d]
+        cos, sin = self.cos[:, idx], self.sin[:, idx]  # [b or 1, s, d]
+        if use_triton(self.kernels, q):
+            return apply_rope(q, k, cos, sin, backend="triton")
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
@@ -166,12 +181,15 @@ class CausalLMOutput(ModelOutput):
 class LlamaRMSNorm(nn.Module):
     """HF ``LlamaRMSNorm``: statistics in fp32 (fp64 stays fp64), cast back before the weight."""
 
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, kernels: str = "auto"):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(self.kernels, x):
+            return rms_norm(x, self.weight, self.variance_epsilon, backend="triton")
         h = at_least_fp32(x)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * h.to(x.dtype)
@@ -182,7 +200,7 @@ class LlamaRMSNorm(nn.Module):
 
 def _norm(cfg: ModelConfig, plan: Plan) -> LlamaRMSNorm:
     # Norms run on the residual stream, i.e. in CON's layout.
-    return mark_module(LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps), region_rule(plan.con))
+    return mark_module(LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.kernels), region_rule(plan.con))
 
 
 class LlamaAttention(nn.Module):
@@ -215,27 +233,82 @@ class LlamaAttention(nn.Module):
         return out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
 
 
+class GateUpProj(nn.Module):
+    """``gate_proj`` and ``up_proj`` as one weight ``[2, intermediate, hidden]`` (gate first) and one
+    matmul whose output is ``[gate | up]``. The shard of MLP.tp is a slice of dim 1, so each rank
+    holds the same ``ffn_split[rank]`` rows of both, contiguous, and checkpoints store the full
+    tensor like any other sharded parameter."""
+
+    def __init__(self, method: Method, hidden: int, intermediate: int, split, rank: int):
+        super().__init__()
+        if method == Method.TP:
+            self.weight = nn.Parameter(torch.empty(2, split[rank], hidden))
+            set_param_meta(self.weight, GradRule.SHARDED, ShardSpec(1, tuple(split), rank))
+        else:
+            self.weight = nn.Parameter(torch.empty(2, intermediate, hidden))
+            set_param_meta(self.weight, region_rule(method))
+
+    def matrix(self) -> torch.Tensor:
+        """The weight as one column-parallel linear's ``[2 * local intermediate, hidden]`` (a view)."""
+        return self.weight.view(-1, self.weight.shape[-1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.matrix())
+
+    def extra_repr(self) -> str:
+        return f"weight={tuple(self.weight.shape)}"
+
+
+class _Columns(NamedTuple):
+    """What ``CocBoundaries.enter`` reads of a column-parallel linear: the fused gate/up matrix."""
+
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor] = None
+
+
 class LlamaMLP(nn.Module):
-    """SwiGLU: gate/up column-parallel and down row-parallel under MLP.tp; whole otherwise."""
+    """SwiGLU: gate/up column-parallel and down row-parallel under MLP.tp; whole otherwise. With
+    ``fused_gate_up`` gate and up are one ``gate_up_proj`` (one matmul, one weight)."""
 
     def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
         super().__init__()
         rank, h, i = ctx.mp.rank, cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = ParallelLinear.for_method(plan.mlp, h, i, False, "column", plan.ffn_split, rank)
-        self.up_proj = ParallelLinear.for_method(plan.mlp, h, i, False, "column", plan.ffn_split, rank)
+        self.fused = cfg.fused_gate_up
+        if self.fused:
+            self.gate_up_proj = GateUpProj(plan.mlp, h, i, plan.ffn_split, rank)
+        else:
+            self.gate_proj = ParallelLinear.for_method(plan.mlp, h, i, False, "column", plan.ffn_split, rank)
+            self.up_proj = ParallelLinear.for_method(plan.mlp, h, i, False, "column", plan.ffn_split, rank)
         self.down_proj = ParallelLinear.for_method(plan.mlp, i, h, False, "row", plan.ffn_split, rank)
         self.act_fn = activation(cfg.hidden_act)
+        self.swiglu = cfg.hidden_act in ("silu", "swish")  # what the SwiGLU kernels compute
+        self.kernels = cfg.kernels
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.swiglu and use_triton(self.kernels, gate):
+            return swiglu(gate, up, backend="triton")
+        return self.act_fn(gate) * up
+
+    def act_packed(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` on the fused projection's ``[gate | up]`` output."""
+        if self.swiglu and use_triton(self.kernels, gate_up):
+            return swiglu_packed(gate_up, backend="triton")
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused:
+            return self.down_proj(self.act_packed(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext, edges: Boundaries, layer_idx: int,
-                 coc: Optional[CocBoundaries] = None):
+                 coc: Optional[CocBoundaries] = None, recompute_mode: str = "none"):
         super().__init__()
         self.cfg, self.plan, self.ctx, self.edges = cfg, plan, ctx, edges
         self.coc = coc
+        self.recompute_mode = recompute_mode  # none | full | selective (galaxy.core.recompute)
         self.self_attn = LlamaAttention(cfg, plan, ctx, layer_idx)
         self.mlp = LlamaMLP(cfg, plan, ctx)
         self.input_layernorm = _norm(cfg, plan)
@@ -248,6 +321,12 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor], rope: RopeAt,
                 cache: Optional[KVCache] = None) -> torch.Tensor:
+        if self.recompute_mode == "full" and cache is None:
+            return recompute(self.compute, h, key_padding_mask, rope, generators=generators_of([self]))
+        return self.compute(h, key_padding_mask, rope, cache)
+
+    def compute(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor], rope: RopeAt,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
         plan, edges, attn, mlp, coc = self.plan, self.edges, self.self_attn, self.mlp, self.coc
         # ATT (with CoC, the entry transition + q/k/v and o_proj + the exit transition are fused)
         x = self.input_layernorm(h)
@@ -259,7 +338,7 @@ class LlamaDecoderLayer(nn.Module):
             a = self_attention(x, attn.q_proj, attn.k_proj, attn.v_proj, method=plan.att, comm=self.ctx.mp, plan=plan,
                                num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                                key_padding_mask=key_padding_mask, causal=True, dropout=attn.dropout, rope=rope,
-                               projected=qkv)
+                               projected=qkv, recompute_core=self.recompute_mode == "selective")
         else:
             a = attn.cached(x, rope, cache, key_padding_mask)
         a = coc.leave(a, attn.o_proj) if fused else edges.leave(attn.o_proj(a), plan.att)
@@ -267,9 +346,13 @@ class LlamaDecoderLayer(nn.Module):
         h = h + self.attn_dropout(a)
         # MLP
         x = self.post_attention_layernorm(h)
-        if coc is not None and coc.fuses(plan.mlp, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        if coc is not None and mlp.fused and coc.fuses(plan.mlp, mlp.down_proj) and \
+                type(mlp.gate_up_proj) is GateUpProj and plain(mlp.gate_up_proj):
+            (gate_up,) = coc.enter(x, [_Columns(mlp.gate_up_proj.matrix())])
+            m = coc.leave(mlp.act_packed(gate_up), mlp.down_proj)
+        elif coc is not None and not mlp.fused and coc.fuses(plan.mlp, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
             gate, up = coc.enter(x, [mlp.gate_proj, mlp.up_proj])
-            m = coc.leave(mlp.act_fn(gate) * up, mlp.down_proj)
+            m = coc.leave(mlp.act(gate, up), mlp.down_proj)
         else:
             m = edges.leave(mlp(edges.enter(x, plan.mlp)), plan.mlp)
         # CON
@@ -291,8 +374,9 @@ class LlamaModel(nn.Module):
                 mark_pipeline_tie(self.embed_tokens.weight, "embed_tokens", copy=not stage.is_first)
         else:
             self.embed_tokens = None
-        self.layers = layer_stack((LlamaDecoderLayer(cfg, plan, ctx, self.edges, i, coc) for i in stage.layers),
-                                  stage.first_layer)
+        modes = layer_modes(cfg.recompute, cfg.recompute_num_layers, stage.num_layers)
+        self.layers = layer_stack((LlamaDecoderLayer(cfg, plan, ctx, self.edges, i, coc, mode)
+                                   for i, mode in zip(stage.layers, modes)), stage.first_layer)
         self.norm = _norm(cfg, plan) if stage.is_last else None
         self.rotary_emb = LlamaRotaryEmbedding(cfg)
 
@@ -327,10 +411,34 @@ class LlamaModel(nn.Module):
         if position_ids.dim() == 1:
             position_ids = position_ids[None]
         h = self.embed_tokens(self.edges.to_stream(input_ids)) if self.stage.is_first else hidden_states
-        rope = RopeAt(*self.rotary_emb(position_ids, h.dtype))
+        rope = RopeAt(*self.rotary_emb(position_ids, h.dtype), self.cfg.kernels)
         for layer in self.layers:
             h = layer(h, attention_mask, rope, cache)
         return self.norm(h) if self.stage.is_last else h
+
+
+def fuse_gate_up(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF's ``mlp.gate_proj.weight`` / ``mlp.up_proj.weight`` pairs -> ``mlp.gate_up_proj.weight`` [2, I, H]."""
+    out = {}
+    for name, tensor in state.items():
+        stem = name[: -len(GATE)] if name.endswith(GATE) else name[: -len(UP)] if name.endswith(UP) else None
+        if stem is None or stem + GATE not in state or stem + UP not in state:
+            out[name] = tensor  # not a complete pair: left for the loader to name
+        elif name.endswith(GATE):
+            out[stem + GATE_UP] = torch.stack([tensor, state[stem + UP]])
+    return out
+
+
+def split_gate_up(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``mlp.gate_up_proj.weight`` -> HF's separate ``gate_proj`` and ``up_proj`` weights."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(GATE_UP):
+            stem = name[: -len(GATE_UP)]
+            out[stem + GATE], out[stem + UP] = tensor[0].clone(), tensor[1].clone()  # own storage: safetensors
+        else:
+            out[name] = tensor
+    return out
 
 
 class TiedLMHead(nn.Module):
@@ -361,6 +469,7 @@ class LlamaForCausalLM(GalaxyModel):
         # Instance attribute: only a tied model drops lm_head.weight from checkpoints.
         self.tied_keys = {"lm_head.weight": "model.embed_tokens.weight"} if config.tie_word_embeddings else {}
         self.special_token_ids: dict = {}
+        self.fused_gate_up = config.fused_gate_up  # the layout built, whatever the config says later
         with torch.device(ctx.device):
             self.model = LlamaModel(config, plan, ctx, self.stage)
             if not self.stage.is_last:
@@ -390,7 +499,11 @@ class LlamaForCausalLM(GalaxyModel):
         h = self.model(input_ids, attention_mask, position_ids, cache, hidden_states)
         if not self.stage.is_last:
             return CausalLMOutput(hidden_states=h)
-        logits = self.lm_head(h)
+        # Training with Triton kernels: the head and the loss are one chunked kernel that never holds
+        # the [tokens, vocab] logits (so none are returned); a wrapped head (LoRA) keeps its own call.
+        fused = (labels is not None and self.training and use_triton(self.config.kernels, h)
+                 and type(self.lm_head) in (ParallelLinear, TiedLMHead) and plain(self.lm_head))
+        logits = None if fused else self.lm_head(h)
         loss = None
         if labels is not None:
             # Position t predicts labels[t + 1]: shift the full labels first, then take this rank's
@@ -398,13 +511,28 @@ class LlamaForCausalLM(GalaxyModel):
             shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
             count = (shifted != IGNORE_INDEX).sum().clamp(min=1)
             local = self.model.edges.to_stream(shifted)
-            loss = F.cross_entropy(at_least_fp32(logits).reshape(-1, logits.shape[-1]), local.reshape(-1),
-                                   ignore_index=IGNORE_INDEX, reduction="sum") / count
+            if fused:
+                loss = fused_linear_cross_entropy(h, self.lm_head.weight, local, IGNORE_INDEX, "mean",
+                                                  num_targets=count, backend="triton")
+            else:
+                loss = token_loss_sum(logits, local, count, self.config.kernels, IGNORE_INDEX)
             if self.model.edges.stream == Layout.S and self.ctx.mp.size > 1:
                 loss = reduce_to_replicated(loss, self.ctx.mp)  # per-rank sums are partial
         return CausalLMOutput(loss=loss, logits=logits, hidden_states=h, past_key_values=cache)
 
     # -- init and HF conversion
+
+    def _init_param(self, name: str, shape, seed: int) -> torch.Tensor:
+        if name.endswith(GATE_UP):  # each half drawn as the unfused model draws it
+            stem, init = name[: -len(GATE_UP)], super()._init_param
+            return torch.stack([init(stem + part, tuple(shape[1:]), seed) for part in (GATE, UP)])
+        return super()._init_param(name, shape, seed)
+
+    def state_from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return fuse_gate_up(state) if self.fused_gate_up else split_gate_up(state)
+
+    def state_to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return split_gate_up(state)
 
     def _init_full(self, name: str, shape, gen: torch.Generator) -> torch.Tensor:
         # HF LlamaPreTrainedModel._init_weights: N(0, initializer_range) linears and embeddings,

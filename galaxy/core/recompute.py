@@ -1,0 +1,97 @@
+"""Activation recomputation: keep a region's inputs in forward and run it again in backward.
+
+``recompute: full`` checkpoints each transformer layer, ``selective`` only the attention core
+(softmax(QK^T)V with its dropout, whose score matrix is the largest activation of a layer);
+``recompute_num_layers`` limits either to the first K layers of the model or pipeline stage.
+
+The mechanism is ``torch.utils.checkpoint`` (non-reentrant: it composes with autocast, with the
+custom autograd Functions of the transitions and CoC, and with inputs that need no gradient).
+Two things it does not do for us:
+
+* Our dropouts draw from explicit ``torch.Generator`` streams owned by the ParallelContext, not
+  from the global RNG that ``preserve_rng_state`` saves. So the states of every generator the
+  region holds are recorded when its forward starts, set back for the recompute, and afterwards
+  returned to wherever they were then: under 1F1B the forwards of later micro-batches have moved
+  them on in between, and those must not see a rewound stream.
+* Recomputation is not allowed to stop early (torch's default stops once the saved tensors are
+  rebuilt): the rest of the region may hold collectives, and every model-parallel rank must issue
+  the same ones in the same order, so each rank replays its whole region.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+MODES = ("none", "full", "selective")
+
+
+def layer_modes(mode: str, num_layers: Optional[int], count: int) -> list[str]:
+    """The recompute mode of each of a stack's ``count`` layers: ``mode`` for the first
+    ``num_layers`` (all when None), ``none`` after them."""
+    if mode not in MODES:
+        raise ValueError(f"config key 'recompute': '{mode}' is not one of {', '.join(MODES)}")
+    first = count if num_layers is None else min(num_layers, count)
+    return [mode if i < first else "none" for i in range(count)]
+
+
+def generators_of(modules: Iterable[nn.Module]) -> list[torch.Generator]:
+    """Every distinct ``torch.Generator`` held by these modules or their submodules (the streams of
+    their dropouts, LoRA's included), in a stable order."""
+    found: dict[int, torch.Generator] = {}
+    for root in modules:
+        for m in root.modules():
+            for value in vars(m).values():
+                if isinstance(value, torch.Generator):
+                    found.setdefault(id(value), value)
+    return list(found.values())
+
+
+class _Record:
+    """Forward context: remembers the generators' states as the region starts."""
+
+    def __init__(self, generators: Sequence[torch.Generator], states: list):
+        self.generators, self.states = generators, states
+
+    def __enter__(self):
+        self.states[:] = [g.get_state() for g in self.generators]
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Replay:
+    """Recompute context: the recorded states for the replay, the current ones back afterwards."""
+
+    def __init__(self, generators: Sequence[torch.Generator], states: list):
+        self.generators, self.states = generators, states
+        self.current: list = []
+
+    def __enter__(self):
+        self.current = [g.get_state() for g in self.generators]
+        for g, state in zip(self.generators, self.states):
+            g.set_state(state)
+
+    def __exit__(self, *exc):
+        for g, state in zip(self.generators, self.current):
+            g.set_state(state)
+        return False
+
+
+def recompute(fn: Callable, *args, generators: Sequence[torch.Generator] = (), **kwargs):
+    """``fn(*args, **kwargs)``, keeping only its inputs for backward and running it again there with
+    the dropout streams ``generators`` (and the global RNG) as they were in forward. Without
+    autograd recording (evaluation, a frozen backbone) it is a plain call."""
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    generators = tuple(generators)
+    states: list = []
+
+    def contexts():
+        return _Record(generators, states), _Replay(generators, states)
+
+    with set_checkpoint_early_stop(False):
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts, **kwargs)

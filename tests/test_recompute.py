@@ -1,0 +1,211 @@
+"""Activation recomputation (``recompute: full | selective``, ``recompute_num_layers``) changes
+nothing but memory: with dropout on and the same seed, BERT and LLaMA in float64 give exactly the
+loss and every gradient of ``recompute: none`` on every plan (uneven splits, CoC, world 1-4), under
+1F1B with pipeline and data parallelism, and under bf16 autocast; the dropout streams end where
+they would have; and fewer activations are saved for backward."""
+
+import pytest
+import torch
+
+from galaxy.config import ConfigError, GalaxyConfig
+from galaxy.core.context import ParallelContext
+from galaxy.core.recompute import layer_modes
+from galaxy.models.bert import BertForMaskedLM
+from galaxy.models.llama import LlamaForCausalLM
+from galaxy.train.loop import Trainer
+
+SEQ, BATCH = 11, 4
+LLAMA = dict(model_type="llama", vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=4, intermediate_size=40, hidden_act="silu", max_position_embeddings=32,
+             initializer_range=0.1, pad_token_id=None)
+BERT = dict(model_type="bert", vocab_size=50, hidden_size=24, num_hidden_layers=2, num_attention_heads=6,
+            intermediate_size=40, max_position_embeddings=32)
+# Every dropout on: attention probabilities, residual branches (LLaMA's too), embeddings.
+DROPOUT = dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.2, seq_length=SEQ)
+UNEVEN = {
+    "llama": {3: dict(tp_num_attention_heads_list=[2, 4, 2], tp_intermediate_size_list=[10, 20, 10],
+                      seq_scatter_list=[2, 5, 4]),
+              4: dict(tp_num_attention_heads_list=[2, 2, 2, 2], tp_intermediate_size_list=[5, 10, 15, 10],
+                      seq_scatter_list=[3, 2, 4, 2])},
+    "bert": {2: dict(tp_num_attention_heads_list=[4, 2], tp_intermediate_size_list=[15, 25], seq_scatter_list=[7, 4]),
+             3: dict(tp_num_attention_heads_list=[1, 3, 2], tp_intermediate_size_list=[10, 20, 10],
+                     seq_scatter_list=[2, 5, 4])},
+}
+MODES = [dict(recompute="full"), dict(recompute="selective"), dict(recompute="full", recompute_num_layers=1)]
+
+
+def make_batch(rows=BATCH, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 50, (rows, SEQ), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, SEQ - 3:] = 0
+    labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+    labels[0, 2] = -100
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def same(a, b):
+    """Bitwise equal, or both None (a row-parallel bias off rank 0 takes no part)."""
+    return a is b is None or (a is not None and b is not None and torch.equal(a, b))
+
+
+def streams(ctx):
+    return [ctx.generator(sharded=False), ctx.generator(sharded=True)]
+
+
+def one_step(ctx, model_type, raw, extra, start):
+    """Loss, gradients and the dropout streams' end states of one forward/backward from ``start``."""
+    for g, state in zip(streams(ctx), start):
+        g.set_state(state)
+    cfg = GalaxyConfig.from_dict(dict(raw, **extra))
+    cls = LlamaForCausalLM if model_type == "llama" else BertForMaskedLM
+    model = cls(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=3).double().train()
+    out = model(**make_batch())
+    out.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return out.loss.detach(), grads, [g.get_state() for g in streams(ctx)]
+
+
+def compare_modes(ctx, model_type, plan, uneven, extra=None):
+    raw = dict(LLAMA if model_type == "llama" else BERT, **DROPOUT, plan=plan, **(extra or {}))
+    if uneven:
+        raw.update(UNEVEN[model_type][ctx.mp.size])
+    start = [g.get_state() for g in streams(ctx)]
+    loss, grads, end = one_step(ctx, model_type, raw, {}, start)
+    for mode in MODES:
+        loss_r, grads_r, end_r = one_step(ctx, model_type, raw, mode, start)
+        assert torch.equal(loss_r, loss), (mode, loss_r.item(), loss.item())
+        for name, g in grads.items():
+            assert same(grads_r[name], g), f"{mode}: gradient of {name} differs"
+        # The streams end where they would without recomputation: the replay was rewound, then put back.
+        assert all(torch.equal(a, b) for a, b in zip(end_r, end)), mode
+    # The test can fail: dropout is on, so a step from other stream states gives another loss.
+    assert not torch.equal(one_step(ctx, model_type, raw, {}, end)[0], loss)
+    return loss.item()
+
+
+CASES = [("llama", 1, "none", False, None), ("llama", 2, "tp", False, None), ("llama", 2, "sp", False, None),
+         ("llama", 3, "galaxy", True, None), ("llama", 4, "galaxy2", True, None),
+         ("llama", 4, "tp", True, dict(coc_parallel_num=2, fused_gate_up=True)),
+         ("bert", 2, "galaxy", True, dict(coc_parallel_num=2)), ("bert", 3, "tp", True, None),
+         ("bert", 4, "sp", False, None)]
+
+
+@pytest.mark.parametrize("model_type,world,plan,uneven,extra", CASES,
+                         ids=[f"{c[0]}-{c[2]}-w{c[1]}{'-uneven' if c[3] else ''}{'-coc' if c[4] else ''}"
+                              for c in CASES])
+def test_recompute_gives_exact_gradients(dist_pool, model_type, world, plan, uneven, extra):
+    losses = dist_pool.run(compare_modes, world, model_type, plan, uneven, extra)
+    assert len(set(losses)) == 1  # one loss on every rank
+
+
+def pipeline_modes(ctx, parallel):
+    """Trainer steps (1F1B micro-batches, dp gradient all-reduce) with and without recomputation."""
+    train = dict(global_batch_size=8, dtype="float64", seed=7, **parallel)
+    raw = dict(LLAMA, num_hidden_layers=4, **DROPOUT, **train)
+    ctx.stage_layers = GalaxyConfig.from_dict(raw).stage_layers()
+    batch = make_batch(rows=8, seed=1)
+    start = [g.get_state() for g in streams(ctx)]
+    results = []
+    # recompute_num_layers counts per stage: 1 of each stage's 2 layers.
+    for extra in ({}, dict(recompute="full"), dict(recompute="selective", recompute_num_layers=1)):
+        for g, state in zip(streams(ctx), start):
+            g.set_state(state)
+        cfg = GalaxyConfig.from_dict(dict(raw, **extra))
+        model = LlamaForCausalLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=3)
+        assert [layer.recompute_mode for layer in model.model.layers] == \
+            layer_modes(cfg.model.recompute, cfg.model.recompute_num_layers, 2)
+        trainer = Trainer(model, cfg, ctx)
+        loss = trainer.forward_backward(trainer.read_batch(lambda step: batch, 0))
+        results.append((loss, {n: p.grad for n, p in model.named_parameters()}))
+    (loss, grads), others = results[0], results[1:]
+    for loss_r, grads_r in others:
+        assert torch.equal(loss_r, loss)
+        for name, g in grads.items():
+            assert same(grads_r[name], g), f"gradient of {name} differs"
+    return loss.item()
+
+
+@pytest.mark.parametrize("parallel", [dict(pp_size=2, dp_size=2, num_microbatches=2),
+                                      dict(pp_size=2, plan="galaxy", num_microbatches=4)],
+                         ids=["pp2-dp2", "pp2-galaxy-mp2"])
+def test_recompute_under_1f1b_and_dp(dist_pool, parallel):
+    losses = dist_pool.run(pipeline_modes, 4, parallel, dp=parallel.get("dp_size", 1), pp=2)
+    assert len(set(losses)) == 1
+
+
+def test_recompute_under_bf16_autocast_is_exact():
+    """The recompute replays the forward's autocast state, so bf16 matmuls round the same way."""
+    ctx = ParallelContext.serial(seed=2)
+    start = [g.get_state() for g in streams(ctx)]
+    results = []
+    for extra in ({}, dict(recompute="full"), dict(recompute="selective")):
+        for g, state in zip(streams(ctx), start):
+            g.set_state(state)
+        cfg = GalaxyConfig.from_dict(dict(LLAMA, **DROPOUT, **extra))
+        model = LlamaForCausalLM(cfg.model, None, ctx, seed=3).train()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**make_batch()).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    for loss, grads in results[1:]:
+        assert torch.equal(loss, results[0][0])
+        assert all(torch.equal(a, b) for a, b in zip(grads, results[0][1]))
+
+
+def saved_bytes(model_type, extra):
+    """Bytes autograd keeps for backward outside recomputed regions (their own saved tensors are
+    held by the checkpoint, which regenerates them, and never reach these hooks)."""
+    raw = dict(LLAMA if model_type == "llama" else BERT, **DROPOUT, num_hidden_layers=3, **extra)
+    cfg = GalaxyConfig.from_dict(raw)
+    cls = LlamaForCausalLM if model_type == "llama" else BertForMaskedLM
+    model = cls(cfg.model, None, ParallelContext.serial(), seed=3).train()
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**make_batch()).loss
+    loss.backward()
+    return total[0]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "bert"])
+def test_recompute_saves_fewer_activations(model_type):
+    none = saved_bytes(model_type, {})
+    selective = saved_bytes(model_type, dict(recompute="selective"))
+    first = saved_bytes(model_type, dict(recompute="full", recompute_num_layers=1))
+    full = saved_bytes(model_type, dict(recompute="full"))
+    assert full < first < none, (full, first, none)
+    assert full < selective < none, (full, selective, none)
+
+
+def test_layer_modes():
+    assert layer_modes("full", None, 3) == ["full"] * 3
+    assert layer_modes("selective", 2, 3) == ["selective", "selective", "none"]
+    assert layer_modes("full", 5, 2) == ["full", "full"]
+
+
+@pytest.mark.parametrize("raw,match", [
+    (dict(recompute="partial"), "'recompute': 'partial' is not one of none, full, selective"),
+    (dict(recompute="full", recompute_num_layers=0), "'recompute_num_layers' must be at least 1"),
+    (dict(recompute_num_layers=2), "'recompute_num_layers' is set but 'recompute' is 'none'"),
+])
+def test_recompute_config_errors(raw, match):
+    with pytest.raises(ConfigError, match=match):
+        GalaxyConfig.from_dict(raw)
+    assert GalaxyConfig.from_dict(dict(recompute_granularity="selective")).model.recompute == "selective"
+
+
+def test_bench_recompute_smoke(tmp_path):
+    import json
+
+    from bench import bench_recompute
+
+    out = tmp_path / "recompute.json"
+    assert bench_recompute.main(["--smoke", "--device", "cpu", "--modes", "none,full", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["recompute"] for r in report["rows"]] == ["none", "full"]
+    assert all(r["tokens_per_s"] > 0 for r in report["rows"]) and report["commit"]
