@@ -613,13 +613,19 @@ def main() -> None:
     if args.smoke:
         args.iters, args.warmup = min(args.iters, 10), min(args.warmup, 2)
 
+    launch(worker, args, p, on_cpu=args.smoke or args.cpu)
+
+
+def launch(worker, args, parser, on_cpu: bool) -> None:
+    """``worker(rank, world, local_rank, args, init_method)`` on every rank: under torchrun this
+    process is one rank; otherwise ``--world`` ranks are spawned here (one GPU each unless ``on_cpu``)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)),
                args, "env://")
         return
     world = args.world or 2
-    if torch.cuda.is_available() and not (args.smoke or args.cpu) and torch.cuda.device_count() < world:
-        p.error(f"--world {world} needs {world} GPUs; {torch.cuda.device_count()} visible")
+    if torch.cuda.is_available() and not on_cpu and torch.cuda.device_count() < world:
+        parser.error(f"--world {world} needs {world} GPUs; {torch.cuda.device_count()} visible")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -19,6 +19,10 @@ module's ``weight``/``bias`` Parameters (same objects, same metadata), so the HF
 of the model do not change (``...query.weight``) and the new ones read like HF PEFT's
 (``...query.lora_A.weight``). Merging works per shard and is exact: column ``W_i += s B_i A``,
 row ``W_i += s B A_i``.
+
+``fusion`` (config key ``lora_fusion``, set by ``set_lora_fusion``) runs the layer through CCLoRA
+(``galaxy.kernels.cclora``: scale folded into A, merged weight when the rows reach the input width,
+LoRA's exact gradients); ``cclora_operands()`` hands the same pieces to the fused TP block edges.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from galaxy.core.layers import Dropout, GradRule, ParallelLinear, ShardSpec, grad_rule, set_param_meta, shard_spec
+from galaxy.kernels.cclora import LinearOperands, cclora_linear
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +59,7 @@ class LoRALayer(nn.Module):
         self.lora_dropout = Dropout(lora_dropout, dropout_generator) if lora_dropout > 0 else nn.Identity()
         self.merge_weights = merge_weights
         self.merged = False
+        self.fusion = False  # CCLoRA; LoRALinear and MergedLoRALinear only
         # The original module, restored by ``merge_and_unload``; a tuple keeps it out of the module
         # tree (its parameters are ours already).
         self._base = ()
@@ -135,11 +141,23 @@ class LoRALinear(LoRALayer):
         return F.linear(x, w, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fusion and not self.merged:
+            return cclora_linear(x, self.cclora_operands())
         y = self.base_forward(x)
         if self.merged:
             return y
         # Row style: the branch is part of the partial sum, so every rank adds its own term.
         return y + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def cclora_operands(self) -> Optional[LinearOperands]:
+        """This rank's weight, bias and factors for CCLoRA; None while fusion is off."""
+        if not self.fusion:
+            return None
+        w = self.weight.t() if self.fan_in_fan_out else self.weight
+        bias = self.bias if (self.style != "row" or self.rank == 0) else None
+        if self.merged:
+            return LinearOperands(w, bias)
+        return LinearOperands(w, bias, self.lora_A.weight, self.lora_B.weight, self.scaling)
 
     def delta_weight(self) -> torch.Tensor:
         dt = _merge_dtype(self.weight.dtype)
@@ -211,6 +229,8 @@ class MergedLoRALinear(LoRALayer):
         return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fusion and not self.merged:
+            return cclora_linear(x, self.cclora_operands())
         y = self.base_forward(x)
         if self.merged:
             return y
@@ -219,6 +239,28 @@ class MergedLoRALinear(LoRALayer):
         pieces = [next(heads)(next(chunks)) if on else x.new_zeros(*x.shape[:-1], n)
                   for on, n in zip(self.enable_lora, self.local_parts)]
         return y + torch.cat(pieces, dim=-1) * self.scaling
+
+    def cclora_operands(self) -> Optional[LinearOperands]:
+        """As ``LoRALinear.cclora_operands``, with the parts' B stacked into one block matrix."""
+        if not self.fusion:
+            return None
+        if self.merged:
+            return LinearOperands(self.weight, self.bias)
+        return LinearOperands(self.weight, self.bias, self.lora_A.weight, self.stacked_b(), self.scaling)
+
+    def stacked_b(self) -> torch.Tensor:
+        """The parts' B as one ``[out_local, r * enabled]`` matrix: part p's rows hold its B in its
+        own r columns of A's rows (zeros for parts without LoRA), so ``stacked_b() @ A`` is
+        ``delta_weight() / scaling``. Built with autograd ops: gradients flow back to each B."""
+        enabled, blocks, heads = sum(self.enable_lora), [], iter(self.lora_B)
+        j = 0
+        for on, n in zip(self.enable_lora, self.local_parts):
+            if on:
+                blocks.append(F.pad(next(heads).weight, (j * self.r, (enabled - 1 - j) * self.r)))
+                j += 1
+            else:
+                blocks.append(self.lora_A.weight.new_zeros(n, enabled * self.r))
+        return torch.cat(blocks, dim=0)
 
     def delta_weight(self) -> torch.Tensor:
         dt = _merge_dtype(self.weight.dtype)

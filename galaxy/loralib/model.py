@@ -1,5 +1,5 @@
 """LoRA on a whole model, by target-module name as in HF PEFT: injection, seeded init, freezing,
-state dicts, merge / unmerge / unload."""
+state dicts, merge / unmerge / unload, and CCLoRA fusion (``set_lora_fusion``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import torch.nn as nn
 
 from galaxy.core.grad_sync import gather_full
 from galaxy.core.layers import GradRule, ParallelLinear, grad_rule
+from galaxy.kernels.cclora import CcloraBoundaries
+from galaxy.kernels.coc import CocBoundaries
 from galaxy.loralib.layers import LORA_TYPES, LoRAEmbedding, LoRALayer, LoRALinear, MergedLoRALinear
 from galaxy.loralib.utils import (Targets, freeze_all_but, in_modules, kaiming_uniform_full, matches, parent_of,
                                   seeded_init_)
@@ -36,13 +38,15 @@ def _dropout_generator(model: nn.Module, base: nn.Module) -> Optional[torch.Gene
 
 def inject_lora(model: nn.Module, targets: Targets, r: int = 8, lora_alpha: float = 16.0, lora_dropout: float = 0.0,
                 fan_in_fan_out: bool = False, merge_weights: bool = False, use_rslora: bool = False,
-                seed: int = 0, init_b_std: float = 0.0, merged: Optional[dict[str, dict]] = None) -> list[str]:
+                seed: int = 0, init_b_std: float = 0.0, merged: Optional[dict[str, dict]] = None,
+                fusion: bool = False) -> list[str]:
     """Replace every module whose name matches ``targets`` by its LoRA form; returns their names.
 
     Linear modules (``ParallelLinear`` of any style, ``nn.Linear``) get ``LoRALinear``, embeddings
     ``LoRAEmbedding``; ``merged={name: dict(parts=..., enable_lora=..., part_splits=...)}`` makes
     the named fused linears ``MergedLoRALinear``. New weights are seeded from (seed, name) and
     sliced to the shard (``init_lora_weights``), so every plan starts from the serial values.
+    ``fusion``: CCLoRA on (``set_lora_fusion``).
     """
     merged = merged or {}
     inside = tuple(n + "." for n in lora_modules(model))  # a LoRA layer's own A/B are never targets
@@ -72,7 +76,40 @@ def inject_lora(model: nn.Module, targets: Targets, r: int = 8, lora_alpha: floa
         created.append(name)
     init_lora_weights(model, seed, init_b_std, only=created)
     logger.info("LoRA r=%d alpha=%g on %d modules: %s", r, lora_alpha, len(created), created[:4])
+    if fusion:
+        set_lora_fusion(model, True)
     return created
+
+
+def set_lora_fusion(model: nn.Module, enabled: bool = True) -> list[str]:
+    """CCLoRA (``galaxy.kernels.cclora``, config key ``lora_fusion``) on or off for every LoRA
+    linear of ``model``; returns their names. The parameters are untouched (A stays HF PEFT's
+    unscaled A), so it can be switched at any time and saved files do not change.
+
+    The model's block boundaries (every ``CocBoundaries`` it holds) become ``CcloraBoundaries``
+    (and back when off), so the TP block edges that have a LoRA linear overlap its branch with
+    their collectives; edges without one keep CoC as configured (``coc_parallel_num``)."""
+    layers = {n: m for n, m in lora_modules(model).items() if isinstance(m, (LoRALinear, MergedLoRALinear))}
+    if enabled:
+        dropped = [n for n, m in layers.items() if getattr(m.lora_dropout, "p", 0.0) > 0]
+        if dropped:
+            raise ValueError(f"config key 'lora_fusion' needs lora_dropout 0 (LoRA on {dropped[:3]} drops out the "
+                             "branch input, which a merged weight cannot do); set lora_dropout to 0 or "
+                             "lora_fusion to false")
+    for m in layers.values():
+        m.fusion = enabled
+    kind = CcloraBoundaries if enabled else CocBoundaries
+    swapped: dict[int, CocBoundaries] = {}
+    for module in model.modules():
+        for attr, value in list(vars(module).items()):
+            # Not an nn.Module: the boundaries live in each layer's __dict__ (shared by the stack).
+            if isinstance(value, CocBoundaries) and type(value) is not kind:
+                if id(value) not in swapped:
+                    swapped[id(value)] = kind(value.comm, value.plan, value.chunks)
+                setattr(module, attr, swapped[id(value)])
+    logger.info("LoRA fusion (CCLoRA) %s on %d linears; %d block-boundary object(s) switched to %s",
+                "on" if enabled else "off", len(layers), len(swapped), kind.__name__)
+    return sorted(layers)
 
 
 def init_lora_weights(model: nn.Module, seed: int, init_b_std: float = 0.0, only: Optional[list[str]] = None) -> None:
@@ -174,5 +211,5 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
 
 
 __all__ = ["DEFAULT_TARGETS", "inject_lora", "init_lora_weights", "lora_modules", "mark_only_lora_as_trainable",
-           "lora_state_dict", "merge_lora", "unmerge_lora", "merge_and_unload", "LoRALinear", "MergedLoRALinear",
-           "LoRAEmbedding"]
+           "lora_state_dict", "merge_lora", "unmerge_lora", "merge_and_unload", "set_lora_fusion", "LoRALinear",
+           "MergedLoRALinear", "LoRAEmbedding"]
