@@ -19,14 +19,14 @@ import time
 import pytest
 import torch
 
-from galaxy.config import GalaxyConfig
+from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.context import ParallelContext
 from galaxy.core.grad_sync import GradientSync, clip_grad_norm
 from galaxy.models.bert import BertForMaskedLM
 from galaxy.train import checkpoint as ckpt
 from galaxy.train.checkpoint import (CheckpointError, export_hf, latest_valid_checkpoint, load_checkpoint, prune,
                                      save_checkpoint)
-from galaxy.train.loop import build_optimizer, lr_lambda
+from galaxy.train.loop import build_optimizer, lr_lambda, train
 from galaxy.train.pretrain import mlm_data
 
 SMALL = {"model": {"preset": "bert-tiny", "vocab_size": 300, "hidden_size": 32, "num_attention_heads": 4,
@@ -115,6 +115,62 @@ def test_resume_is_bit_identical(dist_pool, tmp_path, plan, world):
     assert all(l == losses[0] for l in losses)
     files = sorted(os.listdir(tmp_path / "step_000005"))
     assert files == ["manifest.json", "model.safetensors", "optimizer.safetensors", "rng.json", "state.json"]
+
+
+# ----------------------------------------------------------------------------- exact resume through train()
+
+
+def through_train(ctx, overrides: dict, **kw):
+    """``galaxy.train.loop.train`` on a fresh model and a fresh copy of ``ctx`` (no dropout streams
+    yet), as a restarted process would run it; returns (losses, this rank's parameters, the ctx)."""
+    cfg = GalaxyConfig.from_dict(SMALL, overrides)
+    ctx = dataclasses.replace(ctx, _generators={})
+    model = BertForMaskedLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=cfg.train.seed)
+    result = train(model, mlm_data(cfg)[0], cfg, ctx, progress=False, **kw)
+    return result.losses, {k: v.detach().clone() for k, v in model.named_parameters()}, ctx
+
+
+def train_resume_is_exact(ctx, overrides, resume_overrides, directory):
+    expected, expected_params, whole_ctx = through_train(ctx, overrides, save_dir=directory, save_every=5)
+    assert whole_ctx._generators, "dropout drew from the context's streams"
+    assert sorted(os.listdir(directory)) == ["step_000005", "step_000010"]
+    losses, params, _ = through_train(ctx, {**overrides, **resume_overrides},
+                                      resume=os.path.join(directory, "step_000005"))
+    assert losses == expected[5:], f"resumed losses {losses} != uninterrupted {expected[5:]}"
+    differ = [k for k in expected_params if not torch.equal(expected_params[k], params[k])]
+    assert not differ, f"parameters differ after resuming: {differ[:3]}"
+    return expected
+
+
+DP2 = {"dp_size": 2}
+PP2_1F1B = {"pp_size": 2, "num_microbatches": 2, "pipeline_schedule": "1f1b"}
+
+
+@pytest.mark.parametrize("name,world,dp,pp,overrides,resume_overrides", [
+    ("serial", 1, 1, 1, {"plan": "none"}, {}),
+    ("tp2", 2, 1, 1, {"plan": "tp"}, {}),
+    ("galaxy2", 2, 1, 1, {"plan": "galaxy"}, {}),
+    ("pp2-1f1b-m2", 2, 1, 2, PP2_1F1B, {}),
+    ("dp2-ddp", 2, 2, 1, DP2, {}),
+    ("dp2-zero1", 2, 2, 1, {**DP2, "dp_engine": "zero1"}, {}),
+    # the checkpoint is the same for both engines, and so are their steps
+    ("dp2-zero1-resumed-as-ddp", 2, 2, 1, {**DP2, "dp_engine": "zero1"}, {"dp_engine": "ddp"}),
+    ("dp2-ddp-resumed-as-zero1", 2, 2, 1, DP2, {"dp_engine": "zero1"}),
+])
+def test_train_resumes_bit_identically(dist_pool, tmp_path, name, world, dp, pp, overrides, resume_overrides):
+    """10 steps of ``train`` with dropout, a checkpoint after step 5; steps 6-10 resumed from it in a
+    fresh model, optimizer and context repeat the uninterrupted run's losses and parameters exactly."""
+    losses = dist_pool.run(train_resume_is_exact, world, overrides, resume_overrides, str(tmp_path), dp=dp, pp=pp)
+    assert all(l == losses[0] for l in losses), "every rank reports the global loss"
+    assert len(losses[0]) == 10 and losses[0][0] != losses[0][-1]
+
+
+def test_deepspeed_checkpoints_are_refused():
+    cfg = GalaxyConfig.from_dict(SMALL, {"plan": "none", "dp_engine": "deepspeed"})
+    ctx = ParallelContext.serial()
+    model = BertForMaskedLM(cfg.model, cfg.resolve_plan(1), ctx, seed=0)
+    with pytest.raises(ConfigError, match="'dp_engine' is 'deepspeed'.*use dp_engine 'zero1' or 'ddp'"):
+        train(model, mlm_data(cfg)[0], cfg, ctx, progress=False, save_dir="unused")
 
 
 # ----------------------------------------------------------------------------- resharding
@@ -291,10 +347,15 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path, stall_on):
     assert leftovers, "the kill landed inside the second save"
 
     assert latest_valid_checkpoint(str(tmp_path)) == str(tmp_path / "step_000001")
-    reference = serial_run().steps(0, 3)
-    run = serial_run()
-    assert run.load(str(tmp_path)).step == 1
-    assert run.steps(1, 3) == reference[1:]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the child ran: another thread count may round differently
+    try:
+        reference = serial_run().steps(0, 3)
+        run = serial_run()
+        assert run.load(str(tmp_path)).step == 1
+        assert run.steps(1, 3) == reference[1:]
+    finally:
+        torch.set_num_threads(threads)
     run.save(str(tmp_path), 3, keep_last=1)  # saving goes on over the debris, pruning clears it
     assert sorted(d for d in os.listdir(tmp_path) if d.startswith("step_")) == ["step_000003"]
 
@@ -318,18 +379,24 @@ def fake_step(run: Run) -> None:
     run.optimizer.zero_grad(set_to_none=True)
 
 
-def save_from_layout(ctx, directory):
-    run = Run.fresh(ctx, {"plan": "galaxy" if ctx.mp.size > 1 else "none", **NO_DROPOUT})
+def save_from_layout(ctx, directory, engine):
+    run = Run.fresh(ctx, {"plan": "galaxy" if ctx.mp.size > 1 else "none", "dp_size": ctx.dp.size,
+                          "dp_engine": engine, **NO_DROPOUT})
     fake_step(run)
+    if engine == "zero1":  # each dp rank holds the states of only its share of the parameters
+        owned = sum(1 for p in run.model.parameters() if run.optimizer.optim.state.get(p))
+        assert 0 < owned < len(list(run.model.parameters()))
     run.save(directory, 1)
     return True
 
 
-@pytest.mark.parametrize("dp,pp,world", [(1, 2, 2), (2, 1, 2), (1, 2, 4), (2, 1, 4)])
-def test_pipeline_and_data_parallel_checkpoints_load_serially(dist_pool, tmp_path, dp, pp, world):
-    """Every stage's tensors (a pipeline's tied embedding copy included) and one dp replica end up
-    in the checkpoint, which a serial model then loads exactly."""
-    dist_pool.run(save_from_layout, world, str(tmp_path), dp=dp, pp=pp)
+@pytest.mark.parametrize("dp,pp,world,engine", [(1, 2, 2, "ddp"), (2, 1, 2, "ddp"), (1, 2, 4, "ddp"), (2, 1, 4, "ddp"),
+                                               (2, 1, 2, "zero1"), (2, 1, 4, "zero1"), (2, 2, 4, "zero1")])
+def test_pipeline_and_data_parallel_checkpoints_load_serially(dist_pool, tmp_path, dp, pp, world, engine):
+    """Every stage's tensors (a pipeline's tied embedding copy included) and one dp replica (with
+    ZeRO-1, the optimizer states of every dp rank) end up in the checkpoint, which a serial model
+    then loads exactly."""
+    dist_pool.run(save_from_layout, world, str(tmp_path), engine, dp=dp, pp=pp)
     reference = serial_run(NO_DROPOUT)
     fake_step(reference)
     loaded = serial_run(NO_DROPOUT)

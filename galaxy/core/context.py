@@ -10,6 +10,10 @@ pipeline joins the same mp rank of consecutive stages, and a dp group joins the 
 mp rank) of every replica. ``ctx.mp``, ``ctx.pp`` and ``ctx.dp`` are the groups this rank belongs
 to (size 1 when that dimension is unused); ``ctx.pp_ends`` joins the first and last stage of a
 pipeline, for the embedding weights that both of them hold when input and output embeddings are tied.
+
+A multi-rank context built by ``initialize`` runs a heartbeat (``galaxy.core.heartbeat``) through
+the rendezvous store: when a rank dies, the others name it (``peer_failure`` turns the anonymous
+error of a failed collective into that message) and exit within the collective timeout.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch.distributed as dist
 
 from galaxy.config import ConfigError, DistributedConfig
 from galaxy.core.comm import Communicator
+from galaxy.core.heartbeat import ALIVE_KEY, DONE, FAILED, Heartbeat, RankFailure
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +84,8 @@ class ParallelContext:
     # Hidden layers per pipeline stage (``stage_num_hidden_layers_list``); None: balanced.
     stage_layers: Optional[tuple[int, ...]] = None
     _generators: dict = field(default_factory=dict, repr=False)
+    # Set by ``initialize`` for a multi-rank world: names a peer that dies (galaxy.core.heartbeat).
+    heartbeat: Optional[Heartbeat] = field(default=None, repr=False, compare=False)
 
     @classmethod
     def serial(cls, device: str | torch.device = "cpu", seed: int = 0) -> "ParallelContext":
@@ -103,12 +110,17 @@ class ParallelContext:
                        stage_layers=stage_layers)
         backend = backend_for(device, dist_cfg.distributed_backend)
         store = rendezvous(dist_cfg.init_method, rank, world_size, dist_cfg.timeout_s)
-        timeout = datetime.timedelta(seconds=dist_cfg.timeout_s)
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
-        groups = build_groups(rank, world_size, dp_size, pp_size)
+        heartbeat = Heartbeat(*store_address(dist_cfg.init_method), rank, world_size, dist_cfg.timeout_s)
+        try:
+            timeout = datetime.timedelta(seconds=dist_cfg.timeout_s)
+            kwargs = {"device_id": device} if device.type == "cuda" else {}
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+            groups = build_groups(rank, world_size, dp_size, pp_size)
+        except BaseException:
+            heartbeat.stop(FAILED)
+            raise
         return cls(rank=rank, world_size=world_size, device=device, seed=seed, backend=backend,
-                   stage_layers=stage_layers, **groups)
+                   stage_layers=stage_layers, heartbeat=heartbeat, **groups)
 
     @property
     def coords(self) -> tuple[int, int, int]:
@@ -124,10 +136,18 @@ class ParallelContext:
             self._generators[key] = g
         return self._generators[key]
 
+    def peer_failure(self, error: Optional[BaseException] = None) -> Optional[RankFailure]:
+        """The dead or failed peer behind ``error`` (a collective that failed), naming its rank; None
+        when no peer failed (or this is not a multi-rank context built by ``initialize``)."""
+        return self.heartbeat.explain(error) if self.heartbeat is not None else None
+
     def shutdown(self, wait_for_peers: bool = True) -> None:
         """Leave the process group, after every rank is done unless this rank failed: a rank that
         tears down while a peer's last point-to-point transfer is in flight can abort the peer (seen
         with Gloo), but a failed rank must not wait for peers stuck in another collective."""
+        if self.heartbeat is not None:
+            # Before the barrier: rank 0, which hosts the store, cannot have left yet.
+            self.heartbeat.stop(DONE if wait_for_peers else FAILED)
         if dist.is_initialized():
             if wait_for_peers:
                 dist.barrier()
@@ -180,18 +200,21 @@ def param_seed(seed: int, name: str) -> int:
     return (seed * 2_654_435_761 + zlib.crc32(name.encode())) % (2**63)
 
 
+def store_address(init_method: str) -> tuple[str, int]:
+    """(host, port) of the rendezvous store that rank 0 hosts."""
+    if init_method.startswith("env://"):
+        return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+    if init_method.startswith("tcp://"):
+        parsed = urlparse(init_method)
+        if parsed.hostname is None or parsed.port is None:
+            raise ConfigError(f"config key 'init_method' '{init_method}' needs a host and port, e.g. tcp://10.0.0.1:29500")
+        return parsed.hostname, parsed.port
+    raise ConfigError(f"config key 'init_method' '{init_method}' is not supported; use env:// or tcp://HOST:PORT")
+
+
 def rendezvous(init_method: str, rank: int, world_size: int, timeout_s: float) -> dist.Store:
     """A TCP store where every rank announces itself, so a missing rank is named, not waited on forever."""
-    if init_method.startswith("env://"):
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = int(os.environ.get("MASTER_PORT", "29500"))
-    elif init_method.startswith("tcp://"):
-        parsed = urlparse(init_method)
-        host, port = parsed.hostname, parsed.port
-        if host is None or port is None:
-            raise ConfigError(f"config key 'init_method' '{init_method}' needs a host and port, e.g. tcp://10.0.0.1:29500")
-    else:
-        raise ConfigError(f"config key 'init_method' '{init_method}' is not supported; use env:// or tcp://HOST:PORT")
+    host, port = store_address(init_method)
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout,
@@ -200,6 +223,7 @@ def rendezvous(init_method: str, rank: int, world_size: int, timeout_s: float) -
         who = "could not open the rendezvous port" if rank == 0 else "rank 0 (the master) did not answer"
         raise RuntimeError(f"rank {rank}: {who} at {host}:{port} within {timeout_s:.0f}s ({e}); "
                            "start rank 0 or fix init_method / MASTER_ADDR / MASTER_PORT") from None
+    store.set(ALIVE_KEY.format(rank), "0")  # before joining: the peers' heartbeats read it from then on
     store.set(f"galaxy/joined/{rank}", "1")
     deadline = time.monotonic() + timeout_s
     missing = list(range(world_size))

@@ -18,7 +18,9 @@ directory, renames it to ``step_000005/`` and then writes ``manifest.json`` thro
 file + fsync + rename. A checkpoint is valid only with a manifest whose sizes and checksums
 match, so a crash (or ``kill -9``) at any point of a save leaves the previous checkpoint the newest
 valid one. Every rank takes part in the save (the tensors are gathered over the model-parallel and
-pipeline groups) and learns whether rank 0's write succeeded.
+pipeline groups; ZeRO-1's optimizer states, each held by one dp rank, over the data-parallel group
+first) and learns whether rank 0's write succeeded. So a ``dp_engine: zero1`` checkpoint is the
+same as a ``ddp`` one and either loads under the other.
 
 Nothing is ever unpickled: tensors are read with safetensors, the rest is JSON. Loading assumes
 every rank sees the checkpoint directory (a shared file system or a copy on each node).
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from galaxy.core.context import ParallelContext
@@ -139,22 +142,92 @@ def _gather_stages(ctx: ParallelContext, tensors: dict[str, torch.Tensor]) -> di
 # ----------------------------------------------------------------------------- what goes in
 
 
-def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
+def _is_zero(optimizer) -> bool:
+    if not dist.is_available():
+        return False
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's states: ZeroRedundancyOptimizer (``dp_engine: zero1``)
+    keeps the states of the parameters its dp rank owns in its local optimizer ``optim``."""
+    return optimizer.optim if _is_zero(optimizer) else optimizer
 
 
 def _check_optimizer(optimizer) -> None:
-    if not isinstance(optimizer, torch.optim.Optimizer) or type(optimizer).__name__ == "ZeroRedundancyOptimizer":
-        raise CheckpointError(f"checkpoints support a plain torch optimizer (AdamW), not {type(optimizer).__name__}; "
-                              "use dp_engine 'ddp' for runs that save checkpoints")
+    if not isinstance(optimizer, torch.optim.Optimizer) or (
+            _is_zero(optimizer) and not isinstance(getattr(optimizer, "optim", None), torch.optim.Optimizer)):
+        raise CheckpointError(f"checkpoints support a torch optimizer (AdamW, or ZeroRedundancyOptimizer over one), "
+                              f"not {type(optimizer).__name__}; use dp_engine 'ddp' or 'zero1' for runs that save "
+                              "checkpoints")
+
+
+def _non_tensor_state(name: str, state: dict) -> Optional[str]:
+    for key, value in state.items():
+        if not torch.is_tensor(value):
+            return (f"optimizer state '{name}' key '{key}' is a {type(value).__name__}, not a tensor; only tensor "
+                    "optimizer states can be saved")
+    return None
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"optimizer state has an unknown dtype '{name}'")
+    return dtype
+
+
+def _param_states(model: nn.Module, optimizer: torch.optim.Optimizer,
+                  ctx: ParallelContext) -> dict[str, dict[str, torch.Tensor]]:
+    """``param name -> {state key: tensor}`` of this rank's (mp shard of the) optimizer state.
+
+    ZeRO-1 keeps each parameter's state on the one dp rank that owns it: the owners announce
+    what they hold (names, shapes, dtypes as JSON) and broadcast each tensor over the dp group,
+    so every dp rank returns the same complete state, as a ddp rank would (a collective over dp)."""
+    local = _local_optimizer(optimizer)
+    params = list(model.named_parameters())
+    mine = {name: local.state[p] for name, p in params if local.state.get(p)}
+    problem = next((m for m in (_non_tensor_state(n, st) for n, st in mine.items()) if m), None)
+    if not _is_zero(optimizer) or ctx.dp.size == 1:
+        if problem:
+            raise CheckpointError(problem)
+        return {name: {k: v.detach() for k, v in st.items()} for name, st in mine.items()}
+    announced = {"problem": problem, "held": {} if problem else {
+        name: {k: [list(v.shape), str(v.dtype)] for k, v in st.items()} for name, st in mine.items()}}
+    per_rank = [json.loads(b) for b in _gather_bytes(ctx.dp, [json.dumps(announced).encode()], ctx.device)]
+    problems = [a["problem"] for a in per_rank if a["problem"]]
+    if problems:  # raised on every dp rank alike, none left waiting in a broadcast
+        raise CheckpointError(problems[0])
+    per_rank = [a["held"] for a in per_rank]
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, _ in params:  # the same order on every dp rank
+        owners = [r for r, held in enumerate(per_rank) if name in held]
+        if not owners:
+            continue  # no state yet (never stepped, or frozen)
+        if len(owners) > 1:
+            raise CheckpointError(f"optimizer state of '{name}' is held by dp ranks {owners}; ZeRO-1 gives each "
+                                  "parameter one owner, so the dp ranks' optimizers disagree")
+        owner = owners[0]
+        out[name] = {}
+        for key, (shape, dtype) in sorted(per_rank[owner][name].items()):
+            if owner == ctx.dp.rank:
+                value = mine[name][key].detach().to(ctx.device)  # e.g. AdamW's CPU 'step' on a GPU rank
+            else:
+                value = torch.empty(shape, dtype=_dtype(dtype), device=ctx.device)
+            out[name][key] = ctx.dp.broadcast(value, src=owner)
+    return out
 
 
 def _full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                           ctx: ParallelContext) -> dict[str, torch.Tensor]:
-    """``<param name>::<state key>`` -> full-shape CPU tensor (a collective over mp). A tensor of
-    the parameter's shape is gathered like the parameter; scalars (``step``) are taken as they are."""
+    """``<param name>::<state key>`` -> full-shape CPU tensor (a collective over dp for ZeRO-1, then
+    over mp). A tensor of the parameter's shape is gathered like the parameter; scalars (``step``)
+    are taken as they are."""
     params = list(model.named_parameters())
-    has = torch.tensor([1.0 if optimizer.state.get(p) else 0.0 for _, p in params], dtype=torch.float64,
+    states = _param_states(model, optimizer, ctx)
+    has = torch.tensor([1.0 if states.get(name) else 0.0 for name, _ in params], dtype=torch.float64,
                        device=ctx.device)
     if ctx.mp.size > 1:
         has = ctx.mp.all_reduce(has)
@@ -165,12 +238,7 @@ def _full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
         if count != ctx.mp.size:
             raise CheckpointError(f"optimizer state of '{name}' exists on only some model-parallel ranks; "
                                   "save after a complete optimizer step")
-        for key in sorted(optimizer.state[p]):
-            value = optimizer.state[p][key]
-            if not torch.is_tensor(value):
-                raise CheckpointError(f"optimizer state '{name}' key '{key}' is a {type(value).__name__}, "
-                                      "not a tensor; only tensor optimizer states can be saved")
-            value = value.detach()
+        for key, value in sorted(states[name].items()):
             if value.shape == p.shape and value.dim() > 0:
                 value = gather_full(value, p, ctx.mp)
             out[f"{name}{_SEP}{key}"] = value.cpu().contiguous()
@@ -495,6 +563,8 @@ def load_model_weights(path: str, model: nn.Module, manifest: Optional[dict] = N
 
 def _load_optimizer(path: str, manifest: dict, state_json: dict, model: nn.Module,
                     optimizer: torch.optim.Optimizer) -> None:
+    """Each rank takes the states of the parameters its optimizer steps (for ZeRO-1 those its dp
+    rank owns, loaded into the local optimizer) in its shard, and the saved hyper-parameters."""
     fpath = os.path.join(path, OPTIM_FILE)
     flat = _load_tensors(path, OPTIM_FILE, manifest)
     names = {p: n for n, p in model.named_parameters()}
@@ -502,8 +572,9 @@ def _load_optimizer(path: str, manifest: dict, state_json: dict, model: nn.Modul
     for key, value in flat.items():
         name, _, skey = key.rpartition(_SEP)
         per_param.setdefault(name, {})[skey] = value
+    local = _local_optimizer(optimizer)
     index, state = 0, {}
-    for group in optimizer.param_groups:
+    for group in local.param_groups:
         for p in group["params"]:
             name = names.get(p)
             if name is None:
@@ -514,19 +585,23 @@ def _load_optimizer(path: str, manifest: dict, state_json: dict, model: nn.Modul
                 state[index] = {k: (_local_slice(v, p, f"{name}{_SEP}{k}", fpath) if v.dim() > 0 else v).clone()
                                 for k, v in saved.items()}
             index += 1
-    current = optimizer.state_dict()["param_groups"]
     saved_groups = state_json.get("param_groups") or []
-    if len(saved_groups) != len(current):
+    current = local.state_dict()["param_groups"]
+    # ZeRO-1's local optimizer has one group (maybe empty) per group of the optimizer around it.
+    if not len(saved_groups) == len(optimizer.param_groups) == len(current):
         raise CheckpointError(f"checkpoint file '{os.path.join(path, STATE_FILE)}' has {len(saved_groups)} "
-                              f"optimizer parameter groups but the optimizer has {len(current)}")
+                              f"optimizer parameter groups but the optimizer has {len(optimizer.param_groups)}")
     groups = []
-    for cur, saved in zip(current, saved_groups):
+    for cur, outer, saved in zip(current, optimizer.param_groups, saved_groups):
         g = dict(cur)
         for k in RESTORED_GROUP_KEYS:
             if k in saved and k in g:
                 g[k] = tuple(saved[k]) if isinstance(g[k], tuple) else saved[k]
+            if local is not optimizer and k in saved and k in outer:
+                # ZeRO's own groups are the ones the LR schedule drives (copied to ``optim`` each step)
+                outer[k] = tuple(saved[k]) if isinstance(outer[k], tuple) else saved[k]
         groups.append(g)
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    local.load_state_dict({"state": state, "param_groups": groups})
 
 
 def _restore_rng(path: str, manifest: dict, ctx: ParallelContext, step: int) -> None:

@@ -1,0 +1,211 @@
+"""Heartbeats: when a rank dies, the others name it and exit instead of hanging or failing with an
+anonymous socket error.
+
+Every rank runs one daemon thread that, each ``interval`` seconds, bumps its counter
+``galaxy/alive/<rank>`` in the rendezvous TCPStore (hosted by rank 0) and reads every peer's. A
+peer whose counter stops moving died or froze (SIGKILL, the OOM killer, a lost node). A rank that
+leaves writes why instead of a number: ``done`` (a clean shutdown), ``failed`` (after an error of
+its own), ``exited`` (the interpreter ended without a shutdown). Staleness is measured on this
+rank's monotonic clock, so clocks need not agree across machines. When rank 0, the store's host,
+is the one that died, the store stops answering, which names it as well.
+
+A failure surfaces in two ways, both naming the rank:
+
+- ``explain(error)``: after a collective fails (Gloo: "Connection closed by peer", which names only
+  an address), the caller asks which peer is behind it; this waits a few heartbeats for the dead
+  peer's counter to stall and returns a ``RankFailure``. The CLI prints it as one line, exit 1.
+- the watchdog: a rank can be stuck where no error comes soon (a peer frozen with its sockets
+  open; NCCL). Once a peer has been silent for ``stale_after`` (half the collective timeout), the
+  thread logs the failure; if the process is still running ``grace`` (a quarter of it) later, it
+  ends it with exit code 1, as torch's NCCL watchdog does. So every survivor exits within the
+  collective timeout.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+ALIVE_KEY = "galaxy/alive/{}"
+DONE, FAILED, EXITED = "done", "failed", "exited"
+LEFT = (DONE, FAILED, EXITED)
+# Words in the errors a collective raises when a peer is gone (Gloo, NCCL, HCCL, the c10d store).
+_COMM_WORDS = ("gloo", "nccl", "hccl", "c10d", "connection", "peer", "broken pipe", "timed out", "timeout", "socket")
+
+
+class RankFailure(RuntimeError):
+    """Another rank died, froze or failed; ``ranks`` are the global ranks named in the message."""
+
+    def __init__(self, message: str, ranks: list[int]):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+def is_comm_error(error: BaseException) -> bool:
+    """Whether ``error`` looks like a collective or store failure (one a dead peer causes)."""
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(w in text for w in _COMM_WORDS)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+class Heartbeat:
+    """This rank's heartbeat and watchdog (see the module doc); ``stop`` it before leaving."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float,
+                 exit_on_failure: bool = True):
+        self.host, self.port, self.rank = host, port, rank
+        self.peers = [r for r in range(world_size) if r != rank]
+        self.interval = min(1.0, max(0.1, timeout_s / 20))
+        # After a failed collective, a peer silent for `window` is the cause. With no error to go on,
+        # silence must last longer: a busy process (a big import holds the GIL) can skip a few beats.
+        self.window = 3 * self.interval
+        self.stale_after = max(self.window, timeout_s / 2)
+        self.grace = timeout_s / 4  # for the main thread to report the failure before the watchdog exits
+        self.exit_on_failure = exit_on_failure
+        # Its own connection: the process group's store client is not shared with this thread. A store
+        # that does not answer within stale_after counts as gone.
+        self._store: Optional[dist.Store] = dist.TCPStore(
+            host, port, None, False, timeout=datetime.timedelta(seconds=self.stale_after), wait_for_workers=False)
+        now = time.monotonic()
+        self._beats = 0
+        self._seen = {r: ("", now) for r in self.peers}  # last value read, when it last changed
+        self._store_ok = now
+        self._store_error = ""
+        self._failure: Optional[RankFailure] = None
+        self._failure_at = 0.0
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"galaxy-heartbeat-rank{rank}", daemon=True)
+        self._thread.start()
+        # A script that ends without ctx.shutdown() still tells its peers it left on purpose.
+        atexit.register(self._at_exit)
+
+    # -- the thread
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._tick()
+            self._stopping.wait(self.interval)
+
+    def _tick(self) -> None:
+        values = None
+        store = self._store
+        if store is not None:
+            try:
+                self._beats += 1
+                store.set(ALIVE_KEY.format(self.rank), str(self._beats))
+                values = store.multi_get([ALIVE_KEY.format(r) for r in self.peers]) if self.peers else []
+            except Exception as e:  # a broken store connection does not recover: stop using it
+                self._store = None
+                self._store_error = str(e).splitlines()[0] if str(e) else type(e).__name__
+        now = time.monotonic()
+        with self._lock:
+            if values is not None:
+                self._store_ok = now
+                for r, v in zip(self.peers, values):
+                    v = v.decode()
+                    if v != self._seen[r][0]:
+                        self._seen[r] = (v, now)
+            if self._failure is None:
+                self._failure = self._diagnose(now, self.stale_after, include_exited=False)
+                if self._failure is not None:
+                    self._failure_at = now
+                    logger.error("%s", self._failure)
+            failure, since = self._failure, now - self._failure_at
+        if failure is not None and self.exit_on_failure and since >= self.grace and not self._stopping.is_set():
+            logger.critical("%s; rank %d is still running %.1f s later, so it exits now", failure, self.rank, since)
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # a closed stream must not keep the process alive
+                    pass
+            os._exit(1)  # the main thread may be blocked inside a collective, where no exception reaches it
+
+    def _diagnose(self, now: float, after: float, include_exited: bool) -> Optional[RankFailure]:
+        """The failed peer(s) as seen at ``now``: silent for ``after`` seconds, or left after an error
+        (or, with ``include_exited``, left without a shutdown). Call with the lock held."""
+        # Judged at the last answer from the store, so a lost store does not make every peer look silent.
+        silent = [r for r, (v, t) in self._seen.items() if v not in LEFT and self._store_ok - t >= after]
+        if silent:
+            return self._silent(silent, now)
+        if self.rank != 0 and now - self._store_ok >= after:
+            state = self._seen[0][0]
+            if state in (FAILED, EXITED):
+                # Rank 0 left first, taking the store with it; when it failed because a peer had gone
+                # quiet, that peer is the cause.
+                quiet = [r for r, (v, t) in self._seen.items()
+                         if v not in LEFT and self._store_ok - t >= 2 * self.interval]
+                return self._silent(quiet, now) if quiet and state == FAILED else self._left([0], state)
+            why = f" ({self._store_error})" if self._store_error else ""
+            return RankFailure(f"rank 0 stopped responding: the rendezvous store it hosts at {self.host}:{self.port} "
+                               f"has not answered for {now - self._store_ok:.1f} s{why}; the other ranks are exiting",
+                               [0])
+        # A peer that left after an error is named once it has been gone for ``after`` too: it may have
+        # failed because another peer went silent, and that one is the cause.
+        for state in (FAILED, EXITED) if include_exited else (FAILED,):
+            left = [r for r, (v, t) in self._seen.items() if v == state and now - t >= after]
+            if left:
+                return self._left(left, state)
+        return None
+
+    def _silent(self, ranks: list[int], now: float) -> RankFailure:
+        age = max(now - self._seen[r][1] for r in ranks)
+        return RankFailure(f"{_ranks_text(ranks)} stopped responding (no heartbeat for {age:.1f} s); "
+                           "the other ranks are exiting", ranks)
+
+    @staticmethod
+    def _left(ranks: list[int], state: str) -> RankFailure:
+        how = "stopped after an error of its own" if state == FAILED else "exited without shutting down"
+        return RankFailure(f"{_ranks_text(ranks)} {how} (see its output); the other ranks are exiting", ranks)
+
+    # -- the caller's side
+
+    def explain(self, error: Optional[BaseException] = None) -> Optional[RankFailure]:
+        """The peer failure behind ``error`` (a failed collective), or None when no peer failed. A
+        collective fails as soon as a dead peer's sockets close, before its heartbeat looks stale, so
+        this waits a few heartbeats for the counters to tell."""
+        with self._lock:
+            if self._failure is not None:
+                return self._failure
+        if (error is not None and not is_comm_error(error)) or not self._thread.is_alive():
+            return None
+        deadline = time.monotonic() + 2 * self.window + self.interval
+        while True:
+            now = time.monotonic()
+            with self._lock:
+                failure = self._diagnose(now, self.window, include_exited=True)
+            if failure is not None or now >= deadline:
+                return failure
+            time.sleep(self.interval / 4)
+
+    def stop(self, state: str = DONE) -> None:
+        """Stop the thread and leave ``state`` (done / failed / exited) for the peers to read."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        atexit.unregister(self._at_exit)
+        self._thread.join(timeout=2 * self.interval)
+        store, self._store = self._store, None
+        if store is not None and not self._thread.is_alive():  # never two users of one connection
+            try:
+                store.set(ALIVE_KEY.format(self.rank), state)
+            except Exception as e:  # rank 0 is gone already; nobody is left to tell
+                logger.debug("could not record rank %d as %s: %s", self.rank, state, e)
+
+    def _at_exit(self) -> None:
+        self.stop(EXITED)
