@@ -254,8 +254,8 @@ def dp_pp_with_method(ctx, model_type, method, extra):
     params_s = dict(serial.named_parameters())
     frozen = {n: gather_full(p.detach(), p, ctx.mp).clone() for n, p in model.named_parameters() if not p.requires_grad}
     for step in range(2):
-        loss, loss_s = par.forward_backward(par.read_batch(batch_at, step)).item(), \
-            ref.forward_backward(batch_at(step)).item()
+        loss_t, loss_st = par.forward_backward(par.read_batch(batch_at, step)), ref.forward_backward(batch_at(step))
+        loss, loss_s = loss_t.item(), loss_st.item()
         assert abs(loss - loss_s) <= RTOL * abs(loss_s), (step, loss, loss_s)
         for name, p in model.named_parameters():
             if not p.requires_grad:
@@ -264,8 +264,8 @@ def dp_pp_with_method(ctx, model_type, method, extra):
             assert OWN[method](name), name
             err = rel_err(gather_full(p.grad, p, ctx.mp), params_s[name].grad)
             assert err < RTOL, f"step {step}: grad of {name}: relative error {err:.2e}"
-        par.optimizer_step()
-        ref.optimizer_step()
+        par.optimizer_step(loss_t, step + 1)
+        ref.optimizer_step(loss_st, step + 1)
     for name, p in model.named_parameters():
         full = gather_full(p.detach(), p, ctx.mp)
         if name in frozen:

@@ -33,7 +33,7 @@ backward (the models' graphs are static: the set of used parameters does not cha
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,8 +47,10 @@ logger = logging.getLogger(__name__)
 class DataParallelGradSync:
     """Sum gradients over the dp group; ``arm()`` before the step's last backward, ``finish()`` after it."""
 
-    def __init__(self, params: Iterable[nn.Parameter], comm: Communicator, bucket_mb: float = 25.0):
-        self.comm = comm
+    def __init__(self, params: Iterable[nn.Parameter], comm: Communicator, bucket_mb: float = 25.0,
+                 reduce_dtype: Optional[torch.dtype] = None):
+        """``reduce_dtype``: the precision the sums travel in (None: the gradients')."""
+        self.comm, self.reduce_dtype = comm, reduce_dtype
         params = [p for p in params if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = []
         limit, size = bucket_mb * 2**20, 0.0
@@ -92,6 +94,8 @@ class DataParallelGradSync:
         if not bucket:
             return
         flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        if self.reduce_dtype is not None:
+            flat = flat.to(self.reduce_dtype)
         self.comm.bytes_sent += flat.numel() * flat.element_size()
         work = dist.all_reduce(flat, group=self.comm.group, async_op=True)
         self._pending.append((bucket, flat, work))

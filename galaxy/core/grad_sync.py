@@ -18,11 +18,12 @@ class GradientSync:
     Each bucket's all-reduce is launched asynchronously and all are awaited together, so the
     transfers pipeline with one another; SHARDED and REPLICATED gradients are left alone.
     A parameter that took no part in this rank's forward (e.g. a row-parallel bias off rank 0)
-    contributes zeros.
+    contributes zeros. ``reduce_dtype``: the precision the sums travel in (None: the gradients').
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], comm: Communicator, bucket_mb: float = 25.0):
-        self.comm = comm
+    def __init__(self, params: Iterable[nn.Parameter], comm: Communicator, bucket_mb: float = 25.0,
+                 reduce_dtype: Optional[torch.dtype] = None):
+        self.comm, self.reduce_dtype = comm, reduce_dtype
         partial = [p for p in params if p.requires_grad and grad_rule(p) == GradRule.PARTIAL]
         self.buckets: list[list[nn.Parameter]] = []
         limit, size = bucket_mb * 2**20, 0.0
@@ -42,6 +43,8 @@ class GradientSync:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            if self.reduce_dtype is not None:
+                flat = flat.to(self.reduce_dtype)
             pending.append((bucket, flat, dist.all_reduce(flat, group=self.comm.group, async_op=True)))
         for bucket, flat, work in pending:
             work.wait()

@@ -307,12 +307,13 @@ class PipelineRunner:
 
     def run(self, micro_batches: Sequence[dict], loss_weights: Optional[Sequence] = None,
             autocast: Optional[Callable] = None, before_last_backward: Optional[Callable[[], None]] = None,
-            ) -> PipelineStepResult:
+            grad_scale: Optional[float] = None) -> PipelineStepResult:
         """Forward and backward of every micro-batch; gradients accumulate in ``.grad``.
 
         ``loss_weights[i]`` scales micro-batch i's loss (its share of the global batch), so the
         accumulated gradient is that of the global-batch loss; ``before_last_backward`` is called
-        once, just before this stage's last backward (data-parallel sync arms itself there).
+        once, just before this stage's last backward (data-parallel sync arms itself there);
+        ``grad_scale`` multiplies the loss for backward only (float16 loss scaling).
         """
         m = len(micro_batches)
         stage, model = self.stage, self.model
@@ -355,7 +356,7 @@ class PipelineRunner:
                 before_last_backward()
             tick = clock.start()
             if stage.is_last:
-                y.backward()
+                (y if grad_scale is None else y * grad_scale).backward()
             else:
                 y.backward(grad.to(y.dtype))
             gx = self._to_send(x.grad) if x is not None else None
@@ -381,6 +382,22 @@ class PipelineRunner:
             torch.cuda.synchronize(self.ctx.device)
         total = time.perf_counter() - t0
         return PipelineStepResult(loss, clock.seconds() if measure else total, total, peak, order)
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches: Sequence[dict], autocast: Optional[Callable] = None) -> list:
+        """Every micro-batch's forward through the pipeline, no backward (evaluation, replays):
+        the last stage returns the model outputs, the other stages an empty list."""
+        stage, amp = self.stage, autocast or nullcontext
+        outputs = []
+        for mb in micro_batches:
+            x, _ = self._exchange(recv_prev=None if stage.is_first else self.activation_shape(mb))
+            with amp():
+                out = self.model(**mb, hidden_states=x)
+            if stage.is_last:
+                outputs.append(out)
+            else:
+                self._exchange(send_next=self._to_send(out.hidden_states))
+        return outputs
 
     def _one_f_one_b(self, actions, shapes, forward, backward, last_b, order) -> None:
         """Megatron's non-interleaved 1F1B, with the steady state's paired exchanges."""

@@ -12,6 +12,7 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 import socket
 import sys
 import time
@@ -49,6 +50,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="number of ranks; without --rank all of them start here as local processes")
     p.add_argument("--rank", type=int, default=None, help="run only this rank (others start elsewhere)")
     p.add_argument("--max_steps", type=int, default=None, help="optimizer steps (overrides the config)")
+    p.add_argument("--eval_every", type=int, default=None, metavar="N",
+                   help="evaluate on the held-out split every N steps and at the end (overrides the config)")
     p.add_argument("--seed", type=int, default=None, help="random seed (overrides the config)")
     p.add_argument("--metrics_file", default=None, help="append one JSON line per step here (rank 0)")
     p.add_argument("--model_path", default=None, help="start from a local HF checkpoint directory")
@@ -75,9 +78,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 def load_config(args: argparse.Namespace, default: dict) -> GalaxyConfig:
     overrides = dict(parse_override(o) for o in args.override)
-    for flag, key in (("max_steps", "max_steps"), ("seed", "seed"), ("data", "data"), ("tokenizer", "tokenizer"),
+    for flag, key in (("max_steps", "max_steps"), ("eval_every", "eval_every"), ("seed", "seed"), ("data", "data"), ("tokenizer", "tokenizer"),
                       ("model_path", "model_path")):
-        if getattr(args, flag) is not None:
+        if getattr(args, flag, None) is not None:  # a CLI may leave some of these flags out
             overrides[key] = getattr(args, flag)
     if args.config_file:
         return GalaxyConfig.from_file(args.config_file, overrides)
@@ -172,27 +175,40 @@ def launch_ranks(fn: Callable, launch: Launch, payload, cfg: GalaxyConfig) -> in
              for r in range(launch.world)]
     for p in procs:
         p.start()
-    failed = None
-    while any(p.is_alive() for p in procs) and failed is None:
-        for r, p in enumerate(procs):
-            if p.exitcode not in (None, 0):
-                failed = r
+    failed = first_failure(procs)
+    while failed is None and any(p.is_alive() for p in procs):
         time.sleep(0.1)
-    for r, p in enumerate(procs):
-        if failed is None and p.exitcode not in (None, 0):
-            failed = r
+        failed = first_failure(procs)
     if failed is not None:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
+        code = procs[failed].exitcode  # read before the others are stopped, for the report
+        running = [p for p in procs if p.is_alive()]
+        for p in running:
+            p.terminate()
         for p in procs:
             p.join()
-        print(f"error: rank {failed} exited with code {procs[failed].exitcode}; the other ranks were stopped",
-              file=sys.stderr)
+        print(f"error: rank {failed} {describe_exit(code)}; "
+              f"{'the other ranks were stopped' if running else 'the other ranks have ended'}", file=sys.stderr)
         return 1
     for p in procs:
         p.join()
     return 0
+
+
+def first_failure(procs) -> Optional[int]:
+    """The rank to blame among the processes that ended badly: one killed by a signal (its peers'
+    errors follow from it), else the lowest; None while none has."""
+    ended = [(p.exitcode >= 0, r) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+    return min(ended)[1] if ended else None
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with code {code}"
 
 
 def check_plan_for_cli(cfg: GalaxyConfig, cli_plan: str, world: int, strict: bool) -> None:
@@ -267,14 +283,23 @@ def plan_launch(args: argparse.Namespace, cfg: GalaxyConfig, plan: str, strict: 
     return launch
 
 
-def train_from_args(model, batch_at, cfg: GalaxyConfig, ctx, args: argparse.Namespace):
-    """The shared loop with the common flags (metrics, profiling, checkpoints); rank 0 prints the
-    step profile when one was asked for."""
+def train_from_args(model, batch_at, cfg: GalaxyConfig, ctx, args: argparse.Namespace, eval_at=None):
+    """The shared loop with the common flags (metrics, profiling, checkpoints, evaluation on the
+    held-out batches of ``eval_at``); rank 0 prints the step profile when one was asked for. A
+    failure caused by a dead peer rank is raised as a ``RankFailure`` that names it."""
     from galaxy.train.loop import train
 
-    result = train(model, batch_at, cfg, ctx, metrics_file=args.metrics_file, progress=not args.no_progress,
-                   profile_step=args.profile_step, profile_json=args.profile_json, save_dir=args.save_dir,
-                   save_every=args.save_every, resume=resume_path(args), keep_last=args.keep_last)
+    try:
+        result = train(model, batch_at, cfg, ctx, metrics_file=args.metrics_file, progress=not args.no_progress,
+                       profile_step=args.profile_step, profile_json=args.profile_json, save_dir=args.save_dir,
+                       save_every=args.save_every, resume=resume_path(args), keep_last=args.keep_last,
+                       eval_at=eval_at)
+    except Exception as e:
+        # A collective that failed because a peer died says only "Connection closed by peer [addr]".
+        failure = ctx.peer_failure(e)
+        if failure is None:
+            raise
+        raise failure from e
     if ctx.rank == 0 and result.profile_report is not None:
         print(result.profile_report, flush=True)
     return result

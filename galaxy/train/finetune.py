@@ -21,11 +21,11 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
-from galaxy.config import ConfigError, GalaxyConfig, Method, Plan
+from galaxy.config import COMPUTE_KEYS, ConfigError, GalaxyConfig, Method, Plan
 from galaxy.core.context import ParallelContext
 from galaxy.models import build_model
 from galaxy.peft import apply_options, apply_tuning
@@ -97,7 +97,10 @@ def match_vocab(cfg: GalaxyConfig, tokenizer) -> None:
     """
     size = tokenizer.vocab_size
     if cfg.data.model_path:
+        compute = {k: getattr(cfg.model, k) for k in COMPUTE_KEYS}  # how to run it stays the config's choice
         cfg.model = checkpoint_model_config(cfg.data.model_path)
+        for key, value in compute.items():
+            setattr(cfg.model, key, value)
         vocab = cfg.model.vocab_size
         if isinstance(tokenizer, ByteTokenizer) and vocab != size:
             raise ConfigError(f"the checkpoint in '{cfg.data.model_path}' has a {vocab}-token vocabulary but no "
@@ -219,9 +222,10 @@ def add_finetune_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
-def prepare(args: argparse.Namespace) -> tuple[GalaxyConfig, Any, InstructionBatcher]:
-    """Config, tokenizer and batcher from the parsed flags; raises ConfigError / ValueError /
-    FileNotFoundError with a one-line message for any bad input."""
+def prepare(args: argparse.Namespace) -> tuple[GalaxyConfig, InstructionBatcher, Optional[InstructionBatcher]]:
+    """Config, training batcher and (with ``eval_every``) held-out batcher from the parsed flags:
+    the held-out examples are ``eval_data``, else the last tenth of the data. Raises ConfigError /
+    ValueError / FileNotFoundError with a one-line message for any bad input."""
     cfg = load_config(args, DEFAULT_LLAMA)
     if cfg.model.model_type != "llama":
         raise ConfigError(f"config key 'model_type' is '{cfg.model.model_type}' but this CLI fine-tunes LLaMA; "
@@ -235,18 +239,31 @@ def prepare(args: argparse.Namespace) -> tuple[GalaxyConfig, Any, InstructionBat
     match_vocab(cfg, tokenizer)
     examples = load_instruction_data(cfg.data.data or DEFAULT_DATA)
     t = cfg.train
+    eval_batcher = None
+    if t.eval_every:
+        if cfg.data.eval_data:
+            held_out = load_instruction_data(cfg.data.eval_data)
+        else:  # the last tenth of the examples (at least one) is held out of training
+            cut = len(examples) - max(1, len(examples) // 10)
+            if cut < 1:
+                raise ConfigError(f"config key 'eval_every' needs held-out examples but the data has only "
+                                  f"{len(examples)}; add examples or give 'eval_data'")
+            examples, held_out = examples[:cut], examples[cut:]
+        eval_batcher = InstructionBatcher(held_out, tokenizer, t.seq_length, t.global_batch_size, seed=t.seed)
     batcher = InstructionBatcher(examples, tokenizer, t.seq_length, t.global_batch_size, seed=t.seed, pack=args.pack)
-    return cfg, tokenizer, batcher
+    return cfg, batcher, eval_batcher
 
 
 def finetune_rank(rank: int, launch, payload) -> None:
-    cfg, args, batcher = payload
+    cfg, args, batcher, eval_batcher = payload
     ctx = rank_context(rank, launch, cfg, args.log_level)
     try:
         plan = cfg.resolve_plan(ctx.mp.size)
         model = apply_tuning(build_model(cfg, plan, ctx), cfg)
-        batch_at = instruction_batches(batcher, cfg.train.seq_length if shards_sequence(plan) else None)
-        result = train_from_args(model, batch_at, cfg, ctx, args)
+        fixed = cfg.train.seq_length if shards_sequence(plan) else None
+        batch_at = instruction_batches(batcher, fixed)
+        eval_at = instruction_batches(eval_batcher, fixed) if eval_batcher is not None else None
+        result = train_from_args(model, batch_at, cfg, ctx, args, eval_at)
         answer = None
         if args.prompt is not None:
             answer = greedy_answer(model, batcher.tokenizer, args.prompt, args.prompt_input, args.max_new_tokens)
@@ -274,9 +291,9 @@ def main(argv: Optional[list[str]] = None, plan: str = DEFAULT_PLAN, strict: boo
     args = add_finetune_flags(build_parser(description)).parse_args(argv)
     setup_logging(args.log_level)
     try:
-        cfg, _, batcher = prepare(args)
+        cfg, batcher, eval_batcher = prepare(args)
         launch = plan_launch(args, cfg, plan, strict, fill)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return launch_ranks(finetune_rank, launch, (cfg, args, batcher), cfg)
+    return launch_ranks(finetune_rank, launch, (cfg, args, batcher, eval_batcher), cfg)

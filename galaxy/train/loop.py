@@ -29,8 +29,9 @@ import torch.nn as nn
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.context import ParallelContext
 from galaxy.core.data_parallel import DataParallelGradSync
-from galaxy.core.grad_sync import GradientSync, check_replicated, clip_grad_norm, sync_pipeline_ties
+from galaxy.core.grad_sync import GradientSync, check_replicated, global_grad_norm, sync_pipeline_ties
 from galaxy.core.pipeline import PipelineRunner, PipelineStepResult, StageSpec, analytic_bubble
+from galaxy.train.precision import LossScaler, first_nonfinite_module, first_nonfinite_parameter
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class TrainResult:
     # --profile_step K: every number of step K (galaxy.profiler.ParallelProfiler.to_json) and its report.
     profile: Optional[dict] = None
     profile_report: Optional[str] = None
+    skipped_steps: int = 0  # float16 overflows and (skip_nonfinite) non-finite steps: no update was made
+    eval: Optional[dict] = None  # the last evaluation (galaxy.train.evaluate), with eval_every
 
     def summary(self) -> dict:
         fields = {
@@ -62,6 +65,10 @@ class TrainResult:
             "peak_mem_mb": round(self.peak_mem_mb, 1),
             "comm_mb_per_step": round(self.comm_bytes_per_step / 2**20, 3),
         }
+        if self.skipped_steps:
+            fields["skipped_steps"] = self.skipped_steps
+        if self.eval:
+            fields.update({k: round(v, 4) if isinstance(v, float) else v for k, v in self.eval.items()})
         if self.bubble_measured is not None:
             fields["bubble_measured_per_stage"] = [round(b, 4) for b in self.bubble_measured]
             fields["bubble_measured"] = round(sum(self.bubble_measured) / len(self.bubble_measured), 4)
@@ -71,22 +78,27 @@ class TrainResult:
 
 def build_optimizer(model: nn.Module, cfg: GalaxyConfig,
                     ctx: Optional[ParallelContext] = None) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on biases and norm scales (1-D parameters), as in HF and Megatron.
-    With ``dp_engine: zero1`` and a dp group, ``ZeroRedundancyOptimizer`` shards the AdamW states
+    """AdamW (``optimizer: adamw``, fused on GPU) or SGD with momentum (``optimizer: sgd``); no
+    weight decay on biases and norm scales (1-D parameters), as in HF and Megatron. With
+    ``dp_engine: zero1`` and a dp group, ``ZeroRedundancyOptimizer`` shards the optimizer states
     over the dp group (each rank steps its share of the parameters and broadcasts them)."""
     t = cfg.train
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
-    fused = all(p.is_cuda for p in params)
-    kwargs = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, **({"fused": True} if fused else {}))
+    fused = {"fused": True} if params and all(p.is_cuda for p in params) else {}
+    if t.optimizer == "sgd":
+        optimizer_class, kwargs = torch.optim.SGD, dict(lr=t.lr, momentum=t.sgd_momentum, **fused)
+    else:
+        optimizer_class, kwargs = torch.optim.AdamW, dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                                          **fused)
     if ctx is not None and cfg.parallel.dp_engine == "zero1" and ctx.dp.size > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=ctx.dp.group,
+        return ZeroRedundancyOptimizer(groups, optimizer_class=optimizer_class, process_group=ctx.dp.group,
                                        **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+    return optimizer_class(groups, **kwargs)
 
 
 def lr_lambda(cfg: GalaxyConfig) -> Callable[[int], float]:
@@ -114,13 +126,28 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def autocast_context(cfg: GalaxyConfig, device: torch.device):
+    """bfloat16 / float16 compute over fp32 master weights (the parameters stay fp32)."""
     dtype = cfg.train.dtype
     if dtype in ("float32", "float64"):
         return nullcontext()
-    if dtype == "float16":
-        raise ConfigError("config key 'dtype': float16 needs dynamic loss scaling, which is not built yet; "
-                          "use bfloat16")
     return torch.autocast(device.type, dtype=DTYPES[dtype])
+
+
+def reduce_dtype(cfg: GalaxyConfig) -> Optional[torch.dtype]:
+    """The dtype gradient all-reduces travel in: None keeps the master gradients' own (fp32, or fp64)."""
+    name = cfg.train.grad_reduce_dtype
+    return None if name in ("float32", "float64") else DTYPES[name]
+
+
+class NonFiniteError(FloatingPointError):
+    """A step's loss or gradient is not finite (and ``skip_nonfinite`` is off)."""
+
+
+@dataclass
+class StepOutcome:
+    grad_norm: torch.Tensor  # global, before clipping (every shard once)
+    skipped: Optional[str] = None  # "overflow" (float16 loss scale lowered) or "nonfinite" (skip_nonfinite)
+    loss_scale: Optional[float] = None  # float16: the scale this step's backward used
 
 
 
@@ -154,13 +181,17 @@ class Trainer:
         self.stage: StageSpec = getattr(model, "stage", None) or StageSpec.whole(0)
         if par.dp_engine == "deepspeed":
             raise ConfigError("config key 'dp_engine' is 'deepspeed': build the trainer with make_trainer()")
-        self.mp_sync = GradientSync(self.params, ctx.mp)
-        self.dp_sync = DataParallelGradSync(self.params, ctx.dp, par.dp_bucket_mb) if ctx.dp.size > 1 else None
+        self.mp_sync = GradientSync(self.params, ctx.mp, reduce_dtype=reduce_dtype(cfg))
+        self.dp_sync = (DataParallelGradSync(self.params, ctx.dp, par.dp_bucket_mb, reduce_dtype=reduce_dtype(cfg))
+                        if ctx.dp.size > 1 else None)
+        self.scaler = LossScaler(t) if t.dtype == "float16" else None
         self.optimizer = build_optimizer(model, cfg, ctx)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.runner = PipelineRunner(model, ctx, par.pipeline_schedule)
         self.num_microbatches = par.num_microbatches
         self.last_step: Optional[PipelineStepResult] = None
+        self._last_micro: list[dict] = []  # the step's micro-batches, replayed to locate a non-finite value
+        self._autocast: Optional[Callable] = None
 
     # -- data
 
@@ -205,8 +236,10 @@ class Trainer:
         micro = split_rows(batch, self.num_microbatches)
         weights = self.loss_weights(micro) if self.stage.is_last else None
         micro = [{k: v.to(ctx.device, non_blocking=True) for k, v in mb.items()} for mb in micro]
+        self._last_micro, self._autocast = micro, autocast
         result = self.runner.run(micro, weights, autocast=autocast,
-                                 before_last_backward=self.dp_sync.arm if self.dp_sync else None)
+                                 before_last_backward=self.dp_sync.arm if self.dp_sync else None,
+                                 grad_scale=self.scaler.scale if self.scaler else None)
         if self.dp_sync is not None:
             self.dp_sync.finish()
         self.mp_sync()
@@ -228,14 +261,70 @@ class Trainer:
             loss = ctx.pp.broadcast(loss, src=ctx.pp.size - 1)
         return loss.detach()
 
-    def optimizer_step(self) -> Optional[torch.Tensor]:
-        """Clip by the global gradient norm, step, advance the schedule, clear the gradients."""
+    def optimizer_step(self, loss: torch.Tensor, step: int) -> StepOutcome:
+        """Unscale (float16), take the global gradient norm, then either clip, step and advance the
+        schedule, or skip the update: a float16 overflow lowers the loss scale; a non-finite loss or
+        gradient stops the run naming where it came from (``skip_nonfinite``: skips the step).
+        Every rank decides alike: the loss and the norm are the same on every rank."""
         t = self.cfg.train
-        norm = clip_grad_norm(self.params, t.grad_clip, self.ctx.mp, self.ctx.pp) if t.grad_clip > 0 else None
-        self.optimizer.step()
-        self.schedule.step()
+        scale = self.scaler.scale if self.scaler else None
+        if self.scaler is not None:
+            self.scaler.unscale_(self.params)
+        norm = global_grad_norm(self.params, self.ctx.mp, self.ctx.pp)
+        loss_ok, grads_ok = torch.stack([torch.isfinite(loss), torch.isfinite(norm)]).tolist()  # one device sync
+        outcome = StepOutcome(norm, loss_scale=scale)
+        if loss_ok and not grads_ok and self.scaler is not None:
+            outcome.skipped = "overflow"
+            self.scaler.update(overflow=True)
+            logger.info("step %d: gradients overflowed at loss scale %g; skipped, scale now %g", step, scale,
+                        self.scaler.scale)
+        elif not (loss_ok and grads_ok):
+            problem = self.locate_nonfinite(loss, step, loss_ok)
+            if not t.skip_nonfinite:
+                self.optimizer.zero_grad(set_to_none=True)
+                raise NonFiniteError(f"{problem}; lower the learning rate or check the data, or set "
+                                     "skip_nonfinite: true to skip such steps")
+            outcome.skipped = "nonfinite"
+            logger.warning("%s; step skipped (skip_nonfinite)", problem)
+        else:
+            if t.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(self.params, t.grad_clip, norm.float())
+            self.optimizer.step()
+            self.schedule.step()
+            if self.scaler is not None:
+                self.scaler.update(overflow=False)
         self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return outcome
+
+    def locate_nonfinite(self, loss: torch.Tensor, step: int, loss_ok: bool) -> str:
+        """Where a non-finite value came from, as one line: a parameter that is itself non-finite,
+        else (non-finite loss) the first module whose output is non-finite when the step's batch is
+        replayed without dropout through the same ranks, else the first non-finite gradient. Every
+        rank of the step's mp and pp groups takes the same path (the replay runs their collectives),
+        and what one rank found is shared with the others."""
+        ctx, model = self.ctx, self.model
+        module = None
+        if not loss_ok:
+            model.eval()
+            try:
+                module = first_nonfinite_module(model, lambda: self.runner.forward_only(self._last_micro,
+                                                                                         self._autocast))
+            finally:
+                model.train()
+        param, grad = first_nonfinite_parameter(model, grads=False), first_nonfinite_parameter(model, grads=True)
+        # (priority, text): a bad parameter explains the most, a bad gradient the least.
+        where = ((0, f"parameter '{param}' is itself non-finite") if param else
+                 (1, f"the first non-finite output is from module '{module}'") if module else
+                 (2, f"the first non-finite gradient is that of '{grad}'") if grad else None)
+        for comm, label in ((ctx.mp, "mp rank"), (ctx.pp, "pipeline stage")):
+            if comm.size > 1:  # the rank that found the most telling cause tells the others
+                found = [None] * comm.size
+                dist.all_gather_object(found, where, group=comm.group)
+                ranked = sorted((w[0], i, w[1]) for i, w in enumerate(found) if w is not None)
+                where = (ranked[0][0], f"{ranked[0][2]} ({label} {ranked[0][1]})") if ranked else None
+        what = f"non-finite loss ({loss.item()})" if not loss_ok else "non-finite gradient"
+        return f"{what} at step {step}: " + (where[1] if where else "no parameter, module output or gradient is "
+                                             "non-finite in a replay of the step (a transient, e.g. a dropout draw)")
 
     def comm_bytes(self) -> int:
         ctx = self.ctx
@@ -289,6 +378,7 @@ class DeepSpeedTrainer(Trainer):
         self.model, self.cfg, self.ctx = model, cfg, ctx
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.stage = StageSpec.whole(0)
+        self.runner = PipelineRunner(model, ctx)  # forward-only passes (evaluation, replays)
         self.dp_sync = None
         self.num_microbatches = m = par.num_microbatches
         self.last_step = None
@@ -332,12 +422,13 @@ class DeepSpeedTrainer(Trainer):
         self.last_step = PipelineStepResult(total, 0.0, time.perf_counter() - start, 1)
         return self.report_loss(total)
 
-    def optimizer_step(self) -> Optional[torch.Tensor]:
+    def optimizer_step(self, loss: torch.Tensor, step: int) -> StepOutcome:
         self.engine.step()  # the accumulation boundary: reduce, clip, step, schedule, zero grads
+        if not torch.isfinite(loss).item():  # DeepSpeed's engine has stepped already: nothing to skip
+            raise NonFiniteError(f"non-finite loss ({loss.item()}) at step {step}; lower the learning rate or "
+                                 "check the data")
         norm = self.engine.get_global_grad_norm()
-        if norm is None or self.cfg.train.grad_clip <= 0:
-            return None
-        return torch.as_tensor(float(norm), dtype=torch.float64)
+        return StepOutcome(torch.as_tensor(float("nan") if norm is None else float(norm), dtype=torch.float64))
 
 
 def make_trainer(model: nn.Module, cfg: GalaxyConfig, ctx: ParallelContext) -> Trainer:
@@ -351,7 +442,8 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
           metrics_file: Optional[str] = None, progress: bool = True,
           on_step: Optional[Callable[[int, float], None]] = None, profile_step: Optional[int] = None,
           profile_json: Optional[str] = None, save_dir: Optional[str] = None, save_every: int = 0,
-          resume: Optional[str] = None, keep_last: Optional[int] = None) -> TrainResult:
+          resume: Optional[str] = None, keep_last: Optional[int] = None,
+          eval_at: Optional[Callable[..., dict]] = None) -> TrainResult:
     """Run ``cfg.train.max_steps`` optimizer steps; ``batch_at(step)`` returns the step's global batch
     (a batcher that also takes ``shard=(dp_rank, dp_size)`` is asked for this dp rank's rows only).
     ``model`` is this rank's pipeline stage when ``ctx.pp.size > 1``. ``profile_step`` K (1-based):
@@ -359,17 +451,22 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
     ``profile_json`` from rank 0; step K is left out of the throughput numbers.
     Checkpoints (``galaxy.train.checkpoint``): ``resume`` (a step directory, or a save directory for
     its newest valid checkpoint) restores everything and continues after its step; with ``save_dir``
-    and ``save_every`` N, a checkpoint after every N-th step and the last, keeping ``keep_last``."""
+    and ``save_every`` N, a checkpoint after every N-th step and the last, keeping ``keep_last``.
+    ``eval_at(i)``: the held-out split's i-th global batch; with ``eval_every`` N, ``eval_iters`` of
+    them are evaluated after every N-th step and the last (``galaxy.train.evaluate``)."""
     t = cfg.train
-    if (save_dir or resume) and cfg.parallel.dp_engine != "ddp" and ctx.dp.size > 1:
-        raise ConfigError(f"checkpoints need dp_engine 'ddp'; '{cfg.parallel.dp_engine}' shards the optimizer "
-                          "state, which checkpoints do not gather yet")
+    if (save_dir or resume) and cfg.parallel.dp_engine == "deepspeed":
+        raise ConfigError("config key 'dp_engine' is 'deepspeed', whose engine keeps the optimizer state in its own "
+                          "format, which checkpoints do not read; use dp_engine 'zero1' or 'ddp' to save or resume")
     trainer = make_trainer(model, cfg, ctx)
     start_step = 0
     if resume is not None:
         from galaxy.train.checkpoint import load_checkpoint
 
-        start_step = load_checkpoint(resume, model, trainer.optimizer, trainer.schedule, ctx, cfg).step
+        state = load_checkpoint(resume, model, trainer.optimizer, trainer.schedule, ctx, cfg)
+        start_step = state.step
+        if trainer.scaler is not None and "loss_scaler" in state.extra:
+            trainer.scaler.load_state_dict(state.extra["loss_scaler"])
         if start_step >= t.max_steps:
             logger.warning("the checkpoint is at step %d, max_steps is %d: nothing to train", start_step, t.max_steps)
     profiler = None
@@ -394,20 +491,16 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
     try:
         for step in range(start_step, t.max_steps):
             bytes_before = trainer.comm_bytes()
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize(ctx.device)
             if profiler is not None:
                 profiler.before_step(step + 1)
             start = time.perf_counter()
             batch = trainer.read_batch(batch_at, step)
             loss_t = trainer.forward_backward(batch, amp)
-            grad_norm = trainer.optimizer_step()
-            loss = loss_t.item()  # also waits for the device
+            outcome = trainer.optimizer_step(loss_t, step + 1)
+            loss = loss_t.item()
             elapsed = time.perf_counter() - start
             if profiler is not None and profiler.after_step(step + 1) is not None:  # a collective at step K
                 result.profile, result.profile_report = profiler.result, profiler.report
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {step + 1}; lower lr or check the data")
             tokens = batch["input_ids"].numel() * ctx.dp.size
             profiled = step + 1 == profile_step and t.max_steps > 1  # its hooks slow it down
             if (step > start_step or t.max_steps == 1) and not profiled:  # the first step pays for warm-up
@@ -416,11 +509,21 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
             result.losses.append(loss)
             comm_bytes = trainer.comm_bytes() - bytes_before
             record = {"step": step + 1, "loss": loss, "lr": trainer.schedule.get_last_lr()[0],
-                      "grad_norm": None if grad_norm is None else grad_norm.item(),
+                      "grad_norm": outcome.grad_norm.item(),
                       "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
                       "peak_mem_mb": peak_memory_mb(ctx.device), "comm_bytes": comm_bytes}
             if ctx.pp.size > 1:
                 record["bubble"] = trainer.last_step.bubble  # this rank's stage (rank 0: the first)
+            if outcome.loss_scale is not None:
+                record["loss_scale"] = outcome.loss_scale
+            if outcome.skipped:
+                record["skipped"] = outcome.skipped
+                result.skipped_steps += 1
+            if eval_at is not None and t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.max_steps):
+                from galaxy.train.evaluate import evaluate
+
+                result.eval = evaluate(trainer, eval_at, t.eval_iters, amp)
+                record.update(result.eval)
             if metrics:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
@@ -433,8 +536,9 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
             if save_dir and ((save_every and (step + 1) % save_every == 0) or step + 1 == t.max_steps):
                 from galaxy.train.checkpoint import save_checkpoint
 
+                extra = {"loss_scaler": trainer.scaler.state_dict()} if trainer.scaler is not None else None
                 save_checkpoint(save_dir, step + 1, model, trainer.optimizer, trainer.schedule, ctx, cfg,
-                                keep_last=keep_last)
+                                extra=extra, keep_last=keep_last)
             result.comm_bytes_per_step = comm_bytes
     finally:
         if profiler is not None:

@@ -17,32 +17,92 @@ from galaxy.train.cli import (DEFAULT_BERT, build_parser, launch_ranks, load_con
 logger = logging.getLogger(__name__)
 
 
-def mlm_data(cfg: GalaxyConfig):
-    """(batch_at, vocab_size) for the configured corpus: the synthetic one, or a local text file."""
-    from galaxy.train.data import MLMBatcher, SyntheticCorpus, TextCorpus
+def mlm_corpus(cfg: GalaxyConfig):
+    """The configured corpus: the synthetic one, or a local text file (its last documents held out)."""
+    from galaxy.train.data import SyntheticCorpus, TextCorpus
 
     t = cfg.train
     if cfg.data.data:
-        corpus = TextCorpus.from_file(cfg.data.data, t.seq_length, tokenizer_dir=cfg.data.tokenizer,
-                                      vocab_size=cfg.model.vocab_size)
-    else:
-        corpus = SyntheticCorpus(cfg.model.vocab_size, t.seq_length, seed=t.seed)
-    batcher = MLMBatcher(corpus, t.global_batch_size, mlm_probability=t.mlm_probability, seed=t.seed)
+        return TextCorpus.from_file(cfg.data.data, t.seq_length, tokenizer_dir=cfg.data.tokenizer,
+                                    vocab_size=cfg.model.vocab_size)
+    return SyntheticCorpus(cfg.model.vocab_size, t.seq_length, seed=t.seed)
+
+
+def mlm_data(cfg: GalaxyConfig, corpus=None, split: str = "train"):
+    """(batch_at, vocab_size) of masked-LM batches from ``split`` ('train' or the held-out 'eval')
+    of ``corpus`` (default: ``mlm_corpus(cfg)``)."""
+    from galaxy.train.data import MLMBatcher
+
+    t = cfg.train
+    corpus = corpus if corpus is not None else mlm_corpus(cfg)
+    batcher = MLMBatcher(corpus, t.global_batch_size, mlm_probability=t.mlm_probability, seed=t.seed, split=split)
     return batcher.batch_at, corpus.vocab_size
+
+
+def mlm_eval_data(cfg: GalaxyConfig, corpus):
+    """Held-out masked-LM batches: the file ``eval_data`` (tokenized with ``tokenizer``, which the
+    training file shares), else the corpus's own held-out split."""
+    from galaxy.train.data import TextCorpus
+
+    if not cfg.data.eval_data:
+        return mlm_data(cfg, corpus, "eval")[0]
+    if not cfg.data.tokenizer:
+        raise ConfigError("config key 'eval_data' needs 'tokenizer' (a local HF tokenizer directory) so that the "
+                          "evaluation file is tokenized like the training data; without eval_data the last "
+                          "documents of 'data' are held out instead")
+    held_out = TextCorpus.from_file(cfg.data.eval_data, cfg.train.seq_length, tokenizer_dir=cfg.data.tokenizer,
+                                    eval_fraction=0.0)
+    return mlm_data(cfg, held_out, "train")[0]
+
+
+def classification_data(cfg: GalaxyConfig):
+    """(batch_at, eval_at, vocab_size) for ``task: classify``: the labelled JSONL ``data``
+    (``{"text", "label"}`` lines), tokenized with ``tokenizer`` or a WordPiece trained on its texts;
+    held out: ``eval_data``, else the last tenth of the examples."""
+    from galaxy.train.data import ClassificationBatcher, TextCorpus, load_labelled_data
+
+    t, d = cfg.train, cfg.data
+    if not d.data:
+        raise ConfigError("config key 'task' is 'classify' but 'data' is not set; give a JSONL file of "
+                          '{"text": ..., "label": ...} lines (--data)')
+    examples = load_labelled_data(d.data)
+    if d.eval_data:
+        held_out = load_labelled_data(d.eval_data)
+    else:
+        cut = len(examples) - max(1, len(examples) // 10)
+        examples, held_out = examples[:max(cut, 1)], examples[max(cut, 1):]
+    top = max(label for _, label in examples + held_out)
+    if top >= cfg.model.num_labels:
+        raise ConfigError(f"config key 'num_labels' ({cfg.model.num_labels}) is too small for label {top} in the "
+                          f"data; set num_labels to at least {top + 1}")
+    corpus = TextCorpus.from_texts([text for text, _ in examples], t.seq_length, tokenizer_dir=d.tokenizer,
+                                   vocab_size=cfg.model.vocab_size, eval_fraction=0.0, source=d.data)
+    ids = dict(cls_id=corpus.cls_id, sep_id=corpus.sep_id, pad_id=corpus.pad_id, seed=t.seed)
+    train = ClassificationBatcher(examples, corpus.encode, t.seq_length, t.global_batch_size, **ids)
+    evals = ClassificationBatcher(held_out, corpus.encode, t.seq_length, t.global_batch_size, **ids) \
+        if held_out else None
+    return train.batch_at, evals.batch_at if evals else None, corpus.vocab_size
 
 
 def pretrain_rank(rank: int, launch, payload) -> None:
     cfg, args = payload
     ctx = rank_context(rank, launch, cfg, args.log_level)
     try:
-        batch_at, vocab_size = mlm_data(cfg)
+        task = cfg.train.task
+        if task == "classify":
+            batch_at, eval_at, vocab_size = classification_data(cfg)
+            eval_at = eval_at if cfg.train.eval_every else None
+        else:
+            corpus = mlm_corpus(cfg)
+            batch_at, vocab_size = mlm_data(cfg, corpus)
+            eval_at = mlm_eval_data(cfg, corpus) if cfg.train.eval_every else None
         if vocab_size != cfg.model.vocab_size:
             logger.warning("vocab_size set to %d to match the tokenizer (config had %d)", vocab_size,
                            cfg.model.vocab_size)
             cfg.model.vocab_size = vocab_size
         plan = cfg.resolve_plan(ctx.mp.size)
-        model = apply_tuning(build_model(cfg, plan, ctx), cfg)
-        result = train_from_args(model, batch_at, cfg, ctx, args)
+        model = apply_tuning(build_model(cfg, plan, ctx, task="classify" if task == "classify" else "lm"), cfg)
+        result = train_from_args(model, batch_at, cfg, ctx, args, eval_at)
         if rank == 0:
             fields = {"plan": plan.name, "world": launch.world, "device": str(ctx.device),
                       "att/con/mlp": "/".join(m.value for m in (plan.att, plan.con, plan.mlp)),

@@ -1,0 +1,238 @@
+"""Mixed precision and step hygiene: bf16 tracks fp32, fp16 loss scaling survives overflows (one
+rank's included) with every rank skipping the same steps, non-finite losses are stopped with the
+offending module's name or skipped, gradient reduction in the compute dtype, SGD."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from galaxy.config import GalaxyConfig
+from galaxy.core.context import ParallelContext
+from galaxy.core.layers import GradRule, grad_rule
+from galaxy.models import build_model
+from galaxy.train.loop import NonFiniteError, Trainer, train
+from galaxy.train.pretrain import mlm_data
+
+SMALL = {"model": {"preset": "bert-tiny", "vocab_size": 300, "hidden_size": 32, "num_attention_heads": 4,
+                   "intermediate_size": 64, "num_hidden_layers": 2},
+         "train": {"global_batch_size": 8, "seq_length": 32, "max_steps": 200, "lr": 5e-3, "warmup_steps": 10}}
+
+
+def run(ctx, overrides: dict, metrics: str | None = None, steps: int | None = None, prepare=None):
+    cfg = GalaxyConfig.from_dict(SMALL, dict(overrides, **({"max_steps": steps} if steps else {})))
+    model = build_model(cfg, cfg.resolve_plan(ctx.mp.size), ctx)
+    if prepare is not None:
+        prepare(model, ctx)
+    result = train(model, mlm_data(cfg)[0], cfg, ctx, metrics_file=metrics, progress=False)
+    return result, model
+
+
+def records(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_bf16_with_fp32_master_weights_tracks_the_fp32_loss_curve():
+    """Tolerance: over 200 steps of the tiny model, no step's bf16 loss is more than 0.02 from the
+    fp32 loss (the curve falls by ~0.5 meanwhile); the parameters stay fp32."""
+    curves = {}
+    for dtype in ("float32", "bfloat16"):
+        result, model = run(ParallelContext.serial("cpu"), {"dtype": dtype})
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        curves[dtype] = result.losses
+    fp32, bf16 = curves["float32"], curves["bfloat16"]
+    assert fp32[0] - min(fp32[-10:]) > 0.3, "the curve should fall"
+    gap = max(abs(a - b) for a, b in zip(fp32, bf16))
+    assert gap < 0.02, f"bf16 strays {gap:.4f} from fp32"
+    assert bf16 != fp32, "bf16 should actually compute in bf16"
+
+
+def fp16_with_overflows(ctx, metrics: str, poison_step: int):
+    """float16 starting at a scale that overflows, plus one overflow injected on the last mp rank
+    only (a sharded gradient made infinite at ``poison_step``)."""
+    step = {"n": 0}
+
+    def prepare(model, ctx):
+        sharded = next(p for p in model.parameters() if grad_rule(p) == GradRule.SHARDED) if ctx.mp.size > 1 \
+            else next(iter(model.parameters()))
+        if ctx.mp.rank == ctx.mp.size - 1:
+            sharded.register_hook(lambda g: g * float("inf") if step["n"] == poison_step else g)
+
+        def count(module, args):
+            step["n"] += 1 if module.training else 0
+        model.register_forward_pre_hook(count)
+
+    result, model = run(ctx, {"dtype": "float16", "initial_loss_scale": 2.0 ** 24, "loss_scale_window": 5,
+                              "plan": "galaxy" if ctx.mp.size > 1 else "none"},
+                        metrics if ctx.rank == 0 else None, steps=30, prepare=prepare)
+    replicated = {n: p.detach().clone() for n, p in model.named_parameters() if grad_rule(p) != GradRule.SHARDED}
+    return result.losses, result.skipped_steps, replicated
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fp16_loss_scaling_survives_overflow_on_every_rank_alike(dist_pool, tmp_path, world):
+    metrics = str(tmp_path / "metrics.jsonl")
+    out = dist_pool.run(fp16_with_overflows, world, metrics, 20)
+    rows = records(metrics)
+    skipped = [r["step"] for r in rows if r.get("skipped")]
+    scales = [r["loss_scale"] for r in rows]
+    assert skipped[0] == 1 and scales[1] == scales[0] / 2, "the first scale overflows and is halved"
+    assert 20 in skipped, "the overflow injected on one rank skips the step everywhere"
+    assert any(b == 2 * a for a, b in zip(scales, scales[1:])), "the scale grows back after clean steps"
+    assert all(r["skipped"] == "overflow" for r in rows if r.get("skipped"))
+    losses, count, params = out[0]
+    assert count == len(skipped) and all(o[1] == count for o in out), "every rank skipped the same steps"
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert min(losses[-5:]) < losses[0] - 0.05, "training goes on and learns"
+    for other in out[1:]:
+        assert all(torch.equal(params[n], other[2][n]) for n in params), "replicated weights stay identical"
+
+
+class PoisonAt:
+    """A test hook that makes one module's output infinite at training step ``at`` (1-based) and
+    in any replay of it (the forward that follows in eval mode)."""
+
+    def __init__(self, model, module: str, at: int):
+        self.steps, self.at = 0, at
+        model.register_forward_pre_hook(self.count)
+        names = dict(model.named_modules())
+        if module in names:  # on a pipeline, only the stage that holds it
+            names[module].register_forward_hook(self.poison)
+
+    def count(self, module, args):
+        if module.training:
+            self.steps += 1
+
+    def poison(self, module, args, output):
+        return output * float("inf") if self.steps == self.at else output
+
+
+TARGET = "bert.encoder.layer.1.intermediate.dense"
+
+
+def nonfinite_stops(ctx):
+    cfg = GalaxyConfig.from_dict(SMALL, {"plan": "galaxy" if ctx.mp.size > 1 else "none", "max_steps": 5,
+                                         "pp_size": ctx.pp.size})
+    ctx.stage_layers = cfg.stage_layers()
+    model = build_model(cfg, cfg.resolve_plan(ctx.mp.size), ctx)
+    PoisonAt(model, TARGET, at=3)
+    with pytest.raises(NonFiniteError) as err:
+        train(model, mlm_data(cfg)[0], cfg, ctx, progress=False)
+    return str(err.value)
+
+
+def nonfinite_skipped(ctx):
+    cfg = GalaxyConfig.from_dict(SMALL, {"plan": "galaxy" if ctx.mp.size > 1 else "none", "max_steps": 3,
+                                         "skip_nonfinite": True, "warmup_steps": 0})
+    model = build_model(cfg, cfg.resolve_plan(ctx.mp.size), ctx)
+    poison = PoisonAt(model, TARGET, at=2)
+    trainer = Trainer(model, cfg, ctx)
+    batch_at = mlm_data(cfg)[0]
+    snapshots, outcomes = [], []
+    for step in range(3):
+        loss = trainer.forward_backward(trainer.read_batch(batch_at, step))
+        outcomes.append(trainer.optimizer_step(loss, step + 1).skipped)
+        snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    assert poison.steps == 3
+    unchanged = all(torch.equal(snapshots[0][n], snapshots[1][n]) for n in snapshots[0])
+    changed = not all(torch.equal(snapshots[1][n], snapshots[2][n]) for n in snapshots[0])
+    return outcomes, unchanged, changed, trainer.schedule.last_epoch
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_nonfinite_loss_stops_naming_step_and_module(dist_pool, world):
+    for message in dist_pool.run(nonfinite_stops, world):
+        assert "non-finite loss" in message and "at step 3" in message, message
+        assert f"module '{TARGET}'" in message, message
+        assert "skip_nonfinite" in message
+
+
+def test_nonfinite_loss_stops_on_a_pipeline_naming_the_stage(dist_pool):
+    for message in dist_pool.run(nonfinite_stops, 2, pp=2):
+        assert f"module '{TARGET}' (pipeline stage 1)" in message and "at step 3" in message, message
+
+
+def test_skip_nonfinite_skips_the_step_and_goes_on(dist_pool):
+    for outcomes, unchanged, changed, schedule_steps in dist_pool.run(nonfinite_skipped, 2):
+        assert outcomes == [None, "nonfinite", None]
+        assert unchanged, "a skipped step changes no parameter"
+        assert changed, "the next step trains again"
+        assert schedule_steps == 2, "the schedule advances only on real updates"
+
+
+def reduce_in(ctx, dtype: str, reduce_dtype: str):
+    cfg = GalaxyConfig.from_dict(SMALL, {"dp_size": 2, "dtype": dtype, "grad_reduce_dtype": reduce_dtype,
+                                         "max_steps": 1})
+    model = build_model(cfg, cfg.resolve_plan(ctx.mp.size), ctx)
+    trainer = Trainer(model, cfg, ctx)
+    before = ctx.dp.bytes_sent  # the pool's communicators live on between tasks
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        trainer.forward_backward(trainer.read_batch(mlm_data(cfg)[0], 0))
+    trainer.dp_sync.remove()
+    return ctx.dp.bytes_sent - before, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_gradients_reduce_in_the_compute_dtype_by_choice(dist_pool):
+    fp32_bytes, fp32_grads = dist_pool.run(reduce_in, 2, "bfloat16", "float32", dp=2)[0]
+    bf16_bytes, bf16_grads = dist_pool.run(reduce_in, 2, "bfloat16", "bfloat16", dp=2)[0]
+    # the loss-target count and the reported loss (fp64 scalars) ride along with the gradient buckets
+    assert abs(bf16_bytes * 2 - fp32_bytes) <= 32, (bf16_bytes, fp32_bytes)
+    errors = {}
+    for name, g in fp32_grads.items():
+        assert bf16_grads[name].dtype == torch.float32, "master gradients stay fp32"
+        errors[name] = ((bf16_grads[name] - g).norm() / g.norm().clamp(min=1e-30)).item()
+        assert errors[name] < 1e-2, f"{name}: bf16 reduction off by {errors[name]:.1e} (relative, whole tensor)"
+    assert max(errors.values()) > 0, "the sums really travelled in bf16"
+
+
+def test_sgd_matches_torch_sgd_on_the_serial_model():
+    cfg = GalaxyConfig.from_dict(SMALL, {"optimizer": "sgd", "sgd_momentum": 0.9, "grad_clip": 0.0,
+                                         "warmup_steps": 0, "lr_schedule": "constant", "weight_decay": 0.0})
+    ctx = ParallelContext.serial("cpu")
+    model = build_model(cfg, None, ctx)
+    reference = build_model(cfg, None, ParallelContext.serial("cpu"))
+    trainer = Trainer(model, cfg, ctx)
+    assert isinstance(trainer.optimizer, torch.optim.SGD)
+    sgd = torch.optim.SGD(reference.parameters(), lr=cfg.train.lr, momentum=0.9)
+    batch_at = mlm_data(cfg)[0]
+    for step in range(3):
+        loss = trainer.forward_backward(batch_at(step))
+        trainer.optimizer_step(loss, step + 1)
+        reference(**batch_at(step)).loss.backward()
+        sgd.step()
+        sgd.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_fp16_keys_are_validated():
+    from galaxy.config import ConfigError
+
+    for bad, key in (({"loss_scale": -1.0}, "loss_scale"), ({"grad_reduce_dtype": "float16"}, "grad_reduce_dtype"),
+                     ({"initial_loss_scale": 0.5, "min_loss_scale": 1.0}, "initial_loss_scale")):
+        with pytest.raises(ConfigError, match=key):
+            GalaxyConfig.from_dict(SMALL, bad)
+
+
+def test_fp16_resume_restores_the_loss_scale(tmp_path):
+    overrides = {"dtype": "float16", "initial_loss_scale": 2.0 ** 20, "loss_scale_window": 3}
+
+    def fresh(steps):
+        cfg = GalaxyConfig.from_dict(SMALL, dict(overrides, max_steps=steps))
+        ctx = ParallelContext.serial("cpu")
+        return cfg, ctx, build_model(cfg, None, ctx)
+
+    cfg, ctx, model = fresh(8)
+    whole = train(model, mlm_data(cfg)[0], cfg, ctx, progress=False, metrics_file=str(tmp_path / "whole.jsonl"))
+    cfg, ctx, model = fresh(4)
+    train(model, mlm_data(cfg)[0], cfg, ctx, progress=False, save_dir=str(tmp_path / "ckpt"), save_every=4)
+    cfg, ctx, model = fresh(8)
+    resumed = train(model, mlm_data(cfg)[0], cfg, ctx, progress=False, resume=str(tmp_path / "ckpt"),
+                    metrics_file=str(tmp_path / "resumed.jsonl"))
+    assert resumed.losses == whole.losses[4:]
+    scales = [r["loss_scale"] for r in records(str(tmp_path / "whole.jsonl"))]
+    assert [r["loss_scale"] for r in records(str(tmp_path / "resumed.jsonl"))] == scales[4:]
+    assert len(set(scales)) > 1, "the scale moved during the run"
