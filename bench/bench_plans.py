@@ -162,7 +162,8 @@ def worker(rank: int, args, port: int, queue) -> None:
             if rank == 0:
                 serial = ParallelContext.serial(base.device, seed=1234)
                 rows.append(run_plan(args, item, serial))
-            dist.barrier()
+            if dist.is_initialized():  # --world 1 has no process group
+                dist.barrier()
             continue
         cfg = config_for(args, plan, extra)
         groups = build_groups(rank, args.world, cfg.parallel.dp_size, cfg.parallel.pp_size)
@@ -170,7 +171,10 @@ def worker(rank: int, args, port: int, queue) -> None:
                               stage_layers=cfg.stage_layers(), **groups)
         row = run_plan(args, item, ctx)
         peaks = [None] * args.world
-        dist.all_gather_object(peaks, row["peak_mem_mb"])
+        if dist.is_initialized():
+            dist.all_gather_object(peaks, row["peak_mem_mb"])
+        else:
+            peaks = [row["peak_mem_mb"]]
         row["peak_mem_mb"] = max(peaks)
         rows.append(row)
     if rank == 0:
