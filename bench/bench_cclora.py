@@ -48,10 +48,9 @@ if __package__ in (None, ""):  # run as a script from anywhere: make the repo im
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.bench_coc import (DTYPES, GalaxyStack, galaxy_model, git_commit, launch, measure, reduce_over_ranks,  # noqa: E402
+from bench.bench_coc import (DTYPES, GalaxyStack, galaxy_model, git_commit, init, launch, measure, reduce_over_ranks,  # noqa: E402
                              rel_diff, release)
 from galaxy.config import Method  # noqa: E402
-from galaxy.core.comm import Communicator  # noqa: E402
 from galaxy.core.context import ParallelContext  # noqa: E402
 from galaxy.kernels.cclora import merges  # noqa: E402
 from galaxy.loralib import inject_lora, lora_modules, mark_only_lora_as_trainable, set_lora_fusion  # noqa: E402
@@ -176,23 +175,11 @@ def print_table(report: dict) -> None:
 # ----------------------------------------------------------------------------- processes
 
 
-def init(rank: int, world: int, local_rank: int, args, init_method: str) -> ParallelContext:
-    use_cuda = torch.cuda.is_available() and not (args.tiny or args.cpu)
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    backend = "nccl" if use_cuda else "gloo"
-    kwargs = {"device_id": device} if use_cuda else {}
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, **kwargs)
-    return ParallelContext(rank=rank, world_size=world, device=device, seed=0,
-                           mp=Communicator("mp", rank, world, dist.group.WORLD), backend=backend)
-
-
 def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> None:
     torch.manual_seed(0)
     if args.tiny:
         torch.set_num_threads(1)
-    ctx = init(rank, world, local_rank, args, init_method)
+    ctx = init(rank, world, local_rank, args.tiny or args.cpu, init_method)
     shape = dict(TINY if args.tiny else FULL)
     for key in shape:
         if getattr(args, key, None) is not None:

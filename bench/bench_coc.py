@@ -529,8 +529,9 @@ def shape_from(args) -> dict:
     return shape
 
 
-def init(rank: int, world: int, local_rank: int, args, init_method: str) -> ParallelContext:
-    use_cuda = torch.cuda.is_available() and not args.smoke and not args.cpu
+def init(rank: int, world: int, local_rank: int, on_cpu: bool, init_method: str) -> ParallelContext:
+    """This rank's process group (NCCL on its GPU, or Gloo) and a context whose mp group is the world."""
+    use_cuda = torch.cuda.is_available() and not on_cpu
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
@@ -545,7 +546,7 @@ def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> No
     torch.manual_seed(0)
     if args.smoke:
         torch.set_num_threads(1)
-    ctx = init(rank, world, local_rank, args, init_method)
+    ctx = init(rank, world, local_rank, args.smoke or args.cpu, init_method)
     shape = shape_from(args)
 
     def log(r):
