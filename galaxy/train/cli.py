@@ -286,20 +286,12 @@ def plan_launch(args: argparse.Namespace, cfg: GalaxyConfig, plan: str, strict: 
 def train_from_args(model, batch_at, cfg: GalaxyConfig, ctx, args: argparse.Namespace, eval_at=None):
     """The shared loop with the common flags (metrics, profiling, checkpoints, evaluation on the
     held-out batches of ``eval_at``); rank 0 prints the step profile when one was asked for. A
-    failure caused by a dead peer rank is raised as a ``RankFailure`` that names it."""
+    failure caused by a dead peer rank comes back from ``train`` as a ``RankFailure`` that names it."""
     from galaxy.train.loop import train
 
-    try:
-        result = train(model, batch_at, cfg, ctx, metrics_file=args.metrics_file, progress=not args.no_progress,
-                       profile_step=args.profile_step, profile_json=args.profile_json, save_dir=args.save_dir,
-                       save_every=args.save_every, resume=resume_path(args), keep_last=args.keep_last,
-                       eval_at=eval_at)
-    except Exception as e:
-        # A collective that failed because a peer died says only "Connection closed by peer [addr]".
-        failure = ctx.peer_failure(e)
-        if failure is None:
-            raise
-        raise failure from e
+    result = train(model, batch_at, cfg, ctx, metrics_file=args.metrics_file, progress=not args.no_progress,
+                   profile_step=args.profile_step, profile_json=args.profile_json, save_dir=args.save_dir,
+                   save_every=args.save_every, resume=resume_path(args), keep_last=args.keep_last, eval_at=eval_at)
     if ctx.rank == 0 and result.profile_report is not None:
         print(result.profile_report, flush=True)
     return result

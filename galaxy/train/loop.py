@@ -540,6 +540,13 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
                 save_checkpoint(save_dir, step + 1, model, trainer.optimizer, trainer.schedule, ctx, cfg,
                                 extra=extra, keep_last=keep_last)
             result.comm_bytes_per_step = comm_bytes
+    except Exception as e:
+        # A collective that failed because a peer died says only "Connection closed by peer [addr]":
+        # name the peer (ParallelContext's heartbeats know which one stopped).
+        failure = ctx.peer_failure(e)
+        if failure is None:
+            raise
+        raise failure from e
     finally:
         if profiler is not None:
             profiler.close()
