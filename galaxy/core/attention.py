@@ -32,15 +32,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_padding_
     """q: ``[b, hq, sq, d]``; k, v: ``[b, hkv, sk, d]`` with hq a multiple of hkv (GQA). Returns ``[b, hq, sq, d]``."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    if hkv != hq:
-        k = k.repeat_interleave(hq // hkv, dim=1)
-        v = v.repeat_interleave(hq // hkv, dim=1)
     # A plain causal square needs no mask tensor, which lets SDPA pick its flash kernel.
     plain_causal = causal and key_padding_mask is None and q_offset == 0 and sq == sk
     mask = None if plain_causal else attention_mask(b, sq, sk, q.device, key_padding_mask, causal, q_offset)
+    # GQA: without a mask the flash kernel shares each K/V head across its query group itself;
+    # with a mask the memory-efficient kernel needs the heads expanded.
+    gqa = {}
+    if hkv != hq:
+        if mask is None:
+            gqa = {"enable_gqa": True}
+        else:
+            k = k.repeat_interleave(hq // hkv, dim=1)
+            v = v.repeat_interleave(hq // hkv, dim=1)
     if dropout is None or not dropout.active:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=plain_causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=plain_causal, **gqa)
     # SDPA's fused kernels drop probabilities on the default RNG: point it at the block's own
     # stream for the call (backward regenerates the mask from the seed the kernel saved).
     with drawing_from(dropout.generator):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=plain_causal, dropout_p=dropout.p)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=plain_causal, dropout_p=dropout.p,
+                                              **gqa)
