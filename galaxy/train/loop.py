@@ -150,8 +150,6 @@ class StepOutcome:
     loss_scale: Optional[float] = None  # float16: the scale this step's backward used
 
 
-
-
 def _accepts_shard(batch_at: Callable) -> bool:
     try:
         return "shard" in inspect.signature(batch_at).parameters
