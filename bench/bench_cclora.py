@@ -131,6 +131,9 @@ def run_plan(args, shape: dict, ctx: ParallelContext, plan: str, log) -> list[di
         comm_mib = (ctx.mp.bytes_sent - before) / 2**20
         times, peak = measure(partial(one_step, stack, x, g, lora_params), ctx.device, args.warmup, args.iters)
         name = f"{plan}-{'cclora' if fusion else 'lora'}"
+        if args.profile:  # every rank steps (the steps hold collectives); each writes its own table
+            profile_steps(partial(one_step, stack, x, g, lora_params),
+                          os.path.join(args.profile, f"{name}.rank{ctx.rank}.txt"))
         r = {"name": name, "plan": plan, "fusion": fusion, "ranks": ctx.mp.size, "median_ms": statistics.median(times),
              "min_ms": min(times), "max_ms": max(times), "iters": len(times), "peak_mib": peak,
              "comm_mib_per_step": comm_mib, "paths": paths(model, shape) if fusion else None,
@@ -143,6 +146,21 @@ def run_plan(args, shape: dict, ctx: ParallelContext, plan: str, log) -> list[di
     del model, stack, lora_params, x, g, results, ref
     release(ctx.device)
     return rows
+
+
+def profile_steps(step, path: str, steps: int = 3) -> None:
+    """torch.profiler's table of ``steps`` steps on this rank (GPU kernels and the host ops), to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70))
 
 
 def finish(rows: list[dict]) -> None:
@@ -227,6 +245,8 @@ def main() -> None:
                       ("dtype", str), ("rank", int), ("alpha", float)):
         p.add_argument(f"--{key}", type=kind, default=None)
     p.add_argument("--out", default=None, help="write the report as JSON here")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="also write a torch.profiler table of 3 steps per contender and rank into DIR")
     args = p.parse_args()
     args.plans = [s for s in args.plans.split(",") if s]
     args.targets = [s for s in args.targets.split(",") if s]
