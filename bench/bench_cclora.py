@@ -34,7 +34,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from functools import partial
 
 # NVLink multicast (NVLS / symmetric memory) is off on the GPU machines; set before any init.
@@ -48,8 +47,8 @@ if __package__ in (None, ""):  # run as a script from anywhere: make the repo im
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.bench_coc import (DTYPES, GalaxyStack, galaxy_model, git_commit, init, launch, measure, reduce_over_ranks,  # noqa: E402
-                             rel_diff, release)
+from bench.bench_coc import (DTYPES, GalaxyStack, galaxy_model, init, launch, measure, reduce_over_ranks,  # noqa: E402
+                             rel_diff, release, run_facts)
 from galaxy.config import Method  # noqa: E402
 from galaxy.core.context import ParallelContext  # noqa: E402
 from galaxy.kernels.cclora import merges  # noqa: E402
@@ -216,10 +215,7 @@ def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> No
         finish(rows)
         device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else platform.processor() or "cpu"
         report = {"benchmark": "cclora", "device": device, "world": world, "shape": shape, "targets": args.targets,
-                  "tiny": args.tiny, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": git_commit(),
-                  "torch": torch.__version__,
-                  "nccl": ".".join(map(str, torch.cuda.nccl.version())) if ctx.device.type == "cuda" else None,
-                  "timer": "cuda events" if ctx.device.type == "cuda" else "wall clock",
+                  "tiny": args.tiny, **run_facts(ctx),
                   "env": {k: os.environ.get(k) for k in REPORTED_ENV}, "args": vars(args), "rows": rows}
         print_table(report)
         if args.out:

@@ -565,9 +565,7 @@ def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> No
         finish(rows, world)
         device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else platform.processor() or "cpu"
         report = {"benchmark": "coc", "device": device, "world": world, "shape": shape, "smoke": args.smoke,
-                  "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": git_commit(), "torch": torch.__version__,
-                  "nccl": ".".join(map(str, torch.cuda.nccl.version())) if ctx.device.type == "cuda" else None,
-                  "timer": "cuda events" if ctx.device.type == "cuda" else "wall clock",
+                  **run_facts(ctx),
                   "env": {k: os.environ.get(k) for k in REPORTED_ENV + tuple(e.partition("=")[0] for e in args.env)},
                   "args": {k: v for k, v in vars(args).items()}, "probe": report_probe, "rows": rows}
         print_table(report)
@@ -615,6 +613,14 @@ def main() -> None:
         args.iters, args.warmup = min(args.iters, 10), min(args.warmup, 2)
 
     launch(worker, args, p, on_cpu=args.smoke or args.cpu)
+
+
+def run_facts(ctx: ParallelContext) -> dict:
+    """When, on what and how a benchmark was timed, for its JSON report."""
+    cuda = ctx.device.type == "cuda"
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": git_commit(), "torch": torch.__version__,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+            "timer": "cuda events" if cuda else "wall clock"}
 
 
 def launch(worker, args, parser, on_cpu: bool) -> None:

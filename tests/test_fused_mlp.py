@@ -11,6 +11,7 @@ from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.grad_sync import GradientSync, gather_full
 from galaxy.models.llama import LlamaForCausalLM
 from galaxy.peft import apply_tuning
+from tests.test_llama_equivalence import RTOL, UNEVEN, make_batch, rel_err
 
 transformers = pytest.importorskip("transformers")
 
@@ -18,26 +19,6 @@ TINY = dict(model_type="llama", vocab_size=50, hidden_size=32, num_hidden_layers
             num_key_value_heads=4, intermediate_size=40, hidden_act="silu", max_position_embeddings=32,
             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, initializer_range=0.1, pad_token_id=None,
             seq_length=11)
-SEQ, BATCH = 11, 3
-UNEVEN = {2: dict(tp_num_attention_heads_list=[6, 2], tp_intermediate_size_list=[15, 25], seq_scatter_list=[7, 4]),
-          3: dict(tp_num_attention_heads_list=[2, 4, 2], tp_intermediate_size_list=[10, 20, 10],
-                  seq_scatter_list=[2, 5, 4])}
-RTOL = 1e-9
-
-
-def rel_err(a, b, floor=1e-6):
-    return ((a - b).norm() / b.norm().clamp(min=floor)).item()
-
-
-def make_batch():
-    g = torch.Generator().manual_seed(1000)
-    ids = torch.randint(0, TINY["vocab_size"], (BATCH, SEQ), generator=g)
-    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
-    mask[1, SEQ - 3:] = 0
-    labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
-    return dict(input_ids=ids, attention_mask=mask, labels=labels)
-
-
 # ----------------------------------------------------------------------------- transformers
 
 

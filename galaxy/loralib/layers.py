@@ -97,7 +97,18 @@ class LoRALayer(nn.Module):
         return self
 
 
-class LoRALinear(LoRALayer):
+class _LinearLoRA(LoRALayer):
+    """What every LoRA linear does with its ``base_forward`` and ``branch`` (the LoRA term before
+    scaling): the CCLoRA kernel when fused, the base alone when merged, else base + scaled branch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fusion and not self.merged:
+            return cclora_linear(x, self.cclora_operands())
+        y = self.base_forward(x)
+        return y if self.merged else y + self.branch(x) * self.scaling
+
+
+class LoRALinear(_LinearLoRA):
     """LoRA on a ``ParallelLinear`` (any style) or a plain ``nn.Linear`` (treated as whole).
 
     ``fan_in_fan_out``: the base weight is stored ``[in, out]`` (GPT-2 ``Conv1D`` style), whole only.
@@ -140,14 +151,9 @@ class LoRALinear(LoRALayer):
         bias = self.bias if (self.style != "row" or self.rank == 0) else None  # row bias added once
         return F.linear(x, w, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fusion and not self.merged:
-            return cclora_linear(x, self.cclora_operands())
-        y = self.base_forward(x)
-        if self.merged:
-            return y
+    def branch(self, x: torch.Tensor) -> torch.Tensor:
         # Row style: the branch is part of the partial sum, so every rank adds its own term.
-        return y + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        return self.lora_B(self.lora_A(self.lora_dropout(x)))
 
     def cclora_operands(self) -> Optional[LinearOperands]:
         """This rank's weight, bias and factors for CCLoRA; None while fusion is off."""
@@ -169,7 +175,7 @@ class LoRALinear(LoRALayer):
                f"merged={self.merged}"
 
 
-class MergedLoRALinear(LoRALayer):
+class MergedLoRALinear(_LinearLoRA):
     """LoRA on a fused linear whose output is the concatenation of ``parts`` (e.g. q, k, v), with
     LoRA on some parts only (``enable_lora=[True, False, True]``), as loralib's ``MergedLinear``.
 
@@ -228,17 +234,12 @@ class MergedLoRALinear(LoRALayer):
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fusion and not self.merged:
-            return cclora_linear(x, self.cclora_operands())
-        y = self.base_forward(x)
-        if self.merged:
-            return y
+    def branch(self, x: torch.Tensor) -> torch.Tensor:
         chunks = iter(self.lora_A(self.lora_dropout(x)).split(self.r, dim=-1))
         heads = iter(self.lora_B)
         pieces = [next(heads)(next(chunks)) if on else x.new_zeros(*x.shape[:-1], n)
                   for on, n in zip(self.enable_lora, self.local_parts)]
-        return y + torch.cat(pieces, dim=-1) * self.scaling
+        return torch.cat(pieces, dim=-1)
 
     def cclora_operands(self) -> Optional[LinearOperands]:
         """As ``LoRALinear.cclora_operands``, with the parts' B stacked into one block matrix."""
