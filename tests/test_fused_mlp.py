@@ -2,7 +2,8 @@
 sharded along dim 1. HF weights load into it and give transformers' logits; ``save_pretrained``
 writes HF's separate gate_proj/up_proj, which transformers loads; under TP and Galaxy with
 uneven splits, with and without CoC, it equals the serial unfused model in float64 (gradients
-split back into gate and up); checkpoints move it across plans; LoRA on gate/up is refused."""
+split back into gate and up); checkpoints move it across plans and into the unfused layout (and
+back); LoRA on gate/up is refused."""
 
 import pytest
 import torch
@@ -112,43 +113,49 @@ def test_fused_plan_equals_serial_unfused(dist_pool, world, plan, extra):
     dist_pool.run(fused_equals_serial_unfused, world, plan, extra)
 
 
-def fused_model_and_optimizer(ctx, plan, seed):
-    cfg = GalaxyConfig.from_dict(dict(TINY, plan=plan, **UNEVEN[ctx.mp.size], fused_gate_up=True))
+def fused_model_and_optimizer(ctx, plan, seed, fused=True):
+    cfg = GalaxyConfig.from_dict(dict(TINY, plan=plan, **UNEVEN[ctx.mp.size], fused_gate_up=fused))
     model = LlamaForCausalLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=seed).double()
     return cfg, model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def fused_moment(model, optimizer, ctx):
-    p = model.model.layers[1].mlp.gate_up_proj.weight
-    return gather_full(optimizer.state[p]["exp_avg"], p, ctx.mp)
+def gate_up_moments(model, optimizer, ctx):
+    """Layer 1's full gate/up AdamW first moment as [2, I, H] and the step count, either layout."""
+    mlp = model.model.layers[1].mlp
+    params = [mlp.gate_up_proj.weight] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj.weight, mlp.up_proj.weight]
+    moments = [gather_full(optimizer.state[p]["exp_avg"], p, ctx.mp) for p in params]
+    return (moments[0] if len(moments) == 1 else torch.stack(moments)), optimizer.state[params[0]]["step"]
 
 
-def save_fused_checkpoint(ctx, directory, plan):
+def save_gate_up_checkpoint(ctx, directory, plan, fused):
     from galaxy.train.checkpoint import save_checkpoint
 
-    cfg, model, optimizer = fused_model_and_optimizer(ctx, plan, seed=3)
+    cfg, model, optimizer = fused_model_and_optimizer(ctx, plan, seed=3, fused=fused)
     model(**make_batch()).loss.backward()
     GradientSync(model.parameters(), ctx.mp)()
     optimizer.step()
     save_checkpoint(directory, 1, model, optimizer, None, ctx, cfg)
-    return model.full_state_dict(), fused_moment(model, optimizer, ctx)
+    return model.state_to_hf(model.full_state_dict()), gate_up_moments(model, optimizer, ctx)
 
 
-def load_fused_checkpoint(ctx, directory, plan):
+def load_gate_up_checkpoint(ctx, directory, plan, fused):
     from galaxy.train.checkpoint import load_checkpoint
 
-    cfg, model, optimizer = fused_model_and_optimizer(ctx, plan, seed=9)
+    cfg, model, optimizer = fused_model_and_optimizer(ctx, plan, seed=9, fused=fused)
     load_checkpoint(directory, model, optimizer, None, ctx, cfg)
-    return model.full_state_dict(), fused_moment(model, optimizer, ctx)
+    return model.state_to_hf(model.full_state_dict()), gate_up_moments(model, optimizer, ctx)
 
 
-def test_fused_checkpoint_moves_across_plans(dist_pool, tmp_path):
+@pytest.mark.parametrize("saved_fused,loaded_fused", [(True, True), (True, False), (False, True)])
+def test_gate_up_checkpoint_moves_across_plans_and_layouts(dist_pool, tmp_path, saved_fused, loaded_fused):
     """Checkpoints store the full [2, I, H] tensor by its dim-1 shard spec, so a TP run on 2 ranks
-    resumes as Galaxy on 3 with other splits (weights and AdamW moments)."""
-    saved, moment = dist_pool.run(save_fused_checkpoint, 2, str(tmp_path), "tp")[0]
-    loaded, moment_back = dist_pool.run(load_fused_checkpoint, 3, str(tmp_path), "galaxy")[0]
+    resumes as Galaxy on 3 with other splits (weights, AdamW moments and step), also into a model
+    with the other ``fused_gate_up`` setting."""
+    saved, (moment, step) = dist_pool.run(save_gate_up_checkpoint, 2, str(tmp_path), "tp", saved_fused)[0]
+    loaded, (moment_back, step_back) = dist_pool.run(load_gate_up_checkpoint, 3, str(tmp_path), "galaxy",
+                                                     loaded_fused)[0]
     assert set(loaded) == set(saved) and all(torch.equal(loaded[k], saved[k]) for k in saved)
-    assert torch.equal(moment_back, moment)
+    assert torch.equal(moment_back, moment) and torch.equal(step_back, step) and step.item() == 1
 
 
 # ----------------------------------------------------------------------------- LoRA

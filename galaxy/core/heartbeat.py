@@ -204,8 +204,33 @@ class Heartbeat:
         if store is not None and not self._thread.is_alive():  # never two users of one connection
             try:
                 store.set(ALIVE_KEY.format(self.rank), state)
+                if self.rank == 0 and state != DONE and self._some_peer_quiet():
+                    self._linger(store)
             except Exception as e:  # rank 0 is gone already; nobody is left to tell
                 logger.debug("could not record rank %d as %s: %s", self.rank, state, e)
+
+    def _some_peer_quiet(self) -> bool:
+        with self._lock:
+            return any(v not in LEFT and self._store_ok - t >= 2 * self.interval for v, t in self._seen.values())
+
+    def _linger(self, store: dist.Store) -> None:
+        """Rank 0 hosts the store: leaving at once after a peer went quiet would take it away before the
+        other survivors read which rank that was (they would blame rank 0). Wait until every peer has
+        left or gone silent, for at most the time ``explain`` takes to decide."""
+        keys = [ALIVE_KEY.format(r) for r in self.peers]
+        start = time.monotonic()
+        seen = {k: (None, start) for k in keys}
+        while True:
+            now = time.monotonic()
+            for k, v in zip(keys, store.multi_get(keys)):
+                v = v.decode()
+                if v != seen[k][0]:
+                    seen[k] = (v, now)
+            if all(v in LEFT or now - t >= self.window for v, t in seen.values()):
+                return
+            if now - start >= 2 * self.window + 2 * self.interval:
+                return
+            time.sleep(self.interval / 4)
 
     def _at_exit(self) -> None:
         self.stop(EXITED)

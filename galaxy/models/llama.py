@@ -418,24 +418,27 @@ class LlamaModel(nn.Module):
 
 
 def fuse_gate_up(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF's ``mlp.gate_proj.weight`` / ``mlp.up_proj.weight`` pairs -> ``mlp.gate_up_proj.weight`` [2, I, H]."""
+    """HF's ``mlp.gate_proj.weight`` / ``mlp.up_proj.weight`` pairs -> ``mlp.gate_up_proj.weight`` [2, I, H].
+    Also maps per-parameter optimizer states: a 0-dim one (a step count) is the gate's."""
     out = {}
     for name, tensor in state.items():
         stem = name[: -len(GATE)] if name.endswith(GATE) else name[: -len(UP)] if name.endswith(UP) else None
         if stem is None or stem + GATE not in state or stem + UP not in state:
             out[name] = tensor  # not a complete pair: left for the loader to name
         elif name.endswith(GATE):
-            out[stem + GATE_UP] = torch.stack([tensor, state[stem + UP]])
+            out[stem + GATE_UP] = tensor if tensor.dim() == 0 else torch.stack([tensor, state[stem + UP]])
     return out
 
 
 def split_gate_up(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``mlp.gate_up_proj.weight`` -> HF's separate ``gate_proj`` and ``up_proj`` weights."""
+    """``mlp.gate_up_proj.weight`` -> HF's separate ``gate_proj`` and ``up_proj`` weights (a 0-dim
+    optimizer state goes to both)."""
     out = {}
     for name, tensor in state.items():
         if name.endswith(GATE_UP):
             stem = name[: -len(GATE_UP)]
-            out[stem + GATE], out[stem + UP] = tensor[0].clone(), tensor[1].clone()  # own storage: safetensors
+            halves = (tensor, tensor) if tensor.dim() == 0 else (tensor[0], tensor[1])
+            out[stem + GATE], out[stem + UP] = (t.clone() for t in halves)  # own storage: safetensors
         else:
             out[name] = tensor
     return out

@@ -540,13 +540,20 @@ def _local_slice(full: torch.Tensor, param: torch.Tensor, what: str, fpath: str)
     return spec.slice(full) if spec else full
 
 
+def _in_model_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full tensors saved by a model of another layout of the same architecture (e.g. LLaMA with the
+    other ``fused_gate_up`` setting) under ``model``'s names and shapes."""
+    convert = getattr(model, "state_from_hf", None)
+    return convert(state) if callable(convert) else state
+
+
 @torch.no_grad()
 def load_model_weights(path: str, model: nn.Module, manifest: Optional[dict] = None) -> None:
     """Copy a checkpoint's full tensors into ``model``, each rank taking its shard (no collective).
     Every parameter of ``model`` must be in the checkpoint; a pipeline stage takes its own."""
     manifest = manifest or _read_manifest(path)
     fpath = os.path.join(path, MODEL_FILE)
-    state = _load_tensors(path, MODEL_FILE, manifest)
+    state = _in_model_layout(model, _load_tensors(path, MODEL_FILE, manifest))
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(state))
     if missing:
@@ -568,10 +575,14 @@ def _load_optimizer(path: str, manifest: dict, state_json: dict, model: nn.Modul
     fpath = os.path.join(path, OPTIM_FILE)
     flat = _load_tensors(path, OPTIM_FILE, manifest)
     names = {p: n for n, p in model.named_parameters()}
-    per_param: dict[str, dict[str, torch.Tensor]] = {}
+    per_key: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in flat.items():
         name, _, skey = key.rpartition(_SEP)
-        per_param.setdefault(name, {})[skey] = value
+        per_key.setdefault(skey, {})[name] = value
+    per_param: dict[str, dict[str, torch.Tensor]] = {}
+    for skey, by_name in per_key.items():
+        for name, value in _in_model_layout(model, by_name).items():
+            per_param.setdefault(name, {})[skey] = value
     local = _local_optimizer(optimizer)
     index, state = 0, {}
     for group in local.param_groups:
