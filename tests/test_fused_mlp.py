@@ -12,7 +12,7 @@ from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.grad_sync import GradientSync, gather_full
 from galaxy.models.llama import LlamaForCausalLM
 from galaxy.peft import apply_tuning
-from tests.test_llama_equivalence import RTOL, UNEVEN, make_batch, rel_err
+from tests.test_llama_equivalence import RTOL, UNEVEN, backward_both, make_batch, rel_err
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,21 +89,15 @@ def fused_equals_serial_unfused(ctx, plan, extra):
         assert layer.coc.fuses(plan.mlp, layer.mlp.down_proj)
     rows = plan.ffn_split[ctx.mp.rank] if plan.mlp.value == "TP" else TINY["intermediate_size"]
     assert layer.mlp.gate_up_proj.weight.shape == (2, rows, TINY["hidden_size"])
-    sync = GradientSync(par.parameters(), ctx.mp)
-    batch = make_batch()
-    out_s, out_p = serial(**batch), par(**batch)
-    out_s.loss.backward()
-    out_p.loss.backward()
-    sync()
-    assert abs(out_p.loss.item() - out_s.loss.item()) <= RTOL * abs(out_s.loss.item())
-    assert rel_err(par.model.edges.to_replicated(out_p.logits).detach(), out_s.logits.detach()) < RTOL
+    loss, logits_err = backward_both(serial, par, make_batch(), ctx, par.model.edges)
+    assert logits_err < RTOL
     grads = {n: gather_full(p.grad, p, ctx.mp) for n, p in par.named_parameters()}
     grads = par.state_to_hf(grads)  # [2, I, H] -> gate_proj / up_proj
     ref = {n: p.grad for n, p in serial.named_parameters()}
     assert set(grads) == set(ref)
     for name, g in grads.items():
         assert rel_err(g, ref[name]) < RTOL, name
-    return out_p.loss.item()
+    return loss
 
 
 @pytest.mark.parametrize("world,plan,extra", [(3, "tp", {}), (3, "galaxy", {}), (2, "galaxy2", {}),

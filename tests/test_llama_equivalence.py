@@ -56,17 +56,23 @@ def build(ctx, plan_spec, uneven, extra=None):
     return serial, par
 
 
-def compare_with_serial(ctx, plan_spec, uneven, extra=None):
-    serial, par = build(ctx, plan_spec, uneven, extra)
+def backward_both(serial, par, batch, ctx, edges):
+    """Forward and backward of the serial and the parallel model on one batch, the parallel
+    gradients synced by their rules; the losses must agree. Returns the parallel model's loss and
+    the relative error of its logits (``edges``: the parallel model's block boundaries)."""
     sync = GradientSync(par.parameters(), ctx.mp)
-    batch = make_batch()
     out_s, out_p = serial(**batch), par(**batch)
     out_s.loss.backward()
     out_p.loss.backward()
     sync()
     assert abs(out_p.loss.item() - out_s.loss.item()) <= RTOL * abs(out_s.loss.item()), \
         (out_p.loss.item(), out_s.loss.item())
-    worst = rel_err(par.model.edges.to_replicated(out_p.logits).detach(), out_s.logits.detach())
+    return out_p.loss.item(), rel_err(edges.to_replicated(out_p.logits).detach(), out_s.logits.detach())
+
+
+def compare_with_serial(ctx, plan_spec, uneven, extra=None):
+    serial, par = build(ctx, plan_spec, uneven, extra)
+    _, worst = backward_both(serial, par, make_batch(), ctx, par.model.edges)
     grads_s = dict(serial.named_parameters())
     assert set(grads_s) == {n for n, _ in par.named_parameters()}
     for name, p in par.named_parameters():

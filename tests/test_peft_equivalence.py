@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from galaxy.config import GalaxyConfig
-from galaxy.core.grad_sync import GradientSync, gather_full
+from galaxy.core.grad_sync import gather_full
 from galaxy.loralib import lora_modules, merge_lora, unmerge_lora
 from galaxy.models.bert import BertForMaskedLM
 from galaxy.models.llama import LlamaForCausalLM
 from galaxy.peft import apply_tuning, load_tuning, save_tuning
+from tests.test_llama_equivalence import RTOL, backward_both, rel_err
 
 BERT = dict(vocab_size=50, hidden_size=24, num_hidden_layers=2, num_attention_heads=6, intermediate_size=40,
             max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -43,13 +44,7 @@ UNEVEN = {  # heads: BERT has 6, LLaMA 8 in GQA pairs
 }
 PRESETS = ("tp", "sp", "galaxy", "galaxy2")
 MIXED = (("SP", "None", "TP"), ("None", "SP", "TP"))
-RTOL = 1e-9
 OWN = {"lora": lambda n: "lora_" in n, "adapter": lambda n: ".adapter." in n, "side": lambda n: n.startswith("side.")}
-
-
-def rel_err(a, b, floor=1e-6):
-    # A floor on the denominator, so rounding noise on an exactly-zero gradient is not read as 100%.
-    return ((a - b).norm() / b.norm().clamp(min=floor)).item()
 
 
 def make_batch(model_type):
@@ -92,15 +87,7 @@ def compare_with_serial(ctx, model_type, method, plan, uneven):
     assert names and all(OWN[method](n) for n in names), names
     assert names == [n for n, p in serial.named_parameters() if p.requires_grad]
     frozen = {n: gather_full(p.detach(), p, ctx.mp).clone() for n, p in par.named_parameters() if not p.requires_grad}
-    sync = GradientSync(par.parameters(), ctx.mp)
-    batch = make_batch(model_type)
-    out_s, out_p = serial(**batch), par(**batch)
-    out_s.loss.backward()
-    out_p.loss.backward()
-    sync()
-    assert abs(out_p.loss.item() - out_s.loss.item()) <= RTOL * abs(out_s.loss.item()), \
-        (out_p.loss.item(), out_s.loss.item())
-    worst = rel_err(edges(par).to_replicated(out_p.logits).detach(), out_s.logits.detach())
+    _, worst = backward_both(serial, par, make_batch(model_type), ctx, edges(par))
     grads_s = dict(serial.named_parameters())
     for name, p in par.named_parameters():
         if not p.requires_grad:
