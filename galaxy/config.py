@@ -153,8 +153,9 @@ class PeftConfig:
     lora_target_modules: Optional[list[str]] = None  # None: BERT query/value, LLaMA q_proj/v_proj; any module name
     lora_bias: str = "none"  # none | all | lora_only
     use_rslora: bool = False  # scale alpha / sqrt(r) instead of alpha / r
-    # CCLoRA (galaxy.kernels.cclora): scale folded into A, W + B(sA) merged when tokens >= hidden, and
-    # the branch overlapped with the TP collectives; same math and same saved factors as plain LoRA.
+    # CCLoRA (galaxy.kernels.cclora): scale folded into A, W + B(sA) merged when tokens >= hidden (not
+    # while LoRA dropout is active), and the branch overlapped with the TP collectives; same math, same
+    # dropout masks and same saved factors as plain LoRA.
     lora_fusion: bool = False
     adapter_type: str = "houlsby"  # houlsby (after ATT and MLP) | pfeiffer (after MLP)
     adapter_reduction_factor: int = 16
@@ -460,10 +461,6 @@ class GalaxyConfig:
                 raise ConfigError(f"config key '{key}' must be positive, got {getattr(self.peft, key)}")
         if not 0.0 <= self.peft.lora_dropout < 1.0:
             raise ConfigError(f"config key 'lora_dropout' must be in [0, 1), got {self.peft.lora_dropout}")
-        if self.peft.lora_fusion and self.peft.lora_dropout > 0:
-            raise ConfigError(f"config key 'lora_fusion' needs lora_dropout 0 (got {self.peft.lora_dropout}): dropout "
-                              "on the branch input alone cannot be merged into W; set lora_dropout to 0 or "
-                              "lora_fusion to false")
         if self.distributed.timeout_s <= 0:
             raise ConfigError("config key 'timeout_s' must be positive")
         p = self.parallel

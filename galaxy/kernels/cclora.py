@@ -17,6 +17,12 @@ Merged or not, decided per call from this rank's shapes: ``rows`` are the rows o
 Either way the gradients are LoRA's exactly: dx = dY W_m (= dY W + (dY B) A_s), dA = s (dY B)^T x,
 dB = dY^T (x A_s^T), dW = dY^T x only when W trains (frozen W: no dW matmul at all).
 
+LoRA dropout (``lora_dropout`` > 0, training) drops the branch's input only, which no merged weight
+can do: such a linear runs base + branch on x' = x * M. The mask M is drawn as plain LoRA draws it
+(the layer's ``Dropout`` on a tensor of the input's shape, batch-major, same generator and order),
+so fused and unfused training take the same steps; it is kept for dx = dY W + ((dY B) A_s) * M and
+dA = s (dY B)^T x'.
+
 At a TP block edge (``CcloraBoundaries``, which ``galaxy.loralib.set_lora_fusion`` puts in place of
 the model's ``CocBoundaries``) the branch runs while the base linear's collective is in flight:
 
@@ -48,7 +54,7 @@ from torch.autograd.function import once_differentiable
 
 from galaxy.config import Method
 from galaxy.core.comm import Communicator
-from galaxy.core.layers import ParallelLinear
+from galaxy.core.layers import Dropout, ParallelLinear
 from galaxy.core.transitions import Layout
 from galaxy.kernels.coc import (CocBoundaries, _batch_major, _finish_into, _run, _seq_major, _start_all_gather,
                                 _start_all_reduce, _start_reduce_scatter)
@@ -64,13 +70,14 @@ class LinearOperands:
     """One linear as the fused functions take it, this rank's pieces: ``weight`` ``[out, in]`` and
     ``bias`` as ``F.linear`` wants them (None where this rank adds none, e.g. a row-parallel bias
     off rank 0) and, for LoRA, ``lora_a`` ``[r, in]`` (unscaled, HF PEFT's A), ``lora_b``
-    ``[out, r]`` and the scale."""
+    ``[out, r]``, the scale and the dropout on the branch's input while it is active."""
 
     weight: torch.Tensor
     bias: Optional[torch.Tensor] = None
     lora_a: Optional[torch.Tensor] = None
     lora_b: Optional[torch.Tensor] = None
     scale: float = 1.0
+    lora_dropout: Optional[Dropout] = None
 
     @property
     def has_lora(self) -> bool:
@@ -158,6 +165,14 @@ def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     torch.addmm(acc, a, b, out=acc)  # not addmm_: FLOP counters price aten.addmm
 
 
+def _dropout_mask(dropout: Dropout, batch_major_shape, like: torch.Tensor, seq_major: bool) -> torch.Tensor:
+    """The scaled mask (0 or 1 / (1 - p)) that ``dropout`` applies to an input of this shape: the
+    same draw as plain LoRA's ``dropout(x)``, which depends on the shape, dtype and device only.
+    Returned in ``like``'s layout (sequence-major when ``seq_major``)."""
+    mask = dropout(torch.ones(batch_major_shape, dtype=like.dtype, device=like.device))
+    return _seq_major(mask) if seq_major else mask
+
+
 def _offsets(ranks: Sequence[int]) -> list[slice]:
     out, start = [], 0
     for r in ranks:
@@ -168,17 +183,17 @@ def _offsets(ranks: Sequence[int]) -> list[slice]:
 
 # ----------------------------------------------------------------------------- autograd functions
 
-_LEAD = 5  # non-parameter arguments of _ColumnCCLoRA.forward before *params
+_LEAD = 6  # non-parameter arguments of _ColumnCCLoRA.forward before *params
 
 
 class _ColumnCCLoRA(torch.autograd.Function):
     """Linears sharing one input, any of them LoRA: on this rank only (``mode`` "local", any
     style), after R -> T ("copy": dx all-reduced) or after S -> T ("gather": x all-gathered, dx
     reduce-scattered). ``params``: n weights, n biases, n A, n B (None where absent); ``scales[i]``
-    is None for a linear without LoRA."""
+    is None for a linear without LoRA, ``dropouts[i]`` the active dropout on its branch input."""
 
     @staticmethod
-    def forward(ctx, x, comm: Optional[Communicator], seq_split, mode: str, scales, *params):
+    def forward(ctx, x, comm: Optional[Communicator], seq_split, mode: str, scales, dropouts, *params):
         n = len(scales)
         weights, biases, lora_a, lora_b = params[:n], params[n:2 * n], params[2 * n:3 * n], params[3 * n:]
         lora = tuple(i for i in range(n) if scales[i] is not None)
@@ -190,12 +205,18 @@ class _ColumnCCLoRA(torch.autograd.Function):
             rows = sum(seq_split) * xs.shape[1]
         else:
             xs, rows = x, x.numel() // x.shape[-1]
-        merged = merges(rows, x.shape[-1])
-        eff, xa, xa_pending = list(weights), None, None
+        dropped = any(dropouts[i] is not None for i in lora)
+        merged = merges(rows, x.shape[-1]) and not dropped
+        eff, xa, xa_pending, masks = list(weights), None, None, {}
+        if dropped:  # the masks plain LoRA draws (same stream, same order); under the all-gather of x
+            shape = (x.shape[0], sum(seq_split)) if gather else tuple(x.shape[:-1])
+            for i in lora:
+                if dropouts[i] is not None:
+                    masks[i] = _dropout_mask(dropouts[i], shape + (x.shape[-1],), x, gather).reshape(-1, x.shape[-1])
         if lora and merged:
             for i, a in zip(lora, a_s):  # under the all-gather of x: the merge needs no x
                 eff[i] = _merged(weights[i], lora_b[i], a)
-        elif lora:
+        elif lora and not dropped:
             a_cat = torch.cat(a_s)  # [R, in]: one GEMM for every LoRA linear of the edge
             xa = torch.mm(xs.reshape(-1, xs.shape[-1]), a_cat.t()).view(tuple(xs.shape[:-1]) + (a_cat.shape[0],))
             if gather:  # the local tokens' rank-r product, computed under the large gather; only it travels
@@ -204,16 +225,19 @@ class _ColumnCCLoRA(torch.autograd.Function):
         x2 = full.reshape(-1, full.shape[-1])
         outs = [_linear(x2, w, bias) for w, bias in zip(eff, biases)]
         eff = None  # merged weights are not kept for backward
+        if dropped:  # x' = x * M for the branch: all of x is needed, so after the gather
+            xa = torch.cat([torch.mm(x2 * masks[i] if i in masks else x2, a.t()) for i, a in zip(lora, a_s)],
+                           dim=-1)
         if lora and not merged:
-            if gather:
+            if xa_pending is not None:
                 xa = xa_pending.wait()
             xa2 = xa.view(-1, xa.shape[-1])
             for i, cols in zip(lora, _offsets([a.shape[0] for a in a_s])):
                 _add_mm(outs[i], xa2[:, cols], lora_b[i].t())
         ctx.comm, ctx.seq_split, ctx.mode, ctx.scales, ctx.n = comm, seq_split, mode, scales, n
-        ctx.lora, ctx.merged, ctx.x_shape = lora, merged, x.shape
+        ctx.lora, ctx.merged, ctx.x_shape, ctx.masked = lora, merged, x.shape, tuple(masks)
         ctx.has_bias = tuple(b is not None for b in biases)
-        ctx.save_for_backward(full, xa, *weights, *lora_a, *lora_b)
+        ctx.save_for_backward(full, xa, *weights, *lora_a, *lora_b, *masks.values())
         ctx.set_materialize_grads(False)  # an unused output gets no backward work, as in F.linear
         shape = tuple(full.shape[:-1])
         outs = [o.view(shape + (o.shape[-1],)) for o in outs]
@@ -224,7 +248,8 @@ class _ColumnCCLoRA(torch.autograd.Function):
     def backward(ctx, *grads):
         full, xa, *rest = ctx.saved_tensors
         n, lora, merged, scales = ctx.n, ctx.lora, ctx.merged, ctx.scales
-        weights, lora_a, lora_b = rest[:n], rest[n:2 * n], rest[2 * n:]
+        weights, lora_a, lora_b = rest[:n], rest[n:2 * n], rest[2 * n:3 * n]
+        masks = dict(zip(ctx.masked, rest[3 * n:]))
         need = ctx.needs_input_grad
         need_w, need_bias = need[_LEAD:_LEAD + n], need[_LEAD + n:_LEAD + 2 * n]
         need_a, need_b = need[_LEAD + 2 * n:_LEAD + 3 * n], need[_LEAD + 3 * n:]
@@ -254,8 +279,12 @@ class _ColumnCCLoRA(torch.autograd.Function):
                     grad_x = torch.mm(d, w)
                 else:
                     _add_mm(grad_x, d, w)
-            if live and not merged:  # every branch's (dY B) A_s in one rank-sum(r) GEMM
-                _add_mm(grad_x, dy_b(live), torch.cat([a_s[i] for i in live]))
+            plain = [i for i in live if i not in masks]
+            if plain and not merged:  # every branch's (dY B) A_s in one rank-sum(r) GEMM
+                _add_mm(grad_x, dy_b(plain), torch.cat([a_s[i] for i in plain]))
+            for i in live:
+                if i in masks:  # a dropped-out input: its branch's dx passes the mask
+                    grad_x.add_(torch.mm(dy_b([i]), a_s[i]).mul_(masks[i]))
             grad_x = grad_x.view(full.shape)
             if ctx.mode == "gather":
                 pending = _Scatter(ctx.comm, grad_x, ctx.seq_split, "bwd")
@@ -264,10 +293,14 @@ class _ColumnCCLoRA(torch.autograd.Function):
         # 2. The parameter gradients need no communication: they run while dx is in flight.
         grad_w, grad_bias, grad_a, grad_b = [None] * n, [None] * n, [None] * n, [None] * n
         want_a, want_b = [i for i in live if need_a[i]], [i for i in live if need_b[i]]
-        if want_a:  # dA = s (dY B)^T x, every LoRA linear in one GEMM (x is read once)
-            ga = torch.mm(dy_b(want_a).t(), x2)
-            for i, rows in zip(want_a, _offsets([a_s[i].shape[0] for i in want_a])):
+        shared_a = [i for i in want_a if i not in masks]
+        if shared_a:  # dA = s (dY B)^T x, every LoRA linear in one GEMM (x is read once)
+            ga = torch.mm(dy_b(shared_a).t(), x2)
+            for i, rows in zip(shared_a, _offsets([a_s[i].shape[0] for i in shared_a])):
                 grad_a[i] = ga[rows].mul(scales[i])
+        for i in want_a:
+            if i in masks:  # dA = s (dY B)^T (x * M)
+                grad_a[i] = torch.mm(dy_b([i]).t(), x2 * masks[i]).mul_(scales[i])
         if want_b:  # dB = dY^T (x A_s^T): the product saved by the unmerged forward, else formed here
             xa2 = xa.view(-1, xa.shape[-1]) if xa is not None else torch.mm(x2, torch.cat([a_s[i] for i in lora]).t())
             for i in want_b:
@@ -281,25 +314,28 @@ class _ColumnCCLoRA(torch.autograd.Function):
             if pending is not None:
                 grad_x = pending.wait()
             grad_x = _batch_major(grad_x) if gather else grad_x.view(ctx.x_shape)
-        return (grad_x, None, None, None, None, *grad_w, *grad_bias, *grad_a, *grad_b)
+        return (grad_x, None, None, None, None, None, *grad_w, *grad_bias, *grad_a, *grad_b)
 
 
 class _RowCCLoRA(torch.autograd.Function):
     """A row-parallel LoRA linear (A sharded like W's columns, B whole; this rank's output is
     partial, branch included) then P -> S ("scatter": reduce-scatter, backward all-gather) or
-    P -> R ("reduce": all-reduce, backward identity)."""
+    P -> R ("reduce": all-reduce, backward identity); ``dropout``: the active one on the branch input."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, comm: Communicator, seq_split, scale: float, mode: str):
+    def forward(ctx, x, weight, bias, lora_a, lora_b, comm: Communicator, seq_split, scale: float, mode: str,
+                dropout: Optional[Dropout]):
         scatter = mode == "scatter"
         xs = _seq_major(x) if scatter else x
         x2 = xs.reshape(-1, xs.shape[-1])
-        merged = merges(x2.shape[0], weight.shape[1])
+        merged = merges(x2.shape[0], weight.shape[1]) and dropout is None
         a_s = lora_a * scale
-        xa = None
+        xa = mask = None
         y2 = _linear(x2, _merged(weight, lora_b, a_s) if merged else weight, bias)
         if not merged:
-            xa = torch.mm(x2, a_s.t())
+            if dropout is not None:
+                mask = _dropout_mask(dropout, x.shape, xs, scatter).reshape(x2.shape)
+            xa = torch.mm(x2 if mask is None else x2 * mask, a_s.t())
             _add_mm(y2, xa, lora_b.t())  # the branch joins the partial sum before the collective
         y = y2.view(tuple(xs.shape[:-1]) + (weight.shape[0],))
         if scatter:
@@ -308,13 +344,13 @@ class _RowCCLoRA(torch.autograd.Function):
             y = _AllReduce(comm, y, "fwd").wait()
         ctx.comm, ctx.seq_split, ctx.scale, ctx.mode, ctx.merged = comm, seq_split, scale, mode, merged
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(x, xa, weight, lora_a, lora_b)
+        ctx.save_for_backward(x, xa, weight, lora_a, lora_b, mask)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        x, xa, weight, lora_a, lora_b = ctx.saved_tensors
+        x, xa, weight, lora_a, lora_b, mask = ctx.saved_tensors
         need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
         scatter, merged, scale = ctx.mode == "scatter", ctx.merged, ctx.scale
         pending = _Gather(ctx.comm, _seq_major(grad), ctx.seq_split, "bwd") if scatter else None
@@ -328,19 +364,21 @@ class _RowCCLoRA(torch.autograd.Function):
         grad_x = grad_w = grad_bias = grad_a = grad_b = None
         if need_x:
             grad_x = torch.mm(d2, w_m if merged else weight)
-            if not merged:
+            if mask is not None:
+                grad_x.add_(torch.mm(dyb, a_s).mul_(mask))
+            elif not merged:
                 _add_mm(grad_x, dyb, a_s)
             grad_x = grad_x.view(xs.shape)
             grad_x = _batch_major(grad_x) if scatter else grad_x.view(x.shape)
         if need_a:
-            grad_a = torch.mm(dyb.t(), x2).mul_(scale)
+            grad_a = torch.mm(dyb.t(), x2 if mask is None else x2 * mask).mul_(scale)
         if need_b:
             grad_b = torch.mm(d2.t(), xa if xa is not None else torch.mm(x2, a_s.t()))
         if need_w:
             grad_w = torch.mm(d2.t(), x2)
         if need_bias and ctx.has_bias:
             grad_bias = d2.sum(0)
-        return grad_x, grad_w, grad_bias, grad_a, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_bias, grad_a, grad_b, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- public functions
@@ -350,10 +388,11 @@ def _column(x: torch.Tensor, ops: Sequence[LinearOperands], comm, seq_split, mod
     if not ops:
         raise ValueError("need at least one linear")
     scales = tuple(op.scale if op.has_lora else None for op in ops)
+    dropouts = tuple(op.lora_dropout if op.has_lora else None for op in ops)
     params = ([op.weight for op in ops] + [op.bias for op in ops] + [op.lora_a for op in ops]
               + [op.lora_b for op in ops])
     return list(_run(_ColumnCCLoRA, x, comm, tuple(seq_split) if seq_split is not None else None, mode, scales,
-                     *params))
+                     dropouts, *params))
 
 
 def cclora_linear(x: torch.Tensor, op: LinearOperands) -> torch.Tensor:
@@ -383,7 +422,8 @@ def _row(x: torch.Tensor, op: LinearOperands, comm: Communicator, seq_split, mod
         raise ValueError("the row-parallel CCLoRA functions take a LoRA linear (plain ones take CoC's)")
     if comm.size == 1:
         return cclora_linear(x, op)
-    return _run(_RowCCLoRA, x, op.weight, op.bias, op.lora_a, op.lora_b, comm, seq_split, op.scale, mode)
+    return _run(_RowCCLoRA, x, op.weight, op.bias, op.lora_a, op.lora_b, comm, seq_split, op.scale, mode,
+                op.lora_dropout)
 
 
 def cclora_reduce_scatter(x: torch.Tensor, op: LinearOperands, comm: Communicator,

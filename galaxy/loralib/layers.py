@@ -21,8 +21,9 @@ of the model do not change (``...query.weight``) and the new ones read like HF P
 row ``W_i += s B A_i``.
 
 ``fusion`` (config key ``lora_fusion``, set by ``set_lora_fusion``) runs the layer through CCLoRA
-(``galaxy.kernels.cclora``: scale folded into A, merged weight when the rows reach the input width,
-LoRA's exact gradients); ``cclora_operands()`` hands the same pieces to the fused TP block edges.
+(``galaxy.kernels.cclora``: scale folded into A, merged weight when the rows reach the input width
+and no LoRA dropout is active, LoRA's exact gradients); ``cclora_operands()`` hands the same pieces
+to the fused TP block edges.
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ class LoRALayer(nn.Module):
     @property
     def base_layer(self) -> nn.Module:
         return self._base[0]
+
+    @property
+    def active_dropout(self) -> Optional[Dropout]:
+        """The dropout on the branch's input while it drops anything (training, p > 0), else None."""
+        d = self.lora_dropout
+        return d if isinstance(d, Dropout) and d.active else None
 
     def delta_weight(self) -> torch.Tensor:
         """``s * B A`` in this rank's local shape of ``weight``, in the merge dtype."""
@@ -163,7 +170,7 @@ class LoRALinear(_LinearLoRA):
         bias = self.bias if (self.style != "row" or self.rank == 0) else None
         if self.merged:
             return LinearOperands(w, bias)
-        return LinearOperands(w, bias, self.lora_A.weight, self.lora_B.weight, self.scaling)
+        return LinearOperands(w, bias, self.lora_A.weight, self.lora_B.weight, self.scaling, self.active_dropout)
 
     def delta_weight(self) -> torch.Tensor:
         dt = _merge_dtype(self.weight.dtype)
@@ -247,7 +254,8 @@ class MergedLoRALinear(_LinearLoRA):
             return None
         if self.merged:
             return LinearOperands(self.weight, self.bias)
-        return LinearOperands(self.weight, self.bias, self.lora_A.weight, self.stacked_b(), self.scaling)
+        return LinearOperands(self.weight, self.bias, self.lora_A.weight, self.stacked_b(), self.scaling,
+                              self.active_dropout)
 
     def stacked_b(self) -> torch.Tensor:
         """The parts' B as one ``[out_local, r * enabled]`` matrix: part p's rows hold its B in its

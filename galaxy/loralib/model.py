@@ -90,12 +90,6 @@ def set_lora_fusion(model: nn.Module, enabled: bool = True) -> list[str]:
     (and back when off), so the TP block edges that have a LoRA linear overlap its branch with
     their collectives; edges without one keep CoC as configured (``coc_parallel_num``)."""
     layers = {n: m for n, m in lora_modules(model).items() if isinstance(m, (LoRALinear, MergedLoRALinear))}
-    if enabled:
-        dropped = [n for n, m in layers.items() if getattr(m.lora_dropout, "p", 0.0) > 0]
-        if dropped:
-            raise ValueError(f"config key 'lora_fusion' needs lora_dropout 0 (LoRA on {dropped[:3]} drops out the "
-                             "branch input, which a merged weight cannot do); set lora_dropout to 0 or "
-                             "lora_fusion to false")
     for m in layers.values():
         m.fusion = enabled
     kind = CcloraBoundaries if enabled else CocBoundaries

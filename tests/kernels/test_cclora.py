@@ -2,13 +2,15 @@
 
 On one rank: whole / column / row ``LoRALinear`` and the fused-QKV ``MergedLoRALinear`` with
 fusion give the unfused layer's output, dx, dA, dB (and dW, bias grads; no dW when W is frozen)
-to 1e-9 relative in float64, on the merged path (rows >= in) and the unmerged one. At the TP
+to 1e-9 relative in float64, on the merged path (rows >= in) and the unmerged one, and with LoRA
+dropout in training (the same masks as plain LoRA, from a generator seeded alike). At the TP
 block edges (world 2 and 3, uneven splits, batch 1 and 2): every fused function equals
 ``transition`` + the LoRA formula, ranks may take different paths, and the unmerged S -> T entry
 gathers only the r-wide product besides x. Whole models: BERT and LLaMA with LoRA + lora_fusion
 under TP / Galaxy (world 2) and uneven Galaxy (world 3), also with CoC chunks on the edges without
-LoRA, equal the serial plain-LoRA model (loss, logits, every trainable gradient); merge / unmerge
-still work, and the saved HF PEFT files are those of plain LoRA (A unscaled).
+LoRA, equal the serial plain-LoRA model (loss, logits, every trainable gradient); with LoRA dropout
+they equal plain LoRA on the same plan over training steps; merge / unmerge still work, and the
+saved HF PEFT files are those of plain LoRA (A unscaled).
 """
 
 import copy
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.grad_sync import GradientSync, gather_full
-from galaxy.core.layers import ParallelLinear
+from galaxy.core.layers import Dropout, ParallelLinear
 from galaxy.core.transitions import Layout, transition
 from galaxy.kernels.cclora import (CcloraBoundaries, LinearOperands, all_gather_cclora, cclora_all_reduce,
                                    cclora_reduce_scatter, copy_cclora, merges)
@@ -89,6 +91,16 @@ def _layer(style, inf, out, bias, fan_in_fan_out=False):
     return layer
 
 
+def _fused_copy(plain, dropout=0.0):
+    """A CCLoRA copy of ``plain``; with ``dropout`` both drop the branch input with masks drawn from
+    generators seeded alike, so they must draw the same masks."""
+    fused = copy.deepcopy(plain)
+    fused.fusion = True
+    if dropout:
+        plain.lora_dropout, fused.lora_dropout = Dropout(dropout, _gen(11)), Dropout(dropout, _gen(11))
+    return fused
+
+
 def _layer_grads(layer, x, grad_out):
     x = x.clone().requires_grad_(True)
     y = layer(x)
@@ -103,17 +115,19 @@ def _layer_grads(layer, x, grad_out):
 @pytest.mark.parametrize("style,fan_in_fan_out", [("whole", False), ("whole", True), ("column", False),
                                                   ("row", False)])
 @pytest.mark.parametrize("rows", [4, 30])  # in_features is 10: unmerged, merged
-@pytest.mark.parametrize("weight_trains", [False, True])
-def test_layer_equals_plain_lora(style, fan_in_fan_out, rows, weight_trains):
+@pytest.mark.parametrize("weight_trains,dropout", [(False, 0.0), (True, 0.0), (False, 0.4)])
+def test_layer_equals_plain_lora(style, fan_in_fan_out, rows, weight_trains, dropout):
     plain = _layer(style, 10, 7, True, fan_in_fan_out)
     plain.weight.requires_grad_(weight_trains)
-    fused = copy.deepcopy(plain)
-    fused.fusion = True
+    fused = _fused_copy(plain, dropout)
     assert merges(rows, 10) == (rows == 30)
     x = _randn((2, rows // 2, 10), _gen(2))
     grad_out = _randn((2, rows // 2, 7), _gen(3))
     y0, dx0, g0, names = _layer_grads(plain, x, grad_out)
     y1, dx1, g1, _ = _layer_grads(fused, x, grad_out)
+    if dropout:  # the masks were drawn and are the same: both differ from the layer without dropout
+        plain.lora_dropout = torch.nn.Identity()
+        assert not torch.allclose(_layer_grads(plain, x, grad_out)[0], y0)
     _assert_close(y1, y0, "output")
     _assert_close(dx1, dx0, "dx")
     assert {"lora_A.weight", "lora_B.weight"} <= set(names)
@@ -124,8 +138,8 @@ def test_layer_equals_plain_lora(style, fan_in_fan_out, rows, weight_trains):
     assert torch.equal(fused.lora_A.weight, plain.lora_A.weight)
 
 
-@pytest.mark.parametrize("rows", [4, 30])
-def test_fused_qkv_layer_equals_plain_lora(rows):
+@pytest.mark.parametrize("rows,dropout", [(4, 0.0), (30, 0.0), (30, 0.4)])
+def test_fused_qkv_layer_equals_plain_lora(rows, dropout):
     gen = _gen(4)
     base = ParallelLinear(10, 14, True, "whole", dtype=torch.float64)
     with torch.no_grad():
@@ -137,8 +151,7 @@ def test_fused_qkv_layer_equals_plain_lora(rows):
             if p is not base.weight and p is not base.bias:
                 p.copy_(_randn(p.shape, gen))
     plain.weight.requires_grad_(False)
-    fused = copy.deepcopy(plain)
-    fused.fusion = True
+    fused = _fused_copy(plain, dropout)
     x, grad_out = _randn((1, rows, 10), _gen(5)), _randn((1, rows, 14), _gen(6))
     y0, dx0, g0, _ = _layer_grads(plain, x, grad_out)
     y1, dx1, g1, _ = _layer_grads(fused, x, grad_out)
@@ -186,15 +199,9 @@ def test_autocast_matches_plain_lora():
 def test_config_key():
     assert GalaxyConfig.from_dict({}).peft.lora_fusion is False
     assert GalaxyConfig.from_dict({"peft": {"tuning": "lora", "lora_fusion": True}}).peft.lora_fusion is True
-    with pytest.raises(ConfigError, match="lora_fusion.*lora_dropout"):
-        GalaxyConfig.from_dict({"tuning": "lora", "lora_fusion": True, "lora_dropout": 0.1})
+    assert GalaxyConfig.from_dict({"tuning": "lora", "lora_fusion": True, "lora_dropout": 0.1}).peft.lora_fusion
     with pytest.raises(ConfigError, match="lora_fusion"):
         GalaxyConfig.from_dict({"lora_fusion": "yes"})
-    layer = LoRALinear(torch.nn.Linear(4, 4), 2, lora_dropout=0.1)
-    model = torch.nn.Sequential(layer)
-    with pytest.raises(ValueError, match="lora_fusion"):
-        set_lora_fusion(model)
-    assert layer.fusion is False
 
 
 # ----------------------------------------------------------------------------- TP block edges (on the ranks)
@@ -202,9 +209,16 @@ def test_config_key():
 HIDDEN = {"merged": 6, "unmerged": 20}  # rows are 7..16 here
 
 
-def column_case(ctx, mode, batch, path):
+def _dropout(p, seed):
+    """A fresh LoRA dropout (both LoRA linears of an edge draw from its one generator, as the
+    model's draw from one stream), or the identity."""
+    return Dropout(p, _gen(seed)) if p else torch.nn.Identity()
+
+
+def column_case(ctx, mode, batch, path, dropout=0.0):
     """S -> T ("gather") or R -> T ("copy"), then a LoRA linear with bias, a plain one and a LoRA
-    one without bias (uneven column shards); W trains on one of them only."""
+    one without bias (uneven column shards); W trains on one of them only. With ``dropout`` the
+    LoRA inputs drop out, with the same masks on every rank (a replicated region)."""
     comm, r = ctx.mp, ctx.mp.rank
     split = SPLITS[comm.size]
     total, h = sum(split), HIDDEN[path]
@@ -224,20 +238,23 @@ def column_case(ctx, mode, batch, path):
     def reference(x, *params):
         ws, bs, a_s, b_s = split_params(params)
         full = transition(x, src, Layout.T, comm, split)
-        return [F.linear(full, w, b) + (0 if a is None else (full @ a.t()) @ bb.t() * s)
+        drop = _dropout(dropout, 21)
+        return [F.linear(full, w, b) + (0 if a is None else (drop(full) @ a.t()) @ bb.t() * s)
                 for w, b, a, bb, s in zip(ws, bs, a_s, b_s, scales)]
 
     def fused(x, *params):
-        ops = [LinearOperands(w, b, a, bb, s or 1.0) for w, b, a, bb, s in zip(*split_params(params), scales)]
+        drop = _dropout(dropout, 21) if dropout else None
+        ops = [LinearOperands(w, b, a, bb, s or 1.0, drop) for w, b, a, bb, s in zip(*split_params(params), scales)]
         if mode == "gather":
             return all_gather_cclora(x, ops, comm, split)
         return copy_cclora(x, ops, comm)
 
     inputs = [x, *weights, *biases, *lora_a, *lora_b]
     requires = [True, False, True, False] + [True] * 9
-    _compare(fused, reference, inputs, grad_outputs, requires, f"{mode} b={batch} {path}")
-    _compare(fused, reference, inputs, grad_outputs, [False] + requires[1:], f"{mode} b={batch} {path} no dx")
-    if mode == "gather":  # what travels: x, plus only the r-wide product when unmerged
+    label = f"{mode} b={batch} {path} dropout={dropout}"
+    _compare(fused, reference, inputs, grad_outputs, requires, label)
+    _compare(fused, reference, inputs, grad_outputs, [False] + requires[1:], f"{label} no dx")
+    if mode == "gather" and not dropout:  # what travels: x, plus only the r-wide product when unmerged
         seen = []
         comm.observers.append(lambda rec: seen.append((rec.op, rec.phase, rec.nbytes)))
         try:
@@ -250,8 +267,9 @@ def column_case(ctx, mode, batch, path):
     return True
 
 
-def row_case(ctx, mode, batch, path):
-    """A row-parallel LoRA linear (A sharded, B whole, bias on rank 0) then P -> S or P -> R."""
+def row_case(ctx, mode, batch, path, dropout=0.0):
+    """A row-parallel LoRA linear (A sharded, B whole, bias on rank 0) then P -> S or P -> R; with
+    ``dropout`` each rank drops its input shard with its own stream (a sharded region)."""
     comm, r = ctx.mp, ctx.mp.rank
     split = SPLITS[comm.size]
     total, out, k = sum(split), 5, 3
@@ -264,18 +282,18 @@ def row_case(ctx, mode, batch, path):
     dst = Layout.S if mode == "scatter" else Layout.R
 
     def reference(x, w, b, a, bb):
-        y = F.linear(x, w, b if r == 0 else None) + (x @ a.t()) @ bb.t() * 1.5
+        y = F.linear(x, w, b if r == 0 else None) + (_dropout(dropout, 30 + r)(x) @ a.t()) @ bb.t() * 1.5
         return transition(y, Layout.P, dst, comm, split)
 
     def fused(x, w, b, a, bb):
-        op = LinearOperands(w, b if r == 0 else None, a, bb, 1.5)
+        op = LinearOperands(w, b if r == 0 else None, a, bb, 1.5, _dropout(dropout, 30 + r) if dropout else None)
         if mode == "scatter":
             return cclora_reduce_scatter(x, op, comm, split)
         return cclora_all_reduce(x, op, comm)
 
     for requires in ([True, False, True, True, True], [True, True, True, True, True]):
         _compare(fused, reference, [x, weight, bias, lora_a, lora_b], [grad_output], requires,
-                 f"{mode} b={batch} {path} dW={requires[1]}")
+                 f"{mode} b={batch} {path} dW={requires[1]} dropout={dropout}")
     return True
 
 
@@ -285,6 +303,7 @@ def test_column_edges(dist_pool, world, mode):
     for batch in (1, 2):
         for path in HIDDEN:
             assert all(dist_pool.run(column_case, world, mode, batch, path))
+    assert all(dist_pool.run(column_case, world, mode, 2, "merged", 0.3))  # dropout: unmerged, masks alike
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -292,6 +311,7 @@ def test_column_edges(dist_pool, world, mode):
 def test_row_edges(dist_pool, world, mode):
     for batch, path in ((1, "merged"), (2, "unmerged"), (1, "mixed")):
         assert all(dist_pool.run(row_case, world, mode, batch, path))
+    assert all(dist_pool.run(row_case, world, mode, 2, "merged", 0.3))
 
 
 # ----------------------------------------------------------------------------- whole models (on the ranks)
@@ -353,6 +373,52 @@ def test_models_with_fusion_equal_serial_lora(dist_pool, model_type):
 def test_fusion_with_coc_chunks(dist_pool):
     """coc_parallel_num 2: edges with LoRA run CCLoRA, the others CoC's chunks; still exact."""
     dist_pool.run(model_case, 2, "llama", "galaxy", False, 2)
+
+
+def dropout_case(ctx, model_type, plan, uneven):
+    """LoRA dropout 0.3 in training: the fused model and the plain-LoRA model on the same plan draw
+    the same masks from the context's streams (restored before each model's step) and take the
+    same two AdamW steps: losses, logits and every trainable gradient to 1e-9."""
+    targets = [t for t in LORA_TARGETS[model_type] if "embed" not in t]  # embeddings have no dropout
+    models = [tuned_pair(ctx, model_type, "lora", plan, uneven, targets=targets, lora_dropout=0.3,
+                         lora_fusion=True)[1] for _ in range(2)]
+    fused, plain = models
+    set_lora_fusion(plain, False)
+    assert all(m.active_dropout is not None for m in lora_modules(fused).values())
+    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in models]
+    batch = make_batch(model_type)
+    plain.eval()
+    without_dropout = plain(**batch).loss.item()
+    plain.train()
+    for step in range(2):
+        streams = {key: g.get_state() for key, g in ctx._generators.items()}
+        results = []
+        for model, optimizer in zip(models, optimizers):
+            for key, state in streams.items():
+                ctx._generators[key].set_state(state)
+            out = model(**batch)
+            out.loss.backward()
+            GradientSync(model.parameters(), ctx.mp)()
+            results.append((out.loss.item(), edges(model).to_replicated(out.logits).detach(),
+                            {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        (loss_f, logits_f, grads_f), (loss_p, logits_p, grads_p) = results
+        assert abs(loss_f - loss_p) <= RTOL * abs(loss_p), (step, loss_f, loss_p)
+        assert rel_err(logits_f, logits_p) < RTOL
+        assert grads_f.keys() == grads_p.keys()
+        for name in grads_p:
+            assert rel_err(grads_f[name], grads_p[name]) < RTOL, f"{plan} step {step}: grad of {name}"
+        if step == 0:  # the masks mattered
+            assert abs(loss_p - without_dropout) > 1e-6
+    return True
+
+
+@pytest.mark.parametrize("model_type", ["bert", "llama"])
+def test_fusion_with_lora_dropout_equals_plain_lora(dist_pool, model_type):
+    for plan in ("tp", "galaxy2"):
+        assert all(dist_pool.run(dropout_case, 2, model_type, plan, False))
+    assert all(dist_pool.run(dropout_case, 3, model_type, "galaxy", True))
 
 
 def merge_case(ctx, model_type, plan):
