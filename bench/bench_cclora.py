@@ -23,6 +23,9 @@ the timed iterations. "check": max relative difference (max |a - b| / max |b|) o
 every LoRA gradient, CCLoRA against LoRA, on the timed model (--tiny runs fp64 and fails above 1e-9).
 In bf16 the two differ by rounding, so "vs fp32" gives each contender's own distance from the same
 step in fp32 (the same bf16 weights, plain LoRA): CCLoRA should be as close as LoRA.
+``--dropout P`` sets ``lora_dropout``: every LoRA linear then takes the unmerged path with the masks
+plain LoRA draws (the dropout streams are put back before each compared step, so "check" still
+compares like with like; "vs fp32" is left out, as fp32 and bf16 draw different masks on GPU).
 On CPU (--tiny) times are wall-clock and mean nothing: the run shows the script works end to end.
 """
 
@@ -62,9 +65,10 @@ REPORTED_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM
                 "CUDA_DEVICE_MAX_CONNECTIONS")
 
 
-def lora_model(shape: dict, plan: str, ctx: ParallelContext, targets: list[str]):
+def lora_model(shape: dict, plan: str, ctx: ParallelContext, targets: list[str], dropout: float = 0.0):
     model = galaxy_model(shape, plan, ctx, seed=0)  # coc_parallel_num pinned to 1
-    inject_lora(model, targets, r=shape["rank"], lora_alpha=shape["alpha"], seed=0, init_b_std=0.02)
+    inject_lora(model, targets, r=shape["rank"], lora_alpha=shape["alpha"], lora_dropout=dropout, seed=0,
+                init_b_std=0.02)
     mark_only_lora_as_trainable(model)
     return model
 
@@ -79,7 +83,10 @@ def paths(model, shape: dict) -> dict:
         block = model.plan.att if ".self_attn." in name else model.plan.mlp
         seq = shape["seq"] if block == Method.TP or world == 1 else plan.seq_split[model.ctx.mp.rank]
         in_local = layer.weight.shape[1]
-        out[name.rsplit(".", 1)[-1]] = "merged" if merges(seq * shape["batch"], in_local) else "unmerged"
+        if layer.active_dropout is not None:
+            out[name.rsplit(".", 1)[-1]] = "unmerged (dropout)"
+        else:
+            out[name.rsplit(".", 1)[-1]] = "merged" if merges(seq * shape["batch"], in_local) else "unmerged"
     return out
 
 
@@ -110,7 +117,7 @@ def one_step(stack, x, g, lora_params):
 
 
 def run_plan(args, shape: dict, ctx: ParallelContext, plan: str, log) -> list[dict]:
-    model = lora_model(shape, plan, ctx, args.targets)
+    model = lora_model(shape, plan, ctx, args.targets, args.dropout)
     lora_params = [p for p in model.parameters() if p.requires_grad]
     stack = GalaxyStack(model)
     gen = torch.Generator().manual_seed(7)
@@ -120,10 +127,13 @@ def run_plan(args, shape: dict, ctx: ParallelContext, plan: str, log) -> list[di
     x = model.model.edges.to_stream(full).to(ctx.device, dtype).contiguous()
     g = model.model.edges.to_stream(grad).to(ctx.device, dtype).contiguous()
     low = dtype not in (torch.float32, torch.float64)
-    ref = fp32_reference(shape, plan, ctx, model, args.targets, x, g) if low else None
+    ref = fp32_reference(shape, plan, ctx, model, args.targets, x, g) if low and not args.dropout else None
+    streams = {key: gen.get_state() for key, gen in ctx._generators.items()}  # LoRA dropout's masks
     rows, results = [], {}
     for fusion in (False, True):
         set_lora_fusion(model, fusion)
+        for key, state in streams.items():
+            ctx._generators[key].set_state(state)
         results[fusion] = one_step(stack, x, g, lora_params)
         before = ctx.mp.bytes_sent
         one_step(stack, x, g, lora_params)
@@ -237,6 +247,7 @@ def main() -> None:
     p.add_argument("--targets", default=TARGETS, help="LoRA target modules, comma-separated")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--dropout", type=float, default=0.0, help="lora_dropout (the branch input's dropout)")
     for key, kind in (("hidden", int), ("ffn", int), ("heads", int), ("seq", int), ("batch", int), ("layers", int),
                       ("dtype", str), ("rank", int), ("alpha", float)):
         p.add_argument(f"--{key}", type=kind, default=None)
