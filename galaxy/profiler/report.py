@@ -197,6 +197,18 @@ def _detailed(data: dict[str, Any], module_depth: int) -> list[str]:
     return out
 
 
+_RULE = "------------------------------------------------------------------------------"
+
+
+def _report_lines(data: dict[str, Any], profile_step: int, module_depth: int, top_modules: int,
+                  detailed: bool) -> list[str]:
+    lines = _summary(data, profile_step)
+    lines += _aggregated(data, module_depth, top_modules)
+    if detailed:
+        lines += _detailed(data, module_depth)
+    return lines
+
+
 def format_report(
     data: dict[str, Any],
     profile_step: int = 1,
@@ -204,12 +216,7 @@ def format_report(
     top_modules: int = 1,
     detailed: bool = True,
 ) -> str:
-    lines = _summary(data, profile_step)
-    lines += _aggregated(data, module_depth, top_modules)
-    if detailed:
-        lines += _detailed(data, module_depth)
-    lines.append("------------------------------------------------------------------------------")
-    return "\n".join(lines)
+    return "\n".join(_report_lines(data, profile_step, module_depth, top_modules, detailed) + [_RULE])
 
 
 # ----------------------------------------------------------------------------- parallel section
@@ -324,8 +331,5 @@ def format_parallel_report(
     detailed: bool = True,
 ) -> str:
     """This rank's report (``data['local']``) followed by the parallel section."""
-    text = format_report(data["local"], profile_step, module_depth, top_modules, detailed)
-    lines = text.split("\n")[:-1]  # drop the closing rule, put it after the parallel section
-    lines += format_parallel_section(data)
-    lines.append("------------------------------------------------------------------------------")
-    return "\n".join(lines)
+    lines = _report_lines(data["local"], profile_step, module_depth, top_modules, detailed)
+    return "\n".join(lines + format_parallel_section(data) + [_RULE])
