@@ -32,9 +32,7 @@ On CPU (--tiny) times are wall-clock and mean nothing: the run shows the script 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 from functools import partial
@@ -50,8 +48,8 @@ if __package__ in (None, ""):  # run as a script from anywhere: make the repo im
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.bench_coc import (DTYPES, GalaxyStack, galaxy_model, init, launch, measure, reduce_over_ranks,  # noqa: E402
-                             rel_diff, release, run_facts)
+from bench.bench_coc import (DTYPES, GalaxyStack, galaxy_model, init, launch, measure, publish,  # noqa: E402
+                             reduce_over_ranks, rel_diff, release, run_facts)
 from galaxy.config import Method  # noqa: E402
 from galaxy.core.context import ParallelContext  # noqa: E402
 from galaxy.kernels.cclora import merges  # noqa: E402
@@ -223,15 +221,10 @@ def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> No
     failed = [r["name"] for r in rows if shape["dtype"] == "fp64" and (r.get("check_rel_diff") or 0) > 1e-9]
     if rank == 0:
         finish(rows)
-        device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else platform.processor() or "cpu"
-        report = {"benchmark": "cclora", "device": device, "world": world, "shape": shape, "targets": args.targets,
-                  "tiny": args.tiny, **run_facts(ctx),
-                  "env": {k: os.environ.get(k) for k in REPORTED_ENV}, "args": vars(args), "rows": rows}
-        print_table(report)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=2)
-            print(f"wrote {args.out}")
+        report = {"benchmark": "cclora", **run_facts(ctx), "world": world, "shape": shape, "targets": args.targets,
+                  "tiny": args.tiny, "env": {k: os.environ.get(k) for k in REPORTED_ENV}, "args": vars(args),
+                  "rows": rows}
+        publish(report, print_table, args.out)
     dist.barrier()
     dist.destroy_process_group()
     if failed:

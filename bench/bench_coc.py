@@ -563,16 +563,10 @@ def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> No
         rows += run_pytorch_tp(args, shape, ctx, log)
     if rank == 0:
         finish(rows, world)
-        device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else platform.processor() or "cpu"
-        report = {"benchmark": "coc", "device": device, "world": world, "shape": shape, "smoke": args.smoke,
-                  **run_facts(ctx),
+        report = {"benchmark": "coc", **run_facts(ctx), "world": world, "shape": shape, "smoke": args.smoke,
                   "env": {k: os.environ.get(k) for k in REPORTED_ENV + tuple(e.partition("=")[0] for e in args.env)},
                   "args": {k: v for k, v in vars(args).items()}, "probe": report_probe, "rows": rows}
-        print_table(report)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=2)
-            print(f"wrote {args.json}")
+        publish(report, print_table, args.json)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -618,9 +612,20 @@ def main() -> None:
 def run_facts(ctx: ParallelContext) -> dict:
     """When, on what and how a benchmark was timed, for its JSON report."""
     cuda = ctx.device.type == "cuda"
-    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": git_commit(), "torch": torch.__version__,
+    device = torch.cuda.get_device_name(ctx.device) if cuda else platform.processor() or "cpu"
+    return {"device": device, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": git_commit(),
+            "torch": torch.__version__,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
             "timer": "cuda events" if cuda else "wall clock"}
+
+
+def publish(report: dict, print_table, path: Optional[str]) -> None:
+    """Rank 0's end of a benchmark: the table for people, the JSON report for machines."""
+    print_table(report)
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {path}")
 
 
 def launch(worker, args, parser, on_cpu: bool) -> None:

@@ -80,6 +80,29 @@ def hf_model(model_type: str, hf_config: dict, device: torch.device, cfg: Option
     return model.to(device)
 
 
+def profile_parser(doc: str, rows: int) -> argparse.ArgumentParser:
+    """The flags the one-GPU profilers (profile_host.py, profile_model.py) share."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="bert-large")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--rows", type=int, default=rows, help="rows of each profile table")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="any config key")
+    p.add_argument("--out", default=".")
+    return p
+
+
+def serial_pair(args, ctx: ParallelContext, **keys):
+    """The profilers' config, batches and two models on one device: Galaxy's (with its tuning
+    method) and the same architecture from transformers (+ peft for LoRA)."""
+    raw = {"preset": args.preset, "seq_length": args.seq, "global_batch_size": args.batch, **keys}
+    cfg = GalaxyConfig.from_dict(raw, dict(parse_override(o) for o in args.override))
+    batch_at = causal_lm_data(cfg) if cfg.model.model_type == "llama" else mlm_data(cfg)[0]
+    ours = apply_tuning(build_model(cfg, None, ctx), cfg)
+    theirs = hf_model(cfg.model.model_type, ours.config_to_hf(), ctx.device, cfg)
+    return cfg, batch_at, ours, theirs
+
+
 def run_plan(args, item: str, ctx: ParallelContext) -> dict:
     plan, extra = parse_item(item)
     cfg = config_for(args, "none" if plan == "hf" else plan, extra)

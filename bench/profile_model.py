@@ -6,7 +6,6 @@ and the same architecture from transformers, one forward+backward each.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -15,28 +14,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from bench.bench_plans import causal_lm_data, hf_model  # noqa: E402
-from galaxy.config import GalaxyConfig  # noqa: E402
+from bench.bench_plans import profile_parser, serial_pair  # noqa: E402
 from galaxy.core.context import ParallelContext  # noqa: E402
-from galaxy.models import build_model  # noqa: E402
-from galaxy.train.pretrain import mlm_data  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="bert-large")
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--rows", type=int, default=18)
-    p.add_argument("--out", default=".")
-    args = p.parse_args()
-    cfg = GalaxyConfig.from_dict({"preset": args.preset, "seq_length": args.seq, "global_batch_size": args.batch,
-                                  "attention_probs_dropout_prob": 0.0})
+    args = profile_parser(__doc__, rows=18).parse_args()
     ctx = ParallelContext.serial("cuda", seed=0)
-    batch_at = causal_lm_data(cfg) if cfg.model.model_type == "llama" else mlm_data(cfg)[0]
+    _, batch_at, ours, theirs = serial_pair(args, ctx, attention_probs_dropout_prob=0.0)
     batch = {k: v.cuda() for k, v in batch_at(0).items()}
-    ours = build_model(cfg, None, ctx)
-    theirs = hf_model(cfg.model.model_type, ours.config_to_hf(), ctx.device)
     for name, model in (("galaxy", ours), ("hf", theirs)):
         model.train()
         for _ in range(3):

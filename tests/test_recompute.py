@@ -34,11 +34,12 @@ UNEVEN = {
 MODES = [dict(recompute="full"), dict(recompute="selective"), dict(recompute="full", recompute_num_layers=1)]
 
 
-def make_batch(rows=BATCH, seed=0):
+def make_batch(rows=BATCH, seed=0, seq=SEQ, vocab=50):
+    """Token rows with the second one padded at the end and one more label ignored."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 50, (rows, SEQ), generator=g)
+    ids = torch.randint(1, vocab, (rows, seq), generator=g)
     mask = torch.ones_like(ids)
-    mask[1, SEQ - 3:] = 0
+    mask[1, seq - 3:] = 0
     labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
     labels[0, 2] = -100
     return dict(input_ids=ids, attention_mask=mask, labels=labels)

@@ -302,6 +302,12 @@ def setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def bad_input(error: Exception) -> int:
+    """The one line a CLI prints for bad config, flags or files before any rank starts; exit code 2."""
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+
+
 def print_summary(title: str, fields: dict, path: Optional[str]) -> None:
     width = max(len(k) for k in fields)
     print(f"\n== {title} ==")

@@ -20,7 +20,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 from typing import Callable, Optional
 
 import torch
@@ -29,8 +28,8 @@ from galaxy.config import COMPUTE_KEYS, ConfigError, GalaxyConfig, Method, Plan
 from galaxy.core.context import ParallelContext
 from galaxy.models import build_model
 from galaxy.peft import apply_options, apply_tuning
-from galaxy.train.cli import (build_parser, launch_ranks, load_config, plan_launch, print_summary, rank_context,
-                              setup_logging, train_from_args)
+from galaxy.train.cli import (bad_input, build_parser, launch_ranks, load_config, plan_launch, print_summary,
+                              rank_context, setup_logging, train_from_args)
 from galaxy.train.data import (IGNORE_INDEX, ByteTokenizer, InstructionBatcher, format_prompt,
                                load_instruction_data, load_tokenizer)
 
@@ -294,6 +293,5 @@ def main(argv: Optional[list[str]] = None, plan: str = DEFAULT_PLAN, strict: boo
         cfg, batcher, eval_batcher = prepare(args)
         launch = plan_launch(args, cfg, plan, strict, fill)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     return launch_ranks(finetune_rank, launch, (cfg, args, batcher, eval_batcher), cfg)

@@ -506,8 +506,9 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
                 bubble_sum += trainer.last_step.bubble
             result.losses.append(loss)
             comm_bytes = trainer.comm_bytes() - bytes_before
+            grad_norm = outcome.grad_norm.item()
             record = {"step": step + 1, "loss": loss, "lr": trainer.schedule.get_last_lr()[0],
-                      "grad_norm": outcome.grad_norm.item(),
+                      "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no NaN
                       "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
                       "peak_mem_mb": peak_memory_mb(ctx.device), "comm_bytes": comm_bytes}
             if ctx.pp.size > 1:

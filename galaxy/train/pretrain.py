@@ -4,15 +4,14 @@ the body of the pretrain_*.py CLIs (world = dp_size x pp_size x mp, mp being the
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Optional
 
 
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.models import build_model
 from galaxy.peft import apply_tuning
-from galaxy.train.cli import (DEFAULT_BERT, build_parser, launch_ranks, load_config, plan_launch, print_summary,
-                              rank_context, setup_logging, train_from_args)
+from galaxy.train.cli import (DEFAULT_BERT, bad_input, build_parser, launch_ranks, load_config, plan_launch,
+                              print_summary, rank_context, setup_logging, train_from_args)
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +135,5 @@ def main(argv: Optional[list[str]] = None, plan: str = "galaxy", strict: bool = 
                               "use finetune_llama.py for LLaMA")
         launch = plan_launch(args, cfg, plan, strict, fill)
     except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     return launch_ranks(pretrain_rank, launch, (cfg, args), cfg)

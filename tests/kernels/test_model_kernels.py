@@ -19,6 +19,7 @@ from galaxy.core.context import ParallelContext  # noqa: E402
 from galaxy.core.grad_sync import GradientSync, gather_full  # noqa: E402
 from galaxy.models.bert import BertForMaskedLM  # noqa: E402
 from galaxy.models.llama import LlamaForCausalLM  # noqa: E402
+from tests.test_recompute import make_batch as padded_batch  # noqa: E402
 
 SEQ, BATCH = 9, 2
 LLAMA = dict(model_type="llama", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -32,13 +33,7 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 
 
 def make_batch():
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(1, 64, (BATCH, SEQ), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, SEQ - 2:] = 0
-    labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
-    labels[0, 1] = -100
-    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+    return padded_batch(BATCH, seed=3, seq=SEQ, vocab=64)
 
 
 def step(ctx, raw, kernels, train=True):
