@@ -12,7 +12,8 @@ from galaxy.core.grad_sync import gather_full
 from galaxy.core.pipeline import PipelineRunner, StageLayers, schedule_actions
 from galaxy.models.bert import BertForMaskedLM
 from galaxy.models.llama import LlamaForCausalLM
-from galaxy.train.loop import DeepSpeedTrainer, Trainer, split_rows, train
+from galaxy.train.loop import DeepSpeedTrainer, Trainer, train
+from galaxy.train.microbatch import split_rows
 from galaxy.train.pretrain import mlm_data
 
 BERT = dict(vocab_size=64, hidden_size=24, num_hidden_layers=4, num_attention_heads=6, intermediate_size=40,

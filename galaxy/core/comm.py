@@ -15,11 +15,29 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from galaxy.profiler.comm import CommRecord
-
 # torch 2.13 renamed the single-tensor collectives; 2.11 only has the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+PHASES = ("fwd", "bwd", "other")
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective call as seen on this rank."""
+
+    op: str  # all_reduce | all_gather | reduce_scatter | send | recv | broadcast | ...
+    group: str  # name of the process group ("mp", "dp", "pp", ...)
+    nbytes: int  # bytes this rank contributes or receives, unpadded
+    seconds: float  # wall time of the call (synchronised by the caller)
+    phase: str  # "fwd" | "bwd" ("other" accepted for work outside forward/backward)
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"CommRecord.phase must be one of {PHASES}, got {self.phase!r}")
+        if self.nbytes < 0 or self.seconds < 0:
+            raise ValueError(f"CommRecord needs nbytes >= 0 and seconds >= 0, got {self}")
 
 
 CommObserver = Callable[[CommRecord], None]

@@ -44,9 +44,8 @@ import torch.nn as nn
 
 from galaxy.config import ConfigError, balanced_split
 from galaxy.core.blocks import LAYOUTS
-from galaxy.core.comm import Communicator
+from galaxy.core.comm import CommRecord, Communicator
 from galaxy.core.transitions import Layout
-from galaxy.profiler.comm import CommRecord
 
 logger = logging.getLogger(__name__)
 

@@ -12,26 +12,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from galaxy.core.comm import CommRecord
+
 __all__ = ["CommRecord", "CommLog"]
-
-PHASES = ("fwd", "bwd", "other")
-
-
-@dataclass(frozen=True)
-class CommRecord:
-    """One collective call as seen on this rank."""
-
-    op: str  # all_reduce | all_gather | reduce_scatter | send | recv | broadcast | ...
-    group: str  # name of the process group ("mp", "dp", "pp", ...)
-    nbytes: int  # bytes this rank contributes or receives, unpadded
-    seconds: float  # wall time of the call (synchronised by the caller)
-    phase: str  # "fwd" | "bwd" ("other" accepted for work outside forward/backward)
-
-    def __post_init__(self) -> None:
-        if self.phase not in PHASES:
-            raise ValueError(f"CommRecord.phase must be one of {PHASES}, got {self.phase!r}")
-        if self.nbytes < 0 or self.seconds < 0:
-            raise ValueError(f"CommRecord needs nbytes >= 0 and seconds >= 0, got {self}")
 
 
 @dataclass

@@ -15,6 +15,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from galaxy.train.microbatch import split_rows
+
 IGNORE_INDEX = -100
 
 
@@ -49,8 +51,6 @@ def _batch_counts(trainer, micro_batch: dict, out) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(trainer, eval_at: Callable[..., dict], iters: int, autocast: Optional[Callable] = None) -> dict:
     """Loss and accuracy over ``iters`` held-out global batches; the same numbers on every rank."""
-    from galaxy.train.loop import split_rows
-
     model, ctx = trainer.model, trainer.ctx
     totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)
     model.eval()

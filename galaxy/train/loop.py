@@ -31,6 +31,8 @@ from galaxy.core.context import ParallelContext
 from galaxy.core.data_parallel import DataParallelGradSync
 from galaxy.core.grad_sync import GradientSync, check_replicated, global_grad_norm, sync_pipeline_ties
 from galaxy.core.pipeline import PipelineRunner, PipelineStepResult, StageSpec, analytic_bubble
+from galaxy.train.evaluate import evaluate
+from galaxy.train.microbatch import split_rows
 from galaxy.train.precision import LossScaler, first_nonfinite_module, first_nonfinite_parameter
 
 logger = logging.getLogger(__name__)
@@ -155,15 +157,6 @@ def _accepts_shard(batch_at: Callable) -> bool:
         return "shard" in inspect.signature(batch_at).parameters
     except (TypeError, ValueError):
         return False
-
-
-def split_rows(batch: dict, parts: int) -> list[dict]:
-    """``parts`` micro-batches of equal rows (every tensor split along dim 0)."""
-    rows = next(iter(batch.values())).shape[0]
-    if rows % parts:
-        raise ConfigError(f"config key 'num_microbatches' ({parts}) does not divide the {rows} rows this rank "
-                          "reads per step; use a divisor of global_batch_size / dp_size")
-    return [dict(zip(batch, chunk)) for chunk in zip(*(v.chunk(parts) for v in batch.values()))]
 
 
 class Trainer:
@@ -519,7 +512,6 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
                 record["skipped"] = outcome.skipped
                 result.skipped_steps += 1
             if eval_at is not None and t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.max_steps):
-                from galaxy.train.evaluate import evaluate
 
                 result.eval = evaluate(trainer, eval_at, t.eval_iters, amp)
                 record.update(result.eval)
