@@ -4,7 +4,7 @@ greedy answer."""
 
 import sys
 
-from galaxy.train.finetune import main
+from galaxy.cli.finetune import main
 
 if __name__ == "__main__":
     sys.exit(main(plan="galaxy", strict=False,

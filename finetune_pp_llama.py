@@ -7,7 +7,7 @@ init_method), or all of them here with ``--world W``.
 
 import sys
 
-from galaxy.train.finetune import main
+from galaxy.cli.finetune import main
 
 if __name__ == "__main__":
     sys.exit(main(plan="none", strict=False, fill="pp",

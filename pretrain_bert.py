@@ -2,7 +2,7 @@
 
 import sys
 
-from galaxy.train.pretrain import main
+from galaxy.cli.pretrain import main
 
 if __name__ == "__main__":
     sys.exit(main(plan="none", strict=True, description="Serial BERT masked-LM pretraining (one rank)"))

@@ -5,7 +5,7 @@ A config that sets no dp_size and no plan makes every rank a dp rank: ``--world 
 
 import sys
 
-from galaxy.train.pretrain import main
+from galaxy.cli.pretrain import main
 
 if __name__ == "__main__":
     sys.exit(main(plan="none", strict=False, fill="dp",

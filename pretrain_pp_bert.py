@@ -5,7 +5,7 @@ A config that sets no pp_size and no plan makes every rank a stage: ``--world 4`
 
 import sys
 
-from galaxy.train.pretrain import main
+from galaxy.cli.pretrain import main
 
 if __name__ == "__main__":
     sys.exit(main(plan="none", strict=False, fill="pp",

@@ -2,7 +2,7 @@
 
 import sys
 
-from galaxy.train.pretrain import main
+from galaxy.cli.pretrain import main
 
 if __name__ == "__main__":
     sys.exit(main(plan="sp", strict=True, description="BERT pretraining with sequence parallelism (ATT SP, CON SP, MLP SP)"))

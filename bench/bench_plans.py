@@ -34,9 +34,9 @@ from galaxy.config import DistributedConfig, GalaxyConfig, parse_override  # noq
 from galaxy.core.context import ParallelContext, build_groups  # noqa: E402
 from galaxy.models import build_model  # noqa: E402
 from galaxy.peft import apply_tuning  # noqa: E402
-from galaxy.train.cli import free_port  # noqa: E402
+from galaxy.cli.launch import free_port  # noqa: E402
 from galaxy.train.loop import TrainResult, autocast_context, build_optimizer, peak_memory_mb, train  # noqa: E402
-from galaxy.train.pretrain import mlm_data  # noqa: E402
+from galaxy.data.pretraining import mlm_data  # noqa: E402
 
 
 def config_for(args, plan: str, extra: dict) -> GalaxyConfig:

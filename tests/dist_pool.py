@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from galaxy.train.cli import free_port
+from galaxy.cli.launch import free_port
 
 MAX_WORLD = 4
 TASK_TIMEOUT_S = 120

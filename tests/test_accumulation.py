@@ -10,7 +10,7 @@ from galaxy.config import GalaxyConfig
 from galaxy.core.grad_sync import gather_full
 from galaxy.models.bert import BertForMaskedLM
 from galaxy.train.loop import Trainer
-from galaxy.train.pretrain import mlm_data
+from galaxy.data.pretraining import mlm_data
 
 BASE = {"model": {"preset": "bert-tiny", "vocab_size": 300, "hidden_size": 48, "num_attention_heads": 4,
                   "intermediate_size": 96, "num_hidden_layers": 2, "hidden_dropout_prob": 0.0,

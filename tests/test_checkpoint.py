@@ -27,7 +27,7 @@ from galaxy.train import checkpoint as ckpt
 from galaxy.train.checkpoint import (CheckpointError, export_hf, latest_valid_checkpoint, load_checkpoint, prune,
                                      save_checkpoint)
 from galaxy.train.loop import build_optimizer, lr_lambda, train
-from galaxy.train.pretrain import mlm_data
+from galaxy.data.pretraining import mlm_data
 
 SMALL = {"model": {"preset": "bert-tiny", "vocab_size": 300, "hidden_size": 32, "num_attention_heads": 4,
                    "intermediate_size": 64, "num_hidden_layers": 2, "hidden_dropout_prob": 0.1,

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from galaxy.train.pretrain import main
+from galaxy.cli.pretrain import main
 from tests.dist_pool import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""Tests for galaxy.train.data: deterministic offline MLM and instruction-tuning data."""
+"""Tests for galaxy.data: deterministic offline MLM and instruction-tuning data, the trained tokenizer."""
 
 from __future__ import annotations
 
@@ -13,17 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from galaxy.train.data import (
-    ByteTokenizer,
-    HFTokenizer,
-    InstructionBatcher,
-    MLMBatcher,
-    SyntheticCorpus,
-    TextCorpus,
-    format_prompt,
-    load_instruction_data,
-    load_tokenizer,
-)
+from galaxy.data.corpus import SyntheticCorpus, TextCorpus
+from galaxy.data.instruction import InstructionBatcher, format_prompt, load_instruction_data
+from galaxy.data.mlm import MLMBatcher
+from galaxy.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "data" / "alpaca_sample.jsonl"
@@ -137,19 +130,16 @@ def test_mlm_batch_shapes_and_determinism():
 
 
 def test_mlm_same_batch_in_other_processes(tmp_path):
-    """Batches and the trained WordPiece vocabulary are identical across processes, whatever
-    PYTHONHASHSEED is (tokenizers' own WordPieceTrainer is not)."""
-    txt = _write_txt(tmp_path / "c.txt", _docs(40))
-    code = textwrap.dedent(f"""
-        import hashlib, json
-        from galaxy.train.data import MLMBatcher, SyntheticCorpus, TextCorpus
+    """Batches are identical across processes, whatever PYTHONHASHSEED is."""
+    code = textwrap.dedent("""
+        import hashlib
+        from galaxy.data.corpus import SyntheticCorpus
+        from galaxy.data.mlm import MLMBatcher
         b = MLMBatcher(SyntheticCorpus(300, 24, seed=4), 6, seed=9).batch_at(11)
         h = hashlib.sha256()
         for k in sorted(b):
             h.update(k.encode()); h.update(b[k].numpy().tobytes())
-        t = TextCorpus.from_file({str(txt)!r}, seq_len=32, vocab_size=120)
-        v = json.dumps(sorted(t.tokenizer.get_vocab().items()))
-        print(h.hexdigest(), hashlib.sha256(v.encode()).hexdigest())
+        print(h.hexdigest())
     """)
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=str(REPO), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
@@ -161,9 +151,68 @@ def test_mlm_same_batch_in_other_processes(tmp_path):
         assert p.returncode == 0, err
         outs.append(out.split())
     here = MLMBatcher(SyntheticCorpus(300, 24, seed=4), 6, seed=9).batch_at(11)
-    t = TextCorpus.from_file(txt, seq_len=32, vocab_size=120)
-    vocab = hashlib.sha256(json.dumps(sorted(t.tokenizer.get_vocab().items())).encode()).hexdigest()
-    assert outs[0] == outs[1] == [_digest(here), vocab]
+    assert outs[0] == outs[1] == [_digest(here)]
+
+
+def _vocab_bytes_in_a_new_process(txt: Path, cache: Path, hash_seed: str) -> str:
+    code = textwrap.dedent(f"""
+        import hashlib
+        from galaxy.data.corpus import read_documents
+        from galaxy.data.tokenizer import shared_wordpiece
+        tok = shared_wordpiece(read_documents({str(txt)!r}), 120, lambda make: make(), cache_dir={str(cache)!r})
+        print(hashlib.sha256(tok.to_str().encode()).hexdigest())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=str(REPO), capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=str(REPO)))
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_run_wordpiece_is_byte_identical_across_runs(tmp_path):
+    """tokenizers' own WordPieceTrainer breaks ties in hash-map order, so the run's vocabulary is trained
+    once and reused by later runs on the same texts and settings: two runs (processes with different
+    hash seeds) get byte-identical tokenizer files."""
+    txt = _write_txt(tmp_path / "c.txt", _docs(40))
+    first = _vocab_bytes_in_a_new_process(txt, tmp_path / "cache", "1")
+    assert _vocab_bytes_in_a_new_process(txt, tmp_path / "cache", "2") == first
+    saved = list((tmp_path / "cache").glob("*/tokenizer.json"))
+    assert len(saved) == 1 and hashlib.sha256(saved[0].read_bytes()).hexdigest() == first
+    # another vocabulary size is another tokenizer, trained anew beside the first
+    from galaxy.data.corpus import read_documents
+    from galaxy.data.tokenizer import shared_wordpiece
+
+    other = shared_wordpiece(read_documents(str(txt)), 90, lambda make: make(), cache_dir=str(tmp_path / "cache"))
+    assert other.get_vocab_size() <= 90 and len(list((tmp_path / "cache").glob("*/tokenizer.json"))) == 2
+
+
+def wordpiece_on_rank(ctx, txt: str, cache: str) -> str:
+    from galaxy.data.corpus import read_documents
+    from galaxy.data.tokenizer import shared_wordpiece
+
+    tok = shared_wordpiece(read_documents(txt), 120, ctx.from_rank0, cache_dir=cache)
+    return hashlib.sha256(tok.to_str().encode()).hexdigest()
+
+
+def failing_on_rank0(ctx) -> str:
+    def make() -> str:
+        raise ValueError("the data file is unreadable")
+    try:
+        return ctx.from_rank0(make)
+    except ValueError as e:
+        return str(e)
+
+
+def test_run_wordpiece_is_identical_on_every_rank(dist_pool, tmp_path):
+    """Rank 0 trains once; every rank builds the tokenizer from the same JSON (bytes compared)."""
+    from tests.dist_pool import MAX_WORLD
+
+    txt = _write_txt(tmp_path / "c.txt", _docs(40))
+    digests = dist_pool.run(wordpiece_on_rank, MAX_WORLD, str(txt), str(tmp_path / "cache"))
+    assert len(set(digests)) == 1
+    saved = list((tmp_path / "cache").glob("*/tokenizer.json"))
+    assert len(saved) == 1 and hashlib.sha256(saved[0].read_bytes()).hexdigest() == digests[0]
+    # a failure on rank 0 reaches every rank as one line, instead of leaving the others waiting
+    assert dist_pool.run(failing_on_rank0, MAX_WORLD) == ["rank 0: the data file is unreadable"] * MAX_WORLD
 
 
 @pytest.mark.parametrize("dp_size", [1, 2, 4, 8])

@@ -14,7 +14,7 @@ from galaxy.models.bert import BertForMaskedLM
 from galaxy.models.llama import LlamaForCausalLM
 from galaxy.train.loop import DeepSpeedTrainer, Trainer, train
 from galaxy.train.microbatch import split_rows
-from galaxy.train.pretrain import mlm_data
+from galaxy.data.pretraining import mlm_data
 
 BERT = dict(vocab_size=64, hidden_size=24, num_hidden_layers=4, num_attention_heads=6, intermediate_size=40,
             max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)

@@ -17,7 +17,7 @@ from galaxy.models.bert import BertForMaskedLM
 from galaxy.models.llama import LlamaForCausalLM
 from galaxy.train.evaluate import evaluate
 from galaxy.train.loop import Trainer
-from galaxy.train.pretrain import mlm_data
+from galaxy.data.pretraining import mlm_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = {"global_batch_size": 8, "seq_length": 12, "dtype": "float64", "eval_iters": 2}

@@ -12,7 +12,9 @@ import time
 
 import pytest
 
-from galaxy.train.cli import DEFAULT_BERT, Launch, build_parser, free_port, launch_ranks, load_config
+from galaxy.cli.args import build_parser, load_config
+from galaxy.cli.launch import Launch, free_port, launch_ranks
+from galaxy.cli.pretrain import DEFAULT_BERT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 15  # the collective timeout the runs get; survivors must be gone within it
@@ -81,9 +83,9 @@ def test_survivors_name_a_dead_rank_and_exit(tmp_path, world, victim, sig):
 def train_then_die(rank: int, launch: Launch, payload) -> None:
     """A launcher child: trains; rank 1 kills itself (SIGKILL) after step 3."""
     from galaxy.models import build_model
-    from galaxy.train.cli import rank_context
+    from galaxy.cli.launch import rank_context
     from galaxy.train.loop import train
-    from galaxy.train.pretrain import mlm_data
+    from galaxy.data.pretraining import mlm_data
 
     cfg = payload
     ctx = rank_context(rank, launch, cfg, "WARNING")

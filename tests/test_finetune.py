@@ -12,9 +12,12 @@ import torch
 from galaxy.config import GalaxyConfig
 from galaxy.core.context import ParallelContext
 from galaxy.models.llama import LlamaForCausalLM
-from galaxy.train.data import IGNORE_INDEX, ByteTokenizer, InstructionBatcher, format_prompt, load_instruction_data
-from galaxy.train.finetune import (DEFAULT_DATA, DEFAULT_LLAMA, finetune_tokenizer, greedy_answer,
-                                   instruction_batches, main, match_vocab, pad_batch, shards_sequence)
+from galaxy.data.batching import IGNORE_INDEX
+from galaxy.data.instruction import InstructionBatcher, format_prompt, load_instruction_data
+from galaxy.data.tokenizer import ByteTokenizer
+from galaxy.cli.finetune import DEFAULT_LLAMA, main
+from galaxy.train.finetune import (DEFAULT_DATA, finetune_tokenizer, greedy_answer, instruction_batches, match_vocab,
+                                   pad_batch, shards_sequence)
 from galaxy.train.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -104,6 +104,8 @@ def test_greedy_generate_equals_hf(pair):
     want = hf.generate(ids, max_new_tokens=12, do_sample=False)
     got = generate(ours, ids, 12)
     assert torch.equal(got, want), (got, want)
+    # the HF-style method, with HF's argument names
+    assert torch.equal(ours.generate(ids, max_new_tokens=12, do_sample=False), want)
     assert torch.equal(generate(ours, ids, 12, use_cache=False), got)
 
 
@@ -117,6 +119,7 @@ def test_left_padded_generate_equals_hf():
     want = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
     got = generate(ours, ids, 12, attention_mask=mask)
     assert torch.equal(got, want)
+    assert torch.equal(ours.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False), want)
     assert torch.equal(generate(ours, ids, 12, attention_mask=mask, use_cache=False), got)
 
 

@@ -504,7 +504,7 @@ def _check_comparison(out, steps):
 
 def test_compare_tuning_llama_in_process(tmp_path, capsys):
     pytest.importorskip("matplotlib")  # in the test extras once setup.py lists it
-    import compare_tuning
+    from galaxy.cli import compare as compare_tuning
 
     out = tmp_path / "cmp"
     argv = ["--model", "llama", "--plan", "none", "--world", "1", "--max_steps", "2", "--out_dir", str(out),
@@ -518,7 +518,7 @@ def test_compare_tuning_llama_in_process(tmp_path, capsys):
 def test_compare_tuning_bert_on_two_ranks(tmp_path, capsys):
     """The documented command on two local rank processes (all methods in one launch, for time)."""
     pytest.importorskip("matplotlib")
-    import compare_tuning
+    from galaxy.cli import compare as compare_tuning
 
     out = tmp_path / "cmp"
     argv = ["--model", "bert", "--plan", "galaxy", "--world", "2", "--max_steps", "2", "--out_dir", str(out),

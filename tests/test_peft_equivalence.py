@@ -225,7 +225,7 @@ def dp_pp_with_method(ctx, model_type, method, extra):
     from galaxy.config import KEY_SECTION
     from galaxy.core.context import ParallelContext
     from galaxy.train.loop import Trainer
-    from galaxy.train.pretrain import mlm_data
+    from galaxy.data.pretraining import mlm_data
 
     cls, tiny = MODELS[model_type]
     tiny = dict(tiny, vocab_size=64, num_hidden_layers=4)

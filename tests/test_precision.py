@@ -14,7 +14,7 @@ from galaxy.core.context import ParallelContext
 from galaxy.core.layers import GradRule, grad_rule
 from galaxy.models import build_model
 from galaxy.train.loop import NonFiniteError, Trainer, train
-from galaxy.train.pretrain import mlm_data
+from galaxy.data.pretraining import mlm_data
 
 SMALL = {"model": {"preset": "bert-tiny", "vocab_size": 300, "hidden_size": 32, "num_attention_heads": 4,
                    "intermediate_size": 64, "num_hidden_layers": 2},

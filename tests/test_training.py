@@ -10,7 +10,7 @@ from galaxy.config import GalaxyConfig
 from galaxy.core.grad_sync import check_replicated, global_grad_norm, GradientSync
 from galaxy.models.bert import BertForMaskedLM
 from galaxy.train.loop import train
-from galaxy.train.pretrain import mlm_data
+from galaxy.data.pretraining import mlm_data
 
 SMALL = {"model": {"preset": "bert-tiny", "vocab_size": 300, "hidden_size": 32, "num_attention_heads": 4,
                    "intermediate_size": 64, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},

@@ -24,7 +24,7 @@ import os
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 from urllib.parse import urlparse
 
 import torch
@@ -135,6 +135,32 @@ class ParallelContext:
             g.manual_seed(self.seed * 1_000_003 + (self.mp.rank + 1 if sharded else 0))
             self._generators[key] = g
         return self._generators[key]
+
+    def from_rank0(self, make: Callable[[], str]) -> str:
+        """``make()`` run on global rank 0 only, its string returned on every rank (work done once
+        per run, such as training the tokenizer). An exception on rank 0 is raised on every rank
+        (as ValueError with rank 0's message) instead of leaving the others waiting."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return make()
+        if dist.get_world_size() != self.world_size:
+            raise RuntimeError(f"from_rank0 broadcasts over the whole world ({dist.get_world_size()} ranks) but this "
+                               f"context spans {self.world_size}")
+        payload = b""
+        if self.rank == 0:
+            try:
+                payload = b"\x00" + make().encode("utf-8")
+            except Exception as e:  # every rank must leave the broadcast, then all raise
+                payload = b"\x01" + f"rank 0: {e}".encode("utf-8")
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        dist.broadcast(size, src=0)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        if self.rank == 0:
+            data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        dist.broadcast(data, src=0)
+        raw = data.cpu().numpy().tobytes() if self.rank != 0 else payload
+        if raw[:1] == b"\x01":
+            raise ValueError(raw[1:].decode("utf-8"))
+        return raw[1:].decode("utf-8")
 
     def peer_failure(self, error: Optional[BaseException] = None) -> Optional[RankFailure]:
         """The dead or failed peer behind ``error`` (a collective that failed), naming its rank; None

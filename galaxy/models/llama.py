@@ -16,7 +16,7 @@ heads, so a GQA group never straddles two ranks (``resolve_plan`` rejects splits
 Rotary embeddings are applied inside the shared ``self_attention`` through its ``rope`` callback,
 which receives the *global* sequence positions of the local queries (SP included), so one
 cos/sin table per forward serves every plan. A KV cache (``past_key_values``/``use_cache``)
-is available on plans without SP, for ``galaxy.models.generation.generate``.
+is available on plans without SP, for ``model.generate`` (``galaxy.models.generation``).
 
 Options of how it computes (``ModelConfig``): ``fused_gate_up`` holds gate and up as one
 ``mlp.gate_up_proj.weight`` ``[2, intermediate, hidden]`` (one matmul; HF checkpoints are
@@ -55,6 +55,7 @@ from galaxy.core.recompute import generators_of, layer_modes, recompute
 from galaxy.core.transitions import Layout, reduce_to_replicated
 from galaxy.kernels import apply_rope, fused_linear_cross_entropy, rms_norm, swiglu, swiglu_packed
 from galaxy.kernels.coc import CocBoundaries, coc_chunks
+from galaxy.models.generation import generate
 from galaxy.models.base import (GalaxyModel, ModelOutput, activation, at_least_fp32, default_plan_and_context,
                                 plain, token_loss_sum, use_triton)
 
@@ -491,6 +492,13 @@ class LlamaForCausalLM(GalaxyModel):
         """The loss is a sum over the shifted non-ignored labels divided by their count (the
         training loop weights micro-batches and dp shards by it)."""
         return (labels[:, 1:] != IGNORE_INDEX).sum()
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                 max_new_tokens: int = 20, **kwargs) -> torch.Tensor:
+        """``model.generate`` with HF's argument names (``do_sample``, ``temperature``, ``top_k``,
+        ``top_p``, ``eos_token_id``, ``use_cache``, and ``generator`` for seeded sampling); returns the
+        prompt and the new tokens, ``[b, s + n]``. See :func:`galaxy.models.generation.generate`."""
+        return generate(self, input_ids, max_new_tokens, attention_mask=attention_mask, **kwargs)
 
     def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None,
                 past_key_values: Optional[KVCache] = None, use_cache: bool = False,

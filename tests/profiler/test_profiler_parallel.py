@@ -336,7 +336,7 @@ def _llama_forward_flops(h, inter, layers, vocab, seq, batch=1):
 
 
 def test_meta_llama_7b_forward_via_cli(tmp_path, capsys):
-    from profile_flops import main
+    from galaxy.cli.profile import main
 
     path = tmp_path / "llama7b.json"
     rc = main(["--model", "llama", "--override", "preset=llama-7b", "--meta", "--batch", "1", "--seq_len", "128",
@@ -352,7 +352,7 @@ def test_meta_llama_7b_forward_via_cli(tmp_path, capsys):
 
 
 def test_cli_refuses_meta_on_several_ranks(capsys):
-    from profile_flops import main
+    from galaxy.cli.profile import main
 
     assert main(["--meta", "--world", "2"]) == 2
     assert "--meta runs on one rank" in capsys.readouterr().err

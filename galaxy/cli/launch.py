@@ -1,4 +1,4 @@
-"""What every command-line entry point shares: flags, config loading, rank launching, the summary.
+"""Starting the ranks of a run, and everything checked before any starts.
 
 Launch modes: under ``torchrun`` the RANK/WORLD_SIZE/LOCAL_RANK variables are used; ``--world N
 --rank r`` runs one rank (rendezvous through ``init_method`` or MASTER_ADDR/MASTER_PORT, so ranks
@@ -8,7 +8,6 @@ can sit on different machines); ``--world N`` alone starts all N ranks as local 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import multiprocessing
 import os
@@ -19,18 +18,11 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
-from galaxy.config import PLAN_PRESETS, ConfigError, GalaxyConfig, parse_override
+from galaxy.cli.args import check_checkpoint_flags, check_profile_step, resume_path
+from galaxy.cli.output import setup_logging
+from galaxy.config import PLAN_PRESETS, ConfigError, GalaxyConfig
 
 logger = logging.getLogger(__name__)
-
-# The embedded default: a small BERT on the synthetic corpus that learns visibly in about two
-# minutes on two CPU cores (`python pretrain_galaxy.py --world 2`).
-DEFAULT_BERT = {
-    "model": {"preset": "bert-tiny", "vocab_size": 512, "hidden_dropout_prob": 0.0,
-              "attention_probs_dropout_prob": 0.0, "max_position_embeddings": 128},
-    "train": {"global_batch_size": 16, "seq_length": 64, "max_steps": 600, "lr": 2e-3, "warmup_steps": 20,
-              "weight_decay": 0.01, "log_every": 10},
-}
 
 
 @dataclass
@@ -39,89 +31,6 @@ class Launch:
     rank: Optional[int]  # None: start every rank here
     local_rank: Optional[int]
     init_method: Optional[str]  # set when the launch mode decides it (torchrun, local processes)
-
-
-def build_parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config_file", "--config", dest="config_file", default=None,
-                   help="JSON config (nested sections or flat Galaxy-LM keys); omitted: the embedded small default")
-    p.add_argument("--world", type=int, default=None,
-                   help="number of ranks; without --rank all of them start here as local processes")
-    p.add_argument("--rank", type=int, default=None, help="run only this rank (others start elsewhere)")
-    p.add_argument("--max_steps", type=int, default=None, help="optimizer steps (overrides the config)")
-    p.add_argument("--eval_every", type=int, default=None, metavar="N",
-                   help="evaluate on the held-out split every N steps and at the end (overrides the config)")
-    p.add_argument("--seed", type=int, default=None, help="random seed (overrides the config)")
-    p.add_argument("--metrics_file", default=None, help="append one JSON line per step here (rank 0)")
-    p.add_argument("--model_path", default=None, help="start from a local HF checkpoint directory")
-    p.add_argument("--data", default=None, help="a local .txt or .jsonl file; omitted: the synthetic corpus")
-    p.add_argument("--tokenizer", default=None, help="a local HF tokenizer directory for --data")
-    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="set any config key, flat names included (repeatable), e.g. hidden_dropout_prob=0")
-    p.add_argument("--summary_json", default=None, help="write the final summary as JSON here (rank 0)")
-    p.add_argument("--profile_step", type=int, default=None, metavar="K",
-                   help="profile training step K (1-based): rank 0 prints its FLOPs/communication report")
-    p.add_argument("--profile_json", default=None, help="with --profile_step: write the profile as JSON here (rank 0)")
-    p.add_argument("--save_dir", default=None, help="write checkpoints (step_N/ directories) here")
-    p.add_argument("--save_every", type=int, default=0, metavar="N",
-                   help="with --save_dir: a checkpoint after every N-th step and after the last (0: the last only)")
-    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
-                   help="continue from a checkpoint: a step_N directory, or (no PATH) the newest valid one in "
-                        "--save_dir")
-    p.add_argument("--keep_last", type=int, default=None, metavar="K",
-                   help="with --save_dir: keep only the newest K checkpoints")
-    p.add_argument("--no_progress", action="store_true", help="no progress bar")
-    p.add_argument("--log_level", default="WARNING", help="python logging level")
-    return p
-
-
-def load_config(args: argparse.Namespace, default: dict) -> GalaxyConfig:
-    overrides = dict(parse_override(o) for o in args.override)
-    for flag, key in (("max_steps", "max_steps"), ("eval_every", "eval_every"), ("seed", "seed"), ("data", "data"), ("tokenizer", "tokenizer"),
-                      ("model_path", "model_path")):
-        if getattr(args, flag, None) is not None:  # a CLI may leave some of these flags out
-            overrides[key] = getattr(args, flag)
-    if args.config_file:
-        return GalaxyConfig.from_file(args.config_file, overrides)
-    return GalaxyConfig.from_dict(default, overrides)
-
-
-def check_profile_step(args: argparse.Namespace, cfg: GalaxyConfig) -> None:
-    """``--profile_step K`` must name one of the steps that will run."""
-    k = getattr(args, "profile_step", None)
-    if k is not None and not 1 <= k <= cfg.train.max_steps:
-        raise ConfigError(f"--profile_step {k} is outside the steps that run (1..{cfg.train.max_steps}); "
-                          "pick one of them or raise --max_steps")
-    if getattr(args, "profile_json", None) and k is None:
-        raise ConfigError("--profile_json needs --profile_step K")
-
-
-def check_checkpoint_flags(args: argparse.Namespace) -> None:
-    """``--save_every`` / ``--keep_last`` need ``--save_dir``; ``--resume`` without PATH needs it too."""
-    save_dir = getattr(args, "save_dir", None)
-    if getattr(args, "save_every", 0) < 0:
-        raise ConfigError(f"--save_every must be 0 or positive, got {args.save_every}")
-    if getattr(args, "keep_last", None) is not None and args.keep_last < 1:
-        raise ConfigError(f"--keep_last must be at least 1, got {args.keep_last}")
-    if not save_dir and (getattr(args, "save_every", 0) or getattr(args, "keep_last", None) is not None):
-        raise ConfigError("--save_every and --keep_last need --save_dir DIR")
-    if getattr(args, "resume", None) == "latest" and not save_dir:
-        raise ConfigError("--resume without a PATH resumes from --save_dir; pass --save_dir DIR or --resume PATH")
-
-
-def resume_path(args: argparse.Namespace) -> Optional[str]:
-    """What to resume from: --resume PATH, or for a bare --resume the newest valid checkpoint in
-    --save_dir (None, starting afresh with a warning, when it holds none yet)."""
-    resume = getattr(args, "resume", None)
-    if resume != "latest":
-        return resume
-    from galaxy.train.checkpoint import latest_valid_checkpoint
-
-    found = latest_valid_checkpoint(args.save_dir)
-    if found is None:
-        logger.warning("--resume: no valid checkpoint in '%s' yet; starting from step 0", args.save_dir)
-    return found
 
 
 def decide_launch(args: argparse.Namespace) -> Launch:
@@ -141,15 +50,18 @@ def decide_launch(args: argparse.Namespace) -> Launch:
     return Launch(world, None, None, None)
 
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+
 def _child(fn, rank: int, launch: Launch, payload) -> None:
     code = run_rank(fn, rank, launch, payload)
     sys.exit(code)
+
 
 
 def run_rank(fn, rank: int, launch: Launch, payload) -> int:
@@ -160,6 +72,7 @@ def run_rank(fn, rank: int, launch: Launch, payload) -> int:
     except (ConfigError, ValueError, FileNotFoundError, RuntimeError, FloatingPointError) as e:
         print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         return 1
+
 
 
 def launch_ranks(fn: Callable, launch: Launch, payload, cfg: GalaxyConfig) -> int:
@@ -194,11 +107,13 @@ def launch_ranks(fn: Callable, launch: Launch, payload, cfg: GalaxyConfig) -> in
     return 0
 
 
+
 def first_failure(procs) -> Optional[int]:
     """The rank to blame among the processes that ended badly: one killed by a signal (its peers'
     errors follow from it), else the lowest; None while none has."""
     ended = [(p.exitcode >= 0, r) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
     return min(ended)[1] if ended else None
+
 
 
 def describe_exit(code: int) -> str:
@@ -209,6 +124,7 @@ def describe_exit(code: int) -> str:
             name = f"signal {-code}"
         return f"was killed by {name}"
     return f"exited with code {code}"
+
 
 
 def check_plan_for_cli(cfg: GalaxyConfig, cli_plan: str, world: int, strict: bool) -> None:
@@ -227,6 +143,7 @@ def check_plan_for_cli(cfg: GalaxyConfig, cli_plan: str, world: int, strict: boo
         raise ConfigError(f"the serial CLI runs on one rank, got --world {world}; use pretrain_galaxy.py for more")
 
 
+
 def rank_context(rank: int, launch: Launch, cfg: GalaxyConfig, log_level: str):
     """This rank's ParallelContext (dp/pp/mp groups from the config); local processes share the cores."""
     import torch
@@ -243,6 +160,7 @@ def rank_context(rank: int, launch: Launch, cfg: GalaxyConfig, log_level: str):
                                       stage_layers=cfg.stage_layers())
 
 
+
 def fill_world(cfg: GalaxyConfig, world: int, fill: Optional[str]) -> None:
     """``fill`` ('dp' or 'pp', from pretrain_dp_bert.py / pretrain_pp_bert.py): a config that leaves
     that size at 1 and runs no mp plan gets every rank the other dimension leaves, so
@@ -255,6 +173,7 @@ def fill_world(cfg: GalaxyConfig, world: int, fill: Optional[str]) -> None:
     elif fill == "pp" and p.pp_size == 1 and world % p.dp_size == 0 and p.stage_num_hidden_layers_list is None:
         p.pp_size = world // p.dp_size
     cfg.validate()
+
 
 
 def check_engine(cfg: GalaxyConfig) -> None:
@@ -270,6 +189,7 @@ def check_engine(cfg: GalaxyConfig) -> None:
                           "CUDA GPUs; use dp_engine 'zero1' (torch ZeroRedundancyOptimizer) or 'ddp' here")
 
 
+
 def plan_launch(args: argparse.Namespace, cfg: GalaxyConfig, plan: str, strict: bool, fill: Optional[str]) -> Launch:
     """Decide the launch and check everything about it before any process starts: the plan for this
     CLI, the world split into dp x pp x mp, every split, and the profile and checkpoint flags."""
@@ -281,6 +201,7 @@ def plan_launch(args: argparse.Namespace, cfg: GalaxyConfig, plan: str, strict: 
     check_checkpoint_flags(args)
     check_engine(cfg)
     return launch
+
 
 
 def train_from_args(model, batch_at, cfg: GalaxyConfig, ctx, args: argparse.Namespace, eval_at=None):
@@ -295,24 +216,3 @@ def train_from_args(model, batch_at, cfg: GalaxyConfig, ctx, args: argparse.Name
     if ctx.rank == 0 and result.profile_report is not None:
         print(result.profile_report, flush=True)
     return result
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.WARNING),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-def bad_input(error: Exception) -> int:
-    """The one line a CLI prints for bad config, flags or files before any rank starts; exit code 2."""
-    print(f"error: {error}", file=sys.stderr)
-    return 2
-
-
-def print_summary(title: str, fields: dict, path: Optional[str]) -> None:
-    width = max(len(k) for k in fields)
-    print(f"\n== {title} ==")
-    for k, v in fields.items():
-        print(f"  {k:<{width}}  {v}")
-    if path:
-        with open(path, "w") as f:
-            json.dump(fields, f, indent=2)

@@ -1,0 +1,250 @@
+"""Profile one step of a Galaxy BERT or LLaMA: FLOPs (forward and backward measured), parameters,
+replicated compute and communication, per rank and summed over the model-parallel group.
+
+    python profile_flops.py --model bert --config train_config/bert/full.json --backward
+    python profile_flops.py --model bert --world 2 --plan galaxy --backward --json out.json
+    python profile_flops.py --model llama --config llama-7b --meta --batch 1 --seq_len 128
+    python profile_flops.py --model llama --override preset=llama-7b --meta --backward
+
+``--config`` takes a JSON file or a model preset name (bert-tiny, bert-base, llama-7b, ...);
+omitted, the model's tiny preset is used. ``--world N`` starts N local CPU/Gloo (or GPU/NCCL)
+processes, or runs one rank with ``--rank`` / under torchrun; rank 0 prints the report (its own
+module tree, then the per-rank table, the sums, the replicated compute and the bytes per
+transition and per layer) and writes ``--json``. ``--meta`` builds and runs the model on meta-backed fake tensors
+(shapes only: fake tensors, no memory, no compute; one rank), so a LLaMA-7B-shaped model
+profiles anywhere.
+
+A step is the forward with labels (the loss included); ``--backward`` adds the backward and the
+gradient sync, ``--optimizer`` also the clipping and the AdamW step. Forward-only steps run in
+eval mode without autograd; steps with a backward run in train mode (dropout on, as configured).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from contextlib import nullcontext
+from dataclasses import replace
+from typing import Any, Optional
+
+import torch
+
+from galaxy.config import MODEL_PRESETS, PLAN_PRESETS, ConfigError, GalaxyConfig
+from galaxy.core.context import ParallelContext
+from galaxy.models import build_model
+from galaxy.profiler import FlopsProfiler, ParallelProfiler
+from galaxy.cli.args import build_parser, load_config
+from galaxy.cli.launch import check_plan_for_cli, decide_launch, launch_ranks
+from galaxy.cli.output import setup_logging
+
+logger = logging.getLogger(__name__)
+
+DESCRIPTION = "Profile FLOPs, parameters and communication of one step of a Galaxy BERT or LLaMA"
+
+
+def parser():
+    p = build_parser(DESCRIPTION)
+    p.add_argument("--model", choices=("bert", "llama"), default=None,
+                   help="model family; omitted: the config's model_type (bert without a config)")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default: the config's global_batch_size)")
+    p.add_argument("--seq_len", type=int, default=None, help="sequence length (default: the config's seq_length)")
+    p.add_argument("--plan", choices=sorted(PLAN_PRESETS), default=None,
+                   help="parallel plan; omitted: the config's, else galaxy on several ranks and none on one")
+    p.add_argument("--backward", action="store_true", help="profile forward + backward + gradient sync")
+    p.add_argument("--optimizer", action="store_true", help="with --backward: also clip and step AdamW")
+    p.add_argument("--meta", action="store_true",
+                   help="shapes only: build and run on meta-backed fake tensors, no memory or compute (one rank)")
+    p.add_argument("--json", default=None, help="write every number as JSON here (rank 0)")
+    p.add_argument("--peak_tflops", type=float, default=None,
+                   help="peak dense TFLOP/s per rank for MFU (default: looked up for known GPUs)")
+    p.add_argument("--warm_up", type=int, default=None, help="unprofiled steps first (default 1; 0 with --meta)")
+    p.add_argument("--module_depth", type=int, default=-1, help="deepest module level in the report (-1: all)")
+    p.add_argument("--top_modules", type=int, default=1, help="modules per depth in the aggregated view")
+    p.add_argument("--no_detailed", action="store_true", help="leave the module tree out of the report")
+    p.add_argument("--causal_halving", action="store_true",
+                   help="count half of fused causal attention kernels (they skip the masked half)")
+    p.add_argument("--check_serial", action="store_true",
+                   help="rank 0 also profiles the serial model and checks sum over ranks == serial + redundant")
+    return p
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def resolve_config(args) -> GalaxyConfig:
+    default = {"model": {"preset": f"{args.model or 'bert'}-tiny"}}
+    if args.config_file and not os.path.isfile(args.config_file) and args.config_file in MODEL_PRESETS:
+        default, args.config_file = {"model": {"preset": args.config_file}}, None
+    for flag, key in (("seq_len", "seq_length"), ("batch", "global_batch_size"), ("plan", "plan")):
+        if getattr(args, flag) is not None:
+            args.override = list(args.override) + [f"{key}={getattr(args, flag)}"]
+    cfg = load_config(args, default)
+    if args.model is not None and cfg.model.model_type != args.model:
+        raise ConfigError(f"--model {args.model} but the config describes a {cfg.model.model_type} model; "
+                          f"drop --model or pick a {args.model} config or preset")
+    if args.meta and cfg.data.model_path:
+        raise ConfigError("--meta builds a model of random shapes; it cannot load model_path, drop one of the two")
+    if getattr(cfg.parallel, "dp_size", 1) != 1 or getattr(cfg.parallel, "pp_size", 1) != 1:
+        raise ConfigError("profile_flops.py profiles one model-parallel group: set dp_size and pp_size to 1 "
+                          "(use --profile_step K of the training CLIs to profile a dp/pp run)")
+    if args.optimizer and not args.backward:
+        raise ConfigError("--optimizer needs --backward (the optimizer steps on gradients)")
+    return cfg
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def shapes_only():
+    """The context ``--meta`` runs in: every tensor created inside (parameters, batch, activations,
+    gradients) is a fake tensor, i.e. a meta tensor that reports the CPU device. Nothing is
+    allocated or computed, yet the model runs exactly the code it runs on a CPU (init, RNG
+    streams, autocast checks, the attention kernel the CPU would pick), so every op is seen with
+    its real shapes. (A bare ``device="meta"`` context breaks on device queries such as
+    ``torch.is_autocast_enabled("meta")`` and meta generators.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def build(cfg: GalaxyConfig, ctx: ParallelContext, serial: bool = False) -> torch.nn.Module:
+    model = build_model(cfg, None if serial else cfg.resolve_plan(ctx.mp.size), ctx)
+    if cfg.train.dtype == "float64":
+        model.double()
+    return model
+
+
+def random_batch(cfg: GalaxyConfig, device: torch.device) -> dict[str, torch.Tensor]:
+    """Token ids and labels, the same on every rank. BERT: MLM labels on ``mlm_probability`` of
+    the tokens (at least one); LLaMA: the ids themselves (the model shifts them)."""
+    b, s = cfg.train.global_batch_size, cfg.train.seq_length
+    g = torch.Generator().manual_seed(cfg.train.seed)
+    ids = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
+    if cfg.model.model_type == "bert":
+        chosen = torch.rand(b, s, generator=g) < cfg.train.mlm_probability
+        chosen[:, 0] = True
+        labels = torch.where(chosen, ids, torch.full_like(ids, -100))
+    else:
+        labels = ids.clone()
+    return {"input_ids": ids.to(device), "labels": labels.to(device)}
+
+
+def make_step(model, batch, cfg: GalaxyConfig, ctx: ParallelContext, backward: bool, optimizer: bool):
+    """The step to profile, and whether it syncs gradients."""
+    from galaxy.core.grad_sync import GradientSync, clip_grad_norm
+    from galaxy.train.loop import autocast_context, build_optimizer
+
+    amp = autocast_context(cfg, ctx.device)
+    if not backward:
+        model.eval()
+
+        def forward_step():
+            with torch.no_grad(), amp:
+                model(**batch)
+
+        return forward_step
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    sync = GradientSync(params, ctx.mp)
+    opt = build_optimizer(model, cfg) if optimizer else None
+
+    def train_step():
+        with amp:
+            out = model(**batch)
+        out.loss.backward()
+        sync()
+        if opt is not None:
+            if cfg.train.grad_clip > 0:
+                clip_grad_norm(params, cfg.train.grad_clip, ctx.mp)
+            opt.step()
+        model.zero_grad(set_to_none=True)
+
+    return train_step
+
+
+# ----------------------------------------------------------------------------- profiling
+
+
+def profile(cfg: GalaxyConfig, args, ctx: ParallelContext) -> tuple[dict[str, Any], str]:
+    """Profile one step on this rank (a collective over ``ctx.mp``): (JSON dict, report text)."""
+    model = build(cfg, ctx)
+    batch = random_batch(cfg, ctx.device)
+    step = make_step(model, batch, cfg, ctx, args.backward, args.optimizer)
+    prof = ParallelProfiler(model, ctx, batch=cfg.train.global_batch_size, seq_len=cfg.train.seq_length,
+                            grad_sync=args.backward, timed=not args.meta, peak_tflops=args.peak_tflops,
+                            causal_halving=args.causal_halving)
+    warm_up = args.warm_up if args.warm_up is not None else (0 if args.meta else 1)
+    data = prof.profile(step, warm_up=warm_up)
+    data["config"] = cfg.to_dict()
+    data["step"] = {"backward": args.backward, "optimizer": args.optimizer, "warm_up": warm_up,
+                    "meta": args.meta}
+    text = prof.format_profile(profile_step=warm_up + 1, module_depth=args.module_depth,
+                               top_modules=args.top_modules, detailed=not args.no_detailed)
+    return data, text
+
+
+def serial_check(cfg: GalaxyConfig, args, device: torch.device, data: dict[str, Any]) -> dict[str, Any]:
+    """Profile the serial model on the same batch: the sum over ranks must be serial + redundant."""
+    ctx = ParallelContext.serial(device, cfg.train.seed)
+    model = build(cfg, ctx, serial=True)
+    step = make_step(model, random_batch(cfg, ctx.device), cfg, ctx, args.backward, args.optimizer)
+    prof = FlopsProfiler(model, causal_halving=args.causal_halving)
+    prof.start_profile()
+    step()
+    prof.stop_profile()
+    serial = {ph: prof.get_total_flops(phase=ph) for ph in ("fwd", "bwd")}
+    serial["total"] = serial["fwd"] + serial["bwd"]
+    summed, redundant = data["sum"]["flops"], data["sum"]["redundant"]
+    excess = {ph: summed[ph] - serial[ph] for ph in serial}
+    return {"serial_flops": serial, "sum_minus_serial": excess, "reported_redundant": redundant,
+            "match": excess == {ph: redundant[ph] for ph in serial}}
+
+
+def profile_rank(rank: int, launch, payload) -> None:
+    cfg, args = payload
+    if launch.rank is None and launch.world > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.world))
+    setup_logging(args.log_level)
+    if args.meta:
+        ctx = ParallelContext.serial(device="cpu", seed=cfg.train.seed)
+    else:
+        dist_cfg = replace(cfg.distributed, init_method=launch.init_method or cfg.distributed.init_method)
+        ctx = ParallelContext.initialize(dist_cfg, rank, launch.world, cfg.train.device, seed=cfg.train.seed,
+                                         local_rank=launch.local_rank)
+    try:
+        with shapes_only() if args.meta else nullcontext():
+            data, text = profile(cfg, args, ctx)
+            if rank != 0:
+                return
+            if args.check_serial:
+                check = data["serial_check"] = serial_check(cfg, args, ctx.device, data)
+                text += (f"\nserial check: serial model {check['serial_flops']['total']} FLOPs, sum over ranks - "
+                         f"serial = {check['sum_minus_serial']['total']}, reported redundant = "
+                         f"{check['reported_redundant']['total']}: {'match' if check['match'] else 'MISMATCH'}")
+        print(text, flush=True)
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(data, f, indent=2)
+            print(f"profile written to {args.json}", flush=True)
+    finally:
+        ctx.shutdown()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        cfg = resolve_config(args)
+        launch = decide_launch(args)
+        if args.meta and launch.world != 1:
+            raise ConfigError(f"--meta runs on one rank (shapes only, no communication), got --world {launch.world}")
+        check_plan_for_cli(cfg, "galaxy" if launch.world > 1 else "none", launch.world, strict=False)
+        cfg.resolve_plan(launch.world)  # split errors surface here, before any process starts
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return launch_ranks(profile_rank, launch, (cfg, args), cfg)
+
