@@ -17,6 +17,8 @@ from galaxy.emulate.host import CPU_CGROUP_ROOT
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_WEIGHT, QUOTA_WEIGHT, MAX_WEIGHT = 1024, 16 * 1024, 1 << 18  # cpu.shares
+
 
 def run_group(run_name: str) -> str:
     return os.path.join(CPU_CGROUP_ROOT, run_name)
@@ -27,13 +29,21 @@ def rank_group(run_name: str, rank: int) -> str:
 
 
 def build(run_name: str, cluster: Cluster) -> None:
-    os.mkdir(run_group(run_name))
+    """One group per rank under the run's group. A rank with a quota gets QUOTA_WEIGHT: its share is
+    what it gets, not only a cap, so it outweighs the host's other load (and the quota keeps it from
+    taking more). The run's group weighs the sum of its ranks, as if they were side by side at the top."""
+    top = run_group(run_name)
+    os.mkdir(top)
+    weights = []
     for rank in range(cluster.world_size):
         group = rank_group(run_name, rank)
         os.mkdir(group)
         _write(group, "cpu.cfs_period_us", cluster.cpu_period_us)
         quota = cluster.quota_us(rank)
         _write(group, "cpu.cfs_quota_us", -1 if quota is None else quota)
+        weights.append(DEFAULT_WEIGHT if quota is None else QUOTA_WEIGHT)
+        _write(group, "cpu.shares", weights[-1])
+    _write(top, "cpu.shares", min(MAX_WEIGHT, sum(weights)))
 
 
 def _write(group: str, name: str, value: int) -> None:

@@ -120,7 +120,7 @@ class EmulatedCluster:
 def describe(cluster: Cluster) -> str:
     def one(rank: int) -> str:
         spec = cluster.ranks[rank]
-        cpu = "no CPU quota" if spec.compute_share is None else f"{spec.compute_share:g} cores"
+        cpu = "no CPU quota" if spec.compute_share is None else f"compute_share {spec.compute_share:g}"
         bw = "unshaped" if spec.bandwidth_mbit is None else f"{spec.bandwidth_mbit:g} Mbit/s"
         return f"rank {rank} {network.rank_address(rank)} {cpu}, {bw}"
     return "; ".join(one(r) for r in range(cluster.world_size))
