@@ -16,9 +16,9 @@ import time
 import pytest
 
 from galaxy.config import ConfigError
-from galaxy.emulate import Cluster, EmulatedCluster, missing_prerequisite, remove_stale_runs, run_emulated
-from galaxy.emulate import cgroups, network
-from galaxy.emulate.emulator import LOCK_DIR
+from galaxy.emulate import (Cluster, EmulatedCluster, HostCommandError, RankSpec, cgroups, missing_prerequisite,
+                            network, remove_stale_runs, run_emulated)
+from galaxy.emulate.emulator import LOCK_DIR, run_names
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MISSING = missing_prerequisite()
@@ -36,6 +36,7 @@ needs_host = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
     ({"ranks": [{"compute_share": 0.001}]}, "'ranks[0].compute_share'"),
     ({"ranks": [{}, {"bandwidth_mbit": -5}]}, "'ranks[1].bandwidth_mbit'"),
     ({"ranks": [{}], "links": {"bandwidth_mbit": True}}, "'links.bandwidth_mbit'"),
+    ({"ranks": [{}], "links": {"bandwidth_mbit": 1e9}}, "'links.bandwidth_mbit'"),
     ({"ranks": [{}], "links": {"bandwith_mbit": 100}}, "'bandwith_mbit'; did you mean 'bandwidth_mbit'"),
     ({"ranks": [{"compute": 1.0}]}, "'compute'; did you mean 'compute_share'"),
     ({"ranks": [{}], "latency_ms": 5}, "'latency_ms'"),
@@ -155,7 +156,7 @@ def test_links_and_quotas_are_where_the_file_says():
             for where, dev in [(ns, network.RANK_INTERFACE), (switch, f"port{rank}")]:
                 shown = subprocess.run(["tc", "-n", where, "qdisc", "show", "dev", dev], capture_output=True,
                                        text=True, check=True).stdout
-                assert f"tbf" in shown and f"rate {rate}" in shown, (where, dev, shown)
+                assert "tbf" in shown and f"rate {rate}" in shown, (where, dev, shown)
         group = cgroups.rank_group(emu.name, 0)
         assert open(f"{group}/cpu.cfs_quota_us").read().strip() == "10000"
         assert open(f"{group}/cpu.cfs_period_us").read().strip() == "20000"
@@ -228,6 +229,17 @@ def test_cleanup_after_a_rank_is_sigkilled(tmp_path, caplog):
     assert "rank 1 was killed by SIGKILL" in caplog.text
     assert not alive(int(pidfile.read_text()))
     assert leftovers(run_name(caplog.text)) == []
+
+
+@needs_host
+def test_cleanup_when_building_fails():
+    """tc refuses this rate (the cluster file's validation would have refused it too): the half-built
+    cluster is removed and the tool's error comes through."""
+    before = run_names()
+    with pytest.raises(HostCommandError, match="tbf"):
+        with EmulatedCluster(Cluster(ranks=(RankSpec(None, None), RankSpec(None, 1e15)))):
+            pass
+    assert run_names() <= before
 
 
 def start_launcher(tmp_path, *command):

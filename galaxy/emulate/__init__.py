@@ -4,9 +4,12 @@ bandwidth-shaped link, with its own CPU quota (needs root, iproute2's ``ip`` and
 
 How the cluster file (``cluster.py``) maps onto the host:
 
-- ``ranks[i]`` is rank i: network namespace ``<run>-rank<i>``, address ``10.200.0.<i+1>`` on its
-  interface ``gxlink`` (GLOO_SOCKET_IFNAME), and cgroup ``/sys/fs/cgroup/cpu/<run>/rank<i>``.
-- ``ranks[i].compute_share`` (CPU cores) -> that cgroup's ``cpu.cfs_quota_us`` = share x ``cpu_period_us``.
+- ``ranks[i]`` is rank i: network namespace ``<run>-rank<i>``, address ``10.200.0.<i+1>`` (from rank
+  255 on ``10.200.1.0`` ...) on its interface ``gxlink`` (GLOO_SOCKET_IFNAME), and the cgroup
+  ``/sys/fs/cgroup/cpu/<run>/rank<i>``.
+- ``ranks[i].compute_share`` (CPU cores) -> that cgroup's ``cpu.cfs_quota_us`` = share x ``cpu_period_us``,
+  with a high ``cpu.shares`` so the rank gets its share on a busy host too; OMP_NUM_THREADS defaults to
+  the share rounded up.
 - ``ranks[i].bandwidth_mbit`` (default ``links.bandwidth_mbit``) -> a tbf qdisc at that rate on both ends
   of the rank's veth pair. All veths meet on a bridge in the namespace ``<run>-switch``: a star, so
   rank i sends to rank j at min(bw_i, bw_j) and shares its link among its peers like a switch port.

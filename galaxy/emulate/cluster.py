@@ -35,6 +35,7 @@ from galaxy.config import ConfigError
 
 MIN_QUOTA_US = 1000  # the kernel refuses a cfs_quota_us below 1 ms
 MAX_RANKS = 4000  # one /16 of addresses, see network.rank_address
+MAX_BANDWIDTH_MBIT = 100_000  # far beyond what a veth carries; faster is the same as unshaped
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,7 @@ class Cluster:
         _check_keys(raw, where, {"ranks", "links", "cpu_period_us"})
         links = raw.get("links", {})
         _check_keys(links, f"{where} key 'links'", {"bandwidth_mbit"})
-        default_bw = _positive(links.get("bandwidth_mbit"), f"{where} key 'links.bandwidth_mbit'",
-                               "megabits per second, e.g. 100, or null for an unshaped link")
+        default_bw = _bandwidth(links.get("bandwidth_mbit"), f"{where} key 'links.bandwidth_mbit'")
         period = raw.get("cpu_period_us", 100_000)
         if isinstance(period, bool) or not isinstance(period, int) or not 1000 <= period <= 1_000_000:
             raise ConfigError(f"{where} key 'cpu_period_us' must be an integer from 1000 to 1000000 "
@@ -82,9 +82,8 @@ class Cluster:
             if share is not None and share * period < MIN_QUOTA_US:
                 raise ConfigError(f"{where} key '{key}.compute_share' {share} is below the kernel's minimum quota "
                                   f"({MIN_QUOTA_US} us per {period} us period); use at least {MIN_QUOTA_US / period}")
-            bw = (_positive(entry["bandwidth_mbit"], f"{where} key '{key}.bandwidth_mbit'",
-                            "megabits per second, e.g. 50, or null for an unshaped link")
-                  if "bandwidth_mbit" in entry else default_bw)
+            bw = _bandwidth(entry["bandwidth_mbit"], f"{where} key '{key}.bandwidth_mbit'") \
+                if "bandwidth_mbit" in entry else default_bw
             specs.append(RankSpec(compute_share=share, bandwidth_mbit=bw))
         return cls(ranks=tuple(specs), cpu_period_us=period)
 
@@ -110,6 +109,14 @@ def _check_keys(section: Any, where: str, allowed: set[str]) -> None:
             close = difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.5)
             hint = f"did you mean '{close[0]}'?" if close else f"use one of {', '.join(sorted(allowed))}"
             raise ConfigError(f"{where} has unknown key '{key}'; {hint}")
+
+
+def _bandwidth(value: Any, where: str) -> Optional[float]:
+    bw = _positive(value, where, "megabits per second, e.g. 100, or null for an unshaped link")
+    if bw is not None and bw > MAX_BANDWIDTH_MBIT:
+        raise ConfigError(f"{where} {value} is above {MAX_BANDWIDTH_MBIT} Mbit/s, more than a veth carries; "
+                          "use null for an unshaped link")
+    return bw
 
 
 def _positive(value: Any, where: str, meaning: str) -> Optional[float]:

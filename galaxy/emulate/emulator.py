@@ -9,6 +9,7 @@ next run finds such names and removes what they hold before building its own. Ra
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import math
@@ -31,7 +32,7 @@ DEFAULT_MASTER_PORT = 29500  # every run has its own namespaces, so a fixed port
 # Joins the rank's cgroup, then becomes the rank's command inside its namespace (same pid all along).
 _ENTER_RANK = ('echo $$ > "$0" || exit 126; ns="$1"; shift; '
                'exec setpriv --pdeathsig KILL -- ip netns exec "$ns" "$@"')
-_BLOCKED_DURING_TEARDOWN = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+_DEFERRED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
 class EmulatedCluster:
@@ -195,11 +196,11 @@ def remove_stale_runs() -> list[str]:
     return removed
 
 
-class _signals_blocked:
+@contextlib.contextmanager
+def _signals_blocked():
     """Defer SIGINT/SIGTERM/SIGHUP (delivered on exit) so that building or removing is never cut halfway."""
-
-    def __enter__(self):
-        self._old = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED_DURING_TEARDOWN)
-
-    def __exit__(self, *exc):
-        signal.pthread_sigmask(signal.SIG_SETMASK, self._old)
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
