@@ -29,9 +29,11 @@ logger = logging.getLogger(__name__)
 LOCK_DIR = "/run/galaxy-emulate"
 NAME_PATTERN = re.compile(r"galaxy-emu-[0-9a-f]{8}")
 DEFAULT_MASTER_PORT = 29500  # every run has its own namespaces, so a fixed port never collides
-# Joins the rank's cgroup, then becomes the rank's command inside its namespace (same pid all along).
-_ENTER_RANK = ('echo $$ > "$0" || exit 126; ns="$1"; shift; '
-               'exec setpriv --pdeathsig KILL -- ip netns exec "$ns" "$@"')
+# Run under `setpriv --pdeathsig KILL` (the rank dies with the launcher): joins the rank's cgroup, checks
+# that the launcher did not die before the death signal was armed, then becomes the rank's command
+# inside its namespace (the same pid all along).
+_ENTER_RANK = ('echo $$ > "$0" || exit 126; read -r _ _ _ parent _ < /proc/$$/stat; '
+               '[ "$parent" = "$1" ] || exit 125; ns="$2"; shift 2; exec ip netns exec "$ns" "$@"')
 _DEFERRED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
@@ -112,7 +114,8 @@ class EmulatedCluster:
         if rank in self.processes:
             raise RuntimeError(f"rank {rank} was already started in emulated cluster {self.name}")
         procs_file = os.path.join(cgroups.rank_group(self.name, rank), "cgroup.procs")
-        command = ["sh", "-c", _ENTER_RANK, procs_file, network.rank_namespace(self.name, rank), *argv]
+        command = ["setpriv", "--pdeathsig", "KILL", "--", "sh", "-c", _ENTER_RANK, procs_file, str(os.getpid()),
+                   network.rank_namespace(self.name, rank), *argv]
         proc = subprocess.Popen(command, env=self.rank_env(rank, env), start_new_session=True, **popen_kwargs)
         self.processes[rank] = proc
         return proc
