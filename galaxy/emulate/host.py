@@ -49,5 +49,6 @@ def run(argv: Sequence[str]) -> str:
     except subprocess.TimeoutExpired:
         raise HostCommandError(f"'{' '.join(argv)}' did not finish within 60 s") from None
     if done.returncode != 0:
-        raise HostCommandError(f"'{' '.join(argv)}' failed: {done.stderr.strip() or done.stdout.strip()}")
+        said = "; ".join(line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip())
+        raise HostCommandError(f"'{' '.join(argv)}' failed: {said or f'exit code {done.returncode}'}")
     return done.stdout

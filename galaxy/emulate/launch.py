@@ -9,6 +9,7 @@ cluster is removed before this returns or raises.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import threading
@@ -70,11 +71,14 @@ def _supervise(procs: list[subprocess.Popen], grace_s: float) -> int:
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM every running rank, and wait up to ``grace_s`` for them to end (the cluster's teardown
-    SIGKILLs whatever is left)."""
+    """SIGTERM every running rank's process group (each rank leads its own), and wait up to ``grace_s``
+    for them to end (the cluster's teardown SIGKILLs whatever is left)."""
     for p in procs:
         if p.poll() is None:
-            p.terminate()
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         time.sleep(POLL_S)
