@@ -60,11 +60,21 @@ def test_cluster_file_defaults_and_overrides(tmp_path):
     assert cluster.world_size == 3
     assert [r.bandwidth_mbit for r in cluster.ranks] == [100.0, 20.0, None]
     assert [cluster.quota_us(r) for r in range(3)] == [50000, 25000, None]
-    for bad, says in [(tmp_path / "absent.json", "does not exist"), (tmp_path / "cluster.json", "not valid JSON")]:
-        if says == "not valid JSON":
-            bad.write_text("{")
-        with pytest.raises(ConfigError, match=says):
-            Cluster.from_file(str(bad))
+    with pytest.raises(ConfigError, match="does not exist"):
+        Cluster.from_file(str(tmp_path / "absent.json"))
+    path.write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        Cluster.from_file(str(path))
+
+
+def test_cli_bad_input_gets_one_line(tmp_path):
+    bad = tmp_path / "cluster.json"
+    bad.write_text('{"ranks": [{"compute_share": -1}]}')
+    for args, says in [([str(bad), "--", "true"], "'ranks[0].compute_share' must be a positive number"),
+                       ([str(bad)], "name the command to run after '--'")]:
+        done = subprocess.run([sys.executable, "-m", "galaxy.emulate", *args], capture_output=True, text=True,
+                              cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, timeout=60)
+        assert done.returncode == 2 and says in done.stderr.strip().splitlines()[-1], done.stderr
 
 
 def test_not_root_gets_one_line():

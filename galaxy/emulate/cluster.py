@@ -90,7 +90,7 @@ class Cluster:
     @classmethod
     def from_file(cls, path: str) -> "Cluster":
         if not os.path.isfile(path):
-            raise ConfigError(f"cluster file '{path}' does not exist; pass a JSON file such as "
+            raise ConfigError(f"cluster file '{path}' does not exist or is not a file; pass a JSON file such as "
                               '{"ranks": [{"compute_share": 1.0}, {"compute_share": 0.5}], '
                               '"links": {"bandwidth_mbit": 100}}')
         with open(path) as f:
