@@ -1,0 +1,127 @@
+"""The cluster file: per-rank compute shares and link bandwidths, typed and validated.
+
+::
+
+    {
+      "ranks": [
+        {"compute_share": 1.0},
+        {"compute_share": 0.5, "bandwidth_mbit": 50}
+      ],
+      "links": {"bandwidth_mbit": 100}
+    }
+
+- ``ranks`` (required, one object per rank, rank i is the i-th entry):
+  - ``compute_share``: CPU cores the rank may use, enforced as a CFS quota (quota = share x period):
+    1.0 is one full core, 0.5 half a core, 2.0 two cores. ``null`` or absent: no quota.
+  - ``bandwidth_mbit``: this rank's link to the switch, in megabits per second (10^6 bit/s), shaped in
+    both directions. Absent: ``links.bandwidth_mbit``.
+- ``links`` (optional):
+  - ``bandwidth_mbit``: every rank's link unless the rank names its own. ``null`` or absent: unshaped.
+- ``cpu_period_us`` (optional, default 100000): the CFS period; a smaller one spreads a rank's
+  throttling more finely over time.
+
+Unknown keys are errors, as everywhere in Galaxy.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from galaxy.config import ConfigError
+
+MIN_QUOTA_US = 1000  # the kernel refuses a cfs_quota_us below 1 ms
+MAX_RANKS = 4000  # one /16 of addresses, see network.rank_address
+MAX_BANDWIDTH_MBIT = 100_000  # far beyond what a veth carries; faster is the same as unshaped
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    compute_share: Optional[float]  # CPU cores; None: no quota
+    bandwidth_mbit: Optional[float]  # this rank's link, both directions; None: unshaped
+
+
+@dataclass(frozen=True)
+class Cluster:
+    ranks: tuple[RankSpec, ...]
+    cpu_period_us: int = 100_000
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def quota_us(self, rank: int) -> Optional[int]:
+        share = self.ranks[rank].compute_share
+        return None if share is None else max(MIN_QUOTA_US, round(share * self.cpu_period_us))
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str = "cluster") -> "Cluster":
+        _check_keys(raw, where, {"ranks", "links", "cpu_period_us"})
+        links = raw.get("links", {})
+        _check_keys(links, f"{where} key 'links'", {"bandwidth_mbit"})
+        default_bw = _bandwidth(links.get("bandwidth_mbit"), f"{where} key 'links.bandwidth_mbit'")
+        period = raw.get("cpu_period_us", 100_000)
+        if isinstance(period, bool) or not isinstance(period, int) or not 1000 <= period <= 1_000_000:
+            raise ConfigError(f"{where} key 'cpu_period_us' must be an integer from 1000 to 1000000 "
+                              f"(microseconds), got {period!r}")
+        ranks = raw.get("ranks")
+        if not isinstance(ranks, list) or not ranks:
+            raise ConfigError(f"{where} key 'ranks' must be a non-empty list with one object per rank, e.g. "
+                              f'[{{"compute_share": 1.0}}, {{"compute_share": 0.5}}], got {ranks!r}')
+        if len(ranks) > MAX_RANKS:
+            raise ConfigError(f"{where} key 'ranks' lists {len(ranks)} ranks; at most {MAX_RANKS} are supported")
+        specs = []
+        for i, entry in enumerate(ranks):
+            key = f"ranks[{i}]"
+            _check_keys(entry, f"{where} key '{key}'", {"compute_share", "bandwidth_mbit"})
+            share = _positive(entry.get("compute_share"), f"{where} key '{key}.compute_share'",
+                              "CPU cores, e.g. 1.0 for one core or 0.5 for half, or null for no quota")
+            if share is not None and share * period < MIN_QUOTA_US:
+                raise ConfigError(f"{where} key '{key}.compute_share' {share} is below the kernel's minimum quota "
+                                  f"({MIN_QUOTA_US} us per {period} us period); use at least {MIN_QUOTA_US / period}")
+            bw = _bandwidth(entry["bandwidth_mbit"], f"{where} key '{key}.bandwidth_mbit'") \
+                if "bandwidth_mbit" in entry else default_bw
+            specs.append(RankSpec(compute_share=share, bandwidth_mbit=bw))
+        return cls(ranks=tuple(specs), cpu_period_us=period)
+
+    @classmethod
+    def from_file(cls, path: str) -> "Cluster":
+        if not os.path.isfile(path):
+            raise ConfigError(f"cluster file '{path}' does not exist or is not a file; pass a JSON file such as "
+                              '{"ranks": [{"compute_share": 1.0}, {"compute_share": 0.5}], '
+                              '"links": {"bandwidth_mbit": 100}}')
+        with open(path) as f:
+            try:
+                raw = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"cluster file '{path}' is not valid JSON: {e}") from None
+        return cls.from_dict(raw, where=f"cluster file '{path}'")
+
+
+def _check_keys(section: Any, where: str, allowed: set[str]) -> None:
+    if not isinstance(section, dict):
+        raise ConfigError(f"{where} must be a JSON object, got {section!r}")
+    for key in section:
+        if key not in allowed:
+            close = difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.5)
+            hint = f"did you mean '{close[0]}'?" if close else f"use one of {', '.join(sorted(allowed))}"
+            raise ConfigError(f"{where} has unknown key '{key}'; {hint}")
+
+
+def _bandwidth(value: Any, where: str) -> Optional[float]:
+    bw = _positive(value, where, "megabits per second, e.g. 100, or null for an unshaped link")
+    if bw is not None and bw > MAX_BANDWIDTH_MBIT:
+        raise ConfigError(f"{where} {value} is above {MAX_BANDWIDTH_MBIT} Mbit/s, more than a veth carries; "
+                          "use null for an unshaped link")
+    return bw
+
+
+def _positive(value: Any, where: str, meaning: str) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise ConfigError(f"{where} must be a positive number ({meaning}), got {value!r}")
+    return float(value)

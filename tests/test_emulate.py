@@ -1,0 +1,303 @@
+"""Emulated clusters (galaxy/emulate): cluster file validation, Gloo through shaped links, bandwidth and
+CPU quotas as configured, and cleanup on every exit path. The emulation tests need root, iproute2 and
+the cgroup v1 cpu controller; elsewhere they skip, naming what is missing."""
+
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import pytest
+
+from galaxy.config import ConfigError
+from galaxy.emulate import (Cluster, EmulatedCluster, HostCommandError, RankSpec, cgroups, missing_prerequisite,
+                            network, remove_stale_runs, run_emulated)
+from galaxy.emulate.emulator import LOCK_DIR, run_names
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MISSING = missing_prerequisite()
+needs_host = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+
+
+# ----------------------------------------------------------------------------- the cluster file
+
+
+@pytest.mark.parametrize("raw, key", [
+    ({"links": {"bandwidth_mbit": 100}}, "'ranks'"),
+    ({"ranks": []}, "'ranks'"),
+    ({"ranks": [{"compute_share": 0}]}, "'ranks[0].compute_share'"),
+    ({"ranks": [{}, {"compute_share": "half"}]}, "'ranks[1].compute_share'"),
+    ({"ranks": [{"compute_share": 0.001}]}, "'ranks[0].compute_share'"),
+    ({"ranks": [{}, {"bandwidth_mbit": -5}]}, "'ranks[1].bandwidth_mbit'"),
+    ({"ranks": [{}], "links": {"bandwidth_mbit": True}}, "'links.bandwidth_mbit'"),
+    ({"ranks": [{}], "links": {"bandwidth_mbit": 1e9}}, "'links.bandwidth_mbit'"),
+    ({"ranks": [{}], "links": {"bandwith_mbit": 100}}, "'bandwith_mbit'; did you mean 'bandwidth_mbit'"),
+    ({"ranks": [{"compute": 1.0}]}, "'compute'; did you mean 'compute_share'"),
+    ({"ranks": [{}], "latency_ms": 5}, "'latency_ms'"),
+    ({"ranks": [{}], "cpu_period_us": 10}, "'cpu_period_us'"),
+    ({"ranks": [5]}, "'ranks[0]'"),
+    ([{"compute_share": 1.0}], "must be a JSON object"),
+])
+def test_cluster_file_errors_name_the_key(raw, key):
+    with pytest.raises(ConfigError) as err:
+        Cluster.from_dict(raw)
+    message = str(err.value)
+    assert key in message and "\n" not in message, message
+
+
+def test_cluster_file_defaults_and_overrides(tmp_path):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"ranks": [{"compute_share": 1}, {"compute_share": 0.5, "bandwidth_mbit": 20},
+                                          {"bandwidth_mbit": None}],
+                                "links": {"bandwidth_mbit": 100}, "cpu_period_us": 50000}))
+    cluster = Cluster.from_file(str(path))
+    assert cluster.world_size == 3
+    assert [r.bandwidth_mbit for r in cluster.ranks] == [100.0, 20.0, None]
+    assert [cluster.quota_us(r) for r in range(3)] == [50000, 25000, None]
+    with pytest.raises(ConfigError, match="does not exist"):
+        Cluster.from_file(str(tmp_path / "absent.json"))
+    path.write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        Cluster.from_file(str(path))
+
+
+def test_cli_bad_input_gets_one_line(tmp_path):
+    bad = tmp_path / "cluster.json"
+    bad.write_text('{"ranks": [{"compute_share": -1}]}')
+    for args, says in [([str(bad), "--", "true"], "'ranks[0].compute_share' must be a positive number"),
+                       ([str(bad)], "name the command to run after '--'")]:
+        done = subprocess.run([sys.executable, "-m", "galaxy.emulate", *args], capture_output=True, text=True,
+                              cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, timeout=60)
+        assert done.returncode == 2 and says in done.stderr.strip().splitlines()[-1], done.stderr
+
+
+def test_not_root_gets_one_line():
+    cluster = '{"ranks": [{}, {}]}'
+    with tempfile.NamedTemporaryFile("w", suffix=".json", dir="/tmp") as f:  # /tmp: readable by nobody too
+        f.write(cluster)
+        f.flush()
+        os.chmod(f.name, 0o644)
+        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+        env = {**os.environ, "PYTHONPATH": REPO}
+        if as_nobody and subprocess.run([*as_nobody, sys.executable, "-c", "import galaxy.emulate"], cwd=REPO,
+                                        env=env, capture_output=True, timeout=60).returncode != 0:
+            pytest.skip(f"user nobody cannot run {sys.executable} on {REPO} (permissions)")
+        done = subprocess.run([*as_nobody, sys.executable, "-m", "galaxy.emulate", f.name, "--", "true"],
+                              capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        "error: cluster emulation needs root (network namespaces, tc, cgroups); run as root"], done.stderr
+
+
+# ----------------------------------------------------------------------------- traffic and CPU
+
+GLOO_RANK = textwrap.dedent("""
+    import os, sys, time, torch, torch.distributed as dist
+    dist.init_process_group("gloo", init_method="env://")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.arange(5, dtype=torch.float64) * (rank + 1)
+    dist.all_reduce(x)
+    expected = torch.arange(5, dtype=torch.float64) * sum(r + 1 for r in range(world))
+    if not torch.equal(x, expected):
+        sys.exit(f"rank {rank}: all_reduce gave {x.tolist()}, expected {expected.tolist()}")
+    payload = torch.zeros(int(os.environ["NBYTES"]) // 4)
+    dist.barrier()
+    start = time.perf_counter()
+    if rank == 0:
+        dist.send(payload, 1)
+    else:
+        dist.recv(payload, 0)
+        mb_per_s = payload.numel() * 4 / (time.perf_counter() - start) / 1e6
+        with open(os.environ["RESULT"], "w") as f:
+            f.write(str(mb_per_s))
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+@needs_host
+def test_gloo_all_reduce_and_bandwidth_through_shaped_links(tmp_path):
+    """2 ranks on 50 Mbit links: all_reduce sums right, and 4 MB from rank 0 to rank 1 arrive near
+    50 Mbit/s = 6.25 MB/s (TCP/IP headers take ~4%). A core each (with the quota's weight) keeps other
+    load on the host from slowing the ranks below the link's rate."""
+    script, result = tmp_path / "rank.py", tmp_path / "mb_per_s"
+    script.write_text(GLOO_RANK)
+    cluster = Cluster.from_dict({"ranks": [{"compute_share": 1.0}] * 2, "links": {"bandwidth_mbit": 50}})
+    env = {**os.environ, "PYTHONPATH": REPO, "NBYTES": str(4 << 20), "RESULT": str(result)}
+    assert run_emulated(cluster, lambda rank: [sys.executable, str(script)], env) == 0
+    measured = float(result.read_text())
+    logging.getLogger(__name__).info("4 MB over a 50 Mbit link: %.2f MB/s", measured)
+    assert 0.6 * 6.25 < measured < 1.05 * 6.25, measured
+
+
+BUSY_RANK = textwrap.dedent("""
+    import os, time
+    start, cpu_start, x = time.perf_counter(), time.process_time(), 0
+    while time.perf_counter() - start < 1.5:
+        for i in range(10000):
+            x += i
+    print(f"{(time.process_time() - cpu_start) / (time.perf_counter() - start):.4f}")
+""")
+
+
+@needs_host
+def test_cpu_quota_slows_a_busy_loop_by_the_share():
+    """A busy loop under a 0.25-core quota gets a quarter of a core (4x slower than a free core), one
+    under 0.5 half, measured as CPU time over wall time (the ranks' weight keeps the host's other load
+    from taking their share)."""
+    cluster = Cluster.from_dict({"ranks": [{"compute_share": 0.5}, {"compute_share": 0.25}]})
+    with EmulatedCluster(cluster) as emu:
+        procs = [emu.spawn(r, [sys.executable, "-c", BUSY_RANK], stdout=subprocess.PIPE, text=True)
+                 for r in range(2)]
+        half, quarter = (float(p.communicate(timeout=60)[0]) for p in procs)
+    assert 0.17 < quarter < 0.29 and 0.35 < half < 0.56, (half, quarter)
+
+
+@needs_host
+def test_links_and_quotas_are_where_the_file_says():
+    cluster = Cluster.from_dict({"ranks": [{"compute_share": 0.5, "bandwidth_mbit": 20}, {}],
+                                 "links": {"bandwidth_mbit": 100}, "cpu_period_us": 20000})
+    with EmulatedCluster(cluster) as emu:
+        switch = network.switch_namespace(emu.name)
+        for rank, rate in [(0, "20Mbit"), (1, "100Mbit")]:
+            ns = network.rank_namespace(emu.name, rank)
+            for where, dev in [(ns, network.RANK_INTERFACE), (switch, f"port{rank}")]:
+                shown = subprocess.run(["tc", "-n", where, "qdisc", "show", "dev", dev], capture_output=True,
+                                       text=True, check=True).stdout
+                assert "tbf" in shown and f"rate {rate}" in shown, (where, dev, shown)
+        group = cgroups.rank_group(emu.name, 0)
+        assert open(f"{group}/cpu.cfs_quota_us").read().strip() == "10000"
+        assert open(f"{group}/cpu.cfs_period_us").read().strip() == "20000"
+        assert open(f"{cgroups.rank_group(emu.name, 1)}/cpu.cfs_quota_us").read().strip() == "-1"
+        env = emu.rank_env(1, {})
+        assert env["MASTER_ADDR"] == "10.200.0.1" and env["RANK"] == "1" and env["WORLD_SIZE"] == "2"
+        seen = emu.spawn(1, ["sh", "-c", "ip -4 -o addr show gxlink; cat /proc/self/cgroup"],
+                         stdout=subprocess.PIPE, text=True).communicate(timeout=30)[0]
+        assert "10.200.0.2/16" in seen and f"cpu:/{emu.name}/rank1" in seen, seen
+    assert leftovers(emu.name) == []
+
+
+# ----------------------------------------------------------------------------- cleanup on every exit path
+
+
+def leftovers(name: str) -> list[str]:
+    """What the emulated run `name` still holds on this machine."""
+    found = [ns for ns in network.list_namespaces() if ns.startswith(name)]
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    found += [line for line in links.splitlines() if name in line or "gxlink" in line]
+    found += [p for p in (cgroups.run_group(name), os.path.join(LOCK_DIR, f"{name}.lock")) if os.path.exists(p)]
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def run_name(text: str) -> str:
+    match = re.search(r"emulated cluster (galaxy-emu-[0-9a-f]{8}): rank 0", text)  # the line saying it is up
+    assert match, text
+    return match.group(1)
+
+
+TWO = Cluster.from_dict({"ranks": [{"compute_share": 1.0}, {"compute_share": 0.5}], "links": {"bandwidth_mbit": 100}})
+
+
+@needs_host
+def test_cleanup_after_success_and_after_a_failing_rank(caplog):
+    with caplog.at_level(logging.INFO, logger="galaxy.emulate"):
+        assert run_emulated(TWO, lambda rank: ["sh", "-c", f"test $RANK = {rank}"]) == 0
+    assert leftovers(run_name(caplog.text)) == []
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="galaxy.emulate"):
+        assert run_emulated(TWO, lambda rank: ["sh", "-c", f"exit {3 * rank}"]) == 3
+    assert "rank 1 exited with code 3" in caplog.text
+    assert leftovers(run_name(caplog.text)) == []
+
+
+@needs_host
+def test_cleanup_after_an_exception_kills_the_ranks():
+    with pytest.raises(ZeroDivisionError):
+        with EmulatedCluster(TWO) as emu:
+            procs = [emu.spawn(r, ["sleep", "60"]) for r in range(2)]
+            1 / 0
+    assert not any(alive(p.pid) for p in procs)
+    assert leftovers(emu.name) == []
+
+
+@needs_host
+def test_cleanup_after_a_rank_is_sigkilled(tmp_path, caplog):
+    """Rank 1 dies by SIGKILL; rank 0 ignores SIGTERM and has a child of its own: the launcher names
+    rank 1, returns 128 + 9, and SIGKILLs all of rank 0's cgroup after the grace period."""
+    pidfile = tmp_path / "grandchild"
+    argv = {0: ["sh", "-c", f"trap '' TERM; sleep 60 & echo $! > {pidfile}; wait"],
+            1: ["sh", "-c", f"while [ ! -s {pidfile} ]; do sleep 0.05; done; kill -9 $$"]}
+    start = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="galaxy.emulate"):
+        code = run_emulated(TWO, argv.__getitem__, grace_s=0.5)
+    assert code == 128 + signal.SIGKILL and time.monotonic() - start < 30
+    assert "rank 1 was killed by SIGKILL" in caplog.text
+    assert not alive(int(pidfile.read_text()))
+    assert leftovers(run_name(caplog.text)) == []
+
+
+@needs_host
+def test_cleanup_when_building_fails():
+    """tc refuses this rate (the cluster file's validation would have refused it too): the half-built
+    cluster is removed and the tool's error comes through."""
+    before = run_names()
+    with pytest.raises(HostCommandError, match="tbf"):
+        with EmulatedCluster(Cluster(ranks=(RankSpec(None, None), RankSpec(None, 1e15)))):
+            pass
+    assert run_names() <= before
+
+
+def start_launcher(tmp_path, *command):
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"ranks": [{}, {"compute_share": 0.5}], "links": {"bandwidth_mbit": 100}}))
+    launcher = subprocess.Popen([sys.executable, "-m", "galaxy.emulate", str(cluster), "--grace", "1", "--", *command],
+                                stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    lines = []
+    while not lines or "rank 0" not in lines[-1]:  # skip other lines, e.g. about removed leftovers
+        lines.append(launcher.stderr.readline())
+        assert lines[-1], f"the launcher ended: {''.join(lines)}"
+    name = run_name(lines[-1])
+    deadline = time.monotonic() + 30
+    while not all(cgroups.members(cgroups.rank_group(name, r)) for r in range(2)):
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.02)
+    ranks = [pid for r in range(2) for pid in cgroups.members(cgroups.rank_group(name, r))]
+    return launcher, name, ranks
+
+
+@needs_host
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_cleanup_after_sigterm_or_ctrl_c_of_the_launcher(tmp_path, signum):
+    launcher, name, ranks = start_launcher(tmp_path, "sleep", "60")
+    launcher.send_signal(signum)
+    assert launcher.wait(timeout=30) == 128 + signum
+    assert f"the launcher got {signum.name}" in launcher.stderr.read()
+    assert not any(alive(pid) for pid in ranks)
+    assert leftovers(name) == []
+
+
+@needs_host
+def test_a_sigkilled_launcher_takes_its_ranks_along_and_the_next_run_removes_its_leftovers(tmp_path):
+    launcher, name, ranks = start_launcher(tmp_path, "sleep", "60")
+    launcher.kill()
+    launcher.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in ranks):  # --pdeathsig KILL
+        assert time.monotonic() < deadline, "ranks outlived their launcher"
+        time.sleep(0.02)
+    assert leftovers(name) != []  # nobody was left to clean up ...
+    remove_stale_runs()  # ... until the next run looks
+    assert leftovers(name) == []
