@@ -301,3 +301,31 @@ def test_a_sigkilled_launcher_takes_its_ranks_along_and_the_next_run_removes_its
     assert leftovers(name) != []  # nobody was left to clean up ...
     remove_stale_runs()  # ... until the next run looks
     assert leftovers(name) == []
+
+
+@needs_host
+def test_training_cli_runs_every_rank_in_the_emulated_cluster(tmp_path):
+    """``pretrain_galaxy.py --emulate cluster.json``: both ranks start in their namespaces (the Galaxy plan
+    trains across the shaped link) and nothing of the run is left afterwards."""
+    cluster = tmp_path / "c.json"
+    cluster.write_text(json.dumps({"ranks": [{"compute_share": 1.0}, {"compute_share": 0.5}],
+                                   "links": {"bandwidth_mbit": 100}}))
+    summary = tmp_path / "summary.json"
+    before = run_names()
+    out = subprocess.run([sys.executable, "pretrain_galaxy.py", "--emulate", str(cluster), "--max_steps", "2",
+                          "--no_progress", "--summary_json", str(summary)], capture_output=True, text=True,
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    fields = json.loads(summary.read_text())
+    assert fields["world"] == 2 and fields["plan"] == "galaxy" and fields["steps"] == 2
+    assert run_names() <= before  # namespaces, cgroups and locks of the run are gone
+
+
+def test_training_cli_refuses_emulate_with_rank_or_another_world(tmp_path):
+    cluster = tmp_path / "c.json"
+    cluster.write_text(json.dumps({"ranks": [{"compute_share": 1.0}, {"compute_share": 0.5}]}))
+    for extra, says in ((["--rank", "0", "--world", "2"], "drop --rank"), (["--world", "3"], "disagrees")):
+        out = subprocess.run([sys.executable, "pretrain_galaxy.py", "--emulate", str(cluster), *extra],
+                             capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
+                             timeout=60)
+        assert out.returncode == 2 and says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -41,6 +41,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                         "--save_dir")
     p.add_argument("--keep_last", type=int, default=None, metavar="K",
                    help="with --save_dir: keep only the newest K checkpoints")
+    p.add_argument("--emulate", default=None, metavar="CLUSTER_JSON",
+                   help="start every rank here inside an emulated heterogeneous cluster: each rank in its own network "
+                        "namespace behind a bandwidth-shaped link, with its own CPU quota (root; galaxy/emulate)")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.add_argument("--log_level", default="WARNING", help="python logging level")
     return p

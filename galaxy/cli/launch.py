@@ -11,7 +11,6 @@ import argparse
 import logging
 import multiprocessing
 import os
-import signal
 import socket
 import sys
 import time
@@ -21,6 +20,8 @@ from typing import Callable, Optional
 from galaxy.cli.args import check_checkpoint_flags, check_profile_step, resume_path
 from galaxy.cli.output import setup_logging
 from galaxy.config import PLAN_PRESETS, ConfigError, GalaxyConfig
+from galaxy.emulate import Cluster, run_emulated
+from galaxy.emulate.launch import describe_exit
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +32,19 @@ class Launch:
     rank: Optional[int]  # None: start every rank here
     local_rank: Optional[int]
     init_method: Optional[str]  # set when the launch mode decides it (torchrun, local processes)
+    emulate: Optional[Cluster] = None  # start every rank inside this emulated cluster (--emulate)
 
 
 def decide_launch(args: argparse.Namespace) -> Launch:
     env = os.environ
+    if getattr(args, "emulate", None):
+        if args.rank is not None:
+            raise ConfigError("--emulate starts every rank of the emulated cluster here; drop --rank")
+        cluster = Cluster.from_file(args.emulate)
+        if args.world is not None and args.world != cluster.world_size:
+            raise ConfigError(f"--world {args.world} disagrees with the {cluster.world_size} ranks of the cluster file "
+                              f"'{args.emulate}'; drop --world or list {args.world} ranks")
+        return Launch(cluster.world_size, None, None, None, emulate=cluster)
     if args.rank is None and "RANK" in env and "WORLD_SIZE" in env:  # torchrun / SLURM-style launchers
         world = int(env["WORLD_SIZE"])
         if args.world is not None and args.world != world:
@@ -77,6 +87,8 @@ def run_rank(fn, rank: int, launch: Launch, payload) -> int:
 
 def launch_ranks(fn: Callable, launch: Launch, payload, cfg: GalaxyConfig) -> int:
     """Start ``fn(rank, launch, payload)`` for the ranks this process is responsible for."""
+    if launch.emulate is not None:
+        return launch_emulated(launch)
     if launch.rank is not None:
         return run_rank(fn, launch.rank, launch, payload)
     if launch.world == 1:
@@ -108,22 +120,30 @@ def launch_ranks(fn: Callable, launch: Launch, payload, cfg: GalaxyConfig) -> in
 
 
 
+def launch_emulated(launch: Launch) -> int:
+    """This command once per rank of the emulated cluster, each in its namespace and cgroup; the ranks
+    read RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the environment the emulator gives them."""
+    argv, own = [], sys.argv[1:]
+    skip = False
+    for arg in own:  # every flag of this command but --emulate
+        if skip:
+            skip = False
+        elif arg == "--emulate":
+            skip = True
+        elif not arg.startswith("--emulate="):
+            argv.append(arg)
+    code = run_emulated(launch.emulate, lambda rank: [sys.executable, sys.argv[0], *argv])
+    if code:
+        print(f"error: the emulated run failed (exit code {code}); the rank that failed is named above",
+              file=sys.stderr)
+    return 1 if code else 0
+
+
 def first_failure(procs) -> Optional[int]:
     """The rank to blame among the processes that ended badly: one killed by a signal (its peers'
     errors follow from it), else the lowest; None while none has."""
     ended = [(p.exitcode >= 0, r) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
     return min(ended)[1] if ended else None
-
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name}"
-    return f"exited with code {code}"
 
 
 
