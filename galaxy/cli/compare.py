@@ -1,16 +1,19 @@
-"""Compare tuning methods (full, LoRA, adapters, side-tuning) on one model and plan: same data, same
-seed, same steps. Prints a table (trainable / total parameters, trainable %, peak memory, saved
-activations, step time, tokens/s, final loss) and writes it as JSON plus a PNG (loss curves, bars
-for memory and speed).
+"""Compare tuning methods (full, LoRA, adapters, side-tuning) as fine-tuning methods: each starts from
+the same pretrained base and is tuned on the same downstream task, same seed, same steps, then scored on
+held-out data. Prints a table (held-out metric of the un-tuned base and after tuning, trainable / total
+parameters, peak memory, saved activations, step time, tokens/s) and writes it as JSON plus a PNG.
 
-    python compare_tuning.py --model bert --plan galaxy --world 2
-    python compare_tuning.py --model llama --plan galaxy --world 2 --max_steps 50
+    python compare_tuning.py                                   # BERT, topic classification, CPU minutes
+    python compare_tuning.py --model bert --plan galaxy --world 2 --data my_labels.jsonl
+    python compare_tuning.py --model llama --model_path my_llama_dir --max_steps 50
 
-Each method runs in fresh processes, so the peak memory of one is not carried into the next. On
-CPU "peak memory" is the rank-0 process's resident peak (it includes the Python and torch runtime);
-"saved activations" (tensors autograd keeps for backward in one step, rank 0) is the device-
-independent part of what the methods change. BERT trains masked-LM on the synthetic corpus (the
-pretraining data), LLaMA fine-tunes on the shipped Alpaca sample (the finetune_llama.py data).
+The base is ``--model_path`` (a local HF checkpoint), or one pretrained here once and cached (see
+``galaxy.cli.compare_tasks``): BERT a masked LM on unlabelled text, LLaMA a causal LM on the training
+examples' text. Tasks: BERT sequence classification (held-out accuracy), LLaMA instruction tuning
+(held-out loss and perplexity). Each method runs in fresh processes, so the peak memory of one is not
+carried into the next. On CPU "peak memory" is the rank-0 process's resident peak (it includes the
+Python and torch runtime); "saved activations" (tensors autograd keeps for backward in one step, rank 0)
+is the device-independent part of what the methods change.
 """
 
 from __future__ import annotations
@@ -26,34 +29,62 @@ from dataclasses import replace
 
 import torch
 
+from galaxy.cli.args import load_config
+from galaxy.cli.compare_tasks import (base_tokenizer, load_base, pretrained_base, topic_documents, with_base,
+                                      write_topic_task)
+from galaxy.cli.launch import Launch, check_plan_for_cli, launch_ranks, run_rank
+from galaxy.cli.output import setup_logging
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.context import ParallelContext
 from galaxy.models import build_model
 from galaxy.peft import METHODS, apply_tuning, trainable_parameters
-from galaxy.cli.args import load_config
-from galaxy.cli.launch import Launch, check_plan_for_cli, launch_ranks, run_rank
-from galaxy.cli.output import setup_logging
-from galaxy.cli.pretrain import DEFAULT_BERT
-from galaxy.train.loop import train
+from galaxy.train.evaluate import evaluate
+from galaxy.train.loop import make_trainer, train
 
 logger = logging.getLogger(__name__)
 
-COLUMNS = [("method", "method", "{}"), ("trainable_params", "trainable", "{:,}"), ("total_params", "total", "{:,}"),
-           ("trainable_pct", "trainable %", "{:.3f}"), ("peak_mem_mb", "peak mem MB", "{:.1f}"),
-           ("saved_act_mb", "saved act MB", "{:.2f}"), ("step_time_s", "step s", "{:.4f}"),
-           ("tokens_per_s", "tokens/s", "{:,.0f}"), ("final_loss", "final loss", "{:.4f}")]
+# The defaults: small enough that pretraining the base once and tuning every method takes a few minutes
+# on two CPU cores, large enough that every method's held-out metric moves clearly.
+DEFAULTS = {
+    "bert": {"model": {"preset": "bert-tiny", "vocab_size": 400, "max_position_embeddings": 64, "num_labels": 4,
+                       "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+             "train": {"global_batch_size": 16, "seq_length": 32, "max_steps": 80, "lr": 1e-3, "warmup_steps": 5,
+                       "weight_decay": 0.0, "eval_iters": 8},
+             "peft": {"lora_dim": 8, "lora_alpha": 16, "lora_dropout": 0.0}},
+    "llama": {"model": {"preset": "llama-tiny", "vocab_size": 259},
+              "train": {"global_batch_size": 8, "seq_length": 320, "max_steps": 60, "lr": 1e-3, "warmup_steps": 5,
+                        "weight_decay": 0.0, "eval_iters": 1},
+              "peft": {"lora_dim": 8, "lora_alpha": 16, "lora_dropout": 0.0}},
+}
+PRETRAIN_STEPS = {"bert": 300, "llama": 200}
+# Learning rates as researchers set them: PEFT methods train few parameters from zero and take a larger
+# one than full fine-tuning (used unless a config file or --override sets lr).
+METHOD_LR = {"full": 1e-3, "lora": 5e-3, "adapter": 5e-3, "side": 5e-3}
+METRIC = {"bert": ("eval_accuracy", "held-out accuracy"), "llama": ("eval_perplexity", "held-out perplexity")}
+
+COLUMNS = [("method", "method", "{}"), ("metric_before", "base metric", "{:.4f}"),
+           ("metric_after", "tuned metric", "{:.4f}"), ("eval_loss_after", "held-out loss", "{:.4f}"),
+           ("trainable_params", "trainable", "{:,}"), ("trainable_pct", "trainable %", "{:.3f}"),
+           ("peak_mem_mb", "peak mem MB", "{:.1f}"), ("saved_act_mb", "saved act MB", "{:.2f}"),
+           ("step_time_s", "step s", "{:.4f}"), ("tokens_per_s", "tokens/s", "{:,.0f}")]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", choices=("bert", "llama"), default="bert")
-    p.add_argument("--plan", default="galaxy", help="parallel plan preset when the config names none")
-    p.add_argument("--world", type=int, default=2, help="model-parallel ranks (local processes)")
-    p.add_argument("--max_steps", type=int, default=30)
+    p.add_argument("--plan", default="none", help="parallel plan preset when the config names none")
+    p.add_argument("--world", type=int, default=1, help="model-parallel ranks (local processes)")
+    p.add_argument("--max_steps", type=int, default=None, help="tuning steps per method (default: the model's)")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
-    p.add_argument("--config_file", default=None, help="JSON config; omitted: the CLIs' small defaults")
-    p.add_argument("--model_path", default=None, help="start every method from this local HF checkpoint")
+    p.add_argument("--config_file", default=None, help="JSON config; omitted: the small defaults above")
+    p.add_argument("--model_path", default=None, help="the base: a local HF checkpoint (default: pretrain one here)")
+    p.add_argument("--data", default=None, help="the task's training file (BERT: {text, label} JSONL; LLaMA: "
+                                                "Alpaca JSON/JSONL); default: generated topics / the Alpaca sample")
+    p.add_argument("--eval_data", default=None, help="held-out file of the same kind (default: generated topics / "
+                                                     "the last tenth of --data)")
+    p.add_argument("--pretrain_steps", type=int, default=None, help="steps of the base pretrained here")
+    p.add_argument("--cache_dir", default=None, help="where pretrained bases are kept (default ~/.cache/galaxy)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="any config key")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--out_dir", default="compare_tuning_out")
@@ -63,43 +94,95 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="world 1 only: run every method in this process (no start-up cost; memory accumulates)")
     p.add_argument("--log_level", default="WARNING")
     args = p.parse_args(argv)
-    # load_config reads these CLI flags as well
-    args.data = args.tokenizer = None
+    # load_config reads these CLI flags too: the base and the task files are set per method below
+    args.tokenizer = args.eval_every = None
+    args.task_data, args.data = args.data, None
+    args.base_path, args.model_path = args.model_path, None
     return args
 
 
-def method_config(args: argparse.Namespace, method: str) -> GalaxyConfig:
-    if args.model == "llama":
-        from galaxy.cli.finetune import DEFAULT_LLAMA as default
-    else:
-        default = DEFAULT_BERT
-    cfg = load_config(args, default)
+def method_config(args: argparse.Namespace, method: str, base: str) -> GalaxyConfig:
+    cfg = with_base(load_config(args, DEFAULTS[args.model]), base)
     if cfg.model.model_type != args.model:
         raise ConfigError(f"config key 'model_type' is '{cfg.model.model_type}' but --model is {args.model}")
     if cfg.parallel.dp_size > 1 or cfg.parallel.pp_size > 1:
         raise ConfigError("compare_tuning.py runs one model-parallel group; set dp_size = pp_size = 1")
     check_plan_for_cli(cfg, args.plan, args.world, strict=False)
     cfg.peft.tuning = method
+    cfg.data.model_path = base
+    if not args.config_file and not any(o.split("=")[0].strip() in ("lr", "train.lr") for o in args.override):
+        cfg.train.lr = METHOD_LR[method]
     cfg.resolve_plan(args.world)  # split errors surface before any process starts
     return cfg
 
 
-def batches(cfg: GalaxyConfig, plan):
-    """(batch_at, vocab_size) for the model type: MLM on the pretraining corpus, or Alpaca for LLaMA."""
-    if cfg.model.model_type == "bert":
-        from galaxy.data.pretraining import mlm_data
+def task_files(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(training file, held-out file or None) of the task."""
+    if args.task_data:
+        return args.task_data, args.eval_data
+    if args.model == "bert":
+        return write_topic_task(os.path.join(args.out_dir, "task"))
+    from galaxy.train.finetune import DEFAULT_DATA
 
-        return mlm_data(cfg)
+    return DEFAULT_DATA, args.eval_data
+
+
+def pretraining_texts(args: argparse.Namespace, train_file: str) -> list[str]:
+    """What a base pretrained here learns from: unlabelled documents of the generated topics (a set
+    apart from the task's examples), else the training file's own texts."""
+    if args.model == "bert":
+        if not args.task_data:
+            return [text for text, _ in topic_documents(2048, seed=99)]
+        from galaxy.data.classification import load_labelled_data
+
+        return [text for text, _ in load_labelled_data(train_file)]
+    from galaxy.data.instruction import load_instruction_data
+
+    return [" ".join(v for v in (ex["instruction"], ex["input"], ex["output"]) if v)
+            for ex in held_apart(load_instruction_data(train_file), args.eval_data)[0]]
+
+
+def held_apart(examples: list, eval_file):
+    """(training examples, held-out examples): the held-out file's, else the last tenth (at least one)."""
+    if eval_file:
+        from galaxy.data.instruction import load_instruction_data
+
+        return examples, load_instruction_data(eval_file)
+    cut = len(examples) - max(1, len(examples) // 10)
+    return examples[:cut], examples[cut:]
+
+
+def task_batches(cfg: GalaxyConfig, plan, files: tuple[str, str | None]):
+    """(batch_at, eval_at, eval_iters) of the task for this config."""
+    t = cfg.train
+    if cfg.model.model_type == "bert":
+        from galaxy.data.classification import ClassificationBatcher, load_labelled_data
+        from galaxy.data.corpus import TextCorpus
+
+        examples = load_labelled_data(files[0])
+        if files[1]:
+            held_out = load_labelled_data(files[1])
+        else:
+            cut = len(examples) - max(1, len(examples) // 10)
+            examples, held_out = examples[:cut], examples[cut:]
+        tok = base_tokenizer(cfg.data.model_path)
+        corpus = TextCorpus.from_texts([text for text, _ in examples], t.seq_length, tokenizer=tok,
+                                       tokenizer_dir=None if tok is not None else cfg.data.model_path,
+                                       eval_fraction=0.0)
+        ids = dict(cls_id=corpus.cls_id, sep_id=corpus.sep_id, pad_id=corpus.pad_id, seed=t.seed)
+        train_b = ClassificationBatcher(examples, corpus.encode, t.seq_length, t.global_batch_size, **ids)
+        eval_b = ClassificationBatcher(held_out, corpus.encode, t.seq_length, t.global_batch_size, **ids)
+        return train_b.batch_at, eval_b.batch_at, max(1, len(held_out) // t.global_batch_size)
     from galaxy.data.instruction import InstructionBatcher, load_instruction_data
-    from galaxy.train.finetune import (DEFAULT_DATA, finetune_tokenizer, instruction_batches, match_vocab,
-                                       shards_sequence)
+    from galaxy.train.finetune import finetune_tokenizer, instruction_batches, shards_sequence
 
     tokenizer = finetune_tokenizer(cfg)
-    match_vocab(cfg, tokenizer)
-    t = cfg.train
-    batcher = InstructionBatcher(load_instruction_data(cfg.data.data or DEFAULT_DATA), tokenizer, t.seq_length,
-                                 t.global_batch_size, seed=t.seed)
-    return instruction_batches(batcher, t.seq_length if shards_sequence(plan) else None), cfg.model.vocab_size
+    examples, held_out = held_apart(load_instruction_data(files[0]), files[1])
+    fixed = t.seq_length if shards_sequence(plan) else None
+    train_b = InstructionBatcher(examples, tokenizer, t.seq_length, t.global_batch_size, seed=t.seed)
+    eval_b = InstructionBatcher(held_out, tokenizer, t.seq_length, t.global_batch_size, seed=t.seed)
+    return (instruction_batches(train_b, fixed), instruction_batches(eval_b, fixed),
+            max(1, -(-len(held_out) // t.global_batch_size)))
 
 
 def saved_activation_mb(model, batch: dict) -> float:
@@ -120,23 +203,32 @@ def saved_activation_mb(model, batch: dict) -> float:
     return sum(storages.values()) / 2**20
 
 
-def run_one(cfg: GalaxyConfig, method: str, ctx: ParallelContext, world: int) -> dict:
-    """Build, tune and train one method on this rank; rank 0's row of the table."""
+def run_one(cfg: GalaxyConfig, method: str, files, ctx: ParallelContext, world: int) -> dict:
+    """Load the base, add the method, score it on the held-out data, tune it, score it again; rank 0's
+    row of the table."""
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(ctx.device)
     plan = cfg.resolve_plan(ctx.mp.size)
-    batch_at, vocab_size = batches(cfg, plan)
-    cfg.model.vocab_size = vocab_size
-    model = apply_tuning(build_model(cfg, plan, ctx), cfg)
+    batch_at, eval_at, eval_iters = task_batches(cfg, plan, files)
+    task = "classify" if cfg.model.model_type == "bert" else "lm"
+    model = build_model(replace(cfg, data=replace(cfg.data, model_path=None)), plan, ctx, task=task)
+    fresh = load_base(model, cfg.data.model_path)
+    model = apply_tuning(model, cfg)
     trainable, total = trainable_parameters(model)
     if cfg.train.dtype == "float64":
         model.double()
+    before = evaluate(make_trainer(model, cfg, ctx), eval_at, eval_iters)
     model.train()
     saved_mb = saved_activation_mb(model, {k: v.to(ctx.device) for k, v in batch_at(0).items()})
-    result = train(model, batch_at, cfg, ctx, progress=False)
-    row = dict(method=method, trainable_params=trainable, total_params=total, trainable_pct=100.0 * trainable / total,
-               saved_act_mb=saved_mb, losses=result.losses, plan=plan.name, world=world, device=str(ctx.device))
+    tuned = replace(cfg, train=replace(cfg.train, eval_every=cfg.train.max_steps, eval_iters=eval_iters))
+    result = train(model, batch_at, tuned, ctx, progress=False, eval_at=eval_at)
+    key = METRIC[cfg.model.model_type][0]
+    row = dict(method=method, metric=key, metric_before=before[key], metric_after=result.eval[key],
+               eval_loss_before=before["eval_loss"], eval_loss_after=result.eval["eval_loss"],
+               fresh_from_base=fresh, trainable_params=trainable, total_params=total,
+               trainable_pct=100.0 * trainable / total, saved_act_mb=saved_mb, losses=result.losses,
+               plan=plan.name, world=world, device=str(ctx.device))
     row.update(result.summary())
     row["tokens_per_s"], row["step_time_s"] = result.tokens_per_s, result.step_time_s
     return row
@@ -144,7 +236,7 @@ def run_one(cfg: GalaxyConfig, method: str, ctx: ParallelContext, world: int) ->
 
 def compare_rank(rank: int, launch: Launch, payload) -> None:
     """Every method of ``payload`` in turn on one rank; rank 0 writes each row to its JSON file."""
-    jobs, log_level = payload
+    jobs, files, log_level = payload
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.world))
     setup_logging(log_level)
     first = jobs[0][0]
@@ -154,7 +246,7 @@ def compare_rank(rank: int, launch: Launch, payload) -> None:
         for cfg, method, result_file in jobs:
             # Fresh dropout streams per method (same groups): every method sees the same randomness.
             ctx = replace(base, _generators={})
-            row = run_one(cfg, method, ctx, launch.world)
+            row = run_one(cfg, method, files, ctx, launch.world)
             if rank == 0:
                 with open(result_file, "w") as f:
                     json.dump(row, f)
@@ -167,10 +259,10 @@ def _single(launch: Launch, payload) -> None:
     sys.exit(run_rank(compare_rank, 0, launch, payload))
 
 
-def run_methods(jobs: list, world: int, log_level: str, in_process: bool = False) -> int:
-    """Run ``jobs`` ([(cfg, method, result_file)]) on ``world`` fresh local processes (``in_process``:
-    world 1 in this process)."""
-    payload = (jobs, log_level)
+def run_methods(jobs: list, files, world: int, log_level: str, in_process: bool = False) -> int:
+    """Run ``jobs`` ([(cfg, method, result_file)]) on the task ``files`` on ``world`` fresh local
+    processes (``in_process``: world 1 in this process)."""
+    payload = (jobs, files, log_level)
     launch = Launch(world, None, None, None)
     if in_process:
         return run_rank(compare_rank, 0, launch, payload)
@@ -193,19 +285,23 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], title: str, path: str) -> None:
+def plot(rows: list[dict], title: str, metric: str, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_mem, ax_speed) = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, (ax_metric, ax_loss, ax_mem, ax_speed) = plt.subplots(1, 4, figsize=(19, 4.2))
+    names = [r["method"] for r in rows]
+    x = range(len(rows))
+    ax_metric.bar([i - 0.2 for i in x], [r["metric_before"] for r in rows], width=0.4, label="un-tuned base")
+    ax_metric.bar([i + 0.2 for i in x], [r["metric_after"] for r in rows], width=0.4, label="tuned")
+    ax_metric.set(title=metric, xticks=list(x), xticklabels=names)
+    ax_metric.legend()
     for row in rows:
         ax_loss.plot(range(1, len(row["losses"]) + 1), row["losses"], label=row["method"])
     ax_loss.set(title="training loss", xlabel="step", ylabel="loss")
     ax_loss.legend()
-    names = [r["method"] for r in rows]
-    x = range(len(rows))
     ax_mem.bar([i - 0.2 for i in x], [r["peak_mem_mb"] for r in rows], width=0.4, label="peak memory")
     ax_mem.bar([i + 0.2 for i in x], [r["saved_act_mb"] for r in rows], width=0.4, label="saved activations")
     ax_mem.set(title="memory (MiB, rank 0)", xticks=list(x), xticklabels=names)
@@ -229,12 +325,19 @@ def main(argv=None) -> int:
     if args.world < 1 or (args.in_process and args.world != 1):
         print("error: --world must be at least 1 (and 1 with --in_process)", file=sys.stderr)
         return 2
+    os.makedirs(args.out_dir, exist_ok=True)
     try:
-        configs = {m: method_config(args, m) for m in methods}
+        files = task_files(args)
+        base = args.base_path
+        if base is None:
+            steps = args.pretrain_steps or PRETRAIN_STEPS[args.model]
+            print(f"-- pretraining the base ({args.model}, {steps} steps, cached after the first run)", flush=True)
+            base = pretrained_base(load_config(args, DEFAULTS[args.model]), pretraining_texts(args, files[0]), steps,
+                                   args.cache_dir)
+        configs = {m: method_config(args, m, base) for m in methods}
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    os.makedirs(args.out_dir, exist_ok=True)
     jobs = []
     for method in methods:
         result_file = os.path.join(args.out_dir, f"{method}.json")
@@ -248,7 +351,7 @@ def main(argv=None) -> int:
     for group in groups:
         print(f"-- {', '.join(j[1] for j in group)}: {args.model}, plan {configs[methods[0]].parallel.plan}, "
               f"world {args.world}, {steps} steps", flush=True)
-        code = run_methods(group, args.world, args.log_level, args.in_process)
+        code = run_methods(group, files, args.world, args.log_level, args.in_process)
         missing = [j[1] for j in group if not os.path.exists(j[2])]
         if code != 0 or missing:
             print(f"error: method(s) {missing or [j[1] for j in group]} failed (exit code {code})", file=sys.stderr)
@@ -258,18 +361,19 @@ def main(argv=None) -> int:
         with open(result_file) as f:
             rows.append(json.load(f))
     first = configs[methods[0]]
-    title = (f"{args.model} ({first.model.preset or 'custom'}), plan {rows[0]['plan']}, world {args.world}, "
-             f"{first.train.max_steps} steps, batch {first.train.global_batch_size} x {first.train.seq_length}, "
-             f"{rows[0]['device']}")
+    metric = METRIC[args.model][1]
+    title = (f"{args.model} from {'its pretrained base' if args.base_path is None else args.base_path}, "
+             f"plan {rows[0]['plan']}, world {args.world}, {first.train.max_steps} steps, "
+             f"batch {first.train.global_batch_size} x {first.train.seq_length}, {rows[0]['device']}; {metric}")
     table = format_table(rows)
     print(f"\n== tuning comparison: {title} ==\n{table}")
-    report = {"model": args.model, "plan": rows[0]["plan"], "world": args.world, "title": title,
+    report = {"model": args.model, "plan": rows[0]["plan"], "world": args.world, "title": title, "base": base,
+              "task": {"train": files[0], "held_out": files[1]}, "metric": METRIC[args.model][0],
               "config": first.to_dict(), "results": rows}
     json_path = os.path.join(args.out_dir, "compare_tuning.json")
     png_path = os.path.join(args.out_dir, "compare_tuning.png")
     with open(json_path, "w") as f:
         json.dump(report, f, indent=2)
-    plot(rows, title, png_path)
+    plot(rows, title, metric, png_path)
     print(f"\nwrote {json_path} and {png_path}")
     return 0
-

@@ -140,13 +140,19 @@ class GalaxyModel(nn.Module):
         return gather_stage_states(local, self.ctx)
 
     @torch.no_grad()
-    def load_full_state_dict(self, state: dict[str, torch.Tensor], source: str = "state dict") -> None:
-        """Full tensors by name, in this model's layout or HF's (``state_from_hf`` converts)."""
+    def load_full_state_dict(self, state: dict[str, torch.Tensor], source: str = "state dict",
+                             keep_fresh: tuple[str, ...] = ()) -> list[str]:
+        """Full tensors by name, in this model's layout or HF's (``state_from_hf`` converts).
+        Parameters whose names start with a ``keep_fresh`` prefix (a task head that a pretraining
+        checkpoint lacks) may be missing and keep their initialisation; returns their names."""
         state = {k: v for k, v in self.state_from_hf(state).items() if k not in self.tied_keys}
         if not self.stage.is_whole:  # a pipeline stage takes the tensors it holds from a full checkpoint
             names = {name for name, _ in self.named_parameters()}
             state = {k: v for k, v in state.items() if k in names}
         params = dict(self.named_parameters())
+        fresh = sorted(n for n in set(params) - set(state) if n.startswith(keep_fresh or ("\0",)))
+        for name in fresh:
+            del params[name]
         missing = sorted(set(params) - set(state))
         unexpected = sorted(set(state) - set(params))
         if missing or unexpected:
@@ -161,6 +167,7 @@ class GalaxyModel(nn.Module):
                 raise ValueError(f"{source}: '{name}' has shape {tuple(full.shape)} but the model needs "
                                  f"{tuple(expected)}; the checkpoint is for another model size")
             param.copy_(spec.slice(full) if spec else full)
+        return fresh
 
     # -- HF directories
 
