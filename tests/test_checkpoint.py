@@ -8,6 +8,7 @@ tests do not depend on the ``Trainer`` API."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import multiprocessing
@@ -23,7 +24,7 @@ from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.context import ParallelContext
 from galaxy.core.grad_sync import GradientSync, clip_grad_norm
 from galaxy.models.bert import BertForMaskedLM
-from galaxy.train import checkpoint as ckpt
+from galaxy.train.checkpoint import files as ckpt_files
 from galaxy.train.checkpoint import (CheckpointError, export_hf, latest_valid_checkpoint, load_checkpoint, prune,
                                      save_checkpoint)
 from galaxy.train.loop import build_optimizer, lr_lambda, train
@@ -114,7 +115,9 @@ def test_resume_is_bit_identical(dist_pool, tmp_path, plan, world):
     losses = dist_pool.run(resume_is_exact, world, plan, str(tmp_path))
     assert all(l == losses[0] for l in losses)
     files = sorted(os.listdir(tmp_path / "step_000005"))
-    assert files == ["manifest.json", "model.safetensors", "optimizer.safetensors", "rng.json", "state.json"]
+    # every rank wrote its own shards
+    assert files == [".metadata"] + [f"__{r}_0.distcp" for r in range(world)] + ["manifest.json", "rng.json",
+                                                                                  "state.json"]
 
 
 # ----------------------------------------------------------------------------- exact resume through train()
@@ -249,8 +252,8 @@ def garble(path):
 
 
 @pytest.mark.parametrize("target,damage,message", [
-    ("model.safetensors", truncate, r"model\.safetensors' is truncated"),
-    ("optimizer.safetensors", flip_bytes, r"optimizer\.safetensors' fails its sha256"),
+    ("__0_0.distcp", truncate, r"__0_0\.distcp' is truncated"),
+    ("__0_0.distcp", flip_bytes, r"__0_0\.distcp' fails its sha256"),
     ("rng.json", flip_bytes, r"rng\.json' fails its sha256"),
     ("manifest.json", set_manifest_sha, r"state\.json' fails its sha256"),
     ("manifest.json", garble, r"manifest\.json' is corrupt"),
@@ -274,7 +277,7 @@ def test_corrupt_checkpoint_names_the_file_and_resume_falls_back(two_checkpoints
 
 def test_checkpoint_of_another_model_shape_is_refused(two_checkpoints):
     run = serial_run({"hidden_size": 48})
-    with pytest.raises(CheckpointError, match=r"model\.safetensors': 'bert\.embeddings\.word_embeddings\.weight' "
+    with pytest.raises(CheckpointError, match=r"step_000001': 'bert\.embeddings\.word_embeddings\.weight' "
                                               r"has shape \(300, 32\) but the model needs \(300, 48\)"):
         run.load(str(two_checkpoints / "step_000001"))
 
@@ -309,30 +312,47 @@ def test_export_hf(two_checkpoints, tmp_path):
 # ----------------------------------------------------------------------------- kill -9 during a save
 
 
+def _stall(directory: str) -> None:
+    with open(os.path.join(directory, "stalled"), "w"):
+        pass
+    time.sleep(120)
+
+
 def _save_then_hang(directory: str, stall_on: str) -> None:
     """Child process: save after step 1, then start the save after step 2 and stall it when it
-    writes ``stall_on`` (half of the model file, or the manifest after the rename)."""
+    writes ``stall_on`` (half of a tensor in a shard file, or the manifest after the rename)."""
     torch.set_num_threads(1)
     run = serial_run()
     run.steps(0, 1)
     run.save(directory, 1)
     run.steps(1, 2)
-    write = ckpt._write_bytes
+    # test-only: hold the save mid-write so the parent can kill it
+    if stall_on == "shard":  # DCP writes each chunk with torch.save
+        save = torch.save
 
-    def stalling(path, data):
-        if os.path.basename(path).startswith(stall_on):
-            with open(path, "wb") as f:
-                f.write(data[: len(data) // 2])
-            with open(os.path.join(directory, "stalled"), "w"):
-                pass
-            time.sleep(120)
-        return write(path, data)
+        def stalling_save(obj, f, *args, **kwargs):
+            buffer = io.BytesIO()
+            save(obj, buffer, *args, **kwargs)
+            f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+            f.flush()
+            _stall(directory)
 
-    ckpt._write_bytes = stalling  # test-only: hold the save mid-write so the parent can kill it
+        torch.save = stalling_save
+    else:
+        write = ckpt_files.write_bytes
+
+        def stalling(path, data):
+            if os.path.basename(path).startswith(stall_on):
+                with open(path, "wb") as f:
+                    f.write(data[: len(data) // 2])
+                _stall(directory)
+            return write(path, data)
+
+        ckpt_files.write_bytes = stalling
     run.save(directory, 2)
 
 
-@pytest.mark.parametrize("stall_on", ["model.safetensors", "manifest.json"])
+@pytest.mark.parametrize("stall_on", ["shard", "manifest.json"])
 def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path, stall_on):
     child = multiprocessing.get_context("spawn").Process(target=_save_then_hang, args=(str(tmp_path), stall_on))
     child.start()
