@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import threading
 import time
 
 import pytest
@@ -25,6 +26,7 @@ from galaxy.core.context import ParallelContext
 from galaxy.core.grad_sync import GradientSync, clip_grad_norm
 from galaxy.models.bert import BertForMaskedLM
 from galaxy.train.checkpoint import files as ckpt_files
+from galaxy.train.checkpoint import legacy
 from galaxy.train.checkpoint import (CheckpointError, export_hf, latest_valid_checkpoint, load_checkpoint, prune,
                                      save_checkpoint)
 from galaxy.train.loop import build_optimizer, lr_lambda, train
@@ -428,3 +430,111 @@ def test_pipeline_and_data_parallel_checkpoints_load_serially(dist_pool, tmp_pat
             torch.testing.assert_close(loaded.optimizer.state[params[name]][key],
                                        reference.optimizer.state[p][key], rtol=0, atol=1e-7, msg=f"{name} {key}")
     assert loaded.scheduler.state_dict() == reference.scheduler.state_dict()
+
+
+# ----------------------------------------------------------------------------- format 1, async saves, DCP's own reader
+
+
+def save_both_formats(ctx, directory):
+    """A Galaxy run on 2 ranks saved after step 3 by the sharded writer and by format 1's writer."""
+    run = Run.fresh(ctx, {"plan": "galaxy", **NO_DROPOUT})
+    run.steps(0, 3)
+    run.save(os.path.join(directory, "sharded"), 3)
+    legacy.save_checkpoint_v1(os.path.join(directory, "format1"), 3, run.model, run.optimizer, run.scheduler, ctx,
+                              run.cfg)
+    return True
+
+
+def test_format1_checkpoints_still_load_and_export(dist_pool, tmp_path):
+    dist_pool.run(save_both_formats, 2, str(tmp_path))
+    runs = {}
+    for fmt in ("sharded", "format1"):
+        runs[fmt] = serial_run(NO_DROPOUT)
+        assert runs[fmt].load(str(tmp_path / fmt)).step == 3
+    assert json.loads((tmp_path / "format1" / "step_000003" / "manifest.json").read_text())["format_version"] == 1
+    ours, old = (dict(runs[f].model.named_parameters()) for f in ("sharded", "format1"))
+    for name, p in ours.items():
+        assert torch.equal(old[name], p), name
+        for key, value in runs["sharded"].optimizer.state[p].items():
+            assert torch.equal(runs["format1"].optimizer.state[old[name]][key], value), (name, key)
+    assert runs["sharded"].scheduler.state_dict() == runs["format1"].scheduler.state_dict()
+    exported = {fmt: BertForMaskedLM.from_pretrained(export_hf(str(tmp_path / fmt), str(tmp_path / f"hf-{fmt}")))
+                for fmt in ("sharded", "format1")}
+    old = dict(exported["format1"].named_parameters())
+    for name, p in exported["sharded"].named_parameters():
+        assert torch.equal(p, old[name]) and torch.equal(p, ours[name]), name
+
+
+def save_async_then_step(ctx, directory):
+    """Start an async save after step 3, run step 4 while it may still write, then commit it; the
+    checkpoint holds the state after step 3 (the tensors were staged when the save started)."""
+    from galaxy.train.checkpoint import shards
+
+    run = Run.fresh(ctx, {"plan": "tp", **NO_DROPOUT})
+    run.steps(0, 3)
+    expected = {k: v.clone() for k, v in run.model.full_state_dict().items()}
+    stepped, write = threading.Event(), shards._RankWriter.write_data
+
+    def write_after_the_step(self, plan, planner):
+        assert stepped.wait(60)
+        return write(self, plan, planner)
+
+    shards._RankWriter.write_data = write_after_the_step  # test-only: the files are written after step 4
+    try:
+        pending = run.save(directory, 3, async_save=True)
+        run.steps(3, 4)
+        assert not pending.done()
+        stepped.set()
+        assert pending.result() == os.path.join(directory, "step_000003")
+    finally:
+        shards._RankWriter.write_data = write
+    resumed = Run.fresh(ctx, {"plan": "tp", **NO_DROPOUT})
+    assert resumed.load(directory).step == 3
+    got = resumed.model.full_state_dict()
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    assert resumed.steps(3, 4) == Run.fresh(ctx, {"plan": "tp", **NO_DROPOUT}).steps(0, 4)[3:]
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_async_save_holds_the_state_when_it_started(dist_pool, tmp_path, world):
+    dist_pool.run(save_async_then_step, world, str(tmp_path))
+
+
+def test_dcp_reads_the_checkpoint_with_its_own_planner(two_checkpoints):
+    """torch.distributed.checkpoint's default reader and planner (which read the ``.metadata`` written
+    for them) load the full tensors the serial model holds: the chunks are described as DCP describes them."""
+    import torch.distributed.checkpoint as dcp
+
+    run = serial_run()
+    run.load(str(two_checkpoints / "step_000002"))
+    params = dict(run.model.named_parameters())
+    state = {f"model/{name}": torch.empty_like(p) for name, p in params.items()}
+    state.update({f"optim/{name}/exp_avg": torch.empty_like(p) for name, p in params.items()})
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(two_checkpoints / "step_000002")), no_dist=True)
+    for name, p in params.items():
+        assert torch.equal(state[f"model/{name}"], p), name
+        assert torch.equal(state[f"optim/{name}/exp_avg"], run.optimizer.state[p]["exp_avg"]), name
+
+
+def load_damaged(ctx, directory):
+    run = Run.fresh(ctx, {"plan": "tp"})
+    with pytest.raises(CheckpointError, match=r"__1_0\.distcp' fails its sha256") as raised:
+        run.load(os.path.join(directory, "step_000001"))
+    return str(raised.value)
+
+
+def save_tp(ctx, directory):
+    run = Run.fresh(ctx, {"plan": "tp"})
+    run.steps(0, 1)
+    run.save(directory, 1)
+    return True
+
+
+def test_a_damaged_shard_fails_every_rank_with_its_name(dist_pool, tmp_path):
+    """Each rank reads only the files that hold its part; whichever rank finds the damage, every rank
+    raises the same error (none is left waiting for the others)."""
+    dist_pool.run(save_tp, 2, str(tmp_path))
+    flip_bytes(str(tmp_path / "step_000001" / "__1_0.distcp"))
+    messages = dist_pool.run(load_damaged, 3, str(tmp_path))
+    assert len(set(messages)) == 1
