@@ -538,3 +538,79 @@ def test_a_damaged_shard_fails_every_rank_with_its_name(dist_pool, tmp_path):
     flip_bytes(str(tmp_path / "step_000001" / "__1_0.distcp"))
     messages = dist_pool.run(load_damaged, 3, str(tmp_path))
     assert len(set(messages)) == 1
+
+
+# ----------------------------------------------------------------------------- optimizers that shard their own way
+
+
+class RowFragments:
+    """Test double of an optimizer that spreads its states its own way (as ZeRO over the model-parallel
+    group would): AdamW over each parameter's shard cut into two row fragments, each a tensor of its
+    own, placed by ``checkpoint_state_regions``."""
+
+    def __init__(self, model, groups_of: torch.optim.Optimizer):
+        """The parameter groups (and their hyper-parameters) are those of ``groups_of``."""
+        names = {p: name for name, p in model.named_parameters()}
+        self.fragments, groups = {}, []
+        for group in groups_of.param_groups:
+            fragments = []
+            for p in group["params"]:
+                cuts = [0, p.shape[0] // 2, p.shape[0]] if p.dim() > 1 else [0, p.shape[0]]
+                for start, stop in zip(cuts, cuts[1:]):
+                    fragments.append(p.detach()[start:stop].clone().requires_grad_())
+                    self.fragments[fragments[-1]] = (names[p], p, start)
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fragments})
+        self.optim = torch.optim.AdamW(groups)
+        self.param_groups = self.optim.param_groups
+
+    def checkpoint_state_regions(self, model):
+        from galaxy.train.checkpoint.regions import StateRegion, param_region
+
+        regions = {}
+        for fragment, (name, p, row) in self.fragments.items():
+            whole = param_region(name, p)
+            regions[fragment] = StateRegion(name, whole.shape, (whole.offsets[0] + row,) + whole.offsets[1:])
+        return self.optim, regions
+
+    def fake_step(self):
+        """``fake_step``'s gradients, each fragment taking its rows of its shard."""
+        from galaxy.core.context import param_seed
+        from galaxy.core.layers import shard_spec
+
+        for fragment, (name, p, row) in self.fragments.items():
+            spec = shard_spec(p)
+            full = torch.randn(spec.full_shape(p.shape) if spec else p.shape,
+                               generator=torch.Generator().manual_seed(param_seed(7, name)))
+            fragment.grad = (spec.slice(full) if spec else full)[row: row + fragment.shape[0]].clone()
+        self.optim.step()
+
+
+def save_fragmented(ctx, directory):
+    run = Run.fresh(ctx, {"plan": "galaxy", **NO_DROPOUT})
+    run.optimizer = RowFragments(run.model, run.optimizer)
+    run.scheduler = None
+    run.optimizer.fake_step()
+    run.save(directory, 1)
+    return True
+
+
+def test_an_optimizer_that_shards_its_own_way_plugs_in(dist_pool, tmp_path):
+    """Its states, saved from 2 ranks in its own fragments, load into a serial AdamW (and a serial
+    AdamW's back into its fragments) equal to one AdamW step on the whole model."""
+    dist_pool.run(save_fragmented, 2, str(tmp_path / "fragments"))
+    reference = serial_run(NO_DROPOUT)
+    fake_step(reference)
+    loaded = serial_run(NO_DROPOUT)
+    load_checkpoint(str(tmp_path / "fragments"), loaded.model, loaded.optimizer, None, loaded.ctx)
+    ref_params = dict(reference.model.named_parameters())
+    for name, p in loaded.model.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(loaded.optimizer.state[p][key], reference.optimizer.state[ref_params[name]][key],
+                                       rtol=0, atol=1e-7, msg=f"{name} {key}")
+    reference.save(str(tmp_path / "whole"), 1)
+    back = serial_run(NO_DROPOUT)
+    back.optimizer = RowFragments(back.model, back.optimizer)
+    load_checkpoint(str(tmp_path / "whole"), back.model, back.optimizer, None, back.ctx)
+    for fragment, (name, _, row) in back.optimizer.fragments.items():
+        expected = reference.optimizer.state[ref_params[name]]["exp_avg"][row: row + fragment.shape[0]]
+        assert torch.equal(back.optimizer.optim.state[fragment]["exp_avg"], expected), name

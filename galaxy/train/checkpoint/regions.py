@@ -122,63 +122,73 @@ def _module_of(name: str) -> str:
     return name.rsplit(".", 2)[0]
 
 
-def _read_named(reader: ShardReader, model: nn.Module, namespace: str, wanted: dict[str, tuple]) -> tuple[dict, set]:
-    """``wanted``: name -> (region, local shape, target tensor or None) of the parameters (namespace
-    ``model``) or of one optimizer state key (namespace: that key). Returns name -> local tensor (the target, filled, or a new
-    one) for every name the checkpoint has, directly or through the model's layout conversion, and the
-    saved names that conversions consumed."""
+@dataclasses.dataclass
+class Wanted:
+    """A piece of full tensor ``name`` (of one namespace) this rank needs: the region ``region`` covers,
+    of this rank's shape ``shape``, read into ``target`` (or a new tensor when None)."""
+
+    name: str
+    region: StateRegion
+    shape: tuple[int, ...]
+    target: Optional[torch.Tensor] = None
+
+
+def _read_named(reader: ShardReader, model: nn.Module, namespace: str, wanted: list[Wanted]) \
+        -> tuple[list[Optional[torch.Tensor]], set[str]]:
+    """Read the pieces ``wanted`` of the parameters (namespace ``model``) or of one optimizer state
+    key (namespace: that key). Returns, in ``wanted``'s order, each piece (its target filled, or a new
+    tensor; None where the checkpoint has no such tensor, directly or through the model's layout
+    conversion), and the saved names that conversions consumed."""
     key_of = model_key if namespace == MODEL else (lambda n: optim_key(n, namespace))
-    saved = {}
-    for key in reader.tensors:
-        if namespace == MODEL and key.startswith(f"{MODEL}/"):
-            saved[key[len(MODEL) + 1:]] = key
-        elif namespace != MODEL and key.startswith(f"{OPTIM}/") and key.endswith(f"/{namespace}"):
-            saved[key[len(OPTIM) + 1: -len(namespace) - 1]] = key
-    out, direct, missing = {}, {}, []
-    for name, (region, local_shape, target) in wanted.items():
-        key = key_of(name)
+    out: list[Optional[torch.Tensor]] = [None] * len(wanted)
+    direct, missing = [], defaultdict(list)
+    for i, want in enumerate(wanted):
+        key = key_of(want.name)
         if key not in reader.tensors:
-            missing.append(name)
+            missing[_module_of(want.name)].append(i)
             continue
         full_shape = reader.shape(key)
-        if full_shape == region.shape and len(full_shape) > 0:
-            offsets = region.offsets
-            tensor = target if target is not None else torch.empty(local_shape, dtype=reader.dtype(key))
+        if full_shape == want.region.shape and len(full_shape) > 0:
+            tensor = want.target if want.target is not None else torch.empty(want.shape, dtype=reader.dtype(key))
+            direct.append(Chunk(key, full_shape, want.region.offsets, tensor))
         elif namespace != MODEL:  # a state not shaped like its parameter (a step count): whole
-            offsets = (0,) * len(full_shape)
             tensor = torch.empty(full_shape, dtype=reader.dtype(key))
+            direct.append(Chunk(key, full_shape, (0,) * len(full_shape), tensor))
         else:
-            raise CheckpointError(f"checkpoint '{reader.path}': '{name}' has shape {full_shape} but the model needs "
-                                  f"{region.shape}; the checkpoint is for another model size")
-        direct[key] = (tensor, offsets)
-        out[name] = tensor
+            raise CheckpointError(f"checkpoint '{reader.path}': '{want.name}' has shape {full_shape} but the model "
+                                  f"needs {want.region.shape}; the checkpoint is for another model size")
+        out[i] = tensor
     reader.read(direct)
     consumed: set[str] = set()
-    by_module = defaultdict(list)
-    for name in missing:
-        by_module[_module_of(name)].append(name)
     convert = getattr(model, "state_from_hf", None)
-    for module, names in by_module.items():
-        sources = [n for n in saved if _module_of(n) == module and n not in wanted]
-        if not sources or not callable(convert):
+    if not missing or not callable(convert):
+        return out, consumed
+    wanted_names = {w.name for w in wanted}
+    saved = {}  # saved name -> key, in this namespace
+    for key in reader.tensors:
+        head, _, rest = key.partition("/")
+        if namespace == MODEL and head == MODEL:
+            saved[rest] = key
+        elif namespace != MODEL and head == OPTIM and rest.endswith(f"/{namespace}"):
+            saved[rest[: -len(namespace) - 1]] = key
+    for module, indices in missing.items():  # one module's full tensors at a time
+        sources = [n for n in saved if _module_of(n) == module and n not in wanted_names]
+        if not sources:
             continue
         full = reader.read_full([saved[n] for n in sources])
         converted = convert({n: full[saved[n]] for n in sources})
-        for name in names:
-            if name not in converted:
-                continue
-            region, local_shape, target = wanted[name]
-            value = converted[name]
-            if value.dim() > 0 and tuple(value.shape) == region.shape:
-                value = narrow(value, region.offsets, local_shape)
-            elif namespace == MODEL:
-                raise CheckpointError(f"checkpoint '{reader.path}': '{name}' has shape {tuple(value.shape)} but the "
-                                      f"model needs {region.shape}; the checkpoint is for another model size")
-            if target is not None:
-                target.copy_(value)
-                value = target
-            out[name] = value.clone() if target is None else value
         consumed.update(sources)
+        for i in indices:
+            want = wanted[i]
+            value = converted.get(want.name)
+            if value is None:
+                continue
+            if value.dim() > 0 and tuple(value.shape) == want.region.shape:
+                value = narrow(value, want.region.offsets, want.shape)
+            elif namespace == MODEL:
+                raise CheckpointError(f"checkpoint '{reader.path}': '{want.name}' has shape {tuple(value.shape)} but "
+                                      f"the model needs {want.region.shape}; the checkpoint is for another model size")
+            out[i] = want.target.copy_(value) if want.target is not None else value.clone()
         del full, converted
     return out, consumed
 
@@ -187,9 +197,9 @@ def _read_named(reader: ShardReader, model: nn.Module, namespace: str, wanted: d
 def load_model(reader: ShardReader, model: nn.Module) -> None:
     """Read each parameter's region into it (a pipeline stage takes its own parameters)."""
     params = dict(model.named_parameters())
-    wanted = {name: (param_region(name, p), tuple(p.shape), p.detach()) for name, p in params.items()}
+    wanted = [Wanted(name, param_region(name, p), tuple(p.shape), p.detach()) for name, p in params.items()]
     got, consumed = _read_named(reader, model, MODEL, wanted)
-    missing = sorted(set(params) - set(got))
+    missing = sorted(w.name for w, value in zip(wanted, got) if value is None)
     if missing:
         raise CheckpointError(f"checkpoint '{reader.path}' lacks {len(missing)} parameter(s) of the model, e.g. "
                               f"{missing[:3]}; the checkpoint is for another model")
@@ -208,12 +218,13 @@ def read_optimizer_state(reader: ShardReader, model: nn.Module, optimizer) \
     stepped tensor's shape) read from the regions it covers."""
     local, regions = optimizer_regions(model, optimizer)
     index = {p: i for i, p in enumerate(p for group in local.param_groups for p in group["params"])}
+    stepped = list(regions.items())
     state_keys = sorted({k.rsplit("/", 1)[1] for k in reader.tensors if k.startswith(f"{OPTIM}/")})
     state: dict[int, dict[str, torch.Tensor]] = {}
-    by_name = {region.name: (p, region) for p, region in regions.items()}
     for state_key in state_keys:
-        wanted = {name: (region, tuple(p.shape), None) for name, (p, region) in by_name.items()}
+        wanted = [Wanted(region.name, region, tuple(p.shape)) for p, region in stepped]
         got, _ = _read_named(reader, model, state_key, wanted)
-        for name, value in got.items():
-            state.setdefault(index[by_name[name][0]], {})[state_key] = value
+        for (p, _), value in zip(stepped, got):
+            if value is not None:
+                state.setdefault(index[p], {})[state_key] = value
     return local, state

@@ -29,6 +29,7 @@ import math
 import os
 import pickle
 import warnings
+from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
@@ -66,6 +67,11 @@ class Chunk:
     shape: tuple[int, ...]
     offsets: tuple[int, ...]
     tensor: torch.Tensor
+
+    @property
+    def ident(self) -> str:
+        """Unique among the chunks of one rank (a rank may hold several pieces of one tensor)."""
+        return f"{self.key}@{','.join(map(str, self.offsets))}"
 
     def describe(self) -> list:
         t = self.tensor
@@ -144,17 +150,18 @@ class _ChunkSavePlanner(SavePlanner):
     """One DCP write item per chunk, placed in its full tensor by its offsets."""
 
     def __init__(self, chunks: list[Chunk]):
-        self.chunks = {c.key: c for c in chunks}
+        self.chunks = chunks
+        self.idents = {(c.key, c.offsets): c.ident for c in chunks}
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
-        self.state_dict = state_dict  # the chunks' tensors, or their staged copies under async_save
+        self.state_dict = state_dict  # chunk ident -> its tensor, or its staged copy under async_save
 
     def create_local_plan(self) -> SavePlan:
         items = [WriteItem(index=MetadataIndex(c.key, torch.Size(c.offsets)), type=WriteItemType.SHARD,
                            tensor_data=TensorWriteData(
                                chunk=ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=c.tensor.shape),
                                properties=TensorProperties.create_from_tensor(c.tensor), size=torch.Size(c.shape)))
-                 for c in self.chunks.values()]
+                 for c in self.chunks]
         return SavePlan(items)
 
     def create_global_plan(self, all_plans: list[SavePlan]):
@@ -170,7 +177,8 @@ class _ChunkSavePlanner(SavePlanner):
         return new_plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        return self.state_dict[write_item.index.fqn].detach()
+        index = write_item.index
+        return self.state_dict[self.idents[(index.fqn, tuple(index.offset))]].detach()
 
 
 class _RankWriter(FileSystemWriter):
@@ -206,7 +214,7 @@ def write_chunks(tmp: str, rank: int, chunks: list[Chunk], async_save: bool = Fa
     """Write this rank's chunks into ``tmp`` with DCP; a Future of what ``_written`` returns. With
     ``async_save`` the tensors are staged (copied to CPU) before this returns and written in the
     background (``dcp.async_save`` where this torch has it, else DCP's stager and a thread)."""
-    state_dict = {c.key: c.tensor for c in chunks}
+    state_dict = {c.ident: c.tensor for c in chunks}
     done: Future = Future()
     if not chunks:
         done.set_result({"chunks": {}, "files": {}})
@@ -289,19 +297,21 @@ class _ManifestReader(FileSystemReader):
 
 
 class _RegionLoadPlanner(LoadPlanner):
-    """Reads into each target tensor its region (offsets, the target's shape) of a full tensor."""
+    """Reads into each target chunk (a tensor and its offsets in full tensor ``key``) its region."""
 
-    def __init__(self, targets: dict[str, tuple[torch.Tensor, tuple[int, ...]]]):
-        self.targets = targets
+    def __init__(self, targets: list[Chunk]):
+        self.targets = {(c.key, c.offsets): c.tensor for c in targets}
 
-    def set_up_planner(self, state_dict, metadata=None, *args, **kwargs) -> None:
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         self.metadata = metadata
 
     def create_local_plan(self) -> LoadPlan:
+        regions = defaultdict(list)
+        for (key, offsets), tensor in self.targets.items():
+            regions[key].append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.shape))
         items = []
-        for key, (tensor, offsets) in self.targets.items():
-            region = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.shape)
-            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [region])
+        for key, chunks in regions.items():
+            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], chunks)
         return LoadPlan(items)
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
@@ -314,7 +324,8 @@ class _RegionLoadPlanner(LoadPlanner):
         raise CheckpointError(f"checkpoint entry '{read_item.dest_index.fqn}' is bytes, not a tensor")
 
     def resolve_tensor(self, read_item) -> torch.Tensor:
-        return narrow(self.targets[read_item.dest_index.fqn][0], read_item.dest_offsets, read_item.lengths)
+        index = read_item.dest_index
+        return narrow(self.targets[(index.fqn, tuple(index.offset))], read_item.dest_offsets, read_item.lengths)
 
     def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
         pass  # read in place
@@ -339,24 +350,24 @@ class ShardReader:
     def dtype(self, key: str) -> torch.dtype:
         return parse_dtype(self.tensors[key]["dtype"])
 
-    def read(self, targets: dict[str, tuple[torch.Tensor, tuple[int, ...]]]) -> None:
-        """Fill each target tensor with its region (starting at the offsets) of full tensor ``key``."""
+    def read(self, targets: list[Chunk]) -> None:
+        """Fill each target chunk's tensor with its region of its full tensor."""
         if not targets:
             return
-        for key, (tensor, offsets) in targets.items():
-            for c in self.tensors[key]["chunks"]:
-                if c["file"] not in self.verified and _overlaps(c["offsets"], c["sizes"], offsets, tensor.shape):
+        for target in targets:
+            for c in self.tensors[target.key]["chunks"]:
+                if c["file"] not in self.verified and _overlaps(c["offsets"], c["sizes"], target.offsets,
+                                                                target.tensor.shape):
                     verify_file(self.path, c["file"], self.manifest)
                     self.verified.add(c["file"])
         try:
             with _per_rank():
-                dcp.load({key: t for key, (t, _) in targets.items()},
-                         storage_reader=_ManifestReader(self.path, self.metadata),
+                dcp.load({c.ident: c.tensor for c in targets}, storage_reader=_ManifestReader(self.path, self.metadata),
                          planner=_RegionLoadPlanner(targets), no_dist=True)
         except Exception as e:  # the files matched their checksums: a manifest that does not fit them
             raise CheckpointError(f"checkpoint '{self.path}' cannot be read: {type(e).__name__}: {e}") from None
 
     def read_full(self, keys) -> dict[str, torch.Tensor]:
         out = {key: torch.empty(self.shape(key), dtype=self.dtype(key)) for key in keys}
-        self.read({key: (t, (0,) * t.dim()) for key, t in out.items()})
+        self.read([Chunk(key, tuple(t.shape), (0,) * t.dim(), t) for key, t in out.items()])
         return out

@@ -106,6 +106,8 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def check_optimizer(optimizer) -> None:
+    if callable(getattr(optimizer, "checkpoint_state_regions", None)):
+        return  # an optimizer that says where its states lie (galaxy.train.checkpoint.regions)
     if not isinstance(optimizer, torch.optim.Optimizer) or (
             is_zero(optimizer) and not isinstance(getattr(optimizer, "optim", None), torch.optim.Optimizer)):
         raise CheckpointError(f"checkpoints support a torch optimizer (AdamW, or ZeroRedundancyOptimizer over one), "
