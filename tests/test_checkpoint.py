@@ -311,6 +311,21 @@ def test_export_hf(two_checkpoints, tmp_path):
         assert torch.equal(p, ours[name]), name
 
 
+def test_export_hf_in_several_files_loads_in_transformers(two_checkpoints, tmp_path):
+    """Files of at most 20 kB, with HF's index, which transformers itself reads."""
+    import transformers
+
+    out = export_hf(str(two_checkpoints), str(tmp_path / "hf"), max_shard_bytes=20_000)
+    files = sorted(os.listdir(out))
+    assert "model.safetensors.index.json" in files and len([f for f in files if f.endswith(".safetensors")]) > 2
+    hf = transformers.BertForMaskedLM.from_pretrained(out)
+    run = serial_run()
+    run.load(str(two_checkpoints / "step_000002"))
+    hf_params = dict(hf.named_parameters())
+    for name, p in run.model.named_parameters():
+        assert torch.equal(hf_params[name], p), name
+
+
 # ----------------------------------------------------------------------------- kill -9 during a save
 
 

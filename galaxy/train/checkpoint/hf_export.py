@@ -13,7 +13,7 @@ from collections import defaultdict
 from galaxy.core.context import ParallelContext
 from galaxy.train.checkpoint import legacy
 from galaxy.train.checkpoint.files import STATE_FILE, CheckpointError, read_json, read_manifest, resolve_checkpoint
-from galaxy.train.checkpoint.regions import MODEL, _module_of, model_key
+from galaxy.train.checkpoint.regions import MODEL, module_of, model_key
 from galaxy.train.checkpoint.shards import ShardReader
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # transformers' long-standing default max_shard_size
@@ -63,7 +63,7 @@ def export_hf(checkpoint: str, out_dir: str, max_shard_bytes: int = DEFAULT_MAX_
     names, read = _model_tensors(path, manifest)
     by_module = defaultdict(list)
     for name in names:
-        by_module[_module_of(name)].append(name)
+        by_module[module_of(name)].append(name)
     os.makedirs(out_dir, exist_ok=True)
     parts, current, size = [], {}, 0
 

@@ -32,7 +32,7 @@ import torch.nn as nn
 from galaxy.core.layers import shard_spec
 from galaxy.train.checkpoint.files import CheckpointError
 from galaxy.train.checkpoint.shards import Chunk, ShardReader, narrow
-from galaxy.train.checkpoint.state import is_zero, non_tensor_state
+from galaxy.train.checkpoint.state import local_optimizer, non_tensor_state
 
 MODEL = "model"
 OPTIM = "optim"
@@ -40,8 +40,8 @@ OPTIM = "optim"
 
 @dataclasses.dataclass(frozen=True)
 class StateRegion:
-    """A tensor stepped by the local optimizer covers ``offsets`` on of full parameter ``name`` (shape
-    ``shape``); its size is the stepped tensor's own shape."""
+    """A tensor (a parameter's shard, or a piece an optimizer steps) starts at ``offsets`` in full
+    parameter ``name`` of shape ``shape``; its sizes are the tensor's own shape."""
 
     name: str
     shape: tuple[int, ...]
@@ -70,7 +70,7 @@ def optimizer_regions(model: nn.Module, optimizer) -> tuple[torch.optim.Optimize
     own = getattr(optimizer, "checkpoint_state_regions", None)
     if callable(own):
         return own(model)
-    local = optimizer.optim if is_zero(optimizer) else optimizer
+    local = local_optimizer(optimizer)
     names = {p: n for n, p in model.named_parameters()}
     regions = {}
     for group in local.param_groups:
@@ -117,7 +117,7 @@ def optimizer_chunks(model: nn.Module, optimizer) -> tuple[list[Chunk], Optional
 # ----------------------------------------------------------------------------- load
 
 
-def _module_of(name: str) -> str:
+def module_of(name: str) -> str:
     """The module a layout conversion works within: ``a.mlp.gate_proj.weight`` -> ``a.mlp``."""
     return name.rsplit(".", 2)[0]
 
@@ -145,7 +145,7 @@ def _read_named(reader: ShardReader, model: nn.Module, namespace: str, wanted: l
     for i, want in enumerate(wanted):
         key = key_of(want.name)
         if key not in reader.tensors:
-            missing[_module_of(want.name)].append(i)
+            missing[module_of(want.name)].append(i)
             continue
         full_shape = reader.shape(key)
         if full_shape == want.region.shape and len(full_shape) > 0:
@@ -172,7 +172,7 @@ def _read_named(reader: ShardReader, model: nn.Module, namespace: str, wanted: l
         elif namespace != MODEL and head == OPTIM and rest.endswith(f"/{namespace}"):
             saved[rest[: -len(namespace) - 1]] = key
     for module, indices in missing.items():  # one module's full tensors at a time
-        sources = [n for n in saved if _module_of(n) == module and n not in wanted_names]
+        sources = [n for n in saved if module_of(n) == module and n not in wanted_names]
         if not sources:
             continue
         full = reader.read_full([saved[n] for n in sources])
