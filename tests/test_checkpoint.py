@@ -629,3 +629,26 @@ def test_an_optimizer_that_shards_its_own_way_plugs_in(dist_pool, tmp_path):
     for fragment, (name, _, row) in back.optimizer.fragments.items():
         expected = reference.optimizer.state[ref_params[name]]["exp_avg"][row: row + fragment.shape[0]]
         assert torch.equal(back.optimizer.optim.state[fragment]["exp_avg"], expected), name
+
+
+def test_export_hf_splits_llamas_fused_gate_up(tmp_path):
+    """A LLaMA with ``fused_gate_up`` saves its own [2, I, H] tensor; the export, read by transformers,
+    holds HF's separate gate and up projections."""
+    import transformers
+
+    from galaxy.models import build_model
+
+    cfg = GalaxyConfig.from_dict({"model_type": "llama", "vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 2,
+                                  "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 40,
+                                  "max_position_embeddings": 32, "fused_gate_up": True, "pad_token_id": None,
+                                  "seq_length": 16})
+    ctx = ParallelContext.serial()
+    model = build_model(cfg, None, ctx)
+    save_checkpoint(str(tmp_path / "ckpt"), 1, model, torch.optim.AdamW(model.parameters()), None, ctx, cfg)
+    hf = transformers.LlamaForCausalLM.from_pretrained(export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf")))
+    expected = model.state_to_hf(model.full_state_dict())
+    assert "model.layers.1.mlp.up_proj.weight" in expected
+    hf_params = dict(hf.named_parameters())
+    assert set(hf_params) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(hf_params[name], value), name
