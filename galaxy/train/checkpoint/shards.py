@@ -213,7 +213,7 @@ def _written(tmp: str, chunks: list[Chunk], metadata: Optional[Metadata]) -> dic
 def write_chunks(tmp: str, rank: int, chunks: list[Chunk], async_save: bool = False) -> Future:
     """Write this rank's chunks into ``tmp`` with DCP; a Future of what ``_written`` returns. With
     ``async_save`` the tensors are staged (copied to CPU) before this returns and written in the
-    background (``dcp.async_save`` where this torch has it, else DCP's stager and a thread)."""
+    background by ``dcp.async_save``."""
     state_dict = {c.ident: c.tensor for c in chunks}
     done: Future = Future()
     if not chunks:
@@ -225,14 +225,10 @@ def write_chunks(tmp: str, rank: int, chunks: list[Chunk], async_save: bool = Fa
             metadata = dcp.save(state_dict, **kwargs)
         done.set_result(_written(tmp, chunks, metadata))
         return done
-    upload = None
-    if hasattr(dcp, "async_save"):
-        try:
-            with _per_rank():
-                upload = dcp.async_save(state_dict, **kwargs)
-        except AssertionError:  # a default process group without a CPU backend (NCCL only)
-            pass
-    if upload is None:
+    try:
+        with _per_rank():
+            upload = dcp.async_save(state_dict, **kwargs)
+    except AssertionError:  # a default process group without a CPU backend (NCCL only): DCP's stager, a thread
         staged = kwargs["storage_writer"].stage(state_dict)
         pool = ThreadPoolExecutor(max_workers=1)
         upload = pool.submit(dcp.save, staged, **kwargs)
