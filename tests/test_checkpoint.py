@@ -1,5 +1,5 @@
-"""Checkpoints: exact resume (dropout on), resharding between plans and world sizes, corrupt and
-interrupted saves, pruning, HF export.
+"""Checkpoints: exact resume (dropout on), resharding between plans, world sizes and optimizers,
+corrupt and interrupted saves, pruning, HF export, format 1 checkpoints, async saves, DCP's own reader.
 
 The steps are driven by a small local loop built from the pieces the real loop uses
 (``build_optimizer``, ``lr_lambda``, ``GradientSync``, ``clip_grad_norm``, ``mlm_data``), so these
