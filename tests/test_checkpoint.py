@@ -1,5 +1,5 @@
-"""Checkpoints: exact resume (dropout on), resharding between plans and world sizes, corrupt and
-interrupted saves, pruning, HF export.
+"""Checkpoints: exact resume (dropout on), resharding between plans, world sizes and optimizers,
+corrupt and interrupted saves, pruning, HF export, format 1 checkpoints, async saves, DCP's own reader.
 
 The steps are driven by a small local loop built from the pieces the real loop uses
 (``build_optimizer``, ``lr_lambda``, ``GradientSync``, ``clip_grad_norm``, ``mlm_data``), so these
@@ -8,12 +8,14 @@ tests do not depend on the ``Trainer`` API."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import multiprocessing
 import os
 import shutil
 import signal
+import threading
 import time
 
 import pytest
@@ -23,7 +25,8 @@ from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.context import ParallelContext
 from galaxy.core.grad_sync import GradientSync, clip_grad_norm
 from galaxy.models.bert import BertForMaskedLM
-from galaxy.train import checkpoint as ckpt
+from galaxy.train.checkpoint import files as ckpt_files
+from galaxy.train.checkpoint import legacy
 from galaxy.train.checkpoint import (CheckpointError, export_hf, latest_valid_checkpoint, load_checkpoint, prune,
                                      save_checkpoint)
 from galaxy.train.loop import build_optimizer, lr_lambda, train
@@ -114,7 +117,9 @@ def test_resume_is_bit_identical(dist_pool, tmp_path, plan, world):
     losses = dist_pool.run(resume_is_exact, world, plan, str(tmp_path))
     assert all(l == losses[0] for l in losses)
     files = sorted(os.listdir(tmp_path / "step_000005"))
-    assert files == ["manifest.json", "model.safetensors", "optimizer.safetensors", "rng.json", "state.json"]
+    # every rank wrote its own shards
+    assert files == [".metadata"] + [f"__{r}_0.distcp" for r in range(world)] + ["manifest.json", "rng.json",
+                                                                                  "state.json"]
 
 
 # ----------------------------------------------------------------------------- exact resume through train()
@@ -249,8 +254,8 @@ def garble(path):
 
 
 @pytest.mark.parametrize("target,damage,message", [
-    ("model.safetensors", truncate, r"model\.safetensors' is truncated"),
-    ("optimizer.safetensors", flip_bytes, r"optimizer\.safetensors' fails its sha256"),
+    ("__0_0.distcp", truncate, r"__0_0\.distcp' is truncated"),
+    ("__0_0.distcp", flip_bytes, r"__0_0\.distcp' fails its sha256"),
     ("rng.json", flip_bytes, r"rng\.json' fails its sha256"),
     ("manifest.json", set_manifest_sha, r"state\.json' fails its sha256"),
     ("manifest.json", garble, r"manifest\.json' is corrupt"),
@@ -274,7 +279,7 @@ def test_corrupt_checkpoint_names_the_file_and_resume_falls_back(two_checkpoints
 
 def test_checkpoint_of_another_model_shape_is_refused(two_checkpoints):
     run = serial_run({"hidden_size": 48})
-    with pytest.raises(CheckpointError, match=r"model\.safetensors': 'bert\.embeddings\.word_embeddings\.weight' "
+    with pytest.raises(CheckpointError, match=r"step_000001': 'bert\.embeddings\.word_embeddings\.weight' "
                                               r"has shape \(300, 32\) but the model needs \(300, 48\)"):
         run.load(str(two_checkpoints / "step_000001"))
 
@@ -306,33 +311,65 @@ def test_export_hf(two_checkpoints, tmp_path):
         assert torch.equal(p, ours[name]), name
 
 
+def test_export_hf_in_several_files_loads_in_transformers(two_checkpoints, tmp_path):
+    """Files of at most 20 kB, with HF's index, which transformers itself reads."""
+    import transformers
+
+    out = export_hf(str(two_checkpoints), str(tmp_path / "hf"), max_shard_bytes=20_000)
+    files = sorted(os.listdir(out))
+    assert "model.safetensors.index.json" in files and len([f for f in files if f.endswith(".safetensors")]) > 2
+    hf = transformers.BertForMaskedLM.from_pretrained(out)
+    run = serial_run()
+    run.load(str(two_checkpoints / "step_000002"))
+    hf_params = dict(hf.named_parameters())
+    for name, p in run.model.named_parameters():
+        assert torch.equal(hf_params[name], p), name
+
+
 # ----------------------------------------------------------------------------- kill -9 during a save
+
+
+def _stall(directory: str) -> None:
+    with open(os.path.join(directory, "stalled"), "w"):
+        pass
+    time.sleep(120)
 
 
 def _save_then_hang(directory: str, stall_on: str) -> None:
     """Child process: save after step 1, then start the save after step 2 and stall it when it
-    writes ``stall_on`` (half of the model file, or the manifest after the rename)."""
+    writes ``stall_on`` (half of a tensor in a shard file, or the manifest after the rename)."""
     torch.set_num_threads(1)
     run = serial_run()
     run.steps(0, 1)
     run.save(directory, 1)
     run.steps(1, 2)
-    write = ckpt._write_bytes
+    # test-only: hold the save mid-write so the parent can kill it
+    if stall_on == "shard":  # DCP writes each chunk with torch.save
+        save = torch.save
 
-    def stalling(path, data):
-        if os.path.basename(path).startswith(stall_on):
-            with open(path, "wb") as f:
-                f.write(data[: len(data) // 2])
-            with open(os.path.join(directory, "stalled"), "w"):
-                pass
-            time.sleep(120)
-        return write(path, data)
+        def stalling_save(obj, f, *args, **kwargs):
+            buffer = io.BytesIO()
+            save(obj, buffer, *args, **kwargs)
+            f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+            f.flush()
+            _stall(directory)
 
-    ckpt._write_bytes = stalling  # test-only: hold the save mid-write so the parent can kill it
+        torch.save = stalling_save
+    else:
+        write = ckpt_files.write_bytes
+
+        def stalling(path, data):
+            if os.path.basename(path).startswith(stall_on):
+                with open(path, "wb") as f:
+                    f.write(data[: len(data) // 2])
+                _stall(directory)
+            return write(path, data)
+
+        ckpt_files.write_bytes = stalling
     run.save(directory, 2)
 
 
-@pytest.mark.parametrize("stall_on", ["model.safetensors", "manifest.json"])
+@pytest.mark.parametrize("stall_on", ["shard", "manifest.json"])
 def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path, stall_on):
     child = multiprocessing.get_context("spawn").Process(target=_save_then_hang, args=(str(tmp_path), stall_on))
     child.start()
@@ -408,3 +445,210 @@ def test_pipeline_and_data_parallel_checkpoints_load_serially(dist_pool, tmp_pat
             torch.testing.assert_close(loaded.optimizer.state[params[name]][key],
                                        reference.optimizer.state[p][key], rtol=0, atol=1e-7, msg=f"{name} {key}")
     assert loaded.scheduler.state_dict() == reference.scheduler.state_dict()
+
+
+# ----------------------------------------------------------------------------- format 1, async saves, DCP's own reader
+
+
+def save_both_formats(ctx, directory):
+    """A Galaxy run on 2 ranks saved after step 3 by the sharded writer and by format 1's writer."""
+    run = Run.fresh(ctx, {"plan": "galaxy", **NO_DROPOUT})
+    run.steps(0, 3)
+    run.save(os.path.join(directory, "sharded"), 3)
+    legacy.save_checkpoint_v1(os.path.join(directory, "format1"), 3, run.model, run.optimizer, run.scheduler, ctx,
+                              run.cfg)
+    return True
+
+
+def test_format1_checkpoints_still_load_and_export(dist_pool, tmp_path):
+    dist_pool.run(save_both_formats, 2, str(tmp_path))
+    runs = {}
+    for fmt in ("sharded", "format1"):
+        runs[fmt] = serial_run(NO_DROPOUT)
+        assert runs[fmt].load(str(tmp_path / fmt)).step == 3
+    assert json.loads((tmp_path / "format1" / "step_000003" / "manifest.json").read_text())["format_version"] == 1
+    ours, old = (dict(runs[f].model.named_parameters()) for f in ("sharded", "format1"))
+    for name, p in ours.items():
+        assert torch.equal(old[name], p), name
+        for key, value in runs["sharded"].optimizer.state[p].items():
+            assert torch.equal(runs["format1"].optimizer.state[old[name]][key], value), (name, key)
+    assert runs["sharded"].scheduler.state_dict() == runs["format1"].scheduler.state_dict()
+    exported = {fmt: BertForMaskedLM.from_pretrained(export_hf(str(tmp_path / fmt), str(tmp_path / f"hf-{fmt}")))
+                for fmt in ("sharded", "format1")}
+    old = dict(exported["format1"].named_parameters())
+    for name, p in exported["sharded"].named_parameters():
+        assert torch.equal(p, old[name]) and torch.equal(p, ours[name]), name
+
+
+def save_async_then_step(ctx, directory):
+    """Start an async save after step 3, run step 4 while it may still write, then commit it; the
+    checkpoint holds the state after step 3 (the tensors were staged when the save started)."""
+    from galaxy.train.checkpoint import shards
+
+    run = Run.fresh(ctx, {"plan": "tp", **NO_DROPOUT})
+    run.steps(0, 3)
+    expected = {k: v.clone() for k, v in run.model.full_state_dict().items()}
+    stepped, write = threading.Event(), shards._RankWriter.write_data
+
+    def write_after_the_step(self, plan, planner):
+        assert stepped.wait(60)
+        return write(self, plan, planner)
+
+    shards._RankWriter.write_data = write_after_the_step  # test-only: the files are written after step 4
+    try:
+        pending = run.save(directory, 3, async_save=True)
+        run.steps(3, 4)
+        assert not pending.done()
+        stepped.set()
+        assert pending.result() == os.path.join(directory, "step_000003")
+    finally:
+        shards._RankWriter.write_data = write
+    resumed = Run.fresh(ctx, {"plan": "tp", **NO_DROPOUT})
+    assert resumed.load(directory).step == 3
+    got = resumed.model.full_state_dict()
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    assert resumed.steps(3, 4) == Run.fresh(ctx, {"plan": "tp", **NO_DROPOUT}).steps(0, 4)[3:]
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_async_save_holds_the_state_when_it_started(dist_pool, tmp_path, world):
+    dist_pool.run(save_async_then_step, world, str(tmp_path))
+
+
+def test_dcp_reads_the_checkpoint_with_its_own_planner(two_checkpoints):
+    """torch.distributed.checkpoint's default reader and planner (which read the ``.metadata`` written
+    for them) load the full tensors the serial model holds: the chunks are described as DCP describes them."""
+    import torch.distributed.checkpoint as dcp
+
+    run = serial_run()
+    run.load(str(two_checkpoints / "step_000002"))
+    params = dict(run.model.named_parameters())
+    state = {f"model/{name}": torch.empty_like(p) for name, p in params.items()}
+    state.update({f"optim/{name}/exp_avg": torch.empty_like(p) for name, p in params.items()})
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(two_checkpoints / "step_000002")), no_dist=True)
+    for name, p in params.items():
+        assert torch.equal(state[f"model/{name}"], p), name
+        assert torch.equal(state[f"optim/{name}/exp_avg"], run.optimizer.state[p]["exp_avg"]), name
+
+
+def load_damaged(ctx, directory):
+    run = Run.fresh(ctx, {"plan": "tp"})
+    with pytest.raises(CheckpointError, match=r"__1_0\.distcp' fails its sha256") as raised:
+        run.load(os.path.join(directory, "step_000001"))
+    return str(raised.value)
+
+
+def save_tp(ctx, directory):
+    run = Run.fresh(ctx, {"plan": "tp"})
+    run.steps(0, 1)
+    run.save(directory, 1)
+    return True
+
+
+def test_a_damaged_shard_fails_every_rank_with_its_name(dist_pool, tmp_path):
+    """Each rank reads only the files that hold its part; whichever rank finds the damage, every rank
+    raises the same error (none is left waiting for the others)."""
+    dist_pool.run(save_tp, 2, str(tmp_path))
+    flip_bytes(str(tmp_path / "step_000001" / "__1_0.distcp"))
+    messages = dist_pool.run(load_damaged, 3, str(tmp_path))
+    assert len(set(messages)) == 1
+
+
+# ----------------------------------------------------------------------------- optimizers that shard their own way
+
+
+class RowFragments:
+    """Test double of an optimizer that spreads its states its own way (as ZeRO over the model-parallel
+    group would): AdamW over each parameter's shard cut into two row fragments, each a tensor of its
+    own, placed by ``checkpoint_state_regions``."""
+
+    def __init__(self, model, groups_of: torch.optim.Optimizer):
+        """The parameter groups (and their hyper-parameters) are those of ``groups_of``."""
+        names = {p: name for name, p in model.named_parameters()}
+        self.fragments, groups = {}, []
+        for group in groups_of.param_groups:
+            fragments = []
+            for p in group["params"]:
+                cuts = [0, p.shape[0] // 2, p.shape[0]] if p.dim() > 1 else [0, p.shape[0]]
+                for start, stop in zip(cuts, cuts[1:]):
+                    fragments.append(p.detach()[start:stop].clone().requires_grad_())
+                    self.fragments[fragments[-1]] = (names[p], p, start)
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fragments})
+        self.optim = torch.optim.AdamW(groups)
+        self.param_groups = self.optim.param_groups
+
+    def checkpoint_state_regions(self, model):
+        from galaxy.train.checkpoint.regions import StateRegion, param_region
+
+        regions = {}
+        for fragment, (name, p, row) in self.fragments.items():
+            whole = param_region(name, p)
+            regions[fragment] = StateRegion(name, whole.shape, (whole.offsets[0] + row,) + whole.offsets[1:])
+        return self.optim, regions
+
+    def fake_step(self):
+        """``fake_step``'s gradients, each fragment taking its rows of its shard."""
+        from galaxy.core.context import param_seed
+        from galaxy.core.layers import shard_spec
+
+        for fragment, (name, p, row) in self.fragments.items():
+            spec = shard_spec(p)
+            full = torch.randn(spec.full_shape(p.shape) if spec else p.shape,
+                               generator=torch.Generator().manual_seed(param_seed(7, name)))
+            fragment.grad = (spec.slice(full) if spec else full)[row: row + fragment.shape[0]].clone()
+        self.optim.step()
+
+
+def save_fragmented(ctx, directory):
+    run = Run.fresh(ctx, {"plan": "galaxy", **NO_DROPOUT})
+    run.optimizer = RowFragments(run.model, run.optimizer)
+    run.scheduler = None
+    run.optimizer.fake_step()
+    run.save(directory, 1)
+    return True
+
+
+def test_an_optimizer_that_shards_its_own_way_plugs_in(dist_pool, tmp_path):
+    """Its states, saved from 2 ranks in its own fragments, load into a serial AdamW (and a serial
+    AdamW's back into its fragments) equal to one AdamW step on the whole model."""
+    dist_pool.run(save_fragmented, 2, str(tmp_path / "fragments"))
+    reference = serial_run(NO_DROPOUT)
+    fake_step(reference)
+    loaded = serial_run(NO_DROPOUT)
+    load_checkpoint(str(tmp_path / "fragments"), loaded.model, loaded.optimizer, None, loaded.ctx)
+    ref_params = dict(reference.model.named_parameters())
+    for name, p in loaded.model.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(loaded.optimizer.state[p][key], reference.optimizer.state[ref_params[name]][key],
+                                       rtol=0, atol=1e-7, msg=f"{name} {key}")
+    reference.save(str(tmp_path / "whole"), 1)
+    back = serial_run(NO_DROPOUT)
+    back.optimizer = RowFragments(back.model, back.optimizer)
+    load_checkpoint(str(tmp_path / "whole"), back.model, back.optimizer, None, back.ctx)
+    for fragment, (name, _, row) in back.optimizer.fragments.items():
+        expected = reference.optimizer.state[ref_params[name]]["exp_avg"][row: row + fragment.shape[0]]
+        assert torch.equal(back.optimizer.optim.state[fragment]["exp_avg"], expected), name
+
+
+def test_export_hf_splits_llamas_fused_gate_up(tmp_path):
+    """A LLaMA with ``fused_gate_up`` saves its own [2, I, H] tensor; the export, read by transformers,
+    holds HF's separate gate and up projections."""
+    import transformers
+
+    from galaxy.models import build_model
+
+    cfg = GalaxyConfig.from_dict({"model_type": "llama", "vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 2,
+                                  "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 40,
+                                  "max_position_embeddings": 32, "fused_gate_up": True, "pad_token_id": None,
+                                  "seq_length": 16})
+    ctx = ParallelContext.serial()
+    model = build_model(cfg, None, ctx)
+    save_checkpoint(str(tmp_path / "ckpt"), 1, model, torch.optim.AdamW(model.parameters()), None, ctx, cfg)
+    hf = transformers.LlamaForCausalLM.from_pretrained(export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf")))
+    expected = model.state_to_hf(model.full_state_dict())
+    assert "model.layers.1.mlp.up_proj.weight" in expected
+    hf_params = dict(hf.named_parameters())
+    assert set(hf_params) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(hf_params[name], value), name

@@ -1,0 +1,217 @@
+"""Training checkpoints: sharded (every rank writes its own shards, in parallel), resharded on load to
+any plan, world size, dp/pp layout and ZeRO state; atomic, checksummed, pickle-free to read.
+
+One directory per step, ``<save_dir>/step_000005/`` (format 2)::
+
+    __<rank>_<i>.distcp    the tensors each rank wrote, through torch.distributed.checkpoint (DCP):
+                           its parameter shards and optimizer states as chunks of the full tensors
+    state.json             step, data position, LR schedule, optimizer hyper-parameters, config, extra
+    rng.json               every rank's RNG states (torch CPU, CUDA, ParallelContext dropout streams)
+    .metadata              DCP's index of the chunks, for DCP's own tools (never read here: a pickle)
+    manifest.json          written last: size and sha256 of every file above, step, world, plan, and
+                           every full tensor's dtype, shape and chunks (file, offset, length) as JSON
+
+How tensors become chunks and back: ``shards`` (DCP) and ``regions`` (model and optimizer). Format 1
+checkpoints (everything full on rank 0, ``legacy``) still load and export.
+
+Atomicity: the ranks write into ``step_000005.tmp-<nonce>/``; when every rank has written and
+fsynced its files, global rank 0 writes the JSON files, renames the directory to ``step_000005/`` and
+then writes ``manifest.json`` through a temporary file + fsync + rename. A checkpoint is valid only with
+a manifest whose sizes and checksums match, so a crash (or ``kill -9``) at any point of a save leaves
+the previous checkpoint the newest valid one. Loading assumes every rank sees the checkpoint directory
+(a shared file system); saving assumes every rank writes into the same one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import uuid
+from concurrent.futures import Future
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from galaxy.core.context import ParallelContext
+from galaxy.train.checkpoint import legacy
+from galaxy.train.checkpoint.files import (RNG_FILE, STATE_FILE, CheckpointError, json_bytes,
+                                           latest_valid_checkpoint, prune, publish, read_json, read_manifest,
+                                           resolve_checkpoint, step_dir_name, verify_checkpoint,
+                                           write_bytes)
+from galaxy.train.checkpoint.hf_export import export_hf
+from galaxy.train.checkpoint.regions import load_model, model_chunks, optimizer_chunks, read_optimizer_state
+from galaxy.train.checkpoint.shards import (DCP_METADATA_FILE, ShardReader, WritePlan, dcp_metadata_bytes,
+                                            manifest_tensors, plan_writes, write_chunks)
+from galaxy.train.checkpoint.state import (check_optimizer, gather_world_json, install_optimizer_state, jsonable,
+                                           layout, param_groups, restore_rng, rng_record, run_record, state_record,
+                                           world_sum)
+
+__all__ = ["CheckpointError", "CheckpointState", "PendingCheckpoint", "export_hf", "latest_valid_checkpoint",
+           "load_checkpoint", "prune", "resolve_checkpoint", "save_checkpoint", "step_dir_name", "verify_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 2
+
+
+@dataclasses.dataclass
+class CheckpointState:
+    """What ``load_checkpoint`` returns: the step the checkpoint was taken after (the next step to
+    run is ``step``, 0-based, so ``train`` continues with ``range(step, max_steps)``) and ``extra``."""
+
+    step: int
+    path: str
+    extra: dict = dataclasses.field(default_factory=dict)
+    config: dict = dataclasses.field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- save
+
+
+class PendingCheckpoint:
+    """A save whose shards are being written in the background (``save_checkpoint(..., async_save=True)``).
+    ``result()`` is a collective: every rank calls it (before the next save, and before exiting); it
+    waits for this rank's files, commits the checkpoint and returns its path, or raises
+    ``CheckpointError`` on every rank if any rank failed."""
+
+    def __init__(self, ctx: ParallelContext, directory: str, final: str, tmp: str, plan: WritePlan,
+                 writing: Future, files: dict[str, bytes], keep_last: Optional[int]):
+        self.ctx, self.directory, self.final, self.tmp = ctx, directory, final, tmp
+        self.plan, self.writing, self.files, self.keep_last = plan, writing, files, keep_last
+        self.path: Optional[str] = None
+
+    def done(self) -> bool:
+        """Whether this rank's shards are written (the commit still needs ``result()``)."""
+        return self.writing.done()
+
+    def result(self) -> str:
+        if self.path is not None:
+            return self.path
+        ctx, error, written = self.ctx, "", {"chunks": {}, "files": {}}
+        try:
+            written = self.writing.result()
+        except Exception as e:  # every rank must learn of it, or the others would commit without its shards
+            error = f"rank {ctx.rank}: {type(e).__name__}: {e}"
+        records = gather_world_json(ctx, {"error": error, "written": written})
+        errors = [r["error"] for r in records if r["error"]]
+        if not errors and ctx.rank == 0:
+            try:
+                self._commit([r["written"] for r in records])
+            except Exception as e:
+                errors.append(f"rank 0: {type(e).__name__}: {e}")
+        if world_sum(ctx, 1.0 if errors else 0.0):
+            if ctx.rank == 0:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            raise CheckpointError(f"saving checkpoint '{self.final}' failed"
+                                  + (f" on {errors[0]}" if errors else "; see rank 0's log"))
+        if self.keep_last is not None and ctx.rank == 0:
+            prune(self.directory, self.keep_last)
+        self.path = self.final
+        return self.final
+
+    def _commit(self, written: list[dict]) -> None:
+        """Rank 0, once every rank's shards are written: the JSON files, DCP's index, the manifest."""
+        tensors = manifest_tensors(self.plan, written)
+        entries = {}
+        for record in written:
+            entries.update(record["files"])
+        files = dict(self.files, **{DCP_METADATA_FILE: dcp_metadata_bytes(tensors)})
+        for name, data in files.items():
+            entries[name] = write_bytes(os.path.join(self.tmp, name), data)
+        step = self.plan.records[0]["payload"]["step"]
+        publish(self.tmp, self.final, {"format_version": FORMAT_VERSION, "step": step, "files": entries,
+                                       **self.plan.records[0]["payload"]["run"], "tensors": tensors})
+        logger.info("saved checkpoint %s (step %d, %d tensors, %d files)", self.final, step, len(tensors),
+                    len(entries))
+
+
+def save_checkpoint(directory: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler, ctx: ParallelContext, cfg, extra: Optional[dict] = None,
+                    keep_last: Optional[int] = None, async_save: bool = False):
+    """Save the state after ``step`` optimizer steps to ``directory/step_<step>/``; returns its path.
+
+    A collective: every rank of ``ctx`` must call it. Every rank writes its own shards (a tensor held
+    by several ranks is written by one of them); every rank returns only after the checkpoint is
+    complete (or raises ``CheckpointError`` on every rank if a write failed). ``keep_last``: then keep
+    only the newest K complete checkpoints. ``async_save``: return a :class:`PendingCheckpoint` as soon
+    as this rank's tensors are copied to CPU memory; its ``result()`` finishes the save."""
+    check_optimizer(optimizer)
+    final = os.path.join(os.path.abspath(directory), step_dir_name(step))
+    chunks, problem = optimizer_chunks(model, optimizer)
+    chunks = model_chunks(model) + chunks
+    payload = {"rng": rng_record(ctx)}
+    if ctx.rank == 0:
+        payload.update(nonce=uuid.uuid4().hex[:8], step=step, run=run_record(model, ctx))
+    plan = plan_writes(ctx, chunks, problem, payload)
+    tmp = f"{final}.tmp-{plan.records[0]['payload']['nonce']}"
+    files = {}
+    if ctx.rank == 0:
+        files = {STATE_FILE: json_bytes(state_record(FORMAT_VERSION, step, model, param_groups(model, optimizer),
+                                                     scheduler, cfg, extra)),
+                 RNG_FILE: json_bytes({"layout": layout(ctx), "ranks": [r["payload"]["rng"] for r in plan.records]})}
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        writing = write_chunks(tmp, ctx.rank, plan.mine, async_save)
+    except Exception as e:  # reported at the commit, on every rank
+        writing = Future()
+        writing.set_exception(e)
+    pending = PendingCheckpoint(ctx, directory, final, tmp, plan, writing, files, keep_last)
+    return pending if async_save else pending.result()
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def _load_tensors(path: str, manifest: dict, state_json: dict, model: nn.Module, optimizer) -> None:
+    if optimizer is not None:
+        check_optimizer(optimizer)
+    if int(manifest.get("format_version", 1)) == 1:
+        legacy.load_model(path, manifest, model)
+        if optimizer is not None:
+            legacy.load_optimizer(path, manifest, state_json, model, optimizer)
+        return
+    reader = ShardReader(path, manifest)
+    load_model(reader, model)
+    if optimizer is not None:
+        local, state = read_optimizer_state(reader, model, optimizer)
+        install_optimizer_state(optimizer, local, state, state_json.get("param_groups") or [],
+                                os.path.join(path, STATE_FILE))
+
+
+def load_checkpoint(path_or_dir: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                    scheduler, ctx: ParallelContext, cfg=None) -> CheckpointState:
+    """Restore model, optimizer, LR schedule and RNG states from a step directory, or from the
+    newest valid checkpoint under a save directory. Works across plans, world sizes, dp/pp layouts
+    and ZeRO states, and for both checkpoint formats. Every rank calls it (it ends with a check that
+    all ranks loaded the same step); each rank verifies and reads only the files holding its part.
+    ``cfg`` is only compared: a different model section is logged."""
+    path, step, error, state_json, manifest = path_or_dir, -1, "", {}, {}
+    try:  # a rank may find a damaged file the others do not read: all of them raise its error
+        path = resolve_checkpoint(path_or_dir)
+        manifest = read_manifest(path)
+        state_json = read_json(path, STATE_FILE, manifest)
+        step = int(state_json["step"])
+        _load_tensors(path, manifest, state_json, model, optimizer)
+        if scheduler is not None and state_json.get("scheduler") is not None:
+            scheduler.load_state_dict(state_json["scheduler"])
+        restore_rng(path, manifest, ctx, step)
+    except CheckpointError as e:
+        error = str(e)
+    results = gather_world_json(ctx, [error, step])
+    errors = [e for e, _ in results if e]
+    if errors:
+        raise CheckpointError(errors[0])
+    if any(s != step for _, s in results):
+        raise CheckpointError(f"ranks loaded different checkpoints (this rank: '{path}'); pass --resume PATH "
+                              "or make the save directory the same on every rank")
+    saved_cfg = state_json.get("config") or {}
+    if cfg is not None and saved_cfg.get("model") and saved_cfg["model"] != jsonable(cfg.to_dict()["model"]) \
+            and ctx.rank == 0:
+        logger.warning("checkpoint '%s' was saved with another model config section; the weights fit, going on",
+                       path)
+    logger.info("loaded checkpoint %s (step %d, saved by %s)", path, step,
+                {k: manifest.get(k) for k in ("world_size", "dp", "pp", "mp", "plan")})
+    return CheckpointState(step=step, path=path, extra=state_json.get("extra") or {}, config=saved_cfg)

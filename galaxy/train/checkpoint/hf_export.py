@@ -1,0 +1,100 @@
+"""A checkpoint's model as a HF directory (config.json + safetensors), streamed: full tensors are read
+from the checkpoint one module at a time and written in files of at most ``max_shard_bytes``
+(``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` with HF's ``model.safetensors.index.json``),
+so the exporting process never holds the whole model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections import defaultdict
+
+from galaxy.core.context import ParallelContext
+from galaxy.train.checkpoint import legacy
+from galaxy.train.checkpoint.files import STATE_FILE, CheckpointError, read_json, read_manifest, resolve_checkpoint
+from galaxy.train.checkpoint.regions import MODEL, module_of, model_key
+from galaxy.train.checkpoint.shards import ShardReader
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # transformers' long-standing default max_shard_size
+
+
+def _model_tensors(path: str, manifest: dict):
+    """(names, read): the checkpoint's parameter names and ``read(names) -> name -> full tensor``."""
+    if int(manifest.get("format_version", 1)) == 1:
+        return legacy.full_tensors(path, manifest)
+    reader = ShardReader(path, manifest)
+    names = [k[len(MODEL) + 1:] for k in reader.tensors if k.startswith(f"{MODEL}/")]
+
+    def read(wanted: list[str]) -> dict:
+        full = reader.read_full([model_key(n) for n in wanted])
+        return {n: full[model_key(n)] for n in wanted}
+
+    return names, read
+
+
+def _layout_model(state_json: dict, path: str):
+    """A one-layer model of the checkpoint's class and configuration, holding the full configuration:
+    what it gives is the HF config and the layout conversion (``state_to_hf``), not tensors."""
+    from galaxy.config import GalaxyConfig
+    from galaxy.models.bert import BertForMaskedLM, BertForSequenceClassification
+    from galaxy.models.llama import LlamaForCausalLM
+
+    classes = {c.__name__: c for c in (BertForMaskedLM, BertForSequenceClassification, LlamaForCausalLM)}
+    cls = classes.get(state_json.get("model_class"))
+    if cls is None or not state_json.get("config"):
+        raise CheckpointError(f"checkpoint file '{os.path.join(path, STATE_FILE)}' names model class "
+                              f"'{state_json.get('model_class')}', which cannot be exported to HF; use one of "
+                              f"{', '.join(classes)}")
+    cfg = GalaxyConfig.from_dict(state_json["config"])
+    model = cls(dataclasses.replace(cfg.model, num_hidden_layers=1), None, ParallelContext.serial(), seed=0)
+    model.config = cfg.model
+    return model
+
+
+def export_hf(checkpoint: str, out_dir: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
+    """Write a checkpoint's model (either format) as a HF directory; returns ``out_dir``."""
+    from safetensors.torch import save_file
+
+    path = resolve_checkpoint(checkpoint)
+    manifest = read_manifest(path)
+    state_json = read_json(path, STATE_FILE, manifest)
+    model = _layout_model(state_json, path)
+    names, read = _model_tensors(path, manifest)
+    by_module = defaultdict(list)
+    for name in names:
+        by_module[module_of(name)].append(name)
+    os.makedirs(out_dir, exist_ok=True)
+    parts, current, size = [], {}, 0
+
+    def flush():
+        nonlocal current, size
+        if current:
+            part = os.path.join(out_dir, f".part-{len(parts)}.safetensors")
+            save_file(current, part, metadata={"format": "pt"})
+            parts.append((part, list(current)))
+        current, size = {}, 0
+
+    total = 0
+    for module in by_module.values():
+        for name, tensor in model.state_to_hf(read(module)).items():
+            nbytes = tensor.numel() * tensor.element_size()
+            if current and size + nbytes > max_shard_bytes:
+                flush()
+            current[name] = tensor.contiguous()
+            size += nbytes
+            total += nbytes
+    flush()
+    if len(parts) == 1:
+        os.replace(parts[0][0], os.path.join(out_dir, "model.safetensors"))
+    else:
+        weight_map = {}
+        for i, (part, keys) in enumerate(parts):
+            name = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+            os.replace(part, os.path.join(out_dir, name))
+            weight_map.update(dict.fromkeys(keys, name))
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(model.config_to_hf(), f, indent=2)
+    return out_dir
