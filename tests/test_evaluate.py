@@ -123,13 +123,28 @@ def test_sequence_classification_trains_and_reports_accuracy(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "pretrain_galaxy.py"), "--world", "2", "--max_steps", "40",
            "--data", "train.jsonl", "--eval_every", "40", "--no_progress", "--summary_json", str(summary),
            "--override", "task=classify", "--override", "eval_data=dev.jsonl", "--override", "seq_length=32",
-           "--override", "global_batch_size=16", "--override", "eval_iters=4", "--override", "vocab_size=200"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+           "--override", "global_batch_size=16", "--override", "eval_iters=4", "--override", "vocab_size=200",
+           "--save_dir", "ck"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache")))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(summary.read_text())
     assert result["eval_targets"] == 64, "4 held-out batches of 16 examples"
     assert result["eval_accuracy"] >= 0.9, result
     assert result["final_loss"] < result["first_loss"] / 4
+    # The WordPiece was trained once for the run (one cached file), saved beside its checkpoints, and
+    # goes with the HF export, where transformers reads the same vocabulary.
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from galaxy.train.checkpoint import export_hf, latest_valid_checkpoint
+
+    cached = list((tmp_path / "cache" / "galaxy" / "tokenizers").glob("*/tokenizer.json"))
+    assert len(cached) == 1
+    vocab = Tokenizer.from_file(str(cached[0])).get_vocab()
+    assert Tokenizer.from_file(str(tmp_path / "ck" / "tokenizer" / "tokenizer.json")).get_vocab() == vocab
+    out = export_hf(latest_valid_checkpoint(str(tmp_path / "ck")), str(tmp_path / "hf"))
+    assert AutoTokenizer.from_pretrained(out, local_files_only=True).get_vocab() == vocab
 
 
 def test_bad_labelled_data_is_one_clear_line(tmp_path):

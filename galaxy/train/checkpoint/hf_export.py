@@ -8,9 +8,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from collections import defaultdict
 
 from galaxy.core.context import ParallelContext
+from galaxy.data.pretraining import TOKENIZER_DIR
 from galaxy.train.checkpoint import legacy
 from galaxy.train.checkpoint.files import STATE_FILE, CheckpointError, read_json, read_manifest, resolve_checkpoint
 from galaxy.train.checkpoint.regions import MODEL, module_of, model_key
@@ -53,7 +55,8 @@ def _layout_model(state_json: dict, path: str):
 
 
 def export_hf(checkpoint: str, out_dir: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
-    """Write a checkpoint's model (either format) as a HF directory; returns ``out_dir``."""
+    """Write a checkpoint's model (either format) as a HF directory, with the tokenizer the run trained
+    when one sits beside the checkpoint (``<save_dir>/tokenizer``); returns ``out_dir``."""
     from safetensors.torch import save_file
 
     path = resolve_checkpoint(checkpoint)
@@ -97,4 +100,8 @@ def export_hf(checkpoint: str, out_dir: str, max_shard_bytes: int = DEFAULT_MAX_
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(model.config_to_hf(), f, indent=2)
+    tokenizer = os.path.join(os.path.dirname(os.path.abspath(path)), TOKENIZER_DIR)
+    if os.path.isdir(tokenizer):  # the WordPiece the run trained, kept beside its checkpoints
+        for name in os.listdir(tokenizer):
+            shutil.copy2(os.path.join(tokenizer, name), os.path.join(out_dir, name))
     return out_dir
