@@ -1,5 +1,9 @@
 """Choosing which implementation of a kernel runs: Triton or plain PyTorch.
 
+``auto`` on a CUDA device picks, per op, what ``bench/bench_kernels.py`` measured fastest on that
+device class (``AUTO_PICKS``): Triton only where it was at least as fast as the fastest of torch's
+fused op, ``torch.compile`` of the reference and Liger-Kernel at every measured shape.
+
 Triton is an optional dependency: nothing here imports it at module import time, so
 ``galaxy.kernels`` loads on machines without it (CPU-only CI, Ascend NPU).
 """
@@ -38,28 +42,73 @@ def triton_interpret_enabled() -> bool:
 # The kernels compute in fp32: ``auto`` leaves float64 (the exactness tests' dtype) to torch.
 AUTO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+OPS = ("rms_norm", "layer_norm", "rope", "swiglu", "swiglu_packed", "cross_entropy", "fused_linear_cross_entropy")
 
-def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
+# Per device class, per op: the backend ``auto`` runs and the measurement it came from (forward +
+# backward, bf16, GPU kernel time per step, median; JSON under docs/results/). Filled from
+# bench/bench_kernels.py; an op missing here runs on torch.
+AUTO_PICKS: dict[str, dict[str, tuple[str, str]]] = {
+    "H100": {},
+}
+# A CUDA device of a class not measured yet runs the picks of this one (logged once per device).
+FALLBACK_CLASS = "H100"
+
+
+def device_class(device_name: str) -> str | None:
+    """The measured device class a CUDA device name belongs to (``NVIDIA H100 80GB HBM3`` -> H100)."""
+    return next((cls for cls in AUTO_PICKS if cls in device_name.upper()), None)
+
+
+def auto_pick(op: str, device_name: str) -> str:
+    """``"triton"`` or ``"torch"``: what ``auto`` runs for ``op`` on a CUDA device of this name."""
+    if op not in OPS:
+        raise ValueError(f"unknown kernel op {op!r}; one of {OPS}")
+    cls = device_class(device_name)
+    if cls is None:
+        _log_fallback(device_name)
+        cls = FALLBACK_CLASS
+    return AUTO_PICKS[cls].get(op, ("torch", ""))[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fallback(device_name: str) -> None:
+    logger.info("kernels 'auto': no measurement for %s; using the %s picks", device_name, FALLBACK_CLASS)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def resolve_backend(backend: str, tensor: torch.Tensor, op: str | None = None) -> str:
     """Map a requested backend to the one that will run: ``"triton"`` or ``"torch"``.
 
-    ``auto`` picks Triton only for CUDA tensors of fp32/bf16/fp16 when triton imports;
+    ``auto`` picks Triton only for CUDA tensors of fp32/bf16/fp16 when triton imports, and, given
+    the ``op``, only where ``AUTO_PICKS`` says it measured fastest on this device class;
     ``triton`` insists and raises a clear error when it cannot run (not installed, or CPU
     tensors without the interpreter, or a device Triton does not target).
     """
-    return resolve_backend_for(backend, tensor.device, tensor.dtype)
+    return resolve_backend_for(backend, tensor.device, tensor.dtype, op)
 
 
-def resolve_backend_for(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+def resolve_backend_for(backend: str, device: torch.device, dtype: torch.dtype | None = None,
+                        op: str | None = None) -> str:
     """``resolve_backend`` for tensors on ``device`` (of ``dtype``, when known): a model checks its
     ``kernels`` setting with this once it knows its device, before any tensor exists."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return "torch"
-    device = torch.device(device).type
+    device = torch.device(device)
     if backend == "auto":
         fits = dtype is None or dtype in AUTO_DTYPES
-        return "triton" if device == "cuda" and fits and triton_available() else "torch"
+        if not (device.type == "cuda" and fits and triton_available()):
+            return "torch"
+        if op is None:
+            return "triton"
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return auto_pick(op, _cuda_device_name(index))
+    device = device.type
     if not triton_available():
         raise ImportError(
             "backend='triton' needs the triton package, which is not installed: "

@@ -20,8 +20,12 @@ import triton.language as tl
 
 from galaxy.kernels._triton_utils import warps_for
 
-# Vocab block per loop step; large enough that the loop is short, small enough for registers.
-MAX_BLOCK_V = 16384
+# Forward: vocab block per loop step of the per-row online softmax (large enough that the loop is
+# short, small enough for registers); backward: vocab block per program of the 2-D grid. Chosen by
+# bench/bench_kernels.py --variants (cross_entropy rows).
+FWD_BLOCK_V = 16384
+BWD_BLOCK_V = 4096
+BWD_WARPS = 8
 
 
 @triton.jit
@@ -69,43 +73,63 @@ def _ce_fwd_kernel(
 
 @triton.jit
 def _ce_bwd_kernel(
-    LOGITS, stride_l, DLOGITS, stride_d, TARGETS, LSE, GRAD_ROW, n_cols, ignore_index,
-    BLOCK_V: tl.constexpr,
+    LOGITS, stride_l, DLOGITS, stride_d, TARGETS, LSE, GRAD, stride_g, DENOM, n_cols, ignore_index,
+    PER_ROW: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
+    # One program per (row, vocab block): elementwise, so the whole GPU streams at once.
     row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     target = tl.load(TARGETS + row)
-    g = tl.load(GRAD_ROW + row)
     lse = tl.load(LSE + row)
-    # Ignored rows get a zero gradient (g forced to 0 keeps the loop uniform).
+    # The upstream gradient: per row ('none') or the scalar over the denominator, read here
+    # rather than prepared by separate small launches.
+    if PER_ROW:
+        g = tl.load(GRAD + row * stride_g).to(tl.float32)
+    else:
+        g = tl.load(GRAD).to(tl.float32) / tl.load(DENOM)
+    # Ignored rows get a zero gradient.
     g = tl.where(target == ignore_index, 0.0, g)
-    for start in range(0, n_cols, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < n_cols
-        x = tl.load(LOGITS + row * stride_l + cols, mask=mask, other=0.0).to(tl.float32)
-        grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * g
-        tl.store(DLOGITS + row * stride_d + cols, grad.to(DLOGITS.dtype.element_ty), mask=mask)
+    mask = cols < n_cols
+    x = tl.load(LOGITS + row * stride_l + cols, mask=mask, other=0.0).to(tl.float32)
+    grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * g
+    tl.store(DLOGITS + row * stride_d + cols, grad.to(DLOGITS.dtype.element_ty), mask=mask)
 
 
-def _vocab_block(n_cols: int, block_v: int | None) -> int:
+def _vocab_block(n_cols: int, block_v: int | None, default: int) -> int:
     if block_v is None:
-        return min(MAX_BLOCK_V, triton.next_power_of_2(n_cols))
+        return min(default, triton.next_power_of_2(n_cols))
     if block_v <= 0 or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a positive power of 2, got {block_v}")
     return block_v
 
 
-def _ce_forward_rows(logits, targets, ignore_index, write_grad, block_v):
+def ce_forward_rows(logits, targets, ignore_index, write_grad, block_v=None, warps=None):
     """Per-row loss and log-sum-exp (fp32); with write_grad, logits become softmax - onehot."""
     n_rows, n_cols = logits.shape
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     if n_rows:
-        block = _vocab_block(n_cols, block_v)
+        block = _vocab_block(n_cols, block_v, FWD_BLOCK_V)
         _ce_fwd_kernel[(n_rows,)](
             logits, logits.stride(0), targets, loss, lse, n_cols, ignore_index,
-            WRITE_GRAD=write_grad, BLOCK_V=block, num_warps=warps_for(block),
+            WRITE_GRAD=write_grad, BLOCK_V=block, num_warps=warps or warps_for(block),
         )
     return loss, lse
+
+
+def ce_backward_rows(logits, targets, lse, grad, denom, ignore_index, per_row, block_v=None, warps=None):
+    """``grad * (softmax - onehot)`` per row, where ``grad`` is per row (``per_row``) or a
+    scalar divided by ``denom``; a new tensor like ``logits``."""
+    n_rows, n_cols = logits.shape
+    dlogits = torch.empty_like(logits)
+    if n_rows:
+        block = _vocab_block(n_cols, block_v, BWD_BLOCK_V)
+        _ce_bwd_kernel[(n_rows, triton.cdiv(n_cols, block))](
+            logits, logits.stride(0), dlogits, dlogits.stride(0), targets, lse, grad,
+            grad.stride(0) if per_row else 0, denom, n_cols, ignore_index,
+            PER_ROW=per_row, BLOCK_V=block, num_warps=warps or BWD_WARPS,
+        )
+    return dlogits
 
 
 def _denominator(targets, ignore_index, reduction, num_targets, device) -> torch.Tensor:
@@ -135,7 +159,7 @@ class TritonCrossEntropy(torch.autograd.Function):
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
         targets = _check_targets(logits.shape[0], targets)
-        loss_rows, lse = _ce_forward_rows(logits, targets, ignore_index, False, block_v)
+        loss_rows, lse = ce_forward_rows(logits, targets, ignore_index, False, block_v)
         denom = _denominator(targets, ignore_index, reduction, num_targets, logits.device)
         ctx.save_for_backward(logits, targets, lse, denom)
         ctx.ignore_index, ctx.reduction, ctx.block_v = ignore_index, reduction, block_v
@@ -146,27 +170,23 @@ class TritonCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         logits, targets, lse, denom = ctx.saved_tensors
-        n_rows, n_cols = logits.shape
-        # Per-row upstream gradient: a scalar spread over rows, or the 'none' vector.
-        if ctx.reduction == "none":
-            grad_row = grad_output.to(torch.float32).contiguous()
-        else:
-            grad_row = (grad_output.to(torch.float32) / denom).expand(n_rows).contiguous()
-        dlogits = torch.empty_like(logits)
-        if n_rows:
-            block = _vocab_block(n_cols, ctx.block_v)
-            _ce_bwd_kernel[(n_rows,)](
-                logits, logits.stride(0), dlogits, dlogits.stride(0), targets, lse, grad_row,
-                n_cols, ctx.ignore_index, BLOCK_V=block, num_warps=warps_for(block),
-            )
+        per_row = ctx.reduction == "none"
+        dlogits = ce_backward_rows(logits, targets, lse, grad_output.reshape(-1) if per_row else grad_output,
+                                   denom, ctx.ignore_index, per_row, ctx.block_v)
         return dlogits, None, None, None, None, None
 
 
-def default_chunk_size(n_tokens: int, hidden: int, vocab: int) -> int:
-    """Chunk so that one chunk's logits are about as large as the hidden states
-    (Liger-Kernel's heuristic): [chunk, V] ~ [N, H]."""
-    chunks = max(1, triton.cdiv(vocab, hidden))
-    return triton.next_power_of_2(max(1, triton.cdiv(n_tokens, chunks)))
+# Bytes of one chunk's logits. Every chunk adds its part into the [V, H] weight gradient, a
+# read and a write of the whole gradient per chunk: small chunks (Liger's "chunk logits ~ hidden
+# states", 128 tokens at 4096 x 128k) spend longer on that traffic than on the matmuls. Chosen by
+# bench/bench_kernels.py --variants (fused_linear_cross_entropy rows).
+CHUNK_LOGITS_BYTES = 256 * 2**20
+
+
+def default_chunk_size(n_tokens: int, vocab: int, itemsize: int) -> int:
+    """The most tokens (a power of two) whose logits fit CHUNK_LOGITS_BYTES, at most all of them."""
+    rows = max(1, CHUNK_LOGITS_BYTES // max(1, vocab * itemsize))
+    return min(1 << (rows.bit_length() - 1), triton.next_power_of_2(max(1, n_tokens)))
 
 
 class FusedLinearCrossEntropy(torch.autograd.Function):
@@ -188,7 +208,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         vocab = weight.shape[0]
         targets = _check_targets(n_tokens, targets)
         if chunk_size is None:
-            chunk_size = default_chunk_size(n_tokens, hidden_size, vocab)
+            chunk_size = default_chunk_size(n_tokens, vocab, hidden.element_size())
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -197,10 +217,12 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         # Accumulated over chunks with addmm_ in the weight dtype (as Liger does): an fp32
         # accumulator would cost a [V, H] fp32 buffer.
-        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_w = torch.empty_like(weight) if need_w else None
         grad_b = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if need_b else None
         loss_rows = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
 
+        if need_w and n_tokens == 0:
+            grad_w.zero_()
         for start in range(0, n_tokens, chunk_size):
             end = min(start + chunk_size, n_tokens)
             h_chunk = hidden[start:end]
@@ -208,11 +230,13 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             if bias is not None:
                 logits += bias
             # Overwrites logits with the unscaled gradient softmax - onehot (0 on ignored rows).
-            loss_chunk, _ = _ce_forward_rows(logits, targets[start:end], ignore_index, True, block_v)
+            loss_chunk, _ = ce_forward_rows(logits, targets[start:end], ignore_index, True, block_v)
             loss_rows[start:end] = loss_chunk
             if need_h:
                 torch.mm(logits, weight, out=grad_h[start:end])
-            if need_w:
+            if need_w and start == 0:  # the first chunk writes, the others add
+                torch.mm(logits.t(), h_chunk, out=grad_w)
+            elif need_w:
                 grad_w.addmm_(logits.t(), h_chunk)
             if need_b:
                 grad_b += logits.sum(0, dtype=torch.float32)
