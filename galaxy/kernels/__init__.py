@@ -97,11 +97,14 @@ def cross_entropy(
     reduction: str = "mean",
     num_targets: int | float | torch.Tensor | None = None,
     backend: str = "auto",
+    inplace: bool = False,
 ) -> torch.Tensor:
     """Cross-entropy of ``logits [..., V]`` vs ``targets [...]``; the loss is fp32.
 
     ``reduction``: 'mean' (over non-ignored targets, or over ``num_targets`` when given, e.g.
     the global count when tokens are sharded across ranks), 'sum', or 'none' (shape of targets).
+    ``inplace`` (Triton only): the logits' memory holds their gradient from forward on, so no
+    [N, V] gradient is allocated; the logits must not be read after the call.
     """
     if reduction not in reference.REDUCTIONS:
         raise ValueError(f"reduction must be one of {reference.REDUCTIONS}, got {reduction!r}")
@@ -110,7 +113,7 @@ def cross_entropy(
     if resolve_backend(backend, logits, "cross_entropy") == "triton":
         from galaxy.kernels.triton_cross_entropy import TritonCrossEntropy
 
-        loss = TritonCrossEntropy.apply(flat_logits, flat_targets, ignore_index, reduction, num_targets, None)
+        loss = TritonCrossEntropy.apply(flat_logits, flat_targets, ignore_index, reduction, num_targets, None, inplace)
     else:
         loss = reference.cross_entropy(flat_logits, flat_targets, ignore_index, reduction, num_targets)
     return loss.view(targets.shape) if reduction == "none" else loss

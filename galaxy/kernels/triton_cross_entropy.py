@@ -18,19 +18,20 @@ import torch
 import triton
 import triton.language as tl
 
-from galaxy.kernels._triton_utils import warps_for
 
 # Forward: vocab block per loop step of the per-row online softmax (large enough that the loop is
 # short, small enough for registers); backward: vocab block per program of the 2-D grid. Chosen by
 # bench/bench_kernels.py --variants (cross_entropy rows).
 FWD_BLOCK_V = 16384
+FWD_WARPS = 8
 BWD_BLOCK_V = 4096
 BWD_WARPS = 8
+SCALE_BLOCK = 4096
 
 
 @triton.jit
 def _ce_fwd_kernel(
-    LOGITS, stride_l, TARGETS, LOSS, LSE, n_cols, ignore_index,
+    LOGITS, stride_l, TARGETS, LOSS, LSE, DENOM, n_cols, ignore_index,
     WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -62,12 +63,14 @@ def _ce_fwd_kernel(
     tl.store(LSE + row, lse)
 
     if WRITE_GRAD:
-        # Reads each block before overwriting it, so in-place on the logits is safe.
+        # (softmax - onehot) / denominator. Reads each block before overwriting it, so in-place on
+        # the logits is safe; the row was just read, so the second read mostly hits L2.
+        inv_denom = 1.0 / tl.load(DENOM)
         for start in range(0, n_cols, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < n_cols
             x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            grad = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
+            grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * inv_denom
             tl.store(row_ptr + cols, grad.to(LOGITS.dtype.element_ty), mask=mask)
 
 
@@ -95,6 +98,28 @@ def _ce_bwd_kernel(
     tl.store(DLOGITS + row * stride_d + cols, grad.to(DLOGITS.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _scale_rows_kernel(X, stride_x, G, stride_g, n_cols, BLOCK: tl.constexpr):
+    # x[row] *= g[row] in place; a program whose g is exactly 1 (the usual loss.backward()) returns
+    # without touching memory, so the common case costs one launch and no host sync.
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.load(G + row * stride_g).to(tl.float32)
+    if g != 1.0:
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(X + row * stride_x + cols, (x * g).to(X.dtype.element_ty), mask=mask)
+
+
+def scale_rows_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``x [rows, cols] *= g`` in place, ``g`` one value per row or a single value (any float dtype)."""
+    if x.numel():
+        g = g.reshape(-1)
+        _scale_rows_kernel[(x.shape[0], triton.cdiv(x.shape[1], SCALE_BLOCK))](
+            x, x.stride(0), g, g.stride(0) if g.numel() > 1 else 0, x.shape[1], BLOCK=SCALE_BLOCK, num_warps=4)
+    return x
+
+
 def _vocab_block(n_cols: int, block_v: int | None, default: int) -> int:
     if block_v is None:
         return min(default, triton.next_power_of_2(n_cols))
@@ -103,16 +128,18 @@ def _vocab_block(n_cols: int, block_v: int | None, default: int) -> int:
     return block_v
 
 
-def ce_forward_rows(logits, targets, ignore_index, write_grad, block_v=None, warps=None):
-    """Per-row loss and log-sum-exp (fp32); with write_grad, logits become softmax - onehot."""
+def ce_forward_rows(logits, targets, ignore_index, write_grad, block_v=None, warps=None, denom=None):
+    """Per-row loss and log-sum-exp (fp32); with write_grad, logits become
+    (softmax - onehot) / denom (denom: an fp32 device scalar, default 1)."""
     n_rows, n_cols = logits.shape
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     if n_rows:
         block = _vocab_block(n_cols, block_v, FWD_BLOCK_V)
         _ce_fwd_kernel[(n_rows,)](
-            logits, logits.stride(0), targets, loss, lse, n_cols, ignore_index,
-            WRITE_GRAD=write_grad, BLOCK_V=block, num_warps=warps or warps_for(block),
+            logits, logits.stride(0), targets, loss, lse,
+            loss if not write_grad else denom if denom is not None else torch.ones((), device=logits.device),
+            n_cols, ignore_index, WRITE_GRAD=write_grad, BLOCK_V=block, num_warps=warps or FWD_WARPS,
         )
     return loss, lse
 
@@ -150,19 +177,30 @@ def _check_targets(n_rows: int, targets: torch.Tensor) -> torch.Tensor:
 
 
 class TritonCrossEntropy(torch.autograd.Function):
-    """Cross-entropy of ``logits [N, V]`` (any float dtype) vs ``targets [N]``; loss in fp32."""
+    """Cross-entropy of ``logits [N, V]`` (any float dtype) vs ``targets [N]``; loss in fp32.
+
+    ``inplace``: forward overwrites the logits with their gradient (Liger-Kernel's memory saving: no
+    [N, V] gradient buffer, one kernel reading each row twice, the second time mostly from L2) and
+    backward scales them by the upstream gradient only where it is not 1. The logits must not be used
+    after the call, and backward can run once.
+    """
 
     @staticmethod
-    def forward(ctx, logits, targets, ignore_index: int, reduction: str, num_targets, block_v):
+    def forward(ctx, logits, targets, ignore_index: int, reduction: str, num_targets, block_v, inplace: bool):
         if logits.dim() != 2:
             raise ValueError(f"logits must be [N, V], got {tuple(logits.shape)}")
         if logits.stride(-1) != 1:
+            if inplace:
+                raise ValueError("cross_entropy(inplace=True) needs logits with unit stride on the vocab dim")
             logits = logits.contiguous()
         targets = _check_targets(logits.shape[0], targets)
-        loss_rows, lse = ce_forward_rows(logits, targets, ignore_index, False, block_v)
         denom = _denominator(targets, ignore_index, reduction, num_targets, logits.device)
+        # 'none' has no common denominator: its rows are scaled in backward.
+        loss_rows, lse = ce_forward_rows(logits, targets, ignore_index, inplace, block_v,
+                                         denom=None if reduction == "none" else denom)
         ctx.save_for_backward(logits, targets, lse, denom)
-        ctx.ignore_index, ctx.reduction, ctx.block_v = ignore_index, reduction, block_v
+        ctx.ignore_index, ctx.reduction, ctx.block_v, ctx.inplace = ignore_index, reduction, block_v, inplace
+        ctx.consumed = False
         if reduction == "none":
             return loss_rows
         return loss_rows.sum() / denom
@@ -171,16 +209,22 @@ class TritonCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output):
         logits, targets, lse, denom = ctx.saved_tensors
         per_row = ctx.reduction == "none"
-        dlogits = ce_backward_rows(logits, targets, lse, grad_output.reshape(-1) if per_row else grad_output,
-                                   denom, ctx.ignore_index, per_row, ctx.block_v)
-        return dlogits, None, None, None, None, None
+        grad = grad_output.reshape(-1) if per_row else grad_output
+        if ctx.inplace:
+            if ctx.consumed:
+                raise RuntimeError("cross_entropy(inplace=True) holds its gradient in the logits and can "
+                                   "run backward only once (no retain_graph double backward)")
+            ctx.consumed = True
+            return scale_rows_(logits, grad), None, None, None, None, None, None
+        dlogits = ce_backward_rows(logits, targets, lse, grad, denom, ctx.ignore_index, per_row, ctx.block_v)
+        return dlogits, None, None, None, None, None, None
 
 
 # Bytes of one chunk's logits. Every chunk adds its part into the [V, H] weight gradient, a
 # read and a write of the whole gradient per chunk: small chunks (Liger's "chunk logits ~ hidden
 # states", 128 tokens at 4096 x 128k) spend longer on that traffic than on the matmuls. Chosen by
 # bench/bench_kernels.py --variants (fused_linear_cross_entropy rows).
-CHUNK_LOGITS_BYTES = 256 * 2**20
+CHUNK_LOGITS_BYTES = 512 * 2**20
 
 
 def default_chunk_size(n_tokens: int, vocab: int, itemsize: int) -> int:
@@ -193,7 +237,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     """``cross_entropy(hidden @ weight.T + bias, targets)`` with gradients computed during
     forward, chunk by chunk. Returns an fp32 scalar ('mean' or 'sum').
 
-    The stored gradients are scaled in place in backward, so backward can run once
+    The stored gradients are scaled in place by grad_output in backward, so backward can run once
     (no ``retain_graph`` double backward; this raises instead of returning wrong grads).
     """
 
@@ -223,6 +267,8 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
 
         if need_w and n_tokens == 0:
             grad_w.zero_()
+        # The chunk kernel writes (softmax - onehot) / denom, so backward only applies grad_output.
+        denom = _denominator(targets, ignore_index, reduction, num_targets, hidden.device)
         for start in range(0, n_tokens, chunk_size):
             end = min(start + chunk_size, n_tokens)
             h_chunk = hidden[start:end]
@@ -230,7 +276,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             if bias is not None:
                 logits += bias
             # Overwrites logits with the unscaled gradient softmax - onehot (0 on ignored rows).
-            loss_chunk, _ = ce_forward_rows(logits, targets[start:end], ignore_index, True, block_v)
+            loss_chunk, _ = ce_forward_rows(logits, targets[start:end], ignore_index, True, block_v, denom=denom)
             loss_rows[start:end] = loss_chunk
             if need_h:
                 torch.mm(logits, weight, out=grad_h[start:end])
@@ -242,8 +288,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 grad_b += logits.sum(0, dtype=torch.float32)
             del logits
 
-        denom = _denominator(targets, ignore_index, reduction, num_targets, hidden.device)
-        ctx.save_for_backward(*(t for t in (grad_h, grad_w, grad_b) if t is not None), denom)
+        ctx.save_for_backward(*(t for t in (grad_h, grad_w, grad_b) if t is not None))
         ctx.has = (need_h, need_w, need_b)
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.consumed = False
@@ -258,10 +303,9 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             )
         ctx.consumed = True
         saved = list(ctx.saved_tensors)
-        denom = saved.pop()
-        scale = grad_output.to(torch.float32) / denom
         need_h, need_w, need_b = ctx.has
-        grad_h = saved.pop(0).mul_(scale) if need_h else None
-        grad_w = saved.pop(0).mul_(scale) if need_w else None
-        grad_b = saved.pop(0).mul_(scale).to(ctx.bias_dtype) if need_b else None
+        # The usual grad_output of 1 leaves the [V, H] weight gradient untouched (no extra pass over it).
+        grad_h = scale_rows_(saved.pop(0), grad_output) if need_h else None
+        grad_w = scale_rows_(saved.pop(0), grad_output) if need_w else None
+        grad_b = saved.pop(0).mul_(grad_output).to(ctx.bias_dtype) if need_b else None
         return grad_h, grad_w, None, grad_b, None, None, None, None, None

@@ -15,7 +15,7 @@ from galaxy.kernels._triton_utils import as_rows, persistent_programs, row_block
 
 # Programs per SM of the backward kernels (each loops over its rows; more programs keep more rows
 # in flight, at the cost of more partial rows to sum). Chosen by bench/bench_kernels.py --variants.
-BWD_PROGRAMS_PER_SM = 1
+BWD_PROGRAMS_PER_SM = 4
 
 # ----------------------------------------------------------------------------- RMSNorm
 

@@ -6,8 +6,8 @@ so nothing beyond gate and up is kept for backward.
 The kernels see gate and up as ``[rows, width]`` with their own row strides (unit stride along a
 row), so they also read the packed output ``[gate | up]`` of a fused gate/up projection in place
 (``TritonSwiGLUPacked``) and write its gradient back in that layout, with no split or concat.
-Contiguous operands run as one flat row (no per-element row/column arithmetic); strided ones on a
-2-D grid of (row, column block). An earlier version split a flat int64 index into row and column
+Contiguous operands run as one flat row (no per-element row/column arithmetic); strided ones as
+(row, column block) programs in row order. An earlier version split a flat int64 index into row and column
 per element: the 64-bit division made it slower than torch (issue 17).
 """
 
@@ -25,20 +25,24 @@ WARPS = 8
 
 
 @triton.jit
-def _block_offsets(FLAT: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """(row, columns) of this program: flat programs walk one long row."""
+def _block_offsets(width, FLAT: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """(row, columns) of this program: flat programs walk one long row; otherwise consecutive
+    programs take consecutive blocks of a row (one scalar division per program), so the grid
+    streams through memory in order."""
+    pid = tl.program_id(0).to(tl.int64)
     if FLAT:
         row = 0
-        cols = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        cols = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     else:
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        blocks_per_row = tl.cdiv(width, BLOCK_SIZE)
+        row = pid // blocks_per_row
+        cols = (pid - row * blocks_per_row) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     return row, cols
 
 
 @triton.jit
 def _swiglu_fwd_kernel(G, U, Y, width, stride_g, stride_u, stride_y, FLAT: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    row, cols = _block_offsets(FLAT, BLOCK_SIZE)
+    row, cols = _block_offsets(width, FLAT, BLOCK_SIZE)
     mask = cols < width
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
@@ -48,7 +52,7 @@ def _swiglu_fwd_kernel(G, U, Y, width, stride_g, stride_u, stride_y, FLAT: tl.co
 @triton.jit
 def _swiglu_bwd_kernel(DY, G, U, DG, DU, width, stride_dy, stride_g, stride_u, stride_dg, stride_du,
                        FLAT: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    row, cols = _block_offsets(FLAT, BLOCK_SIZE)
+    row, cols = _block_offsets(width, FLAT, BLOCK_SIZE)
     mask = cols < width
     dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
@@ -71,8 +75,8 @@ def _launch(kernel, tensors, block: int, warps: int) -> None:
         kernel[(triton.cdiv(rows * width, block),)](*tensors, rows * width, *strides, FLAT=True,
                                                     BLOCK_SIZE=block, num_warps=warps)
     else:
-        kernel[(rows, triton.cdiv(width, block))](*tensors, width, *strides, FLAT=False,
-                                                  BLOCK_SIZE=block, num_warps=warps)
+        kernel[(rows * triton.cdiv(width, block),)](*tensors, width, *strides, FLAT=False,
+                                                    BLOCK_SIZE=block, num_warps=warps)
 
 
 def swiglu_forward(gate2: torch.Tensor, up2: torch.Tensor, block: int = BLOCK, warps: int = WARPS) -> torch.Tensor:
