@@ -375,7 +375,7 @@ def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool) -> l
     ref_outs, ref_grads = _fwd_bwd(torch_fn, _clone_args(args), grad_outs)
     expected = [t.detach() for t in (*ref_outs, *ref_grads)]
     del ref_outs, ref_grads
-    copies = [args] + [_clone_args(args) for _ in range(min(7, ROTATE_BYTES // max(1, _tensor_bytes(args))))]
+    n_copies = 1 + min(7, ROTATE_BYTES // max(1, _tensor_bytes(args)))
 
     results, steps = [], {}
     for name, fn in case.impls.items():
@@ -389,7 +389,10 @@ def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool) -> l
             res.max_err = max(_normalized_err(g, e) for g, e in zip(got, expected))
             res.ok = res.max_err <= TOLERANCE[dtype]
             del outs, grads, got
-            steps[name] = [lambda fn=fn, a=a: _fwd_bwd(fn, a, grad_outs) for a in copies]
+            # Each contender times its own copies of the inputs and upstream gradients: in-place kernels
+            # (Liger's, galaxy-inplace) overwrite theirs.
+            mine = tuple(g.clone() for g in grad_outs)
+            steps[name] = [lambda fn=fn, a=_clone_args(args), g=mine: _fwd_bwd(fn, a, g) for _ in range(n_copies)]
             res.peak_mib = peak_mib(steps[name][0], on_cuda)
             if profile:
                 res.kernels = profile_kernels(steps[name][0], on_cuda)
@@ -402,6 +405,7 @@ def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool) -> l
             if res.impl in steps:
                 res.wall_ms.append(wall_ms(steps[res.impl][0], on_cuda))
                 res.gpu_ms.append(gpu_ms(steps[res.impl], on_cuda, res.wall_ms[-1]))
+    del steps
     if on_cuda:
         torch.cuda.empty_cache()
     return results

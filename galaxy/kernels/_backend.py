@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -44,10 +45,22 @@ AUTO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 OPS = ("rms_norm", "layer_norm", "rope", "swiglu", "swiglu_packed", "cross_entropy", "fused_linear_cross_entropy")
 
-# Per device class, per op: the backend ``auto`` runs and the measurement it came from (forward +
-# backward, bf16, GPU kernel time per step, median; JSON under docs/results/). Filled from
-# bench/bench_kernels.py; an op missing here runs on torch.
-AUTO_PICKS: dict[str, dict[str, tuple[str, str]]] = {
+
+
+class Pick(NamedTuple):
+    """What ``auto`` runs for one op: ``backend`` for inputs of at least ``min_numel`` elements
+    (smaller ones, launch-bound, run on torch), and the measurement that decided it."""
+
+    backend: str
+    min_numel: int
+    measured: str
+
+
+# Per device class, per op, from bench/bench_kernels.py: forward + backward, bf16, GPU time per step
+# (median of 5 repeats); raw JSON under docs/results/. Triton only where it was at least as fast as
+# torch's fused op and torch.compile of the reference at every measured shape. An op missing here
+# runs on torch.
+AUTO_PICKS: dict[str, dict[str, Pick]] = {
     "H100": {},
 }
 # A CUDA device of a class not measured yet runs the picks of this one (logged once per device).
@@ -59,15 +72,19 @@ def device_class(device_name: str) -> str | None:
     return next((cls for cls in AUTO_PICKS if cls in device_name.upper()), None)
 
 
-def auto_pick(op: str, device_name: str) -> str:
-    """``"triton"`` or ``"torch"``: what ``auto`` runs for ``op`` on a CUDA device of this name."""
+def auto_pick(op: str, device_name: str, numel: int | None = None) -> str:
+    """``"triton"`` or ``"torch"``: what ``auto`` runs for ``op`` on a CUDA device of this name, for an
+    input of ``numel`` elements (None: the op's choice at the sizes it was measured at)."""
     if op not in OPS:
         raise ValueError(f"unknown kernel op {op!r}; one of {OPS}")
     cls = device_class(device_name)
     if cls is None:
         _log_fallback(device_name)
         cls = FALLBACK_CLASS
-    return AUTO_PICKS[cls].get(op, ("torch", ""))[0]
+    pick = AUTO_PICKS[cls].get(op)
+    if pick is None or (numel is not None and numel < pick.min_numel):
+        return "torch"
+    return pick.backend
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,11 +105,11 @@ def resolve_backend(backend: str, tensor: torch.Tensor, op: str | None = None) -
     ``triton`` insists and raises a clear error when it cannot run (not installed, or CPU
     tensors without the interpreter, or a device Triton does not target).
     """
-    return resolve_backend_for(backend, tensor.device, tensor.dtype, op)
+    return resolve_backend_for(backend, tensor.device, tensor.dtype, op, tensor.numel())
 
 
 def resolve_backend_for(backend: str, device: torch.device, dtype: torch.dtype | None = None,
-                        op: str | None = None) -> str:
+                        op: str | None = None, numel: int | None = None) -> str:
     """``resolve_backend`` for tensors on ``device`` (of ``dtype``, when known): a model checks its
     ``kernels`` setting with this once it knows its device, before any tensor exists."""
     if backend not in BACKENDS:
@@ -107,7 +124,7 @@ def resolve_backend_for(backend: str, device: torch.device, dtype: torch.dtype |
         if op is None:
             return "triton"
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return auto_pick(op, _cuda_device_name(index))
+        return auto_pick(op, _cuda_device_name(index), numel)
     device = device.type
     if not triton_available():
         raise ImportError(

@@ -96,10 +96,13 @@ def test_invalid_backend_is_rejected():
 def test_auto_picks_per_op_from_the_measured_table(monkeypatch):
     from galaxy.kernels import _backend
 
-    picks = {"H100": {"swiglu": ("triton", "m1"), "layer_norm": ("torch", "m2")}, "H200": {"swiglu": ("torch", "m3")}}
+    picks = {"H100": {"swiglu": _backend.Pick("triton", 1000, "m1"), "layer_norm": _backend.Pick("torch", 0, "m2")},
+             "H200": {"swiglu": _backend.Pick("torch", 0, "m3")}}
     monkeypatch.setattr(_backend, "AUTO_PICKS", picks)
     assert _backend.device_class("NVIDIA H100 80GB HBM3") == "H100"
     assert _backend.auto_pick("swiglu", "NVIDIA H100 80GB HBM3") == "triton"
+    assert _backend.auto_pick("swiglu", "NVIDIA H100 80GB HBM3", numel=1000) == "triton"
+    assert _backend.auto_pick("swiglu", "NVIDIA H100 80GB HBM3", numel=999) == "torch"  # below min_numel
     assert _backend.auto_pick("swiglu", "NVIDIA H200") == "torch"
     assert _backend.auto_pick("layer_norm", "NVIDIA H100 PCIe") == "torch"
     assert _backend.auto_pick("rope", "NVIDIA H100 PCIe") == "torch"  # not in the table: torch
@@ -114,8 +117,8 @@ def test_auto_table_names_known_ops_and_its_measurements():
 
     assert _backend.FALLBACK_CLASS in _backend.AUTO_PICKS
     for cls, picks in _backend.AUTO_PICKS.items():
-        for op, (backend, measured) in picks.items():
-            assert op in _backend.OPS and backend in ("triton", "torch") and measured, (cls, op)
+        for op, pick in picks.items():
+            assert op in _backend.OPS and pick.backend in ("triton", "torch") and pick.measured, (cls, op)
 
 
 def test_auto_uses_torch_on_cpu():
