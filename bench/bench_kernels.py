@@ -445,7 +445,7 @@ def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool) -> list[dict]:
                 timed(f"swiglu_packed fwd [{n},2x{w}]", s, lambda: sw.swiglu_forward(gu[:, :w], gu[:, w:], block, warps))
                 timed(f"swiglu_packed bwd [{n},2x{w}]", s,
                       lambda: sw.swiglu_backward(dy, gu[:, :w], gu[:, w:], dgu[:, :w], dgu[:, w:], block, warps))
-    heads = [(4, 2, 16)] if smoke else [(32, 32, 128), (32, 8, 64)]
+    heads = [(4, 2, 16)] if smoke else [(32, 32, 128), (32, 8, 64), (16, 16, 128), (16, 4, 64)]
     for hq, hk, d in heads:
         cos, sin = rope_tables(n, d, device, dtype)
         for layout in ("bshd", "bhsd"):
@@ -472,6 +472,11 @@ def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool) -> list[dict]:
             for warps in (4, 8, 16):
                 timed(f"ce bwd [{n},{v}]", f"block={block} warps={warps}",
                       lambda: ce.ce_backward_rows(z, t, lse, one, denom, -100, False, block, warps))
+        for warps in (8, 16, 32):  # the in-place / fused-linear forward, which also writes the gradient
+            timed(f"ce fwd+grad [{n},{v}]", f"block={ce.FWD_BLOCK_V} warps={warps}",
+                  lambda: ce.ce_forward_rows(z, t, -100, True, None, warps, denom))
+        for g in (1.0, 2.0):
+            timed(f"scale_rows_ [{n},{v}]", f"g={g}", lambda: ce.scale_rows_(z, torch.full((), g, device=device)))
     hidden = [64] if smoke else [4096, 2048]
     for h in hidden:
         x, dy = randn(n, h), randn(n, h)

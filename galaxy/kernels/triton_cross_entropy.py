@@ -18,12 +18,17 @@ import torch
 import triton
 import triton.language as tl
 
+from galaxy.kernels._triton_utils import persistent_programs
+
 
 # Forward: vocab block per loop step of the per-row online softmax (large enough that the loop is
 # short, small enough for registers); backward: vocab block per program of the 2-D grid. Chosen by
 # bench/bench_kernels.py --variants (cross_entropy rows).
 FWD_BLOCK_V = 16384
 FWD_WARPS = 8
+# Writing the gradient re-reads each row right after the online pass: fewer rows in flight keep
+# those rows in L2 (128k-vocab rows are 256 KB each).
+FWD_GRAD_WARPS = 8
 BWD_BLOCK_V = 4096
 BWD_WARPS = 8
 SCALE_BLOCK = 4096
@@ -99,24 +104,32 @@ def _ce_bwd_kernel(
 
 
 @triton.jit
-def _scale_rows_kernel(X, stride_x, G, stride_g, n_cols, BLOCK: tl.constexpr):
-    # x[row] *= g[row] in place; a program whose g is exactly 1 (the usual loss.backward()) returns
-    # without touching memory, so the common case costs one launch and no host sync.
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.load(G + row * stride_g).to(tl.float32)
-    if g != 1.0:
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(X + row * stride_x + cols, (x * g).to(X.dtype.element_ty), mask=mask)
+def _scale_rows_kernel(X, stride_x, G, stride_g, n_rows, n_cols, rows_per_program, BLOCK: tl.constexpr):
+    # x[row] *= g[row] in place; a row whose g is exactly 1 (the usual loss.backward()) is skipped
+    # without touching memory, so the common case costs one short launch and no host sync. A few
+    # programs per SM loop over rows: one program per (row, block) made the skip itself cost 80 us.
+    pid = tl.program_id(0).to(tl.int64)
+    for i in range(0, rows_per_program):
+        row = pid * rows_per_program + i
+        if row < n_rows:
+            g = tl.load(G + row * stride_g).to(tl.float32)
+            if g != 1.0:
+                for start in range(0, n_cols, BLOCK):
+                    cols = start + tl.arange(0, BLOCK)
+                    mask = cols < n_cols
+                    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+                    tl.store(X + row * stride_x + cols, (x * g).to(X.dtype.element_ty), mask=mask)
 
 
 def scale_rows_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``x [rows, cols] *= g`` in place, ``g`` one value per row or a single value (any float dtype)."""
     if x.numel():
         g = g.reshape(-1)
-        _scale_rows_kernel[(x.shape[0], triton.cdiv(x.shape[1], SCALE_BLOCK))](
-            x, x.stride(0), g, g.stride(0) if g.numel() > 1 else 0, x.shape[1], BLOCK=SCALE_BLOCK, num_warps=4)
+        n_rows, n_cols = x.shape
+        programs = persistent_programs(x.device, n_rows, per_sm=4)
+        _scale_rows_kernel[(programs,)](
+            x, x.stride(0), g, g.stride(0) if g.numel() > 1 else 0, n_rows, n_cols, triton.cdiv(n_rows, programs),
+            BLOCK=min(SCALE_BLOCK, triton.next_power_of_2(n_cols)), num_warps=4)
     return x
 
 
@@ -139,7 +152,7 @@ def ce_forward_rows(logits, targets, ignore_index, write_grad, block_v=None, war
         _ce_fwd_kernel[(n_rows,)](
             logits, logits.stride(0), targets, loss, lse,
             loss if not write_grad else denom if denom is not None else torch.ones((), device=logits.device),
-            n_cols, ignore_index, WRITE_GRAD=write_grad, BLOCK_V=block, num_warps=warps or FWD_WARPS,
+            n_cols, ignore_index, WRITE_GRAD=write_grad, BLOCK_V=block, num_warps=warps or (FWD_GRAD_WARPS if write_grad else FWD_WARPS),
         )
     return loss, lse
 

@@ -95,7 +95,6 @@ def rope_launch(q, k, cos, sin, inverse: bool, positions: int = POSITIONS, warps
     # A batch-1 cos/sin broadcasts over the batch through a zero stride.
     sc_b = 0 if cos.shape[0] == 1 else cos.stride(0)
     ss_b = 0 if sin.shape[0] == 1 else sin.stride(0)
-    # Small tiles (head_dim 64 with few heads) run best on 2 warps (bench --variants, rope rows).
     _rope_kernel[(triton.cdiv(batch * seq_len, positions),)](
         q, k, cos, sin, qo, ko,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -103,7 +102,7 @@ def rope_launch(q, k, cos, sin, inverse: bool, positions: int = POSITIONS, warps
         sc_b, cos.stride(1), ss_b, sin.stride(1),
         seq_len, batch * seq_len, n_q_heads, n_k_heads, half,
         INVERSE=inverse, POSITIONS=positions, BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_D=block_d,
-        num_warps=warps or (2 if block_qh * block_d <= 1024 else warps_for(block_qh * block_d)),
+        num_warps=warps or warps_for(block_qh * block_d),
     )
     return qo, ko
 
