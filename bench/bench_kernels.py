@@ -442,7 +442,8 @@ def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool) -> list[dict]:
                 s = f"block={block} warps={warps}"
                 timed(f"swiglu fwd [{n},{w}]", s, lambda: sw.swiglu_forward(g, u, block, warps))
                 timed(f"swiglu bwd [{n},{w}]", s, lambda: sw.swiglu_backward(dy, g, u, dg, du, block, warps))
-                timed(f"swiglu_packed fwd [{n},2x{w}]", s, lambda: sw.swiglu_forward(gu[:, :w], gu[:, w:], block, warps))
+                timed(f"swiglu_packed fwd [{n},2x{w}]", s,
+                      lambda: sw.swiglu_forward(gu[:, :w], gu[:, w:], block, warps))
                 timed(f"swiglu_packed bwd [{n},2x{w}]", s,
                       lambda: sw.swiglu_backward(dy, gu[:, :w], gu[:, w:], dgu[:, :w], dgu[:, w:], block, warps))
     heads = [(4, 2, 16)] if smoke else [(32, 32, 128), (32, 8, 64), (16, 16, 128), (16, 4, 64)]
@@ -544,7 +545,8 @@ def print_table(results: list[Result], verdict_rows: list[dict]) -> None:
     print()
     print(f"{'op':<26} {'model':<10} {'impl':<14} {'gpu ms':>8} {'best rival':>14} {'ms':>8} {'x liger':>8}  wins")
     for v in verdict_rows:
-        print(f"{v['op']:<26} {v['model']:<10} {v['impl']:<14} {v['galaxy_ms']:8.3f} {v['best_rival']:>14} {v['best_rival_ms']:8.3f} "
+        print(f"{v['op']:<26} {v['model']:<10} {v['impl']:<14} {v['galaxy_ms']:8.3f} {v['best_rival']:>14} "
+              f"{v['best_rival_ms']:8.3f} "
               f"{_fmt(v['vs_liger'], 8, '.2f')}  {'yes' if v['wins'] else 'no'}")
 
 

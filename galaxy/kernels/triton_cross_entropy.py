@@ -28,7 +28,7 @@ FWD_BLOCK_V = 16384
 FWD_WARPS = 8
 # Writing the gradient re-reads each row right after the online pass: fewer rows in flight keep
 # those rows in L2 (128k-vocab rows are 256 KB each).
-FWD_GRAD_WARPS = 8
+FWD_GRAD_WARPS = 16
 BWD_BLOCK_V = 4096
 BWD_WARPS = 8
 SCALE_BLOCK = 4096
@@ -152,7 +152,8 @@ def ce_forward_rows(logits, targets, ignore_index, write_grad, block_v=None, war
         _ce_fwd_kernel[(n_rows,)](
             logits, logits.stride(0), targets, loss, lse,
             loss if not write_grad else denom if denom is not None else torch.ones((), device=logits.device),
-            n_cols, ignore_index, WRITE_GRAD=write_grad, BLOCK_V=block, num_warps=warps or (FWD_GRAD_WARPS if write_grad else FWD_WARPS),
+            n_cols, ignore_index, WRITE_GRAD=write_grad, BLOCK_V=block,
+            num_warps=warps or (FWD_GRAD_WARPS if write_grad else FWD_WARPS),
         )
     return loss, lse
 

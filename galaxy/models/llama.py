@@ -504,7 +504,8 @@ class LlamaForCausalLM(GalaxyModel):
             return CausalLMOutput(hidden_states=h)
         # Training with Triton kernels: the head and the loss are one chunked kernel that never holds
         # the [tokens, vocab] logits (so none are returned); a wrapped head (LoRA) keeps its own call.
-        fused = (labels is not None and self.training and use_triton(self.config.kernels, h, "fused_linear_cross_entropy")
+        fused = (labels is not None and self.training
+                 and use_triton(self.config.kernels, h, "fused_linear_cross_entropy")
                  and type(self.lm_head) in (ParallelLinear, TiedLMHead) and plain(self.lm_head))
         logits = None if fused else self.lm_head(h)
         loss = None
