@@ -1,8 +1,9 @@
 """Choosing which implementation of a kernel runs: Triton or plain PyTorch.
 
 ``auto`` on a CUDA device picks, per op, what ``bench/bench_kernels.py`` measured fastest on that
-device class (``AUTO_PICKS``): Triton only where it was at least as fast as the fastest of torch's
-fused op, ``torch.compile`` of the reference and Liger-Kernel at every measured shape.
+device class (``AUTO_PICKS``): Triton only where it was at least as fast as torch's fused op and
+``torch.compile`` of the reference at every measured shape (Liger-Kernel is measured beside them, but
+auto cannot run it).
 
 Triton is an optional dependency: nothing here imports it at module import time, so
 ``galaxy.kernels`` loads on machines without it (CPU-only CI, Ascend NPU).
@@ -43,8 +44,8 @@ def triton_interpret_enabled() -> bool:
 # The kernels compute in fp32: ``auto`` leaves float64 (the exactness tests' dtype) to torch.
 AUTO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-OPS = ("rms_norm", "layer_norm", "rope", "swiglu", "swiglu_packed", "cross_entropy", "fused_linear_cross_entropy")
-
+OPS = ("rms_norm", "layer_norm", "rope", "swiglu", "swiglu_packed", "cross_entropy",
+       "fused_linear_cross_entropy")
 
 
 class Pick(NamedTuple):

@@ -3,13 +3,14 @@ cross-entropy that never holds the full logits.
 
 ``TritonCrossEntropy``: logits already exist. Forward reads each row once in vocab blocks
 (running max and rescaled sum, fp32) and keeps only the per-row log-sum-exp; backward
-writes ``g * (softmax - onehot)`` in one more pass. The logits are not modified.
+writes ``g * (softmax - onehot)`` in one more pass. The logits are not modified, unless
+``inplace`` asks for Liger-Kernel's trade: the gradient written into the logits in forward.
 
 ``FusedLinearCrossEntropy`` (the Liger-Kernel approach): tokens are processed in chunks;
 each chunk's logits are computed by a torch matmul, the Triton kernel overwrites them in
-place with the unscaled gradient ``softmax - onehot``, and that gradient is immediately
+place with the gradient ``(softmax - onehot) / denominator``, and that gradient is immediately
 multiplied into d_hidden and d_weight. Only chunk-sized logits ever exist, and backward
-just scales the stored gradients by ``grad_output / denominator``.
+scales the stored gradients by ``grad_output`` where it is not 1.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import triton
 import triton.language as tl
 
 from galaxy.kernels._triton_utils import persistent_programs
-
 
 # Forward: vocab block per loop step of the per-row online softmax (large enough that the loop is
 # short, small enough for registers); backward: vocab block per program of the 2-D grid. Chosen by
@@ -289,7 +289,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             logits = h_chunk @ weight.t()
             if bias is not None:
                 logits += bias
-            # Overwrites logits with the unscaled gradient softmax - onehot (0 on ignored rows).
+            # Overwrites logits with the gradient (softmax - onehot) / denom (0 on ignored rows).
             loss_chunk, _ = ce_forward_rows(logits, targets[start:end], ignore_index, True, block_v, denom=denom)
             loss_rows[start:end] = loss_chunk
             if need_h:
