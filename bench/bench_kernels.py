@@ -1,25 +1,35 @@
-"""Benchmark galaxy's Triton kernels against eager PyTorch (and Liger-Kernel if installed).
+"""Benchmark galaxy's Triton kernels against torch (op by op, its fused op, torch.compile) and Liger.
 
-For each kernel at LLaMA-7B shapes (hidden 4096, 32 heads x 128, seq 4096, batch 1, bf16;
-cross-entropy over 4096 tokens with vocab 32000 and 128256) it
+Per op and shape (LLaMA-7B, Llama-3.2-1B, and the shard sizes TP/SP plans run, e.g. an MLP
+intermediate of 5504 = 11008 / 2), every contender
 
-1. checks every implementation's outputs and input gradients against the torch reference
-   (normalized max error, bf16 tolerance),
-2. times forward+backward with ``triton.testing.do_bench`` (median),
-3. measures the peak extra memory of one forward+backward (``torch.cuda.max_memory_allocated``),
+1. is checked against the torch reference: outputs and input gradients, normalized max error,
+2. is timed forward + backward, two ways, each repeated ``--repeats`` times in this launch
+   (interleaved with the other contenders) and reported as median and [min, max]:
+   ``wall``   ``triton.testing.do_bench`` median: the host's launch overhead included when it is
+              longer than the GPU work (small kernels), as an eager step on an idle GPU sees it;
+   ``gpu``    the same steps queued behind a GPU sleep so the host runs ahead (as it does inside a
+              training step), timed with CUDA events: device time, without launch gaps. Inputs
+              rotate over several copies so repeated steps do not hit L2. A contender that syncs
+              with the host (Liger's cross-entropy reads ``.item()``) pays for it here too,
+3. has its peak extra memory over one forward + backward measured.
 
-prints a table and optionally writes JSON. Usage::
+``--variants`` first sweeps the launch settings of the Galaxy kernels (block sizes, warps,
+programs, fused-linear-CE chunk size) with the same GPU-time method. ``--profile`` stores the
+per-kernel device times (torch.profiler) of every contender. The JSON holds everything; the table
+printed last is the summary. Usage::
 
-    python bench/bench_kernels.py --json results.json            # on a CUDA GPU
-    TRITON_INTERPRET=1 python bench/bench_kernels.py --smoke     # tiny shapes, CPU ok
+    python bench/bench_kernels.py --variants --profile --json results.json   # on a CUDA GPU
+    TRITON_INTERPRET=1 python bench/bench_kernels.py --smoke                  # tiny shapes, CPU ok
 
-On CPU (``--smoke`` only) Triton runs through its interpreter and times are wall-clock
-medians of a few calls: they show the script works, not how fast anything is.
+On CPU (``--smoke`` only) Triton runs through its interpreter; times then show the script works,
+not how fast anything is.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -31,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 if __package__ in (None, ""):  # run as a script from anywhere: make the repo importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,41 +49,81 @@ if __package__ in (None, ""):  # run as a script from anywhere: make the repo im
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Normalized max error (max|a - b| / max|b|) allowed vs the torch reference.
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+# Rotate input copies until they span this many bytes (several times any L2).
+ROTATE_BYTES = 512 * 2**20
+# Contenders that are not Galaxy's; auto may use Triton for an op only if it is at least as fast.
+RIVALS = ("torch", "torch-fused", "torch-compile", "liger")
 
 
 @dataclass
 class Case:
-    kernel: str
+    op: str
     shape: str
+    model: str  # which model / shard the shape comes from
     make_args: Callable[[], list]  # fresh inputs; tensors that need grad are leaves
     impls: dict[str, Callable]  # name -> fn(*args) -> Tensor | tuple[Tensor, ...]
 
 
 @dataclass
 class Result:
-    kernel: str
+    op: str
     shape: str
+    model: str
     impl: str
-    ms: float | None = None
+    wall_ms: list = field(default_factory=list)
+    gpu_ms: list = field(default_factory=list)
     peak_mib: float | None = None
     max_err: float | None = None
     ok: bool | None = None
     note: str = ""
-    speedup_vs_torch: float | None = None
-    mem_ratio_vs_torch: float | None = None
+    kernels: list = field(default_factory=list)  # (name, device ms per step) from --profile
+
+    @property
+    def gpu(self) -> float | None:
+        return statistics.median(self.gpu_ms) if self.gpu_ms else None
+
+    @property
+    def wall(self) -> float | None:
+        return statistics.median(self.wall_ms) if self.wall_ms else None
 
 
 @dataclass
 class Report:
     device: str
+    date: str
+    commit: str
     torch: str
     triton: str | None
     liger: str | None
     dtype: str
     smoke: bool
-    timer: str
+    repeats: int
     results: list = field(default_factory=list)
+    variants: list = field(default_factory=list)
+    verdicts: list = field(default_factory=list)
     notes: list = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- shapes
+
+# tokens per rank: one 4096-token sequence (7B / 1B), or its half on an SP rank.
+FULL = {
+    "7B": dict(tokens=4096, hidden=4096, heads=32, kv_heads=32, head_dim=128, intermediate=11008, vocab=32000),
+    "1B": dict(tokens=4096, hidden=2048, heads=32, kv_heads=8, head_dim=64, intermediate=8192, vocab=128256),
+}
+SMOKE = {"tiny": dict(tokens=48, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=96, vocab=257)}
+
+
+def shape_grid(smoke: bool) -> list[tuple[str, dict]]:
+    """(label, sizes): the full models, their TP-2 shards (heads and intermediate halved) and
+    SP-2 shards (tokens halved)."""
+    grid = []
+    for name, s in (SMOKE if smoke else FULL).items():
+        grid.append((name, s))
+        grid.append((f"{name} TP/2", dict(s, heads=s["heads"] // 2, kv_heads=max(1, s["kv_heads"] // 2),
+                                          intermediate=s["intermediate"] // 2)))
+        grid.append((f"{name} SP/2", dict(s, tokens=s["tokens"] // 2)))
+    return grid
 
 
 # ----------------------------------------------------------------------------- cases
@@ -82,7 +133,7 @@ def _leaf(t: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
     return t.detach().requires_grad_(requires_grad)
 
 
-def _rope_tables(seq: int, head_dim: int, device, dtype, base: float = 10000.0):
+def rope_tables(seq: int, head_dim: int, device, dtype, base: float = 10000.0):
     """HF LLaMA cos/sin for positions 0..seq-1: [1, seq, head_dim], halves duplicated."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     freqs = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv_freq)
@@ -96,92 +147,127 @@ def _targets(n: int, vocab: int, device) -> torch.Tensor:
     return t
 
 
-def build_cases(shapes: dict, dtype: torch.dtype, device: torch.device, liger) -> list[Case]:
+def _compiled(fn):
+    """torch.compile of a reference (compiles at the first call, in the correctness check)."""
+    return torch.compile(fn, dynamic=False)
+
+
+def build_cases(dtype: torch.dtype, device: torch.device, liger, smoke: bool) -> list[Case]:
     import galaxy.kernels as K
     from galaxy.kernels import reference as R
-
-    tokens, hidden = shapes["tokens"], shapes["hidden"]
-    heads, head_dim, inter = shapes["heads"], shapes["head_dim"], shapes["intermediate"]
-    rank = shapes["lora_rank"]
 
     def randn(*s, scale=1.0):
         return torch.randn(*s, device=device, dtype=torch.float32).mul_(scale).to(dtype)
 
+    L = liger  # liger_kernel.transformers.functional, or None
     cases = []
+    grid = shape_grid(smoke)
+    by_label = dict(grid)
 
-    impls = {"galaxy-triton": lambda x, w: K.rms_norm(x, w, 1e-6, backend="triton"), "torch": lambda x, w: R.rms_norm(x, w, 1e-6)}
-    if liger:
-        impls["liger"] = lambda x, w: liger.liger_rms_norm(x, w, 1e-6)
-    cases.append(Case("rms_norm", f"[{tokens}, {hidden}]", lambda: [_leaf(randn(tokens, hidden)), _leaf(1 + randn(hidden, scale=0.1))], impls))
+    def add(op, shape, model, make_args, impls):
+        cases.append(Case(op, shape, model, make_args, {k: v for k, v in impls.items() if v is not None}))
 
-    impls = {
-        "galaxy-triton": lambda x, w, b: K.layer_norm(x, w, b, 1e-5, backend="triton"),
-        "torch": lambda x, w, b: R.layer_norm(x, w, b, 1e-5),
-        "torch-F.layer_norm": lambda x, w, b: torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, 1e-5),
-    }
-    if liger:
-        impls["liger"] = lambda x, w, b: liger.liger_layer_norm(x, w, b, 1e-5)
-    cases.append(Case(
-        "layer_norm", f"[{tokens}, {hidden}]",
-        lambda: [_leaf(randn(tokens, hidden)), _leaf(1 + randn(hidden, scale=0.1)), _leaf(randn(hidden, scale=0.1))],
-        impls,
-    ))
+    # RMSNorm: every model's hidden size, full sequence and SP shard.
+    for label in [g for g in by_label if "TP" not in g]:
+        s = by_label[label]
+        n, h = s["tokens"], s["hidden"]
+        add("rms_norm", f"[{n}, {h}]", label,
+            lambda n=n, h=h: [_leaf(randn(n, h)), _leaf(1 + randn(h, scale=0.1))],
+            {"galaxy-triton": lambda x, w: K.rms_norm(x, w, 1e-6, backend="triton"),
+             "torch": lambda x, w: R.rms_norm(x, w, 1e-6),
+             "torch-fused": lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6),
+             "torch-compile": _compiled(lambda x, w: R.rms_norm(x, w, 1e-6)),
+             "liger": L and (lambda x, w: L.liger_rms_norm(x, w, 1e-6, in_place=False))})
 
-    def rope_args():
-        cos, sin = _rope_tables(tokens, head_dim, device, dtype)
-        return [_leaf(randn(1, heads, tokens, head_dim)), _leaf(randn(1, heads, tokens, head_dim)), cos, sin]
+    # LayerNorm (BERT): BERT-large hidden 1024 over 8 x 512 tokens.
+    n, h = (48, 64) if smoke else (4096, 1024)
+    add("layer_norm", f"[{n}, {h}]", "BERT-large",
+        lambda n=n, h=h: [_leaf(randn(n, h)), _leaf(1 + randn(h, scale=0.1)), _leaf(randn(h, scale=0.1))],
+        {"galaxy-triton": lambda x, w, b: K.layer_norm(x, w, b, 1e-5, backend="triton"),
+         "torch": lambda x, w, b: R.layer_norm(x, w, b, 1e-5),
+         "torch-fused": lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5),
+         "torch-compile": _compiled(lambda x, w, b: R.layer_norm(x, w, b, 1e-5)),
+         "liger": L and (lambda x, w, b: L.liger_layer_norm(x, w, b, 1e-5))})
 
-    impls = {"galaxy-triton": lambda q, k, c, s: K.apply_rope(q, k, c, s, backend="triton"), "torch": R.apply_rope}
-    if liger:
-        impls["liger"] = lambda q, k, c, s: liger.liger_rope(q, k, c, s)
-    cases.append(Case("rope", f"q,k [1, {heads}, {tokens}, {head_dim}]", rope_args, impls))
+    # RoPE: q, k as the attention block makes them, [b, s, h, d] projections viewed [b, h, s, d].
+    for label in [g for g in by_label if "SP" not in g]:
+        s = by_label[label]
+        n, hq, hk, d = s["tokens"], s["heads"], s["kv_heads"], s["head_dim"]
 
-    impls = {"galaxy-triton": lambda g, u: K.swiglu(g, u, backend="triton"), "torch": R.swiglu}
-    if liger:
-        impls["liger"] = lambda g, u: liger.liger_swiglu(g, u)
-    cases.append(Case("swiglu", f"[{tokens}, {inter}]", lambda: [_leaf(randn(tokens, inter)), _leaf(randn(tokens, inter))], impls))
+        def rope_args(n=n, hq=hq, hk=hk, d=d):
+            cos, sin = rope_tables(n, d, device, dtype)
+            q = randn(1, n, hq, d).transpose(1, 2)
+            k = randn(1, n, hk, d).transpose(1, 2)
+            return [_leaf(q), _leaf(k), cos, sin]
 
-    for vocab in shapes["vocabs"]:
-        impls = {
-            "galaxy-triton": lambda z, t: K.cross_entropy(z, t, backend="triton"),
-            "torch": lambda z, t: R.cross_entropy(z, t),
-            "torch-F.cross_entropy": lambda z, t: torch.nn.functional.cross_entropy(z.float(), t),
-        }
-        if liger:
-            # Liger writes the gradient into the logits in place; harmless for timing.
-            impls["liger"] = lambda z, t: liger.liger_cross_entropy(z, t, ignore_index=-100, reduction="mean")
-        cases.append(Case(
-            "cross_entropy", f"logits [{tokens}, {vocab}]",
-            lambda vocab=vocab: [_leaf(randn(tokens, vocab, scale=2.0)), _targets(tokens, vocab, device)],
-            impls,
-        ))
+        add("rope", f"q [1, {hq}, {n}, {d}] k [1, {hk}, {n}, {d}]", label, rope_args,
+            {"galaxy-triton": lambda q, k, c, s: K.apply_rope(q, k, c, s, backend="triton"),
+             "torch": R.apply_rope,
+             "torch-compile": _compiled(R.apply_rope),
+             "liger": L and (lambda q, k, c, s: L.liger_rope(q, k, c, s))})
 
-        impls = {
-            "galaxy-triton": lambda h, w, t: K.fused_linear_cross_entropy(h, w, t, backend="triton"),
-            "torch": lambda h, w, t: R.fused_linear_cross_entropy(h, w, t),
-        }
-        if liger:
-            impls["liger"] = lambda h, w, t: liger.liger_fused_linear_cross_entropy(h, w, t, ignore_index=-100, reduction="mean")
-        cases.append(Case(
-            "fused_linear_cross_entropy", f"h [{tokens}, {hidden}] W [{vocab}, {hidden}]",
-            lambda vocab=vocab: [_leaf(randn(tokens, hidden)), _leaf(randn(vocab, hidden, scale=0.02)), _targets(tokens, vocab, device)],
-            impls,
-        ))
+    # SwiGLU: separate gate/up and the packed [gate | up] of a fused projection; full and TP/2.
+    for label in [g for g in by_label if "SP" not in g]:
+        s = by_label[label]
+        n, w = s["tokens"], s["intermediate"]
+        add("swiglu", f"[{n}, {w}]", label, lambda n=n, w=w: [_leaf(randn(n, w)), _leaf(randn(n, w))],
+            {"galaxy-triton": lambda g, u: K.swiglu(g, u, backend="triton"),
+             "torch": R.swiglu,
+             "torch-compile": _compiled(R.swiglu),
+             "liger": L and (lambda g, u: L.liger_swiglu(g, u))})
+        packed_ref = lambda gu: R.swiglu(*gu.chunk(2, dim=-1))  # noqa: E731
+        add("swiglu_packed", f"[{n}, 2 x {w}]", label, lambda n=n, w=w: [_leaf(randn(n, 2 * w))],
+            {"galaxy-triton": lambda gu: K.swiglu_packed(gu, backend="triton"),
+             "torch": packed_ref,
+             "torch-compile": _compiled(packed_ref),
+             "liger": L and _liger_packed_swiglu()})
 
-    cases.append(Case(
-        "lora_linear", f"x [{tokens}, {hidden}] W [{hidden}, {hidden}] r={rank}",
-        lambda: [
-            _leaf(randn(tokens, hidden)),
-            randn(hidden, hidden, scale=hidden ** -0.5),  # frozen base weight
-            _leaf(randn(rank, hidden, scale=hidden ** -0.5)),
-            _leaf(randn(hidden, rank, scale=0.1)),
+    # Cross-entropy over existing logits and the fused head + loss, at each vocabulary.
+    for label in [g for g in by_label if "TP" not in g and "SP" not in g]:
+        s = by_label[label]
+        n, h, v = s["tokens"], s["hidden"], s["vocab"]
+        add("cross_entropy", f"logits [{n}, {v}]", label,
+            lambda n=n, v=v: [_leaf(randn(n, v, scale=2.0)), _targets(n, v, device)],
+            {"galaxy-triton": lambda z, t: K.cross_entropy(z, t, backend="triton"),
+             # The gradient written into the logits in forward, as Liger does.
+             "galaxy-inplace": lambda z, t: K.cross_entropy(z, t, backend="triton", inplace=True),
+             "torch": lambda z, t: R.cross_entropy(z, t),
+             "torch-fused": lambda z, t: F.cross_entropy(z.float(), t),
+             "torch-compile": _compiled(lambda z, t: R.cross_entropy(z, t)),
+             # Liger writes the gradient into the logits in place (its memory saving).
+             "liger": L and (lambda z, t: L.liger_cross_entropy(z, t, ignore_index=-100, reduction="mean"))})
+    flce_shapes = [(label, by_label[label]["tokens"], by_label[label]["hidden"], by_label[label]["vocab"])
+                   for label in by_label if "TP" not in label and "SP" not in label]
+    if not smoke:  # the 128k vocabulary at 7B's hidden size (LLaMA-3-8B's head)
+        flce_shapes.append(("8B head", 4096, 4096, 128256))
+    for label, n, h, v in flce_shapes:
+        add("fused_linear_cross_entropy", f"h [{n}, {h}] W [{v}, {h}]", label,
+            lambda n=n, h=h, v=v: [_leaf(randn(n, h)), _leaf(randn(v, h, scale=0.02)), _targets(n, v, device)],
+            {"galaxy-triton": lambda h_, w, t: K.fused_linear_cross_entropy(h_, w, t, backend="triton"),
+             "torch": lambda h_, w, t: R.fused_linear_cross_entropy(h_, w, t),
+             "torch-fused": lambda h_, w, t: F.cross_entropy(F.linear(h_, w).float(), t),
+             "torch-compile": _compiled(lambda h_, w, t: R.fused_linear_cross_entropy(h_, w, t)),
+             "liger": L and (lambda h_, w, t: L.liger_fused_linear_cross_entropy(h_, w, t, ignore_index=-100,
+                                                                                reduction="mean"))})
+    # LoRA linear (plain torch matmuls with a bracketed backward, no Triton): 7B q-projection, r=16.
+    s = grid[0][1]
+    n, h, rank = s["tokens"], s["hidden"], (4 if smoke else 16)
+    add("lora_linear", f"x [{n}, {h}] W [{h}, {h}] r={rank}", grid[0][0],
+        lambda n=n, h=h, rank=rank: [
+            _leaf(randn(n, h)),
+            randn(h, h, scale=h ** -0.5),  # frozen base weight
+            _leaf(randn(rank, h, scale=h ** -0.5)),
+            _leaf(randn(h, rank, scale=0.1)),
         ],
-        {
-            "galaxy-fused": lambda x, w, a, b: K.lora_linear(x, w, a, b, 2.0),
-            "torch": lambda x, w, a, b: K.lora_linear(x, w, a, b, 2.0, backend="torch"),
-        },
-    ))
+        {"galaxy-triton": lambda x, w, a, b: K.lora_linear(x, w, a, b, 2.0),
+         "torch": lambda x, w, a, b: K.lora_linear(x, w, a, b, 2.0, backend="torch")})
     return cases
+
+
+def _liger_packed_swiglu():
+    from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
+
+    return lambda gu: LigerFusedGateUpSiLUMulFunction.apply(gu)
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -199,8 +285,13 @@ def _fwd_bwd(fn, args, grad_outs):
 
 
 def _clone_args(args):
-    return [_leaf(a.clone(), a.requires_grad) if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad
-            else (a.clone() if isinstance(a, torch.Tensor) else a) for a in args]
+    """Fresh copies with the same strides (some kernels, Liger's, reuse inputs as scratch)."""
+    def clone(a):
+        if not isinstance(a, torch.Tensor):
+            return a
+        c = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device).copy_(a.detach())
+        return _leaf(c, a.requires_grad) if a.requires_grad else c
+    return [clone(a) for a in args]
 
 
 def _normalized_err(got, want) -> float:
@@ -209,7 +300,8 @@ def _normalized_err(got, want) -> float:
     return (got - want).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
-def _time_ms(fn, on_cuda: bool, warmup: int, rep: int) -> float:
+def wall_ms(fn, on_cuda: bool, warmup: int = 10, rep: int = 40) -> float:
+    """Median ms of ``fn`` as triton's do_bench times it (host overhead included when larger)."""
     if on_cuda:
         import triton.testing
 
@@ -222,7 +314,25 @@ def _time_ms(fn, on_cuda: bool, warmup: int, rep: int) -> float:
     return statistics.median(times)
 
 
-def _peak_mib(fn, on_cuda: bool) -> float | None:
+def gpu_ms(steps: list[Callable], on_cuda: bool, host_ms: float, budget_ms: float = 25.0) -> float:
+    """Device ms per step with the host running ahead: the steps (cycling over ``steps``) are queued
+    behind a GPU sleep longer than the host needs to launch them, then timed with events."""
+    if not on_cuda:
+        return wall_ms(steps[0], False)
+    count = max(len(steps), min(200, int(budget_ms / max(host_ms, 1e-3))))
+    torch.cuda.synchronize()
+    # ~1.9e6 cycles per ms at Hopper clocks; twice the host's launch time, at least 5 ms.
+    torch.cuda._sleep(int(max(5.0, 2.0 * count * host_ms) * 2e6))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(count):
+        steps[i % len(steps)]()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / count
+
+
+def peak_mib(fn, on_cuda: bool) -> float | None:
     if not on_cuda:
         return None
     torch.cuda.synchronize()
@@ -235,21 +345,43 @@ def _peak_mib(fn, on_cuda: bool) -> float | None:
     return peak / 2**20
 
 
-def run_case(case: Case, dtype, on_cuda: bool, warmup: int, rep: int) -> list[Result]:
+def profile_kernels(fn, on_cuda: bool, steps: int = 3, top: int = 6) -> list:
+    """The ``top`` device kernels of one step: (name, ms per step)."""
+    if not on_cuda:
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 1e3 / steps) for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    return [(name[:80], round(ms, 4)) for name, ms in rows[:top]]
+
+
+def _tensor_bytes(args) -> int:
+    return sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+
+
+def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool) -> list[Result]:
     args = case.make_args()
+    torch_fn = case.impls["torch"]
     with torch.no_grad():
-        ref_outs = _as_tuple(case.impls["torch"](*_clone_args(args)))
+        ref_outs = _as_tuple(torch_fn(*_clone_args(args)))
     # Fixed random upstream gradients (ones for scalar losses), shared by every impl.
     grad_outs = tuple(torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in ref_outs)
-    ref_outs, ref_grads = _fwd_bwd(case.impls["torch"], _clone_args(args), grad_outs)
+    ref_outs, ref_grads = _fwd_bwd(torch_fn, _clone_args(args), grad_outs)
     expected = [t.detach() for t in (*ref_outs, *ref_grads)]
     del ref_outs, ref_grads
+    n_copies = 1 + min(7, ROTATE_BYTES // max(1, _tensor_bytes(args)))
 
-    results = []
+    results, steps = [], {}
     for name, fn in case.impls.items():
-        res = Result(case.kernel, case.shape, name)
+        res = Result(case.op, case.shape, case.model, name)
+        results.append(res)
         try:
-            # Fresh copies: some kernels (Liger) reuse inputs / upstream grads as scratch.
             outs, grads = _fwd_bwd(fn, _clone_args(args), tuple(g.clone() for g in grad_outs))
             got = [*outs, *grads]
             if len(got) != len(expected):
@@ -257,23 +389,138 @@ def run_case(case: Case, dtype, on_cuda: bool, warmup: int, rep: int) -> list[Re
             res.max_err = max(_normalized_err(g, e) for g, e in zip(got, expected))
             res.ok = res.max_err <= TOLERANCE[dtype]
             del outs, grads, got
-            step = lambda: _fwd_bwd(fn, args, grad_outs)  # noqa: E731
-            res.peak_mib = _peak_mib(step, on_cuda)
-            res.ms = _time_ms(step, on_cuda, warmup, rep)
+            # Each contender times its own copies of the inputs and upstream gradients: in-place kernels
+            # (Liger's, galaxy-inplace) overwrite theirs.
+            mine = tuple(g.clone() for g in grad_outs)
+            steps[name] = [lambda fn=fn, a=_clone_args(args), g=mine: _fwd_bwd(fn, a, g) for _ in range(n_copies)]
+            res.peak_mib = peak_mib(steps[name][0], on_cuda)
+            if profile:
+                res.kernels = profile_kernels(steps[name][0], on_cuda)
         except Exception as err:  # noqa: BLE001 - one failing impl must not stop the table
             res.ok = False
             res.note = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]
-        results.append(res)
-        if on_cuda:
-            torch.cuda.empty_cache()
-
-    torch_res = next((r for r in results if r.impl == "torch" and r.ms), None)
-    for r in results:
-        if torch_res and r.ms:
-            r.speedup_vs_torch = torch_res.ms / r.ms
-        if torch_res and r.peak_mib and torch_res.peak_mib:
-            r.mem_ratio_vs_torch = r.peak_mib / torch_res.peak_mib
+    # Repeats interleave the contenders, so a drift of the device shows in every spread.
+    for _ in range(repeats):
+        for res in results:
+            if res.impl in steps:
+                res.wall_ms.append(wall_ms(steps[res.impl][0], on_cuda))
+                res.gpu_ms.append(gpu_ms(steps[res.impl], on_cuda, res.wall_ms[-1]))
+    del steps
+    if on_cuda:
+        torch.cuda.empty_cache()
     return results
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool) -> list[dict]:
+    """GPU ms of the Galaxy kernels' launch settings (the module defaults come from these)."""
+    import galaxy.kernels as K
+    from galaxy.kernels import triton_cross_entropy as ce, triton_norms as norms, triton_rope as rope
+    from galaxy.kernels import triton_swiglu as sw
+
+    def randn(*s, scale=1.0):
+        return torch.randn(*s, device=device, dtype=torch.float32).mul_(scale).to(dtype)
+
+    def timed(name, setting, fn, **extra):
+        host = wall_ms(fn, on_cuda)
+        ms = [gpu_ms([fn], on_cuda, host) for _ in range(3)]
+        row = dict(kernel=name, setting=setting, gpu_ms=ms, **extra)
+        rows.append(row)
+        print(f"variant {name:<34} {setting:<28} {statistics.median(ms):8.4f} ms", file=sys.stderr, flush=True)
+
+    rows: list[dict] = []
+    n = 48 if smoke else 4096
+    widths = [96] if smoke else [11008, 5504]
+    for w in widths:
+        g, u, dy = randn(n, w), randn(n, w), randn(n, w)
+        gu = randn(n, 2 * w)
+        dg, du, dgu = torch.empty_like(g), torch.empty_like(u), torch.empty_like(gu)
+        for block in (1024, 2048, 4096):
+            for warps in (4, 8, 16):
+                s = f"block={block} warps={warps}"
+                timed(f"swiglu fwd [{n},{w}]", s, lambda: sw.swiglu_forward(g, u, block, warps))
+                timed(f"swiglu bwd [{n},{w}]", s, lambda: sw.swiglu_backward(dy, g, u, dg, du, block, warps))
+                timed(f"swiglu_packed fwd [{n},2x{w}]", s,
+                      lambda: sw.swiglu_forward(gu[:, :w], gu[:, w:], block, warps))
+                timed(f"swiglu_packed bwd [{n},2x{w}]", s,
+                      lambda: sw.swiglu_backward(dy, gu[:, :w], gu[:, w:], dgu[:, :w], dgu[:, w:], block, warps))
+    heads = [(4, 2, 16)] if smoke else [(32, 32, 128), (32, 8, 64), (16, 16, 128), (16, 4, 64)]
+    for hq, hk, d in heads:
+        cos, sin = rope_tables(n, d, device, dtype)
+        for layout in ("bshd", "bhsd"):
+            if layout == "bshd":
+                q, k = randn(1, n, hq, d).transpose(1, 2), randn(1, n, hk, d).transpose(1, 2)
+            else:
+                q, k = randn(1, hq, n, d), randn(1, hk, n, d)
+            for positions in (1, 2, 4):
+                for warps in (2, 4, 8):
+                    timed(f"rope fwd q[{hq},{d}] k[{hk}] {layout}", f"positions={positions} warps={warps}",
+                          lambda: rope.rope_launch(q, k, cos, sin, False, positions, warps))
+    vocabs = [257] if smoke else [32000, 128256]
+    for v in vocabs:
+        z, t = randn(n, v, scale=2.0), _targets(n, v, device)
+        _, lse = ce.ce_forward_rows(z, t, -100, False)
+        one, denom = torch.ones((), device=device), torch.full((), float(n), device=device)
+        for block in (4096, 8192, 16384, 32768):
+            for warps in (4, 8, 16, 32):
+                if block // (32 * warps) < 4:
+                    continue
+                timed(f"ce fwd [{n},{v}]", f"block={block} warps={warps}",
+                      lambda: ce.ce_forward_rows(z, t, -100, False, block, warps))
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (4, 8, 16):
+                timed(f"ce bwd [{n},{v}]", f"block={block} warps={warps}",
+                      lambda: ce.ce_backward_rows(z, t, lse, one, denom, -100, False, block, warps))
+        for warps in (8, 16, 32):  # the in-place / fused-linear forward, which also writes the gradient
+            timed(f"ce fwd+grad [{n},{v}]", f"block={ce.FWD_BLOCK_V} warps={warps}",
+                  lambda: ce.ce_forward_rows(z, t, -100, True, None, warps, denom))
+        for g in (1.0, 2.0):
+            timed(f"scale_rows_ [{n},{v}]", f"g={g}", lambda: ce.scale_rows_(z, torch.full((), g, device=device)))
+    hidden = [64] if smoke else [4096, 2048]
+    for h in hidden:
+        x, dy = randn(n, h), randn(n, h)
+        w = 1 + randn(h, scale=0.1)
+        rstd = torch.rand(n, device=device) + 0.5
+        for per_sm in (1, 2, 4, 8):
+            timed(f"rms_norm bwd [{n},{h}]", f"programs_per_sm={per_sm}",
+                  lambda: norms.rms_norm_backward(dy, x, w, rstd, per_sm))
+    flce = [(48, 64, 257)] if smoke else [(4096, 4096, 32000), (4096, 4096, 128256), (4096, 2048, 128256)]
+    for n_, h, v in flce:
+        hh, w, t = _leaf(randn(n_, h)), _leaf(randn(v, h, scale=0.02)), _targets(n_, v, device)
+        for chunk in ((8, 16, 48) if smoke else (256, 512, 1024, 2048, 4096)):
+            def step(chunk=chunk):
+                loss = K.fused_linear_cross_entropy(hh, w, t, chunk_size=chunk, backend="triton")
+                return torch.autograd.grad(loss, [hh, w])
+            timed(f"flce h[{n_},{h}] W[{v}]", f"chunk={chunk}", step, peak_mib=peak_mib(step, on_cuda))
+    return rows
+
+
+# ----------------------------------------------------------------------------- verdicts and output
+
+
+def verdicts(results: list[Result]) -> list[dict]:
+    """Per op and shape: Galaxy's GPU ms against the fastest rival and against Liger. ``wins``
+    means Galaxy's median is at most the fastest rival's, or their [min, max] ranges overlap."""
+    rows = []
+    keys = sorted({(r.op, r.shape, r.model) for r in results}, key=lambda k: [r.op for r in results].index(k[0]))
+    for op, shape, model in keys:
+        group = {r.impl: r for r in results if (r.op, r.shape, r.model) == (op, shape, model) and r.ok and r.gpu_ms}
+        rivals = {k: v for k, v in group.items() if k in RIVALS}
+        if not rivals:
+            continue
+        best_name, best = min(rivals.items(), key=lambda kv: kv[1].gpu)
+        liger = group.get("liger")
+        for impl, ours in group.items():
+            if not impl.startswith("galaxy"):
+                continue
+            rows.append(dict(
+                op=op, shape=shape, model=model, impl=impl, galaxy_ms=ours.gpu, best_rival=best_name,
+                best_rival_ms=best.gpu, wins=ours.gpu <= best.gpu or min(ours.gpu_ms) <= max(best.gpu_ms),
+                vs_liger=(liger.gpu / ours.gpu) if liger else None,
+            ))
+    return rows
 
 
 def _fmt(v, width: int, spec: str) -> str:
@@ -281,41 +528,66 @@ def _fmt(v, width: int, spec: str) -> str:
     return text.rjust(width)
 
 
-def print_table(results: list[Result]) -> None:
-    header = (f"{'kernel':<27} {'shape':<34} {'impl':<22} {'fwd+bwd ms':>10} {'x torch':>8} "
-              f"{'peak MiB':>10} {'mem/torch':>9} {'max err':>9}  status")
+def _spread(values: list) -> str:
+    return f"[{min(values):.3f}, {max(values):.3f}]" if values else "-"
+
+
+def print_table(results: list[Result], verdict_rows: list[dict]) -> None:
+    header = (f"{'op':<26} {'model':<10} {'impl':<14} {'gpu ms':>8} {'[min, max]':>18} {'wall ms':>8} "
+              f"{'[min, max]':>18} {'peak MiB':>9} {'max err':>9}  status")
     print(header)
     print("-" * len(header))
     for r in results:
         status = "ok" if r.ok else ("FAIL" if r.ok is False else "")
-        print(
-            f"{r.kernel:<27} {r.shape:<34} {r.impl:<22} {_fmt(r.ms, 10, '.3f')} {_fmt(r.speedup_vs_torch, 8, '.2f')} "
-            f"{_fmt(r.peak_mib, 10, '.1f')} {_fmt(r.mem_ratio_vs_torch, 9, '.2f')} {_fmt(r.max_err, 9, '.2e')}  {status} {r.note}"
-        )
+        print(f"{r.op:<26} {r.model:<10} {r.impl:<14} {_fmt(r.gpu, 8, '.3f')} {_spread(r.gpu_ms):>18} "
+              f"{_fmt(r.wall, 8, '.3f')} {_spread(r.wall_ms):>18} {_fmt(r.peak_mib, 9, '.1f')} "
+              f"{_fmt(r.max_err, 9, '.1e')}  {status} {r.note}")
+    print()
+    print(f"{'op':<26} {'model':<10} {'impl':<14} {'gpu ms':>8} {'best rival':>14} {'ms':>8} {'x liger':>8}  wins")
+    for v in verdict_rows:
+        print(f"{v['op']:<26} {v['model']:<10} {v['impl']:<14} {v['galaxy_ms']:8.3f} {v['best_rival']:>14} "
+              f"{v['best_rival_ms']:8.3f} "
+              f"{_fmt(v['vs_liger'], 8, '.2f')}  {'yes' if v['wins'] else 'no'}")
 
 
 def _load_liger(on_cuda: bool, notes: list):
     try:
-        import liger_kernel
+        import liger_kernel  # noqa: F401
         from liger_kernel.transformers import functional as liger_functional
     except ImportError as err:
         notes.append(f"Liger-Kernel not importable ({err}): its columns are skipped (pip install liger-kernel)")
         return None, None
-    version = getattr(liger_kernel, "__version__", "unknown")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        liger_version = version("liger_kernel")
+    except PackageNotFoundError:
+        liger_version = "unknown"
     if not on_cuda:
         notes.append("Liger-Kernel needs CUDA tensors: skipped on this device")
-        return None, version
-    return liger_functional, version
+        return None, liger_version
+    return liger_functional, liger_version
+
+
+def _write(path: str | None, report: Report) -> None:
+    if path:
+        data = asdict(report)
+        with open(path + ".tmp", "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(path + ".tmp", path)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU with TRITON_INTERPRET=1")
-    parser.add_argument("--json", help="write results to this JSON file")
+    parser.add_argument("--json", help="write results to this JSON file (rewritten after every case)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--only", nargs="*", help="kernel names to run (default: all)")
-    parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
-    parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
+    parser.add_argument("--only", nargs="*", help="ops to run (default: all)")
+    parser.add_argument("--skip", nargs="*", default=[], help="contenders to leave out (e.g. torch-compile)")
+    parser.add_argument("--repeats", type=int, default=5, help="timings per contender, interleaved")
+    parser.add_argument("--variants", action="store_true", help="first sweep the Galaxy kernels' launch settings")
+    parser.add_argument("--profile", action="store_true", help="store each contender's per-kernel device times")
+    parser.add_argument("--commit", default=os.environ.get("GALAXY_COMMIT", "unknown"), help="recorded in the JSON")
     args = parser.parse_args(argv)
 
     on_cuda = torch.cuda.is_available()
@@ -326,49 +598,50 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     device = torch.device("cuda" if on_cuda else "cpu")
     dtype = DTYPES[args.dtype]
-
     try:
         import triton
-
-        triton_version = triton.__version__
     except ImportError:
         print("triton is not installed: `pip install triton`", file=sys.stderr)
         return 2
 
-    if args.smoke:
-        shapes = dict(tokens=48, hidden=64, heads=4, head_dim=16, intermediate=96, vocabs=[257, 1000], lora_rank=4)
-    else:
-        shapes = dict(tokens=4096, hidden=4096, heads=32, head_dim=128, intermediate=11008, vocabs=[32000, 128256], lora_rank=16)
-
     report = Report(
-        device=torch.cuda.get_device_name(device) if on_cuda else f"cpu ({platform.processor() or platform.machine()}, Triton interpreter)",
-        torch=torch.__version__, triton=triton_version, liger=None, dtype=args.dtype, smoke=args.smoke,
-        timer="triton.testing.do_bench median" if on_cuda else "perf_counter median of 3 (interpreter; not a speed measure)",
+        device=torch.cuda.get_device_name(device) if on_cuda else f"cpu ({platform.machine()}, Triton interpreter)",
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), commit=args.commit,
+        torch=torch.__version__, triton=triton.__version__, liger=None, dtype=args.dtype, smoke=args.smoke,
+        repeats=args.repeats,
     )
     liger, report.liger = _load_liger(on_cuda, report.notes)
     if not on_cuda:
-        report.notes.append("CPU run: no peak-memory numbers (torch.cuda.max_memory_allocated needs CUDA)")
+        report.notes.append("CPU run: no peak-memory numbers, times are the interpreter's")
 
     torch.manual_seed(0)
-    cases = build_cases(shapes, dtype, device, liger)
+    if args.variants:
+        report.variants = variant_sweeps(dtype, device, on_cuda, args.smoke)
+        _write(args.json, report)
+    compile_ok = on_cuda and "torch-compile" not in args.skip  # inductor on the CPU interpreter: not a measure
+    cases = build_cases(dtype, device, liger, args.smoke)
+    for case in cases:
+        for skipped in [*args.skip, *([] if compile_ok else ["torch-compile"])]:
+            case.impls.pop(skipped, None)
     if args.only:
-        unknown = set(args.only) - {c.kernel for c in cases}
+        unknown = set(args.only) - {c.op for c in cases}
         if unknown:
-            parser.error(f"unknown kernels {sorted(unknown)}; choose from {sorted({c.kernel for c in cases})}")
-        cases = [c for c in cases if c.kernel in args.only]
+            parser.error(f"unknown ops {sorted(unknown)}; choose from {sorted({c.op for c in cases})}")
+        cases = [c for c in cases if c.op in args.only]
 
     for case in cases:
-        print(f"running {case.kernel} {case.shape} ...", file=sys.stderr, flush=True)
-        report.results.extend(run_case(case, dtype, on_cuda, args.warmup, args.rep))
+        print(f"running {case.op} {case.model} {case.shape} ...", file=sys.stderr, flush=True)
+        report.results.extend(run_case(case, dtype, on_cuda, args.repeats, args.profile))
+        _write(args.json, report)
+    report.verdicts = verdicts(report.results)
 
-    print(f"device: {report.device} | torch {report.torch} | triton {report.triton} | liger {report.liger} | {report.dtype}")
-    print(f"timer: {report.timer}")
-    print_table(report.results)
+    print(f"device: {report.device} | {report.date} | commit {report.commit} | torch {report.torch} | "
+          f"triton {report.triton} | liger {report.liger} | {report.dtype} | {args.repeats} repeats")
+    print_table(report.results, report.verdicts)
     for note in report.notes:
         print(f"note: {note}")
+    _write(args.json, report)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(asdict(report), f, indent=2)
         print(f"wrote {args.json}")
     failed = [r for r in report.results if r.ok is False]
     if failed:

@@ -2,7 +2,8 @@
 
 Every function takes ``backend``:
 
-* ``"auto"``   Triton when the input is a CUDA tensor and triton imports, else torch.
+* ``"auto"``   Triton when the input is a CUDA tensor, triton imports and the op's Triton kernel
+  measured fastest on this device class (``_backend.AUTO_PICKS``), else torch.
 * ``"triton"`` always Triton; CPU tensors need ``TRITON_INTERPRET=1`` (slow, for tests).
 * ``"torch"``  the reference in :mod:`galaxy.kernels.reference` (autograd backward).
 
@@ -38,7 +39,7 @@ __all__ = [
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, backend: str = "auto") -> torch.Tensor:
     """LLaMA RMSNorm over the last dim (HF ``LlamaRMSNorm`` semantics, dtype promotion included)."""
-    if resolve_backend(backend, x) == "triton":
+    if resolve_backend(backend, x, "rms_norm") == "triton":
         from galaxy.kernels.triton_norms import TritonRMSNorm
 
         return TritonRMSNorm.apply(x, weight, eps)
@@ -49,7 +50,7 @@ def layer_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5, backend: str = "auto"
 ) -> torch.Tensor:
     """LayerNorm over the last dim with weight and bias; fp32 statistics, output in ``x.dtype``."""
-    if resolve_backend(backend, x) == "triton":
+    if resolve_backend(backend, x, "layer_norm") == "triton":
         from galaxy.kernels.triton_norms import TritonLayerNorm
 
         return TritonLayerNorm.apply(x, weight, bias, eps)
@@ -61,7 +62,7 @@ def apply_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding (HF ``rotate_half``) of q [b, heads, s, d] and k [b, kv_heads, s, d]
     with cos/sin [b or 1, s, d] chosen by the caller (global positions under SP)."""
-    if resolve_backend(backend, q) == "triton":
+    if resolve_backend(backend, q, "rope") == "triton":
         from galaxy.kernels.triton_rope import TritonRoPE
 
         return TritonRoPE.apply(q, k, cos, sin)
@@ -70,7 +71,7 @@ def apply_rope(
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """``silu(gate) * up``."""
-    if resolve_backend(backend, gate) == "triton":
+    if resolve_backend(backend, gate, "swiglu") == "triton":
         from galaxy.kernels.triton_swiglu import TritonSwiGLU
 
         return TritonSwiGLU.apply(gate, up)
@@ -82,7 +83,7 @@ def swiglu_packed(gate_up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     gate/up projection; Triton reads the halves in place and returns the gradient packed."""
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last dim must hold two equal halves, got {tuple(gate_up.shape)}")
-    if resolve_backend(backend, gate_up) == "triton":
+    if resolve_backend(backend, gate_up, "swiglu_packed") == "triton":
         from galaxy.kernels.triton_swiglu import TritonSwiGLUPacked
 
         return TritonSwiGLUPacked.apply(gate_up)
@@ -96,20 +97,23 @@ def cross_entropy(
     reduction: str = "mean",
     num_targets: int | float | torch.Tensor | None = None,
     backend: str = "auto",
+    inplace: bool = False,
 ) -> torch.Tensor:
     """Cross-entropy of ``logits [..., V]`` vs ``targets [...]``; the loss is fp32.
 
     ``reduction``: 'mean' (over non-ignored targets, or over ``num_targets`` when given, e.g.
     the global count when tokens are sharded across ranks), 'sum', or 'none' (shape of targets).
+    ``inplace`` (Triton only): the logits' memory holds their gradient from forward on, so no
+    [N, V] gradient is allocated; the logits must not be read after the call.
     """
     if reduction not in reference.REDUCTIONS:
         raise ValueError(f"reduction must be one of {reference.REDUCTIONS}, got {reduction!r}")
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_targets = targets.reshape(-1)
-    if resolve_backend(backend, logits) == "triton":
+    if resolve_backend(backend, logits, "cross_entropy") == "triton":
         from galaxy.kernels.triton_cross_entropy import TritonCrossEntropy
 
-        loss = TritonCrossEntropy.apply(flat_logits, flat_targets, ignore_index, reduction, num_targets, None)
+        loss = TritonCrossEntropy.apply(flat_logits, flat_targets, ignore_index, reduction, num_targets, None, inplace)
     else:
         loss = reference.cross_entropy(flat_logits, flat_targets, ignore_index, reduction, num_targets)
     return loss.view(targets.shape) if reduction == "none" else loss
@@ -129,7 +133,7 @@ def fused_linear_cross_entropy(
     """``cross_entropy(hidden @ weight.T + bias, targets)`` for hidden [..., H], weight [V, H].
 
     The Triton path never materializes the full [N, V] logits or their gradient: it works in
-    chunks of ``chunk_size`` tokens (default: chunk logits about the size of ``hidden``) and
+    chunks of ``chunk_size`` tokens (default: chunk logits of at most ``CHUNK_LOGITS_BYTES``) and
     computes the gradients during forward. Its backward may run only once. The torch path is
     the plain reference and does materialize the logits. 'mean' or 'sum' only; fp32 loss.
     """
@@ -137,7 +141,7 @@ def fused_linear_cross_entropy(
         raise ValueError(f"fused_linear_cross_entropy supports reduction 'mean' or 'sum', got {reduction!r}")
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1)
-    if resolve_backend(backend, hidden) == "triton":
+    if resolve_backend(backend, hidden, "fused_linear_cross_entropy") == "triton":
         from galaxy.kernels.triton_cross_entropy import FusedLinearCrossEntropy
 
         kind = hidden.device.type

@@ -1,5 +1,10 @@
 """Choosing which implementation of a kernel runs: Triton or plain PyTorch.
 
+``auto`` on a CUDA device picks, per op, what ``bench/bench_kernels.py`` measured fastest on that
+device class (``AUTO_PICKS``): Triton only where it was at least as fast as torch's fused op and
+``torch.compile`` of the reference at every measured shape (Liger-Kernel is measured beside them, but
+auto cannot run it).
+
 Triton is an optional dependency: nothing here imports it at module import time, so
 ``galaxy.kernels`` loads on machines without it (CPU-only CI, Ascend NPU).
 """
@@ -10,6 +15,7 @@ import functools
 import logging
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -38,28 +44,105 @@ def triton_interpret_enabled() -> bool:
 # The kernels compute in fp32: ``auto`` leaves float64 (the exactness tests' dtype) to torch.
 AUTO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+OPS = ("rms_norm", "layer_norm", "rope", "swiglu", "swiglu_packed", "cross_entropy",
+       "fused_linear_cross_entropy")
 
-def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
+
+class Pick(NamedTuple):
+    """What ``auto`` runs for one op: ``backend`` for inputs of at least ``min_numel`` elements
+    (smaller ones, launch-bound, run on torch), and the measurement that decided it."""
+
+    backend: str
+    min_numel: int
+    measured: str
+
+
+# Per device class, per op, from bench/bench_kernels.py: forward + backward, bf16, GPU time per step
+# (median of 5 repeats); raw JSON under docs/results/. Triton only where it was at least as fast as
+# torch's fused op and torch.compile of the reference at every measured shape. An op missing here
+# runs on torch.
+_H100 = "H100 80GB HBM3, 2026-11-24, commit c3cd466, docs/results/kernels_2026-11-24_c3cd466_h100.json: ms"
+AUTO_PICKS: dict[str, dict[str, Pick]] = {
+    "H100": {
+        # Below 2048 x 4096 elements (1B SP/2: 0.034 vs F.rms_norm 0.028) the launches dominate.
+        "rms_norm": Pick("triton", 2048 * 4096, f"{_H100} 7B galaxy 0.090, torch-compile 0.095, F.rms_norm 0.114; "
+                         "7B SP/2 0.056, F.rms_norm 0.059; 1B 0.051, torch-compile 0.051"),
+        "layer_norm": Pick("torch", 0, f"{_H100} BERT-large galaxy 0.050, F.layer_norm 0.041, torch-compile 0.038"),
+        "rope": Pick("triton", 0, f"{_H100} 7B galaxy 0.098, torch-compile 0.190; 1B 0.036, torch-compile 0.076; "
+                     "TP/2: 0.054 vs 0.102, 0.021 vs 0.046"),
+        "swiglu": Pick("triton", 0, f"{_H100} 7B galaxy 0.244, torch-compile 0.244; 7B TP/2 0.126 vs 0.126; "
+                       "1B 0.183 vs 0.191; 1B TP/2 0.095 vs 0.096"),
+        "swiglu_packed": Pick("triton", 0, f"{_H100} 7B galaxy 0.244, torch-compile 0.265; 7B TP/2 0.126 vs 0.143; "
+                              "1B 0.184 vs 0.199"),
+        "cross_entropy": Pick("triton", 0, f"{_H100} 32k galaxy 0.292, torch-compile 0.637, F.cross_entropy 2.220; "
+                              "128k 1.071 vs 2.689, 8.960"),
+        "fused_linear_cross_entropy": Pick("triton", 0, f"{_H100} 7B (32k) galaxy 4.233, torch-compile 4.596; "
+                                           "1B (128k) 9.125 vs 10.515; 8B head (128k) 17.568 vs 18.694"),
+    },
+}
+# A CUDA device of a class not measured yet runs the picks of this one (logged once per device).
+FALLBACK_CLASS = "H100"
+
+
+def device_class(device_name: str) -> str | None:
+    """The measured device class a CUDA device name belongs to (``NVIDIA H100 80GB HBM3`` -> H100)."""
+    return next((cls for cls in AUTO_PICKS if cls in device_name.upper()), None)
+
+
+def auto_pick(op: str, device_name: str, numel: int | None = None) -> str:
+    """``"triton"`` or ``"torch"``: what ``auto`` runs for ``op`` on a CUDA device of this name, for an
+    input of ``numel`` elements (None: the op's choice at the sizes it was measured at)."""
+    if op not in OPS:
+        raise ValueError(f"unknown kernel op {op!r}; one of {OPS}")
+    cls = device_class(device_name)
+    if cls is None:
+        _log_fallback(device_name)
+        cls = FALLBACK_CLASS
+    pick = AUTO_PICKS[cls].get(op)
+    if pick is None or (numel is not None and numel < pick.min_numel):
+        return "torch"
+    return pick.backend
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fallback(device_name: str) -> None:
+    logger.info("kernels 'auto': no measurement for %s; using the %s picks", device_name, FALLBACK_CLASS)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def resolve_backend(backend: str, tensor: torch.Tensor, op: str | None = None) -> str:
     """Map a requested backend to the one that will run: ``"triton"`` or ``"torch"``.
 
-    ``auto`` picks Triton only for CUDA tensors of fp32/bf16/fp16 when triton imports;
+    ``auto`` picks Triton only for CUDA tensors of fp32/bf16/fp16 when triton imports, and, given
+    the ``op``, only where ``AUTO_PICKS`` says it measured fastest on this device class;
     ``triton`` insists and raises a clear error when it cannot run (not installed, or CPU
     tensors without the interpreter, or a device Triton does not target).
     """
-    return resolve_backend_for(backend, tensor.device, tensor.dtype)
+    return resolve_backend_for(backend, tensor.device, tensor.dtype, op, tensor.numel())
 
 
-def resolve_backend_for(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+def resolve_backend_for(backend: str, device: torch.device, dtype: torch.dtype | None = None,
+                        op: str | None = None, numel: int | None = None) -> str:
     """``resolve_backend`` for tensors on ``device`` (of ``dtype``, when known): a model checks its
     ``kernels`` setting with this once it knows its device, before any tensor exists."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return "torch"
-    device = torch.device(device).type
+    device = torch.device(device)
     if backend == "auto":
         fits = dtype is None or dtype in AUTO_DTYPES
-        return "triton" if device == "cuda" and fits and triton_available() else "torch"
+        if not (device.type == "cuda" and fits and triton_available()):
+            return "torch"
+        if op is None:
+            return "triton"
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return auto_pick(op, _cuda_device_name(index), numel)
+    device = device.type
     if not triton_available():
         raise ImportError(
             "backend='triton' needs the triton package, which is not installed: "

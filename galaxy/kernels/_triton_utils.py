@@ -33,11 +33,11 @@ def warps_for(block: int) -> int:
     return 4
 
 
-def persistent_programs(device: torch.device, n_rows: int) -> int:
+def persistent_programs(device: torch.device, n_rows: int, per_sm: int = 1) -> int:
     """Programs for kernels that loop over rows and keep per-program partial sums
-    (the weight-gradient reductions): one per SM on GPU, a few under the interpreter."""
+    (the weight-gradient reductions): ``per_sm`` per SM on GPU, a few under the interpreter."""
     if device.type == "cuda":
-        count = torch.cuda.get_device_properties(device).multi_processor_count
+        count = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
     else:
         count = 4
     return max(1, min(n_rows, count))

@@ -3,13 +3,14 @@ cross-entropy that never holds the full logits.
 
 ``TritonCrossEntropy``: logits already exist. Forward reads each row once in vocab blocks
 (running max and rescaled sum, fp32) and keeps only the per-row log-sum-exp; backward
-writes ``g * (softmax - onehot)`` in one more pass. The logits are not modified.
+writes ``g * (softmax - onehot)`` in one more pass. The logits are not modified, unless
+``inplace`` asks for Liger-Kernel's trade: the gradient written into the logits in forward.
 
 ``FusedLinearCrossEntropy`` (the Liger-Kernel approach): tokens are processed in chunks;
 each chunk's logits are computed by a torch matmul, the Triton kernel overwrites them in
-place with the unscaled gradient ``softmax - onehot``, and that gradient is immediately
+place with the gradient ``(softmax - onehot) / denominator``, and that gradient is immediately
 multiplied into d_hidden and d_weight. Only chunk-sized logits ever exist, and backward
-just scales the stored gradients by ``grad_output / denominator``.
+scales the stored gradients by ``grad_output`` where it is not 1.
 """
 
 from __future__ import annotations
@@ -18,15 +19,24 @@ import torch
 import triton
 import triton.language as tl
 
-from galaxy.kernels._triton_utils import warps_for
+from galaxy.kernels._triton_utils import persistent_programs
 
-# Vocab block per loop step; large enough that the loop is short, small enough for registers.
-MAX_BLOCK_V = 16384
+# Forward: vocab block per loop step of the per-row online softmax (large enough that the loop is
+# short, small enough for registers); backward: vocab block per program of the 2-D grid. Chosen by
+# bench/bench_kernels.py --variants (cross_entropy rows).
+FWD_BLOCK_V = 16384
+FWD_WARPS = 8
+# Writing the gradient re-reads each row right after the online pass: fewer rows in flight keep
+# those rows in L2 (128k-vocab rows are 256 KB each).
+FWD_GRAD_WARPS = 16
+BWD_BLOCK_V = 4096
+BWD_WARPS = 8
+SCALE_BLOCK = 4096
 
 
 @triton.jit
 def _ce_fwd_kernel(
-    LOGITS, stride_l, TARGETS, LOSS, LSE, n_cols, ignore_index,
+    LOGITS, stride_l, TARGETS, LOSS, LSE, DENOM, n_cols, ignore_index,
     WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -58,54 +68,109 @@ def _ce_fwd_kernel(
     tl.store(LSE + row, lse)
 
     if WRITE_GRAD:
-        # Reads each block before overwriting it, so in-place on the logits is safe.
+        # (softmax - onehot) / denominator. Reads each block before overwriting it, so in-place on
+        # the logits is safe; the row was just read, so the second read mostly hits L2.
+        inv_denom = 1.0 / tl.load(DENOM)
         for start in range(0, n_cols, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < n_cols
             x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            grad = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
+            grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * inv_denom
             tl.store(row_ptr + cols, grad.to(LOGITS.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _ce_bwd_kernel(
-    LOGITS, stride_l, DLOGITS, stride_d, TARGETS, LSE, GRAD_ROW, n_cols, ignore_index,
-    BLOCK_V: tl.constexpr,
+    LOGITS, stride_l, DLOGITS, stride_d, TARGETS, LSE, GRAD, stride_g, DENOM, n_cols, ignore_index,
+    PER_ROW: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
+    # One program per (row, vocab block): elementwise, so the whole GPU streams at once.
     row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     target = tl.load(TARGETS + row)
-    g = tl.load(GRAD_ROW + row)
     lse = tl.load(LSE + row)
-    # Ignored rows get a zero gradient (g forced to 0 keeps the loop uniform).
+    # The upstream gradient: per row ('none') or the scalar over the denominator, read here
+    # rather than prepared by separate small launches.
+    if PER_ROW:
+        g = tl.load(GRAD + row * stride_g).to(tl.float32)
+    else:
+        g = tl.load(GRAD).to(tl.float32) / tl.load(DENOM)
+    # Ignored rows get a zero gradient.
     g = tl.where(target == ignore_index, 0.0, g)
-    for start in range(0, n_cols, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < n_cols
-        x = tl.load(LOGITS + row * stride_l + cols, mask=mask, other=0.0).to(tl.float32)
-        grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * g
-        tl.store(DLOGITS + row * stride_d + cols, grad.to(DLOGITS.dtype.element_ty), mask=mask)
+    mask = cols < n_cols
+    x = tl.load(LOGITS + row * stride_l + cols, mask=mask, other=0.0).to(tl.float32)
+    grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * g
+    tl.store(DLOGITS + row * stride_d + cols, grad.to(DLOGITS.dtype.element_ty), mask=mask)
 
 
-def _vocab_block(n_cols: int, block_v: int | None) -> int:
+@triton.jit
+def _scale_rows_kernel(X, stride_x, G, stride_g, n_rows, n_cols, rows_per_program, BLOCK: tl.constexpr):
+    # x[row] *= g[row] in place; a row whose g is exactly 1 (the usual loss.backward()) is skipped
+    # without touching memory, so the common case costs one short launch and no host sync. A few
+    # programs per SM loop over rows: one program per (row, block) made the skip itself cost 80 us.
+    pid = tl.program_id(0).to(tl.int64)
+    for i in range(0, rows_per_program):
+        row = pid * rows_per_program + i
+        if row < n_rows:
+            g = tl.load(G + row * stride_g).to(tl.float32)
+            if g != 1.0:
+                for start in range(0, n_cols, BLOCK):
+                    cols = start + tl.arange(0, BLOCK)
+                    mask = cols < n_cols
+                    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+                    tl.store(X + row * stride_x + cols, (x * g).to(X.dtype.element_ty), mask=mask)
+
+
+def scale_rows_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``x [rows, cols] *= g`` in place, ``g`` one value per row or a single value (any float dtype)."""
+    if x.numel():
+        g = g.reshape(-1)
+        n_rows, n_cols = x.shape
+        programs = persistent_programs(x.device, n_rows, per_sm=4)
+        _scale_rows_kernel[(programs,)](
+            x, x.stride(0), g, g.stride(0) if g.numel() > 1 else 0, n_rows, n_cols, triton.cdiv(n_rows, programs),
+            BLOCK=min(SCALE_BLOCK, triton.next_power_of_2(n_cols)), num_warps=4)
+    return x
+
+
+def _vocab_block(n_cols: int, block_v: int | None, default: int) -> int:
     if block_v is None:
-        return min(MAX_BLOCK_V, triton.next_power_of_2(n_cols))
+        return min(default, triton.next_power_of_2(n_cols))
     if block_v <= 0 or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a positive power of 2, got {block_v}")
     return block_v
 
 
-def _ce_forward_rows(logits, targets, ignore_index, write_grad, block_v):
-    """Per-row loss and log-sum-exp (fp32); with write_grad, logits become softmax - onehot."""
+def ce_forward_rows(logits, targets, ignore_index, write_grad, block_v=None, warps=None, denom=None):
+    """Per-row loss and log-sum-exp (fp32); with write_grad, logits become
+    (softmax - onehot) / denom (denom: an fp32 device scalar, default 1)."""
     n_rows, n_cols = logits.shape
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     if n_rows:
-        block = _vocab_block(n_cols, block_v)
+        block = _vocab_block(n_cols, block_v, FWD_BLOCK_V)
         _ce_fwd_kernel[(n_rows,)](
-            logits, logits.stride(0), targets, loss, lse, n_cols, ignore_index,
-            WRITE_GRAD=write_grad, BLOCK_V=block, num_warps=warps_for(block),
+            logits, logits.stride(0), targets, loss, lse,
+            loss if not write_grad else denom if denom is not None else torch.ones((), device=logits.device),
+            n_cols, ignore_index, WRITE_GRAD=write_grad, BLOCK_V=block,
+            num_warps=warps or (FWD_GRAD_WARPS if write_grad else FWD_WARPS),
         )
     return loss, lse
+
+
+def ce_backward_rows(logits, targets, lse, grad, denom, ignore_index, per_row, block_v=None, warps=None):
+    """``grad * (softmax - onehot)`` per row, where ``grad`` is per row (``per_row``) or a
+    scalar divided by ``denom``; a new tensor like ``logits``."""
+    n_rows, n_cols = logits.shape
+    dlogits = torch.empty_like(logits)
+    if n_rows:
+        block = _vocab_block(n_cols, block_v, BWD_BLOCK_V)
+        _ce_bwd_kernel[(n_rows, triton.cdiv(n_cols, block))](
+            logits, logits.stride(0), dlogits, dlogits.stride(0), targets, lse, grad,
+            grad.stride(0) if per_row else 0, denom, n_cols, ignore_index,
+            PER_ROW=per_row, BLOCK_V=block, num_warps=warps or BWD_WARPS,
+        )
+    return dlogits
 
 
 def _denominator(targets, ignore_index, reduction, num_targets, device) -> torch.Tensor:
@@ -126,19 +191,30 @@ def _check_targets(n_rows: int, targets: torch.Tensor) -> torch.Tensor:
 
 
 class TritonCrossEntropy(torch.autograd.Function):
-    """Cross-entropy of ``logits [N, V]`` (any float dtype) vs ``targets [N]``; loss in fp32."""
+    """Cross-entropy of ``logits [N, V]`` (any float dtype) vs ``targets [N]``; loss in fp32.
+
+    ``inplace``: forward overwrites the logits with their gradient (Liger-Kernel's memory saving: no
+    [N, V] gradient buffer, one kernel reading each row twice, the second time mostly from L2) and
+    backward scales them by the upstream gradient only where it is not 1. The logits must not be used
+    after the call, and backward can run once.
+    """
 
     @staticmethod
-    def forward(ctx, logits, targets, ignore_index: int, reduction: str, num_targets, block_v):
+    def forward(ctx, logits, targets, ignore_index: int, reduction: str, num_targets, block_v, inplace: bool):
         if logits.dim() != 2:
             raise ValueError(f"logits must be [N, V], got {tuple(logits.shape)}")
         if logits.stride(-1) != 1:
+            if inplace:
+                raise ValueError("cross_entropy(inplace=True) needs logits with unit stride on the vocab dim")
             logits = logits.contiguous()
         targets = _check_targets(logits.shape[0], targets)
-        loss_rows, lse = _ce_forward_rows(logits, targets, ignore_index, False, block_v)
         denom = _denominator(targets, ignore_index, reduction, num_targets, logits.device)
+        # 'none' has no common denominator: its rows are scaled in backward.
+        loss_rows, lse = ce_forward_rows(logits, targets, ignore_index, inplace, block_v,
+                                         denom=None if reduction == "none" else denom)
         ctx.save_for_backward(logits, targets, lse, denom)
-        ctx.ignore_index, ctx.reduction, ctx.block_v = ignore_index, reduction, block_v
+        ctx.ignore_index, ctx.reduction, ctx.block_v, ctx.inplace = ignore_index, reduction, block_v, inplace
+        ctx.consumed = False
         if reduction == "none":
             return loss_rows
         return loss_rows.sum() / denom
@@ -146,34 +222,36 @@ class TritonCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         logits, targets, lse, denom = ctx.saved_tensors
-        n_rows, n_cols = logits.shape
-        # Per-row upstream gradient: a scalar spread over rows, or the 'none' vector.
-        if ctx.reduction == "none":
-            grad_row = grad_output.to(torch.float32).contiguous()
-        else:
-            grad_row = (grad_output.to(torch.float32) / denom).expand(n_rows).contiguous()
-        dlogits = torch.empty_like(logits)
-        if n_rows:
-            block = _vocab_block(n_cols, ctx.block_v)
-            _ce_bwd_kernel[(n_rows,)](
-                logits, logits.stride(0), dlogits, dlogits.stride(0), targets, lse, grad_row,
-                n_cols, ctx.ignore_index, BLOCK_V=block, num_warps=warps_for(block),
-            )
-        return dlogits, None, None, None, None, None
+        per_row = ctx.reduction == "none"
+        grad = grad_output.reshape(-1) if per_row else grad_output
+        if ctx.inplace:
+            if ctx.consumed:
+                raise RuntimeError("cross_entropy(inplace=True) holds its gradient in the logits and can "
+                                   "run backward only once (no retain_graph double backward)")
+            ctx.consumed = True
+            return scale_rows_(logits, grad), None, None, None, None, None, None
+        dlogits = ce_backward_rows(logits, targets, lse, grad, denom, ctx.ignore_index, per_row, ctx.block_v)
+        return dlogits, None, None, None, None, None, None
 
 
-def default_chunk_size(n_tokens: int, hidden: int, vocab: int) -> int:
-    """Chunk so that one chunk's logits are about as large as the hidden states
-    (Liger-Kernel's heuristic): [chunk, V] ~ [N, H]."""
-    chunks = max(1, triton.cdiv(vocab, hidden))
-    return triton.next_power_of_2(max(1, triton.cdiv(n_tokens, chunks)))
+# Bytes of one chunk's logits. Every chunk adds its part into the [V, H] weight gradient, a
+# read and a write of the whole gradient per chunk: small chunks (Liger's "chunk logits ~ hidden
+# states", 128 tokens at 4096 x 128k) spend longer on that traffic than on the matmuls. Chosen by
+# bench/bench_kernels.py --variants (fused_linear_cross_entropy rows).
+CHUNK_LOGITS_BYTES = 512 * 2**20
+
+
+def default_chunk_size(n_tokens: int, vocab: int, itemsize: int) -> int:
+    """The most tokens (a power of two) whose logits fit CHUNK_LOGITS_BYTES, at most all of them."""
+    rows = max(1, CHUNK_LOGITS_BYTES // max(1, vocab * itemsize))
+    return min(1 << (rows.bit_length() - 1), triton.next_power_of_2(max(1, n_tokens)))
 
 
 class FusedLinearCrossEntropy(torch.autograd.Function):
     """``cross_entropy(hidden @ weight.T + bias, targets)`` with gradients computed during
     forward, chunk by chunk. Returns an fp32 scalar ('mean' or 'sum').
 
-    The stored gradients are scaled in place in backward, so backward can run once
+    The stored gradients are scaled in place by grad_output in backward, so backward can run once
     (no ``retain_graph`` double backward; this raises instead of returning wrong grads).
     """
 
@@ -188,7 +266,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         vocab = weight.shape[0]
         targets = _check_targets(n_tokens, targets)
         if chunk_size is None:
-            chunk_size = default_chunk_size(n_tokens, hidden_size, vocab)
+            chunk_size = default_chunk_size(n_tokens, vocab, hidden.element_size())
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -197,29 +275,34 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         # Accumulated over chunks with addmm_ in the weight dtype (as Liger does): an fp32
         # accumulator would cost a [V, H] fp32 buffer.
-        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_w = torch.empty_like(weight) if need_w else None
         grad_b = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if need_b else None
         loss_rows = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
 
+        if need_w and n_tokens == 0:
+            grad_w.zero_()
+        # The chunk kernel writes (softmax - onehot) / denom, so backward only applies grad_output.
+        denom = _denominator(targets, ignore_index, reduction, num_targets, hidden.device)
         for start in range(0, n_tokens, chunk_size):
             end = min(start + chunk_size, n_tokens)
             h_chunk = hidden[start:end]
             logits = h_chunk @ weight.t()
             if bias is not None:
                 logits += bias
-            # Overwrites logits with the unscaled gradient softmax - onehot (0 on ignored rows).
-            loss_chunk, _ = _ce_forward_rows(logits, targets[start:end], ignore_index, True, block_v)
+            # Overwrites logits with the gradient (softmax - onehot) / denom (0 on ignored rows).
+            loss_chunk, _ = ce_forward_rows(logits, targets[start:end], ignore_index, True, block_v, denom=denom)
             loss_rows[start:end] = loss_chunk
             if need_h:
                 torch.mm(logits, weight, out=grad_h[start:end])
-            if need_w:
+            if need_w and start == 0:  # the first chunk writes, the others add
+                torch.mm(logits.t(), h_chunk, out=grad_w)
+            elif need_w:
                 grad_w.addmm_(logits.t(), h_chunk)
             if need_b:
                 grad_b += logits.sum(0, dtype=torch.float32)
             del logits
 
-        denom = _denominator(targets, ignore_index, reduction, num_targets, hidden.device)
-        ctx.save_for_backward(*(t for t in (grad_h, grad_w, grad_b) if t is not None), denom)
+        ctx.save_for_backward(*(t for t in (grad_h, grad_w, grad_b) if t is not None))
         ctx.has = (need_h, need_w, need_b)
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.consumed = False
@@ -234,10 +317,9 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             )
         ctx.consumed = True
         saved = list(ctx.saved_tensors)
-        denom = saved.pop()
-        scale = grad_output.to(torch.float32) / denom
         need_h, need_w, need_b = ctx.has
-        grad_h = saved.pop(0).mul_(scale) if need_h else None
-        grad_w = saved.pop(0).mul_(scale) if need_w else None
-        grad_b = saved.pop(0).mul_(scale).to(ctx.bias_dtype) if need_b else None
+        # The usual grad_output of 1 leaves the [V, H] weight gradient untouched (no extra pass over it).
+        grad_h = scale_rows_(saved.pop(0), grad_output) if need_h else None
+        grad_w = scale_rows_(saved.pop(0), grad_output) if need_w else None
+        grad_b = saved.pop(0).mul_(grad_output).to(ctx.bias_dtype) if need_b else None
         return grad_h, grad_w, None, grad_b, None, None, None, None, None

@@ -13,6 +13,10 @@ import triton.language as tl
 
 from galaxy.kernels._triton_utils import as_rows, persistent_programs, row_block
 
+# Programs per SM of the backward kernels (each loops over its rows; more programs keep more rows
+# in flight, at the cost of more partial rows to sum). Chosen by bench/bench_kernels.py --variants.
+BWD_PROGRAMS_PER_SM = 4
+
 # ----------------------------------------------------------------------------- RMSNorm
 
 
@@ -87,20 +91,26 @@ class TritonRMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x2, weight, rstd = ctx.saved_tensors
-        n_rows, n_cols = x2.shape
-        dy2 = as_rows(dy)
-        dx = torch.empty_like(x2)
-        programs = persistent_programs(x2.device, n_rows)
-        dw_partial = torch.zeros((programs, n_cols), dtype=torch.float32, device=x2.device)
-        block, warps = row_block(n_cols)
-        if n_rows > 0:
-            _rms_norm_bwd_kernel[(programs,)](
-                dy2, x2, weight, rstd, dx, dw_partial,
-                dy2.stride(0), x2.stride(0), dx.stride(0), n_rows, n_cols, triton.cdiv(n_rows, programs),
-                BLOCK_N=block, num_warps=warps,
-            )
+        dx, dw_partial = rms_norm_backward(as_rows(dy), x2, weight, rstd)
         dw = dw_partial.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dx.view(ctx.shape), dw, None
+
+
+def rms_norm_backward(dy2, x2, weight, rstd, programs_per_sm: int = BWD_PROGRAMS_PER_SM):
+    """dx and the per-program fp32 partial sums of dweight ([programs, n_cols])."""
+    n_rows, n_cols = x2.shape
+    dx = torch.empty_like(x2)
+    programs = persistent_programs(x2.device, n_rows, programs_per_sm)
+    # Every program writes its partial row, so only an empty input needs zeros.
+    dw_partial = (torch.empty if n_rows else torch.zeros)((programs, n_cols), dtype=torch.float32, device=x2.device)
+    block, warps = row_block(n_cols)
+    if n_rows > 0:
+        _rms_norm_bwd_kernel[(programs,)](
+            dy2, x2, weight, rstd, dx, dw_partial,
+            dy2.stride(0), x2.stride(0), dx.stride(0), n_rows, n_cols, triton.cdiv(n_rows, programs),
+            BLOCK_N=block, num_warps=warps,
+        )
+    return dx, dw_partial
 
 
 # ----------------------------------------------------------------------------- LayerNorm
@@ -192,9 +202,11 @@ class TritonLayerNorm(torch.autograd.Function):
         n_rows, n_cols = x2.shape
         dy2 = as_rows(dy)
         dx = torch.empty_like(x2)
-        programs = persistent_programs(x2.device, n_rows)
-        dw_partial = torch.zeros((programs, n_cols), dtype=torch.float32, device=x2.device)
-        db_partial = torch.zeros((programs, n_cols), dtype=torch.float32, device=x2.device)
+        programs = persistent_programs(x2.device, n_rows, BWD_PROGRAMS_PER_SM)
+        # Every program writes its partial rows, so only an empty input needs zeros.
+        partial = torch.empty if n_rows else torch.zeros
+        dw_partial = partial((programs, n_cols), dtype=torch.float32, device=x2.device)
+        db_partial = partial((programs, n_cols), dtype=torch.float32, device=x2.device)
         block, warps = row_block(n_cols)
         if n_rows > 0:
             _layer_norm_bwd_kernel[(programs,)](

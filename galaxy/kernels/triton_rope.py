@@ -14,6 +14,9 @@ import triton.language as tl
 
 from galaxy.kernels._triton_utils import warps_for
 
+# (batch, position) rows per program; chosen by bench/bench_kernels.py --variants (rope rows).
+POSITIONS = 1
+
 
 @triton.jit
 def _rotate_heads(
@@ -45,39 +48,44 @@ def _rope_kernel(
     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s,
     sqo_b, sqo_h, sqo_s, sko_b, sko_h, sko_s,
     sc_b, sc_s, ss_b, ss_s,
-    seq_len, n_q_heads, n_k_heads, half,
-    INVERSE: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr,
+    seq_len, n_positions, n_q_heads, n_k_heads, half,
+    INVERSE: tl.constexpr, POSITIONS: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // seq_len
-    s = pid % seq_len
     dims = tl.arange(0, BLOCK_D)
     dmask = dims < half
-    # Full cos/sin rows (both halves) so no assumption that the halves are duplicates.
-    cos_ptr = COS + b * sc_b + s * sc_s + dims
-    sin_ptr = SIN + b * ss_b + s * ss_s + dims
-    c1 = tl.load(cos_ptr, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + half, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + half, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    _rotate_heads(Q, QO, b * sq_b + s * sq_s, b * sqo_b + s * sqo_s, sq_h, sqo_h, n_q_heads, half,
-                  c1, c2, s1, s2, INVERSE, BLOCK_QH, BLOCK_D)
-    _rotate_heads(K, KO, b * sk_b + s * sk_s, b * sko_b + s * sko_s, sk_h, sko_h, n_k_heads, half,
-                  c1, c2, s1, s2, INVERSE, BLOCK_KH, BLOCK_D)
+    for i in tl.static_range(POSITIONS):  # several (batch, position) rows per program
+        pid = tl.program_id(0).to(tl.int64) * POSITIONS + i
+        if pid < n_positions:
+            b = pid // seq_len
+            s = pid % seq_len
+            # Full cos/sin rows (both halves) so no assumption that the halves are duplicates.
+            cos_ptr = COS + b * sc_b + s * sc_s + dims
+            sin_ptr = SIN + b * ss_b + s * ss_s + dims
+            c1 = tl.load(cos_ptr, mask=dmask, other=0.0).to(tl.float32)[None, :]
+            c2 = tl.load(cos_ptr + half, mask=dmask, other=0.0).to(tl.float32)[None, :]
+            s1 = tl.load(sin_ptr, mask=dmask, other=0.0).to(tl.float32)[None, :]
+            s2 = tl.load(sin_ptr + half, mask=dmask, other=0.0).to(tl.float32)[None, :]
+            _rotate_heads(Q, QO, b * sq_b + s * sq_s, b * sqo_b + s * sqo_s, sq_h, sqo_h, n_q_heads, half,
+                          c1, c2, s1, s2, INVERSE, BLOCK_QH, BLOCK_D)
+            _rotate_heads(K, KO, b * sk_b + s * sk_s, b * sko_b + s * sko_s, sk_h, sko_h, n_k_heads, half,
+                          c1, c2, s1, s2, INVERSE, BLOCK_KH, BLOCK_D)
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _rope_launch(q, k, cos, sin, inverse: bool):
-    """Rotate q [b, hq, s, d] and k [b, hk, s, d] into new contiguous tensors.
-    Arbitrary batch/head/seq strides are read directly (e.g. q from a transposed view)."""
+def rope_launch(q, k, cos, sin, inverse: bool, positions: int = POSITIONS, warps: int | None = None):
+    """Rotate q [b, hq, s, d] and k [b, hk, s, d] into new tensors of the same layout, ``positions``
+    (batch, position) rows per program. Arbitrary batch/head/seq strides are read directly
+    (e.g. q from a transposed view)."""
     q, k = _unit_last_stride(q), _unit_last_stride(k)
     batch, n_q_heads, seq_len, head_dim = q.shape
     n_k_heads = k.shape[1]
-    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    # Outputs keep the inputs' layout (a transposed [b, s, h, d] view stays one): each position's
+    # heads are then written as one contiguous run, like they were read.
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
     if q.numel() == 0 and k.numel() == 0:
         return qo, ko
     half = head_dim // 2
@@ -87,14 +95,14 @@ def _rope_launch(q, k, cos, sin, inverse: bool):
     # A batch-1 cos/sin broadcasts over the batch through a zero stride.
     sc_b = 0 if cos.shape[0] == 1 else cos.stride(0)
     ss_b = 0 if sin.shape[0] == 1 else sin.stride(0)
-    _rope_kernel[(batch * seq_len,)](
+    _rope_kernel[(triton.cdiv(batch * seq_len, positions),)](
         q, k, cos, sin, qo, ko,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
         sc_b, cos.stride(1), ss_b, sin.stride(1),
-        seq_len, n_q_heads, n_k_heads, half,
-        INVERSE=inverse, BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_D=block_d,
-        num_warps=warps_for(block_qh * block_d),
+        seq_len, batch * seq_len, n_q_heads, n_k_heads, half,
+        INVERSE=inverse, POSITIONS=positions, BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_D=block_d,
+        num_warps=warps or warps_for(block_qh * block_d),
     )
     return qo, ko
 
@@ -126,10 +134,10 @@ class TritonRoPE(torch.autograd.Function):
         _check_rope_shapes(q, k, cos, sin)
         cos, sin = _unit_last_stride(cos), _unit_last_stride(sin)
         ctx.save_for_backward(cos, sin)
-        return _rope_launch(q, k, cos, sin, inverse=False)
+        return rope_launch(q, k, cos, sin, inverse=False)
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
         # Autograd materializes zeros for an unused output, so dq/dk are never None here.
-        return (*_rope_launch(dq, dk, cos, sin, inverse=True), None, None)
+        return (*rope_launch(dq, dk, cos, sin, inverse=True), None, None)

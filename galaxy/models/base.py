@@ -39,9 +39,9 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-def use_triton(kernels: str, x: torch.Tensor) -> bool:
-    """Whether the ``kernels`` setting (auto | triton | torch) runs the Triton kernel on ``x``."""
-    return kernels != "torch" and resolve_backend(kernels, x) == "triton"
+def use_triton(kernels: str, x: torch.Tensor, op: str) -> bool:
+    """Whether the ``kernels`` setting (auto | triton | torch) runs the Triton kernel of ``op`` on ``x``."""
+    return kernels != "torch" and resolve_backend(kernels, x, op) == "triton"
 
 
 def plain(module: nn.Module) -> bool:
@@ -53,7 +53,7 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, count: torch.Ten
                    ignore_index: int = -100) -> torch.Tensor:
     """Cross-entropy summed over this rank's tokens, divided by the global target ``count``: per-rank
     values of a sequence-sharded stream add up to the serial mean. fp32 (fp64 for a fp64 model)."""
-    if use_triton(kernels, logits):  # reads half-precision logits as they are, no fp32 copy
+    if use_triton(kernels, logits, "cross_entropy"):  # reads half-precision logits as they are, no fp32 copy
         return cross_entropy(logits, targets, ignore_index, "mean", num_targets=count, backend="triton")
     return F.cross_entropy(at_least_fp32(logits).reshape(-1, logits.shape[-1]), targets.reshape(-1),
                            ignore_index=ignore_index, reduction="sum") / count

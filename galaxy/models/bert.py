@@ -351,7 +351,8 @@ class BertForMaskedLM(BertPreTrainedModel):
         # Training with Triton kernels: the tied decoder and the loss are one chunked kernel that never
         # holds the [tokens, vocab] logits (so none are returned), unless a hook wraps the head.
         head = self.cls.predictions
-        fused = (labels is not None and self.training and use_triton(self.config.kernels, h)
+        fused = (labels is not None and self.training
+                 and use_triton(self.config.kernels, h, "fused_linear_cross_entropy")
                  and plain(self.cls) and plain(head))
         logits = None if fused else self.cls(h)
         loss = None

@@ -141,7 +141,7 @@ class RopeAt:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos[:, idx], self.sin[:, idx]  # [b or 1, s, d]
-        if use_triton(self.kernels, q):
+        if use_triton(self.kernels, q, "rope"):
             return apply_rope(q, k, cos, sin, backend="triton")
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
@@ -189,7 +189,7 @@ class LlamaRMSNorm(nn.Module):
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton(self.kernels, x):
+        if use_triton(self.kernels, x, "rms_norm"):
             return rms_norm(x, self.weight, self.variance_epsilon, backend="triton")
         h = at_least_fp32(x)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
@@ -286,13 +286,13 @@ class LlamaMLP(nn.Module):
         self.kernels = cfg.kernels
 
     def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if self.swiglu and use_triton(self.kernels, gate):
+        if self.swiglu and use_triton(self.kernels, gate, "swiglu"):
             return swiglu(gate, up, backend="triton")
         return self.act_fn(gate) * up
 
     def act_packed(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``act(gate) * up`` on the fused projection's ``[gate | up]`` output."""
-        if self.swiglu and use_triton(self.kernels, gate_up):
+        if self.swiglu and use_triton(self.kernels, gate_up, "swiglu_packed"):
             return swiglu_packed(gate_up, backend="triton")
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act_fn(gate) * up
@@ -512,7 +512,8 @@ class LlamaForCausalLM(GalaxyModel):
             return CausalLMOutput(hidden_states=h)
         # Training with Triton kernels: the head and the loss are one chunked kernel that never holds
         # the [tokens, vocab] logits (so none are returned); a wrapped head (LoRA) keeps its own call.
-        fused = (labels is not None and self.training and use_triton(self.config.kernels, h)
+        fused = (labels is not None and self.training
+                 and use_triton(self.config.kernels, h, "fused_linear_cross_entropy")
                  and type(self.lm_head) in (ParallelLinear, TiedLMHead) and plain(self.lm_head))
         logits = None if fused else self.lm_head(h)
         loss = None

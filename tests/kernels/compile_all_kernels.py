@@ -42,15 +42,21 @@ def cases():
         for inverse in (False, True):
             yield (f"rope_{'bwd' if inverse else 'fwd'}_{dt}", rope._rope_kernel,
                    dict(Q=p, K=p, COS=p, SIN=p, QO=p, KO=p),
-                   {"INVERSE": inverse, "BLOCK_QH": 32, "BLOCK_KH": 8, "BLOCK_D": 64}, 16)
-        yield f"swiglu_fwd_{dt}", swiglu._swiglu_fwd_kernel, dict(G=p, U=p, Y=p), {"BLOCK_SIZE": 1024}, 4
-        yield f"swiglu_bwd_{dt}", swiglu._swiglu_bwd_kernel, dict(DY=p, G=p, U=p, DG=p, DU=p), {"BLOCK_SIZE": 1024}, 4
+                   {"INVERSE": inverse, "POSITIONS": 2, "BLOCK_QH": 32, "BLOCK_KH": 8, "BLOCK_D": 64}, 16)
+        for flat in (True, False):
+            yield (f"swiglu_fwd_{'flat' if flat else '2d'}_{dt}", swiglu._swiglu_fwd_kernel, dict(G=p, U=p, Y=p),
+                   {"FLAT": flat, "BLOCK_SIZE": 2048}, 8)
+            yield (f"swiglu_bwd_{'flat' if flat else '2d'}_{dt}", swiglu._swiglu_bwd_kernel,
+                   dict(DY=p, G=p, U=p, DG=p, DU=p), {"FLAT": flat, "BLOCK_SIZE": 2048}, 8)
         for write_grad in (False, True):
             yield (f"ce_fwd{'_grad' if write_grad else ''}_{dt}", ce._ce_fwd_kernel,
-                   dict(LOGITS=p, TARGETS="*i64", LOSS=f32, LSE=f32),
-                   {"WRITE_GRAD": write_grad, "BLOCK_V": 16384}, 16)
-        yield (f"ce_bwd_{dt}", ce._ce_bwd_kernel,
-               dict(LOGITS=p, DLOGITS=p, TARGETS="*i64", LSE=f32, GRAD_ROW=f32), {"BLOCK_V": 16384}, 16)
+                   dict(LOGITS=p, TARGETS="*i64", LOSS=f32, LSE=f32, DENOM=f32),
+                   {"WRITE_GRAD": write_grad, "BLOCK_V": 16384}, 8)
+        yield f"scale_rows_{dt}", ce._scale_rows_kernel, dict(X=p, G=f32), {"BLOCK": 4096}, 4
+        for per_row in (True, False):
+            yield (f"ce_bwd{'_per_row' if per_row else ''}_{dt}", ce._ce_bwd_kernel,
+                   dict(LOGITS=p, DLOGITS=p, TARGETS="*i64", LSE=f32, GRAD=f32, DENOM=f32),
+                   {"PER_ROW": per_row, "BLOCK_V": 4096}, 8)
 
 
 def main(arch: int = 90) -> int:

@@ -93,6 +93,34 @@ def test_invalid_backend_is_rejected():
         K.lora_linear(torch.randn(2, 4), torch.randn(3, 4), torch.randn(1, 4), torch.randn(3, 1), 1.0, backend="x")
 
 
+def test_auto_picks_per_op_from_the_measured_table(monkeypatch):
+    from galaxy.kernels import _backend
+
+    picks = {"H100": {"swiglu": _backend.Pick("triton", 1000, "m1"), "layer_norm": _backend.Pick("torch", 0, "m2")},
+             "H200": {"swiglu": _backend.Pick("torch", 0, "m3")}}
+    monkeypatch.setattr(_backend, "AUTO_PICKS", picks)
+    assert _backend.device_class("NVIDIA H100 80GB HBM3") == "H100"
+    assert _backend.auto_pick("swiglu", "NVIDIA H100 80GB HBM3") == "triton"
+    assert _backend.auto_pick("swiglu", "NVIDIA H100 80GB HBM3", numel=1000) == "triton"
+    assert _backend.auto_pick("swiglu", "NVIDIA H100 80GB HBM3", numel=999) == "torch"  # below min_numel
+    assert _backend.auto_pick("swiglu", "NVIDIA H200") == "torch"
+    assert _backend.auto_pick("layer_norm", "NVIDIA H100 PCIe") == "torch"
+    assert _backend.auto_pick("rope", "NVIDIA H100 PCIe") == "torch"  # not in the table: torch
+    assert _backend.device_class("NVIDIA A100-SXM4-80GB") is None
+    assert _backend.auto_pick("swiglu", "NVIDIA A100-SXM4-80GB") == "triton"  # FALLBACK_CLASS's picks
+    with pytest.raises(ValueError, match="unknown kernel op"):
+        _backend.auto_pick("softmax", "NVIDIA H100")
+
+
+def test_auto_table_names_known_ops_and_its_measurements():
+    from galaxy.kernels import _backend
+
+    assert _backend.FALLBACK_CLASS in _backend.AUTO_PICKS
+    for cls, picks in _backend.AUTO_PICKS.items():
+        for op, pick in picks.items():
+            assert op in _backend.OPS and pick.backend in ("triton", "torch") and pick.measured, (cls, op)
+
+
 def test_auto_uses_torch_on_cpu():
     assert K.resolve_backend("auto", torch.randn(2)) == "torch"
     assert K.resolve_backend("torch", torch.randn(2)) == "torch"
@@ -148,7 +176,7 @@ def test_kernels_compile_for_cuda_without_gpu(tmp_path):
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_all_kernels.py")
     proc = subprocess.run([sys.executable, script, "90"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0 and "FAIL" not in proc.stdout, proc.stdout + proc.stderr
-    assert proc.stdout.count("OK ") == 22, proc.stdout
+    assert proc.stdout.count("OK ") == 30, proc.stdout
 
 
 def _subprocess_env(**extra):
@@ -352,14 +380,30 @@ def _targets(n, vocab, ignore_every=4):
 
 @pytest.mark.parametrize("vocab,block_v", [(257, 64), (1000, 128), (1000, None)])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_cross_entropy_triton_fp32(triton_cpu, vocab, block_v, reduction):
+@pytest.mark.parametrize("inplace", [False, True])
+def test_cross_entropy_triton_fp32(triton_cpu, vocab, block_v, reduction, inplace):
     from galaxy.kernels.triton_cross_entropy import TritonCrossEntropy
 
     logits, targets = leaf(13, vocab, scale=4.0), _targets(13, vocab)
-    loss = TritonCrossEntropy.apply(logits, targets, -100, reduction, None, block_v)
     loss_r = R.cross_entropy(logits, targets, reduction=reduction)
-    dl = torch.randn_like(loss)
-    assert_all_close([loss, *grads(loss, (logits,), dl)], [loss_r, *grads(loss_r, (logits,), dl)], **FP32)
+    dl = torch.randn_like(loss_r)
+    expected = [loss_r, *grads(loss_r, (logits,), dl)]
+    # In place the logits' memory becomes their gradient: give the kernel its own copy.
+    z = logits.detach().clone().requires_grad_() if inplace else logits
+    loss = TritonCrossEntropy.apply(z, targets, -100, reduction, None, block_v, inplace)
+    assert_all_close([loss, *grads(loss, (z,), dl)], expected, **FP32)
+
+
+def test_cross_entropy_inplace_unit_grad_and_single_backward(triton_cpu):
+    """grad_output 1 (loss.backward()) leaves the in-forward gradient as it is; a second backward raises."""
+    logits, targets = leaf(9, 300, scale=3.0), _targets(9, 300)
+    expected = grads(R.cross_entropy(logits, targets), (logits,), torch.tensor(1.0))
+    z = logits.detach().clone().requires_grad_()
+    loss = K.cross_entropy(z, targets, backend="triton", inplace=True)
+    loss.backward(retain_graph=True)
+    assert_all_close([z.grad], expected, **FP32)
+    with pytest.raises(RuntimeError, match="only once"):
+        loss.backward()
 
 
 def test_cross_entropy_triton_dispatch_3d_bf16_num_targets(triton_cpu):
@@ -515,10 +559,13 @@ def test_bench_script_smoke(triton_cpu, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "bench_kernels", bench)  # dataclasses look their module up
     spec.loader.exec_module(bench)
     out = tmp_path / "bench.json"
-    assert bench.main(["--smoke", "--only", "swiglu", "cross_entropy", "lora_linear", "--json", str(out)]) == 0
+    assert bench.main(["--smoke", "--only", "swiglu", "cross_entropy", "lora_linear", "--repeats", "1",
+                       "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    impls = {(r["kernel"], r["impl"]) for r in report["results"]}
-    assert ("cross_entropy", "galaxy-triton") in impls and ("lora_linear", "galaxy-fused") in impls
+    impls = {(r["op"], r["model"], r["impl"]) for r in report["results"]}
+    assert {("swiglu", "tiny TP/2", "galaxy-triton"), ("cross_entropy", "tiny", "torch-fused"),
+            ("lora_linear", "tiny", "galaxy-triton")} <= impls
+    assert all(len(r["wall_ms"]) == 1 and len(r["gpu_ms"]) == 1 for r in report["results"])
     assert all(r["ok"] for r in report["results"]), report["results"]
 
 
