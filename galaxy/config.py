@@ -50,6 +50,9 @@ class ModelConfig:
     initializer_range: float = 0.02
     pad_token_id: Optional[int] = 0  # None: no padding row (HF LLaMA's default)
     num_labels: int = 2
+    # BERT classification: the pooler reads the [CLS] state (HF's BertForSequenceClassification) or the mean
+    # over the real tokens (ModernBERT's 'mean'), for bases whose [CLS] was never trained (MLM-only).
+    classifier_pooling: str = "cls"
     # LLaMA-only fields (ignored by BERT)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -59,7 +62,7 @@ class ModelConfig:
     recompute: str = "none"  # none | full (each layer's forward again in backward) | selective (attention core)
     recompute_num_layers: Optional[int] = None  # recompute only the first K layers of the model or stage; None: all
     fused_gate_up: bool = False  # LLaMA: gate and up in one [2, intermediate, hidden] weight, one matmul
-    kernels: str = "auto"  # auto (Triton on CUDA when it imports) | triton | torch
+    kernels: str = "auto"  # auto (per op, the measured winner on the device: galaxy/kernels/_backend.py) | triton | torch
 
     @property
     def head_dim(self) -> int:
@@ -451,6 +454,7 @@ class GalaxyConfig:
             ("peft", "adapter_non_linearity"): ("relu", "gelu", "gelu_new", "silu", "swish", "tanh"),
             ("model", "recompute"): RECOMPUTE_MODES,
             ("model", "kernels"): KERNEL_BACKENDS,
+            ("model", "classifier_pooling"): ("cls", "mean"),
         }
         for (section, key), allowed in choices.items():
             value = getattr(getattr(self, section), key)

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from galaxy.config import GalaxyConfig
+from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.grad_sync import GradientSync, gather_full
 from galaxy.models.bert import BertForMaskedLM, BertForSequenceClassification
 
@@ -44,9 +44,10 @@ def make_batch(step, classify=False):
     return dict(input_ids=ids, attention_mask=mask, labels=labels)
 
 
-def compare_with_serial(ctx, methods, uneven, classify=False, steps=3):
+def compare_with_serial(ctx, methods, uneven, classify=False, steps=3, pooling="cls"):
     att, con, mlp = methods
-    raw = dict(TINY, att_parallel_method=att, con_parallel_method=con, mlp_parallel_method=mlp, seq_length=SEQ)
+    raw = dict(TINY, att_parallel_method=att, con_parallel_method=con, mlp_parallel_method=mlp, seq_length=SEQ,
+               classifier_pooling=pooling)
     if uneven:
         raw.update(UNEVEN[ctx.mp.size])
     cfg = GalaxyConfig.from_dict(raw)
@@ -102,3 +103,21 @@ def test_plan_equals_serial(dist_pool, methods, world, uneven):
 @pytest.mark.parametrize("plan", [("TP", "SP", "TP"), ("SP", "SP", "SP"), ("TP", "None", "TP")])
 def test_classification_equals_serial(dist_pool, plan):
     dist_pool.run(compare_with_serial, 3, plan, True, True, 1)
+
+
+@pytest.mark.parametrize("plan", [("TP", "SP", "TP"), ("SP", "SP", "SP")])
+def test_mean_pooled_classification_equals_serial(dist_pool, plan):
+    """``classifier_pooling: mean`` over padded rows: each sequence shard sums its own real tokens."""
+    dist_pool.run(compare_with_serial, 3, plan, True, True, 1, "mean")
+
+
+def test_mean_pooling_is_the_mean_of_the_real_tokens():
+    cfg = GalaxyConfig.from_dict(dict(TINY, seq_length=SEQ, classifier_pooling="mean"))
+    model = BertForSequenceClassification(cfg.model, seed=7).double().eval()
+    batch = make_batch(0, classify=True)
+    h = model.bert(batch["input_ids"], batch["attention_mask"])
+    mask = batch["attention_mask"].double()
+    want = torch.stack([h[i][mask[i] > 0].mean(0) for i in range(h.shape[0])])
+    assert torch.allclose(model.bert.mean_token(h, batch["attention_mask"]), want, rtol=0, atol=1e-12)
+    with pytest.raises(ConfigError, match="classifier_pooling"):
+        GalaxyConfig.from_dict(dict(TINY, seq_length=SEQ, classifier_pooling="max"))

@@ -46,8 +46,10 @@ logger = logging.getLogger(__name__)
 # The defaults: small enough that pretraining the base once and tuning every method takes a few minutes
 # on two CPU cores, large enough that every method's held-out metric moves clearly.
 DEFAULTS = {
+    # Mean pooling: a base pretrained on masked LM alone never trains its [CLS] state, and methods that
+    # leave attention frozen (adapters, side networks) cannot make it carry the sequence.
     "bert": {"model": {"preset": "bert-tiny", "vocab_size": 400, "max_position_embeddings": 64, "num_labels": 4,
-                       "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+                       "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "classifier_pooling": "mean"},
              "train": {"global_batch_size": 16, "seq_length": 32, "max_steps": 80, "lr": 1e-3, "warmup_steps": 5,
                        "weight_decay": 0.0, "eval_iters": 8},
              "peft": {"lora_dim": 8, "lora_alpha": 16, "lora_dropout": 0.0}},

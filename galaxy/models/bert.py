@@ -254,6 +254,22 @@ class BertModel(nn.Module):
         return reduce_to_replicated(first, self.ctx.mp)
 
 
+    def mean_token(self, h: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """The mean hidden state over each row's real tokens, replicated: under CON.sp every rank sums
+        its own tokens and one all-reduce adds the partial sums."""
+        b, s = h.shape[0], h.shape[1]
+        offset = self.edges.stream_offset()
+        mask = attention_mask if attention_mask is not None else h.new_ones(b, offset + s)
+        local = mask[:, offset:offset + s].to(h.dtype).unsqueeze(-1)
+        total = (h * local).sum(dim=1)
+        if self.edges.stream == Layout.S and self.ctx.mp.size > 1:
+            total = reduce_to_replicated(total, self.ctx.mp)
+        return total / mask.sum(dim=1, keepdim=True).clamp(min=1).to(h.dtype)
+
+    def pooled(self, h: torch.Tensor, attention_mask: Optional[torch.Tensor], pooling: str) -> torch.Tensor:
+        return self.pooler(self.first_token(h) if pooling == "cls" else self.mean_token(h, attention_mask))
+
+
 class BertPredictionHeadTransform(nn.Module):
     def __init__(self, cfg: ModelConfig, plan: Plan):
         super().__init__()
@@ -307,6 +323,7 @@ class BertPreTrainedModel(GalaxyModel):
         if hf.get("model_type", "bert") != "bert":
             raise ValueError(f"model_path holds a '{hf.get('model_type')}' model, not BERT")
         cfg = ModelConfig(model_type="bert", **{k: hf[k] for k in HF_KEYS if k in hf})
+        cfg.classifier_pooling = hf.get("classifier_pooling", "cls")
         if "id2label" in hf:
             cfg.num_labels = len(hf["id2label"])
         return cfg
@@ -395,7 +412,7 @@ class BertForSequenceClassification(BertPreTrainedModel):
         h = self.bert(input_ids, attention_mask, token_type_ids, hidden_states)
         if not self.stage.is_last:
             return ModelOutput(hidden_states=h)
-        pooled = self.bert.pooler(self.bert.first_token(h))
+        pooled = self.bert.pooled(h, attention_mask, self.config.classifier_pooling)
         logits = self.classifier(self.dropout(pooled))
         loss = None
         if labels is not None:
@@ -407,6 +424,8 @@ class BertForSequenceClassification(BertPreTrainedModel):
 
     def config_to_hf(self) -> dict:
         hf = super().config_to_hf()
+        if self.config.classifier_pooling != "cls":  # transformers' BERT ignores it and pools [CLS]
+            hf["classifier_pooling"] = self.config.classifier_pooling
         hf["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.config.num_labels)}
         hf["label2id"] = {f"LABEL_{i}": i for i in range(self.config.num_labels)}
         return hf
