@@ -95,15 +95,17 @@ class AlphaBeta:
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[float, float]]) -> "AlphaBeta":
-        """Least squares with both terms non-negative (a negative one is dropped and the other refitted)."""
+        """Least squares on relative errors (timing noise is proportional to the time, and plain
+        least squares would let the largest messages drown the latency), both terms non-negative:
+        a negative one is dropped and the other refitted."""
         x = np.array([s[0] for s in samples], dtype=float)
         y = np.array([s[1] for s in samples], dtype=float)
         if len(x) >= 2 and np.ptp(x) > 0:
-            beta, alpha = np.polyfit(x, y, 1)
+            beta, alpha = np.polyfit(x, y, 1, w=1 / np.maximum(y, 1e-12))
         else:
             alpha, beta = 0.0, float(y.mean() / max(x.mean(), 1.0))
         if alpha < 0:
-            alpha, beta = 0.0, float((x @ y) / max(x @ x, 1e-30))
+            alpha, beta = 0.0, float(np.median(y / np.maximum(x, 1.0)))
         if beta < 0:
             alpha, beta = float(y.mean()), 0.0
         return cls(float(alpha), float(beta), tuple((float(a), float(b)) for a, b in samples))
@@ -221,13 +223,13 @@ def cluster_from_dict(raw: Any, source: str = "<dict>") -> Cluster:
     if version != VERSION:
         raise r.fail("version", f"is {version} but this planner reads version {VERSION}")
     world = r.get(raw, "world", "", int, positive=True)
-    model_raw = r.get(raw, "model", "", dict)
-    try:
-        model = GalaxyConfig.from_dict({"model": model_raw}).model
-    except ConfigError as e:
-        raise r.fail("model", f"is not a valid model section ({e})") from None
     rows = r.get(raw, "rows", "", int, positive=True)
     seq = r.get(raw, "seq_length", "", int, positive=True)
+    model_raw = r.get(raw, "model", "", dict)
+    try:
+        model = GalaxyConfig.from_dict({"model": model_raw, "train": {"seq_length": seq}}).model
+    except ConfigError as e:
+        raise r.fail("model", f"is not a valid model section ({e})") from None
     ranks_raw = r.get(raw, "ranks", "", list)
     if len(ranks_raw) != world:
         raise r.fail("ranks", f"has {len(ranks_raw)} entries but world is {world}")

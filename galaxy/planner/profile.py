@@ -352,9 +352,12 @@ def measure_group(comm: Communicator, device: torch.device, sizes: list[int], re
 def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: int, seq: int, dtype: str, reps: int = 3,
                  memory_gb: Optional[float] = None, ffn_unit: int = 1,
                  most_bytes: Optional[int] = None) -> Optional[Cluster]:
-    """Measure this rank and its groups; every rank must call it. Rank 0 returns the Cluster."""
-    world = ctx.world_size
-    barrier = (lambda: dist.barrier()) if world > 1 else (lambda: None)
+    """Measure this rank and its groups; every rank of ``ctx.mp`` (the whole run: profile with
+    dp = pp = 1) must call it. Its rank 0 returns the Cluster, the others None."""
+    if ctx.mp.size != ctx.world_size:
+        raise ValueError("profile with dp_size = pp_size = 1: the profiler measures every group itself")
+    world, run_group, rank = ctx.mp.size, ctx.mp.group, ctx.mp.rank
+    barrier = (lambda: dist.barrier(group=run_group)) if world > 1 else (lambda: None)
     pieces = measure_blocks(m, rows, seq, ctx.device, dtype, reps, barrier, ffn_unit)
     from galaxy.planner.workload import edge_params, layer_params
 
@@ -366,28 +369,31 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: int, seq: int, dtyp
     hosts = [host]
     if world > 1:
         hosts = [None] * world
-        dist.all_gather_object(hosts, host)
+        dist.all_gather_object(hosts, host, group=run_group)
     memory = memory_budget(ctx.device, hosts.count(host), memory_gb)
     groups = {}
     if world > 1:
         act = rows * seq * m.hidden_size * 4
         sizes = message_sizes(most_bytes or min(max(act, 2**20), 2**26))
+        global_ranks = [dist.get_global_rank(run_group, r) if run_group is not None else r for r in range(world)]
         for members in candidate_groups(world):
-            group = dist.group.WORLD if len(members) == world else dist.new_group(list(members))
-            if ctx.rank in members:
-                comm = Communicator("probe", members.index(ctx.rank), len(members), group)
+            if rank in members:
+                # only the members create (and later use) a group: no rank waits on another's
+                group = run_group if len(members) == world else dist.new_group(
+                    [global_ranks[r] for r in members], use_local_synchronization=True)
+                comm = Communicator("probe", members.index(rank), len(members), group)
                 groups[members] = measure_group(comm, ctx.device, sizes, reps)
-            dist.barrier()
-    mine = RankProfile(ctx.rank, host, memory, pieces, optimizer)
+            barrier()
+    mine = RankProfile(rank, host, memory, pieces, optimizer)
     everyone = [(mine, groups)]
     if world > 1:
         everyone = [None] * world
-        dist.all_gather_object(everyone, (mine, groups))
-    if ctx.rank != 0:
+        dist.all_gather_object(everyone, (mine, groups), group=run_group)
+    if rank != 0:
         return None
     merged = {}
     for _, g in everyone:  # every member holds the same (reduced) fits
         merged.update(g)
-    backend = dist.get_backend() if world > 1 else "none"
+    backend = dist.get_backend(run_group) if world > 1 else "none"
     return Cluster(world, backend, ctx.device.type, m, rows, seq, dtype,
                    tuple(p for p, _ in everyone), {g: merged[g] for g in candidate_groups(world)})
