@@ -51,9 +51,9 @@ def synthetic_cluster(model_raw, world, speeds, seq=8, rows=2, alpha=2e-4, beta=
             fwd = tuple((2e-5 + cost[kind] * x / full[by]) / speed for x in xs)
             pieces[name] = Piece(Curve(xs, fwd), Curve(xs, tuple(2 * v for v in fwd)),
                                  Curve(xs, tuple(1000.0 * x for x in xs)))
-        ranks.append(RankProfile(r, "host", memory, pieces, AlphaBeta(1e-4, 1e-9 / speed)))
+        ranks.append(RankProfile(r, "host", memory, {rows: pieces}, AlphaBeta(1e-4, 1e-9 / speed)))
     groups = {g: {op: AlphaBeta(alpha, beta) for op in OPS} for g in candidate_groups(world)}
-    return Cluster(world, "gloo", "cpu", m, rows, seq, "float32", tuple(ranks), groups)
+    return Cluster(world, "gloo", "cpu", m, (rows,), seq, "float32", tuple(ranks), groups)
 
 
 # ----------------------------------------------------------------------------- cost model pieces
@@ -77,6 +77,19 @@ def test_curve_is_monotone_and_robust_to_one_outlier():
     assert (np.diff(ys) >= 0).all()
     assert ys[-2] < 9.0  # isotonic fit, not a running maximum
     assert isotonic([3, 1, 2]).tolist() == [2, 2, 2]
+
+
+def test_piece_is_linear_in_rows_between_measured_batch_sizes():
+    def piece(scale):
+        return Piece(Curve((1, 2), (1.0 * scale, 2.0 * scale)), Curve((1, 2), (3.0 * scale, 4.0 * scale)),
+                     Curve((1, 2), (10.0 * scale, 20.0 * scale)))
+
+    two = RankProfile(0, "h", 1, {1: {"mlp.ffn": piece(1.0)}, 3: {"mlp.ffn": piece(5.0)}}, AlphaBeta(0, 0))
+    fwd, bwd, act = two.piece("mlp.ffn", 2, np.array([2]))
+    assert (fwd[0], bwd[0], act[0]) == (6.0, 12.0, 60.0)  # halfway between rows 1 and 3
+    assert two.piece("mlp.ffn", 5, np.array([1]))[0][0] == 9.0  # beyond: the same line (1 + 4 x 2)
+    one = RankProfile(0, "h", 1, {4: {"mlp.ffn": piece(1.0)}}, AlphaBeta(0, 0))
+    assert one.piece("mlp.ffn", 2, np.array([2]))[0][0] == 1.0  # one batch size: proportional
 
 
 def test_transition_bytes_hand_derived():
@@ -247,7 +260,7 @@ def test_cluster_file_round_trip_and_errors(tmp_path):
     path = tmp_path / "cluster.json"
     cluster.save(str(path))
     again = load_cluster(str(path))
-    assert again.ranks[1].pieces["mlp.ffn"].fwd == cluster.ranks[1].pieces["mlp.ffn"].fwd
+    assert again.ranks[1].pieces[2]["mlp.ffn"].fwd == cluster.ranks[1].pieces[2]["mlp.ffn"].fwd
     assert again.collective([0, 1], "all_gather") == cluster.collective([0, 1], "all_gather")
 
     def broken(edit):
@@ -258,10 +271,11 @@ def test_cluster_file_round_trip_and_errors(tmp_path):
         assert "\n" not in str(e.value)
         return str(e.value)
 
-    assert "'ranks[1].pieces.mlp.ffn.fwd_s'" in broken(lambda r: r["ranks"][1]["pieces"]["mlp.ffn"].update(fwd_s="x"))
-    assert "'ranks[0].pieces.con.tokens'" in broken(lambda r: r["ranks"][0]["pieces"].pop("con.tokens"))
-    assert "'ranks[0].pieces.head.tokens.sizes'" in broken(
-        lambda r: r["ranks"][0]["pieces"]["head.tokens"].update(sizes=[4, 2, 8]))
+    assert "'ranks[1].pieces.2.mlp.ffn.fwd_s'" in broken(lambda r: r["ranks"][1]["pieces"]["2"]["mlp.ffn"].update(fwd_s="x"))
+    assert "'ranks[0].pieces.2.con.tokens'" in broken(lambda r: r["ranks"][0]["pieces"]["2"].pop("con.tokens"))
+    assert "'ranks[0].pieces.2.head.tokens.sizes'" in broken(
+        lambda r: r["ranks"][0]["pieces"]["2"]["head.tokens"].update(sizes=[4, 2, 8]))
+    assert "'ranks[1].pieces.2'" in broken(lambda r: r["ranks"][1].update(pieces={"3": {}}))
     assert "'groups[0].ops.reduce_scatter.alpha_s'" in broken(
         lambda r: r["groups"][0]["ops"]["reduce_scatter"].update(alpha_s=-1))
     assert "'ranks'" in broken(lambda r: r["ranks"].pop())
@@ -320,7 +334,7 @@ def test_written_plan_loads_and_trains(tmp_path, dist_pool, capsys):
 def profile_case(ctx, raw):
     from galaxy.planner.profile import profile_rank
 
-    cluster = profile_rank(ctx, model_config(raw), rows=1, seq=8, dtype="float32", reps=1, most_bytes=2**14)
+    cluster = profile_rank(ctx, model_config(raw), rows=[1, 2], seq=8, dtype="float32", reps=1, most_bytes=2**14)
     return None if cluster is None else cluster.to_dict()
 
 
@@ -329,7 +343,8 @@ def test_profiler_writes_a_valid_file(dist_pool):
     raw = dist_pool.run(profile_case, 2, LLAMA)[0]
     cluster = cluster_from_dict(raw, "profiled")
     assert cluster.world == 2 and set(cluster.groups) == {(0, 1)}
-    heads = cluster.ranks[1].pieces["att_proj.heads"].fwd.sizes
+    assert cluster.rows == (1, 2)
+    heads = cluster.ranks[1].pieces[2]["att_proj.heads"].fwd.sizes
     assert heads == (4, 8)  # whole GQA groups only
     for op in OPS:
         ab = cluster.collective([0, 1], op)

@@ -12,6 +12,7 @@ the top plans as a table (printed, and as JSON beside it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -61,7 +62,9 @@ def profile_parser() -> argparse.ArgumentParser:
     model_arguments(p)
     p.add_argument("--world", type=int, default=None, help="ranks; without --rank all start here as local processes")
     p.add_argument("--rank", type=int, default=None, help="run only this rank (the others start elsewhere)")
-    p.add_argument("--rows", type=int, default=1, help="rows per block measurement (the cost model scales by rows)")
+    p.add_argument("--rows", type=int, nargs="+", default=None,
+                   help="batch sizes to measure the blocks at (the cost model interpolates between them); "
+                        "default: 1 and the config's global_batch_size")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (median)")
     p.add_argument("--memory_gb", type=float, default=None, help="memory budget per rank (default: measured)")
     p.add_argument("--ffn_unit", type=int, default=1, help="FFN shard sizes are measured in multiples of this")
@@ -91,7 +94,8 @@ def profile_main(argv: list[str]) -> int:
     setup_logging(args.log_level)
     try:
         cfg = workload_config(args)
-        if args.rows < 1 or args.reps < 1:
+        args.rows = args.rows or [1, cfg.train.global_batch_size]
+        if min(args.rows) < 1 or args.reps < 1:
             raise ConfigError("--rows and --reps must be at least 1")
         if args.ffn_unit < 1 or cfg.model.intermediate_size % args.ffn_unit:
             raise ConfigError(f"--ffn_unit {args.ffn_unit} must be a positive divisor of intermediate_size "
@@ -225,30 +229,40 @@ def plan_main(argv: list[str]) -> int:
 
 
 def validate(config: dict, world: int, args: argparse.Namespace) -> Optional[float]:
-    """Run one plan on ``world`` local processes; its measured step (train) or forward (latency) seconds."""
+    """Run one plan on ``world`` local processes; its median measured step (train: every step
+    after the first) or batch-1 forward (latency) seconds, robust to a few disturbed steps."""
     from galaxy.train.cli import build_parser, plan_launch
 
     with tempfile.TemporaryDirectory() as tmp:
-        summary = os.path.join(tmp, "summary.json")
+        summary, metrics = os.path.join(tmp, "summary.json"), os.path.join(tmp, "metrics.jsonl")
         cfg = GalaxyConfig.from_dict(config, {"max_steps": args.validate_steps, "log_every": 10**6})
         run_args = build_parser("validate").parse_args(["--world", str(world), "--no_progress", "--summary_json",
-                                                        summary, "--log_level", args.log_level])
+                                                        summary, "--metrics_file", metrics,
+                                                        "--log_level", args.log_level])
         launch = plan_launch(run_args, cfg, "galaxy", False, None)
         if args.objective == "train":
             if cfg.model.model_type != "bert":
                 raise ConfigError("--validate trains BERT plans only (LLaMA's training CLI needs instruction data)")
-            from galaxy.train.pretrain import pretrain_rank
-
-            code = launch_ranks(pretrain_rank, launch, (cfg, run_args), cfg)
-            key = "step_time_s"
+            code = launch_ranks(_train_rank, launch, (cfg, run_args), cfg)
         else:
             code = launch_ranks(_latency_rank, launch, (cfg, run_args, summary), cfg)
-            key = "latency_s"
         if code != 0 or not os.path.isfile(summary):
             logger.warning("validation run of %s failed (exit %s)", config["parallel"], code)
             return None
-        with open(summary) as f:
-            return float(json.load(f)[key])
+        if args.objective == "latency":
+            with open(summary) as f:
+                return float(json.load(f)["latency_s"])
+        with open(metrics) as f:
+            steps = [json.loads(line)["step_time_s"] for line in f][1:]
+        return statistics.median(steps)
+
+
+def _train_rank(rank: int, launch, payload) -> None:
+    """The pretraining CLI's rank, its summary (printed per plan) silenced: the table reports it."""
+    from galaxy.train.pretrain import pretrain_rank
+
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        pretrain_rank(rank, launch, payload)
 
 
 def _latency_rank(rank: int, launch, payload) -> None:

@@ -1,17 +1,19 @@
 """The cluster profile (``cluster.json``): what the cost model knows about each rank and group.
 
     {"version": 1, "world": N, "backend": "gloo", "device": "cpu",
-     "model": {ModelConfig fields}, "rows": R, "seq_length": S, "dtype": "float32",
+     "model": {ModelConfig fields}, "rows": [1, 16], "seq_length": S, "dtype": "float32",
      "ranks": [{"rank": 0, "host": "...", "memory_bytes": M,
-                "pieces": {"att_proj.heads": {"sizes": [...], "fwd_s": [...], "bwd_s": [...],
-                                              "act_bytes": [...]}, ...},
+                "pieces": {"16": {"att_proj.heads": {"sizes": [...], "fwd_s": [...], "bwd_s": [...],
+                                                     "act_bytes": [...]}, ...}, "1": {...}},
                 "optimizer": {"alpha_s": a, "s_per_param": b, "samples": [[params, seconds], ...]}}],
      "groups": [{"ranks": [0, 1], "ops": {"all_reduce": {"alpha_s": a, "beta_s_per_byte": b,
                                                          "samples": [[bytes, seconds], ...]}, ...}}]}
 
-A piece is one block's compute measured on one rank at ``rows`` rows, as a function of one size
-(``PIECES``); the other sizes are the model's full ones, or for ``att_core.tokens`` the local
-queries against all ``seq_length`` keys (ATT.sp). Collective bytes are the full tensor's bytes
+A piece is one block's compute measured on one rank at each of the ``rows`` batch sizes, as a
+function of one size (``PIECES``); the other sizes are the model's full ones, or for
+``att_core.tokens`` the local queries against all ``seq_length`` keys (ATT.sp). Between and beyond
+the measured batch sizes a piece is linear in rows (so a fixed per-call overhead is kept, not
+scaled); with one batch size it is proportional. Collective bytes are the full tensor's bytes
 (``galaxy.core.comm`` pads uneven pieces to the largest one; the cost model charges that).
 """
 
@@ -116,8 +118,21 @@ class RankProfile:
     rank: int
     host: str
     memory_bytes: int
-    pieces: dict[str, Piece]
+    pieces: dict[int, dict[str, Piece]]  # by rows
     optimizer: AlphaBeta  # seconds = alpha + s_per_param * local trainable parameters
+
+    def piece(self, name: str, rows: int, sizes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(forward s, backward s, saved bytes) of piece ``name`` at ``rows`` rows and ``sizes``."""
+        measured = sorted(self.pieces)
+        if len(measured) == 1:
+            p, scale = self.pieces[measured[0]][name], rows / measured[0]
+            return p.fwd(sizes) * scale, p.bwd(sizes) * scale, p.act(sizes) * scale
+        k = min(max(int(np.searchsorted(measured, rows)), 1), len(measured) - 1)
+        lo, hi = measured[k - 1], measured[k]
+        w = (rows - lo) / (hi - lo)
+        a, b = self.pieces[lo][name], self.pieces[hi][name]
+        return tuple(np.maximum(fa(sizes) + w * (fb(sizes) - fa(sizes)), 0.0)
+                     for fa, fb in ((a.fwd, b.fwd), (a.bwd, b.bwd), (a.act, b.act)))
 
 
 @dataclass(frozen=True)
@@ -126,7 +141,7 @@ class Cluster:
     backend: str
     device: str
     model: ModelConfig
-    rows: int
+    rows: tuple[int, ...]
     seq_length: int
     dtype: str
     ranks: tuple[RankProfile, ...]
@@ -151,10 +166,11 @@ class Cluster:
 
         return {
             "version": VERSION, "world": self.world, "backend": self.backend, "device": self.device,
-            "model": {k: v for k, v in vars(self.model).items()}, "rows": self.rows,
+            "model": {k: v for k, v in vars(self.model).items()}, "rows": list(self.rows),
             "seq_length": self.seq_length, "dtype": self.dtype,
             "ranks": [{"rank": r.rank, "host": r.host, "memory_bytes": r.memory_bytes,
-                       "pieces": {n: curve_dict(p) for n, p in r.pieces.items()},
+                       "pieces": {str(rows): {n: curve_dict(p) for n, p in by_name.items()}
+                                  for rows, by_name in r.pieces.items()},
                        "optimizer": {"alpha_s": r.optimizer.alpha_s, "s_per_param": r.optimizer.beta_s_per_byte,
                                      "samples": [list(s) for s in r.optimizer.samples]}} for r in self.ranks],
             "groups": [{"ranks": list(g), "ops": {op: {"alpha_s": ab.alpha_s, "beta_s_per_byte": ab.beta_s_per_byte,
@@ -223,7 +239,9 @@ def cluster_from_dict(raw: Any, source: str = "<dict>") -> Cluster:
     if version != VERSION:
         raise r.fail("version", f"is {version} but this planner reads version {VERSION}")
     world = r.get(raw, "world", "", int, positive=True)
-    rows = r.get(raw, "rows", "", int, positive=True)
+    rows = r.numbers(raw, "rows", "", increasing=True)
+    if not all(isinstance(v, int) and v > 0 for v in rows):
+        raise r.fail("rows", f"must list positive batch sizes, got {list(rows)}")
     seq = r.get(raw, "seq_length", "", int, positive=True)
     model_raw = r.get(raw, "model", "", dict)
     try:
@@ -238,19 +256,22 @@ def cluster_from_dict(raw: Any, source: str = "<dict>") -> Cluster:
         path = f"ranks[{i}]."
         if r.get(rank_raw, "rank", path, int) != i:
             raise r.fail(f"{path}rank", f"must be {i} (ranks are listed in order)")
-        pieces_raw = r.get(rank_raw, "pieces", path, dict)
+        by_rows = r.get(rank_raw, "pieces", path, dict)
         pieces = {}
-        for name in PIECES:
-            p = f"{path}pieces.{name}."
-            entry = pieces_raw.get(name) if isinstance(pieces_raw, dict) else None
-            if entry is None:
-                raise r.fail(f"{path}pieces.{name}", "is missing")
-            sizes = r.numbers(entry, "sizes", p, increasing=True)
-            curves = [Curve(sizes, r.numbers(entry, k, p, len(sizes))) for k in ("fwd_s", "bwd_s", "act_bytes")]
-            pieces[name] = Piece(*curves)
-        unknown = sorted(set(pieces_raw) - set(PIECES))
-        if unknown:
-            raise r.fail(f"{path}pieces.{unknown[0]}", f"is not a known piece (known: {', '.join(PIECES)})")
+        for n in rows:
+            pieces_raw = r.get(by_rows, str(n), f"{path}pieces.", dict)
+            pieces[n] = {}
+            for name in PIECES:
+                p = f"{path}pieces.{n}.{name}."
+                entry = pieces_raw.get(name)
+                if entry is None:
+                    raise r.fail(f"{path}pieces.{n}.{name}", "is missing")
+                sizes = r.numbers(entry, "sizes", p, increasing=True)
+                curves = [Curve(sizes, r.numbers(entry, k, p, len(sizes))) for k in ("fwd_s", "bwd_s", "act_bytes")]
+                pieces[n][name] = Piece(*curves)
+            unknown = sorted(set(pieces_raw) - set(PIECES))
+            if unknown:
+                raise r.fail(f"{path}pieces.{n}.{unknown[0]}", f"is not a known piece (known: {', '.join(PIECES)})")
         opt = r.get(rank_raw, "optimizer", path, dict)
         optimizer = AlphaBeta(r.get(opt, "alpha_s", f"{path}optimizer.", float),
                               r.get(opt, "s_per_param", f"{path}optimizer.", float),
@@ -274,7 +295,7 @@ def cluster_from_dict(raw: Any, source: str = "<dict>") -> Cluster:
             ops[op] = AlphaBeta(r.get(entry, "alpha_s", p, float), r.get(entry, "beta_s_per_byte", p, float),
                                 r.samples(entry, p))
         groups[tuple(members)] = ops
-    return Cluster(world, str(raw.get("backend", "")), str(raw.get("device", "")), model, rows, seq,
+    return Cluster(world, str(raw.get("backend", "")), str(raw.get("device", "")), model, tuple(int(v) for v in rows), seq,
                    str(raw.get("dtype", "float32")), tuple(ranks), groups)
 
 

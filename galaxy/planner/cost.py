@@ -117,12 +117,10 @@ class GroupModel:
         self.full = full
 
     def piece(self, name: str, sizes: np.ndarray) -> Compute:
-        scale = self.rows / self.cluster.rows
         out = [np.empty(sizes.shape) for _ in range(3)]
         for i, r in enumerate(self.ranks):
-            p = self.cluster.ranks[r].pieces[name]
-            for k, curve in enumerate((p.fwd, p.bwd, p.act)):
-                out[k][:, i] = curve(sizes[:, i]) * scale
+            for k, values in enumerate(self.cluster.ranks[r].piece(name, self.rows, sizes[:, i])):
+                out[k][:, i] = values
         return Compute(*out, name=name)
 
     def transition(self, src: str, dst: str, name: str) -> Optional[Collective]:

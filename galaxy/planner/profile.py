@@ -13,7 +13,7 @@ import logging
 import socket
 import statistics
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -211,39 +211,56 @@ def saved_bytes(fn: Callable, inputs: list) -> int:
     return sum(storages.values())
 
 
-def time_piece(bench: BlockBench, make: Callable, reps: int, barrier: Callable[[], None]) -> tuple[float, float, int]:
-    """Median forward and backward seconds of one piece, and its saved bytes."""
-    inputs, fn = make()
-    modules_params = [p for p in inputs if p.requires_grad]
-    autocast = (torch.autocast(bench.device.type, dtype=bench.dtype) if bench.dtype in (torch.bfloat16, torch.float16)
-                else torch.autocast(bench.device.type, enabled=False))
+class PieceRun:
+    """One piece at one size, ready to run forward and backward again and again."""
 
-    def forward():
-        with autocast:
-            out = fn(*inputs)
+    def __init__(self, bench: BlockBench, make: Callable):
+        self.device = bench.device
+        self.inputs, self.fn = make()
+        self.autocast = (torch.autocast(bench.device.type, dtype=bench.dtype)
+                         if bench.dtype in (torch.bfloat16, torch.float16)
+                         else torch.autocast(bench.device.type, enabled=False))
+        self.grads = None
+
+    def forward(self) -> list[torch.Tensor]:
+        with self.autocast:
+            out = self.fn(*self.inputs)
         return [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
 
-    grads = None
-    fwd, bwd = [], []
-    for i in range(reps + 1):  # the first run warms up
-        barrier()
-        _sync(bench.device)
+    def once(self) -> tuple[float, float]:
+        _sync(self.device)
         t0 = time.perf_counter()
-        outs = forward()
-        _sync(bench.device)
+        outs = self.forward()
+        _sync(self.device)
         t1 = time.perf_counter()
-        grads = grads or [torch.randn_like(o) for o in outs]
-        torch.autograd.backward(outs, grads)
-        _sync(bench.device)
+        self.grads = self.grads or [torch.randn_like(o) for o in outs]
+        torch.autograd.backward(outs, self.grads)
+        _sync(self.device)
         t2 = time.perf_counter()
-        for p in modules_params:
-            p.grad = None
-        if i:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-    with autocast:
-        act = saved_bytes(fn, inputs)
-    return statistics.median(fwd), statistics.median(bwd), act
+        for x in self.inputs:
+            x.grad = None
+        return t1 - t0, t2 - t1
+
+    def saved(self) -> int:
+        with self.autocast:
+            return saved_bytes(self.fn, self.inputs)
+
+
+def time_pieces(bench: BlockBench, makes: list[Callable], reps: int,
+                barrier: Callable[[], None]) -> list[tuple[float, float, int]]:
+    """Median forward and backward seconds, and saved bytes, of one piece at several sizes. The
+    sizes take turns within each repetition, so a burst of load from elsewhere disturbs one
+    sample of many sizes rather than every sample of one (the median then drops it)."""
+    runs = [PieceRun(bench, make) for make in makes]
+    samples: list[list[tuple[float, float]]] = [[] for _ in runs]
+    for i in range(reps + 1):  # the first round warms up
+        for run, taken in zip(runs, samples):
+            barrier()
+            t = run.once()
+            if i:
+                taken.append(t)
+    return [(statistics.median(f for f, _ in taken), statistics.median(b for _, b in taken), run.saved())
+            for run, taken in zip(runs, samples)]
 
 
 def measure_blocks(m: ModelConfig, rows: int, seq: int, device: torch.device, dtype: str, reps: int,
@@ -265,7 +282,7 @@ def measure_blocks(m: ModelConfig, rows: int, seq: int, device: torch.device, dt
     }
     pieces = {}
     for name, (sizes, make) in plan.items():
-        rows_ = [time_piece(bench, lambda: make(n), reps, barrier) for n in sizes]
+        rows_ = time_pieces(bench, [lambda n=n: make(n) for n in sizes], reps, barrier)
         tsizes = tuple(sizes)
         pieces[name] = Piece(Curve(tsizes, tuple(r[0] for r in rows_)), Curve(tsizes, tuple(r[1] for r in rows_)),
                              Curve(tsizes, tuple(float(r[2]) for r in rows_)))
@@ -349,7 +366,7 @@ def measure_group(comm: Communicator, device: torch.device, sizes: list[int], re
 # ----------------------------------------------------------------------------- one rank's run
 
 
-def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: int, seq: int, dtype: str, reps: int = 3,
+def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq: int, dtype: str, reps: int = 3,
                  memory_gb: Optional[float] = None, ffn_unit: int = 1,
                  most_bytes: Optional[int] = None) -> Optional[Cluster]:
     """Measure this rank and its groups; every rank of ``ctx.mp`` (the whole run: profile with
@@ -358,7 +375,8 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: int, seq: int, dtyp
         raise ValueError("profile with dp_size = pp_size = 1: the profiler measures every group itself")
     world, run_group, rank = ctx.mp.size, ctx.mp.group, ctx.mp.rank
     barrier = (lambda: dist.barrier(group=run_group)) if world > 1 else (lambda: None)
-    pieces = measure_blocks(m, rows, seq, ctx.device, dtype, reps, barrier, ffn_unit)
+    rows = tuple(sorted(set(rows)))
+    pieces = {n: measure_blocks(m, n, seq, ctx.device, dtype, reps, barrier, ffn_unit) for n in rows}
     from galaxy.planner.workload import edge_params, layer_params
 
     H, F_ = m.num_attention_heads, m.intermediate_size
@@ -373,7 +391,7 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: int, seq: int, dtyp
     memory = memory_budget(ctx.device, hosts.count(host), memory_gb)
     groups = {}
     if world > 1:
-        act = rows * seq * m.hidden_size * 4
+        act = max(rows) * seq * m.hidden_size * 4
         sizes = message_sizes(most_bytes or min(max(act, 2**20), 2**26))
         global_ranks = [dist.get_global_rank(run_group, r) if run_group is not None else r for r in range(world)]
         for members in candidate_groups(world):

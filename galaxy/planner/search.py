@@ -151,10 +151,11 @@ class SplitSearch:
         ranks = list(range(self.mp))  # the first group; others share the split
         sizes = np.arange(count + 1) * unit
         costs = np.zeros((self.mp, count + 1))
+        rows = 1 if self.work.objective == "latency" else self.work.global_batch // (dp * self.layout.microbatches)
         for i in ranks:
             for name in pieces:
-                p = self.cluster.ranks[i].pieces[name]
-                costs[i] += p.fwd(sizes) + (0 if self.work.objective == "latency" else p.bwd(sizes))
+                fwd, bwd, _ = self.cluster.ranks[i].piece(name, rows, sizes)
+                costs[i] += fwd + (0 if self.work.objective == "latency" else bwd)
         return costs
 
     def run(self) -> Optional[Choice]:
