@@ -280,6 +280,7 @@ def test_cluster_file_round_trip_and_errors(tmp_path):
         lambda r: r["groups"][0]["ops"]["reduce_scatter"].update(alpha_s=-1))
     assert "'ranks'" in broken(lambda r: r["ranks"].pop())
     assert "'ranks[0].memory_bytes'" in broken(lambda r: r["ranks"][0].update(memory_bytes=0))
+    assert "'ranks[1].step_overhead_s'" in broken(lambda r: r["ranks"][1].pop("step_overhead_s"))
     assert "'model'" in broken(lambda r: r["model"].update(hidden_sise=3))
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
@@ -349,4 +350,4 @@ def test_profiler_writes_a_valid_file(dist_pool):
     for op in OPS:
         ab = cluster.collective([0, 1], op)
         assert ab.alpha_s >= 0 and ab.beta_s_per_byte >= 0 and len(ab.samples) >= 2
-    assert all(r.memory_bytes > 0 for r in cluster.ranks)
+    assert all(r.memory_bytes > 0 and r.step_overhead_s >= 0 and r.forward_overhead_s >= 0 for r in cluster.ranks)

@@ -5,7 +5,8 @@
      "ranks": [{"rank": 0, "host": "...", "memory_bytes": M,
                 "pieces": {"16": {"att_proj.heads": {"sizes": [...], "fwd_s": [...], "bwd_s": [...],
                                                      "act_bytes": [...]}, ...}, "1": {...}},
-                "optimizer": {"alpha_s": a, "s_per_param": b, "samples": [[params, seconds], ...]}}],
+                "optimizer": {"alpha_s": a, "s_per_param": b, "samples": [[params, seconds], ...]},
+                "step_overhead_s": o, "forward_overhead_s": f}],
      "groups": [{"ranks": [0, 1], "ops": {"all_reduce": {"alpha_s": a, "beta_s_per_byte": b,
                                                          "samples": [[bytes, seconds], ...]}, ...}}]}
 
@@ -15,6 +16,8 @@ function of one size (``PIECES``); the other sizes are the model's full ones, or
 the measured batch sizes a piece is linear in rows (so a fixed per-call overhead is kept, not
 scaled); with one batch size it is proportional. Collective bytes are the full tensor's bytes
 (``galaxy.core.comm`` pads uneven pieces to the largest one; the cost model charges that).
+The overheads are what a real serial training step / batch-1 forward of the model took on the
+rank beyond the cost model's prediction from its pieces; every prediction adds them.
 """
 
 from __future__ import annotations
@@ -120,6 +123,9 @@ class RankProfile:
     memory_bytes: int
     pieces: dict[int, dict[str, Piece]]  # by rows
     optimizer: AlphaBeta  # seconds = alpha + s_per_param * local trainable parameters
+    # what a real serial step / batch-1 forward took beyond the pieces' prediction (loop, data, Python)
+    step_overhead_s: float = 0.0
+    forward_overhead_s: float = 0.0
 
     def piece(self, name: str, rows: int, sizes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(forward s, backward s, saved bytes) of piece ``name`` at ``rows`` rows and ``sizes``."""
@@ -172,7 +178,9 @@ class Cluster:
                        "pieces": {str(rows): {n: curve_dict(p) for n, p in by_name.items()}
                                   for rows, by_name in r.pieces.items()},
                        "optimizer": {"alpha_s": r.optimizer.alpha_s, "s_per_param": r.optimizer.beta_s_per_byte,
-                                     "samples": [list(s) for s in r.optimizer.samples]}} for r in self.ranks],
+                                     "samples": [list(s) for s in r.optimizer.samples]},
+                       "step_overhead_s": r.step_overhead_s, "forward_overhead_s": r.forward_overhead_s}
+                      for r in self.ranks],
             "groups": [{"ranks": list(g), "ops": {op: {"alpha_s": ab.alpha_s, "beta_s_per_byte": ab.beta_s_per_byte,
                                                        "samples": [list(s) for s in ab.samples]}
                                                   for op, ab in ops.items()}} for g, ops in self.groups.items()],
@@ -276,8 +284,10 @@ def cluster_from_dict(raw: Any, source: str = "<dict>") -> Cluster:
         optimizer = AlphaBeta(r.get(opt, "alpha_s", f"{path}optimizer.", float),
                               r.get(opt, "s_per_param", f"{path}optimizer.", float),
                               r.samples(opt, f"{path}optimizer."))
-        ranks.append(RankProfile(i, str(rank_raw.get("host", "")), r.get(rank_raw, "memory_bytes", path, int,
-                                                                           positive=True), pieces, optimizer))
+        ranks.append(RankProfile(i, str(rank_raw.get("host", "")),
+                                 r.get(rank_raw, "memory_bytes", path, int, positive=True), pieces, optimizer,
+                                 r.get(rank_raw, "step_overhead_s", path, float),
+                                 r.get(rank_raw, "forward_overhead_s", path, float)))
     groups = {}
     for j, g in enumerate(r.get(raw, "groups", "", list)):
         path = f"groups[{j}]."

@@ -177,8 +177,8 @@ def run(group: GroupModel, events: list, clock: np.ndarray, backward: bool = Fal
             clock = clock + (e.bwd if backward else e.fwd)
         else:
             op = e.bwd_op if backward else e.fwd_op
-            if op is not None:
-                clock = clock.max(axis=1, keepdims=True) + group.cost(op, e.wire)
+            if op is not None:  # everyone leaves together, when the last one has arrived
+                clock = np.repeat(clock.max(axis=1, keepdims=True) + group.cost(op, e.wire), clock.shape[1], axis=1)
     return clock
 
 
@@ -221,7 +221,7 @@ def predict(cluster: Cluster, work: Workload, methods: tuple[Method, Method, Met
     if latency:
         g = groups[(0, 0)]
         layer, head_ev = g.layer(), g.head()
-        clock = np.zeros((C, mp))
+        clock = np.tile([cluster.ranks[r].forward_overhead_s for r in g.ranks], (C, 1))
         for _ in range(m.num_hidden_layers):
             clock = run(g, layer, clock)
         clock = run(g, head_ev, clock)
@@ -264,7 +264,8 @@ def predict(cluster: Cluster, work: Workload, methods: tuple[Method, Method, Met
             return f_end, clock
 
         if pp == 1:
-            clock = np.stack([opt[r](params[0][:, i]) for i, r in enumerate(g.ranks)], axis=1)
+            clock = np.stack([opt[r](params[0][:, i]) + cluster.ranks[r].step_overhead_s
+                              for i, r in enumerate(g.ranks)], axis=1)
             for _ in range(M):
                 _, clock = fwd_bwd(clock)
             clocks[(d, p)] = clock
@@ -287,7 +288,7 @@ def predict(cluster: Cluster, work: Workload, methods: tuple[Method, Method, Met
         opt_max = np.zeros(C)
         for (d, p), g in groups.items():
             for i, r in enumerate(g.ranks):
-                opt_max = np.maximum(opt_max, opt[r](params[p][:, i]))
+                opt_max = np.maximum(opt_max, opt[r](params[p][:, i]) + cluster.ranks[r].step_overhead_s)
         clocks = {k: np.repeat((opt_max + pipe)[:, None], mp, axis=1) for k in groups}
         detail["bubble"] = 1 - per_stage.sum(axis=0) * M / pp / np.maximum(pipe, 1e-30)
 

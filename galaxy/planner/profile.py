@@ -9,6 +9,7 @@ are measured under the contention a run sees. Any backend works: CPU/Gloo, CUDA/
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import statistics
@@ -323,6 +324,63 @@ def memory_budget(device: torch.device, local_ranks: int, override_gb: Optional[
     return int(available * 0.9 / max(local_ranks, 1))
 
 
+# ----------------------------------------------------------------------------- the rest of a step
+
+
+def measure_overheads(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str, device: torch.device,
+                      reps: int, barrier) -> tuple[float, float]:
+    """(training step, batch-1 forward) seconds that the pieces do not account for: the whole
+    serial model run by the training loop's own Trainer (data, masking, loss, grad norm, optimizer,
+    Python between the blocks), less what the cost model predicts for it from this rank's pieces.
+    Never negative."""
+    from galaxy.config import GalaxyConfig
+    from galaxy.models import build_model
+    from galaxy.planner.cost import Layout, Splits, Workload, predict
+    from galaxy.train.loop import make_trainer
+
+    cfg = GalaxyConfig.from_dict({"model": {k: v for k, v in vars(m).items() if k != "preset"},
+                                  "train": {"global_batch_size": rows, "seq_length": seq, "dtype": dtype,
+                                            "device": device.type}})
+    ctx = ParallelContext.serial(device)
+    model = build_model(cfg, Plan.serial(cfg), ctx)
+    if m.model_type == "bert":
+        from galaxy.train.pretrain import mlm_data
+
+        batch_at = mlm_data(cfg)[0]
+    else:
+        def batch_at(step):
+            ids = torch.randint(0, m.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(step))
+            return {"input_ids": ids, "labels": ids}
+    trainer = make_trainer(model, cfg, ctx)
+    steps, forwards = [], []
+    ids = torch.randint(0, m.vocab_size, (1, seq), device=device)
+    for i in range(reps + 1):
+        barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = trainer.forward_backward(trainer.read_batch(batch_at, i))
+        trainer.optimizer_step(loss, i + 1)
+        loss.item()
+        t1 = time.perf_counter()
+        barrier()
+        model.eval()
+        with torch.no_grad():
+            t2 = time.perf_counter()
+            model(ids)
+            _sync(device)
+            t3 = time.perf_counter()
+        model.train()
+        if i:
+            steps.append(t1 - t0)
+            forwards.append(t3 - t2)
+    alone = Cluster(1, "none", device.type, m, tuple(me.pieces), seq, dtype, (me,), {})
+    serial = Splits.balanced(m, seq, 1)
+    none = (Method.NONE,) * 3
+    step = predict(alone, Workload(m, "train", rows, seq, dtype), none, serial, Layout()).time_s[0]
+    forward = predict(alone, Workload(m, "latency", rows, seq, dtype), none, serial).time_s[0]
+    return max(0.0, statistics.median(steps) - step), max(0.0, statistics.median(forwards) - forward)
+
+
 # ----------------------------------------------------------------------------- collectives
 
 
@@ -403,6 +461,8 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
                 groups[members] = measure_group(comm, ctx.device, sizes, reps)
             barrier()
     mine = RankProfile(rank, host, memory, pieces, optimizer)
+    step_overhead, forward_overhead = measure_overheads(mine, m, max(rows), seq, dtype, ctx.device, reps, barrier)
+    mine = dataclasses.replace(mine, step_overhead_s=step_overhead, forward_overhead_s=forward_overhead)
     everyone = [(mine, groups)]
     if world > 1:
         everyone = [None] * world

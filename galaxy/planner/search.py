@@ -24,7 +24,8 @@ from galaxy.config import ConfigError, Method, balanced_split
 from galaxy.planner.cluster import Cluster
 from galaxy.planner.cost import Layout, Prediction, Splits, Workload, predict
 
-EXACT_LIMIT = 20000
+EXACT_LIMIT = 200_000
+CHUNK = 20_000  # candidates scored in one vectorised pass
 METHODS = [(att, con, mlp) for att in (Method.TP, Method.SP, Method.NONE) for con in (Method.SP, Method.NONE)
            for mlp in (Method.TP, Method.SP, Method.NONE)]
 
@@ -165,15 +166,20 @@ class SplitSearch:
         exact = math.prod(counts.values()) <= self.exact_limit
         if not self.uses:
             pred, _ = self.score({})
-            return self.choice({}, pred, 0, True)
+            return self.choice({}, pred, True)
         if exact:
             grids = [compositions(self.units[v][1], self.mp) for v in self.uses]
-            index = np.array(list(itertools.product(*[range(len(g)) for g in grids])), dtype=np.int64)
-            index = index.reshape(-1, len(grids))
-            chosen = {v: g[index[:, k]] for k, (v, g) in enumerate(zip(self.uses, grids))}
-            pred, key = self.score(chosen)
-            best = int(np.argmin(key))
-            return self.choice({v: a[best:best + 1] for v, a in chosen.items()}, pred, best, True)
+            total = math.prod(len(g) for g in grids)
+            best = None
+            for start in range(0, total, CHUNK):
+                index = np.unravel_index(np.arange(start, min(start + CHUNK, total)), [len(g) for g in grids])
+                chosen = {v: g[index[k]] for k, (v, g) in enumerate(zip(self.uses, grids))}
+                pred, key = self.score(chosen)
+                i = int(np.argmin(key))
+                if best is None or key[i] < best[0]:
+                    best = (key[i], {v: a[i:i + 1] for v, a in chosen.items()})
+            pred, _ = self.score(best[1])
+            return self.choice(best[1], pred, True)
         current = {v: min_max_split(self.own_costs(v), self.units[v][1])[None] for v in self.uses}
         pred, key = self.score(current)
         best_key = key[0]
@@ -195,13 +201,14 @@ class SplitSearch:
             if not improved:
                 break
         pred, _ = self.score(current)
-        return self.choice(current, pred, 0, False)
+        return self.choice(current, pred, False)
 
-    def choice(self, chosen, pred: Prediction, i: int, exact: bool) -> Choice:
-        s = self.splits({v: a[i:i + 1] if len(a) > 1 else a for v, a in chosen.items()})
+    def choice(self, chosen: dict[str, np.ndarray], pred: Prediction, exact: bool) -> Choice:
+        """The Choice for one candidate (``chosen`` rows and ``pred`` of length 1)."""
+        s = self.splits(chosen)
         return Choice(self.methods, self.layout, tuple(int(x) for x in s.heads[0]), tuple(int(x) for x in s.ffn[0]),
-                      tuple(int(x) for x in s.seq[0]), float(pred.time_s[i]),
-                      tuple(int(x) for x in pred.memory_bytes[i]), bool(pred.fits[i]), exact, self.uses)
+                      tuple(int(x) for x in s.seq[0]), float(pred.time_s[0]),
+                      tuple(int(x) for x in pred.memory_bytes[0]), bool(pred.fits[0]), exact, self.uses)
 
 
 def layouts(cluster: Cluster, work: Workload) -> list[Layout]:
