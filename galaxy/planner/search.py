@@ -211,10 +211,13 @@ class SplitSearch:
                       tuple(int(x) for x in pred.memory_bytes[0]), bool(pred.fits[0]), exact, self.uses)
 
 
-def layouts(cluster: Cluster, work: Workload) -> list[Layout]:
-    """Training: every dp x pp x mp of the world, micro-batch counts and recomputation; latency: one."""
+def layouts(cluster: Cluster, work: Workload) -> list[list[Layout]]:
+    """Per dp x pp x mp of the world, its layouts in two tiers: first those worth running for speed
+    (one micro-batch without a pipeline, pp or more with one; no recomputation), then the ones that
+    only save memory (more micro-batches, full recomputation), tried when nothing in the first fits.
+    Latency: one layout."""
     if work.objective == "latency":
-        return [Layout()]
+        return [[Layout()], []]
     out = []
     N, L = cluster.world, work.model.num_hidden_layers
     for dp in range(1, N + 1):
@@ -224,33 +227,40 @@ def layouts(cluster: Cluster, work: Workload) -> list[Layout]:
             if (N // dp) % pp or pp > L:
                 continue
             rows = work.global_batch // dp
-            counts = sorted({m for m in (1, 2, 4, 8, pp, 2 * pp) if rows % m == 0 and (pp == 1 or m >= pp)})
-            for M in counts:
-                for recompute in ("none", "full"):
-                    out.append(Layout(dp, pp, M, recompute))
+            counts = sorted({m for m in (1, 2, 4, 8, pp, 2 * pp, 4 * pp) if rows % m == 0 and (pp == 1 or m >= pp)})
+            fast = [Layout(dp, pp, M) for M in (counts[:1] if pp == 1 else counts)]
+            frugal = [Layout(dp, pp, M, r) for M in counts for r in ("none", "full")
+                      if Layout(dp, pp, M, r) not in fast]
+            out += [fast, frugal]
     return out
 
 
 def search(cluster: Cluster, work: Workload, ffn_unit: int = 1, seq_unit: int = 1, top: int = 10,
            exact_limit: int = EXACT_LIMIT) -> list[Choice]:
-    """The plans, best first (those within every memory budget before those that are not)."""
+    """The plans, best first (those within every memory budget before those that are not): one per
+    method combination and dp x pp, with its best micro-batch count and recomputation."""
     m = work.model
     for key, total, unit in (("ffn_unit", m.intermediate_size, ffn_unit), ("seq_unit", work.seq_length, seq_unit)):
         if unit < 1 or total % unit:
             raise ConfigError(f"--{key} {unit} must be a positive divisor of {total}")
+    tiers = layouts(cluster, work)
     found = []
-    for layout in layouts(cluster, work):
-        mp = cluster.world // (layout.dp * layout.pp)
+    for fast, frugal in zip(tiers[::2], tiers[1::2]):
+        mp = cluster.world // (fast[0].dp * fast[0].pp)
         for methods in (METHODS if mp > 1 else [(Method.NONE,) * 3]):
-            choice = SplitSearch(cluster, work, methods, layout, ffn_unit, seq_unit, exact_limit).run()
-            if choice is not None:
-                found.append(choice)
+            best = None
+            for tier in (fast, frugal):
+                for layout in tier:
+                    choice = SplitSearch(cluster, work, methods, layout, ffn_unit, seq_unit, exact_limit).run()
+                    if choice is not None and (best is None or (not choice.fits, choice.time_s)
+                                               < (not best.fits, best.time_s)):
+                        best = choice
+                if best is None or best.fits:  # the memory-saving tier only when nothing fits yet
+                    break
+            if best is not None:
+                found.append(best)
     if not found:
         raise ConfigError(f"no plan fits the world of {cluster.world} ranks: the model has too few heads, "
                           "FFN units or tokens for it")
-    # one entry per methods x dp x pp: its best micro-batch count and recomputation (ties: the simpler)
-    found.sort(key=lambda c: (not c.fits, c.time_s, c.layout.microbatches, c.layout.recompute != "none"))
-    best = {}
-    for c in found:
-        best.setdefault((c.methods, c.layout.dp, c.layout.pp), c)
-    return list(best.values())[:top]
+    found.sort(key=lambda c: (not c.fits, c.time_s))
+    return found[:top]
