@@ -198,6 +198,29 @@ def test_uneven_speeds_move_work_to_the_fast_rank():
     assert mem[1] > mem[0]
 
 
+def test_pipeline_bubble_and_every_layout_of_four_ranks():
+    """Identical stages and free links: the schedule's idle share is (p - 1) / (m + p - 1)."""
+    import dataclasses
+
+    from galaxy.planner.search import layouts
+
+    cluster = synthetic_cluster(dict(BERT, num_hidden_layers=4), 4, [1.0] * 4, alpha=0.0, beta=0.0)
+    zero = Piece(Curve((1, 2), (0.0, 0.0)), Curve((1, 2), (0.0, 0.0)), Curve((1, 2), (0.0, 0.0)))
+    ranks = tuple(dataclasses.replace(r, pieces={n: {**by, "head.tokens": zero} for n, by in r.pieces.items()})
+                  for r in cluster.ranks)
+    cluster = dataclasses.replace(cluster, ranks=ranks)
+    work = Workload(cluster.model, "train", 8, 8)
+    one = Splits.balanced(cluster.model, 8, 1)
+    for pp, M in ((2, 4), (4, 4), (4, 8)):
+        pred = predict(cluster, work, (NONE, NONE, NONE), one, Layout(dp=4 // pp, pp=pp, microbatches=M))
+        assert pred.detail["bubble"][0] == pytest.approx((pp - 1) / (M + pp - 1))
+    for tier in layouts(cluster, work):  # every dp x pp x mp of four ranks is scored
+        for layout in tier:
+            mp = 4 // (layout.dp * layout.pp)
+            assert np.isfinite(predict(cluster, work, (TP, SP, TP), Splits.balanced(cluster.model, 8, mp),
+                                       layout).time_s).all()
+
+
 # ----------------------------------------------------------------------------- search
 
 

@@ -20,12 +20,11 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 from typing import Optional
 
-from galaxy.config import MODEL_PRESETS, ConfigError, GalaxyConfig, Method, parse_override
+from galaxy.config import MODEL_PRESETS, ConfigError, GalaxyConfig, parse_override
 from galaxy.planner.cluster import Cluster, load_cluster
-from galaxy.planner.cost import DTYPE_BYTES, Workload
+from galaxy.planner.cost import Workload
 from galaxy.planner.search import Choice, search
 from galaxy.train.cli import bad_input, decide_launch, launch_ranks, rank_context, setup_logging
 

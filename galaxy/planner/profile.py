@@ -44,7 +44,7 @@ def grid(total: int, unit: int = 1, most: int = 16) -> list[int]:
 
 
 def candidate_groups(world: int) -> list[tuple[int, ...]]:
-    """Every mp, dp and adjacent-stage pp group of every factorisation world = dp x pp x mp."""
+    """Every mp, dp, pp and adjacent-stage group of every factorisation world = dp x pp x mp."""
     found: list[tuple[int, ...]] = []
     for dp in range(1, world + 1):
         for pp in range(1, world // dp + 1):
@@ -54,6 +54,7 @@ def candidate_groups(world: int) -> list[tuple[int, ...]]:
             at = lambda d, p, m: (d * pp + p) * mp + m  # noqa: E731 (galaxy.core.context.rank_of)
             families = [[at(d, p, m) for m in range(mp)] for d in range(dp) for p in range(pp)]
             families += [[at(d, p, m) for d in range(dp)] for p in range(pp) for m in range(mp)]
+            families += [[at(d, p, m) for p in range(pp)] for d in range(dp) for m in range(mp)]
             families += [[at(d, p, m), at(d, p + 1, m)] for d in range(dp) for p in range(pp - 1) for m in range(mp)]
             for g in families:
                 if len(g) > 1 and tuple(g) not in found:

@@ -148,12 +148,11 @@ class SplitSearch:
         pieces = {"heads": ["att_proj.heads", "att_core.heads"], "ffn": ["mlp.ffn"],
                   "seq": (["att_proj.tokens", "att_core.tokens"] if att == Method.SP else [])
                   + (["mlp.tokens"] if mlp == Method.SP else []) + (["con.tokens"] * 2 if con == Method.SP else [])}[var]
-        dp, pp = self.layout.dp, self.layout.pp
-        ranks = list(range(self.mp))  # the first group; others share the split
         sizes = np.arange(count + 1) * unit
         costs = np.zeros((self.mp, count + 1))
-        rows = 1 if self.work.objective == "latency" else self.work.global_batch // (dp * self.layout.microbatches)
-        for i in ranks:
+        rows = 1 if self.work.objective == "latency" else \
+            self.work.global_batch // (self.layout.dp * self.layout.microbatches)
+        for i in range(self.mp):  # the first group's ranks: a start point, the descent sees every group
             for name in pieces:
                 fwd, bwd, _ = self.cluster.ranks[i].piece(name, rows, sizes)
                 costs[i] += fwd + (0 if self.work.objective == "latency" else bwd)
