@@ -191,6 +191,9 @@ def plan_main(argv: list[str]) -> int:
         check_model(cluster, cfg, args.cluster)
         if args.top < 1 or args.validate < 0 or args.validate_steps < 2:
             raise ConfigError("--top must be at least 1, --validate at least 0 and --validate_steps at least 2")
+        if args.validate and args.objective == "train" and cfg.model.model_type != "bert":
+            raise ConfigError("--validate trains BERT plans only (LLaMA's training CLI needs instruction data); "
+                              "validate LLaMA with --objective latency")
         work = Workload(cfg.model, args.objective, cfg.train.global_batch_size, cfg.train.seq_length,
                         cfg.train.dtype, cfg.train.optimizer)
         started = time.perf_counter()
@@ -240,8 +243,6 @@ def validate(config: dict, world: int, args: argparse.Namespace) -> Optional[flo
                                                         "--log_level", args.log_level])
         launch = plan_launch(run_args, cfg, "galaxy", False, None)
         if args.objective == "train":
-            if cfg.model.model_type != "bert":
-                raise ConfigError("--validate trains BERT plans only (LLaMA's training CLI needs instruction data)")
             code = launch_ranks(_train_rank, launch, (cfg, run_args), cfg)
         else:
             code = launch_ranks(_latency_rank, launch, (cfg, run_args, summary), cfg)
