@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from galaxy.config import Method, ModelConfig, Plan
 from galaxy.core.attention import attention
 from galaxy.core.comm import Communicator
-from galaxy.core.context import ParallelContext
+from galaxy.core.context import ParallelContext, rank_of
 from galaxy.core.layers import Dropout
 from galaxy.planner.cluster import OPS, AlphaBeta, Cluster, Curve, Piece, RankProfile
 
@@ -51,7 +51,7 @@ def candidate_groups(world: int) -> list[tuple[int, ...]]:
             if world % (dp * pp):
                 continue
             mp = world // (dp * pp)
-            at = lambda d, p, m: (d * pp + p) * mp + m  # noqa: E731 (galaxy.core.context.rank_of)
+            at = lambda d, p, m: rank_of(d, p, m, pp, mp)  # noqa: E731
             families = [[at(d, p, m) for m in range(mp)] for d in range(dp) for p in range(pp)]
             families += [[at(d, p, m) for d in range(dp)] for p in range(pp) for m in range(mp)]
             families += [[at(d, p, m) for p in range(pp)] for d in range(dp) for m in range(mp)]
