@@ -1,5 +1,5 @@
 """The best plan for a cluster: exhaustive over block methods (and, for training, dp x pp x mp,
-micro-batches and recomputation); per method combination the splits are found exactly.
+micro-batches and recomputation); per method combination the best splits under the memory budgets.
 
 Splits are searched in units that keep every shard valid: query heads in multiples of the GQA
 group (so key/value heads split with them), FFN columns in multiples of ``ffn_unit``, tokens in
