@@ -262,6 +262,8 @@ def test_search_matches_brute_force(speeds, methods, objective):
     # the path for large split spaces (min-max start, coordinate descent) reaches it too
     descent = SplitSearch(cluster, work, methods, Layout(), ffn_unit=8, exact_limit=0).run()
     assert not descent.exact and descent.time_s == pytest.approx(best, rel=1e-9)
+    # and its lower bound holds, and is tight here
+    assert best * 0.95 < descent.lower_bound_s <= best * (1 + 1e-12)
 
 
 def test_splits_respect_gqa_groups_and_units():

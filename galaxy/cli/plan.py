@@ -164,13 +164,14 @@ def table_rows(choices: list[Choice]) -> list[dict]:
                      "ffn": list(c.ffn) if "ffn" in c.uses else None,
                      "seq": list(c.seq) if "seq" in c.uses else None,
                      "predicted_ms": round(c.time_s * 1e3, 3), "max_memory_mb": round(max(c.memory_bytes) / 2**20, 1),
-                     "fits": c.fits, "exact_split": c.exact})
+                     "fits": c.fits, "exact_split": c.exact,
+                     "lower_bound_ms": None if c.lower_bound_s is None else round(c.lower_bound_s * 1e3, 3)})
     return rows
 
 
 def print_table(rows: list[dict], measured: Optional[list[Optional[float]]] = None) -> None:
     cols = ["rank", "plan", "att/con/mlp", "dp x pp x mp", "microbatches", "recompute", "heads", "ffn", "seq",
-            "predicted_ms", "max_memory_mb", "fits"]
+            "predicted_ms", "lower_bound_ms", "max_memory_mb", "fits"]
     cells = [[str(r[c]) if r[c] is not None else "-" for c in cols] for r in rows]
     if measured is not None:
         cols = cols + ["measured_ms", "error"]

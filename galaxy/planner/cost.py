@@ -96,6 +96,25 @@ class Collective:
     name: str = ""
 
 
+class Segments:
+    """The stretches between a group's sync points, as the simulation passes them: each rank's
+    compute since the last sync (``parts``, ``[C, mp]``) and each sync's collective (``comm``,
+    ``[C, 1]``). The step is the sum of each part's maximum over ranks and of the comms."""
+
+    def __init__(self):
+        self.base = 0.0
+        self.parts: list[np.ndarray] = []
+        self.comm: list[np.ndarray] = []
+
+    def sync(self, clock: np.ndarray, cost: np.ndarray) -> None:
+        self.parts.append(clock - self.base)
+        self.comm.append(cost)
+        self.base = clock.max(axis=1, keepdims=True) + cost
+
+    def finish(self, clock: np.ndarray) -> None:
+        self.parts.append(clock - self.base)
+
+
 class GroupModel:
     """The pieces and collectives of one model-parallel group (``ranks``) under one plan."""
 
@@ -115,6 +134,7 @@ class GroupModel:
         else:
             self.padded = np.full(splits.seq.shape[0], self.act_bytes)
         self.full = full
+        self.segments: Optional[Segments] = None  # recorded when a lower bound is wanted
 
     def piece(self, name: str, sizes: np.ndarray) -> Compute:
         out = [np.empty(sizes.shape) for _ in range(3)]
@@ -178,7 +198,10 @@ def run(group: GroupModel, events: list, clock: np.ndarray, backward: bool = Fal
         else:
             op = e.bwd_op if backward else e.fwd_op
             if op is not None:  # everyone leaves together, when the last one has arrived
-                clock = np.repeat(clock.max(axis=1, keepdims=True) + group.cost(op, e.wire), clock.shape[1], axis=1)
+                cost = group.cost(op, e.wire)
+                if group.segments is not None:
+                    group.segments.sync(clock, cost)
+                clock = np.repeat(clock.max(axis=1, keepdims=True) + cost, clock.shape[1], axis=1)
     return clock
 
 
@@ -192,8 +215,9 @@ def collectives(group: GroupModel, layers: int) -> list[tuple[str, int, str]]:
 
 
 def predict(cluster: Cluster, work: Workload, methods: tuple[Method, Method, Method], splits: Splits,
-            layout: Layout = Layout()) -> Prediction:
-    """Step time (objective 'train') or batch-1 forward latency ('latency'), and memory per rank."""
+            layout: Layout = Layout(), segments: Optional[Segments] = None) -> Prediction:
+    """Step time (objective 'train') or batch-1 forward latency ('latency'), and memory per rank.
+    ``segments`` (dp = pp = 1 only) records the stretches between sync points."""
     m = work.model
     dp, pp, M = layout.dp, layout.pp, layout.microbatches
     world = cluster.world
@@ -207,6 +231,10 @@ def predict(cluster: Cluster, work: Workload, methods: tuple[Method, Method, Met
     groups = {(d, p): GroupModel(cluster, work, methods, splits,
                                  [rank_of(d, p, i, pp, mp) for i in range(mp)], rows)
               for d in range(dp) for p in range(pp)}
+    if segments is not None:
+        if dp * pp != 1:
+            raise ValueError("segments are recorded for dp = pp = 1 only")
+        groups[(0, 0)].segments = segments
     # parameters per mp rank on each stage (the same in every dp replica)
     emb, head = edge_params(m)
     per_layer = layer_params(m, methods[0], methods[2], methods[1], splits.heads, splits.ffn)
@@ -225,6 +253,8 @@ def predict(cluster: Cluster, work: Workload, methods: tuple[Method, Method, Met
         for _ in range(m.num_hidden_layers):
             clock = run(g, layer, clock)
         clock = run(g, head_ev, clock)
+        if segments is not None:
+            segments.finish(clock)
         time = clock.max(axis=1)
         working = max((e.act for e in layer + head_ev if isinstance(e, Compute)), key=lambda a: a.sum())
         memory[:, g.ranks] = params[0] * work.elem + working
@@ -309,9 +339,13 @@ def predict(cluster: Cluster, work: Workload, methods: tuple[Method, Method, Met
             nbytes = partial[p][:, 0] * grad_bytes  # the same on every rank of the group
             buckets = np.maximum(np.ceil(nbytes / GRAD_BUCKET_BYTES), 1)
             ar = cluster.collective(g.ranks, "all_reduce")
-            if nbytes.max() > 0:
-                clock = clock.max(axis=1, keepdims=True) + (ar.alpha_s * buckets + ar.beta_s_per_byte * nbytes)[:, None]
-            clock = clock.max(axis=1, keepdims=True) + ar(8)
+            costs = [(ar.alpha_s * buckets + ar.beta_s_per_byte * nbytes)[:, None]] if nbytes.max() > 0 else []
+            for cost in costs + [np.broadcast_to(ar(8), (C, 1))]:
+                if g.segments is not None:
+                    g.segments.sync(clock, cost)
+                clock = np.repeat(clock.max(axis=1, keepdims=True) + cost, mp, axis=1)
+        if g.segments is not None:
+            g.segments.finish(clock)
         end = np.maximum(end, clock.max(axis=1))
     if pp > 1:
         end = end + max(cluster.collective([rank_of(d, p, i, pp, mp) for p in range(pp)], "all_reduce")(8)

@@ -8,7 +8,8 @@ at most ``EXACT_LIMIT``, every one is scored by the cost model (exact). Otherwis
 from the exact min-max split of its own blocks' per-rank times (bisection on the makespan,
 ``min_max_split``), then coordinate descent improves one split at a time against the full cost
 model, each step exhaustive when its splits are few, else by one-unit moves; the plan is then
-marked ``exact: false``.
+marked ``exact: false`` and carries a lower bound on every split's time (``lower_bound``; dp = pp = 1),
+so its distance from the optimum is bounded by ``time - lower_bound``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 
 from galaxy.config import ConfigError, Method, balanced_split
 from galaxy.planner.cluster import Cluster
-from galaxy.planner.cost import Layout, Prediction, Splits, Workload, predict
+from galaxy.planner.cost import Layout, Prediction, Segments, Splits, Workload, predict
 
 EXACT_LIMIT = 200_000
 CHUNK = 20_000  # candidates scored in one vectorised pass
@@ -42,6 +43,7 @@ class Choice:
     fits: bool
     exact: bool
     uses: tuple[str, ...] = field(default=())  # which splits the methods use: heads, ffn, seq
+    lower_bound_s: Optional[float] = None  # no split of these methods and layout is faster (None: unknown)
 
     @property
     def name(self) -> str:
@@ -200,14 +202,45 @@ class SplitSearch:
             if not improved:
                 break
         pred, _ = self.score(current)
-        return self.choice(current, pred, False)
+        choice = self.choice(current, pred, False)
+        choice.lower_bound_s = self.lower_bound()
+        return choice
+
+    def lower_bound(self) -> Optional[float]:
+        """A time no split of these methods can beat (memory budgets ignored). The step is the sum,
+        over the stretches between sync points, of the slowest rank's compute, plus the syncs'
+        collectives. A stretch's compute on rank i is at least that of the pieces sized by one
+        split variable v at rank i's share of v, with every other variable at its smallest share
+        (times are monotone); so the stretch costs at least the min-max of that table over splits of
+        v (``min_max_split``, exact), for the best v. Collectives cost at least their balanced-split
+        value (uneven sequence pieces are padded to the largest). None for dp or pp > 1."""
+        if self.layout.dp * self.layout.pp != 1 or not self.uses:
+            return None
+        ones = {v: np.ones((1, self.mp), dtype=np.int64) for v in self.uses}
+        balanced = {v: np.array([balanced_split(self.units[v][1], self.mp)]) for v in self.uses}
+        seg = Segments()
+        predict(self.cluster, self.work, self.methods, self.splits(balanced), self.layout, seg)
+        comm = float(sum(c[0, 0] for c in seg.comm))
+        stretches = np.zeros(len(seg.parts))
+        for v in self.uses:
+            count = self.units[v][1]
+            probe = {w: np.repeat(ones[w], count, axis=0) for w in self.uses}
+            probe[v] = np.repeat(np.arange(1, count + 1)[:, None], self.mp, axis=1)
+            seg = Segments()
+            predict(self.cluster, self.work, self.methods, self.splits(probe), self.layout, seg)
+            for k, part in enumerate(seg.parts):  # part[u - 1, i]: rank i holding u units
+                table = np.concatenate([np.zeros((self.mp, 1)), part.T], axis=1)
+                x = min_max_split(table, count)
+                stretches[k] = max(stretches[k], table[np.arange(self.mp), x].max())
+        return float(stretches.sum() + comm)
 
     def choice(self, chosen: dict[str, np.ndarray], pred: Prediction, exact: bool) -> Choice:
         """The Choice for one candidate (``chosen`` rows and ``pred`` of length 1)."""
         s = self.splits(chosen)
+        time = float(pred.time_s[0])
         return Choice(self.methods, self.layout, tuple(int(x) for x in s.heads[0]), tuple(int(x) for x in s.ffn[0]),
-                      tuple(int(x) for x in s.seq[0]), float(pred.time_s[0]),
-                      tuple(int(x) for x in pred.memory_bytes[0]), bool(pred.fits[0]), exact, self.uses)
+                      tuple(int(x) for x in s.seq[0]), time, tuple(int(x) for x in pred.memory_bytes[0]),
+                      bool(pred.fits[0]), exact, self.uses, time if exact else None)
 
 
 def layouts(cluster: Cluster, work: Workload) -> list[list[Layout]]:
