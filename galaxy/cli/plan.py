@@ -207,23 +207,18 @@ def plan_main(argv: list[str]) -> int:
         return bad_input(e)
     with open(args.out, "w") as f:
         json.dump(configs[0], f, indent=2)
+    print(f"searched in {time.perf_counter() - started:.2f}s; best plan written to {args.out}", flush=True)
     rows = table_rows(choices)
+    measured = [validate(config, cluster.world, args) for config in configs[:args.validate]] or None
+    if measured:
+        measured += [None] * (len(rows) - len(measured))
+        for row, m in zip(rows, measured):
+            row["measured_ms"] = None if m is None else round(m * 1e3, 3)
     table_path = args.table or os.path.splitext(args.out)[0] + ".plans.json"
     with open(table_path, "w") as f:
-        json.dump({"objective": args.objective, "cluster": args.cluster, "plans": rows,
-                   "configs": configs}, f, indent=2)
-    print(f"searched in {time.perf_counter() - started:.2f}s; best plan written to {args.out}, "
-          f"top {len(rows)} to {table_path}")
-    measured = None
-    if args.validate:
-        measured = [validate(cfg_dict, cluster.world, args) for cfg_dict in configs[:args.validate]]
-        measured += [None] * (len(rows) - len(measured))
-        with open(table_path) as f:
-            table = json.load(f)
-        for row, m in zip(table["plans"], measured):
-            row["measured_ms"] = None if m is None else round(m * 1e3, 3)
-        with open(table_path, "w") as f:
-            json.dump(table, f, indent=2)
+        json.dump({"objective": args.objective, "cluster": args.cluster, "plans": rows, "configs": configs}, f,
+                  indent=2)
+    print(f"top {len(rows)} plans written to {table_path}")
     print_table(rows[:args.top], measured[:args.top] if measured else None)
     return 0
 
@@ -242,7 +237,11 @@ def validate(config: dict, world: int, args: argparse.Namespace) -> Optional[flo
         run_args = build_parser("validate").parse_args(["--world", str(world), "--no_progress", "--summary_json",
                                                         summary, "--metrics_file", metrics,
                                                         "--log_level", args.log_level])
-        launch = plan_launch(run_args, cfg, "galaxy", False, None)
+        try:
+            launch = plan_launch(run_args, cfg, "galaxy", False, None)
+        except ConfigError as e:
+            logger.warning("cannot validate %s here: %s", config["parallel"], e)
+            return None
         if args.objective == "train":
             code = launch_ranks(_train_rank, launch, (cfg, run_args), cfg)
         else:
