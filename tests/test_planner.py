@@ -17,7 +17,8 @@ from galaxy.config import ConfigError, GalaxyConfig, Method
 from galaxy.planner.cluster import (OPS, PIECES, AlphaBeta, Cluster, Curve, Piece, RankProfile, cluster_from_dict,
                                     isotonic, load_cluster)
 from galaxy.planner.cost import GroupModel, Layout, Splits, Workload, collectives, predict
-from galaxy.planner.profile import candidate_groups, grid
+from galaxy.planner.blocks import grid
+from galaxy.planner.profile import candidate_groups
 from galaxy.planner.search import SplitSearch, compositions, min_max_split, search
 from galaxy.planner.workload import edge_params, layer_params
 
