@@ -1,0 +1,308 @@
+"""``plan_galaxy.py``: profile a cluster, then pick the best plan for it.
+
+    plan_galaxy.py profile --model bert-base --world 4 --out cluster.json
+    plan_galaxy.py --model bert-base --cluster cluster.json --objective train --out plan.json [--validate 3]
+
+``--model`` is a preset name (``galaxy.config.MODEL_PRESETS``) or a config file, whose model and
+train sections (seq_length, global_batch_size, dtype) set the workload; ``--override KEY=VALUE``
+changes any key. The plan is written as a config the training CLIs take (``--config plan.json``),
+the top plans as a table (printed, and as JSON beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Optional
+
+from galaxy.config import MODEL_PRESETS, ConfigError, GalaxyConfig, parse_override
+from galaxy.planner.cluster import Cluster, load_cluster
+from galaxy.planner.cost import Workload
+from galaxy.planner.search import Choice, search
+from galaxy.train.cli import bad_input, decide_launch, launch_ranks, rank_context, setup_logging
+
+logger = logging.getLogger(__name__)
+
+
+def model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help=f"a preset ({', '.join(MODEL_PRESETS)}) or a JSON config file")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="set any config key (repeatable), e.g. vocab_size=512")
+    p.add_argument("--seq_length", type=int, default=None, help="tokens per sequence (default: the config's)")
+    p.add_argument("--global_batch_size", type=int, default=None, help="rows per step (default: the config's)")
+    p.add_argument("--log_level", default="WARNING")
+
+
+def workload_config(args: argparse.Namespace) -> GalaxyConfig:
+    overrides = dict(parse_override(o) for o in args.override)
+    for key in ("seq_length", "global_batch_size"):
+        if getattr(args, key, None) is not None:
+            overrides[key] = getattr(args, key)
+    if args.model in MODEL_PRESETS:
+        return GalaxyConfig.from_dict({"model": {"preset": args.model}}, overrides)
+    if not os.path.isfile(args.model):
+        raise ConfigError(f"--model '{args.model}' is neither a preset ({', '.join(MODEL_PRESETS)}) nor a config file")
+    return GalaxyConfig.from_file(args.model, overrides)
+
+
+# ----------------------------------------------------------------------------- profile
+
+
+def profile_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="plan_galaxy.py profile", description="measure the ranks and links of a cluster",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    model_arguments(p)
+    p.add_argument("--world", type=int, default=None, help="ranks; without --rank all start here as local processes")
+    p.add_argument("--rank", type=int, default=None, help="run only this rank (the others start elsewhere)")
+    p.add_argument("--rows", type=int, nargs="+", default=None,
+                   help="batch sizes to measure the blocks at (the cost model interpolates between them); "
+                        "default: 1 and the config's global_batch_size")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (median)")
+    p.add_argument("--memory_gb", type=float, default=None, help="memory budget per rank (default: measured)")
+    p.add_argument("--ffn_unit", type=int, default=1, help="FFN shard sizes are measured in multiples of this")
+    p.add_argument("--out", required=True, help="cluster profile to write (JSON)")
+    return p
+
+
+def _profile_rank(rank: int, launch, payload) -> None:
+    from galaxy.planner.profile import profile_rank
+
+    cfg, args = payload
+    ctx = rank_context(rank, launch, cfg, args.log_level)
+    try:
+        cluster = profile_rank(ctx, cfg.model, args.rows, cfg.train.seq_length, cfg.train.dtype, args.reps,
+                               args.memory_gb, args.ffn_unit)
+        if cluster is not None:
+            cluster.save(args.out)
+            print(f"wrote {args.out}: {cluster.world} ranks, {len(cluster.groups)} groups", flush=True)
+    except BaseException:
+        ctx.shutdown(wait_for_peers=False)
+        raise
+    ctx.shutdown()
+
+
+def profile_main(argv: list[str]) -> int:
+    args = profile_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        cfg = workload_config(args)
+        args.rows = args.rows or [1, cfg.train.global_batch_size]
+        if min(args.rows) < 1 or args.reps < 1:
+            raise ConfigError("--rows and --reps must be at least 1")
+        if args.ffn_unit < 1 or cfg.model.intermediate_size % args.ffn_unit:
+            raise ConfigError(f"--ffn_unit {args.ffn_unit} must be a positive divisor of intermediate_size "
+                              f"{cfg.model.intermediate_size}")
+        launch = decide_launch(args)
+    except (ConfigError, FileNotFoundError) as e:
+        return bad_input(e)
+    return launch_ranks(_profile_rank, launch, (cfg, args), cfg)
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="plan_galaxy.py", description="pick the best parallel plan for a cluster "
+                                "(first run: plan_galaxy.py profile ...)",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    model_arguments(p)
+    p.add_argument("--cluster", required=True, help="cluster profile from plan_galaxy.py profile")
+    p.add_argument("--objective", choices=("train", "latency"), default="train",
+                   help="train: step time; latency: one batch-1 forward")
+    p.add_argument("--out", required=True, help="the chosen plan as a config JSON")
+    p.add_argument("--table", default=None, help="the top plans as JSON (default: OUT with .plans.json)")
+    p.add_argument("--top", type=int, default=10, help="plans in the table")
+    p.add_argument("--ffn_unit", type=int, default=1, help="FFN splits in multiples of this")
+    p.add_argument("--seq_unit", type=int, default=1, help="sequence splits in multiples of this")
+    p.add_argument("--validate", type=int, default=0, metavar="K", help="run the top K plans and print measured times")
+    p.add_argument("--validate_steps", type=int, default=5, help="training steps per validated plan (first untimed)")
+    return p
+
+
+def check_model(cluster: Cluster, cfg: GalaxyConfig, source: str) -> None:
+    from galaxy.config import COMPUTE_KEYS
+
+    for key, value in vars(cluster.model).items():
+        if key in COMPUTE_KEYS or key == "preset":
+            continue
+        if getattr(cfg.model, key) != value:
+            raise ConfigError(f"model key '{key}' is {getattr(cfg.model, key)!r} but the cluster file '{source}' was "
+                              f"profiled with {value!r}; profile this model or pass the same --model")
+
+
+def plan_config(cfg: GalaxyConfig, choice: Choice) -> dict:
+    """The config the training CLIs take for ``choice``."""
+    model = {k: v for k, v in vars(cfg.model).items() if k != "preset"}
+    model["recompute"] = choice.layout.recompute
+    att, con, mlp = choice.methods
+    parallel = {"att_parallel_method": att.value, "con_parallel_method": con.value,
+                "mlp_parallel_method": mlp.value, "dp_size": choice.layout.dp, "pp_size": choice.layout.pp,
+                "num_microbatches": choice.layout.microbatches, "pipeline_schedule": choice.layout.schedule}
+    for var, key in (("heads", "tp_num_attention_heads_list"), ("ffn", "tp_intermediate_size_list"),
+                     ("seq", "seq_scatter_list")):
+        if var in choice.uses:
+            parallel[key] = list(getattr(choice, var))
+    train = {k: getattr(cfg.train, k) for k in ("global_batch_size", "seq_length", "dtype", "optimizer", "lr",
+                                                 "seed", "device")}
+    return {"model": model, "parallel": parallel, "train": train}
+
+
+def table_rows(choices: list[Choice]) -> list[dict]:
+    rows = []
+    for i, c in enumerate(choices):
+        rows.append({"rank": i + 1, "plan": c.name, "att/con/mlp": "/".join(m.value for m in c.methods),
+                     "dp x pp x mp": f"{c.layout.dp}x{c.layout.pp}x{len(c.seq)}", "microbatches": c.layout.microbatches,
+                     "recompute": c.layout.recompute,
+                     "heads": list(c.heads) if "heads" in c.uses else None,
+                     "ffn": list(c.ffn) if "ffn" in c.uses else None,
+                     "seq": list(c.seq) if "seq" in c.uses else None,
+                     "predicted_ms": round(c.time_s * 1e3, 3), "max_memory_mb": round(max(c.memory_bytes) / 2**20, 1),
+                     "fits": c.fits, "exact_split": c.exact,
+                     "lower_bound_ms": None if c.lower_bound_s is None else round(c.lower_bound_s * 1e3, 3)})
+    return rows
+
+
+def print_table(rows: list[dict], measured: Optional[list[Optional[float]]] = None) -> None:
+    cols = ["rank", "plan", "att/con/mlp", "dp x pp x mp", "microbatches", "recompute", "heads", "ffn", "seq",
+            "predicted_ms", "lower_bound_ms", "max_memory_mb", "fits"]
+    cells = [[str(r[c]) if r[c] is not None else "-" for c in cols] for r in rows]
+    if measured is not None:
+        cols = cols + ["measured_ms", "error"]
+        for row, r, m in zip(cells, rows, measured):
+            row += ["-", "-"] if m is None else [f"{m * 1e3:.3f}", f"{(r['predicted_ms'] / (m * 1e3) - 1) * 100:+.1f}%"]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def plan_main(argv: list[str]) -> int:
+    args = plan_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        cfg = workload_config(args)
+        cluster = load_cluster(args.cluster)
+        check_model(cluster, cfg, args.cluster)
+        if args.top < 1 or args.validate < 0 or args.validate_steps < 2:
+            raise ConfigError("--top must be at least 1, --validate at least 0 and --validate_steps at least 2")
+        if args.validate and args.objective == "train" and cfg.model.model_type != "bert":
+            raise ConfigError("--validate trains BERT plans only (LLaMA's training CLI needs instruction data); "
+                              "validate LLaMA with --objective latency")
+        work = Workload(cfg.model, args.objective, cfg.train.global_batch_size, cfg.train.seq_length,
+                        cfg.train.dtype, cfg.train.optimizer)
+        started = time.perf_counter()
+        choices = search(cluster, work, args.ffn_unit, args.seq_unit, top=max(args.top, args.validate))
+        configs = [plan_config(cfg, c) for c in choices]
+        for config in configs:  # every written plan must load and resolve as the CLIs will
+            GalaxyConfig.from_dict(config).resolve_plan(cluster.world // (config["parallel"]["dp_size"]
+                                                                          * config["parallel"]["pp_size"]))
+    except (ConfigError, FileNotFoundError) as e:
+        return bad_input(e)
+    with open(args.out, "w") as f:
+        json.dump(configs[0], f, indent=2)
+    print(f"searched in {time.perf_counter() - started:.2f}s; best plan written to {args.out}", flush=True)
+    rows = table_rows(choices)
+    measured = [validate(config, cluster.world, args) for config in configs[:args.validate]] or None
+    if measured:
+        measured += [None] * (len(rows) - len(measured))
+        for row, m in zip(rows, measured):
+            row["measured_ms"] = None if m is None else round(m * 1e3, 3)
+    table_path = args.table or os.path.splitext(args.out)[0] + ".plans.json"
+    with open(table_path, "w") as f:
+        json.dump({"objective": args.objective, "cluster": args.cluster, "plans": rows, "configs": configs}, f,
+                  indent=2)
+    print(f"top {len(rows)} plans written to {table_path}")
+    print_table(rows[:args.top], measured[:args.top] if measured else None)
+    return 0
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate(config: dict, world: int, args: argparse.Namespace) -> Optional[float]:
+    """Run one plan on ``world`` local processes; its median measured step (train: every step
+    after the first) or batch-1 forward (latency) seconds, robust to a few disturbed steps."""
+    from galaxy.train.cli import build_parser, plan_launch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        summary, metrics = os.path.join(tmp, "summary.json"), os.path.join(tmp, "metrics.jsonl")
+        cfg = GalaxyConfig.from_dict(config, {"max_steps": args.validate_steps, "log_every": 10**6})
+        run_args = build_parser("validate").parse_args(["--world", str(world), "--no_progress", "--summary_json",
+                                                        summary, "--metrics_file", metrics,
+                                                        "--log_level", args.log_level])
+        try:
+            launch = plan_launch(run_args, cfg, "galaxy", False, None)
+        except ConfigError as e:
+            logger.warning("cannot validate %s here: %s", config["parallel"], e)
+            return None
+        if args.objective == "train":
+            code = launch_ranks(_train_rank, launch, (cfg, run_args), cfg)
+        else:
+            code = launch_ranks(_latency_rank, launch, (cfg, run_args, summary), cfg)
+        if code != 0 or not os.path.isfile(summary):
+            logger.warning("validation run of %s failed (exit %s)", config["parallel"], code)
+            return None
+        if args.objective == "latency":
+            with open(summary) as f:
+                return float(json.load(f)["latency_s"])
+        with open(metrics) as f:
+            steps = [json.loads(line)["step_time_s"] for line in f][1:]
+        return statistics.median(steps)
+
+
+def _train_rank(rank: int, launch, payload) -> None:
+    """The pretraining CLI's rank, its summary (printed per plan) silenced: the table reports it."""
+    from galaxy.train.pretrain import pretrain_rank
+
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        pretrain_rank(rank, launch, payload)
+
+
+def _latency_rank(rank: int, launch, payload) -> None:
+    """Median batch-1 forward seconds of the slowest rank, over ``max_steps`` timed forwards."""
+    import torch
+    import torch.distributed as dist
+
+    from galaxy.models import build_model
+
+    cfg, args, summary = payload
+    ctx = rank_context(rank, launch, cfg, args.log_level)
+    try:
+        plan = cfg.resolve_plan(ctx.mp.size)
+        model = build_model(cfg, plan, ctx).eval()
+        ids = torch.randint(0, cfg.model.vocab_size, (1, cfg.train.seq_length), device=ctx.device)
+        times = []
+        with torch.no_grad():
+            for i in range(cfg.train.max_steps + 1):
+                if ctx.world_size > 1:
+                    dist.barrier()
+                start = time.perf_counter()
+                model(ids)
+                if ctx.device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                if ctx.world_size > 1:
+                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if i:
+                    times.append(float(elapsed))
+        if rank == 0:
+            with open(summary, "w") as f:
+                json.dump({"latency_s": statistics.median(times)}, f)
+    except BaseException:
+        ctx.shutdown(wait_for_peers=False)
+        raise
+    ctx.shutdown()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "profile":
+        return profile_main(argv[1:])
+    return plan_main(argv)

@@ -1,0 +1,262 @@
+"""Time the real ATT, CON and MLP blocks of a model (``galaxy.models``) on one rank, forward and
+backward, with the bytes they save for backward, at the candidate shard sizes (heads, FFN columns,
+tokens): the compute half of a cluster profile (``galaxy.planner.profile``)."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from galaxy.config import Method, ModelConfig, Plan
+from galaxy.core.attention import attention
+from galaxy.core.context import ParallelContext
+from galaxy.core.layers import Dropout
+from galaxy.planner.cluster import Curve, Piece
+
+logger = logging.getLogger(__name__)
+
+FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 7 / 8, 1.0)
+TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+                "float16": torch.float16}
+
+
+def grid(total: int, unit: int = 1, most: int = 16) -> list[int]:
+    """Candidate shard sizes: multiples of ``unit`` up to ``total``, all of them when few, else
+    the fractions of ``FRACTIONS`` rounded to the unit."""
+    count = total // unit
+    if count <= most:
+        return [unit * k for k in range(1, count + 1)]
+    return sorted({max(unit, round(total * f / unit) * unit) for f in FRACTIONS})
+
+
+class BlockBench:
+    """The model's own block modules on one rank, built with a one-rank plan whose TP shard is the
+    size under test (the rank holds ``heads`` heads / ``ffn`` columns as rank 0 of a wider split)."""
+
+    def __init__(self, m: ModelConfig, rows: int, seq: int, device: torch.device, dtype: str):
+        self.m, self.rows, self.seq, self.device = m, rows, seq, device
+        self.dtype = TORCH_DTYPES[dtype]
+        self.ctx = ParallelContext.serial(device)
+        self.bert = m.model_type == "bert"
+
+    def plan(self, heads: int, ffn: int) -> Plan:
+        m = self.m
+        H, F_ = m.num_attention_heads, m.intermediate_size
+        att = Method.TP if heads < H else Method.NONE
+        mlp = Method.TP if ffn < F_ else Method.NONE
+        return Plan(att, Method.NONE, mlp, (heads, H - heads) if heads < H else (H,),
+                    (ffn, F_ - ffn) if ffn < F_ else (F_,), (self.seq,))
+
+    def _ready(self, module: torch.nn.Module) -> torch.nn.Module:
+        module = module.to(self.device)
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0 if name.endswith("weight") else 0.0)
+        return module.to(self.dtype if self.dtype == torch.float64 else torch.float32)
+
+    def _x(self, tokens: int, width: Optional[int] = None) -> torch.Tensor:
+        return torch.randn(self.rows, tokens, width or self.m.hidden_size, device=self.device,
+                           requires_grad=True)
+
+    def att_proj(self, heads: int, tokens: int):
+        m = self.m
+        plan = self.plan(heads, m.intermediate_size)
+        x = self._x(tokens)
+        if self.bert:
+            from galaxy.models.bert import BertSelfAttention
+
+            a = self._ready(BertSelfAttention(m, plan, self.ctx))
+            return [x], lambda x: (a.query(x), a.key(x), a.value(x))
+        from galaxy.models.llama import LlamaAttention, LlamaRotaryEmbedding, RopeAt
+
+        a = self._ready(LlamaAttention(m, plan, self.ctx, 0))
+        cos, sin = LlamaRotaryEmbedding(m)(torch.arange(self.seq, device=self.device)[None], torch.float32)
+        rope, idx = RopeAt(cos, sin, m.kernels), torch.arange(tokens, device=self.device)
+
+        def run(x):
+            b, s, _ = x.shape
+            q = a.q_proj(x).view(b, s, a.num_heads, a.head_dim).transpose(1, 2)
+            k = a.k_proj(x).view(b, s, a.num_kv_heads, a.head_dim).transpose(1, 2)
+            q, k = rope(q, k, idx)
+            return q, k, a.v_proj(x)
+        return [x], run
+
+    def att_core(self, heads: int, q_tokens: int, kv_tokens: int):
+        m = self.m
+        plan = self.plan(heads, m.intermediate_size)
+        d, kv_heads = m.head_dim, heads // (m.num_attention_heads // m.kv_heads)
+        if self.bert:
+            from galaxy.models.bert import BertSelfOutput
+
+            out = self._ready(BertSelfOutput(m, plan, self.ctx)).dense
+        else:
+            from galaxy.models.llama import LlamaAttention
+
+            out = self._ready(LlamaAttention(m, plan, self.ctx, 0)).o_proj
+        dropout = Dropout(m.attention_probs_dropout_prob, self.ctx.generator(sharded=True))
+        q = torch.randn(self.rows, heads, q_tokens, d, device=self.device, requires_grad=True)
+        k, v = (torch.randn(self.rows, kv_heads, kv_tokens, d, device=self.device, requires_grad=True)
+                for _ in range(2))
+
+        def run(q, k, v):
+            o = attention(q, k, v, causal=not self.bert, q_offset=kv_tokens - q_tokens, dropout=dropout)
+            return out(o.transpose(1, 2).reshape(self.rows, q_tokens, heads * d))
+        return [q, k, v], run
+
+    def mlp(self, ffn: int, tokens: int):
+        m = self.m
+        plan = self.plan(m.num_attention_heads, ffn)
+        x = self._x(tokens)
+        if self.bert:
+            from galaxy.models.bert import BertIntermediate, BertOutput
+
+            inter, out = self._ready(BertIntermediate(m, plan, self.ctx)), self._ready(BertOutput(m, plan, self.ctx))
+            return [x], lambda x: out.dense(inter(x))
+        from galaxy.models.llama import LlamaMLP
+
+        mlp = self._ready(LlamaMLP(m, plan, self.ctx))
+        return [x], mlp
+
+    def con(self, tokens: int):
+        m = self.m
+        a, h = self._x(tokens), self._x(tokens)
+        dropout = Dropout(m.hidden_dropout_prob, self.ctx.generator(sharded=True))
+        if self.bert:
+            from galaxy.models.bert import LayerNorm
+
+            norm = self._ready(LayerNorm(m.hidden_size, m.layer_norm_eps, m.kernels))
+            return [a, h], lambda a, h: norm(dropout(a) + h)
+        from galaxy.models.llama import LlamaRMSNorm
+
+        norm = self._ready(LlamaRMSNorm(m.hidden_size, m.rms_norm_eps, m.kernels))
+
+        def run(a, h):
+            h = h + dropout(a)
+            return h, norm(h)
+        return [a, h], run
+
+    def head(self, tokens: int):
+        """Embeddings, output head and the loss of ``tokens`` tokens."""
+        m = self.m
+        ids = torch.randint(0, m.vocab_size, (self.rows, tokens), device=self.device)
+        plan = self.plan(m.num_attention_heads, m.intermediate_size)
+        if self.bert:
+            from galaxy.models.bert import BertEmbeddings, BertOnlyMLMHead
+
+            emb = self._ready(BertEmbeddings(m, plan, self.ctx))
+            head = self._ready(BertOnlyMLMHead(m, plan, emb.word_embeddings))
+            types = torch.zeros_like(ids)
+            logits = lambda: head(emb(ids, types, 0))  # noqa: E731
+        else:
+            from galaxy.models.llama import LlamaRMSNorm
+
+            emb = self._ready(torch.nn.Embedding(m.vocab_size, m.hidden_size))
+            norm = self._ready(LlamaRMSNorm(m.hidden_size, m.rms_norm_eps, m.kernels))
+            lm_head = emb.weight if m.tie_word_embeddings else self._ready(
+                torch.nn.Linear(m.hidden_size, m.vocab_size, bias=False)).weight
+            logits = lambda: F.linear(norm(emb(ids)), lm_head)  # noqa: E731
+        return [], lambda: F.cross_entropy(logits().float().reshape(-1, m.vocab_size), ids.reshape(-1))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (timers read the host clock)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def saved_bytes(fn: Callable, inputs: list) -> int:
+    """Bytes of the tensors autograd saves for backward (each storage once)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*inputs)
+    return sum(storages.values())
+
+
+class PieceRun:
+    """One piece at one size, ready to run forward and backward again and again."""
+
+    def __init__(self, bench: BlockBench, make: Callable):
+        self.device = bench.device
+        self.inputs, self.fn = make()
+        self.autocast = (torch.autocast(bench.device.type, dtype=bench.dtype)
+                         if bench.dtype in (torch.bfloat16, torch.float16)
+                         else torch.autocast(bench.device.type, enabled=False))
+        self.grads = None
+
+    def forward(self) -> list[torch.Tensor]:
+        with self.autocast:
+            out = self.fn(*self.inputs)
+        return [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
+
+    def once(self) -> tuple[float, float]:
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        outs = self.forward()
+        synchronize(self.device)
+        t1 = time.perf_counter()
+        self.grads = self.grads or [torch.randn_like(o) for o in outs]
+        torch.autograd.backward(outs, self.grads)
+        synchronize(self.device)
+        t2 = time.perf_counter()
+        for x in self.inputs:
+            x.grad = None
+        return t1 - t0, t2 - t1
+
+    def saved(self) -> int:
+        with self.autocast:
+            return saved_bytes(self.fn, self.inputs)
+
+
+def time_pieces(bench: BlockBench, makes: list[Callable], reps: int,
+                barrier: Callable[[], None]) -> list[tuple[float, float, int]]:
+    """Median forward and backward seconds, and saved bytes, of one piece at several sizes. The
+    sizes take turns within each repetition, so a burst of load from elsewhere disturbs one
+    sample of many sizes rather than every sample of one (the median then drops it)."""
+    runs = [PieceRun(bench, make) for make in makes]
+    samples: list[list[tuple[float, float]]] = [[] for _ in runs]
+    for i in range(reps + 1):  # the first round warms up
+        for run, taken in zip(runs, samples):
+            barrier()
+            t = run.once()
+            if i:
+                taken.append(t)
+    return [(statistics.median(f for f, _ in taken), statistics.median(b for _, b in taken), run.saved())
+            for run, taken in zip(runs, samples)]
+
+
+def measure_blocks(m: ModelConfig, rows: int, seq: int, device: torch.device, dtype: str, reps: int,
+                   barrier: Callable[[], None], ffn_unit: int = 1) -> dict[str, Piece]:
+    bench = BlockBench(m, rows, seq, device, dtype)
+    H, F_ = m.num_attention_heads, m.intermediate_size
+    heads = grid(H, H // m.kv_heads)
+    tokens = grid(seq)
+    ffns = grid(F_, ffn_unit)
+    plan = {
+        "att_proj.heads": (heads, lambda n: bench.att_proj(n, seq)),
+        "att_proj.tokens": (tokens, lambda n: bench.att_proj(H, n)),
+        "att_core.heads": (heads, lambda n: bench.att_core(n, seq, seq)),
+        "att_core.tokens": (tokens, lambda n: bench.att_core(H, n, seq)),
+        "mlp.ffn": (ffns, lambda n: bench.mlp(n, seq)),
+        "mlp.tokens": (tokens, lambda n: bench.mlp(F_, n)),
+        "con.tokens": (tokens, bench.con),
+        "head.tokens": (tokens, bench.head),
+    }
+    pieces = {}
+    for name, (sizes, make) in plan.items():
+        rows_ = time_pieces(bench, [lambda n=n: make(n) for n in sizes], reps, barrier)
+        tsizes = tuple(sizes)
+        pieces[name] = Piece(Curve(tsizes, tuple(r[0] for r in rows_)), Curve(tsizes, tuple(r[1] for r in rows_)),
+                             Curve(tsizes, tuple(float(r[2]) for r in rows_)))
+        logger.info("measured %s at %d sizes", name, len(sizes))
+    return pieces

@@ -1,0 +1,320 @@
+"""The cluster profile (``cluster.json``): what the cost model knows about each rank and group.
+
+    {"version": 1, "world": N, "backend": "gloo", "device": "cpu",
+     "model": {ModelConfig fields}, "rows": [1, 16], "seq_length": S, "dtype": "float32",
+     "ranks": [{"rank": 0, "host": "...", "memory_bytes": M,
+                "pieces": {"16": {"att_proj.heads": {"sizes": [...], "fwd_s": [...], "bwd_s": [...],
+                                                     "act_bytes": [...]}, ...}, "1": {...}},
+                "optimizer": {"alpha_s": a, "s_per_param": b, "samples": [[params, seconds], ...]},
+                "step_overhead_s": o, "forward_overhead_s": f}],
+     "groups": [{"ranks": [0, 1], "ops": {"all_reduce": {"alpha_s": a, "beta_s_per_byte": b,
+                                                         "samples": [[bytes, seconds], ...]}, ...}}]}
+
+A piece is one block's compute measured on one rank at each of the ``rows`` batch sizes, as a
+function of one size (``PIECES``); the other sizes are the model's full ones, or for
+``att_core.tokens`` the local queries against all ``seq_length`` keys (ATT.sp). Between and beyond
+the measured batch sizes a piece is linear in rows (so a fixed per-call overhead is kept, not
+scaled); with one batch size it is proportional. Collective bytes are the full tensor's bytes
+(``galaxy.core.comm`` pads uneven pieces to the largest one; the cost model charges that).
+The overheads are what a real serial training step / batch-1 forward of the model took on the
+rank beyond the cost model's prediction from its pieces; every prediction adds them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from galaxy.config import ConfigError, ModelConfig
+
+VERSION = 1
+# piece name -> the size it varies (the others are full)
+PIECES = {
+    "att_proj.heads": "query heads; q/k/v projections (and RoPE) on all tokens",
+    "att_proj.tokens": "tokens; q/k/v projections of all heads",
+    "att_core.heads": "query heads; attention core + output projection, all tokens",
+    "att_core.tokens": "local query tokens against all keys; core + output projection, all heads",
+    "mlp.ffn": "intermediate columns; the MLP on all tokens",
+    "mlp.tokens": "tokens; the whole MLP",
+    "con.tokens": "tokens; one CON block (residual add, norm, dropout)",
+    "head.tokens": "tokens; embeddings + output head + loss",
+}
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def isotonic(values: Sequence[float]) -> np.ndarray:
+    """Non-decreasing least-squares fit (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
+    return np.concatenate([np.full(int(n), m) for m, n in blocks])
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A measured quantity at increasing ``sizes``: piecewise linear between them, extended
+    linearly beyond (never below zero). Timings are noisy, so the values are first replaced by
+    their isotonic (non-decreasing least-squares) fit: the split search relies on monotone
+    per-rank times, and a running maximum would let one slow outlier lift every larger size."""
+
+    sizes: tuple[int, ...]
+    values: tuple[float, ...]
+
+    def __call__(self, x) -> np.ndarray:
+        xs = np.asarray(self.sizes, dtype=float)
+        ys = isotonic(self.values)
+        x = np.asarray(x, dtype=float)
+        if len(xs) == 1:
+            return ys[0] * x / xs[0]
+        out = np.interp(x, xs, ys)
+        lo, hi = x < xs[0], x > xs[-1]
+        out = np.where(lo, ys[0] + (x - xs[0]) * (ys[1] - ys[0]) / (xs[1] - xs[0]), out)
+        out = np.where(hi, ys[-1] + (x - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), out)
+        return np.maximum(np.where(x <= 0, 0.0, out), 0.0)
+
+
+@dataclass(frozen=True)
+class Piece:
+    fwd: Curve
+    bwd: Curve
+    act: Curve  # bytes saved for backward
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """``seconds = alpha + beta * bytes``, fitted to ``samples`` of (bytes, seconds)."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+    samples: tuple[tuple[float, float], ...] = ()
+
+    def __call__(self, nbytes) -> np.ndarray:
+        return self.alpha_s + self.beta_s_per_byte * np.asarray(nbytes, dtype=float)
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[float, float]]) -> "AlphaBeta":
+        """Least squares on relative errors (timing noise is proportional to the time, and plain
+        least squares would let the largest messages drown the latency), both terms non-negative:
+        a negative one is dropped and the other refitted."""
+        x = np.array([s[0] for s in samples], dtype=float)
+        y = np.array([s[1] for s in samples], dtype=float)
+        if len(x) >= 2 and np.ptp(x) > 0:
+            beta, alpha = np.polyfit(x, y, 1, w=1 / np.maximum(y, 1e-12))
+        else:
+            alpha, beta = 0.0, float(y.mean() / max(x.mean(), 1.0))
+        if alpha < 0:
+            alpha, beta = 0.0, float(np.median(y / np.maximum(x, 1.0)))
+        if beta < 0:
+            alpha, beta = float(y.mean()), 0.0
+        return cls(float(alpha), float(beta), tuple((float(a), float(b)) for a, b in samples))
+
+
+@dataclass(frozen=True)
+class RankProfile:
+    rank: int
+    host: str
+    memory_bytes: int
+    pieces: dict[int, dict[str, Piece]]  # by rows
+    optimizer: AlphaBeta  # seconds = alpha + s_per_param * local trainable parameters
+    # what a real serial step / batch-1 forward took beyond the pieces' prediction (loop, data, Python)
+    step_overhead_s: float = 0.0
+    forward_overhead_s: float = 0.0
+
+    def piece(self, name: str, rows: int, sizes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(forward s, backward s, saved bytes) of piece ``name`` at ``rows`` rows and ``sizes``."""
+        measured = sorted(self.pieces)
+        if len(measured) == 1:
+            p, scale = self.pieces[measured[0]][name], rows / measured[0]
+            return p.fwd(sizes) * scale, p.bwd(sizes) * scale, p.act(sizes) * scale
+        k = min(max(int(np.searchsorted(measured, rows)), 1), len(measured) - 1)
+        lo, hi = measured[k - 1], measured[k]
+        w = (rows - lo) / (hi - lo)
+        a, b = self.pieces[lo][name], self.pieces[hi][name]
+        return tuple(np.maximum(fa(sizes) + w * (fb(sizes) - fa(sizes)), 0.0)
+                     for fa, fb in ((a.fwd, b.fwd), (a.bwd, b.bwd), (a.act, b.act)))
+
+
+@dataclass(frozen=True)
+class Cluster:
+    world: int
+    backend: str
+    device: str
+    model: ModelConfig
+    rows: tuple[int, ...]
+    seq_length: int
+    dtype: str
+    ranks: tuple[RankProfile, ...]
+    groups: dict[tuple[int, ...], dict[str, AlphaBeta]]
+
+    def collective(self, ranks: Sequence[int], op: str) -> AlphaBeta:
+        key = tuple(ranks)
+        if key not in self.groups:
+            raise ConfigError(f"cluster file has no measurements for group {list(key)}; profile again with "
+                              f"--world {self.world} (it measures every group a plan can use)")
+        return self.groups[key][op]
+
+    def p2p(self, a: int, b: int) -> AlphaBeta:
+        """Point-to-point a <-> b, as an all-gather of twice the bytes on the pair (one each way)."""
+        ab = self.collective(sorted((a, b)), "all_gather")
+        return AlphaBeta(ab.alpha_s, 2 * ab.beta_s_per_byte)
+
+    def to_dict(self) -> dict[str, Any]:
+        def curve_dict(p: Piece) -> dict:
+            return {"sizes": list(p.fwd.sizes), "fwd_s": list(p.fwd.values), "bwd_s": list(p.bwd.values),
+                    "act_bytes": list(p.act.values)}
+
+        return {
+            "version": VERSION, "world": self.world, "backend": self.backend, "device": self.device,
+            "model": {k: v for k, v in vars(self.model).items()}, "rows": list(self.rows),
+            "seq_length": self.seq_length, "dtype": self.dtype,
+            "ranks": [{"rank": r.rank, "host": r.host, "memory_bytes": r.memory_bytes,
+                       "pieces": {str(rows): {n: curve_dict(p) for n, p in by_name.items()}
+                                  for rows, by_name in r.pieces.items()},
+                       "optimizer": {"alpha_s": r.optimizer.alpha_s, "s_per_param": r.optimizer.beta_s_per_byte,
+                                     "samples": [list(s) for s in r.optimizer.samples]},
+                       "step_overhead_s": r.step_overhead_s, "forward_overhead_s": r.forward_overhead_s}
+                      for r in self.ranks],
+            "groups": [{"ranks": list(g), "ops": {op: {"alpha_s": ab.alpha_s, "beta_s_per_byte": ab.beta_s_per_byte,
+                                                       "samples": [list(s) for s in ab.samples]}
+                                                  for op, ab in ops.items()}} for g, ops in self.groups.items()],
+        }
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+
+# ----------------------------------------------------------------------------- reading, with checks
+
+
+class _Reader:
+    """Typed access to the JSON tree; every failure names the key path and the file."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, key: str, problem: str) -> ConfigError:
+        return ConfigError(f"cluster file '{self.source}': key '{key}' {problem}; profile the cluster again "
+                           "(plan_galaxy.py profile) or fix that entry")
+
+    def get(self, obj: Any, key: str, path: str, kind, positive: bool = False):
+        if not isinstance(obj, dict) or key not in obj:
+            raise self.fail(f"{path}{key}", "is missing")
+        value = obj[key]
+        ok = isinstance(value, kind) and not isinstance(value, bool)
+        if kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok:
+            raise self.fail(f"{path}{key}", f"must be {getattr(kind, '__name__', kind)}, got {value!r}")
+        if positive and value <= 0:
+            raise self.fail(f"{path}{key}", f"must be positive, got {value!r}")
+        if kind is float and value < 0:
+            raise self.fail(f"{path}{key}", f"must not be negative, got {value!r}")
+        return float(value) if kind is float else value
+
+    def numbers(self, obj: Any, key: str, path: str, length: int | None = None, increasing: bool = False):
+        values = self.get(obj, key, path, list)
+        if not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                                 and v >= 0 for v in values):
+            raise self.fail(f"{path}{key}", "must be a non-empty list of non-negative numbers")
+        if length is not None and len(values) != length:
+            raise self.fail(f"{path}{key}", f"has {len(values)} entries but 'sizes' has {length}")
+        if increasing and any(b <= a for a, b in zip(values, values[1:])):
+            raise self.fail(f"{path}{key}", f"must be strictly increasing, got {values}")
+        return tuple(values)
+
+    def samples(self, obj: Any, path: str) -> tuple[tuple[float, float], ...]:
+        raw = self.get(obj, "samples", path, list)
+        if not all(isinstance(s, list) and len(s) == 2 and all(isinstance(v, (int, float)) for v in s) for s in raw):
+            raise self.fail(f"{path}samples", "must be a list of [size, seconds] pairs")
+        return tuple((float(a), float(b)) for a, b in raw)
+
+
+def cluster_from_dict(raw: Any, source: str = "<dict>") -> Cluster:
+    from galaxy.config import GalaxyConfig
+
+    r = _Reader(source)
+    if not isinstance(raw, dict):
+        raise r.fail("(top level)", "must be a JSON object")
+    version = r.get(raw, "version", "", int)
+    if version != VERSION:
+        raise r.fail("version", f"is {version} but this planner reads version {VERSION}")
+    world = r.get(raw, "world", "", int, positive=True)
+    rows = r.numbers(raw, "rows", "", increasing=True)
+    if not all(isinstance(v, int) and v > 0 for v in rows):
+        raise r.fail("rows", f"must list positive batch sizes, got {list(rows)}")
+    seq = r.get(raw, "seq_length", "", int, positive=True)
+    model_raw = r.get(raw, "model", "", dict)
+    try:
+        model = GalaxyConfig.from_dict({"model": model_raw, "train": {"seq_length": seq}}).model
+    except ConfigError as e:
+        raise r.fail("model", f"is not a valid model section ({e})") from None
+    ranks_raw = r.get(raw, "ranks", "", list)
+    if len(ranks_raw) != world:
+        raise r.fail("ranks", f"has {len(ranks_raw)} entries but world is {world}")
+    ranks = []
+    for i, rank_raw in enumerate(ranks_raw):
+        path = f"ranks[{i}]."
+        if r.get(rank_raw, "rank", path, int) != i:
+            raise r.fail(f"{path}rank", f"must be {i} (ranks are listed in order)")
+        by_rows = r.get(rank_raw, "pieces", path, dict)
+        pieces = {}
+        for n in rows:
+            pieces_raw = r.get(by_rows, str(n), f"{path}pieces.", dict)
+            pieces[n] = {}
+            for name in PIECES:
+                p = f"{path}pieces.{n}.{name}."
+                entry = pieces_raw.get(name)
+                if entry is None:
+                    raise r.fail(f"{path}pieces.{n}.{name}", "is missing")
+                sizes = r.numbers(entry, "sizes", p, increasing=True)
+                curves = [Curve(sizes, r.numbers(entry, k, p, len(sizes))) for k in ("fwd_s", "bwd_s", "act_bytes")]
+                pieces[n][name] = Piece(*curves)
+            unknown = sorted(set(pieces_raw) - set(PIECES))
+            if unknown:
+                raise r.fail(f"{path}pieces.{n}.{unknown[0]}", f"is not a known piece (known: {', '.join(PIECES)})")
+        opt = r.get(rank_raw, "optimizer", path, dict)
+        optimizer = AlphaBeta(r.get(opt, "alpha_s", f"{path}optimizer.", float),
+                              r.get(opt, "s_per_param", f"{path}optimizer.", float),
+                              r.samples(opt, f"{path}optimizer."))
+        ranks.append(RankProfile(i, str(rank_raw.get("host", "")),
+                                 r.get(rank_raw, "memory_bytes", path, int, positive=True), pieces, optimizer,
+                                 r.get(rank_raw, "step_overhead_s", path, float),
+                                 r.get(rank_raw, "forward_overhead_s", path, float)))
+    groups = {}
+    for j, g in enumerate(r.get(raw, "groups", "", list)):
+        path = f"groups[{j}]."
+        members = r.get(g, "ranks", path, list)
+        if len(members) < 2 or not all(isinstance(m, int) and 0 <= m < world for m in members) \
+                or len(set(members)) != len(members):
+            raise r.fail(f"{path}ranks", f"must list at least two distinct ranks of 0..{world - 1}, got {members}")
+        ops_raw = r.get(g, "ops", path, dict)
+        ops = {}
+        for op in OPS:
+            entry = ops_raw.get(op)
+            if entry is None:
+                raise r.fail(f"{path}ops.{op}", "is missing")
+            p = f"{path}ops.{op}."
+            ops[op] = AlphaBeta(r.get(entry, "alpha_s", p, float), r.get(entry, "beta_s_per_byte", p, float),
+                                r.samples(entry, p))
+        groups[tuple(members)] = ops
+    return Cluster(world, str(raw.get("backend", "")), str(raw.get("device", "")), model, tuple(int(v) for v in rows), seq,
+                   str(raw.get("dtype", "float32")), tuple(ranks), groups)
+
+
+def load_cluster(path: str) -> Cluster:
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"cluster file '{path}' does not exist; write it with plan_galaxy.py profile") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"cluster file '{path}' is not valid JSON (line {e.lineno}: {e.msg})") from None
+    return cluster_from_dict(raw, path)

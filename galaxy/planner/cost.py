@@ -1,0 +1,358 @@
+"""Predicted step time (training) or single-request latency (batch-1 forward) and per-rank memory
+of a plan, from a cluster profile: each rank runs its pieces at its own measured speed, and every
+collective is a sync point of its group (the slowest member sets when it starts).
+
+All predictions are vectorised over candidate splits: ``Splits`` holds ``[candidates, mp]`` arrays,
+so the search scores thousands of splits in one pass. A step is simulated as the training loop runs
+it: optimizer (each rank's own), the micro-batches' forward and backward, the data-parallel and
+model-parallel gradient sums and the global grad-norm all-reduce (the step's last sync point).
+Pipelines (pp > 1) use the usual schedule bound: the sum of the stages' times plus (micro-batches
+- 1) times the slowest stage. CoC overlap is not modelled (plans are scored with one chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from galaxy.config import Method, ModelConfig, balanced_split
+from galaxy.core.context import rank_of
+from galaxy.planner.cluster import Cluster
+from galaxy.planner.workload import LAYOUTS, TRANSITIONS, edge_params, layer_params, stream_layout
+
+DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+GRAD_BUCKET_BYTES = 25 * 2**20  # GradientSync's bucket size
+MASTER_BYTES = 4 + 4  # fp32 master weight and gradient
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd": 4}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a world is used around the model-parallel group (training); latency uses the default."""
+
+    dp: int = 1
+    pp: int = 1
+    microbatches: int = 1
+    recompute: str = "none"  # none | full | selective
+    schedule: str = "1f1b"
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: ModelConfig
+    objective: str  # train | latency
+    global_batch: int
+    seq_length: int
+    dtype: str = "float32"
+    optimizer: str = "adamw"
+
+    @property
+    def elem(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+@dataclass
+class Splits:
+    """Per-rank shares, each ``[candidates, mp]``: query heads (ATT.tp), FFN columns (MLP.tp), tokens (SP)."""
+
+    heads: np.ndarray
+    ffn: np.ndarray
+    seq: np.ndarray
+
+    @classmethod
+    def one(cls, heads, ffn, seq) -> "Splits":
+        return cls(*(np.atleast_2d(np.asarray(x, dtype=np.int64)) for x in (heads, ffn, seq)))
+
+    @classmethod
+    def balanced(cls, m: ModelConfig, seq_length: int, mp: int) -> "Splits":
+        return cls.one(balanced_split(m.num_attention_heads, mp), balanced_split(m.intermediate_size, mp),
+                       balanced_split(seq_length, mp))
+
+
+@dataclass
+class Prediction:
+    time_s: np.ndarray  # [candidates]
+    memory_bytes: np.ndarray  # [candidates, world]
+    fits: np.ndarray  # [candidates]: every rank within its memory budget
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass
+class Compute:
+    fwd: np.ndarray  # [C, mp] seconds
+    bwd: np.ndarray
+    act: np.ndarray  # bytes saved for backward
+    name: str = ""
+
+
+@dataclass
+class Collective:
+    fwd_op: Optional[str]
+    bwd_op: Optional[str]
+    nbytes: int  # the full tensor (what galaxy.core.comm records)
+    wire: np.ndarray  # [C] bytes charged (uneven pieces are padded to the largest)
+    name: str = ""
+
+
+class Segments:
+    """The stretches between a group's sync points, as the simulation passes them: each rank's
+    compute since the last sync (``parts``, ``[C, mp]``) and each sync's collective (``comm``,
+    ``[C, 1]``). The step is the sum of each part's maximum over ranks and of the comms."""
+
+    def __init__(self):
+        self.base = 0.0
+        self.parts: list[np.ndarray] = []
+        self.comm: list[np.ndarray] = []
+
+    def sync(self, clock: np.ndarray, cost: np.ndarray) -> None:
+        self.parts.append(clock - self.base)
+        self.comm.append(cost)
+        self.base = clock.max(axis=1, keepdims=True) + cost
+
+    def finish(self, clock: np.ndarray) -> None:
+        self.parts.append(clock - self.base)
+
+
+class GroupModel:
+    """The pieces and collectives of one model-parallel group (``ranks``) under one plan."""
+
+    def __init__(self, cluster: Cluster, work: Workload, methods: tuple[Method, Method, Method],
+                 splits: Splits, ranks: list[int], rows: int):
+        self.cluster, self.work, self.splits, self.ranks, self.rows = cluster, work, splits, ranks, rows
+        self.att, self.con, self.mlp = methods
+        self.stream = stream_layout(self.con)
+        m = work.model
+        self.mp = len(ranks)
+        S, self.h = work.seq_length, m.hidden_size
+        full = lambda n: np.full_like(splits.seq, n)  # noqa: E731
+        self.tokens = splits.seq if self.stream == "S" else full(S)
+        self.act_bytes = rows * S * self.h * work.elem
+        if self.mp > 1 and (self.stream == "S" or Method.SP in (self.att, self.mlp)):
+            self.padded = rows * splits.seq.max(axis=1) * self.mp * self.h * work.elem
+        else:
+            self.padded = np.full(splits.seq.shape[0], self.act_bytes)
+        self.full = full
+        self.segments: Optional[Segments] = None  # recorded when a lower bound is wanted
+
+    def piece(self, name: str, sizes: np.ndarray) -> Compute:
+        out = [np.empty(sizes.shape) for _ in range(3)]
+        for i, r in enumerate(self.ranks):
+            for k, values in enumerate(self.cluster.ranks[r].piece(name, self.rows, sizes[:, i])):
+                out[k][:, i] = values
+        return Compute(*out, name=name)
+
+    def transition(self, src: str, dst: str, name: str) -> Optional[Collective]:
+        if self.mp == 1:
+            return None
+        fwd, bwd = TRANSITIONS[(src, dst)]
+        if fwd is None and bwd is None:
+            return None
+        seq_side = "S" in (src, dst)
+        return Collective(fwd, bwd, self.act_bytes, self.padded if seq_side else np.full(len(self.padded),
+                                                                                        self.act_bytes), name)
+
+    def layer(self) -> list:
+        """One layer's events in forward order: ATT, CON, MLP, CON with the transitions between."""
+        m, s = self.work.model, self.splits
+        H, F = m.num_attention_heads, m.intermediate_size
+        events = [self.transition(self.stream, LAYOUTS[self.att][0], "enter ATT")]
+        if self.att == Method.SP and self.mp > 1:
+            kv = self.rows * self.work.seq_length * 2 * m.kv_heads * m.head_dim * self.work.elem
+            kv_wire = self.padded / self.h * 2 * m.kv_heads * m.head_dim
+            events += [self.piece("att_proj.tokens", s.seq),
+                       Collective("all_gather", "reduce_scatter", kv, kv_wire, "K,V gather"),
+                       self.piece("att_core.tokens", s.seq)]
+        else:
+            heads = s.heads if self.att == Method.TP else self.full(H)
+            events += [self.piece("att_proj.heads", heads), self.piece("att_core.heads", heads)]
+        events += [self.transition(LAYOUTS[self.att][1], self.stream, "leave ATT"),
+                   self.piece("con.tokens", self.tokens),
+                   self.transition(self.stream, LAYOUTS[self.mlp][0], "enter MLP")]
+        if self.mlp == Method.TP:
+            events.append(self.piece("mlp.ffn", s.ffn))
+        elif self.mlp == Method.SP:
+            events.append(self.piece("mlp.tokens", s.seq))
+        else:
+            events.append(self.piece("mlp.ffn", self.full(F)))
+        events += [self.transition(LAYOUTS[self.mlp][1], self.stream, "leave MLP"),
+                   self.piece("con.tokens", self.tokens)]
+        return [e for e in events if e is not None]
+
+    def head(self) -> list:
+        events = [self.piece("head.tokens", self.tokens)]
+        if self.stream == "S" and self.mp > 1 and self.work.objective == "train":
+            events.append(Collective("all_reduce", None, 4, np.full(len(self.padded), 4), "loss"))  # fp32 loss
+        return events
+
+    def cost(self, op: str, wire) -> np.ndarray:
+        return self.cluster.collective(self.ranks, op)(wire)[:, None]
+
+
+def run(group: GroupModel, events: list, clock: np.ndarray, backward: bool = False) -> np.ndarray:
+    """Advance per-rank clocks ``[C, mp]`` through ``events`` (in backward order when ``backward``)."""
+    for e in (reversed(events) if backward else events):
+        if isinstance(e, Compute):
+            clock = clock + (e.bwd if backward else e.fwd)
+        else:
+            op = e.bwd_op if backward else e.fwd_op
+            if op is not None:  # everyone leaves together, when the last one has arrived
+                cost = group.cost(op, e.wire)
+                if group.segments is not None:
+                    group.segments.sync(clock, cost)
+                clock = np.repeat(clock.max(axis=1, keepdims=True) + cost, clock.shape[1], axis=1)
+    return clock
+
+
+def collectives(group: GroupModel, layers: int) -> list[tuple[str, int, str]]:
+    """(op, bytes, phase) of every activation collective of one forward and backward, in the
+    order a rank issues them (the backward's in reverse), as galaxy.core.comm records them."""
+    events = [e for _ in range(layers) for e in group.layer()] + group.head()
+    fwd = [(e.fwd_op, e.nbytes, "fwd") for e in events if isinstance(e, Collective) and e.fwd_op]
+    bwd = [(e.bwd_op, e.nbytes, "bwd") for e in reversed(events) if isinstance(e, Collective) and e.bwd_op]
+    return fwd + bwd
+
+
+def predict(cluster: Cluster, work: Workload, methods: tuple[Method, Method, Method], splits: Splits,
+            layout: Layout = Layout(), segments: Optional[Segments] = None) -> Prediction:
+    """Step time (objective 'train') or batch-1 forward latency ('latency'), and memory per rank.
+    ``segments`` (dp = pp = 1 only) records the stretches between sync points."""
+    m = work.model
+    dp, pp, M = layout.dp, layout.pp, layout.microbatches
+    world = cluster.world
+    if world % (dp * pp):
+        raise ValueError(f"dp x pp = {dp * pp} does not divide the world of {world}")
+    mp = world // (dp * pp)
+    latency = work.objective == "latency"
+    rows = 1 if latency else work.global_batch // (dp * M)
+    C = splits.seq.shape[0]
+    stage_layers = balanced_split(m.num_hidden_layers, pp)
+    groups = {(d, p): GroupModel(cluster, work, methods, splits,
+                                 [rank_of(d, p, i, pp, mp) for i in range(mp)], rows)
+              for d in range(dp) for p in range(pp)}
+    if segments is not None:
+        if dp * pp != 1:
+            raise ValueError("segments are recorded for dp = pp = 1 only")
+        groups[(0, 0)].segments = segments
+    # parameters per mp rank on each stage (the same in every dp replica)
+    emb, head = edge_params(m)
+    per_layer = layer_params(m, methods[0], methods[2], methods[1], splits.heads, splits.ffn)
+    params, partial = {}, {}
+    for p in range(pp):
+        params[p] = per_layer.total * stage_layers[p] + (emb if p == 0 else 0) + (head if p == pp - 1 else 0)
+        edge_partial = (emb if p == 0 else 0) + (head if p == pp - 1 else 0)
+        partial[p] = per_layer.partial * stage_layers[p] + (edge_partial if methods[1] == Method.SP else 0)
+
+    memory = np.zeros((C, world))
+    detail = {}
+    if latency:
+        g = groups[(0, 0)]
+        layer, head_ev = g.layer(), g.head()
+        clock = np.tile([cluster.ranks[r].forward_overhead_s for r in g.ranks], (C, 1))
+        for _ in range(m.num_hidden_layers):
+            clock = run(g, layer, clock)
+        clock = run(g, head_ev, clock)
+        if segments is not None:
+            segments.finish(clock)
+        time = clock.max(axis=1)
+        working = max((e.act for e in layer + head_ev if isinstance(e, Compute)), key=lambda a: a.sum())
+        memory[:, g.ranks] = params[0] * work.elem + working
+        return _finish(cluster, time, memory, detail)
+
+    opt = {r: cluster.ranks[r].optimizer for r in range(world)}
+    grad_bytes = 4  # gradients are reduced in float32
+    state = MASTER_BYTES + OPTIMIZER_STATE_BYTES[work.optimizer]
+    stage_f, stage_b = np.zeros((pp, C)), np.zeros((pp, C))
+    clocks = {}
+    for (d, p), g in groups.items():
+        layer, head_ev = g.layer(), g.head()
+        last = p == pp - 1
+        edge = head_ev if last else []
+        # memory: parameters and optimizer state, plus the activations held at once
+        acts_layer = sum(e.act for e in layer if isinstance(e, Compute))
+        acts_edge = sum((e.act for e in edge if isinstance(e, Compute)), np.zeros((C, mp)))
+        in_flight = 1 if pp == 1 else (M if layout.schedule == "gpipe" else min(M, pp - p))
+        if layout.recompute == "full":
+            held = stage_layers[p] * rows * g.tokens * m.hidden_size * work.elem + acts_layer
+        else:
+            held = stage_layers[p] * acts_layer
+        memory[:, g.ranks] = params[p] * state + in_flight * (held + acts_edge)
+
+        def fwd_bwd(clock):
+            for _ in range(stage_layers[p]):
+                clock = run(g, layer, clock)
+            clock = run(g, edge, clock)
+            f_end = clock
+            clock = run(g, edge, clock, backward=True)
+            for _ in range(stage_layers[p]):
+                if layout.recompute == "full":
+                    clock = run(g, layer, clock)
+                elif layout.recompute == "selective":
+                    clock = clock + sum(e.fwd for e in layer if isinstance(e, Compute) and e.name.startswith("att_core"))
+                clock = run(g, layer, clock, backward=True)
+            return f_end, clock
+
+        if pp == 1:
+            clock = np.stack([opt[r](params[0][:, i]) + cluster.ranks[r].step_overhead_s
+                              for i, r in enumerate(g.ranks)], axis=1)
+            for _ in range(M):
+                _, clock = fwd_bwd(clock)
+            clocks[(d, p)] = clock
+        else:
+            f_end, b_end = fwd_bwd(np.zeros((C, mp)))
+            f = f_end.max(axis=1)
+            stage_f[p] = np.maximum(stage_f[p], f)
+            stage_b[p] = np.maximum(stage_b[p], b_end.max(axis=1) - f)
+
+    if pp > 1:
+        for p in range(pp - 1):  # each boundary sends the stream forward and its gradient back
+            for d in range(dp):
+                a, b = groups[(d, p)], groups[(d, p + 1)]
+                send = np.stack([cluster.p2p(a.ranks[i], b.ranks[i])(rows * a.tokens[:, i] * m.hidden_size * work.elem)
+                                 for i in range(mp)], axis=1).max(axis=1)
+                stage_f[p] = stage_f[p] + send
+                stage_b[p + 1] = stage_b[p + 1] + send
+        per_stage = stage_f + stage_b
+        pipe = per_stage.sum(axis=0) + (M - 1) * per_stage.max(axis=0)
+        opt_max = np.zeros(C)
+        for (d, p), g in groups.items():
+            for i, r in enumerate(g.ranks):
+                opt_max = np.maximum(opt_max, opt[r](params[p][:, i]) + cluster.ranks[r].step_overhead_s)
+        clocks = {k: np.repeat((opt_max + pipe)[:, None], mp, axis=1) for k in groups}
+        detail["bubble"] = 1 - per_stage.sum(axis=0) * M / pp / np.maximum(pipe, 1e-30)
+
+    # data-parallel gradient all-reduce: mp rank i of every replica, per stage
+    if dp > 1:
+        for p in range(pp):
+            for i in range(mp):
+                members = [groups[(d, p)].ranks[i] for d in range(dp)]
+                start = np.max([clocks[(d, p)][:, i] for d in range(dp)], axis=0)
+                done = start + cluster.collective(members, "all_reduce")(params[p][:, i] * grad_bytes)
+                for d in range(dp):
+                    clocks[(d, p)][:, i] = done
+    # model-parallel sum of PARTIAL gradients (in buckets), then the grad-norm all-reduce (mp, then pp)
+    end = np.zeros(C)
+    for (d, p), g in groups.items():
+        clock = clocks[(d, p)]
+        if mp > 1:
+            nbytes = partial[p][:, 0] * grad_bytes  # the same on every rank of the group
+            buckets = np.maximum(np.ceil(nbytes / GRAD_BUCKET_BYTES), 1)
+            ar = cluster.collective(g.ranks, "all_reduce")
+            costs = [(ar.alpha_s * buckets + ar.beta_s_per_byte * nbytes)[:, None]] if nbytes.max() > 0 else []
+            for cost in costs + [np.broadcast_to(ar(8), (C, 1))]:
+                if g.segments is not None:
+                    g.segments.sync(clock, cost)
+                clock = np.repeat(clock.max(axis=1, keepdims=True) + cost, mp, axis=1)
+        if g.segments is not None:
+            g.segments.finish(clock)
+        end = np.maximum(end, clock.max(axis=1))
+    if pp > 1:
+        end = end + max(cluster.collective([rank_of(d, p, i, pp, mp) for p in range(pp)], "all_reduce")(8)
+                        for d in range(dp) for i in range(mp))
+    return _finish(cluster, end, memory, detail)
+
+
+def _finish(cluster: Cluster, time: np.ndarray, memory: np.ndarray, detail: dict) -> Prediction:
+    budget = np.array([r.memory_bytes for r in cluster.ranks], dtype=float)
+    return Prediction(time, memory, (memory <= budget).all(axis=1), detail)

@@ -1,0 +1,234 @@
+"""Measure a cluster on the ranks it runs on: each rank times the real ATT, CON and MLP blocks of
+the model at the candidate shard sizes (``galaxy.planner.blocks``), its optimizer step by parameter
+count, what a real training step takes beyond those, and its memory budget; every group a plan can
+use times all-reduce, all-gather and reduce-scatter by message size (alpha-beta fits).
+
+All ranks measure at the same time, as they compute during training, so shared cores and links
+are measured under the contention a run sees. Any backend works: CPU/Gloo, CUDA/NCCL, emulated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import statistics
+import time
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from galaxy.config import Method, ModelConfig, Plan
+from galaxy.core.comm import Communicator
+from galaxy.core.context import ParallelContext, rank_of
+from galaxy.planner.blocks import measure_blocks, synchronize
+from galaxy.planner.cluster import OPS, AlphaBeta, Cluster, RankProfile
+
+logger = logging.getLogger(__name__)
+
+
+def candidate_groups(world: int) -> list[tuple[int, ...]]:
+    """Every mp, dp, pp and adjacent-stage group of every factorisation world = dp x pp x mp."""
+    found: list[tuple[int, ...]] = []
+    for dp in range(1, world + 1):
+        for pp in range(1, world // dp + 1):
+            if world % (dp * pp):
+                continue
+            mp = world // (dp * pp)
+            at = lambda d, p, m: rank_of(d, p, m, pp, mp)  # noqa: E731
+            families = [[at(d, p, m) for m in range(mp)] for d in range(dp) for p in range(pp)]
+            families += [[at(d, p, m) for d in range(dp)] for p in range(pp) for m in range(mp)]
+            families += [[at(d, p, m) for p in range(pp)] for d in range(dp) for m in range(mp)]
+            families += [[at(d, p, m), at(d, p + 1, m)] for d in range(dp) for p in range(pp - 1) for m in range(mp)]
+            for g in families:
+                if len(g) > 1 and tuple(g) not in found:
+                    found.append(tuple(g))
+    return found
+
+
+
+def measure_optimizer(device: torch.device, most_params: int, reps: int, barrier) -> AlphaBeta:
+    """AdamW step seconds by parameter count (8 tensors each, as a model holds many)."""
+    counts = sorted({c for c in (2**12, 2**15, 2**18, 2**20, most_params) if c <= max(most_params, 2**12)})
+    samples = []
+    for n in counts:
+        params = [torch.zeros(max(1, n // 8), device=device, requires_grad=True) for _ in range(8)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if device.type == "cuda" else {}))
+        times = []
+        for i in range(reps + 1):
+            barrier()
+            synchronize(device)
+            t0 = time.perf_counter()
+            opt.step()
+            synchronize(device)
+            if i:
+                times.append(time.perf_counter() - t0)
+        samples.append((float(sum(p.numel() for p in params)), statistics.median(times)))
+    return AlphaBeta.fit(samples)
+
+
+def memory_budget(device: torch.device, local_ranks: int, override_gb: Optional[float]) -> int:
+    if override_gb is not None:
+        return int(override_gb * 2**30)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory * 0.9)
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    available = int(info["MemAvailable"].split()[0]) * 1024
+    return int(available * 0.9 / max(local_ranks, 1))
+
+
+# ----------------------------------------------------------------------------- the rest of a step
+
+
+def measure_overheads(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str, device: torch.device,
+                      reps: int, barrier) -> tuple[float, float]:
+    """(training step, batch-1 forward) seconds that the pieces do not account for: the whole
+    serial model run by the training loop's own Trainer (data, masking, loss, grad norm, optimizer,
+    Python between the blocks), less what the cost model predicts for it from this rank's pieces.
+    Never negative."""
+    from galaxy.config import GalaxyConfig
+    from galaxy.models import build_model
+    from galaxy.planner.cost import Layout, Splits, Workload, predict
+    from galaxy.train.loop import make_trainer
+
+    cfg = GalaxyConfig.from_dict({"model": {k: v for k, v in vars(m).items() if k != "preset"},
+                                  "train": {"global_batch_size": rows, "seq_length": seq, "dtype": dtype,
+                                            "device": device.type}})
+    ctx = ParallelContext.serial(device)
+    model = build_model(cfg, Plan.serial(cfg), ctx)
+    if m.model_type == "bert":
+        from galaxy.train.pretrain import mlm_data
+
+        batch_at = mlm_data(cfg)[0]
+    else:
+        def batch_at(step):
+            ids = torch.randint(0, m.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(step))
+            return {"input_ids": ids, "labels": ids}
+    trainer = make_trainer(model, cfg, ctx)
+    steps, forwards = [], []
+    ids = torch.randint(0, m.vocab_size, (1, seq), device=device)
+    for i in range(reps + 1):
+        barrier()
+        synchronize(device)
+        t0 = time.perf_counter()
+        loss = trainer.forward_backward(trainer.read_batch(batch_at, i))
+        trainer.optimizer_step(loss, i + 1)
+        loss.item()
+        t1 = time.perf_counter()
+        barrier()
+        model.eval()
+        with torch.no_grad():
+            t2 = time.perf_counter()
+            model(ids)
+            synchronize(device)
+            t3 = time.perf_counter()
+        model.train()
+        if i:
+            steps.append(t1 - t0)
+            forwards.append(t3 - t2)
+    alone = Cluster(1, "none", device.type, m, tuple(me.pieces), seq, dtype, (me,), {})
+    serial = Splits.balanced(m, seq, 1)
+    none = (Method.NONE,) * 3
+    step = predict(alone, Workload(m, "train", rows, seq, dtype), none, serial, Layout()).time_s[0]
+    forward = predict(alone, Workload(m, "latency", rows, seq, dtype), none, serial).time_s[0]
+    return max(0.0, statistics.median(steps) - step), max(0.0, statistics.median(forwards) - forward)
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+def message_sizes(most_bytes: int) -> list[int]:
+    sizes, n = [], 4096
+    while n < most_bytes:
+        sizes.append(n)
+        n *= 4
+    return sizes + [most_bytes]
+
+
+def measure_group(comm: Communicator, device: torch.device, sizes: list[int], reps: int) -> dict[str, AlphaBeta]:
+    """Each op's alpha-beta on one group: the slowest member's time, median over ``reps``."""
+    fits = {}
+    for op in OPS:
+        samples = []
+        for nbytes in sizes:
+            piece = max(1, nbytes // 4 // comm.size)
+            full = torch.randn(piece * comm.size, device=device)
+            local = full[:piece].contiguous()
+            even = [piece] * comm.size
+            run = {"all_reduce": lambda: comm.all_reduce(full),
+                   "all_gather": lambda: comm.all_gather(local, 0, even),
+                   "reduce_scatter": lambda: comm.reduce_scatter(full, 0, even)}[op]
+            times = []
+            for i in range(reps + 1):
+                dist.barrier(group=comm.group)
+                synchronize(device)
+                t0 = time.perf_counter()
+                run()
+                synchronize(device)
+                if i:
+                    times.append(time.perf_counter() - t0)
+            slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=comm.group)
+            samples.append((float(full.numel() * 4), float(slowest.item())))
+        fits[op] = AlphaBeta.fit(samples)
+    return fits
+
+
+# ----------------------------------------------------------------------------- one rank's run
+
+
+def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq: int, dtype: str, reps: int = 3,
+                 memory_gb: Optional[float] = None, ffn_unit: int = 1,
+                 most_bytes: Optional[int] = None) -> Optional[Cluster]:
+    """Measure this rank and its groups; every rank of ``ctx.mp`` (the whole run: profile with
+    dp = pp = 1) must call it. Its rank 0 returns the Cluster, the others None."""
+    if ctx.mp.size != ctx.world_size:
+        raise ValueError("profile with dp_size = pp_size = 1: the profiler measures every group itself")
+    world, run_group, rank = ctx.mp.size, ctx.mp.group, ctx.mp.rank
+    barrier = (lambda: dist.barrier(group=run_group)) if world > 1 else (lambda: None)
+    rows = tuple(sorted(set(rows)))
+    pieces = {n: measure_blocks(m, n, seq, ctx.device, dtype, reps, barrier, ffn_unit) for n in rows}
+    from galaxy.planner.workload import edge_params, layer_params
+
+    H, F_ = m.num_attention_heads, m.intermediate_size
+    model_params = int(layer_params(m, Method.NONE, Method.NONE, Method.NONE, H, F_).total) * m.num_hidden_layers \
+        + sum(edge_params(m))
+    optimizer = measure_optimizer(ctx.device, min(model_params, 2**24), reps, barrier)
+    host = socket.gethostname()
+    hosts = [host]
+    if world > 1:
+        hosts = [None] * world
+        dist.all_gather_object(hosts, host, group=run_group)
+    memory = memory_budget(ctx.device, hosts.count(host), memory_gb)
+    groups = {}
+    if world > 1:
+        act = max(rows) * seq * m.hidden_size * 4
+        sizes = message_sizes(most_bytes or min(max(act, 2**20), 2**26))
+        global_ranks = [dist.get_global_rank(run_group, r) if run_group is not None else r for r in range(world)]
+        for members in candidate_groups(world):
+            if rank in members:
+                # only the members create (and later use) a group: no rank waits on another's
+                group = run_group if len(members) == world else dist.new_group(
+                    [global_ranks[r] for r in members], use_local_synchronization=True)
+                comm = Communicator("probe", members.index(rank), len(members), group)
+                groups[members] = measure_group(comm, ctx.device, sizes, reps)
+            barrier()
+    mine = RankProfile(rank, host, memory, pieces, optimizer)
+    step_overhead, forward_overhead = measure_overheads(mine, m, max(rows), seq, dtype, ctx.device, reps, barrier)
+    mine = dataclasses.replace(mine, step_overhead_s=step_overhead, forward_overhead_s=forward_overhead)
+    everyone = [(mine, groups)]
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, (mine, groups), group=run_group)
+    if rank != 0:
+        return None
+    merged = {}
+    for _, g in everyone:  # every member holds the same (reduced) fits
+        merged.update(g)
+    backend = dist.get_backend(run_group) if world > 1 else "none"
+    return Cluster(world, backend, ctx.device.type, m, rows, seq, dtype,
+                   tuple(p for p, _ in everyone), {g: merged[g] for g in candidate_groups(world)})

@@ -1,0 +1,298 @@
+"""The best plan for a cluster: exhaustive over block methods (and, for training, dp x pp x mp,
+micro-batches and recomputation); per method combination the best splits under the memory budgets.
+
+Splits are searched in units that keep every shard valid: query heads in multiples of the GQA
+group (so key/value heads split with them), FFN columns in multiples of ``ffn_unit``, tokens in
+multiples of ``seq_unit``, each rank getting at least one unit. When the joint number of splits is
+at most ``EXACT_LIMIT``, every one is scored by the cost model (exact). Otherwise each split starts
+from the exact min-max split of its own blocks' per-rank times (bisection on the makespan,
+``min_max_split``), then coordinate descent improves one split at a time against the full cost
+model, each step exhaustive when its splits are few, else by one-unit moves; the plan is then
+marked ``exact: false`` and carries a lower bound on every split's time (``lower_bound``; dp = pp = 1),
+so its distance from the optimum is bounded by ``time - lower_bound``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from galaxy.config import ConfigError, Method, balanced_split
+from galaxy.planner.cluster import Cluster
+from galaxy.planner.cost import Layout, Prediction, Segments, Splits, Workload, predict
+
+EXACT_LIMIT = 200_000
+CHUNK = 20_000  # candidates scored in one vectorised pass
+METHODS = [(att, con, mlp) for att in (Method.TP, Method.SP, Method.NONE) for con in (Method.SP, Method.NONE)
+           for mlp in (Method.TP, Method.SP, Method.NONE)]
+
+
+@dataclass
+class Choice:
+    methods: tuple[Method, Method, Method]
+    layout: Layout
+    heads: tuple[int, ...]
+    ffn: tuple[int, ...]
+    seq: tuple[int, ...]
+    time_s: float
+    memory_bytes: tuple[int, ...]
+    fits: bool
+    exact: bool
+    uses: tuple[str, ...] = field(default=())  # which splits the methods use: heads, ffn, seq
+    lower_bound_s: Optional[float] = None  # no split of these methods and layout is faster (None: unknown)
+
+    @property
+    def name(self) -> str:
+        from galaxy.config import PLAN_PRESETS
+
+        for name, methods in PLAN_PRESETS.items():
+            if methods == self.methods:
+                return name
+        return "/".join(m.value for m in self.methods)
+
+
+def compositions(units: int, parts: int) -> np.ndarray:
+    """Every way to give ``parts`` ranks at least one of ``units`` units: ``[count, parts]``."""
+    if parts == 1:
+        return np.array([[units]])
+    cuts = np.array(list(itertools.combinations(range(1, units), parts - 1)), dtype=np.int64).reshape(-1, parts - 1)
+    edges = np.concatenate([np.zeros((len(cuts), 1), np.int64), cuts, np.full((len(cuts), 1), units)], axis=1)
+    return np.diff(edges, axis=1)
+
+
+def count_compositions(units: int, parts: int) -> int:
+    return math.comb(units - 1, parts - 1) if units >= parts else 0
+
+
+def min_max_split(costs: np.ndarray, units: int) -> np.ndarray:
+    """Integer split ``x`` (each >= 1, summing to ``units``) minimising ``max_i costs[i, x_i]``,
+    where ``costs[i, u]`` is non-decreasing in ``u`` (index 0 unused). Bisection over the sorted
+    candidate makespans: T is feasible when the largest share each rank can take within T adds up
+    to ``units``; the smallest feasible T is optimal and its shares, trimmed to ``units``, reach it."""
+    parts = costs.shape[0]
+    values = np.unique(costs[:, 1:units + 1])
+
+    def caps(T):
+        ok = costs[:, 1:units + 1] <= T  # monotone rows: a prefix of True
+        return ok.sum(axis=1)
+
+    lo, hi = 0, len(values) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        c = caps(values[mid])
+        if (c >= 1).all() and c.sum() >= units:
+            hi = mid
+        else:
+            lo = mid + 1
+    x = caps(values[lo]).astype(np.int64)
+    excess = x.sum() - units
+    for i in np.argsort(-x):  # giving back units never raises a rank's cost
+        give = min(excess, x[i] - 1)
+        x[i] -= give
+        excess -= give
+    assert x.sum() == units and (x >= 1).all() and parts == len(x)
+    return x
+
+
+class SplitSearch:
+    """The best splits of one method combination and layout."""
+
+    def __init__(self, cluster: Cluster, work: Workload, methods, layout: Layout, ffn_unit: int = 1,
+                 seq_unit: int = 1, exact_limit: int = EXACT_LIMIT):
+        m = work.model
+        self.cluster, self.work, self.methods, self.layout = cluster, work, methods, layout
+        self.exact_limit = exact_limit
+        self.mp = cluster.world // (layout.dp * layout.pp)
+        att, con, mlp = methods
+        group = m.num_attention_heads // m.kv_heads
+        self.units = {"heads": (group, m.num_attention_heads // group),
+                      "ffn": (ffn_unit, m.intermediate_size // ffn_unit),
+                      "seq": (seq_unit, work.seq_length // seq_unit)}
+        uses = []
+        if att == Method.TP:
+            uses.append("heads")
+        if mlp == Method.TP:
+            uses.append("ffn")
+        if Method.SP in methods:
+            uses.append("seq")
+        self.uses = tuple(uses) if self.mp > 1 else ()
+
+    def feasible(self) -> bool:
+        return all(self.units[v][1] >= self.mp for v in self.uses)
+
+    def splits(self, chosen: dict[str, np.ndarray]) -> Splits:
+        """``chosen[var]``: ``[C, mp]`` unit counts; unused variables balanced."""
+        C = max((len(a) for a in chosen.values()), default=1)
+        out = {}
+        for var, (unit, count) in self.units.items():
+            if var in chosen:
+                out[var] = chosen[var] * unit
+            else:
+                out[var] = np.tile(np.array(balanced_split(count * unit, self.mp)), (C, 1))
+        return Splits(out["heads"], out["ffn"], out["seq"])
+
+    def score(self, chosen: dict[str, np.ndarray]) -> tuple[Prediction, np.ndarray]:
+        pred = predict(self.cluster, self.work, self.methods, self.splits(chosen), self.layout)
+        over = (pred.memory_bytes - np.array([r.memory_bytes for r in self.cluster.ranks])).clip(min=0).sum(axis=1)
+        key = np.where(pred.fits, pred.time_s, np.inf)
+        if not pred.fits.any():  # nothing fits: least memory over the budgets, then time
+            key = over * 1e6 + pred.time_s
+        return pred, key
+
+    def own_costs(self, var: str) -> np.ndarray:
+        """Per-rank forward+backward seconds of the pieces that ``var`` sizes, by unit count."""
+        unit, count = self.units[var]
+        att, con, mlp = self.methods
+        pieces = {"heads": ["att_proj.heads", "att_core.heads"], "ffn": ["mlp.ffn"],
+                  "seq": (["att_proj.tokens", "att_core.tokens"] if att == Method.SP else [])
+                  + (["mlp.tokens"] if mlp == Method.SP else []) + (["con.tokens"] * 2 if con == Method.SP else [])}[var]
+        sizes = np.arange(count + 1) * unit
+        costs = np.zeros((self.mp, count + 1))
+        rows = 1 if self.work.objective == "latency" else \
+            self.work.global_batch // (self.layout.dp * self.layout.microbatches)
+        for i in range(self.mp):  # the first group's ranks: a start point, the descent sees every group
+            for name in pieces:
+                fwd, bwd, _ = self.cluster.ranks[i].piece(name, rows, sizes)
+                costs[i] += fwd + (0 if self.work.objective == "latency" else bwd)
+        return costs
+
+    def run(self) -> Optional[Choice]:
+        if not self.feasible():
+            return None
+        counts = {v: count_compositions(self.units[v][1], self.mp) for v in self.uses}
+        exact = math.prod(counts.values()) <= self.exact_limit
+        if not self.uses:
+            pred, _ = self.score({})
+            return self.choice({}, pred, True)
+        if exact:
+            grids = [compositions(self.units[v][1], self.mp) for v in self.uses]
+            total = math.prod(len(g) for g in grids)
+            best = None
+            for start in range(0, total, CHUNK):
+                index = np.unravel_index(np.arange(start, min(start + CHUNK, total)), [len(g) for g in grids])
+                chosen = {v: g[index[k]] for k, (v, g) in enumerate(zip(self.uses, grids))}
+                pred, key = self.score(chosen)
+                i = int(np.argmin(key))
+                if best is None or key[i] < best[0]:
+                    best = (key[i], {v: a[i:i + 1] for v, a in chosen.items()})
+            pred, _ = self.score(best[1])
+            return self.choice(best[1], pred, True)
+        current = {v: min_max_split(self.own_costs(v), self.units[v][1])[None] for v in self.uses}
+        pred, key = self.score(current)
+        best_key = key[0]
+        for _ in range(20):
+            improved = False
+            for v in self.uses:
+                if counts[v] <= self.exact_limit:
+                    trial = compositions(self.units[v][1], self.mp)
+                else:
+                    base = current[v][0]
+                    moves = [base + np.eye(self.mp, dtype=np.int64)[j] - np.eye(self.mp, dtype=np.int64)[i]
+                             for i in range(self.mp) for j in range(self.mp) if i != j and base[i] > 1]
+                    trial = np.array(moves)
+                chosen = {w: (trial if w == v else np.repeat(current[w], len(trial), axis=0)) for w in self.uses}
+                p, k = self.score(chosen)
+                j = int(np.argmin(k))
+                if k[j] < best_key * (1 - 1e-12):
+                    best_key, current[v], improved = k[j], trial[j:j + 1], True
+            if not improved:
+                break
+        pred, _ = self.score(current)
+        choice = self.choice(current, pred, False)
+        choice.lower_bound_s = self.lower_bound()
+        return choice
+
+    def lower_bound(self) -> Optional[float]:
+        """A time no split of these methods can beat (memory budgets ignored). The step is the sum,
+        over the stretches between sync points, of the slowest rank's compute, plus the syncs'
+        collectives. A stretch's compute on rank i is at least that of the pieces sized by one
+        split variable v at rank i's share of v, with every other variable at its smallest share
+        (times are monotone); so the stretch costs at least the min-max of that table over splits of
+        v (``min_max_split``, exact), for the best v. Collectives cost at least their balanced-split
+        value (uneven sequence pieces are padded to the largest). None for dp or pp > 1."""
+        if self.layout.dp * self.layout.pp != 1 or not self.uses:
+            return None
+        ones = {v: np.ones((1, self.mp), dtype=np.int64) for v in self.uses}
+        balanced = {v: np.array([balanced_split(self.units[v][1], self.mp)]) for v in self.uses}
+        seg = Segments()
+        predict(self.cluster, self.work, self.methods, self.splits(balanced), self.layout, seg)
+        comm = float(sum(c[0, 0] for c in seg.comm))
+        stretches = np.zeros(len(seg.parts))
+        for v in self.uses:
+            count = self.units[v][1]
+            probe = {w: np.repeat(ones[w], count, axis=0) for w in self.uses}
+            probe[v] = np.repeat(np.arange(1, count + 1)[:, None], self.mp, axis=1)
+            seg = Segments()
+            predict(self.cluster, self.work, self.methods, self.splits(probe), self.layout, seg)
+            for k, part in enumerate(seg.parts):  # part[u - 1, i]: rank i holding u units
+                table = np.concatenate([np.zeros((self.mp, 1)), part.T], axis=1)
+                x = min_max_split(table, count)
+                stretches[k] = max(stretches[k], table[np.arange(self.mp), x].max())
+        return float(stretches.sum() + comm)
+
+    def choice(self, chosen: dict[str, np.ndarray], pred: Prediction, exact: bool) -> Choice:
+        """The Choice for one candidate (``chosen`` rows and ``pred`` of length 1)."""
+        s = self.splits(chosen)
+        time = float(pred.time_s[0])
+        return Choice(self.methods, self.layout, tuple(int(x) for x in s.heads[0]), tuple(int(x) for x in s.ffn[0]),
+                      tuple(int(x) for x in s.seq[0]), time, tuple(int(x) for x in pred.memory_bytes[0]),
+                      bool(pred.fits[0]), exact, self.uses, time if exact else None)
+
+
+def layouts(cluster: Cluster, work: Workload) -> list[list[Layout]]:
+    """Per dp x pp x mp of the world, its layouts in two tiers: first those worth running for speed
+    (one micro-batch without a pipeline, pp or more with one; no recomputation), then the ones that
+    only save memory (more micro-batches, full recomputation), tried when nothing in the first fits.
+    Latency: one layout."""
+    if work.objective == "latency":
+        return [[Layout()], []]
+    out = []
+    N, L = cluster.world, work.model.num_hidden_layers
+    for dp in range(1, N + 1):
+        if N % dp or work.global_batch % dp:
+            continue
+        for pp in range(1, N // dp + 1):
+            if (N // dp) % pp or pp > L:
+                continue
+            rows = work.global_batch // dp
+            counts = sorted({m for m in (1, 2, 4, 8, pp, 2 * pp, 4 * pp) if rows % m == 0 and (pp == 1 or m >= pp)})
+            fast = [Layout(dp, pp, M) for M in (counts[:1] if pp == 1 else counts)]
+            frugal = [Layout(dp, pp, M, r) for M in counts for r in ("none", "full")
+                      if Layout(dp, pp, M, r) not in fast]
+            out += [fast, frugal]
+    return out
+
+
+def search(cluster: Cluster, work: Workload, ffn_unit: int = 1, seq_unit: int = 1, top: int = 10,
+           exact_limit: int = EXACT_LIMIT) -> list[Choice]:
+    """The plans, best first (those within every memory budget before those that are not): one per
+    method combination and dp x pp, with its best micro-batch count and recomputation."""
+    m = work.model
+    for key, total, unit in (("ffn_unit", m.intermediate_size, ffn_unit), ("seq_unit", work.seq_length, seq_unit)):
+        if unit < 1 or total % unit:
+            raise ConfigError(f"--{key} {unit} must be a positive divisor of {total}")
+    tiers = layouts(cluster, work)
+    found = []
+    for fast, frugal in zip(tiers[::2], tiers[1::2]):
+        mp = cluster.world // (fast[0].dp * fast[0].pp)
+        for methods in (METHODS if mp > 1 else [(Method.NONE,) * 3]):
+            best = None
+            for tier in (fast, frugal):
+                for layout in tier:
+                    choice = SplitSearch(cluster, work, methods, layout, ffn_unit, seq_unit, exact_limit).run()
+                    if choice is not None and (best is None or (not choice.fits, choice.time_s)
+                                               < (not best.fits, best.time_s)):
+                        best = choice
+                if best is None or best.fits:  # the memory-saving tier only when nothing fits yet
+                    break
+            if best is not None:
+                found.append(best)
+    if not found:
+        raise ConfigError(f"no plan fits the world of {cluster.world} ranks: the model has too few heads, "
+                          "FFN units or tokens for it")
+    found.sort(key=lambda c: (not c.fits, c.time_s))
+    return found[:top]

@@ -1,0 +1,379 @@
+"""The planner: cluster files, the cost model's pieces, the split search, the written config.
+
+References: byte counts and parameter counts come from the real models running on Gloo (the
+Communicator's records, the parameters' gradient rules); search optima from brute force over every
+split scored by the same cost model; alpha-beta fits from synthetic timings with known terms.
+"""
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from galaxy.config import ConfigError, GalaxyConfig, Method
+from galaxy.planner.cluster import (OPS, PIECES, AlphaBeta, Cluster, Curve, Piece, RankProfile, cluster_from_dict,
+                                    isotonic, load_cluster)
+from galaxy.planner.cost import GroupModel, Layout, Splits, Workload, collectives, predict
+from galaxy.planner.blocks import grid
+from galaxy.planner.profile import candidate_groups
+from galaxy.planner.search import SplitSearch, compositions, min_max_split, search
+from galaxy.planner.workload import edge_params, layer_params
+
+TP, SP, NONE = Method.TP, Method.SP, Method.NONE
+
+BERT = {"model_type": "bert", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "intermediate_size": 64, "max_position_embeddings": 128, "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0}
+LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 8,
+         "num_key_value_heads": 2, "intermediate_size": 48, "hidden_act": "silu", "pad_token_id": None,
+         "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "max_position_embeddings": 128}
+
+
+def model_config(raw):
+    return GalaxyConfig.from_dict({"model": raw}).model
+
+
+def synthetic_cluster(model_raw, world, speeds, seq=8, rows=2, alpha=2e-4, beta=1e-8, memory=2**30):
+    """Per-rank piece times linear in size, divided by the rank's speed; one alpha-beta for all groups."""
+    m = model_config(model_raw)
+    sizes = {"heads": grid(m.num_attention_heads, m.num_attention_heads // m.kv_heads),
+             "tokens": grid(seq), "ffn": grid(m.intermediate_size)}
+    cost = {"att_proj": 3e-4, "att_core": 5e-4, "mlp": 8e-4, "con": 1e-4, "head": 6e-4}
+    full = {"heads": m.num_attention_heads, "tokens": seq, "ffn": m.intermediate_size}
+    ranks = []
+    for r, speed in enumerate(speeds):
+        pieces = {}
+        for name in PIECES:
+            kind, by = name.split(".")
+            xs = tuple(sizes[by])
+            fwd = tuple((2e-5 + cost[kind] * x / full[by]) / speed for x in xs)
+            pieces[name] = Piece(Curve(xs, fwd), Curve(xs, tuple(2 * v for v in fwd)),
+                                 Curve(xs, tuple(1000.0 * x for x in xs)))
+        ranks.append(RankProfile(r, "host", memory, {rows: pieces}, AlphaBeta(1e-4, 1e-9 / speed)))
+    groups = {g: {op: AlphaBeta(alpha, beta) for op in OPS} for g in candidate_groups(world)}
+    return Cluster(world, "gloo", "cpu", m, (rows,), seq, "float32", tuple(ranks), groups)
+
+
+# ----------------------------------------------------------------------------- cost model pieces
+
+
+def test_alpha_beta_fit_recovers_known_terms():
+    rng = np.random.default_rng(0)
+    alpha, beta = 3e-4, 2.5e-9
+    sizes = [4096 * 4**k for k in range(7)]
+    samples = [(n, (alpha + beta * n) * (1 + 0.01 * rng.standard_normal())) for n in sizes]
+    fit = AlphaBeta.fit(samples)
+    assert fit.alpha_s == pytest.approx(alpha, rel=0.05)
+    assert fit.beta_s_per_byte == pytest.approx(beta, rel=0.02)
+    # a line through the origin never gets a negative latency
+    assert AlphaBeta.fit([(100, 1e-6), (200, 2.2e-6), (400, 4.1e-6)]).alpha_s >= 0.0
+
+
+def test_curve_is_monotone_and_robust_to_one_outlier():
+    c = Curve((1, 2, 3, 4), (1.0, 9.0, 3.0, 4.0))  # one slow outlier at 2
+    ys = c(np.array([1, 2, 3, 4, 6]))
+    assert (np.diff(ys) >= 0).all()
+    assert ys[-2] < 9.0  # isotonic fit, not a running maximum
+    assert isotonic([3, 1, 2]).tolist() == [2, 2, 2]
+
+
+def test_piece_is_linear_in_rows_between_measured_batch_sizes():
+    def piece(scale):
+        return Piece(Curve((1, 2), (1.0 * scale, 2.0 * scale)), Curve((1, 2), (3.0 * scale, 4.0 * scale)),
+                     Curve((1, 2), (10.0 * scale, 20.0 * scale)))
+
+    two = RankProfile(0, "h", 1, {1: {"mlp.ffn": piece(1.0)}, 3: {"mlp.ffn": piece(5.0)}}, AlphaBeta(0, 0))
+    fwd, bwd, act = two.piece("mlp.ffn", 2, np.array([2]))
+    assert (fwd[0], bwd[0], act[0]) == (6.0, 12.0, 60.0)  # halfway between rows 1 and 3
+    assert two.piece("mlp.ffn", 5, np.array([1]))[0][0] == 9.0  # beyond: the same line (1 + 4 x 2)
+    one = RankProfile(0, "h", 1, {4: {"mlp.ffn": piece(1.0)}}, AlphaBeta(0, 0))
+    assert one.piece("mlp.ffn", 2, np.array([2]))[0][0] == 1.0  # one batch size: proportional
+
+
+def test_transition_bytes_hand_derived():
+    """rows=2, seq=8, hidden=32, fp32: a full activation is 2*8*32*4 = 2048 bytes; an uneven
+    [5, 3] sequence split is padded to 2 x 5 rows on the wire (2560 bytes)."""
+    cluster = synthetic_cluster(BERT, 2, [1.0, 1.0])
+    work = Workload(cluster.model, "train", 2, 8)
+    split = Splits.one([2, 2], [32, 32], [5, 3])
+    g = GroupModel(cluster, work, (TP, SP, TP), split, [0, 1], rows=2)
+    enter = g.transition("S", "T", "enter")  # all-gather / reduce-scatter
+    assert (enter.fwd_op, enter.bwd_op, enter.nbytes, float(enter.wire[0])) == \
+        ("all_gather", "reduce_scatter", 2048, 2560.0)
+    leave = g.transition("P", "S", "leave")
+    assert (leave.fwd_op, leave.bwd_op) == ("reduce_scatter", "all_gather")
+    g_tp = GroupModel(cluster, work, (TP, NONE, TP), split, [0, 1], rows=2)
+    assert g_tp.transition("R", "T", "").fwd_op is None and g_tp.transition("R", "T", "").bwd_op == "all_reduce"
+    ar = g_tp.transition("P", "R", "")
+    assert (ar.fwd_op, ar.bwd_op, ar.nbytes, float(ar.wire[0])) == ("all_reduce", None, 2048, 2048.0)
+    assert g_tp.transition("R", "R", "") is None and g.transition("S", "S", "") is None
+    # Galaxy per layer: AG, RS around ATT and around MLP, forward and backward: 8 collectives
+    ops = collectives(g, layers=1)
+    assert [op for op, _, _ in ops[:4]] == ["all_gather", "reduce_scatter"] * 2
+    assert len([o for o in ops if o[0] != "all_reduce"]) == 8
+
+
+def record_collectives(ctx, config, seed):
+    from galaxy.models import build_model
+
+    cfg = GalaxyConfig.from_dict(config)
+    plan = cfg.resolve_plan(ctx.mp.size)
+    model = build_model(cfg, plan, ctx)
+    records = []
+    ctx.mp.observers.append(records.append)
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.train.seq_length),
+                            generator=gen)
+        model(ids, labels=ids.clone()).loss.backward()
+    finally:
+        ctx.mp.observers.remove(records.append)
+    return [(r.op, r.nbytes, r.phase) for r in records]
+
+
+PLANS = [("bert", (TP, NONE, TP), [3, 1], [40, 24], [8, 8]),
+         ("bert", (TP, SP, TP), [1, 3], [24, 40], [11, 5]),
+         ("bert", (SP, SP, SP), [2, 2], [32, 32], [6, 10]),
+         ("bert", (TP, SP, SP), [3, 1], [32, 32], [9, 7]),
+         ("bert", (SP, NONE, TP), [2, 2], [40, 24], [8, 8]),
+         ("llama", (SP, SP, TP), [4, 4], [20, 28], [10, 6]),
+         ("llama", (TP, NONE, SP), [4, 4], [24, 24], [7, 9])]
+
+
+@pytest.mark.parametrize("model_type,methods,heads,ffn,seq", PLANS)
+def test_predicted_collectives_match_the_model(dist_pool, model_type, methods, heads, ffn, seq):
+    """Every activation collective the cost model charges is one the real model issues, same op,
+    same bytes, same phase (forward or backward), and nothing else is issued."""
+    raw = BERT if model_type == "bert" else LLAMA
+    names = ("att_parallel_method", "con_parallel_method", "mlp_parallel_method")
+    config = {"model": raw, "train": {"seq_length": 16, "global_batch_size": 2},
+              "parallel": {**{k: m.value for k, m in zip(names, methods)}, "tp_num_attention_heads_list": heads,
+                           "tp_intermediate_size_list": ffn, "seq_scatter_list": seq}}
+    real = dist_pool.run(record_collectives, 2, config, 0)[0]
+    cluster = synthetic_cluster(raw, 2, [1.0, 1.0], seq=16)
+    work = Workload(cluster.model, "train", 2, 16)
+    g = GroupModel(cluster, work, methods, Splits.one(heads, ffn, seq), [0, 1], rows=2)
+    predicted = collectives(g, cluster.model.num_hidden_layers)
+    assert sorted(predicted) == sorted(real)
+    assert [p for p in predicted if p[2] == "fwd"] == [r for r in real if r[2] == "fwd"]
+
+
+def count_params(ctx, config):
+    from galaxy.core.layers import GradRule, grad_rule
+    from galaxy.models import build_model
+
+    cfg = GalaxyConfig.from_dict(config)
+    model = build_model(cfg, cfg.resolve_plan(ctx.mp.size), ctx)
+    params = list(model.parameters())
+    return (sum(p.numel() for p in params), sum(p.numel() for p in params if grad_rule(p) == GradRule.PARTIAL))
+
+
+@pytest.mark.parametrize("model_type,methods,heads,ffn,seq", PLANS[:2] + PLANS[3:4] + PLANS[5:])
+def test_parameter_counts_match_the_model(dist_pool, model_type, methods, heads, ffn, seq):
+    raw = BERT if model_type == "bert" else LLAMA
+    names = ("att_parallel_method", "con_parallel_method", "mlp_parallel_method")
+    config = {"model": raw, "train": {"seq_length": 16, "global_batch_size": 2},
+              "parallel": {**{k: m.value for k, m in zip(names, methods)}, "tp_num_attention_heads_list": heads,
+                           "tp_intermediate_size_list": ffn, "seq_scatter_list": seq}}
+    real = dist_pool.run(count_params, 2, config)
+    m = model_config(raw)
+    att, con, mlp = methods
+    per_layer = layer_params(m, att, mlp, con, np.array(heads), np.array(ffn))
+    edges = sum(edge_params(m))
+    for rank, (total, partial) in enumerate(real):
+        assert per_layer.total[rank] * m.num_hidden_layers + edges == total
+        assert per_layer.partial[rank] * m.num_hidden_layers + (edges if con == SP else 0) == partial
+
+
+def test_uneven_speeds_move_work_to_the_fast_rank():
+    cluster = synthetic_cluster(BERT, 2, [1.0, 3.0], alpha=1e-6, beta=1e-12)
+    work = Workload(cluster.model, "train", 2, 8)
+    even = predict(cluster, work, (TP, SP, TP), Splits.one([2, 2], [32, 32], [4, 4])).time_s[0]
+    skewed = predict(cluster, work, (TP, SP, TP), Splits.one([1, 3], [16, 48], [2, 6])).time_s[0]
+    assert skewed < even
+    # memory: a rank holding more heads and columns holds more parameters
+    mem = predict(cluster, work, (TP, NONE, TP), Splits.one([1, 3], [16, 48], [4, 4])).memory_bytes[0]
+    assert mem[1] > mem[0]
+
+
+def test_pipeline_bubble_and_every_layout_of_four_ranks():
+    """Identical stages and free links: the schedule's idle share is (p - 1) / (m + p - 1)."""
+    import dataclasses
+
+    from galaxy.planner.search import layouts
+
+    cluster = synthetic_cluster(dict(BERT, num_hidden_layers=4), 4, [1.0] * 4, alpha=0.0, beta=0.0)
+    zero = Piece(Curve((1, 2), (0.0, 0.0)), Curve((1, 2), (0.0, 0.0)), Curve((1, 2), (0.0, 0.0)))
+    ranks = tuple(dataclasses.replace(r, pieces={n: {**by, "head.tokens": zero} for n, by in r.pieces.items()})
+                  for r in cluster.ranks)
+    cluster = dataclasses.replace(cluster, ranks=ranks)
+    work = Workload(cluster.model, "train", 8, 8)
+    one = Splits.balanced(cluster.model, 8, 1)
+    for pp, M in ((2, 4), (4, 4), (4, 8)):
+        pred = predict(cluster, work, (NONE, NONE, NONE), one, Layout(dp=4 // pp, pp=pp, microbatches=M))
+        assert pred.detail["bubble"][0] == pytest.approx((pp - 1) / (M + pp - 1))
+    for tier in layouts(cluster, work):  # every dp x pp x mp of four ranks is scored
+        for layout in tier:
+            mp = 4 // (layout.dp * layout.pp)
+            assert np.isfinite(predict(cluster, work, (TP, SP, TP), Splits.balanced(cluster.model, 8, mp),
+                                       layout).time_s).all()
+
+
+# ----------------------------------------------------------------------------- search
+
+
+@pytest.mark.parametrize("parts,units,seed", [(2, 9, 0), (3, 8, 1), (4, 7, 2), (3, 12, 3)])
+def test_min_max_split_matches_brute_force(parts, units, seed):
+    rng = np.random.default_rng(seed)
+    costs = np.concatenate([np.zeros((parts, 1)), np.cumsum(rng.random((parts, units)), axis=1)], axis=1)
+    x = min_max_split(costs, units)
+    brute = min(max(costs[i, c[i]] for i in range(parts)) for c in compositions(units, parts))
+    assert x.sum() == units and (x >= 1).all()
+    assert max(costs[i, x[i]] for i in range(parts)) == pytest.approx(brute)
+
+
+def brute_force(cluster, work, methods, layout, units):
+    """Every joint split (heads x ffn x seq, in their units) scored one at a time."""
+    best = math.inf
+    mp = cluster.world // (layout.dp * layout.pp)
+    for h, f, s in itertools.product(compositions(units["heads"][1], mp), compositions(units["ffn"][1], mp),
+                                     compositions(units["seq"][1], mp)):
+        split = Splits.one(h * units["heads"][0], f * units["ffn"][0], s * units["seq"][0])
+        best = min(best, float(predict(cluster, work, methods, split, layout).time_s[0]))
+    return best
+
+
+@pytest.mark.parametrize("speeds,methods,objective", [
+    ([1.0, 1.0], (TP, SP, TP), "train"),
+    ([1.0, 2.5], (TP, SP, TP), "train"),
+    ([2.0, 1.0], (TP, SP, SP), "latency"),
+    ([1.0, 1.7, 3.0], (TP, SP, TP), "train"),
+    ([3.0, 1.0, 1.0], (SP, SP, TP), "latency"),
+])
+def test_search_matches_brute_force(speeds, methods, objective):
+    cluster = synthetic_cluster(BERT, len(speeds), speeds, alpha=5e-5, beta=1e-9)
+    work = Workload(cluster.model, objective, 2, 8)
+    exact = SplitSearch(cluster, work, methods, Layout(), ffn_unit=8)
+    best = brute_force(cluster, work, methods, Layout(), exact.units)
+    found = exact.run()
+    assert found.exact and found.time_s == pytest.approx(best, rel=1e-12)
+    # the path for large split spaces (min-max start, coordinate descent) reaches it too
+    descent = SplitSearch(cluster, work, methods, Layout(), ffn_unit=8, exact_limit=0).run()
+    assert not descent.exact and descent.time_s == pytest.approx(best, rel=1e-9)
+    # and its lower bound holds, and is tight here
+    assert best * 0.95 < descent.lower_bound_s <= best * (1 + 1e-12)
+
+
+def test_splits_respect_gqa_groups_and_units():
+    cluster = synthetic_cluster(LLAMA, 2, [1.0, 2.2])
+    work = Workload(cluster.model, "train", 2, 8)
+    for choice in search(cluster, work, ffn_unit=8, top=50):
+        assert all(h % 4 == 0 for h in choice.heads) and sum(choice.heads) == 8  # group of 4 query heads
+        assert all(f % 8 == 0 and f > 0 for f in choice.ffn) and sum(choice.ffn) == 48
+        assert sum(choice.seq) == 8 and min(choice.seq) > 0
+    with pytest.raises(ConfigError, match="ffn_unit"):
+        search(cluster, work, ffn_unit=5)
+
+
+# ----------------------------------------------------------------------------- files and CLI
+
+
+def test_cluster_file_round_trip_and_errors(tmp_path):
+    cluster = synthetic_cluster(BERT, 2, [1.0, 2.0])
+    path = tmp_path / "cluster.json"
+    cluster.save(str(path))
+    again = load_cluster(str(path))
+    assert again.ranks[1].pieces[2]["mlp.ffn"].fwd == cluster.ranks[1].pieces[2]["mlp.ffn"].fwd
+    assert again.collective([0, 1], "all_gather") == cluster.collective([0, 1], "all_gather")
+
+    def broken(edit):
+        raw = json.loads(path.read_text())
+        edit(raw)
+        with pytest.raises(ConfigError) as e:
+            cluster_from_dict(raw, "c.json")
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert "'ranks[1].pieces.2.mlp.ffn.fwd_s'" in broken(lambda r: r["ranks"][1]["pieces"]["2"]["mlp.ffn"].update(fwd_s="x"))
+    assert "'ranks[0].pieces.2.con.tokens'" in broken(lambda r: r["ranks"][0]["pieces"]["2"].pop("con.tokens"))
+    assert "'ranks[0].pieces.2.head.tokens.sizes'" in broken(
+        lambda r: r["ranks"][0]["pieces"]["2"]["head.tokens"].update(sizes=[4, 2, 8]))
+    assert "'ranks[1].pieces.2'" in broken(lambda r: r["ranks"][1].update(pieces={"3": {}}))
+    assert "'groups[0].ops.reduce_scatter.alpha_s'" in broken(
+        lambda r: r["groups"][0]["ops"]["reduce_scatter"].update(alpha_s=-1))
+    assert "'ranks'" in broken(lambda r: r["ranks"].pop())
+    assert "'ranks[0].memory_bytes'" in broken(lambda r: r["ranks"][0].update(memory_bytes=0))
+    assert "'ranks[1].step_overhead_s'" in broken(lambda r: r["ranks"][1].pop("step_overhead_s"))
+    assert "'model'" in broken(lambda r: r["model"].update(hidden_sise=3))
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_cluster(str(path))
+
+
+def test_cli_bad_cluster_is_one_line(tmp_path, capsys):
+    from galaxy.cli.plan import main
+
+    bad = tmp_path / "cluster.json"
+    bad.write_text(json.dumps({"version": 1, "world": 2}))
+    code = main(["--model", "bert-tiny", "--cluster", str(bad), "--out", str(tmp_path / "plan.json")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "key 'rows' is missing" in err
+
+
+def train_two_steps(ctx, config):
+    from galaxy.models import build_model
+    from galaxy.train.loop import train
+    from galaxy.train.pretrain import mlm_data
+
+    cfg = GalaxyConfig.from_dict(config, {"max_steps": 2})
+    model = build_model(cfg, cfg.resolve_plan(ctx.mp.size), ctx)
+    result = train(model, mlm_data(cfg)[0], cfg, ctx, progress=False)
+    return result.losses
+
+
+def test_written_plan_loads_and_trains(tmp_path, dist_pool, capsys):
+    from galaxy.cli.plan import main
+
+    cluster = synthetic_cluster(BERT, 2, [1.0, 2.0], seq=16, alpha=1e-5, beta=1e-10)
+    cluster.save(str(tmp_path / "cluster.json"))
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"model": BERT, "train": {"seq_length": 16, "global_batch_size": 4}}))
+    out = tmp_path / "plan.json"
+    assert main(["--model", str(model), "--cluster", str(tmp_path / "cluster.json"), "--out", str(out),
+                 "--ffn_unit", "8"]) == 0
+    assert "predicted_ms" in capsys.readouterr().out
+    table = json.loads((tmp_path / "plan.plans.json").read_text())
+    assert table["configs"][0] == json.loads(out.read_text())
+    times = [p["predicted_ms"] for p in table["plans"]]
+    assert times == sorted(times)
+    # the best plan, and the best one that splits the model over both ranks, train as written
+    GalaxyConfig.from_file(str(out))
+    split = next(c for c in table["configs"] if c["parallel"]["dp_size"] * c["parallel"]["pp_size"] == 1)
+    for config in (table["configs"][0], split):
+        par = config["parallel"]
+        losses = dist_pool.run(train_two_steps, 2, config, dp=par["dp_size"], pp=par["pp_size"])[0]
+        assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+
+
+def profile_case(ctx, raw):
+    from galaxy.planner.profile import profile_rank
+
+    cluster = profile_rank(ctx, model_config(raw), rows=[1, 2], seq=8, dtype="float32", reps=1, most_bytes=2**14)
+    return None if cluster is None else cluster.to_dict()
+
+
+def test_profiler_writes_a_valid_file(dist_pool):
+    """The profiler on two real ranks: every piece, the optimizer and the group's fits, readable back."""
+    raw = dist_pool.run(profile_case, 2, LLAMA)[0]
+    cluster = cluster_from_dict(raw, "profiled")
+    assert cluster.world == 2 and set(cluster.groups) == {(0, 1)}
+    assert cluster.rows == (1, 2)
+    heads = cluster.ranks[1].pieces[2]["att_proj.heads"].fwd.sizes
+    assert heads == (4, 8)  # whole GQA groups only
+    for op in OPS:
+        ab = cluster.collective([0, 1], op)
+        assert ab.alpha_s >= 0 and ab.beta_s_per_byte >= 0 and len(ab.samples) >= 2
+    assert all(r.memory_bytes > 0 and r.step_overhead_s >= 0 and r.forward_overhead_s >= 0 for r in cluster.ranks)
