@@ -326,7 +326,7 @@ def test_cli_bad_cluster_is_one_line(tmp_path, capsys):
 def train_two_steps(ctx, config):
     from galaxy.models import build_model
     from galaxy.train.loop import train
-    from galaxy.train.pretrain import mlm_data
+    from galaxy.data.pretraining import mlm_data
 
     cfg = GalaxyConfig.from_dict(config, {"max_steps": 2})
     model = build_model(cfg, cfg.resolve_plan(ctx.mp.size), ctx)

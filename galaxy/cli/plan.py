@@ -26,7 +26,8 @@ from galaxy.config import MODEL_PRESETS, ConfigError, GalaxyConfig, parse_overri
 from galaxy.planner.cluster import Cluster, load_cluster
 from galaxy.planner.cost import Workload
 from galaxy.planner.search import Choice, search
-from galaxy.train.cli import bad_input, decide_launch, launch_ranks, rank_context, setup_logging
+from galaxy.cli.launch import decide_launch, launch_ranks, rank_context
+from galaxy.cli.output import bad_input, setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +230,8 @@ def plan_main(argv: list[str]) -> int:
 def validate(config: dict, world: int, args: argparse.Namespace) -> Optional[float]:
     """Run one plan on ``world`` local processes; its median measured step (train: every step
     after the first) or batch-1 forward (latency) seconds, robust to a few disturbed steps."""
-    from galaxy.train.cli import build_parser, plan_launch
+    from galaxy.cli.args import build_parser
+    from galaxy.cli.launch import plan_launch
 
     with tempfile.TemporaryDirectory() as tmp:
         summary, metrics = os.path.join(tmp, "summary.json"), os.path.join(tmp, "metrics.jsonl")
@@ -259,7 +261,7 @@ def validate(config: dict, world: int, args: argparse.Namespace) -> Optional[flo
 
 def _train_rank(rank: int, launch, payload) -> None:
     """The pretraining CLI's rank, its summary (printed per plan) silenced: the table reports it."""
-    from galaxy.train.pretrain import pretrain_rank
+    from galaxy.cli.pretrain import pretrain_rank
 
     with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
         pretrain_rank(rank, launch, payload)

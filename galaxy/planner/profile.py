@@ -101,7 +101,7 @@ def measure_overheads(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtyp
     ctx = ParallelContext.serial(device)
     model = build_model(cfg, Plan.serial(cfg), ctx)
     if m.model_type == "bert":
-        from galaxy.train.pretrain import mlm_data
+        from galaxy.data.pretraining import mlm_data
 
         batch_at = mlm_data(cfg)[0]
     else:
