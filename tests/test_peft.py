@@ -489,13 +489,19 @@ def test_shipped_config_applies(tmp_path):
 # ----------------------------------------------------------------------------- compare_tuning.py
 
 
-def _check_comparison(out, steps):
+def _check_comparison(out, steps, metric):
     table = json.loads((out / "compare_tuning.json").read_text())
     assert [r["method"] for r in table["results"]] == ["full", "lora", "adapter", "side"]
+    assert table["metric"] == metric and os.path.isfile(os.path.join(table["base"], "config.json"))
     for row in table["results"]:
         assert len(row["losses"]) == steps and row["trainable_params"] <= row["total_params"]
         assert row["peak_mem_mb"] > 0 and row["tokens_per_s"] > 0 and row["saved_act_mb"] > 0
+        assert row["metric_before"] > 0 and row["metric_after"] > 0 and row["eval_targets"] > 0
     full, lora, adapter, side = table["results"]
+    # every method starts from the same base: LoRA's B and the adapters start at zero, so before tuning
+    # they compute exactly what full fine-tuning's base computes
+    assert lora["metric_before"] == pytest.approx(full["metric_before"], rel=1e-6)
+    assert adapter["eval_loss_before"] == pytest.approx(full["eval_loss_before"], rel=1e-5)
     assert full["trainable_params"] == full["total_params"] and full["trainable_pct"] == 100
     assert all(r["trainable_pct"] < 10 for r in (lora, adapter, side))
     assert side["saved_act_mb"] < full["saved_act_mb"]  # side-tuning keeps the fewest activations
@@ -503,26 +509,34 @@ def _check_comparison(out, steps):
 
 
 def test_compare_tuning_llama_in_process(tmp_path, capsys):
+    """A LLaMA base pretrained here (a few steps, cached), instruction tuning scored by held-out perplexity."""
     pytest.importorskip("matplotlib")  # in the test extras once setup.py lists it
     from galaxy.cli import compare as compare_tuning
 
     out = tmp_path / "cmp"
     argv = ["--model", "llama", "--plan", "none", "--world", "1", "--max_steps", "2", "--out_dir", str(out),
-            "--in_process", "--override", "global_batch_size=2", "--override", "seq_length=192"]
+            "--in_process", "--pretrain_steps", "2", "--cache_dir", str(tmp_path / "bases"),
+            "--override", "global_batch_size=2", "--override", "seq_length=192"]
     assert compare_tuning.main(argv) == 0
-    _check_comparison(out, 2)
+    _check_comparison(out, 2, "eval_perplexity")
     printed = capsys.readouterr().out
-    assert "trainable %" in printed and "side" in printed
+    assert "held-out perplexity" in printed and "side" in printed
+    # a second run reuses the cached base instead of pretraining again
+    assert compare_tuning.main(argv + ["--methods", "lora"]) == 0
+    assert "an earlier run pretrained it" in capsys.readouterr().out
+    assert len(list((tmp_path / "bases").iterdir())) == 1
 
 
 def test_compare_tuning_bert_on_two_ranks(tmp_path, capsys):
-    """The documented command on two local rank processes (all methods in one launch, for time)."""
+    """The Galaxy plan on two local rank processes (all methods in one launch, for time), BERT topic
+    classification scored by held-out accuracy."""
     pytest.importorskip("matplotlib")
     from galaxy.cli import compare as compare_tuning
 
     out = tmp_path / "cmp"
     argv = ["--model", "bert", "--plan", "galaxy", "--world", "2", "--max_steps", "2", "--out_dir", str(out),
-            "--override", "seq_length=32", "--override", "global_batch_size=4", "--shared_processes"]
+            "--pretrain_steps", "2", "--cache_dir", str(tmp_path / "bases"), "--override", "global_batch_size=4",
+            "--shared_processes"]
     assert compare_tuning.main(argv) == 0
-    _check_comparison(out, 2)
+    _check_comparison(out, 2, "eval_accuracy")
     assert "plan galaxy, world 2" in capsys.readouterr().out

@@ -333,9 +333,10 @@ def main(argv=None) -> int:
         base = args.base_path
         if base is None:
             steps = args.pretrain_steps or PRETRAIN_STEPS[args.model]
-            print(f"-- pretraining the base ({args.model}, {steps} steps, cached after the first run)", flush=True)
-            base = pretrained_base(load_config(args, DEFAULTS[args.model]), pretraining_texts(args, files[0]), steps,
-                                   args.cache_dir)
+            base, trained = pretrained_base(load_config(args, DEFAULTS[args.model]), pretraining_texts(args, files[0]),
+                                            steps, args.cache_dir)
+            print(f"-- base: {base} ({f'pretrained here, {steps} steps' if trained else 'an earlier run pretrained it'})",
+                  flush=True)
         configs = {m: method_config(args, m, base) for m in methods}
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

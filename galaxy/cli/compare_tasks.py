@@ -89,10 +89,11 @@ def _fingerprint(cfg: GalaxyConfig, steps: int, texts: list[str]) -> str:
     return h.hexdigest()[:24]
 
 
-def pretrained_base(cfg: GalaxyConfig, texts: list[str], steps: int, cache_dir: Optional[str]) -> str:
+def pretrained_base(cfg: GalaxyConfig, texts: list[str], steps: int, cache_dir: Optional[str]) -> tuple[str, bool]:
     """A base model pretrained here once on ``texts`` (BERT: masked LM with a WordPiece trained on them;
     LLaMA: causal LM with the byte tokenizer) for ``steps`` steps, on one rank, and cached under
-    ``cache_dir`` by a fingerprint of the model, the settings and the texts; returns its HF directory."""
+    ``cache_dir`` by a fingerprint of the model, the settings and the texts; returns its HF directory and
+    whether it was trained now (False: an earlier run's)."""
     from galaxy.data.corpus import TextCorpus
     from galaxy.data.mlm import MLMBatcher
     from galaxy.data.tokenizer import save_wordpiece, train_wordpiece
@@ -101,8 +102,7 @@ def pretrained_base(cfg: GalaxyConfig, texts: list[str], steps: int, cache_dir: 
 
     directory = os.path.join(cache_dir or default_cache(), _fingerprint(cfg, steps, texts))
     if os.path.isfile(os.path.join(directory, "model.safetensors")):
-        logger.info("pretrained base: reusing %s", directory)
-        return directory
+        return directory, False
     base = GalaxyConfig.from_dict(cfg.to_dict())
     base.parallel.plan, base.peft.tuning, base.data.model_path = "none", "full", None
     base.train.max_steps, base.train.eval_every = steps, 0
@@ -124,7 +124,7 @@ def pretrained_base(cfg: GalaxyConfig, texts: list[str], steps: int, cache_dir: 
         save_wordpiece(tok, partial)
     os.makedirs(os.path.dirname(directory), exist_ok=True)
     os.replace(partial, directory)
-    return directory
+    return directory, True
 
 
 def causal_lm_batches(texts: list[str], cfg: GalaxyConfig) -> Callable[..., dict]:
@@ -169,7 +169,7 @@ def with_base(cfg: GalaxyConfig, directory: str) -> GalaxyConfig:
         model = model_class(cfg.model.model_type).config_from_hf(json.load(f))
     for key in COMPUTE_KEYS:
         setattr(model, key, getattr(cfg.model, key))
-    model.num_labels = cfg.model.num_labels
+    model.num_labels, model.classifier_pooling = cfg.model.num_labels, cfg.model.classifier_pooling  # the task's
     return replace(cfg, model=model)
 
 
