@@ -12,8 +12,10 @@ from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.context import ParallelContext
 from galaxy.core.grad_sync import gather_full
 from galaxy.core.layers import GradRule, grad_rule
+from galaxy.models.bert import BertForMaskedLM
 from galaxy.train.loop import Trainer, train
-from tests.test_dp_pp import RTOL, STEPS, build, rel_err
+from galaxy.train.pretrain import mlm_data
+from tests.test_dp_pp import BERT, RTOL, STEPS, TRAIN, build, rel_err
 
 UNEVEN2 = dict(tp_num_attention_heads_list=[4, 2], tp_intermediate_size_list=[15, 25], seq_scatter_list=[7, 5])
 UNEVEN3 = dict(tp_num_attention_heads_list=[1, 3, 2], tp_intermediate_size_list=[10, 20, 10],
@@ -91,9 +93,11 @@ def fp16_run(ctx, mode):
     every rank), gradients reduced in float16: ``mode`` against ``after_backward`` on the same ranks."""
     losses, params = {}, {}
     for m in ("after_backward", mode):
-        cfg, _, model, _, batch_at = build(ctx, dict(plan="galaxy2", dtype="float16", grad_reduce_dtype="float16",
-                                                     initial_loss_scale=2.0 ** 40, max_steps=4,
-                                                     mp_grad_reduce=m))
+        cfg = GalaxyConfig.from_dict(dict(BERT, **dict(TRAIN, dtype="float16")),
+                                     dict(plan="galaxy2", grad_reduce_dtype="float16", initial_loss_scale=2.0 ** 40,
+                                          max_steps=4, mp_grad_reduce=m))
+        model = BertForMaskedLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=11)
+        batch_at = mlm_data(cfg)[0]
         result = train(model, batch_at, cfg, ctx, progress=False)
         losses[m] = result.losses, result.skipped_steps
         params[m] = {n: p.detach().clone() for n, p in model.named_parameters()}

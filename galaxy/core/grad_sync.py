@@ -36,7 +36,7 @@ buckets reduced *during* backward travel on a second process group over the same
   piece of each flat bucket as a parameter of its own (``shards()``), which the optimizer steps in
   place of the bucket's weights, so their optimizer state is sharded too (ZeRO-1); after the step
   ``gather_weights()`` all-gathers the updated pieces into the model's weights. The model's
-  weights themselves get no ``.grad``. Tied pipeline weights (summed between the first and last
+  weights lose their ``.grad`` as soon as it is copied into the bucket (ZeRO-2). Tied pipeline weights (summed between the first and last
   stage after the step's reductions) are all-reduced instead.
 
 With dp, a PARTIAL bucket's mp result (the whole sum, or this rank's piece) is then all-reduced
@@ -145,6 +145,9 @@ class GradReducer:
                 order.append((key, members))
             members.append(p)
             size[0] += _nbytes(p)
+        # Launch order (the same on every rank): by the bucket's last member, roughly when it fills.
+        position = {id(p): i for i, p in enumerate(reversed(params))}
+        order.sort(key=lambda entry: position[id(entry[1][-1])])
         for (kind, _, decays), members in order:
             deferred = not hooks or (kind != "dp" and mode == "after_backward")
             bucket = _Bucket(members, kind, deferred)
@@ -167,11 +170,22 @@ class GradReducer:
         """Elements of one rank's piece of a flat bucket of ``numel`` (the last piece padded with zeros)."""
         return -(-numel // self.mp.size)
 
-    def _make_shard(self, params: list[nn.Parameter], decays: bool) -> nn.Parameter:
+    def _piece_of(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """This rank's piece of the flat (zero-padded) weights ``params``."""
         piece = self._piece(sum(p.numel() for p in params))
         flat = torch.cat([p.detach().reshape(-1) for p in params])
         flat = torch.nn.functional.pad(flat, (0, piece * self.mp.size - flat.numel()))
-        shard = nn.Parameter(flat[self.mp.rank * piece:(self.mp.rank + 1) * piece].clone())
+        return flat[self.mp.rank * piece:(self.mp.rank + 1) * piece].clone()
+
+    @torch.no_grad()
+    def refresh_shards(self) -> None:
+        """Copy the model's weights into the pieces (after the weights were loaded from elsewhere)."""
+        for b in self.buckets:
+            if b.shard is not None:
+                b.shard.copy_(self._piece_of(b.params))
+
+    def _make_shard(self, params: list[nn.Parameter], decays: bool) -> nn.Parameter:
+        shard = nn.Parameter(self._piece_of(params))
         # Each mp rank holds a different piece: counted once per rank in the global norm, like a TP shard.
         set_param_meta(shard, GradRule.SHARDED)
         setattr(shard, _DECAY_ATTR, decays)
@@ -256,6 +270,8 @@ class GradReducer:
             self.mp_grad.bytes_sent += _nbytes(flat)
             work = dist.all_reduce(flat, group=self.mp_grad.group, async_op=True)
         else:
+            for p in params:  # ZeRO-2: the full gradients are dropped as soon as they are in the bucket
+                p.grad = None
             piece = self._piece(bucket.numel)
             self.mp_grad.bytes_sent += _nbytes(flat)
             padded = torch.nn.functional.pad(flat, (0, piece * self.mp.size - flat.numel()))
@@ -290,8 +306,6 @@ class GradReducer:
             work.wait()
             if bucket.kind == "mp_shard":
                 bucket.shard.grad = flat.to(bucket.shard.dtype)
-                for p in params:
-                    p.grad = None
                 continue
             for p, g in zip(params, flat.split([p.numel() for p in params])):
                 p.grad.copy_(g.view_as(p))

@@ -2,10 +2,11 @@
 
 One step (``Trainer``): read this dp rank's shard of the global batch, split it into micro-batches,
 run them through this pipeline stage (``PipelineRunner``; with one stage, gradient accumulation),
-then make the gradients the serial model's: the dp sum (bucketed, overlapping the last backward),
-the mp rules (``GradientSync``), the tied-embedding sum between first and last stage; clip by the
-global norm (every parameter once across mp, pp and dp) and step the optimizer (AdamW, or ZeRO-1
-over the dp group). Each micro-batch loss is weighted by its share of the global batch's loss
+then make the gradients the serial model's: the dp sum and the mp rules (``GradReducer``: bucketed,
+overlapping the last backward; ``mp_grad_reduce: sharded`` keeps the PARTIAL weights' optimizer
+state in pieces over mp), the tied-embedding sum between first and last stage; clip by the global
+norm (every parameter once across mp, pp and dp) and step the optimizer (AdamW, or ZeRO-1 over the
+dp group). Each micro-batch loss is weighted by its share of the global batch's loss
 targets, so the gradients and the reported loss are those of the serial model on the global batch.
 """
 
@@ -322,7 +323,9 @@ class Trainer:
     def count_zero_broadcasts(self) -> None:
         """ZeroRedundancyOptimizer's step broadcasts every parameter from its owner over dp, outside
         the Communicator: count those bytes on it."""
-        if type(self.optimizer).__name__ == "ZeroRedundancyOptimizer":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
             self.ctx.dp.bytes_sent += sum(p.numel() * p.element_size() for p in self.params)
 
     def comm_bytes(self) -> int:
