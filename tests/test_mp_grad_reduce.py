@@ -5,6 +5,8 @@ pipelines with tied weights and recompute: the loss, every gradient (a sharded b
 from the pieces of every mp rank) and the clipped global norm on each of 3 steps, and every
 parameter after the 3 AdamW steps. The harness is tests/test_dp_pp.py's."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -129,3 +131,14 @@ def test_sharded_mode_refuses_checkpoints_with_one_clear_line(dist_pool, tmp_pat
 def test_mp_grad_reduce_is_validated():
     with pytest.raises(ConfigError, match="mp_grad_reduce.*after_backward, overlap, sharded"):
         GalaxyConfig.from_dict({"mp_grad_reduce": "async"})
+
+
+def overlap_without_second_group(ctx):
+    cfg, _, model, _, _ = build(ctx, dict(plan="galaxy2", mp_grad_reduce="overlap"))
+    with pytest.raises(ConfigError, match="mp_grad_reduce.*second process group"):
+        Trainer(model, cfg, dataclasses.replace(ctx, mp_grad=None))
+    return True
+
+
+def test_overlap_needs_the_second_mp_group(dist_pool):
+    assert all(dist_pool.run(overlap_without_second_group, 2))
