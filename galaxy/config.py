@@ -93,7 +93,7 @@ class ParallelConfig:
     dp_bucket_mb: float = 25.0  # size of one gradient bucket (the dp sum and the mp PARTIAL reductions)
     # PARTIAL gradients (replicated weights used on sequence shards) summed over mp: after_backward |
     # overlap (bucketed, during backward) | sharded (reduce-scattered during backward; their optimizer
-    # state sharded over mp, the updated weights all-gathered: ZeRO-2 over mp)
+    # state and fp32 masters sharded over mp, the updated weights all-gathered: ZeRO-2 over mp)
     mp_grad_reduce: str = "after_backward"
 
 

@@ -15,9 +15,10 @@ from galaxy.core.context import ParallelContext
 from galaxy.core.grad_sync import gather_full
 from galaxy.core.layers import GradRule, grad_rule
 from galaxy.models.bert import BertForMaskedLM
-from galaxy.train.loop import Trainer, train
+from galaxy.models.llama import LlamaForCausalLM
+from galaxy.train.loop import Trainer, autocast_context, train
 from galaxy.train.pretrain import mlm_data
-from tests.test_dp_pp import BERT, RTOL, STEPS, TRAIN, build, rel_err
+from tests.test_dp_pp import BERT, LLAMA, RTOL, STEPS, TRAIN, build, llama_batch_at, rel_err
 
 UNEVEN2 = dict(tp_num_attention_heads_list=[4, 2], tp_intermediate_size_list=[15, 25], seq_scatter_list=[7, 5])
 UNEVEN3 = dict(tp_num_attention_heads_list=[1, 3, 2], tp_intermediate_size_list=[10, 20, 10],
@@ -142,3 +143,36 @@ def overlap_without_second_group(ctx):
 
 def test_overlap_needs_the_second_mp_group(dist_pool):
     assert all(dist_pool.run(overlap_without_second_group, 2))
+
+
+def bf16_sharded_run(ctx, model_type):
+    """bfloat16 autocast: ``sharded`` keeps the sharded weights in bfloat16 in the model, their fp32
+    masters in the pieces; the loss curve follows ``after_backward``'s (fp32 weights) within bf16 noise."""
+    curves = {}
+    for mode in ("after_backward", "sharded"):
+        raw = dict(LLAMA if model_type == "llama" else BERT, **dict(TRAIN, dtype="bfloat16"))
+        cfg = GalaxyConfig.from_dict(raw, dict(plan="galaxy2", max_steps=3, mp_grad_reduce=mode))
+        cls = LlamaForCausalLM if model_type == "llama" else BertForMaskedLM
+        model = cls(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=11)
+        batch_at = llama_batch_at if model_type == "llama" else mlm_data(cfg)[0]
+        trainer = Trainer(model, cfg, ctx)
+        if mode == "sharded":
+            assert all(s.dtype == torch.float32 for s in trainer.grad_sync.shards())
+            sharded = [p for e in trainer.grad_sync.shard_layout() for p in e["params"]]
+            assert sharded and all(p.dtype == torch.bfloat16 for p in sharded)
+        losses = []
+        for step in range(cfg.train.max_steps):
+            amp = lambda: autocast_context(cfg, ctx.device)  # noqa: E731
+            loss = trainer.forward_backward(trainer.read_batch(batch_at, step), amp)
+            assert trainer.optimizer_step(loss, step + 1).skipped is None
+            losses.append(loss.item())
+        trainer.grad_sync.remove()
+        curves[mode] = losses
+    return curves
+
+
+@pytest.mark.parametrize("model_type", ["bert", "llama"])
+def test_bf16_sharded_keeps_fp32_masters_in_the_pieces(dist_pool, model_type):
+    for curves in dist_pool.run(bf16_sharded_run, 2, model_type):
+        assert curves["sharded"][0] == pytest.approx(curves["after_backward"][0], rel=5e-3), curves
+        assert curves["sharded"] == pytest.approx(curves["after_backward"], rel=2e-2), curves

@@ -100,14 +100,17 @@ class GradReducer:
     """The step's gradient reductions; ``arm()`` before the step's last backward, ``finish()`` after it.
 
     ``mp``: the model-parallel group (its PARTIAL rule); ``dp``: the data-parallel group (None or one
-    rank: no dp sum). ``reduce_dtype``: the precision the sums travel in (None: the gradients').
-    ``hooks=False``: nothing is launched during backward (``finish()`` does everything).
+    rank: no dp sum). ``reduce_dtype``: the precision the sums travel in (None: the gradients', and
+    a ``sharded`` bucket's the precision of its pieces). ``hooks=False``: nothing is launched during
+    backward (``finish()`` does everything). ``compute_dtype`` (``sharded``, with autocast): the
+    model keeps the sharded weights in this dtype, their fp32 masters living only in the pieces
+    (Megatron's distributed optimizer): the all-gather moves compute-dtype weights.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], mp: Communicator, dp: Optional[Communicator] = None,
                  mode: str = "after_backward", bucket_mb: float = 25.0,
                  reduce_dtype: Optional[torch.dtype] = None, hooks: bool = True,
-                 mp_grad: Optional[Communicator] = None):
+                 mp_grad: Optional[Communicator] = None, compute_dtype: Optional[torch.dtype] = None):
         if mode not in MP_GRAD_REDUCE:
             raise ValueError(f"mp gradient mode '{mode}' is not one of {', '.join(MP_GRAD_REDUCE)}")
         self.mp, self.mode, self.reduce_dtype = mp, mode, reduce_dtype
@@ -153,6 +156,9 @@ class GradReducer:
             bucket = _Bucket(members, kind, deferred)
             if kind == "mp_shard":
                 bucket.shard = self._make_shard(members, decays)
+                if compute_dtype is not None:
+                    for p in members:
+                        p.data = p.data.to(compute_dtype)
             self.buckets.append(bucket)
         self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
         self._live = [b for b, bucket in enumerate(self.buckets) if not bucket.deferred]  # launched by hooks
@@ -219,10 +225,10 @@ class GradReducer:
         for b in self.buckets:
             if b.shard is None:
                 continue
-            flat = torch.empty(self._piece(b.numel) * self.mp.size, dtype=b.shard.dtype, device=b.shard.device)
-            self.mp_grad.bytes_sent += b.numel * b.shard.element_size()
-            pending.append((b, flat, _all_gather_single(flat, b.shard.detach(), group=self.mp_grad.group,
-                                                        async_op=True)))
+            piece = b.shard.detach().to(b.params[0].dtype)  # the model's dtype for these weights
+            flat = torch.empty(self._piece(b.numel) * self.mp.size, dtype=piece.dtype, device=piece.device)
+            self.mp_grad.bytes_sent += b.numel * piece.element_size()
+            pending.append((b, flat, _all_gather_single(flat, piece, group=self.mp_grad.group, async_op=True)))
         for b, flat, work in pending:
             work.wait()
             for p, w in zip(b.params, flat[:b.numel].split([p.numel() for p in b.params])):
@@ -261,8 +267,9 @@ class GradReducer:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
         flat = torch.cat([p.grad.reshape(-1) for p in params])
-        if self.reduce_dtype is not None:
-            flat = flat.to(self.reduce_dtype)
+        dtype = self.reduce_dtype or (bucket.shard.dtype if bucket.shard is not None else None)
+        if dtype is not None:
+            flat = flat.to(dtype)
         if bucket.kind == "dp":
             self.dp.bytes_sent += _nbytes(flat)
             work = dist.all_reduce(flat, group=self.dp.group, async_op=True)

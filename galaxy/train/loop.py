@@ -175,8 +175,9 @@ class Trainer:
         if par.dp_engine == "deepspeed":
             raise ConfigError("config key 'dp_engine' is 'deepspeed': build the trainer with make_trainer()")
         trainable = [p for p in model.parameters() if p.requires_grad]
+        low = DTYPES[t.dtype] if t.dtype in ("bfloat16", "float16") else None  # autocast's compute dtype
         self.grad_sync = GradReducer(trainable, ctx.mp, ctx.dp, par.mp_grad_reduce, par.dp_bucket_mb,
-                                     reduce_dtype(cfg), mp_grad=ctx.mp_grad)
+                                     reduce_dtype(cfg), mp_grad=ctx.mp_grad, compute_dtype=low)
         # What the optimizer steps, clips and unscales: ``sharded`` weights are replaced by this rank's pieces.
         self.params = self.grad_sync.optimizer_params(trainable)
         self.scaler = LossScaler(t) if t.dtype == "float16" else None
