@@ -36,8 +36,8 @@ buckets reduced *during* backward travel on a second process group over the same
   piece of each flat bucket as a parameter of its own (``shards()``), which the optimizer steps in
   place of the bucket's weights, so their optimizer state is sharded too (ZeRO-1); after the step
   ``gather_weights()`` all-gathers the updated pieces into the model's weights. The model's
-  weights lose their ``.grad`` as soon as it is copied into the bucket (ZeRO-2). Tied pipeline weights (summed between the first and last
-  stage after the step's reductions) are all-reduced instead.
+  weights lose their ``.grad`` as soon as it is copied into the bucket (ZeRO-2). Tied pipeline
+  weights (summed between the first and last stage after the step's reductions) are all-reduced.
 
 With dp, a PARTIAL bucket's mp result (the whole sum, or this rank's piece) is then all-reduced
 over dp in ``finish()``; the other buckets are all-reduced over dp during backward.
@@ -162,13 +162,14 @@ class GradReducer:
             self.buckets.append(bucket)
         self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
         self._live = [b for b, bucket in enumerate(self.buckets) if not bucket.deferred]  # launched by hooks
+        self._live_position = {b: i for i, b in enumerate(self._live)}
         self._armed = False
         self._ready = [0] * len(self.buckets)
         self._next = 0  # index into _live of the next bucket the hooks launch
         self._pending: list[tuple[_Bucket, list[nn.Parameter], torch.Tensor, object]] = []
         self.overlapped = 0  # buckets launched during backward in the last step (the rest in finish())
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
-                         for p in params if id(p) in self._bucket_of and not self.buckets[self._bucket_of[id(p)]].deferred]
+        hooked = [p for p in params if self._bucket_of.get(id(p)) in self._live_position]
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in hooked]
 
     # -- sharded weights
 
@@ -250,7 +251,12 @@ class GradReducer:
     def _on_grad(self, param: nn.Parameter) -> None:
         if not self._armed:
             return
-        self._ready[self._bucket_of[id(param)]] += 1
+        b = self._bucket_of[id(param)]
+        if self._live_position[b] < self._next:
+            raise RuntimeError("a gradient arrived after its bucket was sent: a parameter accumulated twice in the "
+                               "step's last backward (e.g. under reentrant checkpointing), which bucketed reductions "
+                               "during backward cannot serve")
+        self._ready[b] += 1
         while self._next < len(self._live) and \
                 self._ready[self._live[self._next]] >= self.buckets[self._live[self._next]].expected:
             self._launch(self.buckets[self._live[self._next]])
