@@ -1,8 +1,9 @@
-"""The metrics' ``comm_bytes`` count every collective of a training step: the layout transitions,
-the loss, the PARTIAL gradient reductions (after backward, overlapped, or reduce-scattered with
-the updated weights all-gathered), the dp buckets, ZeRO-1's broadcasts and the gradient norm.
-The expected bytes are derived here from the serial model's parameter shapes and the plan, by
-DESIGN.md's transition table, never read from the Communicator."""
+"""The metrics' ``comm_bytes`` (global rank 0's) count every collective of a training step: the
+layout transitions, the loss, the PARTIAL gradient reductions (after backward, overlapped, or
+reduce-scattered with the updated weights all-gathered), the dp buckets, ZeRO-1's broadcasts, the
+gradient norm, and a pipeline's sends and tied-embedding sum. The expected bytes are derived here
+from the serial model's parameter shapes and the plan, by DESIGN.md's transition table, never read
+from the Communicator."""
 
 import json
 
@@ -54,7 +55,16 @@ def local_numel(name: str, shape: torch.Size, methods: dict, mp: int) -> int:
     return n
 
 
-def expected_step_bytes(plan: str, mp: int, dp: int, mode: str, zero1: bool) -> int:
+def expected_step_bytes(plan: str, mp: int, dp: int, mode: str, zero1: bool, pp: int = 1) -> int:
+    """Global rank 0's bytes of one step (it writes the metrics): with ``pp`` 2, the first stage (mp 1)."""
+    if pp > 1:
+        assert (plan, mp, dp, pp) == ("none", 1, 1, 2), "pipelines: derived for two stages of a serial plan"
+        cfg = GalaxyConfig.from_dict(dict(BERT, **TRAIN))
+        rows, seq, hidden = TRAIN["global_batch_size"], TRAIN["seq_length"], BERT["hidden_size"]
+        return (rows * seq * hidden * F64  # every micro-batch's activations sent to stage 2 (receives not counted)
+                + F64  # the loss broadcast from the last stage
+                + F64  # the squared gradient norm summed over the stages
+                + cfg.model.vocab_size * hidden * F64)  # the tied word embeddings' gradients summed by both ends
     att, con, mlp = PLANS[plan]
     methods = {"att": att, "con": con, "mlp": mlp, "stream": con}
     stream = IO[con][1]
@@ -84,29 +94,32 @@ def expected_step_bytes(plan: str, mp: int, dp: int, mode: str, zero1: bool) -> 
 
 def measured_step_bytes(ctx, plan, mode, zero1, path):
     cfg = GalaxyConfig.from_dict(dict(BERT, **TRAIN), {"plan": plan, "mp_grad_reduce": mode,
-                                                       "dp_size": ctx.dp.size,
+                                                       "dp_size": ctx.dp.size, "pp_size": ctx.pp.size,
+                                                       "num_microbatches": ctx.pp.size,
                                                        "dp_engine": "zero1" if zero1 else "ddp"})
+    ctx.stage_layers = cfg.stage_layers()
     model = BertForMaskedLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=0)
     train(model, mlm_data(cfg)[0], cfg, ctx, metrics_file=path, progress=False)
     return True
 
 
-CASES = [  # plan, mp, dp, mode, zero1
-    ("tp", 2, 1, "after_backward", False),
-    ("sp", 2, 1, "sharded", False),
-    ("galaxy", 3, 1, "overlap", False),
-    ("galaxy2", 2, 1, "sharded", False),
-    ("galaxy2", 2, 2, "overlap", True),
+CASES = [  # plan, mp, dp, mode, zero1, pp
+    ("tp", 2, 1, "after_backward", False, 1),
+    ("sp", 2, 1, "sharded", False, 1),
+    ("galaxy", 3, 1, "overlap", False, 1),
+    ("galaxy2", 2, 1, "sharded", False, 1),
+    ("galaxy2", 2, 2, "overlap", True, 1),
+    ("none", 1, 1, "after_backward", False, 2),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-mp{c[1]}-dp{c[2]}-{c[3]}" + ("-zero1" if c[4] else "")
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-mp{c[1]}-dp{c[2]}-pp{c[5]}-{c[3]}" + ("-zero1" if c[4] else "")
                                              for c in CASES])
 def test_metrics_comm_bytes_count_every_collective_of_a_step(dist_pool, tmp_path, case):
-    plan, mp, dp, mode, zero1 = case
+    plan, mp, dp, mode, zero1, pp = case
     path = str(tmp_path / "metrics.jsonl")
-    dist_pool.run(measured_step_bytes, mp * dp, plan, mode, zero1, path, dp=dp)
+    dist_pool.run(measured_step_bytes, mp * dp * pp, plan, mode, zero1, path, dp=dp, pp=pp)
     records = [json.loads(line) for line in open(path)]
     assert len(records) == TRAIN["max_steps"]
-    want = expected_step_bytes(plan, mp, dp, mode, zero1)
+    want = expected_step_bytes(plan, mp, dp, mode, zero1, pp)
     assert [r["comm_bytes"] for r in records] == [want] * len(records), (want, records)
