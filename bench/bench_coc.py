@@ -397,7 +397,7 @@ def run_galaxy(args, shape, ctx: ParallelContext, plan_name: str, log) -> list[d
                     world, times, peak, chunks=k, check=check)
             rows.append(reduce_over_ranks(r, ctx))
             log(rows[-1])
-        del stack
+            del stack  # in the loop: with --coc-source model it never runs, and nothing is bound
     del model, base, params
     release(ctx.device)
     if plan_name in COC_PLANS and world > 1 and model_has_coc() and args.coc_source in ("auto", "model"):

@@ -93,7 +93,11 @@ class ParallelConfig:
     pipeline_schedule: str = "1f1b"  # gpipe | 1f1b
     dp_engine: str = "ddp"  # ddp (bucketed all-reduce overlapping backward) | zero1 | deepspeed
     zero_stage: int = 1  # DeepSpeed ZeRO stage (1 or 2) when dp_engine is deepspeed
-    dp_bucket_mb: float = 25.0  # size of one data-parallel gradient bucket
+    dp_bucket_mb: float = 25.0  # size of one gradient bucket (the dp sum and the mp PARTIAL reductions)
+    # PARTIAL gradients (replicated weights used on sequence shards) summed over mp: after_backward |
+    # overlap (bucketed, during backward) | sharded (reduce-scattered during backward; their optimizer
+    # state and fp32 masters sharded over mp, the updated weights all-gathered: ZeRO-2 over mp)
+    mp_grad_reduce: str = "after_backward"
 
 
 @dataclass
@@ -337,6 +341,7 @@ class Plan:
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 DP_ENGINES = ("ddp", "zero1", "deepspeed")
+MP_GRAD_REDUCE = ("after_backward", "overlap", "sharded")
 OPTIMIZERS = ("adamw", "sgd")
 RECOMPUTE_MODES = ("none", "full", "selective")
 KERNEL_BACKENDS = ("auto", "triton", "torch")
@@ -524,6 +529,9 @@ class GalaxyConfig:
                               f"{', '.join(PIPELINE_SCHEDULES)}")
         if p.dp_engine not in DP_ENGINES:
             raise ConfigError(f"config key 'dp_engine': '{p.dp_engine}' is not one of {', '.join(DP_ENGINES)}")
+        if p.mp_grad_reduce not in MP_GRAD_REDUCE:
+            raise ConfigError(f"config key 'mp_grad_reduce': '{p.mp_grad_reduce}' is not one of "
+                              f"{', '.join(MP_GRAD_REDUCE)}")
         if p.zero_stage not in (1, 2):
             raise ConfigError(f"config key 'zero_stage' must be 1 or 2, got {p.zero_stage}")
         if p.dp_bucket_mb <= 0:

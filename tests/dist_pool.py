@@ -35,6 +35,7 @@ def _worker(rank: int, world: int, port: int, tasks, results, root: str) -> None
     base = ParallelContext.initialize(DistributedConfig(init_method=f"tcp://127.0.0.1:{port}", timeout_s=60),
                                       rank, world, "cpu")
     groups = {n: dist.new_group(list(range(n))) for n in range(2, world + 1)}
+    grad_groups = {n: dist.new_group(list(range(n))) for n in range(2, world + 1)}  # ParallelContext.mp_grad
     layouts = {}
     while True:
         task = tasks.get()
@@ -48,7 +49,8 @@ def _worker(rank: int, world: int, port: int, tasks, results, root: str) -> None
             continue
         if (dp, pp) == (1, 1):
             ctx = ParallelContext(rank=rank, world_size=size, device=torch.device("cpu"), seed=0,
-                                  mp=Communicator("mp", rank, size, groups.get(size)))
+                                  mp=Communicator("mp", rank, size, groups.get(size)),
+                                  mp_grad=Communicator("mp_grad", rank, size, grad_groups.get(size)))
         else:
             ctx = ParallelContext(rank=rank, world_size=size, device=torch.device("cpu"), seed=0,
                                   **layouts[(size, dp, pp)])

@@ -38,8 +38,7 @@ def one_step(ctx, overrides: dict):
     loss = trainer.forward_backward(trainer.read_batch(mlm_data(cfg)[0], 0)).item()
     sent = {name: comm.bytes_sent - sent[name] for name, comm in (("mp", ctx.mp), ("dp", ctx.dp))}
     grads = {n: gather_full(p.grad, p, ctx.mp) for n, p in model.named_parameters() if p.grad is not None}
-    if trainer.dp_sync is not None:
-        trainer.dp_sync.remove()
+    trainer.grad_sync.remove()
     return loss, grads, trainer.num_microbatches, sent
 
 

@@ -61,8 +61,7 @@ def evaluate_in_layout(ctx, model_type: str, overrides: dict) -> dict:
     model = CLASSES[model_type](cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=3)
     trainer = Trainer(model, cfg, ctx)
     result = evaluate(trainer, eval_batches(cfg), cfg.train.eval_iters)
-    if trainer.dp_sync is not None:
-        trainer.dp_sync.remove()
+    trainer.grad_sync.remove()
     assert model.training, "evaluation puts the model back in training mode"
     return result
 

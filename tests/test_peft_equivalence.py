@@ -259,8 +259,7 @@ def dp_pp_with_method(ctx, model_type, method, extra):
             assert torch.equal(full, frozen[name]), f"frozen {name} changed"
         else:
             assert rel_err(full, params_s[name].detach(), floor=1e-2) < RTOL, name
-    if par.dp_sync is not None:
-        par.dp_sync.remove()
+    par.grad_sync.remove()
     return sorted(n for n, p in model.named_parameters() if p.requires_grad)
 
 

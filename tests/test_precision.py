@@ -171,7 +171,7 @@ def reduce_in(ctx, dtype: str, reduce_dtype: str):
     before = ctx.dp.bytes_sent  # the pool's communicators live on between tasks
     with torch.autocast("cpu", dtype=torch.bfloat16):
         trainer.forward_backward(trainer.read_batch(mlm_data(cfg)[0], 0))
-    trainer.dp_sync.remove()
+    trainer.grad_sync.remove()
     return ctx.dp.bytes_sent - before, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 

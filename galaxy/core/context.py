@@ -81,6 +81,9 @@ class ParallelContext:
     dp: Communicator = field(default_factory=lambda: Communicator("dp"))
     pp: Communicator = field(default_factory=lambda: Communicator("pp"))
     pp_ends: Communicator = field(default_factory=lambda: Communicator("pp_ends"))
+    # The mp ranks' second process group: gradient reductions that overlap backward run on it, since
+    # their order relative to backward's transitions (on ``mp``) differs between ranks.
+    mp_grad: Optional[Communicator] = None
     # Hidden layers per pipeline stage (``stage_num_hidden_layers_list``); None: balanced.
     stage_layers: Optional[tuple[int, ...]] = None
     _generators: dict = field(default_factory=dict, repr=False)
@@ -199,18 +202,19 @@ def build_groups(rank: int, world_size: int, dp_size: int, pp_size: int) -> dict
     mp_size = world_size // (dp_size * pp_size)
     default_size = dist.get_world_size() if dist.is_initialized() else 1
 
-    def family(name: str, members: list[list[int]]) -> Communicator:
+    def family(name: str, members: list[list[int]], own: bool = False) -> Communicator:
         mine = Communicator(name)
         for ranks in members:
             if len(ranks) == 1:
                 continue
-            group = dist.group.WORLD if len(ranks) == default_size else dist.new_group(ranks)
+            group = dist.group.WORLD if len(ranks) == default_size and not own else dist.new_group(ranks)
             if rank in ranks:
                 mine = Communicator(name, rank=ranks.index(rank), size=len(ranks), group=group)
         return mine
 
     at = lambda d, p, m: rank_of(d, p, m, pp_size, mp_size)  # noqa: E731
-    mp = family("mp", [[at(d, p, m) for m in range(mp_size)] for d in range(dp_size) for p in range(pp_size)])
+    mp_members = [[at(d, p, m) for m in range(mp_size)] for d in range(dp_size) for p in range(pp_size)]
+    mp, mp_grad = family("mp", mp_members), family("mp_grad", mp_members, own=True)
     pp = family("pp", [[at(d, p, m) for p in range(pp_size)] for d in range(dp_size) for m in range(mp_size)])
     dp = family("dp", [[at(d, p, m) for d in range(dp_size)] for p in range(pp_size) for m in range(mp_size)])
     if pp_size <= 2:
@@ -218,7 +222,7 @@ def build_groups(rank: int, world_size: int, dp_size: int, pp_size: int) -> dict
     else:
         ends = family("pp_ends", [[at(d, 0, m), at(d, pp_size - 1, m)] for d in range(dp_size)
                                   for m in range(mp_size)])
-    return {"mp": mp, "pp": pp, "dp": dp, "pp_ends": ends}
+    return {"mp": mp, "pp": pp, "dp": dp, "pp_ends": ends, "mp_grad": mp_grad}
 
 
 def param_seed(seed: int, name: str) -> int:

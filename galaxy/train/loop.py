@@ -2,10 +2,11 @@
 
 One step (``Trainer``): read this dp rank's shard of the global batch, split it into micro-batches,
 run them through this pipeline stage (``PipelineRunner``; with one stage, gradient accumulation),
-then make the gradients the serial model's: the dp sum (bucketed, overlapping the last backward),
-the mp rules (``GradientSync``), the tied-embedding sum between first and last stage; clip by the
-global norm (every parameter once across mp, pp and dp) and step the optimizer (AdamW, or ZeRO-1
-over the dp group). Each micro-batch loss is weighted by its share of the global batch's loss
+then make the gradients the serial model's: the dp sum and the mp rules (``GradReducer``: bucketed,
+overlapping the last backward; ``mp_grad_reduce: sharded`` keeps the PARTIAL weights' optimizer
+state in pieces over mp), the tied-embedding sum between first and last stage; clip by the global
+norm (every parameter once across mp, pp and dp) and step the optimizer (AdamW, or ZeRO-1 over the
+dp group). Each micro-batch loss is weighted by its share of the global batch's loss
 targets, so the gradients and the reported loss are those of the serial model on the global batch.
 """
 
@@ -28,8 +29,8 @@ import torch.nn as nn
 
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.context import ParallelContext
-from galaxy.core.data_parallel import DataParallelGradSync
-from galaxy.core.grad_sync import GradientSync, check_replicated, global_grad_norm, sync_pipeline_ties
+from galaxy.core.grad_sync import GradReducer, check_replicated, global_grad_norm, sync_pipeline_ties, \
+    takes_weight_decay
 from galaxy.core.pipeline import PipelineRunner, PipelineStepResult, StageSpec, analytic_bubble
 from galaxy.train.evaluate import evaluate
 from galaxy.train.microbatch import split_rows
@@ -78,16 +79,18 @@ class TrainResult:
         return fields
 
 
-def build_optimizer(model: nn.Module, cfg: GalaxyConfig,
-                    ctx: Optional[ParallelContext] = None) -> torch.optim.Optimizer:
-    """AdamW (``optimizer: adamw``, fused on GPU) or SGD with momentum (``optimizer: sgd``); no
-    weight decay on biases and norm scales (1-D parameters), as in HF and Megatron. With
-    ``dp_engine: zero1`` and a dp group, ``ZeroRedundancyOptimizer`` shards the optimizer states
-    over the dp group (each rank steps its share of the parameters and broadcasts them)."""
+def build_optimizer(model: nn.Module, cfg: GalaxyConfig, ctx: Optional[ParallelContext] = None,
+                    params: Optional[list[nn.Parameter]] = None) -> torch.optim.Optimizer:
+    """AdamW (``optimizer: adamw``, fused on GPU) or SGD with momentum (``optimizer: sgd``) over
+    ``params`` (default: the model's trainable parameters); no weight decay on biases and norm
+    scales (``takes_weight_decay``), as in HF and Megatron. With ``dp_engine: zero1`` and a dp group,
+    ``ZeroRedundancyOptimizer`` shards the optimizer states over the dp group (each rank steps its
+    share of the parameters and broadcasts them)."""
     t = cfg.train
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    if params is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if takes_weight_decay(p)], "weight_decay": t.weight_decay},
+              {"params": [p for p in params if not takes_weight_decay(p)], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     fused = {"fused": True} if params and all(p.is_cuda for p in params) else {}
     if t.optimizer == "sgd":
@@ -168,15 +171,17 @@ class Trainer:
         if t.dtype == "float64":
             model.double()
         check_replicated(model, ctx.mp)
-        self.params = [p for p in model.parameters() if p.requires_grad]
         self.stage: StageSpec = getattr(model, "stage", None) or StageSpec.whole(0)
         if par.dp_engine == "deepspeed":
             raise ConfigError("config key 'dp_engine' is 'deepspeed': build the trainer with make_trainer()")
-        self.mp_sync = GradientSync(self.params, ctx.mp, reduce_dtype=reduce_dtype(cfg))
-        self.dp_sync = (DataParallelGradSync(self.params, ctx.dp, par.dp_bucket_mb, reduce_dtype=reduce_dtype(cfg))
-                        if ctx.dp.size > 1 else None)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        low = DTYPES[t.dtype] if t.dtype in ("bfloat16", "float16") else None  # autocast's compute dtype
+        self.grad_sync = GradReducer(trainable, ctx.mp, ctx.dp, par.mp_grad_reduce, par.dp_bucket_mb,
+                                     reduce_dtype(cfg), mp_grad=ctx.mp_grad, compute_dtype=low)
+        # What the optimizer steps, clips and unscales: ``sharded`` weights are replaced by this rank's pieces.
+        self.params = self.grad_sync.optimizer_params(trainable)
         self.scaler = LossScaler(t) if t.dtype == "float16" else None
-        self.optimizer = build_optimizer(model, cfg, ctx)
+        self.optimizer = build_optimizer(model, cfg, ctx, self.params)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.runner = PipelineRunner(model, ctx, par.pipeline_schedule)
         self.num_microbatches = par.num_microbatches
@@ -228,12 +233,9 @@ class Trainer:
         weights = self.loss_weights(micro) if self.stage.is_last else None
         micro = [{k: v.to(ctx.device, non_blocking=True) for k, v in mb.items()} for mb in micro]
         self._last_micro, self._autocast = micro, autocast
-        result = self.runner.run(micro, weights, autocast=autocast,
-                                 before_last_backward=self.dp_sync.arm if self.dp_sync else None,
+        result = self.runner.run(micro, weights, autocast=autocast, before_last_backward=self.grad_sync.arm,
                                  grad_scale=self.scaler.scale if self.scaler else None)
-        if self.dp_sync is not None:
-            self.dp_sync.finish()
-        self.mp_sync()
+        self.grad_sync.finish()
         sync_pipeline_ties(self.params, ctx.pp_ends)
         self.last_step = result
         return self.report_loss(result.loss)
@@ -281,6 +283,8 @@ class Trainer:
             if t.grad_clip > 0:
                 torch.nn.utils.clip_grads_with_norm_(self.params, t.grad_clip, norm.float())
             self.optimizer.step()
+            self.count_zero_broadcasts()
+            self.grad_sync.gather_weights()
             self.schedule.step()
             if self.scaler is not None:
                 self.scaler.update(overflow=False)
@@ -317,9 +321,18 @@ class Trainer:
         return f"{what} at step {step}: " + (where[1] if where else "no parameter, module output or gradient is "
                                              "non-finite in a replay of the step (a transient, e.g. a dropout draw)")
 
+    def count_zero_broadcasts(self) -> None:
+        """ZeroRedundancyOptimizer's step broadcasts every parameter from its owner over dp, outside
+        the Communicator: count those bytes on it."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            self.ctx.dp.bytes_sent += sum(p.numel() * p.element_size() for p in self.params)
+
     def comm_bytes(self) -> int:
+        """Payload bytes of every collective this rank has run (all groups, the gradient reductions' own)."""
         ctx = self.ctx
-        comms = {id(c): c for c in (ctx.mp, ctx.dp, ctx.pp, ctx.pp_ends)}
+        comms = {id(c): c for c in (ctx.mp, ctx.dp, ctx.pp, ctx.pp_ends, *self.grad_sync.comms())}
         return sum(c.bytes_sent for c in comms.values())
 
     def gather_over_stages(self, value: float) -> list[float]:
@@ -370,7 +383,7 @@ class DeepSpeedTrainer(Trainer):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.stage = StageSpec.whole(0)
         self.runner = PipelineRunner(model, ctx)  # forward-only passes (evaluation, replays)
-        self.dp_sync = None
+        self.grad_sync = GradReducer([], ctx.mp)  # DeepSpeed's engine reduces; nothing to do here
         self.num_microbatches = m = par.num_microbatches
         self.last_step = None
         rows = t.global_batch_size // ctx.dp.size
@@ -450,6 +463,10 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
         raise ConfigError("config key 'dp_engine' is 'deepspeed', whose engine keeps the optimizer state in its own "
                           "format, which checkpoints do not read; use dp_engine 'zero1' or 'ddp' to save or resume")
     trainer = make_trainer(model, cfg, ctx)
+    if (save_dir or resume) and trainer.grad_sync.shards():
+        trainer.grad_sync.remove()
+        raise ConfigError("config key 'mp_grad_reduce' is 'sharded', whose optimizer state checkpoints cannot save "
+                          "or load yet; use mp_grad_reduce 'overlap' for runs that save or resume")
     start_step = 0
     if resume is not None:
         from galaxy.train.checkpoint import load_checkpoint
@@ -545,8 +562,7 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
             bar.close()
         if metrics:
             metrics.close()
-        if trainer.dp_sync is not None:
-            trainer.dp_sync.remove()
+        trainer.grad_sync.remove()
     result.steps = t.max_steps
     result.step_time_s = timed_seconds / max(timed_steps, 1)
     result.tokens_per_s = timed_tokens / timed_seconds if timed_seconds else 0.0
