@@ -13,7 +13,7 @@ import torch
 from galaxy.config import GalaxyConfig
 from galaxy.models.bert import BertForMaskedLM
 from galaxy.train.loop import train
-from galaxy.train.pretrain import mlm_data
+from galaxy.data.pretraining import mlm_data
 
 BERT = dict(vocab_size=64, hidden_size=24, num_hidden_layers=2, num_attention_heads=6, intermediate_size=40,
             max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)

@@ -17,7 +17,7 @@ from galaxy.core.layers import GradRule, grad_rule
 from galaxy.models.bert import BertForMaskedLM
 from galaxy.models.llama import LlamaForCausalLM
 from galaxy.train.loop import Trainer, autocast_context, train
-from galaxy.train.pretrain import mlm_data
+from galaxy.data.pretraining import mlm_data
 from tests.test_dp_pp import BERT, LLAMA, RTOL, STEPS, TRAIN, build, llama_batch_at, rel_err
 
 UNEVEN2 = dict(tp_num_attention_heads_list=[4, 2], tp_intermediate_size_list=[15, 25], seq_scatter_list=[7, 5])
