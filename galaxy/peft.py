@@ -31,6 +31,7 @@ from galaxy.core.layers import region_rule
 from galaxy.loralib import (DEFAULT_TARGETS, inject_lora, load_lora_pretrained, mark_only_lora_as_trainable,
                             merge_and_unload, save_lora_pretrained)
 from galaxy.loralib.hf import CONFIG_FILE, WEIGHTS_FILE, load_full_tensors, read_adapter
+from galaxy.loralib.quantized import cast_frozen_, dequantize_linears, frozen_storage, quantize_linears
 from galaxy.loralib.utils import count_parameters
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class TuningOptions:
     side_reduction_factor: int = 8
     modules_to_save: Optional[list[str]] = None  # None: the task head (classifier) when there is one
     init_std: float = 0.0  # > 0: zero-initialised factors (LoRA B, adapter/side up) drawn N(0, std); tests
+    frozen_dtype: Optional[str] = None  # 'bfloat16' / 'float16': frozen weights stored so; None: left as built
+    quantize_base: str = "none"  # 'nf4': frozen linears in NF4 (QLoRA), galaxy.loralib.quantized
 
     @classmethod
     def from_config(cls, cfg: GalaxyConfig, **overrides: Any) -> "TuningOptions":
@@ -72,8 +75,17 @@ class TuningOptions:
         values = {k: getattr(cfg.peft, k) for k in fields if hasattr(cfg.peft, k)}
         values["method"] = cfg.peft.tuning
         values["seed"] = cfg.train.seed
+        values["frozen_dtype"] = frozen_dtype_name(cfg)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+def frozen_dtype_name(cfg: GalaxyConfig) -> Optional[str]:
+    """The dtype frozen weights are stored in: the train dtype when it is bf16/fp16, the method
+    freezes a base, and ``frozen_dtype`` is 'compute'; else None (they stay as built)."""
+    if cfg.peft.tuning == "full" or cfg.peft.frozen_dtype != "compute":
+        return None
+    return cfg.train.dtype if cfg.train.dtype in ("bfloat16", "float16") else None
 
 
 def apply_tuning(model: nn.Module, cfg: GalaxyConfig, targets=None, **overrides: Any) -> nn.Module:
@@ -88,6 +100,13 @@ def apply_options(model: nn.Module, opts: TuningOptions) -> nn.Module:
     if getattr(model, "peft_config", None) is not None:
         raise ValueError(f"the model is already tuned with '{model.peft_config.method}'; build a fresh model")
     also = opts.modules_to_save if opts.modules_to_save is not None else _task_heads(model)
+    if opts.quantize_base not in ("none", "nf4"):
+        raise ValueError(f"quantize_base '{opts.quantize_base}' is not one of none, nf4")
+    if opts.quantize_base != "none":
+        if opts.method == "full":
+            raise ConfigError("config key 'quantize_base' needs a frozen base; tuning 'full' trains it")
+        # Before the method is injected, so LoRA wraps the quantized linears (as PEFT does over bitsandbytes).
+        quantize_linears(model, skip=also, backend=model.config.kernels)
     if opts.method == "full":
         for p in model.parameters():
             p.requires_grad_(True)
@@ -113,6 +132,8 @@ def apply_options(model: nn.Module, opts: TuningOptions) -> nn.Module:
         add_side_network(model, side_spec(model, opts.side_reduction_factor), region_rule(model.plan.con),
                          seed=opts.seed, init_up_std=opts.init_std)
         mark_only_side_as_trainable(model, also=also)
+    if opts.frozen_dtype is not None and opts.method != "full":
+        cast_frozen_(model, getattr(torch, opts.frozen_dtype))
     model.peft_config = opts
     trainable, total = count_parameters(model)
     logger.info("tuning '%s': %d of %d parameters trainable (%.3f%%)", opts.method, trainable, total,
@@ -267,17 +288,26 @@ def load_tuning(model: nn.Module, path: str, trainable: bool = True) -> nn.Modul
     return model
 
 
-def export_merged(model: nn.Module, path: str) -> None:
-    """Merge LoRA into the base weights, unload it, and ``save_pretrained`` the plain model (HF layout).
-    Changes ``model`` in place (it is the base architecture afterwards). A collective."""
+def export_merged(model: nn.Module, path: str, dtype: Optional[torch.dtype] = None) -> None:
+    """Merge LoRA into the base weights, unload it, and ``save_pretrained`` the plain model (HF layout),
+    every weight in ``dtype`` when given (e.g. bf16). An NF4 base is dequantized first (the merge is
+    done in fp32). Changes ``model`` in place (it is the base architecture afterwards). A collective."""
     opts = getattr(model, "peft_config", None)
     if opts is not None and opts.method not in ("full", "lora"):
         raise ValueError(f"'{opts.method}' adds modules the base architecture lacks; only LoRA merges into it")
+    dequantize_linears(model, torch.float32)
     merge_and_unload(model)
+    if dtype is not None:
+        model.to(dtype)
     model.peft_config = None
     model.save_pretrained(path)
 
 
 def trainable_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameters in full, plan-independent sizes."""
+    """(trainable, total) parameters in full, plan-independent sizes (NF4 weights not included)."""
     return count_parameters(model)
+
+
+def frozen_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes, parameters) of this rank's frozen base: 2 bytes a parameter in bf16, about 0.5 + scales in NF4."""
+    return frozen_storage(model)

@@ -1,0 +1,214 @@
+"""4-bit NormalFloat (NF4) storage of frozen weights and the dequantize-and-matmul that reads it.
+
+The data type is QLoRA's (Dettmers et al. 2023): 16 values at quantiles of N(0, 1) scaled to
+[-1, 1], with an exact zero; a block of 64 weights stores 4-bit codes and its absmax. The absmax
+values are double-quantized as bitsandbytes does (``compress_statistics=True``): their mean is
+subtracted, the rest quantized blockwise (256 per block) to bitsandbytes' signed 8-bit dynamic type,
+with one fp32 scale per block. Two codes share a byte, the first in the high nibble.
+
+Layout: a matrix ``[rows, cols]`` is quantized **row by row**: each row's blocks (of its ``cols``,
+zero-padded to a multiple of 64), its absmax blocks of 256 and its offset (the mean) belong to
+that row alone. A shard that takes whole rows therefore holds exactly the serial quantization of
+those rows, which is what makes every parallel plan equal serial QLoRA (``galaxy.loralib.quantized``
+picks the orientation per linear so that tensor parallelism always splits rows). With a single
+row this is bitsandbytes' ``quantize_4bit(blocksize=64, compress_statistics=True, quant_type="nf4")``
+of the flattened tensor; when ``cols`` is a multiple of 64 the codes and absmax of a matrix are the
+flat layout too (bitsandbytes' dequantize kernel reads them as they are), only the offset is per row.
+
+``nf4_linear`` computes ``x @ W^T`` (``transposed=False``: stored ``W [out, in]``) or ``x @ S``
+(``transposed=True``: stored ``S = W^T [in, out]``), with the weight dequantized to the compute
+dtype on the fly, and the input gradient in backward (the base stays frozen). Backends: ``torch``
+(dequantize, then matmul: the reference), ``triton`` (one kernel that dequantizes tiles inside the
+matmul, ``galaxy.kernels.triton_nf4``), ``bnb`` (bitsandbytes' CUDA dequantize, then cuBLAS).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from galaxy.kernels._backend import resolve_backend
+
+BLOCK = 64  # weights per absmax
+SCALE_BLOCK = 256  # absmax values per second-level scale
+
+# QLoRA, appendix E (the NF4 data type; bitsandbytes ``get_4bit_type("nf4")``).
+NF4_VALUES = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0,
+)
+
+NF4_BACKENDS = ("auto", "torch", "triton", "bnb")
+
+
+@functools.lru_cache(maxsize=None)
+def _nf4_code(device: torch.device) -> torch.Tensor:
+    return torch.tensor(NF4_VALUES, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def dynamic_code(device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """bitsandbytes' signed 8-bit dynamic type (``create_dynamic_map(signed=True)``): 256 sorted
+    values, a dynamic exponent (powers of ten) and a shrinking fraction; the absmax code book."""
+    data: list[float] = []
+    for i in range(7):  # exponent bits: 7, total bits: 8, signed
+        boundaries = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
+        means = (boundaries[:-1] + boundaries[1:]) / 2.0
+        data += ((10 ** (-6 + i)) * means).tolist() + ((-(10 ** (-6 + i))) * means).tolist()  # fp32 products
+    data += [0.0, 1.0]
+    data.sort()
+    return torch.tensor(data, dtype=torch.float32, device=device)
+
+
+def _nearest(values: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest entry of the sorted ``code`` (ties to the upper one, as bitsandbytes)."""
+    return torch.bucketize(values.contiguous(), (code[:-1] + code[1:]) / 2, out_int32=True).to(torch.uint8)
+
+
+@dataclass
+class NF4Rows:
+    """A matrix ``[rows, cols]`` in NF4, row by row. Every tensor's dim 0 is the row."""
+
+    packed: torch.Tensor  # uint8 [rows, blocks * 32]: two codes a byte, high nibble first
+    absmax_code: torch.Tensor  # uint8 [rows, blocks]: absmax - offset in the dynamic 8-bit type
+    absmax_scale: torch.Tensor  # fp32 [rows, ceil(blocks / 256)]
+    absmax_offset: torch.Tensor  # fp32 [rows]: the mean of the row's absmax
+    cols: int
+
+    @property
+    def rows(self) -> int:
+        return self.packed.shape[0]
+
+
+@torch.no_grad()
+def quantize_nf4(w: torch.Tensor) -> NF4Rows:
+    """Quantize ``w [rows, cols]`` (any float dtype; computed in fp32) row by row."""
+    if w.dim() != 2:
+        raise ValueError(f"quantize_nf4 takes a matrix, got shape {tuple(w.shape)}")
+    rows, cols = w.shape
+    blocks = -(-cols // BLOCK)
+    x = F.pad(w.float(), (0, blocks * BLOCK - cols)).view(rows, blocks, BLOCK)
+    absmax = x.abs().amax(dim=-1)
+    scaled = (x * (1.0 / absmax.clamp(min=1e-38)).unsqueeze(-1)).clamp(-1, 1)
+    q = _nearest(scaled.reshape(rows, -1), _nf4_code(w.device))
+    packed = (q[:, 0::2] << 4) | q[:, 1::2]
+    # Double quantization of the absmax, per row: offset = mean, blocks of 256 of (absmax - offset).
+    offset = absmax.mean(dim=1)
+    groups = -(-blocks // SCALE_BLOCK)
+    centered = F.pad(absmax - offset[:, None], (0, groups * SCALE_BLOCK - blocks)).view(rows, groups, SCALE_BLOCK)
+    scale = centered.abs().amax(dim=-1)
+    c = (centered * (1.0 / scale.clamp(min=1e-38)).unsqueeze(-1)).clamp(-1, 1)
+    absmax_code = _nearest(c.reshape(rows, -1)[:, :blocks].contiguous(), dynamic_code(w.device))
+    return NF4Rows(packed.contiguous(), absmax_code, scale.contiguous(), offset.contiguous(), cols)
+
+
+def dequantize_absmax(q: NF4Rows) -> torch.Tensor:
+    """fp32 ``[rows, blocks]`` absmax from its 8-bit codes, block scales and row offsets."""
+    rows, blocks = q.absmax_code.shape
+    code = dynamic_code(q.absmax_code.device)[q.absmax_code.long()]
+    scale = q.absmax_scale.float().repeat_interleave(SCALE_BLOCK, dim=1)[:, :blocks]
+    return code * scale + q.absmax_offset.float()[:, None]
+
+
+def dequantize_nf4(q: NF4Rows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The torch reference: ``[rows, cols]`` in ``dtype`` (products in fp32, or fp64 for fp64,
+    then rounded once, as bitsandbytes)."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    rows, blocks = q.absmax_code.shape
+    codes = torch.stack([q.packed >> 4, q.packed & 0xF], dim=-1).view(rows, blocks, BLOCK).long()
+    values = _nf4_code(q.packed.device).to(compute)[codes]
+    w = values * dequantize_absmax(q).to(compute).unsqueeze(-1)
+    return w.view(rows, blocks * BLOCK)[:, : q.cols].to(dtype)
+
+
+def nf4_bytes(q: NF4Rows) -> int:
+    return sum(t.numel() * t.element_size() for t in (q.packed, q.absmax_code, q.absmax_scale, q.absmax_offset))
+
+
+# ----------------------------------------------------------------------------- dequantize + matmul
+
+
+def _bnb_dequantize(q: NF4Rows, dtype: torch.dtype) -> torch.Tensor:
+    """bitsandbytes' CUDA dequantize (the flat layout equals ours when cols % 64 == 0)."""
+    import bitsandbytes.functional as bnbf
+
+    out = torch.empty(q.rows, q.cols, dtype=dtype, device=q.packed.device)
+    return bnbf.dequantize_4bit(q.packed.view(-1, 1), absmax=dequantize_absmax(q), out=out, blocksize=BLOCK,
+                                quant_type="nf4")
+
+
+@functools.lru_cache(maxsize=None)
+def bnb_available() -> bool:
+    try:
+        import bitsandbytes.functional  # noqa: F401
+    except Exception:  # ImportError, or a CUDA library it could not load
+        return False
+    return True
+
+
+def resolve_nf4_backend(backend: str, x: torch.Tensor, q: NF4Rows) -> str:
+    if backend not in NF4_BACKENDS:
+        raise ValueError(f"NF4 backend '{backend}' is not one of {', '.join(NF4_BACKENDS)}")
+    if backend == "bnb":
+        if not (x.is_cuda and q.cols % BLOCK == 0 and bnb_available()):
+            raise ValueError("the 'bnb' NF4 backend needs CUDA tensors, bitsandbytes, and rows a multiple of 64")
+        return "bnb"
+    if backend == "auto":
+        if x.is_cuda and q.cols % BLOCK == 0 and bnb_available():
+            return "bnb"
+        return "torch" if resolve_backend("auto", x) == "torch" else "triton"
+    if backend == "triton":
+        return resolve_backend("triton", x)
+    return "torch"
+
+
+def _matmul(x2: torch.Tensor, q: NF4Rows, transposed: bool, backend: str) -> torch.Tensor:
+    """``x2 @ S^T`` (``transposed=False``) or ``x2 @ S`` for the stored matrix S, in x2's dtype."""
+    if backend == "triton":
+        from galaxy.kernels.triton_nf4 import nf4_matmul
+
+        return nf4_matmul(x2, q, dequantize_absmax(q), transpose_s=not transposed)
+    w = _bnb_dequantize(q, x2.dtype) if backend == "bnb" else dequantize_nf4(q, x2.dtype)
+    return x2 @ (w if transposed else w.t())
+
+
+class _NF4Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, q: NF4Rows, transposed: bool, backend: str):
+        x2 = x.reshape(-1, x.shape[-1])
+        y = _matmul(x2, q, transposed, backend)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.q, ctx.transposed, ctx.backend = q, transposed, backend
+        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        need_x, need_bias = ctx.needs_input_grad[:2]
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        # dx = dy W: the other orientation of the same stored matrix.
+        dx = _matmul(dy2, ctx.q, not ctx.transposed, ctx.backend).view(ctx.x_shape) if need_x else None
+        dbias = dy2.sum(0) if (ctx.has_bias and need_bias) else None
+        return dx, dbias, None, None, None
+
+
+def nf4_linear(x: torch.Tensor, q: NF4Rows, bias: Optional[torch.Tensor] = None, transposed: bool = False,
+               backend: str = "auto") -> torch.Tensor:
+    """``x W^T + b`` with W stored in NF4 (``transposed``: stored as ``W^T``), computed in the
+    autocast dtype when autocast is on, else in ``x``'s dtype. The weight gets no gradient."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        x = x.to(torch.get_autocast_dtype(device_type))
+    with torch.autocast(device_type, enabled=False):
+        return _NF4Linear.apply(x, bias, q, transposed, resolve_nf4_backend(backend, x, q))
+
+
+__all__ = ["BLOCK", "SCALE_BLOCK", "NF4_VALUES", "NF4Rows", "quantize_nf4", "dequantize_nf4", "dequantize_absmax",
+           "dynamic_code", "nf4_linear", "nf4_bytes"]
