@@ -1,0 +1,235 @@
+"""Frozen base weights in the compute dtype and QLoRA (NF4 base):
+
+- storage: frozen weights take 2 bytes a parameter in bf16 and 0.5 + scales in NF4 (counted from
+  the parameters and buffers); trainable ones and their AdamW state stay fp32;
+- with a bf16 base, Galaxy LoRA equals HF ``peft`` on the same bf16 weights (bf16 autocast both);
+- every plan equals serial QLoRA: the gathered NF4 buffers bit for bit, and in fp64 the loss,
+  logits and every LoRA gradient to 1e-9; bf16-stored bases across plans agree to bf16 rounding;
+- adapters trained under QLoRA load in ``peft`` on the dequantized base with the same logits, and
+  the merged bf16 export loads in ``transformers``."""
+
+import pytest
+import torch
+
+from galaxy.config import ConfigError, GalaxyConfig
+from galaxy.core.grad_sync import gather_full
+from galaxy.loralib.quantized import NF4Weight, dequantize_linears, quantize_linears
+from galaxy.models.llama import LlamaForCausalLM
+from galaxy.peft import apply_tuning, export_merged, frozen_bytes, save_tuning
+from tests.test_llama_equivalence import RTOL, backward_both, rel_err
+from tests.test_peft_equivalence import LORA_TARGETS, MODELS, UNEVEN, edges, make_batch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+HF_LLAMA = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.05, bos_token_id=None,
+                eos_token_id=None)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def cfg_for(**extra):
+    return GalaxyConfig.from_dict(dict(dict(preset="llama-tiny", seq_length=13, tuning="lora"), **extra))
+
+
+def batch(vocab=50, seq=13):
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, vocab, (3, seq), generator=g)
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+
+
+# ----------------------------------------------------------------------------- storage
+
+
+def test_frozen_weights_are_stored_in_bf16_and_trainable_ones_in_fp32():
+    cfg = cfg_for(dtype="bfloat16")
+    model = apply_tuning(LlamaForCausalLM(cfg.model, seed=1), cfg, init_std=0.1)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert frozen and trainable
+    assert all(p.dtype == torch.bfloat16 for p in frozen) and all(p.dtype == torch.float32 for p in trainable)
+    nbytes, count = frozen_bytes(model)
+    assert count == sum(p.numel() for p in frozen) and nbytes == 2 * count
+    # One step under autocast: gradients and AdamW state fp32, the frozen base untouched and still bf16.
+    before = [p.detach().clone() for p in frozen]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**batch()).loss
+    loss.backward()
+    optimizer.step()
+    assert all(p.grad.dtype == torch.float32 for p in trainable)
+    assert all(s.dtype == torch.float32 for st in optimizer.state.values() for s in st.values() if s.dim())
+    assert all(torch.equal(a, b) and a.dtype == torch.bfloat16 for a, b in zip(before, frozen))
+    # Opting out keeps fp32 copies.
+    cfg32 = cfg_for(dtype="bfloat16", frozen_dtype="float32")
+    kept = apply_tuning(LlamaForCausalLM(cfg32.model, seed=1), cfg32)
+    assert frozen_bytes(kept)[0] == 4 * frozen_bytes(kept)[1]
+
+
+def nf4_bytes_of(rows: int, cols: int) -> int:
+    blocks = -(-cols // 64)
+    return rows * (blocks * 32 + blocks + 4 * -(-blocks // 256) + 4)  # codes, absmax codes, scales, offsets
+
+
+def test_nf4_storage_is_half_a_byte_plus_scales():
+    cfg = cfg_for(dtype="bfloat16", quantize_base="nf4")
+    model = apply_tuning(LlamaForCausalLM(cfg.model, seed=1), cfg)
+    quantized = [m for m in model.modules() if isinstance(m, NF4Weight)]
+    assert len(quantized) == 7 * cfg.model.num_hidden_layers  # every linear of every layer; not the LM head
+    stored = [(m.packed.shape[0], m.cols) for m in quantized]
+    others = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    nbytes, count = frozen_bytes(model)
+    assert count == others + sum(r * c for r, c in stored)
+    assert nbytes == 2 * others + sum(nf4_bytes_of(r, c) for r, c in stored)
+    # A LLaMA-7B projection: 0.5 bytes a weight, 1/64 for the 8-bit absmax codes, and per row of 4096 one fp32
+    # second-level scale (every 256 blocks) and one fp32 offset: 0.5176 bytes (4.14 bits) a weight.
+    big = NF4Weight.from_weight(torch.nn.Parameter(torch.randn(4096, 4096)), transposed=False)
+    per_param = big.nbytes() / 4096 ** 2
+    assert big.nbytes() == nf4_bytes_of(4096, 4096) and 0.5 < per_param < 0.5 + 1 / 64 + 0.0025, per_param
+
+
+def test_qlora_config_errors():
+    with pytest.raises(ConfigError, match="quantize_base"):
+        cfg_for(tuning="full", quantize_base="nf4")
+    with pytest.raises(ConfigError, match="fused_gate_up"):
+        cfg_for(quantize_base="nf4", fused_gate_up=True)
+    with pytest.raises(ConfigError, match="frozen_dtype"):
+        cfg_for(frozen_dtype="int3")
+
+
+# ----------------------------------------------------------------------------- HF peft on a bf16 base
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("hf_llama")
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_LLAMA)).save_pretrained(path)
+    return str(path)
+
+
+def test_bf16_base_lora_equals_peft(hf_llama, tmp_path):
+    cfg = cfg_for(dtype="bfloat16", lora_dim=4, lora_alpha=8.0)
+    ours = apply_tuning(LlamaForCausalLM.from_pretrained(hf_llama), cfg, targets=TARGETS, init_std=0.2)
+    save_tuning(ours, str(tmp_path / "adapter"))
+    base = transformers.LlamaForCausalLM.from_pretrained(hf_llama, torch_dtype=torch.bfloat16)
+    theirs = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"), is_trainable=True)
+    assert {p.dtype for n, p in theirs.named_parameters() if "lora_" in n} == {torch.float32}  # peft upcasts too
+    data = batch(96)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_o = ours(**data)
+        out_t = theirs(**data)
+    out_o.loss.backward()
+    out_t.loss.backward()
+    # bf16 tolerance: both compute every matmul in bf16 on identical bf16 weights; they differ by the
+    # order of fp32 accumulations and where bf16 roundings fall, a few bf16 ulps (2^-8) relative.
+    assert rel_err(out_o.logits.float(), out_t.logits.float()) < 2e-2
+    assert abs(out_o.loss.item() - out_t.loss.item()) < 1e-2 * out_t.loss.item()
+    grads_t = {n.replace("base_model.model.", "").replace(".default", ""): p.grad
+               for n, p in theirs.named_parameters() if "lora_" in n}
+    grads_o = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    assert set(grads_o) == set(grads_t)
+    for name, g in grads_o.items():
+        assert rel_err(g, grads_t[name]) < 3e-2, (name, rel_err(g, grads_t[name]))
+
+
+# ----------------------------------------------------------------------------- QLoRA adapters in peft, export
+
+
+def test_qlora_adapter_loads_in_peft_and_merged_bf16_export_loads_in_transformers(hf_llama, tmp_path):
+    cfg = cfg_for(lora_dim=4, lora_alpha=8.0, quantize_base="nf4")
+    ours = apply_tuning(LlamaForCausalLM.from_pretrained(hf_llama), cfg, targets=TARGETS, init_std=0.1)
+    optimizer = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-2)
+    data = batch(96)
+    for _ in range(3):  # trained under QLoRA
+        optimizer.zero_grad()
+        ours(**data).loss.backward()
+        optimizer.step()
+    save_tuning(ours, str(tmp_path / "adapter"))
+    # The base peft sees: the same checkpoint, quantized and dequantized as Galaxy did.
+    base = LlamaForCausalLM.from_pretrained(hf_llama)
+    assert len(quantize_linears(base)) == len(dequantize_linears(base)) == 14
+    base.save_pretrained(str(tmp_path / "dequantized"))
+    theirs = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "dequantized")),
+                                            str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        want = ours.eval()(data["input_ids"]).logits
+        got = theirs(input_ids=data["input_ids"]).logits
+        plain = transformers.LlamaForCausalLM.from_pretrained(hf_llama)(input_ids=data["input_ids"]).logits
+    assert rel_err(want, plain) > 1e-2  # NF4 and the trained adapter do change the model
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    export_merged(ours, str(tmp_path / "merged"), dtype=torch.bfloat16)
+    merged = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "merged"), torch_dtype=torch.bfloat16)
+    assert merged.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert rel_err(merged(input_ids=data["input_ids"]).logits.float(), want) < 2e-2  # bf16-rounded weights
+
+
+# ----------------------------------------------------------------------------- every plan equals serial QLoRA
+
+
+def qlora_pair(ctx, model_type, plan, uneven, **extra):
+    cls, tiny = MODELS[model_type]
+    raw = dict(tiny, seq_length=11, tuning="lora", plan=plan, **extra)
+    if uneven:
+        raw.update(UNEVEN[model_type][ctx.mp.size])
+    cfg = GalaxyConfig.from_dict(raw)
+    opts = dict(init_std=0.2, targets=[t for t in LORA_TARGETS[model_type] if t not in ("embed_tokens",
+                                                                                       "word_embeddings")])
+    serial = apply_tuning(cls(cfg.model, seed=7), cfg, **opts)
+    par = apply_tuning(cls(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=7), cfg, **opts)
+    return serial, par
+
+
+def _same_nf4_buffers(serial, par, ctx):
+    ours = dict(par.named_modules())
+    checked = 0
+    for name, m in serial.named_modules():
+        if isinstance(m, NF4Weight):
+            piece = ours[name]
+            for buf in ("packed", "absmax_code", "absmax_scale", "absmax_offset"):
+                local = getattr(piece, buf)
+                full = local if piece.spec is None else ctx.mp.all_gather(local.contiguous(), 0, piece.spec.sizes)
+                assert torch.equal(full, getattr(m, buf)), f"{name}.{buf} differs from serial"
+            checked += 1
+    assert checked
+
+
+def qlora_equals_serial(ctx, model_type, plan, uneven):
+    serial, par = qlora_pair(ctx, model_type, plan, uneven, quantize_base="nf4")
+    _same_nf4_buffers(serial, par, ctx)
+    serial, par = serial.double(), par.double()  # NF4 dequantized to fp64: exact products, fp64 sums
+    _, worst = backward_both(serial, par, make_batch(model_type), ctx, edges(par))
+    grads = dict(serial.named_parameters())
+    for name, p in par.named_parameters():
+        if p.requires_grad:
+            err = rel_err(gather_full(p.grad, p, ctx.mp), grads[name].grad)
+            assert err < RTOL, f"QLoRA on {plan}: grad of {name}: relative error {err:.2e}"
+            worst = max(worst, err)
+    assert worst < RTOL, worst
+    return worst
+
+
+def bf16_base_equals_serial(ctx, model_type, plan, uneven):
+    serial, par = qlora_pair(ctx, model_type, plan, uneven, dtype="bfloat16")
+    for name, p in par.named_parameters():
+        if not p.requires_grad:
+            assert p.dtype == torch.bfloat16
+            assert torch.equal(gather_full(p.detach(), p, ctx.mp), dict(serial.named_parameters())[name].detach())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_s, out_p = serial(**make_batch(model_type)), par(**make_batch(model_type))
+    assert rel_err(edges(par).to_replicated(out_p.logits).float().detach(), out_s.logits.float().detach()) < 2e-2
+    return abs(out_p.loss.item() - out_s.loss.item()) / out_s.loss.item()
+
+
+@pytest.mark.parametrize("model_type,world,plan,uneven", [
+    ("llama", 2, "tp", False), ("llama", 2, "sp", False), ("llama", 2, "galaxy", False),
+    ("llama", 2, "galaxy2", False), ("llama", 3, "galaxy", True), ("bert", 2, "galaxy", False),
+    ("bert", 3, "tp", True)])
+def test_every_plan_equals_serial_qlora(dist_pool, model_type, world, plan, uneven):
+    dist_pool.run(qlora_equals_serial, world, model_type, plan, uneven)
+
+
+@pytest.mark.parametrize("world,plan,uneven", [(2, "galaxy", False), (3, "tp", True)])
+def test_bf16_base_plans_equal_serial(dist_pool, world, plan, uneven):
+    assert max(dist_pool.run(bf16_base_equals_serial, world, "llama", plan, uneven)) < 1e-2
