@@ -16,10 +16,11 @@ of the flattened tensor; when ``cols`` is a multiple of 64 the codes and absmax 
 flat layout too (bitsandbytes' dequantize kernel reads them as they are), only the offset is per row.
 
 ``nf4_linear`` computes ``x @ W^T`` (``transposed=False``: stored ``W [out, in]``) or ``x @ S``
-(``transposed=True``: stored ``S = W^T [in, out]``), with the weight dequantized to the compute
-dtype on the fly, and the input gradient in backward (the base stays frozen). Backends: ``torch``
-(dequantize, then matmul: the reference), ``triton`` (one kernel that dequantizes tiles inside the
-matmul, ``galaxy.kernels.triton_nf4``), ``bnb`` (bitsandbytes' CUDA dequantize, then cuBLAS).
+(``transposed=True``: stored ``S = W^T [in, out]``) in the compute dtype, and the input gradient
+in backward (the base stays frozen): the weight is dequantized for each matmul (forward, and
+again in backward: nothing but the 4-bit storage is kept) and multiplied by cuBLAS. Backends of
+the dequantization: ``torch`` (the reference), ``triton`` (one kernel,
+``galaxy.kernels.triton_nf4``), ``bnb`` (bitsandbytes' CUDA kernel after a torch absmax step).
 """
 
 from __future__ import annotations
@@ -159,10 +160,8 @@ def resolve_nf4_backend(backend: str, x: torch.Tensor, q: NF4Rows) -> str:
         if not (x.is_cuda and q.cols % BLOCK == 0 and bnb_available()):
             raise ValueError("the 'bnb' NF4 backend needs CUDA tensors, bitsandbytes, and rows a multiple of 64")
         return "bnb"
-    if backend == "auto":
-        if x.is_cuda and q.cols % BLOCK == 0 and bnb_available():
-            return "bnb"
-        return "torch" if resolve_backend("auto", x) == "torch" else "triton"
+    if backend == "auto":  # Triton on CUDA (bench/bench_nf4.py), torch elsewhere and for fp64
+        return resolve_backend("auto", x)
     if backend == "triton":
         return resolve_backend("triton", x)
     return "torch"
@@ -171,10 +170,11 @@ def resolve_nf4_backend(backend: str, x: torch.Tensor, q: NF4Rows) -> str:
 def _matmul(x2: torch.Tensor, q: NF4Rows, transposed: bool, backend: str) -> torch.Tensor:
     """``x2 @ S^T`` (``transposed=False``) or ``x2 @ S`` for the stored matrix S, in x2's dtype."""
     if backend == "triton":
-        from galaxy.kernels.triton_nf4 import nf4_matmul
+        from galaxy.kernels.triton_nf4 import nf4_dequantize
 
-        return nf4_matmul(x2, q, dequantize_absmax(q), transpose_s=not transposed)
-    w = _bnb_dequantize(q, x2.dtype) if backend == "bnb" else dequantize_nf4(q, x2.dtype)
+        w = nf4_dequantize(q, x2.dtype)
+    else:
+        w = _bnb_dequantize(q, x2.dtype) if backend == "bnb" else dequantize_nf4(q, x2.dtype)
     return x2 @ (w if transposed else w.t())
 
 

@@ -114,6 +114,20 @@ def test_nf4_rows_are_bitsandbytes_rows():
                                    rtol=0, atol=2e-3 * w[r].abs().max().item())
 
 
+@pytest.mark.parametrize("shape", [(3, 100), (5, 64 * 300)])  # a partial block; several programs a row
+def test_triton_nf4_dequantize_equals_reference(shape):
+    from galaxy.kernels.triton_nf4 import nf4_dequantize
+
+    torch.manual_seed(5)
+    q = quantize_nf4(torch.randn(*shape))
+    for dtype in (torch.float32, torch.bfloat16):
+        want = dequantize_nf4(q, dtype)
+        got = nf4_dequantize(q, dtype)
+        assert got.dtype == dtype and got.shape == want.shape
+        # The same fp32 products; a fused multiply-add in the absmax step may round once instead of twice.
+        torch.testing.assert_close(got, want, rtol=2e-7 if dtype == torch.float32 else 0.0079, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_triton_nf4_matmul_equals_reference(dtype, transposed):
