@@ -5,8 +5,8 @@ Measured on an H100 (bench/bench_nf4.py), a kernel that dequantized W tiles insi
 was 10-50x slower than this plus cuBLAS at 4096 tokens (every row tile dequantizes the same
 weight tile again) and no faster at 16; training runs thousands of tokens, so the weight is
 dequantized once per matmul instead (0.5 + 2 bytes a weight moved, a few microseconds).
-The arithmetic is the torch reference's (``galaxy.kernels.nf4.dequantize_nf4``): absmax =
-code8 * scale + offset and value = nf4 * absmax in fp32, rounded once to the output dtype."""
+The arithmetic is the torch reference's (``galaxy.kernels.nf4.dequantize_nf4``) and bitsandbytes':
+absmax = code8 * scale + offset and value = nf4 * absmax in fp32, rounded to the output dtype."""
 
 from __future__ import annotations
 
@@ -28,10 +28,13 @@ def _nf4_dequantize_kernel(packed_ptr, code8_ptr, scale_ptr, offset_ptr, nf4_ptr
     block = (2 * b) // QBLOCK
     code8 = tl.load(code8_ptr + row * stride_c + block, mask=inside, other=0).to(tl.int32)
     scale = tl.load(scale_ptr + row * stride_s + block // SBLOCK, mask=inside, other=0.0)
-    absmax = tl.load(dyn_ptr + code8) * scale + tl.load(offset_ptr + row)
+    # Product and sum rounded apart, as torch and bitsandbytes do: the select keeps the compiler from
+    # contracting them into one fused multiply-add, so the result is the reference's bit for bit.
+    product = tl.where(inside, tl.load(dyn_ptr + code8) * scale, 0.0)
+    absmax = product + tl.load(offset_ptr + row)
     high = tl.load(nf4_ptr + (byte >> 4)) * absmax
     low = tl.load(nf4_ptr + (byte & 15)) * absmax
-    values = tl.interleave(high, low).to(out_ptr.dtype.element_ty)
+    values = tl.interleave(high, low).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     c = tl.program_id(1) * 2 * BYTES + tl.arange(0, 2 * BYTES)
     tl.store(out_ptr + row * stride_o + c, values, mask=c < cols)
 

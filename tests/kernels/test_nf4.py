@@ -124,8 +124,10 @@ def test_triton_nf4_dequantize_equals_reference(shape):
         want = dequantize_nf4(q, dtype)
         got = nf4_dequantize(q, dtype)
         assert got.dtype == dtype and got.shape == want.shape
-        # The same fp32 products; a fused multiply-add in the absmax step may round once instead of twice.
-        torch.testing.assert_close(got, want, rtol=2e-7 if dtype == torch.float32 else 0.0079, atol=0)
+        if dtype == torch.float32:
+            assert torch.equal(got, want)  # the same fp32 operations, each rounded as in the reference
+        else:  # Triton 3.9's interpreter truncates to bf16 where GPUs round to nearest (bench/bench_nf4.py checks)
+            torch.testing.assert_close(got.float(), dequantize_nf4(q, torch.float32), rtol=2 ** -7, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
