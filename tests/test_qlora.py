@@ -233,3 +233,45 @@ def test_every_plan_equals_serial_qlora(dist_pool, model_type, world, plan, unev
 @pytest.mark.parametrize("world,plan,uneven", [(2, "galaxy", False), (3, "tp", True)])
 def test_bf16_base_plans_equal_serial(dist_pool, world, plan, uneven):
     assert max(dist_pool.run(bf16_base_equals_serial, world, "llama", plan, uneven)) < 1e-2
+
+
+# ----------------------------------------------------------------------------- DP and PP around QLoRA
+
+
+def qlora_dp_pp_equals_serial(ctx, case):
+    """The Trainer (dp sum, pipeline schedule, mp rules, AdamW) on QLoRA equals serial QLoRA in fp64."""
+    from galaxy.core.context import ParallelContext
+    from galaxy.train.loop import Trainer
+    from tests.test_dp_pp import LLAMA, TRAIN, llama_batch_at
+
+    tuning = dict(tuning="lora", quantize_base="nf4", lora_target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])
+    cfg = GalaxyConfig.from_dict(dict(LLAMA, **TRAIN, **tuning, **case))
+    serial_cfg = GalaxyConfig.from_dict(dict(LLAMA, **TRAIN, **tuning))
+    ctx.stage_layers = cfg.stage_layers()
+    model = apply_tuning(LlamaForCausalLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=11), cfg, init_std=0.2)
+    serial = apply_tuning(LlamaForCausalLM(serial_cfg.model, seed=11), serial_cfg, init_std=0.2)
+    assert any(isinstance(m, NF4Weight) for m in model.modules())
+    par, ref = Trainer(model, cfg, ctx), Trainer(serial, serial_cfg, ParallelContext.serial())
+    params_s = dict(serial.named_parameters())
+    for step in range(2):
+        loss, loss_s = par.forward_backward(par.read_batch(llama_batch_at, step)), ref.forward_backward(llama_batch_at(step))
+        assert abs(loss.item() - loss_s.item()) <= RTOL * abs(loss_s.item()), (step, loss.item(), loss_s.item())
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                err = rel_err(gather_full(p.grad, p, ctx.mp), params_s[name].grad)
+                assert err < RTOL, f"step {step}: grad of {name}: relative error {err:.2e}"
+        par.optimizer_step(loss, step + 1)
+        ref.optimizer_step(loss_s, step + 1)
+    for name, p in model.named_parameters():
+        err = rel_err(gather_full(p.detach(), p, ctx.mp), params_s[name].detach(), floor=1e-2)
+        assert err < RTOL, f"{name} after 2 AdamW steps: relative error {err:.2e}"
+    if par.dp_sync is not None:
+        par.dp_sync.remove()
+
+
+@pytest.mark.parametrize("case", [dict(dp_size=2, pp_size=2, num_microbatches=2),
+                                  dict(dp_size=2, plan="galaxy"),
+                                  dict(pp_size=2, plan="tp", num_microbatches=2, pipeline_schedule="gpipe")],
+                         ids=["dp2-pp2", "dp2-galaxy2", "pp2-tp2"])
+def test_qlora_dp_pp_equal_serial(dist_pool, case):
+    dist_pool.run(qlora_dp_pp_equals_serial, 4, case, dp=case.get("dp_size", 1), pp=case.get("pp_size", 1))
