@@ -1,7 +1,7 @@
 """Choosing and applying a tuning method (full / lora / adapter / side) to a built Galaxy model,
 and the checkpoints that hold only what the method trains.
 
-    model = build_model(cfg, plan, ctx)
+    model = build_base(cfg, plan, ctx)        # build_model; QLoRA from a checkpoint: quantized as it is read
     model = apply_tuning(model, cfg)          # cfg.peft.tuning picks the method
     ...train...
     save_tuning(model, "out/adapter")         # LoRA: HF PEFT layout; adapter/side: Galaxy layout
@@ -31,7 +31,8 @@ from galaxy.core.layers import region_rule
 from galaxy.loralib import (DEFAULT_TARGETS, inject_lora, load_lora_pretrained, mark_only_lora_as_trainable,
                             merge_and_unload, save_lora_pretrained)
 from galaxy.loralib.hf import CONFIG_FILE, WEIGHTS_FILE, load_full_tensors, read_adapter
-from galaxy.loralib.quantized import cast_frozen_, dequantize_linears, frozen_storage, quantize_linears
+from galaxy.loralib.quantized import (cast_frozen_, dequantize_linears, frozen_storage, load_quantized,
+                                     quantize_linears)
 from galaxy.loralib.utils import count_parameters
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,20 @@ def frozen_dtype_name(cfg: GalaxyConfig) -> Optional[str]:
     if cfg.peft.tuning == "full" or cfg.peft.frozen_dtype != "compute":
         return None
     return cfg.train.dtype if cfg.train.dtype in ("bfloat16", "float16") else None
+
+
+def build_base(cfg: GalaxyConfig, plan: Optional[Plan], ctx, task: str = "lm") -> nn.Module:
+    """``galaxy.models.build_model``, except that QLoRA from a checkpoint (``quantize_base`` with
+    ``model_path``) quantizes each rank's slices as it reads them (``load_quantized``): the fp32
+    model never exists. Apply the method with ``apply_tuning`` after, as for any base."""
+    from galaxy.config import COMPUTE_KEYS
+    from galaxy.models import build_model, model_class
+
+    if cfg.peft.quantize_base == "none" or not cfg.data.model_path:
+        return build_model(cfg, plan, ctx, task)
+    compute = {k: getattr(cfg.model, k) for k in COMPUTE_KEYS}
+    return load_quantized(model_class(cfg.model.model_type, task), cfg.data.model_path, plan, ctx, compute,
+                          skip=cfg.peft.modules_to_save or (), backend=cfg.model.kernels)
 
 
 def apply_tuning(model: nn.Module, cfg: GalaxyConfig, targets=None, **overrides: Any) -> nn.Module:

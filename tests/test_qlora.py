@@ -13,9 +13,10 @@ import torch
 
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.grad_sync import gather_full
-from galaxy.loralib.quantized import NF4Weight, dequantize_linears, quantize_linears
+from galaxy.loralib.quantized import NF4Weight, dequantize_linears, load_quantized, meta_parameters, quantize_linears
 from galaxy.models.llama import LlamaForCausalLM
-from galaxy.peft import apply_tuning, export_merged, frozen_bytes, save_tuning
+from galaxy.core.context import ParallelContext
+from galaxy.peft import apply_tuning, build_base, export_merged, frozen_bytes, save_tuning
 from tests.test_llama_equivalence import RTOL, backward_both, rel_err
 from tests.test_peft_equivalence import LORA_TARGETS, MODELS, UNEVEN, edges, make_batch
 
@@ -165,6 +166,53 @@ def test_qlora_adapter_loads_in_peft_and_merged_bf16_export_loads_in_transformer
         assert rel_err(merged(input_ids=data["input_ids"]).logits.float(), want) < 2e-2  # bf16-rounded weights
 
 
+# ----------------------------------------------------------------------------- quantize on load
+
+
+def test_building_under_meta_parameters_allocates_nothing():
+    import resource
+
+    cfg = GalaxyConfig.from_dict(dict(preset="llama-7b", seq_length=16))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with meta_parameters():
+        model = LlamaForCausalLM(cfg.model)
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert all(p.is_meta for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) > 6e9
+    assert grown_mib < 1024, f"building the 7B layout grew the process by {grown_mib:.0f} MiB"
+
+
+def test_load_quantized_equals_load_then_quantize(hf_llama):
+    cfg = GalaxyConfig.from_dict(dict(preset="llama-tiny", seq_length=13, tuning="lora", quantize_base="nf4",
+                                      model_path=hf_llama))
+    ours = build_base(cfg, None, ParallelContext.serial())
+    assert any(isinstance(m, NF4Weight) for m in ours.modules())
+    want = LlamaForCausalLM.from_pretrained(hf_llama)
+    quantize_linears(want)
+    assert not any(p.is_meta for p in ours.parameters())
+    state, state_w = ours.state_dict(), want.state_dict()
+    assert set(state) == set(state_w) and any(k.endswith("qweight.packed") for k in state)
+    for key, value in state.items():
+        assert torch.equal(value, state_w[key]), key
+    ids = batch(96)["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, want(ids).logits)
+
+
+def load_quantized_on_plan(ctx, path, plan):
+    cfg = GalaxyConfig.from_dict(dict(preset="llama-tiny", **{k: v for k, v in HF_LLAMA.items() if k not in (
+        "bos_token_id", "eos_token_id", "initializer_range")}, seq_length=13, plan=plan))
+    ours = load_quantized(LlamaForCausalLM, path, cfg.resolve_plan(ctx.mp.size), ctx)
+    serial = load_quantized(LlamaForCausalLM, path)
+    _same_nf4_buffers(serial, ours, ctx)
+    for name, p in ours.named_parameters():
+        assert torch.equal(gather_full(p.detach(), p, ctx.mp), dict(serial.named_parameters())[name])
+    data = batch(96)
+    with torch.no_grad():
+        out = edges(ours).to_replicated(ours(**data).logits)
+        assert rel_err(out, serial(**data).logits) < 1e-5
+
+
 # ----------------------------------------------------------------------------- every plan equals serial QLoRA
 
 
@@ -230,6 +278,11 @@ def test_every_plan_equals_serial_qlora(dist_pool, model_type, world, plan, unev
     dist_pool.run(qlora_equals_serial, world, model_type, plan, uneven)
 
 
+@pytest.mark.parametrize("plan", ["tp", "galaxy"])
+def test_load_quantized_on_a_plan_equals_serial(dist_pool, hf_llama, plan):
+    dist_pool.run(load_quantized_on_plan, 2, hf_llama, plan)
+
+
 @pytest.mark.parametrize("world,plan,uneven", [(2, "galaxy", False), (3, "tp", True)])
 def test_bf16_base_plans_equal_serial(dist_pool, world, plan, uneven):
     assert max(dist_pool.run(bf16_base_equals_serial, world, "llama", plan, uneven)) < 1e-2
@@ -240,7 +293,6 @@ def test_bf16_base_plans_equal_serial(dist_pool, world, plan, uneven):
 
 def qlora_dp_pp_equals_serial(ctx, case):
     """The Trainer (dp sum, pipeline schedule, mp rules, AdamW) on QLoRA equals serial QLoRA in fp64."""
-    from galaxy.core.context import ParallelContext
     from galaxy.train.loop import Trainer
     from tests.test_dp_pp import LLAMA, TRAIN, llama_batch_at
 

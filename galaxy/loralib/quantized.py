@@ -17,14 +17,19 @@ every buffer), which is what gathering, checkpoints and resharding read.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
+from galaxy.config import ConfigError
 from galaxy.core.layers import GradRule, ParallelLinear, ShardSpec, grad_rule, set_param_meta, shard_spec
 from galaxy.kernels.nf4 import NF4Rows, dequantize_nf4, nf4_linear, quantize_nf4
+from galaxy.loralib.utils import in_modules, parent_of
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +138,6 @@ class QuantLinear(nn.Module):
 def quantize_linears(model: nn.Module, skip=(), backend: str = "auto") -> list[str]:
     """Replace every ``ParallelLinear`` / ``nn.Linear`` of ``model`` (not under ``skip`` module
     names nor an output head) by a ``QuantLinear`` quantized from this rank's weight; returns the names."""
-    from galaxy.loralib.utils import in_modules, parent_of
-
     done = []
     for name, module in list(model.named_modules()):
         if type(module) not in (ParallelLinear, nn.Linear) or in_modules(f"{name}.weight", list(skip) + list(KEEP_HEADS)):
@@ -150,7 +153,6 @@ def dequantize_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> 
     """Undo ``quantize_linears`` (to the dequantized values, in ``dtype``): every ``QuantLinear``
     becomes a ``ParallelLinear`` and every quantized LoRA layer gets its ``weight`` back."""
     from galaxy.loralib.layers import LoRALinear
-    from galaxy.loralib.utils import parent_of
 
     done = []
     for name, module in list(model.named_modules()):
@@ -190,5 +192,122 @@ def frozen_storage(model: nn.Module) -> tuple[int, int]:
     return nbytes, count
 
 
+
+# ----------------------------------------------------------------------------- quantize on load
+
+
+@contextlib.contextmanager
+def meta_parameters():
+    """Build modules whose parameters are registered on the meta device (no storage): each one is
+    swapped for a meta tensor of its shape as it is registered (torch's registration hook, removed
+    on exit), so building a model allocates one parameter at a time, never the whole model."""
+
+    def to_meta(module, name, param):
+        if param is None or param.is_meta:
+            return None
+        meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+        meta.__dict__.update(param.__dict__)
+        return meta
+
+    handle = nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+class _Checkpoint:
+    """The tensors of a local safetensors checkpoint, read lazily: a rank reads only its slices."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"model_path '{path}' holds no *.safetensors; quantize-on-load reads safetensors "
+                                    "slices (convert the checkpoint, or load it with from_pretrained)")
+        self.path = path
+        self.handles = [safe_open(os.path.join(path, f), framework="pt", device="cpu") for f in files]
+        self.where = {k: h for h in self.handles for k in h.keys()}
+
+    def piece(self, name: str, spec: Optional[ShardSpec], shape: tuple[int, ...]) -> torch.Tensor:
+        """This rank's piece of tensor ``name`` (the slice ``spec`` names, or all of it)."""
+        if name not in self.where:
+            raise ValueError(f"checkpoint '{self.path}' has no tensor '{name}' (quantize-on-load reads the model's own "
+                             "parameter names; load other layouts with from_pretrained)")
+        sl = self.where[name].get_slice(name)
+        index = [slice(None)] * len(sl.get_shape())
+        if spec is not None:
+            index[spec.dim] = slice(spec.offset, spec.offset + spec.sizes[spec.rank])
+        t = sl[tuple(index)]
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"checkpoint '{self.path}': '{name}' gives {tuple(t.shape)} on this rank but the model "
+                             f"needs {tuple(shape)}; the checkpoint is for another model size")
+        return t
+
+
+@torch.no_grad()
+def load_quantized(model_cls, path: str, plan=None, ctx=None, config_overrides: Optional[dict] = None,
+                   skip=(), dtype: torch.dtype = torch.float32, backend: str = "auto") -> nn.Module:
+    """A Galaxy model from a local HF checkpoint directory with its linears quantized to NF4 as
+    they are read: the model is laid out on the meta device, then each rank reads its own slice of
+    each tensor (safetensors lazy slices), quantizes the linears (all but heads and ``skip``) and
+    keeps the rest in ``dtype``. Peak host memory: one tensor slice in the checkpoint's dtype.
+    Equal to ``model_cls.from_pretrained`` + ``quantize_linears`` (the NF4 buffers bit for bit)."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"model_path '{path}' has no config.json; point it at a local HF model directory")
+    with open(config_file) as f:
+        config = model_cls.config_from_hf(json.load(f))
+    for key, value in (config_overrides or {}).items():
+        setattr(config, key, value)
+    if getattr(config, "fused_gate_up", False):
+        raise ConfigError("quantize-on-load quantizes each linear on its own; set fused_gate_up to false")
+    with meta_parameters():
+        model = model_cls(config, plan=plan, ctx=ctx)
+    device = model.ctx.device
+    ckpt = _Checkpoint(path)
+    for name, module in list(model.named_modules()):
+        if type(module) not in (ParallelLinear, nn.Linear) or in_modules(f"{name}.weight", list(skip) + list(KEEP_HEADS)):
+            continue
+        w = module.weight
+        spec = shard_spec(w)
+        transposed = row_parallel_name(name)
+        piece = ckpt.piece(f"{name}.weight", spec, tuple(w.shape)).to(device)
+        qweight = NF4Weight(quantize_nf4(piece.t() if transposed else piece), transposed,
+                            ShardSpec(0, spec.sizes, spec.rank) if spec is not None else None, backend)
+        del piece
+        bias = module.bias
+        if bias is not None:
+            bias = _materialized(bias, ckpt.piece(f"{name}.bias", shard_spec(bias), tuple(bias.shape)), device, dtype)
+        parent, child = parent_of(model, name)
+        setattr(parent, child, QuantLinear(qweight, bias, getattr(module, "style", "whole"), getattr(module, "rank", 0),
+                                           spec, grad_rule(w)))
+    done: dict[int, nn.Parameter] = {}
+    tied = set(getattr(model, "tied_keys", {}) or {})
+    for mod_name, module in model.named_modules():
+        for pname, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in done:
+                full = f"{mod_name}.{pname}" if mod_name else pname
+                if full in tied:
+                    continue  # filled through the module it is tied to
+                done[id(p)] = _materialized(p, ckpt.piece(full, shard_spec(p), tuple(p.shape)), device, dtype)
+            module._parameters[pname] = done[id(p)]
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise ValueError(f"checkpoint '{path}' left parameters unfilled: {left[:5]}")
+    logger.info("loaded '%s' with NF4 linears (%d tensors read as slices)", path, len(done))
+    return model
+
+
+def _materialized(meta: nn.Parameter, data: torch.Tensor, device, dtype) -> nn.Parameter:
+    p = nn.Parameter(data.to(device=device, dtype=dtype if data.is_floating_point() else data.dtype),
+                     requires_grad=meta.requires_grad)
+    p.__dict__.update(meta.__dict__)  # gradient rule, shard spec, pipeline tie
+    return p
+
+
 __all__ = ["NF4Weight", "QuantLinear", "quantize_linears", "dequantize_linears", "cast_frozen_", "frozen_storage",
-           "row_parallel_name"]
+           "row_parallel_name", "meta_parameters", "load_quantized"]
