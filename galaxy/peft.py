@@ -31,8 +31,7 @@ from galaxy.core.layers import region_rule
 from galaxy.loralib import (DEFAULT_TARGETS, inject_lora, load_lora_pretrained, mark_only_lora_as_trainable,
                             merge_and_unload, save_lora_pretrained)
 from galaxy.loralib.hf import CONFIG_FILE, WEIGHTS_FILE, load_full_tensors, read_adapter
-from galaxy.loralib.quantized import (cast_frozen_, dequantize_linears, frozen_storage, load_quantized,
-                                     quantize_linears)
+from galaxy.loralib.quantized import cast_frozen_, dequantize_linears, frozen_bytes, load_quantized, quantize_linears
 from galaxy.loralib.utils import count_parameters
 
 logger = logging.getLogger(__name__)
@@ -115,11 +114,10 @@ def apply_options(model: nn.Module, opts: TuningOptions) -> nn.Module:
     if getattr(model, "peft_config", None) is not None:
         raise ValueError(f"the model is already tuned with '{model.peft_config.method}'; build a fresh model")
     also = opts.modules_to_save if opts.modules_to_save is not None else _task_heads(model)
-    if opts.quantize_base not in ("none", "nf4"):
-        raise ValueError(f"quantize_base '{opts.quantize_base}' is not one of none, nf4")
     if opts.quantize_base != "none":
-        if opts.method == "full":
-            raise ConfigError("config key 'quantize_base' needs a frozen base; tuning 'full' trains it")
+        if opts.quantize_base != "nf4" or opts.method == "full":
+            raise ValueError(f"quantize_base '{opts.quantize_base}' needs 'nf4' and a frozen base (lora, adapter, "
+                             f"side), not '{opts.method}'")
         # Before the method is injected, so LoRA wraps the quantized linears (as PEFT does over bitsandbytes).
         quantize_linears(model, skip=also, backend=model.config.kernels)
     if opts.method == "full":
@@ -319,10 +317,5 @@ def export_merged(model: nn.Module, path: str, dtype: Optional[torch.dtype] = No
 
 
 def trainable_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameters in full, plan-independent sizes (NF4 weights not included)."""
+    """(trainable, total) parameters in full, plan-independent sizes (NF4 weights counted too)."""
     return count_parameters(model)
-
-
-def frozen_bytes(model: nn.Module) -> tuple[int, int]:
-    """(bytes, parameters) of this rank's frozen base: 2 bytes a parameter in bf16, about 0.5 + scales in NF4."""
-    return frozen_storage(model)

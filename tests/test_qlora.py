@@ -84,7 +84,7 @@ def test_nf4_storage_is_half_a_byte_plus_scales():
     assert nbytes == 2 * others + sum(nf4_bytes_of(r, c) for r, c in stored)
     # A LLaMA-7B projection: 0.5 bytes a weight, 1/64 for the 8-bit absmax codes, and per row of 4096 one fp32
     # second-level scale (every 256 blocks) and one fp32 offset: 0.5176 bytes (4.14 bits) a weight.
-    big = NF4Weight.from_weight(torch.nn.Parameter(torch.randn(4096, 4096)), transposed=False)
+    big = NF4Weight.quantize(torch.randn(4096, 4096), None, transposed=False)
     per_param = big.nbytes() / 4096 ** 2
     assert big.nbytes() == nf4_bytes_of(4096, 4096) and 0.5 < per_param < 0.5 + 1 / 64 + 0.0025, per_param
 
@@ -327,3 +327,12 @@ def qlora_dp_pp_equals_serial(ctx, case):
                          ids=["dp2-pp2", "dp2-galaxy2", "pp2-tp2"])
 def test_qlora_dp_pp_equal_serial(dist_pool, case):
     dist_pool.run(qlora_dp_pp_equals_serial, 4, case, dp=case.get("dp_size", 1), pp=case.get("pp_size", 1))
+
+
+def test_parameter_counts_do_not_change_with_quantization():
+    from galaxy.peft import trainable_parameters
+
+    cfg, cfg_q = cfg_for(), cfg_for(quantize_base="nf4")
+    plain = apply_tuning(LlamaForCausalLM(cfg.model, seed=1), cfg)
+    quantized = apply_tuning(LlamaForCausalLM(cfg_q.model, seed=1), cfg_q)
+    assert trainable_parameters(quantized) == trainable_parameters(plain)

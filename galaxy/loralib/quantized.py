@@ -57,9 +57,9 @@ class NF4Weight(nn.Module):
         self.cols, self.transposed, self.spec, self.backend = q.cols, transposed, spec, backend
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, transposed: bool, backend: str = "auto") -> "NF4Weight":
-        """Quantize this rank's ``weight`` (a Parameter with Galaxy's shard metadata)."""
-        spec = shard_spec(weight)
+    def quantize(cls, weight: torch.Tensor, spec: Optional[ShardSpec], transposed: bool,
+                 backend: str = "auto") -> "NF4Weight":
+        """Quantize this rank's ``weight`` ``[out, in]``, the piece ``spec`` of the full weight (or all of it)."""
         if spec is not None and spec.dim != (1 if transposed else 0):
             raise ValueError(f"an NF4 weight stored {'transposed' if transposed else 'as [out, in]'} must be sharded "
                              f"along its rows, but the shard is along weight dim {spec.dim}")
@@ -88,6 +88,10 @@ class NF4Weight(nn.Module):
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return nf4_linear(x, self.rows(), bias, self.transposed, self.backend)
 
+    def full_numel(self) -> int:
+        """Weights of the full (unsharded) matrix."""
+        return (sum(self.spec.sizes) if self.spec is not None else self.packed.shape[0]) * self.cols
+
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers(recurse=False))
 
@@ -108,7 +112,7 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Module, transposed: bool, backend: str = "auto") -> "QuantLinear":
         w = linear.weight
-        return cls(NF4Weight.from_weight(w, transposed, backend), linear.bias, getattr(linear, "style", "whole"),
+        return cls(NF4Weight.quantize(w, shard_spec(w), transposed, backend), linear.bias, getattr(linear, "style", "whole"),
                    getattr(linear, "rank", 0), shard_spec(w), grad_rule(w))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +120,6 @@ class QuantLinear(nn.Module):
 
     def to_linear(self, dtype: torch.dtype = torch.float32) -> ParallelLinear:
         """The equivalent ``ParallelLinear`` with the dequantized weight (for merging and export)."""
-        out_f, in_f = self.qweight.shape
         spec = self.weight_spec
         full = list(self.qweight.shape)
         if spec is not None:
@@ -135,12 +138,17 @@ class QuantLinear(nn.Module):
         return f"style={self.style}, bias={self.bias is not None}"
 
 
+def quantizable(name: str, module: nn.Module, skip=()) -> bool:
+    """A plain linear (``ParallelLinear`` / ``nn.Linear``) that is neither a head nor under ``skip``."""
+    return type(module) in (ParallelLinear, nn.Linear) and not in_modules(f"{name}.weight", [*skip, *KEEP_HEADS])
+
+
 def quantize_linears(model: nn.Module, skip=(), backend: str = "auto") -> list[str]:
     """Replace every ``ParallelLinear`` / ``nn.Linear`` of ``model`` (not under ``skip`` module
     names nor an output head) by a ``QuantLinear`` quantized from this rank's weight; returns the names."""
     done = []
     for name, module in list(model.named_modules()):
-        if type(module) not in (ParallelLinear, nn.Linear) or in_modules(f"{name}.weight", list(skip) + list(KEEP_HEADS)):
+        if not quantizable(name, module, skip):
             continue
         parent, child = parent_of(model, name)
         setattr(parent, child, QuantLinear.from_linear(module, row_parallel_name(name), backend))
@@ -177,7 +185,7 @@ def cast_frozen_(model: nn.Module, dtype: torch.dtype) -> int:
     return n
 
 
-def frozen_storage(model: nn.Module) -> tuple[int, int]:
+def frozen_bytes(model: nn.Module) -> tuple[int, int]:
     """(bytes, logical parameters) of this rank's frozen base weights: frozen parameters and NF4
     weights (every buffer they hold: codes and scales)."""
     nbytes = count = 0
@@ -268,15 +276,12 @@ def load_quantized(model_cls, path: str, plan=None, ctx=None, config_overrides: 
     device = model.ctx.device
     ckpt = _Checkpoint(path)
     for name, module in list(model.named_modules()):
-        if type(module) not in (ParallelLinear, nn.Linear) or in_modules(f"{name}.weight", list(skip) + list(KEEP_HEADS)):
+        if not quantizable(name, module, skip):
             continue
         w = module.weight
         spec = shard_spec(w)
-        transposed = row_parallel_name(name)
-        piece = ckpt.piece(f"{name}.weight", spec, tuple(w.shape)).to(device)
-        qweight = NF4Weight(quantize_nf4(piece.t() if transposed else piece), transposed,
-                            ShardSpec(0, spec.sizes, spec.rank) if spec is not None else None, backend)
-        del piece
+        qweight = NF4Weight.quantize(ckpt.piece(f"{name}.weight", spec, tuple(w.shape)).to(device), spec,
+                                     row_parallel_name(name), backend)
         bias = module.bias
         if bias is not None:
             bias = _materialized(bias, ckpt.piece(f"{name}.bias", shard_spec(bias), tuple(bias.shape)), device, dtype)
@@ -309,5 +314,5 @@ def _materialized(meta: nn.Parameter, data: torch.Tensor, device, dtype) -> nn.P
     return p
 
 
-__all__ = ["NF4Weight", "QuantLinear", "quantize_linears", "dequantize_linears", "cast_frozen_", "frozen_storage",
+__all__ = ["NF4Weight", "QuantLinear", "quantize_linears", "dequantize_linears", "cast_frozen_", "frozen_bytes",
            "row_parallel_name", "meta_parameters", "load_quantized"]
