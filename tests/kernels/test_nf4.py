@@ -167,3 +167,28 @@ def test_nf4_linear_under_autocast_computes_in_the_autocast_dtype():
     y.float().sum().backward()
     assert x.grad.dtype == torch.float32
     torch.testing.assert_close(y, x.detach().bfloat16() @ dequantize_nf4(q, torch.bfloat16).t())
+
+
+@pytest.mark.parametrize("quantize_base", ["none", "nf4"])
+def test_bf16_and_nf4_bases_run_the_fused_kernels(quantize_base):
+    """LoRA over a bf16-stored (or NF4) base with kernels=triton (RMSNorm, RoPE, SwiGLU, cross-entropy,
+    NF4 dequantize) equals kernels=torch to bf16 rounding: loss and every LoRA gradient."""
+    from galaxy.config import GalaxyConfig
+    from galaxy.models.llama import LlamaForCausalLM
+    from galaxy.peft import apply_tuning
+
+    ids = torch.randint(0, 50, (2, 13), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for kernels in ("torch", "triton"):
+        cfg = GalaxyConfig.from_dict(dict(preset="llama-tiny", seq_length=13, tuning="lora", dtype="bfloat16",
+                                          kernels=kernels, quantize_base=quantize_base))
+        model = apply_tuning(LlamaForCausalLM(cfg.model, seed=1), cfg, init_std=0.1)
+        assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(ids, labels=ids)
+        out.loss.backward()
+        runs[kernels] = out.loss.item(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    (loss_t, grads_t), (loss_k, grads_k) = runs["torch"], runs["triton"]
+    assert abs(loss_k - loss_t) < 1e-3 * loss_t
+    for name, g in grads_t.items():  # bf16 activations: a few ulps (2^-8) of relative error
+        assert ((grads_k[name] - g).norm() / g.norm()).item() < 5e-2, name
