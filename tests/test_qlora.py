@@ -336,3 +336,18 @@ def test_parameter_counts_do_not_change_with_quantization():
     plain = apply_tuning(LlamaForCausalLM(cfg.model, seed=1), cfg)
     quantized = apply_tuning(LlamaForCausalLM(cfg_q.model, seed=1), cfg_q)
     assert trainable_parameters(quantized) == trainable_parameters(plain)
+
+
+@pytest.mark.parametrize("method,quantize_base", [("lora", "none"), ("lora", "nf4"), ("adapter", "none")])
+def test_a_bf16_base_also_runs_without_autocast(method, quantize_base):
+    """Generation runs outside autocast: the fp32 trainable weights take the bf16 activations (cast,
+    as PEFT does) and hand bf16 back, so the model computes what it computes under autocast."""
+    cfg = cfg_for(tuning=method, dtype="bfloat16", quantize_base=quantize_base)
+    model = apply_tuning(LlamaForCausalLM(cfg.model, seed=1), cfg, init_std=0.1)
+    ids = batch()["input_ids"]
+    with torch.no_grad():
+        plain = model(ids).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            amp = model(ids).logits
+    assert plain.dtype == torch.bfloat16
+    assert rel_err(plain.float(), amp.float()) < 2e-2

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from galaxy.core.layers import Dropout, GradRule, ParallelLinear, ShardSpec, grad_rule, set_param_meta, shard_spec
 from galaxy.kernels.cclora import LinearOperands, cclora_linear
 from galaxy.loralib.quantized import QuantLinear
+from galaxy.loralib.utils import to_trainable_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class _LinearLoRA(LoRALayer):
         if self.fusion and not self.merged:
             return cclora_linear(x, self.cclora_operands())
         y = self.base_forward(x)
-        return y if self.merged else y + self.branch(x) * self.scaling
+        return y if self.merged else y + (self.branch(x) * self.scaling).to(y.dtype)
 
 
 class LoRALinear(_LinearLoRA):
@@ -189,7 +190,7 @@ class LoRALinear(_LinearLoRA):
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
         # Row style: the branch is part of the partial sum, so every rank adds its own term.
-        return self.lora_B(self.lora_A(self.lora_dropout(x)))
+        return self.lora_B(self.lora_A(to_trainable_dtype(self.lora_dropout(x), self.lora_A.weight)))
 
     def cclora_operands(self) -> Optional[LinearOperands]:
         """This rank's weight, bias and factors for CCLoRA; None while fusion is off."""
@@ -275,9 +276,10 @@ class MergedLoRALinear(_LinearLoRA):
         return F.linear(x, self.weight, self.bias)
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
-        chunks = iter(self.lora_A(self.lora_dropout(x)).split(self.r, dim=-1))
+        h = to_trainable_dtype(self.lora_dropout(x), self.lora_A.weight)
+        chunks = iter(self.lora_A(h).split(self.r, dim=-1))
         heads = iter(self.lora_B)
-        pieces = [next(heads)(next(chunks)) if on else x.new_zeros(*x.shape[:-1], n)
+        pieces = [next(heads)(next(chunks)) if on else h.new_zeros(*x.shape[:-1], n)
                   for on, n in zip(self.enable_lora, self.local_parts)]
         return torch.cat(pieces, dim=-1)
 
@@ -349,7 +351,7 @@ class LoRAEmbedding(LoRALayer):
         if self.merged:
             return y
         # Dropout on integer ids makes no sense; PEFT applies none on this path either.
-        return y + (self._embed(ids, self.lora_embedding_A.t()) @ self.lora_embedding_B.t()) * self.scaling
+        return y + ((self._embed(ids, self.lora_embedding_A.t()) @ self.lora_embedding_B.t()) * self.scaling).to(y.dtype)
 
     def delta_weight(self) -> torch.Tensor:
         dt = _merge_dtype(self.weight.dtype)

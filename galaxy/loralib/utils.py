@@ -77,6 +77,15 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     return trainable, total
 
 
+def to_trainable_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` in ``weight``'s dtype when autocast is off and they differ: fp32 trainable weights on a
+    bf16/fp16 base's activations outside autocast (e.g. generation), as PEFT casts. Under autocast
+    the matmul casts both to the autocast dtype anyway, so nothing is done."""
+    if x.dtype == weight.dtype or torch.is_autocast_enabled(x.device.type):
+        return x
+    return x.to(weight.dtype)
+
+
 def in_modules(param_name: str, targets: Optional[Targets]) -> bool:
     """Whether a parameter lives in (or under) a module that ``targets`` names (PEFT's
     ``modules_to_save`` matching: 'classifier' keeps ``classifier.weight`` and ``classifier.bias``)."""
