@@ -351,3 +351,13 @@ def test_a_bf16_base_also_runs_without_autocast(method, quantize_base):
             amp = model(ids).logits
     assert plain.dtype == torch.bfloat16
     assert rel_err(plain.float(), amp.float()) < 2e-2
+
+
+def test_casting_a_qlora_model_keeps_the_nf4_scales():
+    cfg = cfg_for(quantize_base="nf4")
+    model = apply_tuning(LlamaForCausalLM(cfg.model, seed=1), cfg)
+    q = next(m for m in model.modules() if isinstance(m, NF4Weight))
+    before = q.dequantize(torch.float32)
+    model.to(torch.bfloat16)
+    assert q.absmax_scale.dtype == q.absmax_offset.dtype == torch.float32 and q.packed.dtype == torch.uint8
+    assert torch.equal(q.dequantize(torch.float32), before)

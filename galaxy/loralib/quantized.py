@@ -67,6 +67,15 @@ class NF4Weight(nn.Module):
         w = weight.detach()
         return cls(quantize_nf4(w.t() if transposed else w), transposed, rows_spec, backend)
 
+    def _apply(self, fn, recurse=True):
+        # Casting the model (``.to(torch.bfloat16)``, ``.half()``, DeepSpeed's bf16) converts floating
+        # buffers; the absmax scales are part of the NF4 format and stay fp32 (moved, never rounded).
+        kept = {n: getattr(self, n) for n in ("absmax_scale", "absmax_offset")}
+        super()._apply(fn, recurse)
+        for name, t in kept.items():
+            self._buffers[name] = t.to(self.packed.device)
+        return self
+
     def rows(self) -> NF4Rows:
         return NF4Rows(self.packed, self.absmax_code, self.absmax_scale, self.absmax_offset, self.cols)
 
