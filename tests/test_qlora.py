@@ -361,3 +361,26 @@ def test_casting_a_qlora_model_keeps_the_nf4_scales():
     model.to(torch.bfloat16)
     assert q.absmax_scale.dtype == q.absmax_offset.dtype == torch.float32 and q.packed.dtype == torch.uint8
     assert torch.equal(q.dequantize(torch.float32), before)
+
+
+def bf16_qlora_pipeline_step(ctx, quantize_base):
+    """A bf16 QLoRA / bf16-base LoRA step over two pipeline stages: the stages agree on the dtype the
+    activations travel in (the stream's: bf16), and the loss is the serial model's to bf16 rounding."""
+    from galaxy.train.loop import Trainer, autocast_context
+    from tests.test_dp_pp import LLAMA, TRAIN, llama_batch_at
+
+    raw = dict(LLAMA, **dict(TRAIN, dtype="bfloat16"), tuning="lora", quantize_base=quantize_base)
+    cfg = GalaxyConfig.from_dict(dict(raw, pp_size=2, num_microbatches=2))
+    serial_cfg = GalaxyConfig.from_dict(raw)
+    ctx.stage_layers = cfg.stage_layers()
+    model = apply_tuning(LlamaForCausalLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=11), cfg, init_std=0.2)
+    serial = apply_tuning(LlamaForCausalLM(serial_cfg.model, seed=11), serial_cfg, init_std=0.2)
+    amp = lambda: autocast_context(cfg, ctx.device)  # noqa: E731
+    par, ref = Trainer(model, cfg, ctx), Trainer(serial, serial_cfg, ParallelContext.serial())
+    loss, loss_s = par.forward_backward(llama_batch_at(0), amp), ref.forward_backward(llama_batch_at(0), amp)
+    assert abs(loss.item() - loss_s.item()) < 1e-2 * loss_s.item(), (loss.item(), loss_s.item())
+
+
+@pytest.mark.parametrize("quantize_base", ["none", "nf4"])
+def test_bf16_base_pipeline_step(dist_pool, quantize_base):
+    dist_pool.run(bf16_qlora_pipeline_step, 2, quantize_base, pp=2)
