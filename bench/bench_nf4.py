@@ -157,7 +157,8 @@ def main() -> None:
         err = (f"{r['err_fwd']:9.2e} {r['err_dx']:9.2e}" if r["err_fwd"] is not None else "")
         print(f"{r['shape']:10} {r['tokens']:6d} {r['impl']:18} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:10.3f} {err}")
     for r in dequant:
-        print(f"{r['shape']:10} {r['impl']:34} {r['ms']:8.4f} ms {r['gb_per_s']:7.0f} GB/s equal={r['equal_to_reference']}")
+        print(f"{r['shape']:10} {r['impl']:34} {r['ms']:8.4f} ms {r['gb_per_s']:7.0f} GB/s "
+              f"equal={r['equal_to_reference']}")
     for r in steps:
         print(f"{r['model']:28} {r['impl']:22} {r['step_ms']:8.2f} ms/step {r['peak_mib']:9.0f} MiB peak "
               f"{r['frozen_bytes_per_param']:.3f} B/frozen param")

@@ -151,8 +151,8 @@ def test_qlora_adapter_loads_in_peft_and_merged_bf16_export_loads_in_transformer
     base = LlamaForCausalLM.from_pretrained(hf_llama)
     assert len(quantize_linears(base)) == len(dequantize_linears(base)) == 14
     base.save_pretrained(str(tmp_path / "dequantized"))
-    theirs = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "dequantized")),
-                                            str(tmp_path / "adapter")).eval()
+    dequantized = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "dequantized"))
+    theirs = peft.PeftModel.from_pretrained(dequantized, str(tmp_path / "adapter")).eval()
     with torch.no_grad():
         want = ours.eval()(data["input_ids"]).logits
         got = theirs(input_ids=data["input_ids"]).logits
@@ -306,7 +306,8 @@ def qlora_dp_pp_equals_serial(ctx, case):
     par, ref = Trainer(model, cfg, ctx), Trainer(serial, serial_cfg, ParallelContext.serial())
     params_s = dict(serial.named_parameters())
     for step in range(2):
-        loss, loss_s = par.forward_backward(par.read_batch(llama_batch_at, step)), ref.forward_backward(llama_batch_at(step))
+        loss = par.forward_backward(par.read_batch(llama_batch_at, step))
+        loss_s = ref.forward_backward(llama_batch_at(step))
         assert abs(loss.item() - loss_s.item()) <= RTOL * abs(loss_s.item()), (step, loss.item(), loss_s.item())
         for name, p in model.named_parameters():
             if p.requires_grad:

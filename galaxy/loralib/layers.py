@@ -351,7 +351,8 @@ class LoRAEmbedding(LoRALayer):
         if self.merged:
             return y
         # Dropout on integer ids makes no sense; PEFT applies none on this path either.
-        return y + ((self._embed(ids, self.lora_embedding_A.t()) @ self.lora_embedding_B.t()) * self.scaling).to(y.dtype)
+        branch = self._embed(ids, self.lora_embedding_A.t()) @ self.lora_embedding_B.t()
+        return y + (branch * self.scaling).to(y.dtype)
 
     def delta_weight(self) -> torch.Tensor:
         dt = _merge_dtype(self.weight.dtype)

@@ -120,9 +120,9 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Module, transposed: bool, backend: str = "auto") -> "QuantLinear":
-        w = linear.weight
-        return cls(NF4Weight.quantize(w, shard_spec(w), transposed, backend), linear.bias, getattr(linear, "style", "whole"),
-                   getattr(linear, "rank", 0), shard_spec(w), grad_rule(w))
+        w, spec = linear.weight, shard_spec(linear.weight)
+        return cls(NF4Weight.quantize(w, spec, transposed, backend), linear.bias, getattr(linear, "style", "whole"),
+                   getattr(linear, "rank", 0), spec, grad_rule(w))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.qweight.linear(x, self.bias if (self.style != "row" or self.rank == 0) else None)
@@ -207,7 +207,6 @@ def frozen_bytes(model: nn.Module) -> tuple[int, int]:
             nbytes += m.nbytes()
             count += m.shape[0] * m.shape[1]
     return nbytes, count
-
 
 
 # ----------------------------------------------------------------------------- quantize on load
