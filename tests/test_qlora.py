@@ -122,10 +122,10 @@ def test_bf16_base_lora_equals_peft(hf_llama, tmp_path):
         out_t = theirs(**data)
     out_o.loss.backward()
     out_t.loss.backward()
-    # bf16 tolerance: both compute every matmul in bf16 on identical bf16 weights; they differ by the
-    # order of fp32 accumulations and where bf16 roundings fall, a few bf16 ulps (2^-8) relative.
-    assert rel_err(out_o.logits.float(), out_t.logits.float()) < 2e-2
-    assert abs(out_o.loss.item() - out_t.loss.item()) < 1e-2 * out_t.loss.item()
+    # bf16 tolerance: both compute every matmul in bf16 on identical bf16 weights (seen: logits equal, LoRA
+    # gradients 1e-2 apart, where the backward's bf16 roundings fall differently: a few ulps of 2^-8).
+    assert rel_err(out_o.logits.float(), out_t.logits.float()) < 5e-3
+    assert abs(out_o.loss.item() - out_t.loss.item()) < 1e-3 * out_t.loss.item()
     grads_t = {n.replace("base_model.model.", "").replace(".default", ""): p.grad
                for n, p in theirs.named_parameters() if "lora_" in n}
     grads_o = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
