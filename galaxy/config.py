@@ -167,7 +167,8 @@ class PeftConfig:
     # that dtype (no fp32 copy, no per-step cast); 'float32' keeps fp32 copies. Trainable weights stay fp32.
     frozen_dtype: str = "compute"
     # QLoRA: frozen linear weights (all but the LM head and modules_to_save) in 4-bit NF4, blocks of 64 with
-    # double-quantized absmax (galaxy.kernels.nf4); 'none' keeps them in frozen_dtype.
+    # double-quantized absmax (galaxy.kernels.nf4), or 'int8' (row-wise absmax, LLM.int8 weights,
+    # galaxy.kernels.int8); 'none' keeps them in frozen_dtype.
     quantize_base: str = "none"
 
 
@@ -456,7 +457,7 @@ class GalaxyConfig:
             ("peft", "adapter_type"): ("houlsby", "pfeiffer"),
             ("peft", "adapter_non_linearity"): ("relu", "gelu", "gelu_new", "silu", "swish", "tanh"),
             ("peft", "frozen_dtype"): ("compute", "float32"),
-            ("peft", "quantize_base"): ("none", "nf4"),
+            ("peft", "quantize_base"): ("none", "nf4", "int8"),
             ("model", "recompute"): RECOMPUTE_MODES,
             ("model", "kernels"): KERNEL_BACKENDS,
         }

@@ -31,7 +31,8 @@ from galaxy.core.layers import region_rule
 from galaxy.loralib import (DEFAULT_TARGETS, inject_lora, load_lora_pretrained, mark_only_lora_as_trainable,
                             merge_and_unload, save_lora_pretrained)
 from galaxy.loralib.hf import CONFIG_FILE, WEIGHTS_FILE, load_full_tensors, read_adapter
-from galaxy.loralib.quantized import cast_frozen_, dequantize_linears, frozen_bytes, load_quantized, quantize_linears
+from galaxy.loralib.quantized import (FORMATS, cast_frozen_, dequantize_linears, frozen_bytes, load_quantized,
+                                     quantize_linears)
 from galaxy.loralib.utils import count_parameters
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class TuningOptions:
     modules_to_save: Optional[list[str]] = None  # None: the task head (classifier) when there is one
     init_std: float = 0.0  # > 0: zero-initialised factors (LoRA B, adapter/side up) drawn N(0, std); tests
     frozen_dtype: Optional[str] = None  # 'bfloat16' / 'float16': frozen weights stored so; None: left as built
-    quantize_base: str = "none"  # 'nf4': frozen linears in NF4 (QLoRA), galaxy.loralib.quantized
+    quantize_base: str = "none"  # 'nf4' (QLoRA) / 'int8': frozen linears quantized, galaxy.loralib.quantized
 
     @classmethod
     def from_config(cls, cfg: GalaxyConfig, **overrides: Any) -> "TuningOptions":
@@ -99,7 +100,7 @@ def build_base(cfg: GalaxyConfig, plan: Optional[Plan], ctx, task: str = "lm") -
         return build_model(cfg, plan, ctx, task)
     compute = {k: getattr(cfg.model, k) for k in COMPUTE_KEYS}
     return load_quantized(model_class(cfg.model.model_type, task), cfg.data.model_path, plan, ctx, compute,
-                          skip=cfg.peft.modules_to_save or (), backend=cfg.model.kernels)
+                          skip=cfg.peft.modules_to_save or (), backend=cfg.model.kernels, kind=cfg.peft.quantize_base)
 
 
 def apply_tuning(model: nn.Module, cfg: GalaxyConfig, targets=None, **overrides: Any) -> nn.Module:
@@ -115,11 +116,11 @@ def apply_options(model: nn.Module, opts: TuningOptions) -> nn.Module:
         raise ValueError(f"the model is already tuned with '{model.peft_config.method}'; build a fresh model")
     also = opts.modules_to_save if opts.modules_to_save is not None else _task_heads(model)
     if opts.quantize_base != "none":
-        if opts.quantize_base != "nf4" or opts.method == "full":
-            raise ValueError(f"quantize_base '{opts.quantize_base}' needs 'nf4' and a frozen base (lora, adapter, "
-                             f"side), not '{opts.method}'")
+        if opts.quantize_base not in FORMATS or opts.method == "full":
+            raise ValueError(f"quantize_base '{opts.quantize_base}' needs one of {', '.join(FORMATS)} and a frozen "
+                             f"base (lora, adapter, side), not '{opts.method}'")
         # Before the method is injected, so LoRA wraps the quantized linears (as PEFT does over bitsandbytes).
-        quantize_linears(model, skip=also, backend=model.config.kernels)
+        quantize_linears(model, skip=also, backend=model.config.kernels, kind=opts.quantize_base)
     if opts.method == "full":
         for p in model.parameters():
             p.requires_grad_(True)
@@ -303,7 +304,7 @@ def load_tuning(model: nn.Module, path: str, trainable: bool = True) -> nn.Modul
 
 def export_merged(model: nn.Module, path: str, dtype: Optional[torch.dtype] = None) -> None:
     """Merge LoRA into the base weights, unload it, and ``save_pretrained`` the plain model (HF layout),
-    every weight in ``dtype`` when given (e.g. bf16). An NF4 base is dequantized first (the merge is
+    every weight in ``dtype`` when given (e.g. bf16). A quantized base is dequantized first (the merge is
     done in fp32). Changes ``model`` in place (it is the base architecture afterwards). A collective."""
     opts = getattr(model, "peft_config", None)
     if opts is not None and opts.method not in ("full", "lora"):
@@ -317,5 +318,5 @@ def export_merged(model: nn.Module, path: str, dtype: Optional[torch.dtype] = No
 
 
 def trainable_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameters in full, plan-independent sizes (NF4 weights counted too)."""
+    """(trainable, total) parameters in full, plan-independent sizes (quantized weights counted too)."""
     return count_parameters(model)

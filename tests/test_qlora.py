@@ -1,4 +1,4 @@
-"""Frozen base weights in the compute dtype and QLoRA (NF4 base):
+"""Frozen base weights in the compute dtype and QLoRA (NF4 base; int8 too):
 
 - storage: frozen weights take 2 bytes a parameter in bf16 and 0.5 + scales in NF4 (counted from
   the parameters and buffers); trainable ones and their AdamW state stay fp32;
@@ -13,7 +13,7 @@ import torch
 
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.grad_sync import gather_full
-from galaxy.loralib.quantized import NF4Weight, dequantize_linears, load_quantized, meta_parameters, quantize_linears
+from galaxy.loralib.quantized import Int8Weight, NF4Weight, QuantizedWeight, dequantize_linears, load_quantized, meta_parameters, quantize_linears
 from galaxy.models.llama import LlamaForCausalLM
 from galaxy.core.context import ParallelContext
 from galaxy.peft import apply_tuning, build_base, export_merged, frozen_bytes, save_tuning
@@ -204,7 +204,7 @@ def load_quantized_on_plan(ctx, path, plan):
         "bos_token_id", "eos_token_id", "initializer_range")}, seq_length=13, plan=plan))
     ours = load_quantized(LlamaForCausalLM, path, cfg.resolve_plan(ctx.mp.size), ctx)
     serial = load_quantized(LlamaForCausalLM, path)
-    _same_nf4_buffers(serial, ours, ctx)
+    _same_quantized_buffers(serial, ours, ctx)
     for name, p in ours.named_parameters():
         assert torch.equal(gather_full(p.detach(), p, ctx.mp), dict(serial.named_parameters())[name])
     data = batch(96)
@@ -229,13 +229,13 @@ def qlora_pair(ctx, model_type, plan, uneven, **extra):
     return serial, par
 
 
-def _same_nf4_buffers(serial, par, ctx):
+def _same_quantized_buffers(serial, par, ctx):
     ours = dict(par.named_modules())
     checked = 0
     for name, m in serial.named_modules():
-        if isinstance(m, NF4Weight):
+        if isinstance(m, QuantizedWeight):
             piece = ours[name]
-            for buf in ("packed", "absmax_code", "absmax_scale", "absmax_offset"):
+            for buf in m.BUFFERS:
                 local = getattr(piece, buf)
                 full = local if piece.spec is None else ctx.mp.all_gather(local.contiguous(), 0, piece.spec.sizes)
                 assert torch.equal(full, getattr(m, buf)), f"{name}.{buf} differs from serial"
@@ -243,9 +243,9 @@ def _same_nf4_buffers(serial, par, ctx):
     assert checked
 
 
-def qlora_equals_serial(ctx, model_type, plan, uneven):
-    serial, par = qlora_pair(ctx, model_type, plan, uneven, quantize_base="nf4")
-    _same_nf4_buffers(serial, par, ctx)
+def qlora_equals_serial(ctx, model_type, plan, uneven, kind="nf4"):
+    serial, par = qlora_pair(ctx, model_type, plan, uneven, quantize_base=kind)
+    _same_quantized_buffers(serial, par, ctx)
     serial, par = serial.double(), par.double()  # NF4 dequantized to fp64: exact products, fp64 sums
     _, worst = backward_both(serial, par, make_batch(model_type), ctx, edges(par))
     grads = dict(serial.named_parameters())
@@ -281,6 +281,11 @@ def test_every_plan_equals_serial_qlora(dist_pool, model_type, world, plan, unev
 @pytest.mark.parametrize("plan", ["tp", "galaxy"])
 def test_load_quantized_on_a_plan_equals_serial(dist_pool, hf_llama, plan):
     dist_pool.run(load_quantized_on_plan, 2, hf_llama, plan)
+
+
+@pytest.mark.parametrize("model_type,world,plan,uneven", [("llama", 2, "galaxy", False), ("bert", 3, "tp", True)])
+def test_every_plan_equals_serial_int8(dist_pool, model_type, world, plan, uneven):
+    dist_pool.run(qlora_equals_serial, world, model_type, plan, uneven, "int8")
 
 
 @pytest.mark.parametrize("world,plan,uneven", [(2, "galaxy", False), (3, "tp", True)])
@@ -385,3 +390,29 @@ def bf16_qlora_pipeline_step(ctx, quantize_base):
 @pytest.mark.parametrize("quantize_base", ["none", "nf4"])
 def test_bf16_base_pipeline_step(dist_pool, quantize_base):
     dist_pool.run(bf16_qlora_pipeline_step, 2, quantize_base, pp=2)
+
+
+def test_int8_is_bitsandbytes_llm_int8_weights():
+    try:
+        import bitsandbytes.functional as bnbf
+    except Exception as e:  # noqa: BLE001 - any import failure means: not here
+        pytest.skip(f"bitsandbytes does not import here: {e}")
+    torch.manual_seed(6)
+    w = torch.randn(24, 80) * 0.05
+    q = Int8Weight.quantize(w, None, transposed=False)
+    codes, absmax, _ = bnbf.int8_vectorwise_quant(w.clone())
+    assert torch.equal(q.codes, codes) and torch.equal(q.absmax, absmax)
+    assert torch.equal(q.dequantize(torch.float32), bnbf.int8_vectorwise_dequant(codes, absmax))
+    assert q.nbytes() == 24 * (80 + 4)  # 1 byte a weight and one fp32 absmax a row
+
+
+def test_int8_base_stores_a_byte_a_weight():
+    cfg = cfg_for(dtype="bfloat16", quantize_base="int8")
+    model = apply_tuning(LlamaForCausalLM(cfg.model, seed=1), cfg, init_std=0.1)
+    stored = [m for m in model.modules() if isinstance(m, QuantizedWeight)]
+    assert stored and all(isinstance(m, Int8Weight) for m in stored)
+    others = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert frozen_bytes(model)[0] == 2 * others + sum(m.codes.numel() + 4 * m.codes.shape[0] for m in stored)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(**batch()).loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -32,7 +32,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from galaxy.kernels._backend import resolve_backend
+from galaxy.kernels._backend import resolve_backend_for
+from galaxy.kernels.quantized_linear import dequantized_linear
 
 BLOCK = 64  # weights per absmax
 SCALE_BLOCK = 256  # absmax values per second-level scale
@@ -153,50 +154,26 @@ def bnb_available() -> bool:
     return True
 
 
-def resolve_nf4_backend(backend: str, x: torch.Tensor, q: NF4Rows) -> str:
+def resolve_nf4_backend(backend: str, device: torch.device, dtype: torch.dtype, q: NF4Rows) -> str:
+    """The dequantization that runs for a matmul in ``dtype`` on ``device``."""
     if backend not in NF4_BACKENDS:
         raise ValueError(f"NF4 backend '{backend}' is not one of {', '.join(NF4_BACKENDS)}")
     if backend == "bnb":
-        if not (x.is_cuda and q.cols % BLOCK == 0 and bnb_available()):
+        if not (device.type == "cuda" and q.cols % BLOCK == 0 and bnb_available()):
             raise ValueError("the 'bnb' NF4 backend needs CUDA tensors, bitsandbytes, and rows a multiple of 64")
         return "bnb"
-    if backend == "auto":  # Triton on CUDA (bench/bench_nf4.py), torch elsewhere and for fp64
-        return resolve_backend("auto", x)
-    if backend == "triton":
-        return resolve_backend("triton", x)
-    return "torch"
+    if backend == "torch":
+        return "torch"
+    # auto: Triton on CUDA (bench/bench_nf4.py: 2 TB/s, 1.6-2.3x bitsandbytes' dequantize), torch elsewhere and fp64
+    return resolve_backend_for(backend, device, dtype)
 
 
-def _matmul(x2: torch.Tensor, q: NF4Rows, transposed: bool, backend: str) -> torch.Tensor:
-    """``x2 @ S^T`` (``transposed=False``) or ``x2 @ S`` for the stored matrix S, in x2's dtype."""
+def _dequantize(q: NF4Rows, dtype: torch.dtype, backend: str) -> torch.Tensor:
     if backend == "triton":
         from galaxy.kernels.triton_nf4 import nf4_dequantize
 
-        w = nf4_dequantize(q, x2.dtype)
-    else:
-        w = _bnb_dequantize(q, x2.dtype) if backend == "bnb" else dequantize_nf4(q, x2.dtype)
-    return x2 @ (w if transposed else w.t())
-
-
-class _NF4Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, bias, q: NF4Rows, transposed: bool, backend: str):
-        x2 = x.reshape(-1, x.shape[-1])
-        y = _matmul(x2, q, transposed, backend)
-        if bias is not None:
-            y = y + bias.to(y.dtype)
-        ctx.q, ctx.transposed, ctx.backend = q, transposed, backend
-        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
-        return y.view(*x.shape[:-1], y.shape[-1])
-
-    @staticmethod
-    def backward(ctx, dy):
-        need_x, need_bias = ctx.needs_input_grad[:2]
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        # dx = dy W: the other orientation of the same stored matrix.
-        dx = _matmul(dy2, ctx.q, not ctx.transposed, ctx.backend).view(ctx.x_shape) if need_x else None
-        dbias = dy2.sum(0) if (ctx.has_bias and need_bias) else None
-        return dx, dbias, None, None, None
+        return nf4_dequantize(q, dtype)
+    return _bnb_dequantize(q, dtype) if backend == "bnb" else dequantize_nf4(q, dtype)
 
 
 def nf4_linear(x: torch.Tensor, q: NF4Rows, bias: Optional[torch.Tensor] = None, transposed: bool = False,
@@ -204,10 +181,9 @@ def nf4_linear(x: torch.Tensor, q: NF4Rows, bias: Optional[torch.Tensor] = None,
     """``x W^T + b`` with W stored in NF4 (``transposed``: stored as ``W^T``), computed in the
     autocast dtype when autocast is on, else in ``x``'s dtype. The weight gets no gradient."""
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        x = x.to(torch.get_autocast_dtype(device_type))
-    with torch.autocast(device_type, enabled=False):
-        return _NF4Linear.apply(x, bias, q, transposed, resolve_nf4_backend(backend, x, q))
+    compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    chosen = resolve_nf4_backend(backend, x.device, compute, q)
+    return dequantized_linear(x, lambda dtype: _dequantize(q, dtype, chosen), bias, transposed)
 
 
 __all__ = ["BLOCK", "SCALE_BLOCK", "NF4_VALUES", "NF4Rows", "quantize_nf4", "dequantize_nf4", "dequantize_absmax",

@@ -132,9 +132,9 @@ class LoRALinear(_LinearLoRA):
         self.style = getattr(base, "style", "whole")
         self.rank = getattr(base, "rank", 0)
         self.fan_in_fan_out = fan_in_fan_out
-        if isinstance(base, QuantLinear):  # QLoRA: the base weight stays NF4 (``qweight``), no ``weight``
+        if isinstance(base, QuantLinear):  # QLoRA: the base weight stays quantized (``qweight``), no ``weight``
             if fan_in_fan_out:
-                raise ValueError("fan_in_fan_out applies to [in, out] weights, not to an NF4-quantized linear")
+                raise ValueError("fan_in_fan_out applies to [in, out] weights, not to a quantized linear")
             self.qweight = base.qweight
             shape, spec, rule, device = base.qweight.shape, base.weight_spec, base.weight_rule, base.qweight.device
             dtype = torch.float32
@@ -184,7 +184,7 @@ class LoRALinear(_LinearLoRA):
 
     def merge(self) -> None:
         if self.quantized:
-            raise ValueError("LoRA over an NF4 base cannot be merged into 4-bit weights; dequantize the base first "
+            raise ValueError("LoRA over a quantized base cannot be merged into it; dequantize the base first "
                              "(galaxy.loralib.quantized.dequantize_linears, as export_merged does)")
         super().merge()
 
@@ -197,7 +197,7 @@ class LoRALinear(_LinearLoRA):
         if not self.fusion:
             return None
         if self.quantized:
-            raise ValueError("LoRA fusion (CCLoRA) needs the base weight; it does not run over an NF4 base")
+            raise ValueError("LoRA fusion (CCLoRA) needs the base weight; it does not run over a quantized base")
         w = self.weight.t() if self.fan_in_fan_out else self.weight
         bias = self.bias if (self.style != "row" or self.rank == 0) else None
         if self.merged:
@@ -211,7 +211,8 @@ class LoRALinear(_LinearLoRA):
 
     def extra_repr(self) -> str:
         shape = self.qweight.shape if self.quantized else tuple(self.weight.shape)
-        return f"style={self.style}, weight={shape}{' nf4' if self.quantized else ''}, r={self.r}, " \
+        fmt = f" {self.qweight.FORMAT}" if self.quantized else ""
+        return f"style={self.style}, weight={shape}{fmt}, r={self.r}, " \
                f"scaling={self.scaling:g}, merged={self.merged}"
 
 

@@ -64,10 +64,10 @@ def freeze_all_but(model: nn.Module, keep: Callable[[str, nn.Parameter], bool]) 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) in full sizes, so the numbers do not depend on the plan. Shared
-    (tied) parameters count once; NF4-quantized weights (buffers) count as the frozen weights they are."""
-    from galaxy.loralib.quantized import NF4Weight  # imports this module
+    (tied) parameters count once; quantized weights (buffers) count as the frozen weights they are."""
+    from galaxy.loralib.quantized import QuantizedWeight  # imports this module
 
-    trainable, total = 0, sum(m.full_numel() for m in model.modules() if isinstance(m, NF4Weight))
+    trainable, total = 0, sum(m.full_numel() for m in model.modules() if isinstance(m, QuantizedWeight))
     for p in model.parameters():  # parameters() yields each shared Parameter once
         n = 1
         for d in full_shape(p):
