@@ -129,10 +129,6 @@ def dequantize_nf4(q: NF4Rows, dtype: torch.dtype = torch.float32) -> torch.Tens
     return w.view(rows, blocks * BLOCK)[:, : q.cols].to(dtype)
 
 
-def nf4_bytes(q: NF4Rows) -> int:
-    return sum(t.numel() * t.element_size() for t in (q.packed, q.absmax_code, q.absmax_scale, q.absmax_offset))
-
-
 # ----------------------------------------------------------------------------- dequantize + matmul
 
 
@@ -187,4 +183,4 @@ def nf4_linear(x: torch.Tensor, q: NF4Rows, bias: Optional[torch.Tensor] = None,
 
 
 __all__ = ["BLOCK", "SCALE_BLOCK", "NF4_VALUES", "NF4Rows", "quantize_nf4", "dequantize_nf4", "dequantize_absmax",
-           "dynamic_code", "nf4_linear", "nf4_bytes"]
+           "dynamic_code", "nf4_linear"]
