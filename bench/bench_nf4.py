@@ -94,7 +94,6 @@ def layer_rows(dev, layers: int) -> list[dict]:
         rows.append(dict(model=f"llama-7b shapes, {layers} layers", impl=label, step_ms=ms,
                          peak_mib=torch.cuda.max_memory_allocated() / 2**20, frozen_bytes_per_param=nbytes / count))
         print(json.dumps(rows[-1]), flush=True)
-        del model, opt
     return rows
 
 
