@@ -170,6 +170,13 @@ class PeftConfig:
     adapter_residual: bool = True
     side_reduction_factor: int = 8  # side network width = hidden_size / side_reduction_factor
     modules_to_save: Optional[list[str]] = None  # trained along with the method; None: the task head
+    # Frozen base weights (tuning other than full) under train dtype bfloat16/float16: 'compute' stores them in
+    # that dtype (no fp32 copy, no per-step cast); 'float32' keeps fp32 copies. Trainable weights stay fp32.
+    frozen_dtype: str = "compute"
+    # QLoRA: frozen linear weights (all but the LM head and modules_to_save) in 4-bit NF4, blocks of 64 with
+    # double-quantized absmax (galaxy.kernels.nf4), or 'int8' (row-wise absmax, LLM.int8 weights,
+    # galaxy.kernels.int8); 'none' keeps them in frozen_dtype.
+    quantize_base: str = "none"
 
 
 SECTIONS = {
@@ -457,6 +464,8 @@ class GalaxyConfig:
             ("peft", "lora_bias"): ("none", "all", "lora_only"),
             ("peft", "adapter_type"): ("houlsby", "pfeiffer"),
             ("peft", "adapter_non_linearity"): ("relu", "gelu", "gelu_new", "silu", "swish", "tanh"),
+            ("peft", "frozen_dtype"): ("compute", "float32"),
+            ("peft", "quantize_base"): ("none", "nf4", "int8"),
             ("model", "recompute"): RECOMPUTE_MODES,
             ("model", "kernels"): KERNEL_BACKENDS,
             ("model", "classifier_pooling"): ("cls", "mean"),
@@ -494,6 +503,16 @@ class GalaxyConfig:
         if m.fused_gate_up and m.model_type != "llama":
             raise ConfigError(f"config key 'fused_gate_up' fuses LLaMA's gate_proj/up_proj, but model_type is "
                               f"'{m.model_type}'; set it to false")
+        q = self.peft
+        if q.quantize_base != "none" and q.tuning == "full":
+            raise ConfigError(f"config key 'quantize_base' is '{q.quantize_base}' but tuning is 'full', which trains "
+                              "the base weights; choose lora, adapter or side, or set quantize_base to none")
+        if q.quantize_base != "none" and m.fused_gate_up:
+            raise ConfigError("config key 'quantize_base' quantizes each linear on its own, but fused_gate_up holds "
+                              "gate and up as one [2, I, H] weight; set fused_gate_up to false")
+        if q.quantize_base != "none" and q.lora_fusion:
+            raise ConfigError("config key 'lora_fusion' (CCLoRA) merges W + BA, which a quantized base cannot hold; "
+                              "set lora_fusion to false or quantize_base to none")
         clash = fused_gate_up_targets(self.peft.lora_target_modules) if self.peft.tuning == "lora" else []
         if m.fused_gate_up and clash:
             raise ConfigError(f"config key 'lora_target_modules' names {clash}, but with fused_gate_up the gate "

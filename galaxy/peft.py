@@ -1,7 +1,7 @@
 """Choosing and applying a tuning method (full / lora / adapter / side) to a built Galaxy model,
 and the checkpoints that hold only what the method trains.
 
-    model = build_model(cfg, plan, ctx)
+    model = build_base(cfg, plan, ctx)        # build_model; QLoRA from a checkpoint: quantized as it is read
     model = apply_tuning(model, cfg)          # cfg.peft.tuning picks the method
     ...train...
     save_tuning(model, "out/adapter")         # LoRA: HF PEFT layout; adapter/side: Galaxy layout
@@ -31,6 +31,8 @@ from galaxy.core.layers import region_rule
 from galaxy.loralib import (DEFAULT_TARGETS, inject_lora, load_lora_pretrained, mark_only_lora_as_trainable,
                             merge_and_unload, save_lora_pretrained)
 from galaxy.loralib.hf import CONFIG_FILE, WEIGHTS_FILE, load_full_tensors, read_adapter
+from galaxy.loralib.quantized import (FORMATS, cast_frozen_, dequantize_linears, frozen_bytes,  # noqa: F401
+                                     load_quantized, quantize_linears)
 from galaxy.loralib.utils import count_parameters
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,8 @@ class TuningOptions:
     side_reduction_factor: int = 8
     modules_to_save: Optional[list[str]] = None  # None: the task head (classifier) when there is one
     init_std: float = 0.0  # > 0: zero-initialised factors (LoRA B, adapter/side up) drawn N(0, std); tests
+    frozen_dtype: Optional[str] = None  # 'bfloat16' / 'float16': frozen weights stored so; None: left as built
+    quantize_base: str = "none"  # 'nf4' (QLoRA) / 'int8': frozen linears quantized, galaxy.loralib.quantized
 
     @classmethod
     def from_config(cls, cfg: GalaxyConfig, **overrides: Any) -> "TuningOptions":
@@ -72,8 +76,31 @@ class TuningOptions:
         values = {k: getattr(cfg.peft, k) for k in fields if hasattr(cfg.peft, k)}
         values["method"] = cfg.peft.tuning
         values["seed"] = cfg.train.seed
+        values["frozen_dtype"] = frozen_dtype_name(cfg)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+def frozen_dtype_name(cfg: GalaxyConfig) -> Optional[str]:
+    """The dtype frozen weights are stored in: the train dtype when it is bf16/fp16, the method
+    freezes a base, and ``frozen_dtype`` is 'compute'; else None (they stay as built)."""
+    if cfg.peft.tuning == "full" or cfg.peft.frozen_dtype != "compute":
+        return None
+    return cfg.train.dtype if cfg.train.dtype in ("bfloat16", "float16") else None
+
+
+def build_base(cfg: GalaxyConfig, plan: Optional[Plan], ctx, task: str = "lm") -> nn.Module:
+    """``galaxy.models.build_model``, except that QLoRA from a checkpoint (``quantize_base`` with
+    ``model_path``) quantizes each rank's slices as it reads them (``load_quantized``): the fp32
+    model never exists. Apply the method with ``apply_tuning`` after, as for any base."""
+    from galaxy.config import COMPUTE_KEYS
+    from galaxy.models import build_model, model_class
+
+    if cfg.peft.quantize_base == "none" or not cfg.data.model_path:
+        return build_model(cfg, plan, ctx, task)
+    compute = {k: getattr(cfg.model, k) for k in COMPUTE_KEYS}
+    return load_quantized(model_class(cfg.model.model_type, task), cfg.data.model_path, plan, ctx, compute,
+                          skip=cfg.peft.modules_to_save or (), backend=cfg.model.kernels, kind=cfg.peft.quantize_base)
 
 
 def apply_tuning(model: nn.Module, cfg: GalaxyConfig, targets=None, **overrides: Any) -> nn.Module:
@@ -88,6 +115,12 @@ def apply_options(model: nn.Module, opts: TuningOptions) -> nn.Module:
     if getattr(model, "peft_config", None) is not None:
         raise ValueError(f"the model is already tuned with '{model.peft_config.method}'; build a fresh model")
     also = opts.modules_to_save if opts.modules_to_save is not None else _task_heads(model)
+    if opts.quantize_base != "none":
+        if opts.quantize_base not in FORMATS or opts.method == "full":
+            raise ValueError(f"quantize_base '{opts.quantize_base}' needs one of {', '.join(FORMATS)} and a frozen "
+                             f"base (lora, adapter, side), not '{opts.method}'")
+        # Before the method is injected, so LoRA wraps the quantized linears (as PEFT does over bitsandbytes).
+        quantize_linears(model, skip=also, backend=model.config.kernels, kind=opts.quantize_base)
     if opts.method == "full":
         for p in model.parameters():
             p.requires_grad_(True)
@@ -113,6 +146,8 @@ def apply_options(model: nn.Module, opts: TuningOptions) -> nn.Module:
         add_side_network(model, side_spec(model, opts.side_reduction_factor), region_rule(model.plan.con),
                          seed=opts.seed, init_up_std=opts.init_std)
         mark_only_side_as_trainable(model, also=also)
+    if opts.frozen_dtype is not None and opts.method != "full":
+        cast_frozen_(model, getattr(torch, opts.frozen_dtype))
     model.peft_config = opts
     trainable, total = count_parameters(model)
     logger.info("tuning '%s': %d of %d parameters trainable (%.3f%%)", opts.method, trainable, total,
@@ -267,17 +302,21 @@ def load_tuning(model: nn.Module, path: str, trainable: bool = True) -> nn.Modul
     return model
 
 
-def export_merged(model: nn.Module, path: str) -> None:
-    """Merge LoRA into the base weights, unload it, and ``save_pretrained`` the plain model (HF layout).
-    Changes ``model`` in place (it is the base architecture afterwards). A collective."""
+def export_merged(model: nn.Module, path: str, dtype: Optional[torch.dtype] = None) -> None:
+    """Merge LoRA into the base weights, unload it, and ``save_pretrained`` the plain model (HF layout),
+    every weight in ``dtype`` when given (e.g. bf16). A quantized base is dequantized first (the merge is
+    done in fp32). Changes ``model`` in place (it is the base architecture afterwards). A collective."""
     opts = getattr(model, "peft_config", None)
     if opts is not None and opts.method not in ("full", "lora"):
         raise ValueError(f"'{opts.method}' adds modules the base architecture lacks; only LoRA merges into it")
+    dequantize_linears(model, torch.float32)
     merge_and_unload(model)
+    if dtype is not None:
+        model.to(dtype)
     model.peft_config = None
     model.save_pretrained(path)
 
 
 def trainable_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameters in full, plan-independent sizes."""
+    """(trainable, total) parameters in full, plan-independent sizes (quantized weights counted too)."""
     return count_parameters(model)

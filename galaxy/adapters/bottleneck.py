@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from galaxy.core.layers import GradRule, ParallelLinear, region_rule
-from galaxy.loralib.utils import freeze_all_but, in_modules, parent_of, seeded_init_
+from galaxy.loralib.utils import freeze_all_but, in_modules, parent_of, seeded_init_, to_trainable_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class BottleneckAdapter(nn.Module):
         self.act = NON_LINEARITIES[non_linearity]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.up(self.act(self.down(x)))
+        y = self.up(self.act(self.down(to_trainable_dtype(x, self.down.weight)))).to(x.dtype)
         return x + y if self.residual else y
 
     def extra_repr(self) -> str:

@@ -38,6 +38,8 @@ import torch.nn.functional as F
 
 from galaxy.core.layers import Dropout, GradRule, ParallelLinear, ShardSpec, grad_rule, set_param_meta, shard_spec
 from galaxy.kernels.cclora import LinearOperands, cclora_linear
+from galaxy.loralib.quantized import QuantLinear
+from galaxy.loralib.utils import to_trainable_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +114,7 @@ class _LinearLoRA(LoRALayer):
         if self.fusion and not self.merged:
             return cclora_linear(x, self.cclora_operands())
         y = self.base_forward(x)
-        return y if self.merged else y + self.branch(x) * self.scaling
+        return y if self.merged else y + (self.branch(x) * self.scaling).to(y.dtype)
 
 
 class LoRALinear(_LinearLoRA):
@@ -126,25 +128,35 @@ class LoRALinear(_LinearLoRA):
                  dropout_generator: Optional[torch.Generator] = None):
         super().__init__(r, lora_alpha, lora_dropout, merge_weights, use_rslora, dropout_generator)
         self._base = (base,)
-        self.weight, self.bias = base.weight, base.bias
+        self.bias = base.bias
         self.style = getattr(base, "style", "whole")
         self.rank = getattr(base, "rank", 0)
         self.fan_in_fan_out = fan_in_fan_out
-        w, spec, rule = base.weight, shard_spec(base.weight), grad_rule(base.weight)
-        kw = dict(device=w.device, dtype=w.dtype)
+        if isinstance(base, QuantLinear):  # QLoRA: the base weight stays quantized (``qweight``), no ``weight``
+            if fan_in_fan_out:
+                raise ValueError("fan_in_fan_out applies to [in, out] weights, not to a quantized linear")
+            self.qweight = base.qweight
+            shape, spec, rule, device = base.qweight.shape, base.weight_spec, base.weight_rule, base.qweight.device
+            dtype = torch.float32
+        else:
+            self.weight = base.weight
+            w = base.weight
+            shape, spec, rule, device = tuple(w.shape), shard_spec(w), grad_rule(w), w.device
+            dtype = _merge_dtype(w.dtype)  # trainable factors keep fp32 masters over a bf16/fp16 base
+        kw = dict(device=device, dtype=dtype)
         if fan_in_fan_out and self.style != "whole":
             raise ValueError("fan_in_fan_out applies to whole [in, out] weights (Conv1D style), not to a "
                              f"{self.style}-parallel linear")
         if self.style == "column":
-            out_split, in_features = spec.sizes, w.shape[1]
+            out_split, in_features = spec.sizes, shape[1]
             self.lora_A = ParallelLinear(in_features, r, False, "whole", rule=GradRule.PARTIAL, **kw)
             self.lora_B = ParallelLinear(r, sum(out_split), False, "column", out_split, spec.rank, **kw)
         elif self.style == "row":
-            in_split, out_features = spec.sizes, w.shape[0]
+            in_split, out_features = spec.sizes, shape[0]
             self.lora_A = ParallelLinear(sum(in_split), r, False, "row", in_split, spec.rank, **kw)
             self.lora_B = ParallelLinear(r, out_features, False, "whole", rule=GradRule.PARTIAL, **kw)
         elif self.style == "whole":
-            in_features, out_features = (w.shape[0], w.shape[1]) if fan_in_fan_out else (w.shape[1], w.shape[0])
+            in_features, out_features = (shape[0], shape[1]) if fan_in_fan_out else (shape[1], shape[0])
             self.lora_A = ParallelLinear(in_features, r, False, "whole", rule=rule, **kw)
             self.lora_B = ParallelLinear(r, out_features, False, "whole", rule=rule, **kw)
         else:
@@ -153,19 +165,39 @@ class LoRALinear(_LinearLoRA):
             self.lora_A.weight.zero_()
             self.lora_B.weight.zero_()
 
+    @property
+    def quantized(self) -> bool:
+        return "qweight" in self._modules
+
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight.t() if self.fan_in_fan_out else self.weight
         bias = self.bias if (self.style != "row" or self.rank == 0) else None  # row bias added once
+        if self.quantized:
+            return self.qweight.linear(x, bias)
+        w = self.weight.t() if self.fan_in_fan_out else self.weight
         return F.linear(x, w, bias)
+
+    def dequantize_base(self, dtype: torch.dtype = torch.float32) -> None:
+        """QLoRA -> LoRA on the dequantized base (``weight`` in ``dtype``), e.g. to merge and export."""
+        linear = self.base_layer.to_linear(dtype)
+        del self.qweight
+        self.weight, self._base = linear.weight, (linear,)
+
+    def merge(self) -> None:
+        if self.quantized:
+            raise ValueError("LoRA over a quantized base cannot be merged into it; dequantize the base first "
+                             "(galaxy.loralib.quantized.dequantize_linears, as export_merged does)")
+        super().merge()
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
         # Row style: the branch is part of the partial sum, so every rank adds its own term.
-        return self.lora_B(self.lora_A(self.lora_dropout(x)))
+        return self.lora_B(self.lora_A(to_trainable_dtype(self.lora_dropout(x), self.lora_A.weight)))
 
     def cclora_operands(self) -> Optional[LinearOperands]:
         """This rank's weight, bias and factors for CCLoRA; None while fusion is off."""
         if not self.fusion:
             return None
+        if self.quantized:
+            raise ValueError("LoRA fusion (CCLoRA) needs the base weight; it does not run over a quantized base")
         w = self.weight.t() if self.fan_in_fan_out else self.weight
         bias = self.bias if (self.style != "row" or self.rank == 0) else None
         if self.merged:
@@ -178,8 +210,10 @@ class LoRALinear(_LinearLoRA):
         return delta.t() if self.fan_in_fan_out else delta
 
     def extra_repr(self) -> str:
-        return f"style={self.style}, weight={tuple(self.weight.shape)}, r={self.r}, scaling={self.scaling:g}, " \
-               f"merged={self.merged}"
+        shape = self.qweight.shape if self.quantized else tuple(self.weight.shape)
+        fmt = f" {self.qweight.FORMAT}" if self.quantized else ""
+        return f"style={self.style}, weight={shape}{fmt}, r={self.r}, " \
+               f"scaling={self.scaling:g}, merged={self.merged}"
 
 
 class MergedLoRALinear(_LinearLoRA):
@@ -223,6 +257,7 @@ class MergedLoRALinear(_LinearLoRA):
         if sum(self.local_parts) != w.shape[0]:
             raise ValueError(f"the parts {self.local_parts} on this rank do not add up to the weight's "
                              f"{w.shape[0]} rows")
+        kw["dtype"] = _merge_dtype(w.dtype)  # fp32 masters over a bf16/fp16 base
         enabled = sum(self.enable_lora)
         self.lora_A = ParallelLinear(w.shape[1], r * enabled, False, "whole", rule=a_rule, **kw)
         self.lora_B = nn.ModuleList()
@@ -242,9 +277,10 @@ class MergedLoRALinear(_LinearLoRA):
         return F.linear(x, self.weight, self.bias)
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
-        chunks = iter(self.lora_A(self.lora_dropout(x)).split(self.r, dim=-1))
+        h = to_trainable_dtype(self.lora_dropout(x), self.lora_A.weight)
+        chunks = iter(self.lora_A(h).split(self.r, dim=-1))
         heads = iter(self.lora_B)
-        pieces = [next(heads)(next(chunks)) if on else x.new_zeros(*x.shape[:-1], n)
+        pieces = [next(heads)(next(chunks)) if on else h.new_zeros(*x.shape[:-1], n)
                   for on, n in zip(self.enable_lora, self.local_parts)]
         return torch.cat(pieces, dim=-1)
 
@@ -300,7 +336,7 @@ class LoRAEmbedding(LoRALayer):
         self.padding_idx, self.max_norm = base.padding_idx, base.max_norm
         self.norm_type, self.scale_grad_by_freq, self.sparse = base.norm_type, base.scale_grad_by_freq, base.sparse
         num, dim = base.weight.shape
-        kw = dict(device=base.weight.device, dtype=base.weight.dtype)
+        kw = dict(device=base.weight.device, dtype=_merge_dtype(base.weight.dtype))
         self.lora_embedding_A = nn.Parameter(torch.zeros(r, num, **kw))
         self.lora_embedding_B = nn.Parameter(torch.zeros(dim, r, **kw))
         rule = grad_rule(base.weight)
@@ -316,7 +352,8 @@ class LoRAEmbedding(LoRALayer):
         if self.merged:
             return y
         # Dropout on integer ids makes no sense; PEFT applies none on this path either.
-        return y + (self._embed(ids, self.lora_embedding_A.t()) @ self.lora_embedding_B.t()) * self.scaling
+        branch = self._embed(ids, self.lora_embedding_A.t()) @ self.lora_embedding_B.t()
+        return y + (branch * self.scaling).to(y.dtype)
 
     def delta_weight(self) -> torch.Tensor:
         dt = _merge_dtype(self.weight.dtype)

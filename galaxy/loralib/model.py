@@ -14,6 +14,7 @@ from galaxy.core.layers import GradRule, ParallelLinear, grad_rule
 from galaxy.kernels.cclora import CcloraBoundaries
 from galaxy.kernels.coc import CocBoundaries
 from galaxy.loralib.layers import LORA_TYPES, LoRAEmbedding, LoRALayer, LoRALinear, MergedLoRALinear
+from galaxy.loralib.quantized import QuantLinear
 from galaxy.loralib.utils import (Targets, freeze_all_but, in_modules, kaiming_uniform_full, matches, parent_of,
                                   seeded_init_)
 
@@ -32,7 +33,8 @@ def _dropout_generator(model: nn.Module, base: nn.Module) -> Optional[torch.Gene
     if ctx is None:
         return None
     style = getattr(base, "style", "whole")
-    sharded = style == "row" or (style == "whole" and grad_rule(base.weight) == GradRule.PARTIAL)
+    rule = base.weight_rule if isinstance(base, QuantLinear) else grad_rule(base.weight)
+    sharded = style == "row" or (style == "whole" and rule == GradRule.PARTIAL)
     return ctx.generator(sharded=sharded)
 
 
@@ -53,7 +55,7 @@ def inject_lora(model: nn.Module, targets: Targets, r: int = 8, lora_alpha: floa
     names = [n for n, m in model.named_modules()
              if n and matches(n, targets) and not isinstance(m, LORA_TYPES) and not n.startswith(inside)]
     if not names:
-        linears = [n for n, m in model.named_modules() if isinstance(m, (ParallelLinear, nn.Linear))]
+        linears = [n for n, m in model.named_modules() if isinstance(m, (ParallelLinear, nn.Linear, QuantLinear))]
         raise ValueError(f"lora_target_modules {targets!r} match no module; linear modules are e.g. "
                          f"{linears[:6]}")
     created = []
@@ -65,7 +67,7 @@ def inject_lora(model: nn.Module, targets: Targets, r: int = 8, lora_alpha: floa
                     use_rslora=use_rslora, dropout_generator=gen)
         if name in merged:
             layer = MergedLoRALinear(base, r=r, **merged[name], **opts)
-        elif isinstance(base, (ParallelLinear, nn.Linear)):
+        elif isinstance(base, (ParallelLinear, nn.Linear, QuantLinear)):
             layer = LoRALinear(base, r, fan_in_fan_out=fan_in_fan_out, **opts)
         elif isinstance(base, nn.Embedding):
             layer = LoRAEmbedding(base, r, **opts)

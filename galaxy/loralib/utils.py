@@ -64,8 +64,10 @@ def freeze_all_but(model: nn.Module, keep: Callable[[str, nn.Parameter], bool]) 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) in full sizes, so the numbers do not depend on the plan. Shared
-    (tied) parameters count once."""
-    trainable = total = 0
+    (tied) parameters count once; quantized weights (buffers) count as the frozen weights they are."""
+    from galaxy.loralib.quantized import QuantizedWeight  # imports this module
+
+    trainable, total = 0, sum(m.full_numel() for m in model.modules() if isinstance(m, QuantizedWeight))
     for p in model.parameters():  # parameters() yields each shared Parameter once
         n = 1
         for d in full_shape(p):
@@ -73,6 +75,15 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
         total += n
         trainable += n if p.requires_grad else 0
     return trainable, total
+
+
+def to_trainable_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` in ``weight``'s dtype when autocast is off and they differ: fp32 trainable weights on a
+    bf16/fp16 base's activations outside autocast (e.g. generation), as PEFT casts. Under autocast
+    the matmul casts both to the autocast dtype anyway, so nothing is done."""
+    if x.dtype == weight.dtype or torch.is_autocast_enabled(x.device.type):
+        return x
+    return x.to(weight.dtype)
 
 
 def in_modules(param_name: str, targets: Optional[Targets]) -> bool:

@@ -108,6 +108,8 @@ class GalaxyModel(nn.Module):
         """Each full tensor drawn from a generator seeded by (seed, name), then sliced to this rank's
         shard: every plan and world size starts from exactly the serial model's weights."""
         for name, param in self.named_parameters():
+            if param.is_meta:  # laid out only, filled by a loader (galaxy.loralib.quantized.load_quantized)
+                continue
             spec = shard_spec(param)
             full_shape = spec.full_shape(param.shape) if spec else tuple(param.shape)
             full = self._init_param(name, full_shape, seed)

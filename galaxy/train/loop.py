@@ -183,7 +183,10 @@ class Trainer:
         self.scaler = LossScaler(t) if t.dtype == "float16" else None
         self.optimizer = build_optimizer(model, cfg, ctx, self.params)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
-        self.runner = PipelineRunner(model, ctx, par.pipeline_schedule)
+        # A base stored in bf16/fp16 (galaxy.peft frozen_dtype) makes that the stream's dtype on every stage.
+        frozen = getattr(getattr(model, "peft_config", None), "frozen_dtype", None)
+        self.runner = PipelineRunner(model, ctx, par.pipeline_schedule,
+                                     comm_dtype=getattr(torch, frozen) if frozen else None)
         self.num_microbatches = par.num_microbatches
         self.last_step: Optional[PipelineStepResult] = None
         self._last_micro: list[dict] = []  # the step's micro-batches, replayed to locate a non-finite value

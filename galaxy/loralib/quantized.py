@@ -1,0 +1,377 @@
+"""Frozen base weights stored small: in the compute dtype (bf16/fp16), or quantized: NF4 (QLoRA)
+or row-wise int8 (LLM.int8 weights).
+
+``cast_frozen_`` moves every frozen floating-point parameter to the compute dtype in place (the
+Parameter objects, and so their gradient rules and shard specs, stay). ``quantize_linears``
+replaces the frozen linears by ``QuantLinear``s whose weight is a ``QuantizedWeight`` (buffers, no
+Parameter), quantized from this rank's shard alone.
+
+Why every plan equals serial QLoRA: both formats quantize one row of the stored matrix at a time
+(``galaxy.kernels.nf4``, ``galaxy.kernels.int8``), and a linear is stored so that tensor parallelism splits whole rows:
+a column-parallel linear (q/k/v, gate/up, BERT query/key/value/intermediate) as ``W [out, in]``
+(TP splits ``out``), a row-parallel one (o_proj, down_proj, BERT ``output.dense``) as
+``W^T [in, out]`` (TP splits ``in``). The orientation belongs to the linear's TP form, not to the
+plan, so a whole weight under SP or serial is stored the same way and the shards of every plan
+are slices of the serial buffers, bit for bit. ``QuantizedWeight.spec`` records that slice (dim 0 of
+every buffer), which is what gathering, checkpoints and resharding read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from galaxy.config import ConfigError
+from galaxy.core.layers import GradRule, ParallelLinear, ShardSpec, grad_rule, set_param_meta, shard_spec
+from galaxy.kernels.int8 import Int8Rows, dequantize_int8, int8_linear, quantize_int8
+from galaxy.kernels.nf4 import NF4Rows, dequantize_nf4, nf4_linear, quantize_nf4
+from galaxy.loralib.utils import in_modules, parent_of
+
+logger = logging.getLogger(__name__)
+
+# Linears whose TP form is row-parallel (the input dim is split): stored transposed.
+ROW_PARALLEL_SUFFIXES = ("o_proj", "down_proj", "output.dense")
+# Never quantized (QLoRA and bitsandbytes keep the output head in full precision).
+KEEP_HEADS = ("lm_head", "classifier")
+
+
+def row_parallel_name(name: str) -> bool:
+    return any(name == s or name.endswith("." + s) for s in ROW_PARALLEL_SUFFIXES)
+
+
+class QuantizedWeight(nn.Module):
+    """A frozen weight ``[out, in]`` (this rank's piece) kept quantized row by row, as buffers (dim 0 of
+    each is the stored row). ``transposed``: stored as ``W^T``. ``spec``: the piece of the full buffers
+    this rank holds (dim 0), or None when whole. Subclasses name the buffers and the format."""
+
+    FORMAT = ""
+    BUFFERS: tuple[str, ...] = ()
+    FP32_BUFFERS: tuple[str, ...] = ()  # scales: part of the format, never cast with the model
+
+    def __init__(self, rows, transposed: bool, spec: Optional[ShardSpec], backend: str = "auto"):
+        super().__init__()
+        for name in self.BUFFERS:
+            self.register_buffer(name, getattr(rows, name))
+        self.cols, self.transposed, self.spec, self.backend = rows.cols, transposed, spec, backend
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, spec: Optional[ShardSpec], transposed: bool,
+                 backend: str = "auto") -> "QuantizedWeight":
+        """Quantize this rank's ``weight`` ``[out, in]``, the piece ``spec`` of the full weight (or all of it)."""
+        if spec is not None and spec.dim != (1 if transposed else 0):
+            raise ValueError(f"a quantized weight stored {'transposed' if transposed else 'as [out, in]'} must be "
+                             f"sharded along its rows, but the shard is along weight dim {spec.dim}")
+        rows_spec = ShardSpec(0, spec.sizes, spec.rank) if spec is not None else None
+        w = weight.detach()
+        return cls(cls.quantize_rows(w.t() if transposed else w), transposed, rows_spec, backend)
+
+    @staticmethod
+    def quantize_rows(w: torch.Tensor):
+        raise NotImplementedError
+
+    def dequantize_rows(self, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):
+        # Casting the model (``.to(torch.bfloat16)``, ``.half()``, DeepSpeed's bf16) converts floating
+        # buffers; the scales are part of the format and stay fp32 (moved, never rounded).
+        kept = {n: getattr(self, n) for n in self.FP32_BUFFERS}
+        super()._apply(fn, recurse)
+        device = getattr(self, self.BUFFERS[0]).device
+        for name, t in kept.items():
+            self._buffers[name] = t.to(device)
+        return self
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The weight's local ``[out, in]``."""
+        r, c = getattr(self, self.BUFFERS[0]).shape[0], self.cols
+        return (c, r) if self.transposed else (r, c)
+
+    @property
+    def device(self) -> torch.device:
+        return getattr(self, self.BUFFERS[0]).device
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight ``[out, in]`` (local) in ``dtype``."""
+        w = self.dequantize_rows(dtype)
+        return w.t().contiguous() if self.transposed else w
+
+    def full_numel(self) -> int:
+        """Weights of the full (unsharded) matrix."""
+        rows = sum(self.spec.sizes) if self.spec is not None else getattr(self, self.BUFFERS[0]).shape[0]
+        return rows * self.cols
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers(recurse=False))
+
+    def extra_repr(self) -> str:
+        return f"{self.FORMAT}, shape={self.shape}, transposed={self.transposed}, backend={self.backend}"
+
+
+class NF4Weight(QuantizedWeight):
+    """NF4 (``galaxy.kernels.nf4``): ``packed`` uint8, ``absmax_code`` uint8, ``absmax_scale`` fp32,
+    ``absmax_offset`` fp32; ``backend``: the dequantization (``nf4_linear``)."""
+
+    FORMAT = "nf4"
+    BUFFERS = ("packed", "absmax_code", "absmax_scale", "absmax_offset")
+    FP32_BUFFERS = ("absmax_scale", "absmax_offset")
+    quantize_rows = staticmethod(quantize_nf4)
+
+    def rows(self) -> NF4Rows:
+        return NF4Rows(self.packed, self.absmax_code, self.absmax_scale, self.absmax_offset, self.cols)
+
+    def dequantize_rows(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_nf4(self.rows(), dtype)
+
+    def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return nf4_linear(x, self.rows(), bias, self.transposed, self.backend)
+
+
+class Int8Weight(QuantizedWeight):
+    """Row-wise int8 (``galaxy.kernels.int8``, bitsandbytes' LLM.int8 weights): ``codes`` int8, ``absmax`` fp32."""
+
+    FORMAT = "int8"
+    BUFFERS = ("codes", "absmax")
+    FP32_BUFFERS = ("absmax",)
+    quantize_rows = staticmethod(quantize_int8)
+
+    def rows(self) -> Int8Rows:
+        return Int8Rows(self.codes, self.absmax)
+
+    def dequantize_rows(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_int8(self.rows(), dtype)
+
+    def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return int8_linear(x, self.rows(), bias, self.transposed)
+
+
+FORMATS = {"nf4": NF4Weight, "int8": Int8Weight}
+
+
+class QuantLinear(nn.Module):
+    """A frozen ``ParallelLinear`` whose weight is a ``QuantizedWeight``: same style, rank and bias
+    (a Parameter, so ``lora_bias`` can still train it), same output."""
+
+    def __init__(self, qweight: QuantizedWeight, bias: Optional[nn.Parameter], style: str, rank: int,
+                 weight_spec: Optional[ShardSpec], weight_rule: GradRule):
+        super().__init__()
+        self.qweight, self.bias, self.style, self.rank = qweight, bias, style, rank
+        self.weight_spec, self.weight_rule = weight_spec, weight_rule  # what the fp weight's metadata was
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, transposed: bool, kind: str = "nf4",
+                    backend: str = "auto") -> "QuantLinear":
+        w, spec = linear.weight, shard_spec(linear.weight)
+        return cls(FORMATS[kind].quantize(w, spec, transposed, backend), linear.bias, getattr(linear, "style", "whole"),
+                   getattr(linear, "rank", 0), spec, grad_rule(w))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.qweight.linear(x, self.bias if (self.style != "row" or self.rank == 0) else None)
+
+    def to_linear(self, dtype: torch.dtype = torch.float32) -> ParallelLinear:
+        """The equivalent ``ParallelLinear`` with the dequantized weight (for merging and export)."""
+        spec = self.weight_spec
+        full = list(self.qweight.shape)
+        if spec is not None:
+            full[spec.dim] = sum(spec.sizes)
+        split = spec.sizes if spec is not None else None
+        linear = ParallelLinear(full[1], full[0], self.bias is not None, self.style, split, self.rank,
+                                rule=self.weight_rule, device=self.qweight.device, dtype=dtype)
+        with torch.no_grad():
+            linear.weight.copy_(self.qweight.dequantize(dtype))
+        if self.bias is not None:
+            linear.bias = self.bias  # the same Parameter, metadata and all
+        set_param_meta(linear.weight, self.weight_rule, spec)
+        return linear
+
+    def extra_repr(self) -> str:
+        return f"style={self.style}, bias={self.bias is not None}"
+
+
+def quantizable(name: str, module: nn.Module, skip=()) -> bool:
+    """A plain linear (``ParallelLinear`` / ``nn.Linear``) that is neither a head nor under ``skip``."""
+    return type(module) in (ParallelLinear, nn.Linear) and not in_modules(f"{name}.weight", [*skip, *KEEP_HEADS])
+
+
+def quantize_linears(model: nn.Module, skip=(), backend: str = "auto", kind: str = "nf4") -> list[str]:
+    """Replace every ``ParallelLinear`` / ``nn.Linear`` of ``model`` (not under ``skip`` module
+    names nor an output head) by a ``QuantLinear`` quantized (``kind``: nf4 | int8) from this rank's
+    weight; returns the names."""
+    done = []
+    for name, module in list(model.named_modules()):
+        if not quantizable(name, module, skip):
+            continue
+        parent, child = parent_of(model, name)
+        setattr(parent, child, QuantLinear.from_linear(module, row_parallel_name(name), kind, backend))
+        done.append(name)
+    logger.info("%s: quantized %d linears (e.g. %s)", kind, len(done), done[:3])
+    return done
+
+
+def dequantize_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> list[str]:
+    """Undo ``quantize_linears`` (to the dequantized values, in ``dtype``): every ``QuantLinear``
+    becomes a ``ParallelLinear`` and every quantized LoRA layer gets its ``weight`` back."""
+    from galaxy.loralib.layers import LoRALinear
+
+    done = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, QuantLinear):
+            parent, child = parent_of(model, name)
+            setattr(parent, child, module.to_linear(dtype))
+            done.append(name)
+        elif isinstance(module, LoRALinear) and module.quantized:
+            module.dequantize_base(dtype)
+            done.append(name)
+    return done
+
+
+@torch.no_grad()
+def cast_frozen_(model: nn.Module, dtype: torch.dtype) -> int:
+    """Store every frozen floating-point parameter in ``dtype`` (in place); returns how many."""
+    n = 0
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+            n += 1
+    return n
+
+
+def frozen_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes, logical parameters) of this rank's frozen base weights: frozen parameters and quantized
+    weights (every buffer they hold: codes and scales)."""
+    nbytes = count = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            nbytes += p.numel() * p.element_size()
+            count += p.numel()
+    for m in model.modules():
+        if isinstance(m, QuantizedWeight):
+            nbytes += m.nbytes()
+            count += m.shape[0] * m.shape[1]
+    return nbytes, count
+
+
+# ----------------------------------------------------------------------------- quantize on load
+
+
+@contextlib.contextmanager
+def meta_parameters():
+    """Build modules whose parameters are registered on the meta device (no storage): each one is
+    swapped for a meta tensor of its shape as it is registered (torch's registration hook, removed
+    on exit), so building a model allocates one parameter at a time, never the whole model."""
+
+    def to_meta(module, name, param):
+        if param is None or param.is_meta:
+            return None
+        meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+        meta.__dict__.update(param.__dict__)
+        return meta
+
+    handle = nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+class _Checkpoint:
+    """The tensors of a local safetensors checkpoint, read lazily: a rank reads only its slices."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"model_path '{path}' holds no *.safetensors; quantize-on-load reads safetensors "
+                                    "slices (convert the checkpoint, or load it with from_pretrained)")
+        self.path = path
+        self.handles = [safe_open(os.path.join(path, f), framework="pt", device="cpu") for f in files]
+        self.where = {k: h for h in self.handles for k in h.keys()}
+
+    def piece(self, name: str, spec: Optional[ShardSpec], shape: tuple[int, ...]) -> torch.Tensor:
+        """This rank's piece of tensor ``name`` (the slice ``spec`` names, or all of it)."""
+        if name not in self.where:
+            raise ValueError(f"checkpoint '{self.path}' has no tensor '{name}' (quantize-on-load reads the model's own "
+                             "parameter names; load other layouts with from_pretrained)")
+        sl = self.where[name].get_slice(name)
+        index = [slice(None)] * len(sl.get_shape())
+        if spec is not None:
+            index[spec.dim] = slice(spec.offset, spec.offset + spec.sizes[spec.rank])
+        t = sl[tuple(index)]
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"checkpoint '{self.path}': '{name}' gives {tuple(t.shape)} on this rank but the model "
+                             f"needs {tuple(shape)}; the checkpoint is for another model size")
+        return t
+
+
+@torch.no_grad()
+def load_quantized(model_cls, path: str, plan=None, ctx=None, config_overrides: Optional[dict] = None,
+                   skip=(), dtype: torch.dtype = torch.float32, backend: str = "auto",
+                   kind: str = "nf4") -> nn.Module:
+    """A Galaxy model from a local HF checkpoint directory with its linears quantized (``kind``) as
+    they are read: the model is laid out on the meta device, then each rank reads its own slice of
+    each tensor (safetensors lazy slices), quantizes the linears (all but heads and ``skip``) and
+    keeps the rest in ``dtype``. Peak host memory: one tensor slice in the checkpoint's dtype.
+    Equal to ``model_cls.from_pretrained`` + ``quantize_linears`` (the buffers bit for bit)."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"model_path '{path}' has no config.json; point it at a local HF model directory")
+    with open(config_file) as f:
+        config = model_cls.config_from_hf(json.load(f))
+    for key, value in (config_overrides or {}).items():
+        setattr(config, key, value)
+    if getattr(config, "fused_gate_up", False):
+        raise ConfigError("quantize-on-load quantizes each linear on its own; set fused_gate_up to false")
+    with meta_parameters():
+        model = model_cls(config, plan=plan, ctx=ctx)
+    device = model.ctx.device
+    ckpt = _Checkpoint(path)
+    for name, module in list(model.named_modules()):
+        if not quantizable(name, module, skip):
+            continue
+        w = module.weight
+        spec = shard_spec(w)
+        qweight = FORMATS[kind].quantize(ckpt.piece(f"{name}.weight", spec, tuple(w.shape)).to(device), spec,
+                                     row_parallel_name(name), backend)
+        bias = module.bias
+        if bias is not None:
+            bias = _materialized(bias, ckpt.piece(f"{name}.bias", shard_spec(bias), tuple(bias.shape)), device, dtype)
+        parent, child = parent_of(model, name)
+        setattr(parent, child, QuantLinear(qweight, bias, getattr(module, "style", "whole"), getattr(module, "rank", 0),
+                                           spec, grad_rule(w)))
+    done: dict[int, nn.Parameter] = {}
+    tied = set(getattr(model, "tied_keys", {}) or {})
+    for mod_name, module in model.named_modules():
+        for pname, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in done:
+                full = f"{mod_name}.{pname}" if mod_name else pname
+                if full in tied:
+                    continue  # filled through the module it is tied to
+                done[id(p)] = _materialized(p, ckpt.piece(full, shard_spec(p), tuple(p.shape)), device, dtype)
+            module._parameters[pname] = done[id(p)]
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise ValueError(f"checkpoint '{path}' left parameters unfilled: {left[:5]}")
+    logger.info("loaded '%s' with %s linears (%d tensors read as slices)", path, kind, len(done))
+    return model
+
+
+def _materialized(meta: nn.Parameter, data: torch.Tensor, device, dtype) -> nn.Parameter:
+    p = nn.Parameter(data.to(device=device, dtype=dtype if data.is_floating_point() else data.dtype),
+                     requires_grad=meta.requires_grad)
+    p.__dict__.update(meta.__dict__)  # gradient rule, shard spec, pipeline tie
+    return p
+
+
+__all__ = ["QuantizedWeight", "NF4Weight", "Int8Weight", "FORMATS", "QuantLinear", "quantize_linears",
+           "dequantize_linears", "cast_frozen_", "frozen_bytes", "row_parallel_name", "meta_parameters",
+           "load_quantized"]
