@@ -323,8 +323,7 @@ def qlora_dp_pp_equals_serial(ctx, case):
     for name, p in model.named_parameters():
         err = rel_err(gather_full(p.detach(), p, ctx.mp), params_s[name].detach(), floor=1e-2)
         assert err < RTOL, f"{name} after 2 AdamW steps: relative error {err:.2e}"
-    if par.dp_sync is not None:
-        par.dp_sync.remove()
+    par.grad_sync.remove()
 
 
 @pytest.mark.parametrize("case", [dict(dp_size=2, pp_size=2, num_microbatches=2),
