@@ -1,0 +1,192 @@
+"""LoRA and QLoRA fine-tuning on one GPU: Galaxy against what a PEFT user runs, in one launch.
+
+    python bench/bench_lora.py --preset llama-1b --seq 1024 --batch 8 --steps 10 --warmup 3 --json out.json
+
+Contenders (each in a fresh process, so one's memory and Liger's patches never reach another):
+``galaxy-lora`` (frozen base in bf16, fp32 LoRA factors and AdamW state, kernels auto),
+``galaxy-qlora`` (the same over an NF4 base), ``peft-bf16`` (transformers + peft, base loaded in bf16,
+bf16 autocast), ``peft-bf16-liger`` (the same with Liger-Kernel's LLaMA patches), ``peft-qlora-bnb``
+(transformers + peft over a bitsandbytes NF4 base with double quantization, bf16 compute: the QLoRA
+recipe). Every contender: LoRA r16 alpha 32 on q_proj / v_proj, random tokens with labels = inputs,
+fused AdamW lr 1e-4, clipping at 1.0; a timed step is forward, backward, clipping and the optimizer
+step, ended by reading the loss (a device sync). Peak memory is counted from the first training step
+on (building the model is left out, for every contender alike). A contender whose package does not
+import says so in its row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.bench_plans import causal_lm_data, hf_model  # noqa: E402
+from galaxy.config import GalaxyConfig  # noqa: E402
+
+CONTENDERS = ("galaxy-lora", "galaxy-qlora", "peft-bf16", "peft-bf16-liger", "peft-qlora-bnb")
+
+
+def config(args, quantize: str = "none") -> GalaxyConfig:
+    return GalaxyConfig.from_dict({
+        "model": {"preset": args.preset, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+        "train": {"global_batch_size": args.batch, "seq_length": args.seq, "max_steps": args.warmup + args.steps,
+                  "dtype": "bfloat16", "lr": 1e-4, "warmup_steps": 0, "grad_clip": 1.0, "log_every": 10**6},
+        "peft": {"tuning": "lora", "lora_dim": 16, "lora_alpha": 32, "lora_dropout": 0.0,
+                 "lora_target_modules": ["q_proj", "v_proj"], "quantize_base": quantize}})
+
+
+def timed_steps(step, args) -> list[float]:
+    times = []
+    for i in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step(i)
+        torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def run_galaxy(args, quantize: str) -> dict:
+    """Galaxy's own training loop (``train``): step times from one step's end to the next (the loop
+    reads every step's loss, a device sync)."""
+    from galaxy.core.context import ParallelContext
+    from galaxy.loralib.quantized import frozen_bytes
+    from galaxy.models import build_model
+    from galaxy.peft import apply_tuning
+    from galaxy.train.loop import train
+
+    cfg = config(args, quantize)
+    ctx = ParallelContext.serial("cuda", seed=0)
+    model = apply_tuning(build_model(cfg, None, ctx), cfg)
+    times, last = [], [time.perf_counter()]
+
+    def on_step(step, loss):
+        now = time.perf_counter()
+        if step > args.warmup:
+            times.append(now - last[0])
+        last[0] = now
+
+    torch.cuda.reset_peak_memory_stats()
+    train(model, causal_lm_data(cfg), cfg, ctx, progress=False, on_step=on_step)
+    nbytes, count = frozen_bytes(model)
+    return {"times": times, "frozen_bytes_per_param": nbytes / max(count, 1)}
+
+
+def run_peft(args, variant: str) -> dict:
+    import peft
+    import transformers
+
+    cfg = config(args)
+    if variant == "peft-bf16-liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama()
+    torch.manual_seed(0)
+    if variant == "peft-qlora-bnb":
+        base = hf_model("llama", _hf_config(cfg), torch.device("cpu")).to(torch.bfloat16)
+        with tempfile.TemporaryDirectory() as tmp:  # bitsandbytes quantizes on load
+            base.save_pretrained(tmp)
+            del base
+            quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                    bnb_4bit_use_double_quant=True,
+                                                    bnb_4bit_compute_dtype=torch.bfloat16)
+            base = transformers.LlamaForCausalLM.from_pretrained(tmp, quantization_config=quant,
+                                                                 torch_dtype=torch.bfloat16, device_map={"": 0})
+    else:
+        base = hf_model("llama", _hf_config(cfg), torch.device("cuda")).to(torch.bfloat16)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                      target_modules=["q_proj", "v_proj"])).cuda()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    batch_at = causal_lm_data(cfg)
+    torch.cuda.reset_peak_memory_stats()
+
+    def step(i):
+        batch = {k: v.cuda(non_blocking=True) for k, v in batch_at(i).items()}
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()  # as Galaxy's loop, which reads every step's loss
+
+    return {"times": timed_steps(step, args)}
+
+
+def _hf_config(cfg: GalaxyConfig) -> dict:
+    """The HF config of ``cfg``'s model (read off a one-layer, small-vocabulary copy, then resized)."""
+    from dataclasses import replace
+
+    from galaxy.models.llama import LlamaForCausalLM
+
+    hf = LlamaForCausalLM(replace(cfg.model, num_hidden_layers=1, vocab_size=64), seed=0).config_to_hf()
+    hf.update(num_hidden_layers=cfg.model.num_hidden_layers, vocab_size=cfg.model.vocab_size)
+    return hf
+
+
+def run_one(args) -> dict:
+    name = args.one
+    try:
+        out = run_galaxy(args, "nf4" if name == "galaxy-qlora" else "none") if name.startswith("galaxy") \
+            else run_peft(args, name)
+    except ImportError as e:
+        return {"contender": name, "skipped": f"{type(e).__name__}: {e}"}
+    times = out.pop("times")
+    median = statistics.median(times)
+    return {"contender": name, "step_ms": median * 1e3, "step_ms_min": min(times) * 1e3,
+            "step_ms_max": max(times) * 1e3, "steps_per_s": 1 / median,
+            "tokens_per_s": args.batch * args.seq / median,
+            "peak_mib": torch.cuda.max_memory_allocated() / 2**20, **out}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="llama-1b")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--json", default=None)
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(run_one(args)), flush=True)
+        return 0
+    rows = []
+    for name in args.contenders.split(","):
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", name] + [
+            f"--{k}={getattr(args, k)}" for k in ("preset", "seq", "batch", "steps", "warmup")]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        row = json.loads(line[-1]) if line else {"contender": name, "failed": proc.stderr[-1500:]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    facts = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": args.preset,
+             "seq": args.seq, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+             "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("GALAXY_COMMIT", "unknown")}
+    print(f"\n{facts}\n{'contender':<18} {'step ms':>9} {'steps/s':>8} {'peak MiB':>9}")
+    for r in rows:
+        if "step_ms" in r:
+            print(f"{r['contender']:<18} {r['step_ms']:9.1f} {r['steps_per_s']:8.2f} {r['peak_mib']:9.0f}")
+        else:
+            print(f"{r['contender']:<18} {(r.get('skipped') or r.get('failed', ''))[-200:]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"facts": facts, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
