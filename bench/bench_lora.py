@@ -44,7 +44,7 @@ def config(args, quantize: str = "none") -> GalaxyConfig:
                  "lora_target_modules": ["q_proj", "v_proj"], "quantize_base": quantize}})
 
 
-def timed_steps(step, args) -> list[float]:
+def timed_steps(step, args, tick) -> list[float]:
     times = []
     for i in range(args.warmup + args.steps):
         torch.cuda.synchronize()
@@ -53,7 +53,24 @@ def timed_steps(step, args) -> list[float]:
         torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
+        tick()
     return times
+
+
+def profiler(args):
+    """With ``--profile DIR``: torch.profiler over 3 steps after the warm-up (``tick`` after each step)."""
+    if not args.profile:
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                   schedule=schedule(wait=max(args.warmup - 1, 0), warmup=1, active=3, repeat=1))
+
+
+def write_profile(prof, args) -> None:
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+    with open(os.path.join(args.profile, f"profile_{args.one}.txt"), "w") as f:
+        f.write(f"{args.one}: {args.preset} seq {args.seq} batch {args.batch}, 3 steps\n{table}")
 
 
 def run_galaxy(args, quantize: str) -> dict:
@@ -69,15 +86,23 @@ def run_galaxy(args, quantize: str) -> dict:
     ctx = ParallelContext.serial("cuda", seed=0)
     model = apply_tuning(build_model(cfg, None, ctx), cfg)
     times, last = [], [time.perf_counter()]
+    prof = profiler(args)
 
     def on_step(step, loss):
         now = time.perf_counter()
         if step > args.warmup:
             times.append(now - last[0])
         last[0] = now
+        if prof is not None:
+            prof.step()
 
     torch.cuda.reset_peak_memory_stats()
-    train(model, causal_lm_data(cfg), cfg, ctx, progress=False, on_step=on_step)
+    if prof is not None:
+        with prof:
+            train(model, causal_lm_data(cfg), cfg, ctx, progress=False, on_step=on_step)
+        write_profile(prof, args)
+    else:
+        train(model, causal_lm_data(cfg), cfg, ctx, progress=False, on_step=on_step)
     nbytes, count = frozen_bytes(model)
     return {"times": times, "frozen_bytes_per_param": nbytes / max(count, 1)}
 
@@ -121,7 +146,13 @@ def run_peft(args, variant: str) -> dict:
         optimizer.zero_grad(set_to_none=True)
         loss.item()  # as Galaxy's loop, which reads every step's loss
 
-    return {"times": timed_steps(step, args)}
+    prof = profiler(args)
+    if prof is None:
+        return {"times": timed_steps(step, args, lambda: None)}
+    with prof:
+        times = timed_steps(step, args, prof.step)
+    write_profile(prof, args)
+    return {"times": times}
 
 
 def _hf_config(cfg: GalaxyConfig) -> dict:
@@ -159,6 +190,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", default=None, metavar="DIR", help="write each contender's kernel table here")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
@@ -167,7 +199,8 @@ def main() -> int:
     rows = []
     for name in args.contenders.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--one", name] + [
-            f"--{k}={getattr(args, k)}" for k in ("preset", "seq", "batch", "steps", "warmup")]
+            f"--{k}={getattr(args, k)}" for k in ("preset", "seq", "batch", "steps", "warmup", "profile")
+            if getattr(args, k) is not None]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         row = json.loads(line[-1]) if line else {"contender": name, "failed": proc.stderr[-1500:]}

@@ -1,4 +1,5 @@
-"""Compare tuning methods (full, LoRA, adapters, side-tuning) as fine-tuning methods: each starts from
+"""Compare tuning methods (full, LoRA, adapters, side-tuning, LoRA over a bf16 base, QLoRA over an NF4 base)
+as fine-tuning methods: each starts from
 the same pretrained base and is tuned on the same downstream task, same seed, same steps, then scored on
 held-out data. Prints a table (held-out metric of the un-tuned base and after tuning, trainable / total
 parameters, peak memory, saved activations, step time, tokens/s) and writes it as JSON plus a PNG.
@@ -62,6 +63,10 @@ PRETRAIN_STEPS = {"bert": 300, "llama": 200}
 # Learning rates as researchers set them: PEFT methods train few parameters from zero and take a larger
 # one than full fine-tuning (used unless a config file or --override sets lr).
 METHOD_LR = {"full": 1e-3, "lora": 5e-3, "adapter": 5e-3, "side": 5e-3}
+# LoRA over a frozen base held in bf16 (bf16 autocast), and QLoRA over the NF4-quantized base.
+VARIANTS = {"lora-bf16": ("lora", {"dtype": "bfloat16"}, {}),
+            "qlora": ("lora", {"dtype": "bfloat16"}, {"quantize_base": "nf4"})}
+COMPARED = METHODS + tuple(VARIANTS)
 METRIC = {"bert": ("eval_accuracy", "held-out accuracy"), "llama": ("eval_perplexity", "held-out perplexity")}
 
 COLUMNS = [("method", "method", "{}"), ("metric_before", "base metric", "{:.4f}"),
@@ -78,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plan", default="none", help="parallel plan preset when the config names none")
     p.add_argument("--world", type=int, default=1, help="model-parallel ranks (local processes)")
     p.add_argument("--max_steps", type=int, default=None, help="tuning steps per method (default: the model's)")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    p.add_argument("--methods", default=",".join(COMPARED), help="comma-separated subset of " + ",".join(COMPARED))
     p.add_argument("--config_file", default=None, help="JSON config; omitted: the small defaults above")
     p.add_argument("--model_path", default=None, help="the base: a local HF checkpoint (default: pretrain one here)")
     p.add_argument("--data", default=None, help="the task's training file (BERT: {text, label} JSONL; LLaMA: "
@@ -110,10 +115,16 @@ def method_config(args: argparse.Namespace, method: str, base: str) -> GalaxyCon
     if cfg.parallel.dp_size > 1 or cfg.parallel.pp_size > 1:
         raise ConfigError("compare_tuning.py runs one model-parallel group; set dp_size = pp_size = 1")
     check_plan_for_cli(cfg, args.plan, args.world, strict=False)
-    cfg.peft.tuning = method
+    tuning, train_keys, peft_keys = VARIANTS.get(method, (method, {}, {}))
+    cfg.peft.tuning = tuning
+    for key, value in train_keys.items():
+        setattr(cfg.train, key, value)
+    for key, value in peft_keys.items():
+        setattr(cfg.peft, key, value)
     cfg.data.model_path = base
     if not args.config_file and not any(o.split("=")[0].strip() in ("lr", "train.lr") for o in args.override):
-        cfg.train.lr = METHOD_LR[method]
+        cfg.train.lr = METHOD_LR[tuning]
+    cfg.validate()
     cfg.resolve_plan(args.world)  # split errors surface before any process starts
     return cfg
 
@@ -320,9 +331,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
+    bad = [m for m in methods if m not in COMPARED]
     if bad or not methods:
-        print(f"error: --methods {args.methods}: use a subset of {','.join(METHODS)}", file=sys.stderr)
+        print(f"error: --methods {args.methods}: use a subset of {','.join(COMPARED)}", file=sys.stderr)
         return 2
     if args.world < 1 or (args.in_process and args.world != 1):
         print("error: --world must be at least 1 (and 1 with --in_process)", file=sys.stderr)

@@ -12,8 +12,7 @@ from galaxy.cli.launch import launch_ranks, plan_launch, rank_context, train_fro
 from galaxy.cli.output import bad_input, print_summary, setup_logging
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.data.instruction import InstructionBatcher, load_instruction_data
-from galaxy.models import build_model
-from galaxy.peft import apply_tuning
+from galaxy.peft import apply_tuning, build_base
 from galaxy.train.finetune import (DEFAULT_DATA, finetune_tokenizer, greedy_answer, instruction_batches,
                                    match_vocab, shards_sequence)
 
@@ -79,7 +78,7 @@ def finetune_rank(rank: int, launch, payload) -> None:
     ctx = rank_context(rank, launch, cfg, args.log_level)
     try:
         plan = cfg.resolve_plan(ctx.mp.size)
-        model = apply_tuning(build_model(cfg, plan, ctx), cfg)
+        model = apply_tuning(build_base(cfg, plan, ctx), cfg)
         fixed = cfg.train.seq_length if shards_sequence(plan) else None
         batch_at = instruction_batches(batcher, fixed)
         eval_at = instruction_batches(eval_batcher, fixed) if eval_batcher is not None else None

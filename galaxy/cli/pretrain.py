@@ -11,8 +11,7 @@ from galaxy.cli.launch import launch_ranks, plan_launch, rank_context, train_fro
 from galaxy.cli.output import bad_input, print_summary, setup_logging
 from galaxy.config import ConfigError
 from galaxy.data.pretraining import classification_data, mlm_corpus, mlm_data, mlm_eval_data
-from galaxy.models import build_model
-from galaxy.peft import apply_tuning
+from galaxy.peft import apply_tuning, build_base
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +42,7 @@ def pretrain_rank(rank: int, launch, payload) -> None:
                            cfg.model.vocab_size)
             cfg.model.vocab_size = vocab_size
         plan = cfg.resolve_plan(ctx.mp.size)
-        model = apply_tuning(build_model(cfg, plan, ctx, task="classify" if task == "classify" else "lm"), cfg)
+        model = apply_tuning(build_base(cfg, plan, ctx, task="classify" if task == "classify" else "lm"), cfg)
         result = train_from_args(model, batch_at, cfg, ctx, args, eval_at)
         if rank == 0:
             fields = {"plan": plan.name, "world": launch.world, "device": str(ctx.device),
