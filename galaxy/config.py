@@ -60,6 +60,7 @@ class ModelConfig:
     recompute_num_layers: Optional[int] = None  # recompute only the first K layers of the model or stage; None: all
     fused_gate_up: bool = False  # LLaMA: gate and up in one [2, intermediate, hidden] weight, one matmul
     kernels: str = "auto"  # auto (Triton on CUDA when it imports) | triton | torch
+    compile: bool = False  # torch.compile each transformer layer (rules: galaxy.core.compile)
 
     @property
     def head_dim(self) -> int:
@@ -340,7 +341,7 @@ KERNEL_BACKENDS = ("auto", "triton", "torch")
 # ModelConfig keys that choose how a model computes, not what it is: a model loaded from a
 # checkpoint directory takes them from the run's config (e.g. ``cfg.model = config_from_hf(...)``
 # should carry them over).
-COMPUTE_KEYS = ("recompute", "recompute_num_layers", "fused_gate_up", "kernels")
+COMPUTE_KEYS = ("recompute", "recompute_num_layers", "fused_gate_up", "kernels", "compile")
 FUSED_GATE_UP_NAMES = ("gate_proj", "up_proj", "gate_up_proj")
 
 
