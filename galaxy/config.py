@@ -486,6 +486,16 @@ class GalaxyConfig:
         if m.fused_gate_up and m.model_type != "llama":
             raise ConfigError(f"config key 'fused_gate_up' fuses LLaMA's gate_proj/up_proj, but model_type is "
                               f"'{m.model_type}'; set it to false")
+        if m.compile:
+            lora = self.peft.lora_dropout if self.peft.tuning == "lora" else 0.0
+            on = [f"{k}={v}" for k, v in (("hidden_dropout_prob", m.hidden_dropout_prob),
+                                          ("attention_probs_dropout_prob", m.attention_probs_dropout_prob),
+                                          ("lora_dropout", lora)) if v > 0]
+            if on:
+                logger.warning("config key 'compile' is true, but dropout is on (%s): layers run eagerly while "
+                               "training, because compiled graphs do not draw from Galaxy's per-layer dropout "
+                               "streams; set these to 0 to train compiled (evaluation is compiled either way)",
+                               ", ".join(on))
         clash = fused_gate_up_targets(self.peft.lora_target_modules) if self.peft.tuning == "lora" else []
         if m.fused_gate_up and clash:
             raise ConfigError(f"config key 'lora_target_modules' names {clash}, but with fused_gate_up the gate "

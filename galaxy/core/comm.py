@@ -8,7 +8,7 @@ The collectives are torch's functional ones (``torch.distributed._functional_col
 run eagerly as they are, and ``torch.compile`` traces them into its graph without a break (model
 key ``compile``). Inside a compiled graph the Python around them runs only while tracing, so the
 byte count is a tensor the graph itself advances each time it runs; observers, which time each
-call with a device synchronize, cannot run there and a traced collective refuses them.
+call with a device synchronize, cannot run there (``galaxy.core.compile`` refuses them).
 """
 
 from __future__ import annotations
@@ -102,10 +102,6 @@ class Communicator:
         (self._sent_in_backward if phase == "bwd" else self._sent).add_(nbytes)
         if not self.observers:
             return fn()
-        if torch.compiler.is_compiling():
-            raise RuntimeError(f"a communication observer is attached to group '{self.name}', but its "
-                               f"{op} runs inside a torch.compile graph, where it cannot be timed; profile "
-                               "with compile: false (bytes_sent still counts compiled collectives)")
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         sync()
         start = time.perf_counter()

@@ -16,8 +16,8 @@ What runs eagerly instead, by rule:
 * Triton kernels (``kernels``) are not called inside a graph: there the torch references are traced
   and inductor generates the fused kernels; outside the layers (the head and its loss) the kernels
   run as configured.
-A communication observer (the profiler's per-collective timing) cannot time a traced collective:
-the collective refuses with one line (``Communicator._timed``); ``bytes_sent`` counts either way.
+A communication observer (the profiler's per-collective timing) cannot time a traced collective,
+so a compiled layer refuses to run while one is attached; ``bytes_sent`` counts either way.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from galaxy.config import ConfigError
+from galaxy.core.comm import Communicator
 from galaxy.core.layers import Dropout
 
 
@@ -37,10 +39,14 @@ class CompiledLayer:
     """``layer.compute`` compiled, called in its place; a call while the layer's dropout is active
     runs the eager ``compute`` (see the module docstring)."""
 
-    def __init__(self, layer: nn.Module):
-        self.layer = layer  # not a submodule: this object is no nn.Module
+    def __init__(self, layer: nn.Module, comm: Communicator):
+        self.layer, self.comm = layer, comm  # the layer is not a submodule: this is no nn.Module
         self.compiled = torch.compile(layer.compute, dynamic=False)
 
     def __call__(self, *args):
+        if self.comm.observers:
+            raise ConfigError(f"config key 'compile' is true, but a communication profiler observes group "
+                              f"'{self.comm.name}': it times each collective, which a compiled layer cannot "
+                              "do; profile with compile: false")
         return self.layer.compute(*args) if draws_random(self.layer) else self.compiled(*args)
 
