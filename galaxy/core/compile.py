@@ -17,7 +17,9 @@ What runs eagerly instead, by rule:
   and inductor generates the fused kernels; outside the layers (the head and its loss) the kernels
   run as configured.
 A communication observer (the profiler's per-collective timing) cannot time a traced collective,
-so a compiled layer refuses to run while one is attached; ``bytes_sent`` counts either way.
+so a compiled layer refuses to run while one is attached; ``bytes_sent`` counts either way. Under a
+dispatch mode (the FLOP profiler) dynamo itself runs the layer eagerly, so FLOPs are counted from
+the eager ops.
 """
 
 from __future__ import annotations
