@@ -51,4 +51,3 @@ class CompiledLayer:
                               f"'{self.comm.name}': it times each collective, which a compiled layer cannot "
                               "do; profile with compile: false")
         return self.layer.compute(*args) if draws_random(self.layer) else self.compiled(*args)
-
