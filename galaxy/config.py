@@ -63,6 +63,7 @@ class ModelConfig:
     recompute_num_layers: Optional[int] = None  # recompute only the first K layers of the model or stage; None: all
     fused_gate_up: bool = False  # LLaMA: gate and up in one [2, intermediate, hidden] weight, one matmul
     kernels: str = "auto"  # auto (per op, the measured winner on the device: galaxy/kernels/_backend.py) | triton | torch
+    compile: bool = False  # torch.compile each transformer layer (rules: galaxy.core.compile)
 
     @property
     def head_dim(self) -> int:
@@ -355,7 +356,7 @@ KERNEL_BACKENDS = ("auto", "triton", "torch")
 # ModelConfig keys that choose how a model computes, not what it is: a model loaded from a
 # checkpoint directory takes them from the run's config (e.g. ``cfg.model = config_from_hf(...)``
 # should carry them over).
-COMPUTE_KEYS = ("recompute", "recompute_num_layers", "fused_gate_up", "kernels")
+COMPUTE_KEYS = ("recompute", "recompute_num_layers", "fused_gate_up", "kernels", "compile")
 FUSED_GATE_UP_NAMES = ("gate_proj", "up_proj", "gate_up_proj")
 
 
@@ -513,6 +514,16 @@ class GalaxyConfig:
         if q.quantize_base != "none" and q.lora_fusion:
             raise ConfigError("config key 'lora_fusion' (CCLoRA) merges W + BA, which a quantized base cannot hold; "
                               "set lora_fusion to false or quantize_base to none")
+        if m.compile:
+            lora = self.peft.lora_dropout if self.peft.tuning == "lora" else 0.0
+            on = [f"{k}={v}" for k, v in (("hidden_dropout_prob", m.hidden_dropout_prob),
+                                          ("attention_probs_dropout_prob", m.attention_probs_dropout_prob),
+                                          ("lora_dropout", lora)) if v > 0]
+            if on:
+                logger.warning("config key 'compile' is true, but dropout is on (%s): layers run eagerly while "
+                               "training, because compiled graphs do not draw from Galaxy's per-layer dropout "
+                               "streams; set these to 0 to train compiled (evaluation is compiled either way)",
+                               ", ".join(on))
         clash = fused_gate_up_targets(self.peft.lora_target_modules) if self.peft.tuning == "lora" else []
         if m.fused_gate_up and clash:
             raise ConfigError(f"config key 'lora_target_modules' names {clash}, but with fused_gate_up the gate "

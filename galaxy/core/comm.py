@@ -3,6 +3,12 @@
 Gloo and NCCL both want equal pieces for the single-tensor collectives, so uneven pieces are
 padded to the largest one and trimmed afterwards; even splits take the direct path. Every call
 can be observed (op, group, bytes, time, phase) by the profiler; with no observer nothing is timed.
+
+The collectives are torch's functional ones (``torch.distributed._functional_collectives``): they
+run eagerly as they are, and ``torch.compile`` traces them into its graph without a break (model
+key ``compile``). Inside a compiled graph the Python around them runs only while tracing, so the
+byte count is a tensor the graph itself advances each time it runs; observers, which time each
+call with a device synchronize, cannot run there (``galaxy.core.compile`` refuses them).
 """
 
 from __future__ import annotations
@@ -13,11 +19,28 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 # torch 2.13 renamed the single-tensor collectives; 2.11 only has the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_functional_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_functional_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
+def _summed(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+
+
+def _gathered(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``x`` stacked along dim 0."""
+    return funcol.wait_tensor(_functional_all_gather(x, 0, group))
+
+
+def _scattered(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's block of dim 0 of ``x`` summed over ranks."""
+    return funcol.wait_tensor(_functional_reduce_scatter(x, "sum", 0, group))
 
 
 PHASES = ("fwd", "bwd", "other")
@@ -52,33 +75,55 @@ class Communicator:
     size: int = 1
     group: Optional[dist.ProcessGroup] = None
     observers: list[CommObserver] = field(default_factory=list)
-    bytes_sent: int = 0  # running total of collective payload bytes; cheap, always on
+    # Running total of collective payload bytes (``bytes_sent``); cheap, always on. CPU tensors,
+    # not an int, so that a compiled graph counts its collectives each time it runs; backward
+    # collectives count into their own tensor, because AOTAutograd keeps a backward graph's
+    # mutation of an input only when the forward graph does not mutate that input too.
+    _sent: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64), repr=False,
+                                compare=False)
+    _sent_in_backward: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64),
+                                            repr=False, compare=False)
+
+    @property
+    def bytes_sent(self) -> int:
+        return int(self._sent) + int(self._sent_in_backward)
+
+    @bytes_sent.setter
+    def bytes_sent(self, value: int) -> None:
+        self._sent.fill_(value)
+        self._sent_in_backward.zero_()
 
     # -- bookkeeping
 
-    def _timed(self, op: str, nbytes: int, phase: str, fn: Callable[[], None], device: torch.device) -> None:
-        self.bytes_sent += nbytes
+    def _timed(self, op: str, nbytes: int, phase: str, fn: Callable[[], Optional[torch.Tensor]],
+               device: torch.device) -> Optional[torch.Tensor]:
+        """Run the collective ``fn`` (which waits for its result), counting its bytes and, for
+        observers, timing it; returns what ``fn`` returns."""
+        (self._sent_in_backward if phase == "bwd" else self._sent).add_(nbytes)
         if not self.observers:
-            fn()
-            return
+            return fn()
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         sync()
         start = time.perf_counter()
-        fn()
+        out = fn()
         sync()
         record = CommRecord(op, self.name, nbytes, time.perf_counter() - start, phase)
         for observe in self.observers:
             observe(record)
+        return out
+
+    @property
+    def _process_group(self) -> dist.ProcessGroup:
+        return self.group if self.group is not None else dist.group.WORLD
 
     # -- collectives (each returns a new tensor; inputs are never modified)
 
     def all_reduce(self, x: torch.Tensor, phase: str = "other") -> torch.Tensor:
         if self.size == 1:
             return x
-        out = x.contiguous().clone()
-        self._timed("all_reduce", out.numel() * out.element_size(), phase,
-                    lambda: dist.all_reduce(out, group=self.group), out.device)
-        return out
+        x = x.contiguous()
+        return self._timed("all_reduce", x.numel() * x.element_size(), phase,
+                           lambda: _summed(x, self._process_group), x.device)
 
     def all_gather(self, x: torch.Tensor, dim: int, sizes: Sequence[int], phase: str = "other") -> torch.Tensor:
         """Concatenate every rank's ``x`` along ``dim``; rank i contributes ``sizes[i]`` slices."""
@@ -90,9 +135,9 @@ class Communicator:
         if local.shape[0] < piece:
             local = F.pad(local, (0, 0) * (local.dim() - 1) + (0, piece - local.shape[0]))
         local = local.contiguous()
-        out = torch.empty((piece * self.size,) + local.shape[1:], dtype=x.dtype, device=x.device)
         nbytes = sum(sizes) * local[0].numel() * x.element_size()
-        self._timed("all_gather", nbytes, phase, lambda: _all_gather_single(out, local, group=self.group), x.device)
+        out = self._timed("all_gather", nbytes, phase,
+                          lambda: _gathered(local, self._process_group), x.device)
         if any(s != piece for s in sizes):
             out = torch.cat([out[i * piece: i * piece + s] for i, s in enumerate(sizes)])
         return out.movedim(0, dim).contiguous()
@@ -108,10 +153,8 @@ class Communicator:
             pad = (0, 0) * (full.dim() - 1)
             full = torch.cat([F.pad(c, pad + (0, piece - c.shape[0])) for c in full.split(list(sizes))])
         full = full.contiguous()
-        out = torch.empty((piece,) + full.shape[1:], dtype=x.dtype, device=x.device)
-        nbytes = x.numel() * x.element_size()
-        self._timed("reduce_scatter", nbytes, phase,
-                    lambda: _reduce_scatter_single(out, full, group=self.group), x.device)
+        out = self._timed("reduce_scatter", x.numel() * x.element_size(), phase,
+                          lambda: _scattered(full, self._process_group), x.device)
         return out[: sizes[self.rank]].movedim(0, dim).contiguous()
 
     def split(self, x: torch.Tensor, dim: int, sizes: Sequence[int]) -> torch.Tensor:
@@ -126,6 +169,9 @@ class Communicator:
             return x
         out = x.contiguous().clone()
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
-        self._timed("broadcast", out.numel() * out.element_size(), phase,
-                    lambda: dist.broadcast(out, global_src, group=self.group), out.device)
-        return out
+
+        def run() -> torch.Tensor:  # in place, as c10d broadcasts (not a traced block collective)
+            dist.broadcast(out, global_src, group=self.group)
+            return out
+
+        return self._timed("broadcast", out.numel() * out.element_size(), phase, run, out.device)

@@ -87,6 +87,10 @@ def recompute(fn: Callable, *args, generators: Sequence[torch.Generator] = (), *
     autograd recording (evaluation, a frozen backbone) it is a plain call."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        # Inside a compiled layer (galaxy.core.compile) no dropout draws, so no stream needs a
+        # replay, and the compiled backward recomputes the region whole.
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
     generators = tuple(generators)
     states: list = []
 

@@ -461,6 +461,7 @@ class CcloraBoundaries(CocBoundaries):
             return True
         return super().fuses(method, *linears)
 
+    @torch.compiler.disable  # eager under compile, as CoC's edges
     def enter(self, x: torch.Tensor, linears) -> list[torch.Tensor]:
         ops = self._lora_edge(linears)
         if ops is None:
@@ -469,6 +470,7 @@ class CcloraBoundaries(CocBoundaries):
             return all_gather_cclora(x, ops, self.comm, self.plan.seq_split)
         return copy_cclora(x, ops, self.comm)
 
+    @torch.compiler.disable
     def leave(self, y: torch.Tensor, linear) -> torch.Tensor:
         ops = self._lora_edge([linear])
         if ops is None:

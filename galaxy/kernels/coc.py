@@ -638,6 +638,9 @@ class CocBoundaries:
                 and all(type(m) is ParallelLinear and not (m._forward_hooks or m._forward_pre_hooks)
                         for m in linears))
 
+    # The fused edges launch and wait for their own async collectives, which torch.compile cannot
+    # trace: in a compiled layer (model key ``compile``) they run eagerly between its graphs.
+    @torch.compiler.disable
     def enter(self, x: torch.Tensor, linears: Sequence[ParallelLinear]) -> list[torch.Tensor]:
         """Stream (S or R) -> T, then the block's column-parallel ``linears`` on it."""
         weights, biases = [m.weight for m in linears], [m.bias for m in linears]
@@ -645,6 +648,7 @@ class CocBoundaries:
             return all_gather_linear(x, weights, biases, self.comm, self.plan.seq_split, self.chunks)
         return copy_linear(x, weights, biases, self.comm, self.chunks)
 
+    @torch.compiler.disable
     def leave(self, y: torch.Tensor, linear: ParallelLinear) -> torch.Tensor:
         """The block's row-parallel ``linear`` on ``y``, then P -> stream (S or R)."""
         if self.stream == Layout.S:

@@ -40,8 +40,9 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
 
 
 def use_triton(kernels: str, x: torch.Tensor, op: str) -> bool:
-    """Whether the ``kernels`` setting (auto | triton | torch) runs the Triton kernel of ``op`` on ``x``."""
-    return kernels != "torch" and resolve_backend(kernels, x, op) == "triton"
+    """Whether the ``kernels`` setting (auto | triton | torch) runs the Triton kernel of ``op`` on ``x``. Never
+    inside a torch.compile graph: there the torch reference is traced and inductor fuses it."""
+    return kernels != "torch" and not torch.compiler.is_compiling() and resolve_backend(kernels, x, op) == "triton"
 
 
 def plain(module: nn.Module) -> bool:

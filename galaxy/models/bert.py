@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from galaxy.config import Method, ModelConfig, Plan
 from galaxy.core.blocks import Boundaries, self_attention
+from galaxy.core.compile import CompiledLayer
 from galaxy.core.context import ParallelContext
 from galaxy.core.grad_sync import mark_pipeline_tie
 from galaxy.core.layers import Dropout, GradRule, ParallelLinear, mark_module, region_rule
@@ -45,15 +46,15 @@ HF_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_head
 
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` (same parameters, names and class name, which profiles report) that runs the
-    Triton kernel only when ``kernels`` is 'triton': measured on H200 it is slower than
-    ``F.layer_norm``, so 'auto' keeps torch's."""
+    Triton kernel only when ``kernels`` is 'triton' (and not inside a torch.compile graph, see
+    ``use_triton``): measured on H200 it is slower than ``F.layer_norm``, so 'auto' keeps torch's."""
 
     def __init__(self, hidden_size: int, eps: float, kernels: str = "auto"):
         super().__init__(hidden_size, eps=eps)
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels == "triton":
+        if self.kernels == "triton" and not torch.compiler.is_compiling():
             return layer_norm(x, self.weight, self.bias, self.eps, backend="triton")
         return super().forward(x)
 
@@ -149,11 +150,13 @@ class BertLayer(nn.Module):
         self.attention = BertAttention(cfg, plan, ctx)
         self.intermediate = BertIntermediate(cfg, plan, ctx)
         self.output = BertOutput(cfg, plan, ctx)
+        self.compiled = CompiledLayer(self, ctx.mp) if cfg.compile else None
 
     def forward(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        run = self.compiled or self.compute
         if self.recompute_mode == "full":
-            return recompute(self.compute, h, key_padding_mask, generators=generators_of([self]))
-        return self.compute(h, key_padding_mask)
+            return recompute(run, h, key_padding_mask, generators=generators_of([self]))
+        return run(h, key_padding_mask)
 
     def compute(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
         plan, edges, att, cfg, coc = self.plan, self.edges, self.attention, self.cfg, self.coc

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from galaxy.config import ConfigError, Method, ModelConfig, Plan
 from galaxy.core.attention import attention
 from galaxy.core.blocks import Boundaries, self_attention
+from galaxy.core.compile import CompiledLayer
 from galaxy.core.context import ParallelContext
 from galaxy.core.grad_sync import mark_pipeline_tie
 from galaxy.core.pipeline import StageSpec, layer_stack
@@ -319,12 +320,16 @@ class LlamaDecoderLayer(nn.Module):
         generator = ctx.generator(sharded=plan.con == Method.SP)
         self.attn_dropout = Dropout(cfg.hidden_dropout_prob, generator)
         self.mlp_dropout = Dropout(cfg.hidden_dropout_prob, generator)
+        self.compiled = CompiledLayer(self, ctx.mp) if cfg.compile else None
 
     def forward(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor], rope: RopeAt,
                 cache: Optional[KVCache] = None) -> torch.Tensor:
-        if self.recompute_mode == "full" and cache is None:
-            return recompute(self.compute, h, key_padding_mask, rope, generators=generators_of([self]))
-        return self.compute(h, key_padding_mask, rope, cache)
+        if cache is not None:  # generation: eager, the cache grows every step (a new shape to compile)
+            return self.compute(h, key_padding_mask, rope, cache)
+        run = self.compiled or self.compute
+        if self.recompute_mode == "full":
+            return recompute(run, h, key_padding_mask, rope, generators=generators_of([self]))
+        return run(h, key_padding_mask, rope)
 
     def compute(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor], rope: RopeAt,
                 cache: Optional[KVCache] = None) -> torch.Tensor:

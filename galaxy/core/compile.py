@@ -1,0 +1,53 @@
+"""``compile: true``: each transformer layer computes through ``torch.compile`` (per layer,
+``dynamic=False``, as torchtitan compiles each block).
+
+What is traced: the layer's ``compute``, with the transitions at its block edges (their
+collectives are torch's functional ones, ``galaxy.core.comm``) and the parallel linears, so a
+layer of any plan, even or uneven splits, is one graph forward and one backward.
+
+What runs eagerly instead, by rule:
+* a call while any dropout of the layer is active (training with ``hidden_dropout_prob``,
+  ``attention_probs_dropout_prob`` or ``lora_dropout`` > 0): Galaxy's dropouts draw from explicit
+  per-layer ``torch.Generator`` streams (``layers.drawing_from``), which a compiled graph does not
+  honour (inductor draws its own random numbers). Evaluation of such a model is compiled.
+* a call with a KV cache (generation): its sequence grows every step, a new shape each time.
+* CoC and CCLoRA edges (``coc_parallel_num`` > 1, ``lora_fusion``): they schedule their own async
+  collectives, so they run eagerly between the compiled parts of the layer (``galaxy.kernels.coc``).
+* Triton kernels (``kernels``) are not called inside a graph: there the torch references are traced
+  and inductor generates the fused kernels; outside the layers (the head and its loss) the kernels
+  run as configured.
+A communication observer (the profiler's per-collective timing) cannot time a traced collective,
+so a compiled layer refuses to run while one is attached; ``bytes_sent`` counts either way. Under a
+dispatch mode (the FLOP profiler) dynamo itself runs the layer eagerly, so FLOPs are counted from
+the eager ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from galaxy.config import ConfigError
+from galaxy.core.comm import Communicator
+from galaxy.core.layers import Dropout
+
+
+def draws_random(module: nn.Module) -> bool:
+    """Whether a call of ``module`` now would draw dropout masks."""
+    return any(isinstance(m, Dropout) and m.active for m in module.modules())
+
+
+class CompiledLayer:
+    """``layer.compute`` compiled, called in its place; a call while the layer's dropout is active
+    runs the eager ``compute`` (see the module docstring)."""
+
+    def __init__(self, layer: nn.Module, comm: Communicator):
+        self.layer, self.comm = layer, comm  # the layer is not a submodule: this is no nn.Module
+        self.compiled = torch.compile(layer.compute, dynamic=False)
+
+    def __call__(self, *args):
+        if self.comm.observers:
+            raise ConfigError(f"config key 'compile' is true, but a communication profiler observes group "
+                              f"'{self.comm.name}': it times each collective, which a compiled layer cannot "
+                              "do; profile with compile: false")
+        return self.layer.compute(*args) if draws_random(self.layer) else self.compiled(*args)
