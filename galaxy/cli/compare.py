@@ -40,7 +40,7 @@ from galaxy.core.context import ParallelContext
 from galaxy.models import build_model
 from galaxy.peft import METHODS, apply_tuning, trainable_parameters
 from galaxy.train.evaluate import evaluate
-from galaxy.train.loop import make_trainer, train
+from galaxy.train.loop import autocast_context, make_trainer, train
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ def task_batches(cfg: GalaxyConfig, plan, files: tuple[str, str | None]):
             max(1, -(-len(held_out) // t.global_batch_size)))
 
 
-def saved_activation_mb(model, batch: dict) -> float:
+def saved_activation_mb(model, batch: dict, autocast) -> float:
     """MiB of distinct non-parameter tensors autograd keeps for backward in one training step."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
@@ -209,7 +209,7 @@ def saved_activation_mb(model, batch: dict) -> float:
             storages[s.data_ptr()] = s.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
         out = model(**batch)
     out.loss.backward()
     model.zero_grad(set_to_none=True)
@@ -231,9 +231,10 @@ def run_one(cfg: GalaxyConfig, method: str, files, ctx: ParallelContext, world: 
     trainable, total = trainable_parameters(model)
     if cfg.train.dtype == "float64":
         model.double()
-    before = evaluate(make_trainer(model, cfg, ctx), eval_at, eval_iters)
+    amp = lambda: autocast_context(cfg, ctx.device)  # noqa: E731
+    before = evaluate(make_trainer(model, cfg, ctx), eval_at, eval_iters, amp)
     model.train()
-    saved_mb = saved_activation_mb(model, {k: v.to(ctx.device) for k, v in batch_at(0).items()})
+    saved_mb = saved_activation_mb(model, {k: v.to(ctx.device) for k, v in batch_at(0).items()}, amp)
     tuned = replace(cfg, train=replace(cfg.train, eval_every=cfg.train.max_steps, eval_iters=eval_iters))
     result = train(model, batch_at, tuned, ctx, progress=False, eval_at=eval_at)
     key = METRIC[cfg.model.model_type][0]
