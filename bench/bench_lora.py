@@ -3,7 +3,8 @@
     python bench/bench_lora.py --preset llama-1b --seq 1024 --batch 8 --steps 10 --warmup 3 --json out.json
 
 Contenders (each in a fresh process, so one's memory and Liger's patches never reach another):
-``galaxy-lora`` (frozen base in bf16, fp32 LoRA factors and AdamW state, kernels auto),
+``galaxy-lora`` (frozen base in bf16, fp32 LoRA factors and AdamW state, kernels auto), ``galaxy-lora-compiled``
+(the same with ``compile: true``: each layer through torch.compile),
 ``galaxy-qlora`` (the same over an NF4 base), ``peft-bf16`` (transformers + peft, base loaded in bf16,
 bf16 autocast), ``peft-bf16-liger`` (the same with Liger-Kernel's LLaMA patches), ``peft-qlora-bnb``
 (transformers + peft over a bitsandbytes NF4 base with double quantization, bf16 compute: the QLoRA
@@ -32,12 +33,13 @@ import torch  # noqa: E402
 from bench.bench_plans import causal_lm_data, hf_model  # noqa: E402
 from galaxy.config import GalaxyConfig  # noqa: E402
 
-CONTENDERS = ("galaxy-lora", "galaxy-qlora", "peft-bf16", "peft-bf16-liger", "peft-qlora-bnb")
+CONTENDERS = ("galaxy-lora", "galaxy-lora-compiled", "galaxy-qlora", "peft-bf16", "peft-bf16-liger", "peft-qlora-bnb")
 
 
-def config(args, quantize: str = "none") -> GalaxyConfig:
+def config(args, quantize: str = "none", compiled: bool = False) -> GalaxyConfig:
     return GalaxyConfig.from_dict({
-        "model": {"preset": args.preset, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+        "model": {"preset": args.preset, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+                  "compile": compiled},
         "train": {"global_batch_size": args.batch, "seq_length": args.seq, "max_steps": args.warmup + args.steps,
                   "dtype": "bfloat16", "lr": 1e-4, "warmup_steps": 0, "grad_clip": 1.0, "log_every": 10**6},
         "peft": {"tuning": "lora", "lora_dim": 16, "lora_alpha": 32, "lora_dropout": 0.0,
@@ -73,7 +75,7 @@ def write_profile(prof, args) -> None:
         f.write(f"{args.one}: {args.preset} seq {args.seq} batch {args.batch}, 3 steps\n{table}")
 
 
-def run_galaxy(args, quantize: str) -> dict:
+def run_galaxy(args, quantize: str, compiled: bool = False) -> dict:
     """Galaxy's own training loop (``train``): step times from one step's end to the next (the loop
     reads every step's loss, a device sync)."""
     from galaxy.core.context import ParallelContext
@@ -82,7 +84,7 @@ def run_galaxy(args, quantize: str) -> dict:
     from galaxy.peft import apply_tuning
     from galaxy.train.loop import train
 
-    cfg = config(args, quantize)
+    cfg = config(args, quantize, compiled)
     ctx = ParallelContext.serial("cuda", seed=0)
     model = apply_tuning(build_model(cfg, None, ctx), cfg)
     times, last = [], [time.perf_counter()]
@@ -169,8 +171,8 @@ def _hf_config(cfg: GalaxyConfig) -> dict:
 def run_one(args) -> dict:
     name = args.one
     try:
-        out = run_galaxy(args, "nf4" if name == "galaxy-qlora" else "none") if name.startswith("galaxy") \
-            else run_peft(args, name)
+        out = run_galaxy(args, "nf4" if name == "galaxy-qlora" else "none", name.endswith("-compiled")) \
+            if name.startswith("galaxy") else run_peft(args, name)
     except ImportError as e:
         return {"contender": name, "skipped": f"{type(e).__name__}: {e}"}
     times = out.pop("times")
