@@ -550,3 +550,17 @@ def test_compare_tuning_bert_on_two_ranks(tmp_path, capsys):
     assert compare_tuning.main(argv) == 0
     _check_comparison(out, 2, "eval_accuracy")
     assert "plan galaxy, world 2" in capsys.readouterr().out
+
+
+def test_compare_tuning_defaults_improve_every_method_over_the_base(tmp_path, capsys):
+    """The documented command with its defaults (in one process, for time): a base pretrained here, then
+    every method's held-out accuracy ends clearly above the un-tuned base's."""
+    pytest.importorskip("matplotlib")
+    from galaxy.cli import compare as compare_tuning
+
+    out = tmp_path / "cmp"
+    assert compare_tuning.main(["--out_dir", str(out), "--cache_dir", str(tmp_path / "bases"), "--in_process"]) == 0
+    table = json.loads((out / "compare_tuning.json").read_text())
+    assert table["metric"] == "eval_accuracy"
+    for row in table["results"]:
+        assert row["metric_after"] >= row["metric_before"] + 0.2, row["method"]
