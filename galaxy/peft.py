@@ -31,7 +31,8 @@ from galaxy.core.layers import region_rule
 from galaxy.loralib import (DEFAULT_TARGETS, inject_lora, load_lora_pretrained, mark_only_lora_as_trainable,
                             merge_and_unload, save_lora_pretrained)
 from galaxy.loralib.hf import CONFIG_FILE, WEIGHTS_FILE, load_full_tensors, read_adapter
-from galaxy.loralib.quantized import (FORMATS, cast_frozen_, dequantize_linears, frozen_bytes,  # noqa: F401
+from galaxy.loralib.quantized_layers import FORMATS
+from galaxy.loralib.quantized import (cast_frozen_, dequantize_linears, frozen_bytes,  # noqa: F401
                                      load_quantized, quantize_linears)
 from galaxy.loralib.utils import count_parameters
 

@@ -13,7 +13,8 @@ import torch
 
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.grad_sync import gather_full
-from galaxy.loralib.quantized import Int8Weight, NF4Weight, QuantizedWeight, dequantize_linears, load_quantized, meta_parameters, quantize_linears
+from galaxy.loralib.quantized import dequantize_linears, load_quantized, meta_parameters, quantize_linears
+from galaxy.loralib.quantized_layers import Int8Weight, NF4Weight, QuantizedWeight
 from galaxy.models.llama import LlamaForCausalLM
 from galaxy.core.context import ParallelContext
 from galaxy.peft import apply_tuning, build_base, export_merged, frozen_bytes, save_tuning

@@ -12,7 +12,7 @@ Each transition is a small autograd pair whose backward is the adjoint of its fo
 from __future__ import annotations
 
 import enum
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -26,6 +26,21 @@ class Layout(str, enum.Enum):
     P = "P"  # partial: every rank holds a full-shape tensor; the value is the sum over ranks
     S = "S"  # sequence-sharded: rank i holds seq_split[i] tokens
     T = "T"  # replicated input to sharded weights: its gradient comes back partial
+
+
+# DESIGN.md section 1: (forward op, backward op) of each transition; None = no communication
+# (identity or a local split).
+TRANSITION_OPS: dict[tuple[str, str], tuple[Optional[str], Optional[str]]] = {
+    ("P", "T"): ("all_reduce", "all_reduce"),
+    ("P", "R"): ("all_reduce", None),
+    ("P", "S"): ("reduce_scatter", "all_gather"),
+    ("R", "T"): (None, "all_reduce"),
+    ("R", "R"): (None, None),
+    ("R", "S"): (None, "all_gather"),
+    ("S", "T"): ("all_gather", "reduce_scatter"),
+    ("S", "R"): ("all_gather", None),
+    ("S", "S"): (None, None),
+}
 
 
 class _ReduceToTensorParallel(torch.autograd.Function):

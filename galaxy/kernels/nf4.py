@@ -26,66 +26,21 @@ the dequantization: ``torch`` (the reference), ``triton`` (one kernel,
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from galaxy.kernels._backend import resolve_backend_for
+from galaxy.kernels.nf4_format import BLOCK, NF4_VALUES, SCALE_BLOCK, NF4Rows, _nf4_code, dynamic_code
 from galaxy.kernels.quantized_linear import dequantized_linear
 
-BLOCK = 64  # weights per absmax
-SCALE_BLOCK = 256  # absmax values per second-level scale
-
-# QLoRA, appendix E (the NF4 data type; bitsandbytes ``get_4bit_type("nf4")``).
-NF4_VALUES = (
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-    0.7229568362236023, 1.0,
-)
-
 NF4_BACKENDS = ("auto", "torch", "triton", "bnb")
-
-
-@functools.lru_cache(maxsize=None)
-def _nf4_code(device: torch.device) -> torch.Tensor:
-    return torch.tensor(NF4_VALUES, dtype=torch.float32, device=device)
-
-
-@functools.lru_cache(maxsize=None)
-def dynamic_code(device: torch.device = torch.device("cpu")) -> torch.Tensor:
-    """bitsandbytes' signed 8-bit dynamic type (``create_dynamic_map(signed=True)``): 256 sorted
-    values, a dynamic exponent (powers of ten) and a shrinking fraction; the absmax code book."""
-    data: list[float] = []
-    for i in range(7):  # exponent bits: 7, total bits: 8, signed
-        boundaries = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
-        means = (boundaries[:-1] + boundaries[1:]) / 2.0
-        data += ((10 ** (-6 + i)) * means).tolist() + ((-(10 ** (-6 + i))) * means).tolist()  # fp32 products
-    data += [0.0, 1.0]
-    data.sort()
-    return torch.tensor(data, dtype=torch.float32, device=device)
 
 
 def _nearest(values: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     """Index of the nearest entry of the sorted ``code`` (ties to the upper one, as bitsandbytes)."""
     return torch.bucketize(values.contiguous(), (code[:-1] + code[1:]) / 2, out_int32=True).to(torch.uint8)
-
-
-@dataclass
-class NF4Rows:
-    """A matrix ``[rows, cols]`` in NF4, row by row. Every tensor's dim 0 is the row."""
-
-    packed: torch.Tensor  # uint8 [rows, blocks * 32]: two codes a byte, high nibble first
-    absmax_code: torch.Tensor  # uint8 [rows, blocks]: absmax - offset in the dynamic 8-bit type
-    absmax_scale: torch.Tensor  # fp32 [rows, ceil(blocks / 256)]
-    absmax_offset: torch.Tensor  # fp32 [rows]: the mean of the row's absmax
-    cols: int
-
-    @property
-    def rows(self) -> int:
-        return self.packed.shape[0]
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from galaxy.kernels.nf4 import BLOCK, SCALE_BLOCK, NF4Rows, _nf4_code, dynamic_code
+from galaxy.kernels.nf4_format import BLOCK, SCALE_BLOCK, NF4Rows, _nf4_code, dynamic_code
 
 
 @triton.jit

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from galaxy.core.layers import Dropout, GradRule, ParallelLinear, ShardSpec, grad_rule, set_param_meta, shard_spec
 from galaxy.kernels.cclora import LinearOperands, cclora_linear
-from galaxy.loralib.quantized import QuantLinear
+from galaxy.loralib.quantized_layers import QuantLinear
 from galaxy.loralib.utils import to_trainable_dtype
 
 logger = logging.getLogger(__name__)

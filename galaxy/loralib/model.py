@@ -14,7 +14,7 @@ from galaxy.core.layers import GradRule, ParallelLinear, grad_rule
 from galaxy.kernels.cclora import CcloraBoundaries
 from galaxy.kernels.coc import CocBoundaries
 from galaxy.loralib.layers import LORA_TYPES, LoRAEmbedding, LoRALayer, LoRALinear, MergedLoRALinear
-from galaxy.loralib.quantized import QuantLinear
+from galaxy.loralib.quantized_layers import QuantLinear
 from galaxy.loralib.utils import (Targets, freeze_all_but, in_modules, kaiming_uniform_full, matches, parent_of,
                                   seeded_init_)
 

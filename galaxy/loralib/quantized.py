@@ -28,171 +28,14 @@ import torch
 import torch.nn as nn
 
 from galaxy.config import ConfigError
-from galaxy.core.layers import GradRule, ParallelLinear, ShardSpec, grad_rule, set_param_meta, shard_spec
-from galaxy.kernels.int8 import Int8Rows, dequantize_int8, int8_linear, quantize_int8
-from galaxy.kernels.nf4 import NF4Rows, dequantize_nf4, nf4_linear, quantize_nf4
+from galaxy.core.layers import ParallelLinear, ShardSpec, grad_rule, shard_spec
+from galaxy.loralib.quantized_layers import FORMATS, QuantizedWeight, QuantLinear, row_parallel_name
 from galaxy.loralib.utils import in_modules, parent_of
 
 logger = logging.getLogger(__name__)
 
-# Linears whose TP form is row-parallel (the input dim is split): stored transposed.
-ROW_PARALLEL_SUFFIXES = ("o_proj", "down_proj", "output.dense")
 # Never quantized (QLoRA and bitsandbytes keep the output head in full precision).
 KEEP_HEADS = ("lm_head", "classifier")
-
-
-def row_parallel_name(name: str) -> bool:
-    return any(name == s or name.endswith("." + s) for s in ROW_PARALLEL_SUFFIXES)
-
-
-class QuantizedWeight(nn.Module):
-    """A frozen weight ``[out, in]`` (this rank's piece) kept quantized row by row, as buffers (dim 0 of
-    each is the stored row). ``transposed``: stored as ``W^T``. ``spec``: the piece of the full buffers
-    this rank holds (dim 0), or None when whole. Subclasses name the buffers and the format."""
-
-    FORMAT = ""
-    BUFFERS: tuple[str, ...] = ()
-    FP32_BUFFERS: tuple[str, ...] = ()  # scales: part of the format, never cast with the model
-
-    def __init__(self, rows, transposed: bool, spec: Optional[ShardSpec], backend: str = "auto"):
-        super().__init__()
-        for name in self.BUFFERS:
-            self.register_buffer(name, getattr(rows, name))
-        self.cols, self.transposed, self.spec, self.backend = rows.cols, transposed, spec, backend
-
-    @classmethod
-    def quantize(cls, weight: torch.Tensor, spec: Optional[ShardSpec], transposed: bool,
-                 backend: str = "auto") -> "QuantizedWeight":
-        """Quantize this rank's ``weight`` ``[out, in]``, the piece ``spec`` of the full weight (or all of it)."""
-        if spec is not None and spec.dim != (1 if transposed else 0):
-            raise ValueError(f"a quantized weight stored {'transposed' if transposed else 'as [out, in]'} must be "
-                             f"sharded along its rows, but the shard is along weight dim {spec.dim}")
-        rows_spec = ShardSpec(0, spec.sizes, spec.rank) if spec is not None else None
-        w = weight.detach()
-        return cls(cls.quantize_rows(w.t() if transposed else w), transposed, rows_spec, backend)
-
-    @staticmethod
-    def quantize_rows(w: torch.Tensor):
-        raise NotImplementedError
-
-    def dequantize_rows(self, dtype: torch.dtype) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _apply(self, fn, recurse=True):
-        # Casting the model (``.to(torch.bfloat16)``, ``.half()``, DeepSpeed's bf16) converts floating
-        # buffers; the scales are part of the format and stay fp32 (moved, never rounded).
-        kept = {n: getattr(self, n) for n in self.FP32_BUFFERS}
-        super()._apply(fn, recurse)
-        device = getattr(self, self.BUFFERS[0]).device
-        for name, t in kept.items():
-            self._buffers[name] = t.to(device)
-        return self
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """The weight's local ``[out, in]``."""
-        r, c = getattr(self, self.BUFFERS[0]).shape[0], self.cols
-        return (c, r) if self.transposed else (r, c)
-
-    @property
-    def device(self) -> torch.device:
-        return getattr(self, self.BUFFERS[0]).device
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight ``[out, in]`` (local) in ``dtype``."""
-        w = self.dequantize_rows(dtype)
-        return w.t().contiguous() if self.transposed else w
-
-    def full_numel(self) -> int:
-        """Weights of the full (unsharded) matrix."""
-        rows = sum(self.spec.sizes) if self.spec is not None else getattr(self, self.BUFFERS[0]).shape[0]
-        return rows * self.cols
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers(recurse=False))
-
-    def extra_repr(self) -> str:
-        return f"{self.FORMAT}, shape={self.shape}, transposed={self.transposed}, backend={self.backend}"
-
-
-class NF4Weight(QuantizedWeight):
-    """NF4 (``galaxy.kernels.nf4``): ``packed`` uint8, ``absmax_code`` uint8, ``absmax_scale`` fp32,
-    ``absmax_offset`` fp32; ``backend``: the dequantization (``nf4_linear``)."""
-
-    FORMAT = "nf4"
-    BUFFERS = ("packed", "absmax_code", "absmax_scale", "absmax_offset")
-    FP32_BUFFERS = ("absmax_scale", "absmax_offset")
-    quantize_rows = staticmethod(quantize_nf4)
-
-    def rows(self) -> NF4Rows:
-        return NF4Rows(self.packed, self.absmax_code, self.absmax_scale, self.absmax_offset, self.cols)
-
-    def dequantize_rows(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_nf4(self.rows(), dtype)
-
-    def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return nf4_linear(x, self.rows(), bias, self.transposed, self.backend)
-
-
-class Int8Weight(QuantizedWeight):
-    """Row-wise int8 (``galaxy.kernels.int8``, bitsandbytes' LLM.int8 weights): ``codes`` int8, ``absmax`` fp32."""
-
-    FORMAT = "int8"
-    BUFFERS = ("codes", "absmax")
-    FP32_BUFFERS = ("absmax",)
-    quantize_rows = staticmethod(quantize_int8)
-
-    def rows(self) -> Int8Rows:
-        return Int8Rows(self.codes, self.absmax)
-
-    def dequantize_rows(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_int8(self.rows(), dtype)
-
-    def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return int8_linear(x, self.rows(), bias, self.transposed)
-
-
-FORMATS = {"nf4": NF4Weight, "int8": Int8Weight}
-
-
-class QuantLinear(nn.Module):
-    """A frozen ``ParallelLinear`` whose weight is a ``QuantizedWeight``: same style, rank and bias
-    (a Parameter, so ``lora_bias`` can still train it), same output."""
-
-    def __init__(self, qweight: QuantizedWeight, bias: Optional[nn.Parameter], style: str, rank: int,
-                 weight_spec: Optional[ShardSpec], weight_rule: GradRule):
-        super().__init__()
-        self.qweight, self.bias, self.style, self.rank = qweight, bias, style, rank
-        self.weight_spec, self.weight_rule = weight_spec, weight_rule  # what the fp weight's metadata was
-
-    @classmethod
-    def from_linear(cls, linear: nn.Module, transposed: bool, kind: str = "nf4",
-                    backend: str = "auto") -> "QuantLinear":
-        w, spec = linear.weight, shard_spec(linear.weight)
-        return cls(FORMATS[kind].quantize(w, spec, transposed, backend), linear.bias, getattr(linear, "style", "whole"),
-                   getattr(linear, "rank", 0), spec, grad_rule(w))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.qweight.linear(x, self.bias if (self.style != "row" or self.rank == 0) else None)
-
-    def to_linear(self, dtype: torch.dtype = torch.float32) -> ParallelLinear:
-        """The equivalent ``ParallelLinear`` with the dequantized weight (for merging and export)."""
-        spec = self.weight_spec
-        full = list(self.qweight.shape)
-        if spec is not None:
-            full[spec.dim] = sum(spec.sizes)
-        split = spec.sizes if spec is not None else None
-        linear = ParallelLinear(full[1], full[0], self.bias is not None, self.style, split, self.rank,
-                                rule=self.weight_rule, device=self.qweight.device, dtype=dtype)
-        with torch.no_grad():
-            linear.weight.copy_(self.qweight.dequantize(dtype))
-        if self.bias is not None:
-            linear.bias = self.bias  # the same Parameter, metadata and all
-        set_param_meta(linear.weight, self.weight_rule, spec)
-        return linear
-
-    def extra_repr(self) -> str:
-        return f"style={self.style}, bias={self.bias is not None}"
 
 
 def quantizable(name: str, module: nn.Module, skip=()) -> bool:
@@ -372,6 +215,5 @@ def _materialized(meta: nn.Parameter, data: torch.Tensor, device, dtype) -> nn.P
     return p
 
 
-__all__ = ["QuantizedWeight", "NF4Weight", "Int8Weight", "FORMATS", "QuantLinear", "quantize_linears",
-           "dequantize_linears", "cast_frozen_", "frozen_bytes", "row_parallel_name", "meta_parameters",
+__all__ = ["quantize_linears", "dequantize_linears", "cast_frozen_", "frozen_bytes", "meta_parameters",
            "load_quantized"]

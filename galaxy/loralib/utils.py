@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from galaxy.core.context import param_seed
 from galaxy.core.layers import shard_spec
+from galaxy.loralib.quantized_layers import QuantizedWeight
 
 Targets = Union[str, Sequence[str]]
 InitFull = Callable[[str, tuple[int, ...], torch.Generator], torch.Tensor]
@@ -65,7 +66,6 @@ def freeze_all_but(model: nn.Module, keep: Callable[[str, nn.Parameter], bool]) 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) in full sizes, so the numbers do not depend on the plan. Shared
     (tied) parameters count once; quantized weights (buffers) count as the frozen weights they are."""
-    from galaxy.loralib.quantized import QuantizedWeight  # imports this module
 
     trainable, total = 0, sum(m.full_numel() for m in model.modules() if isinstance(m, QuantizedWeight))
     for p in model.parameters():  # parameters() yields each shared Parameter once

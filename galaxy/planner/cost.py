@@ -19,8 +19,9 @@ import numpy as np
 
 from galaxy.config import Method, ModelConfig, balanced_split
 from galaxy.core.context import rank_of
+from galaxy.core.transitions import TRANSITION_OPS
 from galaxy.planner.cluster import Cluster
-from galaxy.planner.workload import LAYOUTS, TRANSITIONS, edge_params, layer_params, stream_layout
+from galaxy.planner.workload import LAYOUTS, edge_params, layer_params, stream_layout
 
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 GRAD_BUCKET_BYTES = 25 * 2**20  # GradientSync's bucket size
@@ -146,7 +147,7 @@ class GroupModel:
     def transition(self, src: str, dst: str, name: str) -> Optional[Collective]:
         if self.mp == 1:
             return None
-        fwd, bwd = TRANSITIONS[(src, dst)]
+        fwd, bwd = TRANSITION_OPS[(src, dst)]
         if fwd is None and bwd is None:
             return None
         seq_side = "S" in (src, dst)

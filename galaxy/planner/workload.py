@@ -12,19 +12,6 @@ import numpy as np
 
 from galaxy.config import Method, ModelConfig
 
-# (producer layout, consumer layout) -> (forward op, backward op); None: no communication
-# ("split" keeps a slice of a replicated tensor, which costs no transfer).
-TRANSITIONS = {
-    ("P", "T"): ("all_reduce", "all_reduce"),
-    ("P", "R"): ("all_reduce", None),
-    ("P", "S"): ("reduce_scatter", "all_gather"),
-    ("R", "T"): (None, "all_reduce"),
-    ("R", "R"): (None, None),
-    ("R", "S"): (None, "all_gather"),
-    ("S", "T"): ("all_gather", "reduce_scatter"),
-    ("S", "R"): ("all_gather", None),
-    ("S", "S"): (None, None),
-}
 LAYOUTS = {Method.TP: ("T", "P"), Method.SP: ("S", "S"), Method.NONE: ("R", "R")}
 
 

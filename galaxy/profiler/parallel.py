@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from galaxy.config import Method, Plan
+from galaxy.core.transitions import TRANSITION_OPS
 
 from .comm import CommLog
 from .flops_profiler import FlopsProfiler
@@ -57,21 +58,6 @@ logger = logging.getLogger(__name__)
 
 PHASES = ("fwd", "bwd")
 OUTSIDE_MODEL = "<outside model>"  # comm issued by no module of the model (e.g. a grad-norm all-reduce)
-
-# DESIGN.md section 1: (forward op, backward op) of each transition; None = no communication
-# (identity or a local split).
-TRANSITION_OPS: dict[tuple[str, str], tuple[Optional[str], Optional[str]]] = {
-    ("P", "T"): ("all_reduce", "all_reduce"),
-    ("P", "R"): ("all_reduce", None),
-    ("P", "S"): ("reduce_scatter", "all_gather"),
-    ("R", "T"): (None, "all_reduce"),
-    ("R", "R"): (None, None),
-    ("R", "S"): (None, "all_gather"),
-    ("S", "T"): ("all_gather", "reduce_scatter"),
-    ("S", "R"): ("all_gather", None),
-    ("S", "S"): (None, None),
-}
-
 
 # ----------------------------------------------------------------------------- static analysis
 
