@@ -311,14 +311,13 @@ def test_training_cli_runs_every_rank_in_the_emulated_cluster(tmp_path):
     cluster.write_text(json.dumps({"ranks": [{"compute_share": 1.0}, {"compute_share": 0.5}],
                                    "links": {"bandwidth_mbit": 100}}))
     summary = tmp_path / "summary.json"
-    before = run_names()
     out = subprocess.run([sys.executable, "pretrain_galaxy.py", "--emulate", str(cluster), "--max_steps", "2",
-                          "--no_progress", "--summary_json", str(summary)], capture_output=True, text=True,
-                         cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, timeout=240)
+                          "--no_progress", "--summary_json", str(summary), "--log_level", "INFO"],
+                         capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     fields = json.loads(summary.read_text())
     assert fields["world"] == 2 and fields["plan"] == "galaxy" and fields["steps"] == 2
-    assert run_names() <= before  # namespaces, cgroups and locks of the run are gone
+    assert leftovers(run_name(out.stderr)) == []  # namespaces, links, cgroups and the lock of the run are gone
 
 
 def test_training_cli_refuses_emulate_with_rank_or_another_world(tmp_path):
