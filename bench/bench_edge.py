@@ -200,6 +200,8 @@ def run_scenario(model: str, shares: list[int], link: float, args, objectives: l
     print(f"== {name}", file=sys.stderr, flush=True)
     result = {"model": model, "shares": shares, "cores": [s * args.core_unit for s in shares], "link_mbit": link,
               "load_before": load_average(), "latency": {}, "train": {}}
+    if model.startswith("llama"):  # LLaMA's training CLI needs instruction data of uneven lengths: latency only
+        objectives = [o for o in objectives if o == "latency"]
     with tempfile.TemporaryDirectory(prefix="bench_edge_") as work:
         raw = model_config(args, model)
         cfg_path = os.path.join(work, "model.json")
@@ -216,8 +218,6 @@ def run_scenario(model: str, shares: list[int], link: float, args, objectives: l
                 result[objective]["planner_table"] = plans[objective]["table"]
             rows = {}
             for contender in wanted:
-                if objective == "train" and model.startswith("llama"):
-                    break
                 flags = contender_flags(contender, cfg_path, plans, objective)
                 if flags is None:
                     continue
@@ -287,7 +287,7 @@ def markdown(results: list[dict]) -> str:
                 pred = rows.get(c, {}).get("predicted_ms")
                 cells.append("-" if t is None else f"{t:.1f}" + (f" ({pred:.0f})" if pred else ""))
             v, planned = r[objective]["verdict"], rows.get("planned", {})
-            plan = planned.get("plan", "-")
+            plan = planned.get("plan", "-") + (f" ({planned['layout']})" if planned.get("layout") else "")
             if planned.get("splits"):
                 plan += " " + " ".join(f"{k}={s}" for k, s in planned["splits"].items() if s)
             lines.append(f"| {r['model']} | {':'.join(map(str, r['shares']))} | {r['link_mbit']:g} | {objective} | "
