@@ -313,6 +313,8 @@ def plot(results: list[dict], path: str) -> None:
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(scenarios))])
         ax.set_xticklabels([f"{':'.join(map(str, r['shares']))}\n{r['link_mbit']:g} Mbit" for r in scenarios])
         ax.set_ylabel("batch-1 forward ms (median)" if objective == "latency" else "training step ms (median)")
+        if objective == "train":
+            ax.set_yscale("log")  # gradient syncs over slow links spread the plans over decades
         ax.set_title(f"{scenarios[0]['model']}: {objective}")
         ax.legend(fontsize=8)
     fig.tight_layout()
