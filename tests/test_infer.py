@@ -31,9 +31,10 @@ def test_generation_on_uneven_galaxy2_plan_equals_serial(tmp_path):
     assert "inference latency (batch 1)" in out.stdout and "per_token latency" in out.stdout
     got = json.loads(summary.read_text())
     assert got["plan"] == "galaxy2" and got["seq_split"] == [9, 3] and got["world"] == 2
-    for key in ("forward", "generate", "first_token", "per_token"):
+    for key in ("forward", "generate", "first_token"):
         t = got[key]
-        assert t["reps"] == 2 and 0 < t["min_ms"] <= t["median_ms"] <= t["max_ms"] if key != "per_token" else True
+        assert t["reps"] == 2 and 0 < t["min_ms"] <= t["median_ms"] <= t["max_ms"], (key, t)
+    assert got["per_token"]["reps"] == 2  # (whole - prefill) / 4 per repetition: a difference, noise may flip it
     # The serial model of the same seed, on the same seeded prompt, greedily.
     cfg = GalaxyConfig.from_dict({"model": {"preset": "llama-tiny"}}, {"seq_length": 12, "seed": 5})
     ids = torch.randint(0, cfg.model.vocab_size, (12,), generator=torch.Generator().manual_seed(5))[None]
