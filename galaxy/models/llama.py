@@ -334,9 +334,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor], rope: RopeAt,
                 cache: Optional[KVCache] = None, edges: Optional[Boundaries] = None) -> torch.Tensor:
-        if self.recompute_mode == "full" and cache is None:
+        if cache is not None:  # generation (steps after an SP prefill pass the replicated edges)
+            return self.compute(h, key_padding_mask, rope, cache, edges)
+        if self.recompute_mode == "full":
             return recompute(self.compute, h, key_padding_mask, rope, generators=generators_of([self]))
-        return self.compute(h, key_padding_mask, rope, cache, edges)
+        return self.compute(h, key_padding_mask, rope)
 
     def compute(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor], rope: RopeAt,
                 cache: Optional[KVCache] = None, edges: Optional[Boundaries] = None) -> torch.Tensor:
