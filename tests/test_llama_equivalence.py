@@ -1,7 +1,7 @@
 """Every ATT x CON x MLP plan equals the serial LLaMA in float64: loss, logits and every parameter
 gradient (gathered to full shape) to 1e-9 relative after one GradientSync step, with GQA,
 causal + padding masks, even and uneven splits, tied and untied embeddings. Greedy generation
-on a TP plan equals the serial one; SP plans refuse to generate with a clear error."""
+on every plan (SP ones with the KV cache) equals the serial one token for token."""
 
 import pytest
 import torch
@@ -127,15 +127,25 @@ def test_generate_on_tp_plan_equals_serial(dist_pool, plan_spec):
     dist_pool.run(generate_on_plan, 3, plan_spec, True)
 
 
-def generate_on_sp_plan(ctx):
-    _, par = build(ctx, "galaxy", False)
-    with pytest.raises(ValueError, match="plan without SP"):
-        generate(par, make_batch()["input_ids"], 2)
-    return True
+def generate_on_sp_plan(ctx, plan_spec, uneven):
+    """The prefill splits the whole prompt (SEQ tokens, left-padded rows included) as the plan says;
+    every later step runs its token replicated against the cache."""
+    serial, par = build(ctx, plan_spec, uneven)
+    batch = make_batch()
+    ids, mask = batch["input_ids"], torch.ones_like(batch["input_ids"])
+    mask[2, :3] = 0
+    want = generate(serial, ids, 6, attention_mask=mask)
+    got = generate(par, ids, 6, attention_mask=mask)
+    assert torch.equal(got, want), (got, want)
+    with pytest.raises(ValueError, match="use_cache=True"):
+        generate(par, ids, 2, use_cache=False)
+    return got
 
 
-def test_generate_refuses_sp_plan(dist_pool):
-    dist_pool.run(generate_on_sp_plan, 2)
+@pytest.mark.parametrize("plan_spec,world,uneven", [("galaxy", 2, False), ("sp", 3, True), ("galaxy2", 3, True),
+                                                    ("galaxy", 3, True), (("SP", "None", "TP"), 2, True)])
+def test_generate_on_sp_plan_equals_serial(dist_pool, plan_spec, world, uneven):
+    dist_pool.run(generate_on_sp_plan, world, plan_spec, uneven)
 
 
 def test_head_split_breaking_gqa_group_is_a_config_error():

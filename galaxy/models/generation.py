@@ -6,9 +6,12 @@ temperature -> top-k -> top-p (as ``TemperatureLogitsWarper``, ``TopKLogitsWarpe
 ``cumsum(mask) - 1``; a sequence that emitted EOS is padded with the (first) EOS id, and
 decoding stops once every sequence has finished.
 
-Generation needs every rank to hold the whole sequence, so it runs on plans without SP
-(serial, ``none``, ``tp`` and other SP-free mixes); under TP every rank runs the same loop and
-rank 0's token choice is broadcast so the ranks can never drift apart.
+Every plan generates with the KV cache: every rank runs the same loop and one rank's token
+choice is broadcast so the ranks can never drift apart (after the prefill of an SP plan, the rank
+holding the prompt's last token; after that, rank 0). On SP plans the prompt is the prefill's
+whole sequence (``seq_split`` must cover it: pad it to ``seq_length``) and the new tokens then run
+replicated (see ``galaxy.models.llama``); ``use_cache=False`` re-runs a growing sequence, which
+an SP split cannot follow, so it runs only on plans without SP.
 """
 
 from __future__ import annotations
@@ -23,12 +26,21 @@ from galaxy.config import Method
 logger = logging.getLogger(__name__)
 
 
-def _check_plan(model) -> None:
+def _check_plan(model, use_cache: bool) -> None:
     plan, comm = model.plan, model.ctx.mp
-    if comm.size > 1 and Method.SP in (plan.att, plan.con, plan.mlp):
-        raise ValueError(f"generation runs on the serial plan or a plan without SP (none, tp, ...); plan "
-                         f"'{plan.name}' shards the sequence, whose length changes every step. Build the model "
-                         "with plan=None (one rank) or a 'none'/'tp' plan")
+    if not use_cache and comm.size > 1 and Method.SP in (plan.att, plan.con, plan.mlp):
+        raise ValueError(f"generation with use_cache=False re-runs the whole sequence, whose length changes every "
+                         f"step, but plan '{plan.name}' splits a fixed sequence (SP); use the KV cache "
+                         "(use_cache=True) or a plan without SP")
+
+
+def _prefill_token_rank(model) -> int:
+    """The rank whose logits hold the prompt's last token after the prefill: under SP the last
+    rank with tokens in the split, else any (rank 0)."""
+    plan = model.plan
+    if model.ctx.mp.size == 1 or Method.SP not in (plan.att, plan.con, plan.mlp):
+        return 0
+    return max(rank for rank, n in enumerate(plan.seq_split) if n > 0)
 
 
 def top_k_top_p_filter(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -81,7 +93,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, do_sample: boo
             raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got top_k={top_k}, top_p={top_p}")
     elif temperature != 1.0 or top_k or top_p < 1.0:
         logger.warning("temperature/top_k/top_p are ignored by greedy decoding; pass do_sample=True to sample")
-    _check_plan(model)
+    _check_plan(model, use_cache)
     comm = model.ctx.mp
     eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
     eos_ids = torch.tensor(eos, dtype=torch.long, device=input_ids.device)
@@ -93,6 +105,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, do_sample: boo
     model.eval()
     try:
         for _ in range(max_new_tokens):
+            src = _prefill_token_rank(model) if use_cache and cache is None else 0
             positions = None
             if mask is not None:
                 positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
@@ -106,7 +119,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, do_sample: boo
             cache = out.past_key_values if use_cache else None
             token = next_token(out.logits[:, -1].float(), do_sample, temperature, top_k, top_p, generator)
             if comm.size > 1:
-                token = comm.broadcast(token, src=0)
+                token = comm.broadcast(token, src=src)
             if eos:
                 token = torch.where(unfinished, token, eos_ids[0])
                 unfinished = unfinished & ~torch.isin(token, eos_ids)

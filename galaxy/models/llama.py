@@ -16,7 +16,9 @@ heads, so a GQA group never straddles two ranks (``resolve_plan`` rejects splits
 Rotary embeddings are applied inside the shared ``self_attention`` through its ``rope`` callback,
 which receives the *global* sequence positions of the local queries (SP included), so one
 cos/sin table per forward serves every plan. A KV cache (``past_key_values``/``use_cache``)
-is available on plans without SP, for ``model.generate`` (``galaxy.models.generation``).
+serves ``model.generate`` (``galaxy.models.generation``) on every plan: the cache holds the whole
+sequence of each rank's heads (ATT.sp gathers K and V in the prefill, as its forward does), and
+under SP the steps after the prefill run their new tokens replicated (``LlamaModel.decode_edges``).
 
 Options of how it computes (``ModelConfig``): ``fused_gate_up`` holds gate and up as one
 ``mlp.gate_up_proj.weight`` ``[2, intermediate, hidden]`` (one matmul; HF checkpoints are
@@ -36,7 +38,7 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional
 
 import torch
@@ -46,6 +48,7 @@ import torch.nn.functional as F
 from galaxy.config import ConfigError, Method, ModelConfig, Plan
 from galaxy.core.attention import attention
 from galaxy.core.blocks import Boundaries, self_attention
+from galaxy.core.comm import Communicator
 from galaxy.core.compile import CompiledLayer
 from galaxy.core.context import ParallelContext
 from galaxy.core.grad_sync import mark_pipeline_tie
@@ -53,7 +56,7 @@ from galaxy.core.pipeline import StageSpec, layer_stack
 from galaxy.core.layers import (Dropout, GradRule, ParallelLinear, ShardSpec, mark_module, region_rule,
                                 set_param_meta)
 from galaxy.core.recompute import generators_of, layer_modes, recompute
-from galaxy.core.transitions import Layout, reduce_to_replicated
+from galaxy.core.transitions import Layout, reduce_to_replicated, transition
 from galaxy.kernels import apply_rope, fused_linear_cross_entropy, rms_norm, swiglu, swiglu_packed
 from galaxy.kernels.coc import CocBoundaries, coc_chunks
 from galaxy.models.generation import generate
@@ -221,17 +224,26 @@ class LlamaAttention(nn.Module):
         self.o_proj = ParallelLinear.for_method(plan.att, cfg.num_attention_heads * d, h, False, "row", q_split, rank)
         self.dropout = Dropout(cfg.attention_probs_dropout_prob, ctx.generator(sharded=plan.att != Method.NONE))
 
-    def cached(self, x: torch.Tensor, rope: RopeAt, cache: KVCache, key_padding_mask) -> torch.Tensor:
-        """Attention of new tokens against cached + new keys (plans without SP: every rank holds
-        the whole sequence of its heads, so the cache is just this rank's K and V)."""
+    def cached(self, x: torch.Tensor, rope: RopeAt, cache: KVCache, key_padding_mask,
+               sp: Optional[tuple[Communicator, tuple[int, ...]]] = None) -> torch.Tensor:
+        """Attention of new tokens against cached + new keys. The cache always holds the whole
+        sequence of this rank's heads: ``x`` is the whole sequence (every step of plans without
+        SP, and every step after the prefill of plans with SP, whose new tokens run replicated),
+        or, for the prefill of ATT.sp, this rank's tokens (``sp``: the group and the sequence
+        split), whose K and V are gathered as ``self_attention`` gathers them."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = rope(q, k, torch.arange(s, device=x.device))
+        offset = 0 if sp is None else sum(sp[1][: sp[0].rank])
+        q, k = rope(q, k, torch.arange(offset, offset + s, device=x.device))
+        if sp is not None:
+            kv = transition(torch.cat([k, v], dim=-1).transpose(1, 2), Layout.S, Layout.T, *sp).transpose(1, 2)
+            k, v = kv.split(self.head_dim, dim=-1)
         past = cache.length
         k, v = cache.update(self.layer_idx, k, v)
-        out = attention(q, k, v, key_padding_mask=key_padding_mask, causal=True, q_offset=past, dropout=self.dropout)
+        out = attention(q, k, v, key_padding_mask=key_padding_mask, causal=True, q_offset=past + offset,
+                        dropout=self.dropout)
         return out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
 
 
@@ -323,17 +335,20 @@ class LlamaDecoderLayer(nn.Module):
         self.compiled = CompiledLayer(self, ctx.mp) if cfg.compile else None
 
     def forward(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor], rope: RopeAt,
-                cache: Optional[KVCache] = None) -> torch.Tensor:
-        if cache is not None:  # generation: eager, the cache grows every step (a new shape to compile)
-            return self.compute(h, key_padding_mask, rope, cache)
+                cache: Optional[KVCache] = None, edges: Optional[Boundaries] = None) -> torch.Tensor:
+        if cache is not None:  # generation: eager (the cache grows every step, a new shape to compile);
+            return self.compute(h, key_padding_mask, rope, cache, edges)  # SP decode steps pass replicated edges
         run = self.compiled or self.compute
         if self.recompute_mode == "full":
             return recompute(run, h, key_padding_mask, rope, generators=generators_of([self]))
         return run(h, key_padding_mask, rope)
 
     def compute(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor], rope: RopeAt,
-                cache: Optional[KVCache] = None) -> torch.Tensor:
-        plan, edges, attn, mlp, coc = self.plan, self.edges, self.self_attn, self.mlp, self.coc
+                cache: Optional[KVCache] = None, edges: Optional[Boundaries] = None) -> torch.Tensor:
+        """``edges``: the transitions to run (default the layer's own; decode steps of SP plans
+        pass the replicated ones, whose plan is ``edges.plan``)."""
+        edges = edges or self.edges
+        plan, attn, mlp, coc = edges.plan, self.self_attn, self.mlp, self.coc
         # ATT (with CoC, the entry transition + q/k/v and o_proj + the exit transition are fused)
         x = self.input_layernorm(h)
         fused = cache is None and coc is not None and coc.fuses(plan.att, attn.q_proj, attn.k_proj, attn.v_proj,
@@ -346,7 +361,8 @@ class LlamaDecoderLayer(nn.Module):
                                key_padding_mask=key_padding_mask, causal=True, dropout=attn.dropout, rope=rope,
                                projected=qkv, recompute_core=self.recompute_mode == "selective")
         else:
-            a = attn.cached(x, rope, cache, key_padding_mask)
+            a = attn.cached(x, rope, cache, key_padding_mask,
+                            (self.ctx.mp, plan.seq_split) if plan.att == Method.SP else None)
         a = coc.leave(a, attn.o_proj) if fused else edges.leave(attn.o_proj(a), plan.att)
         # CON
         h = h + self.attn_dropout(a)
@@ -371,6 +387,10 @@ class LlamaModel(nn.Module):
         self.cfg, self.plan, self.ctx = cfg, plan, ctx
         self.stage = stage = stage or StageSpec.whole(cfg.num_hidden_layers)
         self.edges = Boundaries(ctx.mp, plan)
+        # Decode steps after an SP prefill: the new tokens replicated on every rank, SP blocks (whose
+        # weights are whole) computing them as 'none' blocks do, TP blocks keeping their shards.
+        self.decode_edges = Boundaries(ctx.mp, replace(plan, **{block: Method.NONE for block in ("att", "con", "mlp")
+                                                                 if getattr(plan, block) == Method.SP}))
         coc = CocBoundaries(ctx.mp, plan, coc_chunks(plan.coc_parallel_num))
         tied = cfg.tie_word_embeddings and not stage.is_whole
         if stage.is_first or (tied and stage.is_last):
@@ -401,14 +421,12 @@ class LlamaModel(nn.Module):
             raise ValueError(f"pipeline stage {self.stage.index} starts at layer {self.stage.first_layer}: "
                              "pass the previous stage's output as hidden_states")
         seq = input_ids.shape[1]
-        if self.uses_seq:
-            if cache is not None:
-                raise ValueError(f"the KV cache needs every rank to hold the whole sequence, but plan "
-                                 f"'{self.plan.name}' shards it (SP); run generation on a plan without SP")
+        past = cache.length if cache is not None else 0
+        edges = self.decode_edges if past else self.edges
+        if self.uses_seq and not past:
             if seq != sum(self.plan.seq_split):
                 raise ValueError(f"input has {seq} tokens but the plan splits {sum(self.plan.seq_split)} "
                                  f"(seq_scatter_list {list(self.plan.seq_split)}); pad inputs to seq_length")
-        past = cache.length if cache is not None else 0
         if attention_mask is not None and attention_mask.shape[1] != past + seq:
             raise ValueError(f"attention_mask covers {attention_mask.shape[1]} tokens but there are {past} cached "
                              f"and {seq} new ones; it must cover both")
@@ -416,10 +434,10 @@ class LlamaModel(nn.Module):
             position_ids = torch.arange(past, past + seq, device=input_ids.device)
         if position_ids.dim() == 1:
             position_ids = position_ids[None]
-        h = self.embed_tokens(self.edges.to_stream(input_ids)) if self.stage.is_first else hidden_states
+        h = self.embed_tokens(edges.to_stream(input_ids)) if self.stage.is_first else hidden_states
         rope = RopeAt(*self.rotary_emb(position_ids, h.dtype), self.cfg.kernels)
         for layer in self.layers:
-            h = layer(h, attention_mask, rope, cache)
+            h = layer(h, attention_mask, rope, cache, edges)
         return self.norm(h) if self.stage.is_last else h
 
 

@@ -1,0 +1,234 @@
+"""``infer_galaxy.py``: single-request latency of BERT or LLaMA on any plan.
+
+    infer_galaxy.py --model bert-base --world 2 --plan galaxy --seq_length 128
+    infer_galaxy.py --model llama-tiny --world 3 --plan sp --generate 16 --emulate cluster.json
+
+One request is batch 1 of ``--seq_length`` token ids (seeded random ids, or ``--prompt_ids``). The
+forward is timed ``--reps`` times after ``--warmup`` untimed runs; each repetition starts behind a
+barrier and counts the slowest rank (the request is done when every rank is). LLaMA with
+``--generate N`` also times greedy generation of N new tokens with the KV cache (every plan,
+SP ones included: ``galaxy.models.generation``): the whole request, the prefill with its first
+token, and the mean time of each later token. Rank 0 prints a summary (median and spread) and
+writes ``--summary_json``. Ranks are launched as by the training CLIs (``galaxy.cli.launch``):
+local processes, ``--rank`` per shell, torchrun, or ``--emulate cluster.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import time
+from typing import Callable, Optional
+
+from galaxy.cli.launch import check_plan_for_cli, decide_launch, launch_ranks, rank_context
+from galaxy.cli.output import bad_input, print_summary, setup_logging
+from galaxy.config import MODEL_PRESETS, PLAN_PRESETS, ConfigError, GalaxyConfig, parse_override
+
+logger = logging.getLogger(__name__)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="infer_galaxy.py", description="single-request latency on any plan",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help=f"a model preset ({', '.join(MODEL_PRESETS)}) or a JSON config file (--config_file too)")
+    p.add_argument("--config_file", "--config", dest="config_file", default=None, help="JSON config")
+    p.add_argument("--model_path", default=None, help="a local HF checkpoint directory")
+    p.add_argument("--plan", choices=sorted(PLAN_PRESETS), default=None,
+                   help="parallel plan; omitted: the config's, else galaxy on several ranks and none on one")
+    p.add_argument("--seq_length", type=int, default=None, help="prompt tokens (default: the config's seq_length)")
+    p.add_argument("--prompt_ids", default=None, metavar="ID,ID,...",
+                   help="the prompt as comma-separated token ids (default: seeded random ids)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs first")
+    p.add_argument("--reps", type=int, default=10, help="timed repetitions")
+    p.add_argument("--generate", type=int, default=0, metavar="N",
+                   help="LLaMA: also time greedy generation of N new tokens (KV cache)")
+    p.add_argument("--world", type=int, default=None, help="ranks; without --rank all start here")
+    p.add_argument("--rank", type=int, default=None, help="run only this rank (the others start elsewhere)")
+    p.add_argument("--emulate", default=None, metavar="CLUSTER_JSON",
+                   help="start every rank here inside an emulated heterogeneous cluster (galaxy/emulate)")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="set any config key (repeatable), e.g. num_hidden_layers=4")
+    p.add_argument("--seed", type=int, default=None, help="weights and prompt seed (overrides the config)")
+    p.add_argument("--summary_json", default=None, help="write the summary as JSON here (rank 0)")
+    p.add_argument("--log_level", default="WARNING")
+    return p
+
+
+def load(args: argparse.Namespace) -> GalaxyConfig:
+    """The config: ``--model`` preset or file (or ``--config_file``), then the flags."""
+    if args.model and args.config_file:
+        raise ConfigError("give the model as --model or as --config_file, not both")
+    source = args.model or args.config_file
+    overrides = dict(parse_override(o) for o in args.override)
+    for flag, key in (("seq_length", "seq_length"), ("seed", "seed"), ("model_path", "model_path"), ("plan", "plan")):
+        if getattr(args, flag) is not None:
+            overrides[key] = getattr(args, flag)
+    overrides["global_batch_size"] = 1
+    if source is None or source in MODEL_PRESETS:
+        return GalaxyConfig.from_dict({"model": {"preset": source or "bert-tiny"}}, overrides)
+    if not os.path.isfile(source):
+        raise ConfigError(f"--model '{source}' is neither a preset ({', '.join(MODEL_PRESETS)}) nor a config file")
+    return GalaxyConfig.from_file(source, overrides)
+
+
+def prompt(args: argparse.Namespace, cfg: GalaxyConfig) -> list[int]:
+    """The request's token ids, checked against the vocabulary and the sequence length."""
+    if args.prompt_ids is None:
+        import torch
+
+        g = torch.Generator().manual_seed(cfg.train.seed)
+        return torch.randint(0, cfg.model.vocab_size, (cfg.train.seq_length,), generator=g).tolist()
+    try:
+        ids = [int(t) for t in args.prompt_ids.split(",")]
+    except ValueError:
+        raise ConfigError(f"--prompt_ids must be comma-separated integers, got '{args.prompt_ids}'") from None
+    if not all(0 <= t < cfg.model.vocab_size for t in ids):
+        raise ConfigError(f"--prompt_ids holds ids outside the vocabulary 0..{cfg.model.vocab_size - 1}")
+    if len(ids) != cfg.train.seq_length:
+        raise ConfigError(f"--prompt_ids has {len(ids)} tokens but seq_length is {cfg.train.seq_length} (the plan's "
+                          f"sequence split covers it); pass --seq_length {len(ids)}")
+    return ids
+
+
+def check(args: argparse.Namespace, cfg: GalaxyConfig, world: int) -> None:
+    """Everything about the request and the plan that can fail, before any rank starts."""
+    if args.warmup < 0 or args.reps < 1 or args.generate < 0:
+        raise ConfigError("--warmup and --generate must be at least 0 and --reps at least 1")
+    if cfg.parallel.dp_size != 1 or cfg.parallel.pp_size != 1:
+        raise ConfigError("inference latency runs one request on one model-parallel group: set dp_size and pp_size "
+                          "to 1")
+    if args.generate and cfg.model.model_type != "llama":
+        raise ConfigError(f"--generate needs a causal LM (LLaMA); the model is {cfg.model.model_type}")
+    total = cfg.train.seq_length + args.generate
+    if total > cfg.model.max_position_embeddings:
+        raise ConfigError(f"the prompt ({cfg.train.seq_length}) and --generate ({args.generate}) need {total} "
+                          f"positions but max_position_embeddings is {cfg.model.max_position_embeddings}; "
+                          "shorten one or raise max_position_embeddings")
+    check_plan_for_cli(cfg, "galaxy" if world > 1 else "none", world, strict=False)
+    cfg.resolve_plan(world)
+
+
+def spread(seconds: list[float]) -> dict:
+    """Median and spread of timed repetitions, in milliseconds."""
+    ms = sorted(t * 1e3 for t in seconds)
+    q = statistics.quantiles(ms, n=4) if len(ms) > 1 else [ms[0]] * 3
+    return {"median_ms": round(statistics.median(ms), 3), "iqr_ms": round(q[2] - q[0], 3),
+            "min_ms": round(ms[0], 3), "max_ms": round(ms[-1], 3), "reps": len(ms),
+            "all_ms": [round(t, 3) for t in ms]}
+
+
+def timed(run: Callable[[], object], ctx, warmup: int, reps: int) -> list[float]:
+    """Seconds of ``run`` on the slowest rank, per repetition after ``warmup`` untimed ones; every
+    repetition starts behind a barrier, so no rank's earlier work is counted."""
+    import torch
+    import torch.distributed as dist
+
+    times = []
+    for i in range(warmup + reps):
+        if ctx.world_size > 1:
+            dist.barrier()
+        start = time.perf_counter()
+        run()
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        if ctx.world_size > 1:
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            times.append(float(elapsed))
+    return times
+
+
+def infer_rank(rank: int, launch, payload) -> None:
+    import torch
+
+    from galaxy.models import build_model
+    from galaxy.train.loop import autocast_context
+
+    cfg, args, ids = payload
+    ctx = rank_context(rank, launch, cfg, args.log_level)
+    try:
+        plan = cfg.resolve_plan(ctx.mp.size)
+        model = build_model(cfg, plan, ctx).eval()
+        if cfg.train.dtype == "float64":
+            model.double()
+        request = torch.tensor([ids], device=ctx.device)
+        amp = autocast_context(cfg, ctx.device)
+
+        def forward():
+            with torch.no_grad(), amp:
+                model(request)
+
+        fields = {"model": cfg.model.model_type, "layers": cfg.model.num_hidden_layers,
+                  "hidden": cfg.model.hidden_size, "plan": plan.name,
+                  "att/con/mlp": "/".join(m.value for m in (plan.att, plan.con, plan.mlp)), "world": ctx.mp.size,
+                  "heads_split": list(plan.heads_split), "ffn_split": list(plan.ffn_split),
+                  "seq_split": list(plan.seq_split), "seq_length": cfg.train.seq_length, "dtype": cfg.train.dtype,
+                  "device": str(ctx.device),
+                  "forward": spread(timed(forward, ctx, args.warmup, args.reps))}
+        if args.generate:
+            fields.update(generation_latency(model, request, args, ctx, amp))
+        if rank == 0:
+            print_summary("inference latency (batch 1)", summary_lines(fields), None)
+            if args.summary_json:
+                import json
+
+                with open(args.summary_json, "w") as f:
+                    json.dump(fields, f, indent=2)
+    except BaseException:
+        ctx.shutdown(wait_for_peers=False)
+        raise
+    ctx.shutdown()
+
+
+def generation_latency(model, request, args, ctx, amp) -> dict:
+    """Greedy generation of ``--generate`` tokens: the whole request, the prefill with its first
+    token, and the mean of each later token ((whole - prefill) / (N - 1), per repetition)."""
+    import torch
+
+    n = args.generate
+    tokens = []
+
+    def whole():
+        with torch.no_grad(), amp:
+            tokens.append(model.generate(request, max_new_tokens=n)[0, request.shape[1]:].tolist())
+
+    def first():
+        with torch.no_grad(), amp:
+            model.generate(request, max_new_tokens=1)
+
+    total = timed(whole, ctx, args.warmup, args.reps)
+    prefill = timed(first, ctx, args.warmup, args.reps)
+    out = {"generate_tokens": n, "generate": spread(total), "first_token": spread(prefill),
+           "new_tokens": tokens[-1]}
+    if n > 1:
+        out["per_token"] = spread([(t - p) / (n - 1) for t, p in zip(total, prefill)])
+    return out
+
+
+def summary_lines(fields: dict) -> dict:
+    """The summary for people: each timing as 'median (IQR, min..max) ms'."""
+    lines = {}
+    for key, value in fields.items():
+        if isinstance(value, dict) and "median_ms" in value:
+            lines[f"{key} latency"] = (f"{value['median_ms']:.2f} ms median (IQR {value['iqr_ms']:.2f}, "
+                                       f"{value['min_ms']:.2f}..{value['max_ms']:.2f}, {value['reps']} reps)")
+        elif key != "new_tokens":
+            lines[key] = value
+    return lines
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        cfg = load(args)
+        launch = decide_launch(args)
+        check(args, cfg, launch.world)
+        ids = prompt(args, cfg)
+    except (ConfigError, FileNotFoundError) as e:
+        return bad_input(e)
+    return launch_ranks(infer_rank, launch, (cfg, args, ids), cfg)

@@ -1,0 +1,36 @@
+"""``bench/bench_edge.py --quick``: one tiny scenario on an emulated cluster, end to end (profile under
+the emulator, search, every contender measured, JSON, PNG and the markdown table). Skips where
+emulation is unavailable (root, iproute2, cgroup v1 cpu)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from galaxy.emulate import missing_prerequisite
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MISSING = missing_prerequisite()
+
+
+@pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+def test_quick_scenario_end_to_end(tmp_path):
+    out = subprocess.run([sys.executable, "bench/bench_edge.py", "--quick", "--out", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "edge_bert.png").stat().st_size > 0
+    (scenario,) = json.loads((tmp_path / "edge_bert.json").read_text())["scenarios"]
+    rows = scenario["latency"]["contenders"]
+    assert set(rows) == {"alone", "tp", "planned"}
+    for name, row in rows.items():
+        forward = row["measured"]["forward"]
+        assert forward["reps"] == 2 and forward["median_ms"] > 0, name
+    assert rows["alone"]["measured"]["world"] == 1 and rows["tp"]["measured"]["plan"] == "tp"
+    assert rows["tp"]["predicted_ms"] > 0 and rows["planned"]["predicted_ms"] > 0
+    # the planned contender ran the plan the planner wrote
+    top = scenario["latency"]["planner_table"][0]
+    assert rows["planned"]["measured"]["att/con/mlp"] == top["att/con/mlp"]
+    assert scenario["latency"]["verdict"]["fastest"] in rows
+    assert "| bert | 1:2 | 1000 | latency |" in out.stdout
