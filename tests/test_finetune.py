@@ -5,19 +5,22 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
-from galaxy.config import GalaxyConfig
+from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.context import ParallelContext
 from galaxy.models.llama import LlamaForCausalLM
 from galaxy.data.batching import IGNORE_INDEX
 from galaxy.data.instruction import InstructionBatcher, format_prompt, load_instruction_data
 from galaxy.data.tokenizer import ByteTokenizer
 from galaxy.cli.finetune import DEFAULT_LLAMA, main
-from galaxy.train.finetune import (DEFAULT_DATA, finetune_tokenizer, greedy_answer, instruction_batches, match_vocab,
-                                   pad_batch, shards_sequence)
+from galaxy.train.finetune import (DEFAULT_DATA, check_prompt_length, encode_prompt, finetune_tokenizer, greedy_answer,
+                                   instruction_batches, match_vocab, pad_batch, shards_sequence)
 from galaxy.train.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,19 +89,115 @@ def test_sequence_parallel_plans_get_batches_of_seq_length():
     assert not shards_sequence(GalaxyConfig.from_dict(DEFAULT_LLAMA, {"plan": "sp"}).resolve_plan(1))
 
 
-def answer_on_plan(ctx, plan):
-    cfg = GalaxyConfig.from_dict(DEFAULT_LLAMA, {"plan": plan})
-    model = LlamaForCausalLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=3)
-    return greedy_answer(model, ByteTokenizer(), "What do bees make?", max_new_tokens=12)
+# A LLaMA whose 8 query / 4 key-value heads and 96-wide MLP split over 2 and 3 ranks, evenly and not.
+# The Alpaca prompt below is 159 byte tokens; plans that shard the sequence prefill 224, left-padded,
+# so with the uneven split rank 0 holds only padding.
+ANSWER_MODEL = {"preset": "llama-tiny", "vocab_size": 259, "hidden_size": 64, "num_attention_heads": 8,
+                "num_key_value_heads": 4, "intermediate_size": 96, "seq_length": 224}
+UNEVEN_3 = {"tp_num_attention_heads_list": [2, 4, 2], "tp_intermediate_size_list": [24, 48, 24],
+            "seq_scatter_list": [48, 100, 76]}
+QUESTION = "What do bees make?"
 
 
-@pytest.mark.parametrize("plan", ["tp", "galaxy", "sp"])
-def test_every_plan_answers_as_the_serial_model(dist_pool, plan):
-    """TP generates in place on every rank; plans that shard the sequence gather a serial copy on rank 0."""
+def answer_on_plan(ctx, plan, uneven=False, dtype=torch.float64):
+    cfg = GalaxyConfig.from_dict(ANSWER_MODEL, dict({"plan": plan}, **(UNEVEN_3 if uneven else {})))
+    model = LlamaForCausalLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=3).to(dtype)
+    return greedy_answer(model, ByteTokenizer(), QUESTION, max_new_tokens=12)
+
+
+@pytest.mark.parametrize("plan,world,uneven", [("tp", 2, False), ("sp", 2, False), ("galaxy", 2, False),
+                                               ("galaxy2", 2, False), ("sp", 3, True), ("galaxy", 3, True),
+                                               ("galaxy2", 3, True)])
+def test_every_plan_answers_as_the_serial_model(dist_pool, plan, world, uneven):
+    """Every plan generates in place with the KV cache (SP ones prefill the left-padded prompt) and
+    every rank gets the serial model's answer (float64, so no rounding can flip a greedy choice)."""
     serial = answer_on_plan(ParallelContext.serial(), "none")
-    answers = dist_pool.run(answer_on_plan, 2, plan)
-    assert answers[0] == serial
-    assert answers[1] == (serial if plan == "tp" else None)
+    assert len(serial) > 0
+    assert dist_pool.run(answer_on_plan, world, plan, uneven) == [serial] * world
+
+
+def test_the_serial_answer_is_transformers_greedy_answer(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = GalaxyConfig.from_dict(ANSWER_MODEL, {"plan": "none"})
+    model = LlamaForCausalLM(cfg.model, seed=3)
+    model.save_pretrained(str(tmp_path))
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path))
+    tokenizer = ByteTokenizer()
+    ids = torch.tensor([encode_prompt(tokenizer, QUESTION)])
+    out = hf.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=tokenizer.eos_id,
+                      pad_token_id=tokenizer.eos_id)[0, ids.shape[1]:].tolist()
+    if tokenizer.eos_id in out:
+        out = out[:out.index(tokenizer.eos_id)]
+    assert greedy_answer(model, tokenizer, QUESTION, max_new_tokens=12) == tokenizer.decode(out)
+
+
+class NewTensorBytes(TorchDispatchMode):
+    """The peak of the bytes held by the storages that ops create while the mode is on, each counted
+    until it is freed (storages that existed before, such as the parameters', are not counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}  # storage pointer -> bytes
+        self.now = self.peak = 0
+
+    def _freed(self, ptr: int) -> None:
+        self.now -= self.live.pop(ptr)
+
+    @staticmethod
+    def _storage(t):
+        """A tensor's storage, or None for one without data (a wrapper subclass)."""
+        try:
+            storage = t.untyped_storage()
+            return storage if storage.nbytes() and storage.data_ptr() else None
+        except (RuntimeError, NotImplementedError):
+            return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            storage = self._storage(t) if isinstance(t, torch.Tensor) else None
+            if storage is None or storage.data_ptr() in self.live:
+                continue
+            if any(isinstance(a, torch.Tensor) and self._storage(a) is not None
+                   and self._storage(a).data_ptr() == storage.data_ptr() for a in tree_flatten((args, kwargs))[0]):
+                continue  # in place, or a view of an input
+            self.live[storage.data_ptr()] = storage.nbytes()
+            self.now += storage.nbytes()
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(storage, self._freed, storage.data_ptr())
+        return out
+
+
+def peak_new_bytes(fn) -> int:
+    with NewTensorBytes() as mode:
+        fn()
+    return mode.peak
+
+
+def answer_memory(ctx, plan):
+    """Bytes the answer needs beside the model, against the whole model's (gathered) weights."""
+    cfg = GalaxyConfig.from_dict(ANSWER_MODEL, {"plan": plan, "hidden_size": 512, "intermediate_size": 1024,
+                                                 "num_hidden_layers": 4})
+    model = LlamaForCausalLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=3)
+    answer = peak_new_bytes(lambda: greedy_answer(model, ByteTokenizer(), QUESTION, max_new_tokens=8))
+    copy = peak_new_bytes(lambda: LlamaForCausalLM(cfg.model).load_full_state_dict(model.full_state_dict()))
+    full = sum(t.numel() * t.element_size() for t in model.full_state_dict().values())
+    return answer, copy, full
+
+
+@pytest.mark.parametrize("plan", ["sp", "galaxy"])
+def test_answering_on_a_plan_holds_no_copy_of_the_model(dist_pool, plan):
+    for answer, copy, full in dist_pool.run(answer_memory, 2, plan):
+        assert copy >= full  # the measure sees a serial copy of the model when one is made
+        assert answer < 0.25 * full, (answer, full)  # the prefill's activations and the KV cache
+
+
+def test_a_prompt_longer_than_the_sequence_split_is_a_config_error():
+    plan = GalaxyConfig.from_dict(ANSWER_MODEL, {"plan": "galaxy"}).resolve_plan(2)
+    check_prompt_length(224, plan)
+    with pytest.raises(ConfigError, match="the prompt is 225 tokens but plan 'galaxy' splits a sequence of 224"):
+        check_prompt_length(225, plan)
+    check_prompt_length(225, GalaxyConfig.from_dict(ANSWER_MODEL, {"plan": "tp"}).resolve_plan(2))  # no split
 
 
 def test_vocab_follows_the_tokenizer_and_a_checkpoint_must_match_it(tmp_path, caplog):
@@ -210,6 +309,7 @@ def test_config_scales_to_llama_1b_by_override():
     (["--config_file", "train_config/llama/galaxy/full.json", "--world", "2", "--override",
       "seq_scatter_list=[100,100]"], "sums to 200 but seq_length is 320"),
     (["--override", "hiden_size=64"], "did you mean 'hidden_size'"),
+    (["--world", "2", "--prompt", "a" * 200], "the prompt is 341 tokens but plan 'galaxy' splits a sequence of 320"),
 ])
 def test_bad_input_is_one_clear_line(capsys, argv, needle):
     assert main(argv) == 2

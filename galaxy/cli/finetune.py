@@ -13,8 +13,8 @@ from galaxy.cli.output import bad_input, print_summary, setup_logging
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.data.instruction import InstructionBatcher, load_instruction_data
 from galaxy.peft import apply_tuning, build_base
-from galaxy.train.finetune import (DEFAULT_DATA, finetune_tokenizer, greedy_answer, instruction_batches,
-                                   match_vocab, shards_sequence)
+from galaxy.train.finetune import (DEFAULT_DATA, check_prompt_length, encode_prompt, finetune_tokenizer,
+                                   greedy_answer, instruction_batches, match_vocab, shards_sequence)
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +112,9 @@ def main(argv: Optional[list[str]] = None, plan: str = DEFAULT_PLAN, strict: boo
     try:
         cfg, batcher, eval_batcher = prepare(args)
         launch = plan_launch(args, cfg, plan, strict, fill)
+        if args.prompt is not None:
+            check_prompt_length(len(encode_prompt(batcher.tokenizer, args.prompt, args.prompt_input)),
+                                cfg.resolve_plan(cfg.mp_size(launch.world)))
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return bad_input(e)
     return launch_ranks(finetune_rank, launch, (cfg, args, batcher, eval_batcher), cfg)

@@ -6,8 +6,8 @@ puts together, usable on their own:
   vocabulary that fits it (a fresh model takes the tokenizer's size; a checkpoint must match).
 * :func:`instruction_batches`: ``batch_at(step, shard=None)`` over :class:`InstructionBatcher`,
   padded to ``seq_length`` when the plan shards the sequence (SP needs ``seq == sum(seq_split)``).
-* :func:`greedy_answer`: the model's greedy reply to an Alpaca prompt, on any plan (plans that
-  shard the sequence gather a serial copy on rank 0).
+* :func:`greedy_answer`: the model's greedy reply to an Alpaca prompt, generated in place on any
+  plan with the KV cache (plans that shard the sequence prefill the prompt left-padded to their split).
 """
 
 from __future__ import annotations
@@ -20,11 +20,9 @@ from typing import Callable, Optional
 import torch
 
 from galaxy.config import COMPUTE_KEYS, ConfigError, GalaxyConfig, Method, Plan
-from galaxy.core.context import ParallelContext
 from galaxy.data.batching import IGNORE_INDEX
 from galaxy.data.instruction import InstructionBatcher, format_prompt
 from galaxy.data.tokenizer import ByteTokenizer, load_tokenizer
-from galaxy.peft import apply_options
 
 logger = logging.getLogger(__name__)
 
@@ -145,44 +143,46 @@ def encode_prompt(tokenizer, instruction: str, input: str = "") -> list[int]:  #
     return bos + list(tokenizer.encode(format_prompt(instruction, input)))
 
 
-def serial_copy(model):
-    """A one-rank copy of ``model`` on its device, from ``full_state_dict()``.
+def check_prompt_length(tokens: int, plan: Plan) -> None:
+    """A plan that shards the sequence prefills at most ``sum(seq_split)`` (``seq_length``) tokens."""
+    if shards_sequence(plan) and tokens > sum(plan.seq_split):
+        raise ConfigError(f"the prompt is {tokens} tokens but plan '{plan.name}' splits a sequence of "
+                          f"{sum(plan.seq_split)} (seq_length); raise seq_length to at least {tokens} or shorten "
+                          "the prompt")
 
-    A collective over the model's mp group (every rank must call it); rank 0 gets the copy, the
-    others ``None``. Used to generate under plans that shard the sequence."""
-    from galaxy.models import model_class
 
-    state = model.full_state_dict()
-    if model.ctx.mp.rank != 0:
-        return None
-    ctx = ParallelContext.serial(model.ctx.device, seed=model.ctx.seed)
-    copy = model_class(model.config.model_type)(model.config, plan=None, ctx=ctx)
-    if getattr(model, "peft_config", None) is not None:  # the same LoRA / adapter modules, to load into
-        apply_options(copy, model.peft_config)
-    copy.to(next(model.parameters()).dtype)
-    copy.load_full_state_dict(state, source="the trained model")
-    return copy
+def prompt_for_plan(ids: list[int], plan: Plan, pad_id: int, device=None
+                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(input_ids [1, s], attention_mask or None)``: the prompt as the plan's prefill takes it. A
+    plan that shards the sequence splits a fixed ``sum(seq_split)`` tokens (``seq_length``), so the
+    prompt is left-padded to it and masked (positions then count real tokens only, so the answer is
+    the unpadded prompt's); other plans take it as it is."""
+    check_prompt_length(len(ids), plan)
+    prompt = torch.tensor([ids], dtype=torch.long, device=device)
+    if not shards_sequence(plan):
+        return prompt, None
+    pad = sum(plan.seq_split) - len(ids)
+    mask = torch.cat([prompt.new_zeros(1, pad), torch.ones_like(prompt)], dim=1)
+    return torch.cat([prompt.new_full((1, pad), pad_id), prompt], dim=1), mask
 
 
 def greedy_answer(model, tokenizer, instruction: str, input: str = "",  # noqa: A002
-                  max_new_tokens: int = 64) -> Optional[str]:
+                  max_new_tokens: int = 64) -> str:
     """The model's greedy response to the Alpaca prompt of ``instruction`` (and ``input``), decoded
     up to its EOS.
 
-    A collective: every rank of the model's mp group must call it. Plans without sequence sharding
-    generate in place on every rank (TP ranks stay in lock-step, see ``generate``); plans that shard
-    the sequence (SP, Galaxy) gather a serial copy on rank 0 and generate there. Returns the text
-    on rank 0 (and on every rank in the in-place case), ``None`` elsewhere."""
+    A collective: every rank of the model's mp group must call it. Every plan generates in place
+    with the KV cache (``LlamaForCausalLM.generate``; the ranks share each chosen token), so no rank
+    holds more than its own shards; every rank returns the text."""
     ids = encode_prompt(tokenizer, instruction, input)
     limit = model.config.max_position_embeddings
     if len(ids) + max_new_tokens > limit:
         logger.warning("prompt (%d tokens) + max_new_tokens (%d) exceeds max_position_embeddings (%d)",
                        len(ids), max_new_tokens, limit)
-    runner = serial_copy(model) if shards_sequence(model.plan) else model
-    if runner is None:
-        return None
-    prompt = torch.tensor([ids], dtype=torch.long, device=runner.ctx.device)
-    out = runner.generate(prompt, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_id)[0, len(ids):].tolist()
+    pad_id = tokenizer.pad_id if getattr(tokenizer, "pad_id", None) is not None else tokenizer.eos_id
+    prompt, mask = prompt_for_plan(ids, model.plan, pad_id, model.ctx.device)
+    out = model.generate(prompt, attention_mask=mask, max_new_tokens=max_new_tokens,
+                         eos_token_id=tokenizer.eos_id)[0, prompt.shape[1]:].tolist()
     if tokenizer.eos_id in out:
         out = out[:out.index(tokenizer.eos_id)]
     return tokenizer.decode(out)
