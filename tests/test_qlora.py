@@ -13,7 +13,7 @@ import torch
 
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.grad_sync import gather_full
-from galaxy.loralib.quantized import dequantize_linears, load_quantized, meta_parameters, quantize_linears
+from galaxy.loralib.quantized import dequantize_linears, load_quantized, quantize_linears
 from galaxy.loralib.quantized_layers import Int8Weight, NF4Weight, QuantizedWeight
 from galaxy.models.llama import LlamaForCausalLM
 from galaxy.core.context import ParallelContext
@@ -170,17 +170,43 @@ def test_qlora_adapter_loads_in_peft_and_merged_bf16_export_loads_in_transformer
 # ----------------------------------------------------------------------------- quantize on load
 
 
-def test_building_under_meta_parameters_allocates_nothing():
+def test_building_on_the_meta_device_allocates_nothing():
     import resource
 
     cfg = GalaxyConfig.from_dict(dict(preset="llama-7b", seq_length=16))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with meta_parameters():
-        model = LlamaForCausalLM(cfg.model)
+    model = LlamaForCausalLM(cfg.model, meta=True)
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert all(p.is_meta for p in model.parameters())
     assert sum(p.numel() for p in model.parameters()) > 6e9
     assert grown_mib < 1024, f"building the 7B layout grew the process by {grown_mib:.0f} MiB"
+
+
+def process_wide_state():
+    """torch's process-wide module hooks and default device: what building a model must leave as it was."""
+    import torch.nn.modules.module as module
+
+    hooks = {name: dict(value) for name, value in vars(module).items() if name.startswith("_global_")
+             and isinstance(value, dict)}
+    return hooks, torch.get_default_device()
+
+
+def test_building_a_quantized_base_leaves_no_global_state(hf_llama):
+    """The meta layout is the constructor's own option: nothing process-wide changes, even while the
+    model is built (a module that other code creates meanwhile gets real parameters)."""
+    others = []
+
+    class BuiltBesideOthers(LlamaForCausalLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            others.append(torch.nn.Linear(2, 2))  # no part of the model
+
+    before = process_wide_state()
+    model = load_quantized(BuiltBesideOthers, hf_llama)
+    assert process_wide_state() == before
+    assert not any(p.is_meta for p in others[0].parameters())
+    assert any(isinstance(m, NF4Weight) for m in model.modules()) and not any(p.is_meta for p in model.parameters())
+    assert not any(p.is_meta for p in LlamaForCausalLM(model.config).parameters())
 
 
 def test_load_quantized_equals_load_then_quantize(hf_llama):
@@ -198,6 +224,22 @@ def test_load_quantized_equals_load_then_quantize(hf_llama):
     ids = batch(96)["input_ids"]
     with torch.no_grad():
         assert torch.equal(ours(ids).logits, want(ids).logits)
+
+
+@pytest.mark.parametrize("cls", ["BertForMaskedLM", "BertForSequenceClassification"])
+def test_bert_quantized_on_load_equals_load_then_quantize(tmp_path, cls):
+    from galaxy.models import bert
+
+    model_cls = getattr(bert, cls)
+    cfg = GalaxyConfig.from_dict(dict(preset="bert-tiny", seq_length=16))
+    assert all(p.is_meta for p in model_cls(cfg.model, meta=True).parameters())
+    model_cls(cfg.model, seed=1).save_pretrained(str(tmp_path))
+    ours = load_quantized(model_cls, str(tmp_path))
+    want = model_cls.from_pretrained(str(tmp_path))
+    quantize_linears(want)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ours.eval()(ids).logits, want.eval()(ids).logits)
 
 
 def load_quantized_on_plan(ctx, path, plan):

@@ -18,7 +18,6 @@ every buffer), which is what gathering, checkpoints and resharding read.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -104,26 +103,6 @@ def frozen_bytes(model: nn.Module) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- quantize on load
 
 
-@contextlib.contextmanager
-def meta_parameters():
-    """Build modules whose parameters are registered on the meta device (no storage): each one is
-    swapped for a meta tensor of its shape as it is registered (torch's registration hook, removed
-    on exit), so building a model allocates one parameter at a time, never the whole model."""
-
-    def to_meta(module, name, param):
-        if param is None or param.is_meta:
-            return None
-        meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
-        meta.__dict__.update(param.__dict__)
-        return meta
-
-    handle = nn.modules.module.register_module_parameter_registration_hook(to_meta)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
 class _Checkpoint:
     """The tensors of a local safetensors checkpoint, read lazily: a rank reads only its slices."""
 
@@ -172,8 +151,7 @@ def load_quantized(model_cls, path: str, plan=None, ctx=None, config_overrides: 
         setattr(config, key, value)
     if getattr(config, "fused_gate_up", False):
         raise ConfigError("quantize-on-load quantizes each linear on its own; set fused_gate_up to false")
-    with meta_parameters():
-        model = model_cls(config, plan=plan, ctx=ctx)
+    model = model_cls(config, plan=plan, ctx=ctx, meta=True)  # laid out, no storage: filled below
     device = model.ctx.device
     ckpt = _Checkpoint(path)
     for name, module in list(model.named_modules()):
@@ -215,5 +193,4 @@ def _materialized(meta: nn.Parameter, data: torch.Tensor, device, dtype) -> nn.P
     return p
 
 
-__all__ = ["quantize_linears", "dequantize_linears", "cast_frozen_", "frozen_bytes", "meta_parameters",
-           "load_quantized"]
+__all__ = ["quantize_linears", "dequantize_linears", "cast_frozen_", "frozen_bytes", "load_quantized"]

@@ -88,7 +88,13 @@ class ModelOutput:
 
 class GalaxyModel(nn.Module):
     """Base of the model definitions. Subclasses set ``hf_architecture`` and implement
-    ``_init_full`` (the serial init of one full tensor), ``config_to_hf`` and ``config_from_hf``."""
+    ``_init_full`` (the serial init of one full tensor), ``config_to_hf`` and ``config_from_hf``.
+
+    Every model's constructor takes ``meta``: False (default) creates the parameters on
+    ``ctx.device`` and draws them (``init_weights``); True lays them out on the meta device (shapes,
+    dtypes, gradient rules and shard specs, no storage, no init), for a loader that fills each one
+    (``galaxy.loralib.quantized.load_quantized``). Only parameters go to the meta device; what a
+    forward needs besides them (RoPE's frequencies, dropout streams) is made on ``ctx.device``."""
 
     hf_architecture = ""
     tied_keys: dict[str, str] = {}  # HF key -> the key it is tied to (not stored twice)
@@ -104,13 +110,15 @@ class GalaxyModel(nn.Module):
 
     # -- init
 
+    def parameter_device(self, meta: bool) -> torch.device:
+        """The device a constructor builds its parameters on (see the class docstring)."""
+        return torch.device("meta") if meta else self.ctx.device
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Each full tensor drawn from a generator seeded by (seed, name), then sliced to this rank's
         shard: every plan and world size starts from exactly the serial model's weights."""
         for name, param in self.named_parameters():
-            if param.is_meta:  # laid out only, filled by a loader (galaxy.loralib.quantized.load_quantized)
-                continue
             spec = shard_spec(param)
             full_shape = spec.full_shape(param.shape) if spec else tuple(param.shape)
             full = self._init_param(name, full_shape, seed)

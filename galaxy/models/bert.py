@@ -336,8 +336,9 @@ class BertPreTrainedModel(GalaxyModel):
         hf.update(model_type="bert", architectures=[self.hf_architecture], tie_word_embeddings=True)
         return hf
 
-    def _post_init(self, ctx: ParallelContext, seed: int) -> None:
-        self.init_weights(seed)
+    def _post_init(self, seed: int, meta: bool) -> None:
+        if not meta:
+            self.init_weights(seed)
         mark_module(self, GradRule.REPLICATED)
 
 
@@ -347,15 +348,15 @@ class BertForMaskedLM(BertPreTrainedModel):
                  "cls.predictions.decoder.bias": "cls.predictions.bias"}
 
     def __init__(self, config: ModelConfig, plan: Optional[Plan] = None, ctx: Optional[ParallelContext] = None,
-                 seed: int = 0):
+                 seed: int = 0, meta: bool = False):
         plan, ctx = default_plan_and_context(config, plan, ctx)
         super().__init__(config, plan, ctx)
-        with torch.device(ctx.device):
+        with self.parameter_device(meta):
             self.bert = BertModel(config, plan, ctx, add_pooling_layer=False, stage=self.stage,
                                   tied_word_embeddings=True)
             if self.stage.is_last:
                 self.cls = BertOnlyMLMHead(config, plan, self.bert.embeddings.word_embeddings)
-        self._post_init(ctx, seed)
+        self._post_init(seed, meta)
 
     @staticmethod
     def num_loss_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -395,15 +396,15 @@ class BertForSequenceClassification(BertPreTrainedModel):
     hf_architecture = "BertForSequenceClassification"
 
     def __init__(self, config: ModelConfig, plan: Optional[Plan] = None, ctx: Optional[ParallelContext] = None,
-                 seed: int = 0):
+                 seed: int = 0, meta: bool = False):
         plan, ctx = default_plan_and_context(config, plan, ctx)
         super().__init__(config, plan, ctx)
-        with torch.device(ctx.device):
+        with self.parameter_device(meta):
             self.bert = BertModel(config, plan, ctx, add_pooling_layer=True, stage=self.stage)
             if self.stage.is_last:
                 self.dropout = Dropout(config.hidden_dropout_prob, ctx.generator(sharded=False))
                 self.classifier = ParallelLinear(config.hidden_size, config.num_labels, rule=GradRule.REPLICATED)
-        self._post_init(ctx, seed)
+        self._post_init(seed, meta)
 
     @staticmethod
     def num_loss_targets(labels: torch.Tensor) -> torch.Tensor:

@@ -84,11 +84,11 @@ GATE, UP, GATE_UP = "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.gate_up_p
 # ----------------------------------------------------------------------------- RoPE
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(cfg: ModelConfig, device: Optional[torch.device] = None) -> torch.Tensor:
     """Inverse frequencies ``[head_dim / 2]`` in fp32, computed as HF's ``_compute_default_rope_parameters``,
     ``_compute_linear_scaling_rope_parameters`` and ``_compute_llama3_parameters`` do."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ROPE_TYPES:
@@ -120,11 +120,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class LlamaRotaryEmbedding(nn.Module):
     """cos/sin tables for given position ids. ``inv_freq`` is a plain fp32 tensor, not a buffer, so
-    ``model.half()`` / ``.double()`` cannot round it and it never enters a state dict."""
+    ``model.half()`` / ``.double()`` cannot round it and it never enters a state dict. It is made on
+    ``device`` (the model's) even when the parameters are laid out on the meta device."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, device: Optional[torch.device] = None):
         super().__init__()
-        self.inv_freq = rope_inv_freq(cfg)
+        self.inv_freq = rope_inv_freq(cfg, device)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``position_ids`` ``[b or 1, s]`` -> cos, sin ``[b or 1, s, head_dim]`` (fp32 math, as HF)."""
@@ -404,7 +405,7 @@ class LlamaModel(nn.Module):
         self.layers = layer_stack((LlamaDecoderLayer(cfg, plan, ctx, self.edges, i, coc, mode)
                                    for i, mode in zip(stage.layers, modes)), stage.first_layer)
         self.norm = _norm(cfg, plan) if stage.is_last else None
-        self.rotary_emb = LlamaRotaryEmbedding(cfg)
+        self.rotary_emb = LlamaRotaryEmbedding(cfg, ctx.device)
 
     @property
     def uses_seq(self) -> bool:
@@ -490,14 +491,14 @@ class LlamaForCausalLM(GalaxyModel):
     hf_architecture = "LlamaForCausalLM"
 
     def __init__(self, config: ModelConfig, plan: Optional[Plan] = None, ctx: Optional[ParallelContext] = None,
-                 seed: int = 0):
+                 seed: int = 0, meta: bool = False):
         plan, ctx = default_plan_and_context(config, plan, ctx)
         super().__init__(config, plan, ctx)
         # Instance attribute: only a tied model drops lm_head.weight from checkpoints.
         self.tied_keys = {"lm_head.weight": "model.embed_tokens.weight"} if config.tie_word_embeddings else {}
         self.special_token_ids: dict = {}
         self.fused_gate_up = config.fused_gate_up  # the layout built, whatever the config says later
-        with torch.device(ctx.device):
+        with self.parameter_device(meta):
             self.model = LlamaModel(config, plan, ctx, self.stage)
             if not self.stage.is_last:
                 self.lm_head = None
@@ -507,7 +508,8 @@ class LlamaForCausalLM(GalaxyModel):
                 # The head runs on the stream's (local) tokens: whole weight, CON's rule.
                 self.lm_head = ParallelLinear(config.hidden_size, config.vocab_size, bias=False,
                                               rule=region_rule(plan.con))
-        self.init_weights(seed)
+        if not meta:
+            self.init_weights(seed)
         mark_module(self, GradRule.REPLICATED)
 
     @staticmethod
