@@ -88,7 +88,7 @@ class ModelOutput:
 
 class GalaxyModel(nn.Module):
     """Base of the model definitions. Subclasses set ``hf_architecture`` and implement
-    ``_init_full`` (the serial init of one full tensor), ``config_to_hf`` and ``config_from_hf``.
+    ``_init_full`` (the serial init of one full tensor), ``hf_config`` and ``config_from_hf``.
 
     Every model's constructor takes ``meta``: False (default) creates the parameters on
     ``ctx.device`` and draws them (``init_weights``); True lays them out on the meta device (shapes,
@@ -138,8 +138,9 @@ class GalaxyModel(nn.Module):
         """Full tensors named as HF (or as another layout of this architecture) -> this model's names."""
         return state
 
-    def state_to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Full tensors with this model's names -> HF's names and shapes."""
+    @classmethod
+    def state_to_hf(cls, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full tensors with this model's names (either layout of the class) -> HF's names and shapes."""
         return state
 
     # -- state dicts in full (plan-independent) form
@@ -186,8 +187,15 @@ class GalaxyModel(nn.Module):
     def config_from_hf(cls, hf: dict) -> ModelConfig:
         raise NotImplementedError
 
-    def config_to_hf(self) -> dict:
+    @classmethod
+    def hf_config(cls, config: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict:
+        """HF's ``config.json`` for a model of this class and ``config`` whose weights are stored in
+        ``dtype``: what ``save_pretrained`` writes, and the checkpoint export without building a model."""
         raise NotImplementedError
+
+    def config_to_hf(self) -> dict:
+        """This model's ``config.json``."""
+        return self.hf_config(self.config, next(self.parameters()).dtype)
 
     @classmethod
     def from_pretrained(cls, path: str, plan: Optional[Plan] = None, ctx: Optional[ParallelContext] = None,

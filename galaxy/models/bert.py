@@ -331,9 +331,11 @@ class BertPreTrainedModel(GalaxyModel):
             cfg.num_labels = len(hf["id2label"])
         return cfg
 
-    def config_to_hf(self) -> dict:
-        hf = {k: getattr(self.config, k) for k in HF_KEYS}
-        hf.update(model_type="bert", architectures=[self.hf_architecture], tie_word_embeddings=True)
+    @classmethod
+    def hf_config(cls, config: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict:
+        # No dtype recorded, as Galaxy's BERT files never had one: exports load in transformers as before.
+        hf = {k: getattr(config, k) for k in HF_KEYS}
+        hf.update(model_type="bert", architectures=[cls.hf_architecture], tie_word_embeddings=True)
         return hf
 
     def _post_init(self, seed: int, meta: bool) -> None:
@@ -426,10 +428,11 @@ class BertForSequenceClassification(BertPreTrainedModel):
                 loss = F.cross_entropy(at_least_fp32(logits), labels)
         return ModelOutput(loss=loss, logits=logits, hidden_states=h)
 
-    def config_to_hf(self) -> dict:
-        hf = super().config_to_hf()
-        if self.config.classifier_pooling != "cls":  # transformers' BERT ignores it and pools [CLS]
-            hf["classifier_pooling"] = self.config.classifier_pooling
-        hf["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.config.num_labels)}
-        hf["label2id"] = {f"LABEL_{i}": i for i in range(self.config.num_labels)}
+    @classmethod
+    def hf_config(cls, config: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict:
+        hf = super().hf_config(config, dtype)
+        if config.classifier_pooling != "cls":  # transformers' BERT ignores it and pools [CLS]
+            hf["classifier_pooling"] = config.classifier_pooling
+        hf["id2label"] = {str(i): f"LABEL_{i}" for i in range(config.num_labels)}
+        hf["label2id"] = {f"LABEL_{i}": i for i in range(config.num_labels)}
         return hf

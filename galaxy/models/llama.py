@@ -568,7 +568,8 @@ class LlamaForCausalLM(GalaxyModel):
     def state_from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return fuse_gate_up(state) if self.fused_gate_up else split_gate_up(state)
 
-    def state_to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    @classmethod
+    def state_to_hf(cls, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return split_gate_up(state)
 
     def _init_full(self, name: str, shape, gen: torch.Generator) -> torch.Tensor:
@@ -607,20 +608,24 @@ class LlamaForCausalLM(GalaxyModel):
         cfg.attention_probs_dropout_prob = float(hf.get("attention_dropout", 0.0))
         return cfg
 
-    def config_to_hf(self) -> dict:
-        c = self.config
+    @classmethod
+    def hf_config(cls, config: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict:
+        c = config
         hf = {k: getattr(c, k) for k in HF_KEYS}
         rope_parameters = dict(c.rope_scaling or {}, rope_theta=c.rope_theta)
         rope_parameters["rope_type"] = rope_parameters.pop("type", rope_parameters.get("rope_type", "default"))
-        hf.update(model_type="llama", architectures=[self.hf_architecture], num_key_value_heads=c.kv_heads,
+        hf.update(model_type="llama", architectures=[cls.hf_architecture], num_key_value_heads=c.kv_heads,
                   head_dim=c.head_dim, attention_bias=False, mlp_bias=False,
                   attention_dropout=c.attention_probs_dropout_prob, pad_token_id=c.pad_token_id,
                   # Both spellings: transformers 5 reads rope_parameters, 4.x rope_theta/rope_scaling.
                   rope_parameters=rope_parameters, rope_theta=c.rope_theta,
-                  rope_scaling=dict(c.rope_scaling) if c.rope_scaling else None,
-                  dtype=str(next(self.parameters()).dtype).removeprefix("torch."))
-        hf.update(self.special_token_ids)
+                  rope_scaling=dict(c.rope_scaling) if c.rope_scaling else None)
+        if dtype is not None:
+            hf["dtype"] = str(dtype).removeprefix("torch.")
         return hf
+
+    def config_to_hf(self) -> dict:
+        return dict(super().config_to_hf(), **self.special_token_ids)
 
     @classmethod
     def from_pretrained(cls, path: str, plan: Optional[Plan] = None, ctx: Optional[ParallelContext] = None,

@@ -5,13 +5,12 @@ so the exporting process never holds the whole model."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
 from collections import defaultdict
 
-from galaxy.core.context import ParallelContext
+from galaxy.config import GalaxyConfig
 from galaxy.data.pretraining import TOKENIZER_DIR
 from galaxy.train.checkpoint import legacy
 from galaxy.train.checkpoint.files import STATE_FILE, CheckpointError, read_json, read_manifest, resolve_checkpoint
@@ -35,10 +34,9 @@ def _model_tensors(path: str, manifest: dict):
     return names, read
 
 
-def _layout_model(state_json: dict, path: str):
-    """A one-layer model of the checkpoint's class and configuration, holding the full configuration:
-    what it gives is the HF config and the layout conversion (``state_to_hf``), not tensors."""
-    from galaxy.config import GalaxyConfig
+def _model_class(state_json: dict, path: str):
+    """The class of the checkpoint's model: its HF config (``hf_config``) and layout conversion
+    (``state_to_hf``) are the class's, from the typed config; no model is built."""
     from galaxy.models.bert import BertForMaskedLM, BertForSequenceClassification
     from galaxy.models.llama import LlamaForCausalLM
 
@@ -48,10 +46,7 @@ def _layout_model(state_json: dict, path: str):
         raise CheckpointError(f"checkpoint file '{os.path.join(path, STATE_FILE)}' names model class "
                               f"'{state_json.get('model_class')}', which cannot be exported to HF; use one of "
                               f"{', '.join(classes)}")
-    cfg = GalaxyConfig.from_dict(state_json["config"])
-    model = cls(dataclasses.replace(cfg.model, num_hidden_layers=1), None, ParallelContext.serial(), seed=0)
-    model.config = cfg.model
-    return model
+    return cls
 
 
 def export_hf(checkpoint: str, out_dir: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
@@ -62,7 +57,8 @@ def export_hf(checkpoint: str, out_dir: str, max_shard_bytes: int = DEFAULT_MAX_
     path = resolve_checkpoint(checkpoint)
     manifest = read_manifest(path)
     state_json = read_json(path, STATE_FILE, manifest)
-    model = _layout_model(state_json, path)
+    cls = _model_class(state_json, path)
+    config = GalaxyConfig.from_dict(state_json["config"]).model
     names, read = _model_tensors(path, manifest)
     by_module = defaultdict(list)
     for name in names:
@@ -78,9 +74,11 @@ def export_hf(checkpoint: str, out_dir: str, max_shard_bytes: int = DEFAULT_MAX_
             parts.append((part, list(current)))
         current, size = {}, 0
 
-    total = 0
+    total, dtype = 0, None  # dtype: the first floating-point tensor's, as HF's save_pretrained records
     for module in by_module.values():
-        for name, tensor in model.state_to_hf(read(module)).items():
+        for name, tensor in cls.state_to_hf(read(module)).items():
+            if dtype is None and tensor.is_floating_point():
+                dtype = tensor.dtype
             nbytes = tensor.numel() * tensor.element_size()
             if current and size + nbytes > max_shard_bytes:
                 flush()
@@ -99,7 +97,7 @@ def export_hf(checkpoint: str, out_dir: str, max_shard_bytes: int = DEFAULT_MAX_
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(model.config_to_hf(), f, indent=2)
+        json.dump(cls.hf_config(config, dtype), f, indent=2)
     tokenizer = os.path.join(os.path.dirname(os.path.abspath(path)), TOKENIZER_DIR)
     if os.path.isdir(tokenizer):  # the WordPiece the run trained, kept beside its checkpoints
         for name in os.listdir(tokenizer):
