@@ -99,9 +99,9 @@ UNEVEN_3 = {"tp_num_attention_heads_list": [2, 4, 2], "tp_intermediate_size_list
 QUESTION = "What do bees make?"
 
 
-def answer_on_plan(ctx, plan, uneven=False, dtype=torch.float64):
+def answer_on_plan(ctx, plan, uneven=False):
     cfg = GalaxyConfig.from_dict(ANSWER_MODEL, dict({"plan": plan}, **(UNEVEN_3 if uneven else {})))
-    model = LlamaForCausalLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=3).to(dtype)
+    model = LlamaForCausalLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=3).double()
     return greedy_answer(model, ByteTokenizer(), QUESTION, max_new_tokens=12)
 
 
@@ -154,13 +154,12 @@ class NewTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {s.data_ptr() for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)
+                  for s in [self._storage(a)] if s is not None}
         for t in tree_flatten(out)[0]:
             storage = self._storage(t) if isinstance(t, torch.Tensor) else None
-            if storage is None or storage.data_ptr() in self.live:
-                continue
-            if any(isinstance(a, torch.Tensor) and self._storage(a) is not None
-                   and self._storage(a).data_ptr() == storage.data_ptr() for a in tree_flatten((args, kwargs))[0]):
-                continue  # in place, or a view of an input
+            if storage is None or storage.data_ptr() in self.live or storage.data_ptr() in inputs:
+                continue  # no data, counted already, in place, or a view of an input
             self.live[storage.data_ptr()] = storage.nbytes()
             self.now += storage.nbytes()
             self.peak = max(self.peak, self.now)
