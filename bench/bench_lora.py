@@ -158,14 +158,10 @@ def run_peft(args, variant: str) -> dict:
 
 
 def _hf_config(cfg: GalaxyConfig) -> dict:
-    """The HF config of ``cfg``'s model (read off a one-layer, small-vocabulary copy, then resized)."""
-    from dataclasses import replace
-
+    """The HF config of ``cfg``'s model."""
     from galaxy.models.llama import LlamaForCausalLM
 
-    hf = LlamaForCausalLM(replace(cfg.model, num_hidden_layers=1, vocab_size=64), seed=0).config_to_hf()
-    hf.update(num_hidden_layers=cfg.model.num_hidden_layers, vocab_size=cfg.model.vocab_size)
-    return hf
+    return LlamaForCausalLM.hf_config(cfg.model)
 
 
 def run_one(args) -> dict:
