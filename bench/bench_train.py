@@ -64,7 +64,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from bench.bench_coc import PlainStack, RMSNorm, init_plain, launch, publish, pytorch_tp_sp, release, run_facts  # noqa: E402
+from bench.bench_coc import PlainStack, RMSNorm, launch, publish, pytorch_tp_sp, release, run_facts  # noqa: E402
 from bench.bench_plans import causal_lm_data  # noqa: E402
 from galaxy.config import GalaxyConfig  # noqa: E402
 from galaxy.core.context import ParallelContext, build_groups  # noqa: E402
@@ -222,7 +222,13 @@ class PlainLM(nn.Module):
 
 def plain_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
     """Plain PyTorch: serial (rank 0), or under torch's tensor parallel API (torchtitan's plan)."""
-    model = init_plain(PlainLM(shape), 0).to(ctx.device)
+    with torch.device(ctx.device):  # built and drawn on the device: a 7B init on the host takes minutes
+        model = PlainLM(shape)
+    gen = torch.Generator(ctx.device).manual_seed(0)  # the same draws on every rank
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if not pname.endswith("norm.weight"):
+                p.normal_(0.0, 0.02, generator=gen)
     loss_context = contextlib.nullcontext
     teardown = []
     if name.startswith("native"):
@@ -288,7 +294,7 @@ def torchtitan_contender(name: str, args, shape: dict, ctx: ParallelContext) -> 
         from torchtitan.models import llama3
         from torchtitan.models.common import Embedding, Linear, RoPE
     except Exception as e:  # noqa: BLE001 -- any import failure is the reason
-        raise Unavailable(f"torchtitan does not import: {type(e).__name__}: {e}") from None
+        raise Unavailable(f"torchtitan does not import on torch {torch.__version__}: {type(e).__name__}: {e}") from None
     if ctx.device.type != "cuda":
         raise Unavailable("torchtitan's compile + async TP recipe needs CUDA (symmetric memory)")
     world = ctx.mp.size
@@ -361,7 +367,8 @@ def megatron_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Pr
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.transformer_config import TransformerConfig
     except Exception as e:  # noqa: BLE001 -- any import failure is the reason
-        raise Unavailable(f"megatron-core does not import: {type(e).__name__}: {e}") from None
+        raise Unavailable(f"megatron-core does not import on torch {torch.__version__}: {type(e).__name__}: {e}") \
+            from None
     if ctx.device.type != "cuda":
         raise Unavailable("megatron-core trains on CUDA only")
     world = ctx.mp.size
@@ -473,9 +480,10 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext) -> dict:
     run_ctx = ParallelContext.serial(ctx.device, seed=1234) if alone else ctx
     try:
         prepared = build(name, args, shape, run_ctx)
+        row["build_s"] = round(time.time() - t0, 1)
         times = timed_steps(prepared.step, ctx.device, args.warmup, args.iters)
         peak = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if ctx.device.type == "cuda" else None
-        row.update(spread(times), peak_mib=peak, setup_s=round(time.time() - t0, 1))
+        row.update(spread(times), peak_mib=peak)
         row["comm_bytes"] = eager_comm_bytes(prepared.step)
         if prepared.comm_bytes_metrics is not None:
             row["comm_bytes_metrics"] = prepared.comm_bytes_metrics(prepared.step)
@@ -491,15 +499,15 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext) -> dict:
         release(ctx.device)
     if not agree(error is None, ctx, alone):
         error = error or "another rank failed (see its row there)"
-    if error:
-        return {"name": name, "ranks": ranks, "error": error}
+    if error:  # how far it got: build_s is there when the build succeeded
+        return {"name": name, "ranks": ranks, "error": error, **({"build_s": row["build_s"]} if "build_s" in row else {})}
     if not alone and ctx.world_size > 1:
         gathered = [None] * ctx.world_size
-        dist.all_gather_object(gathered, (row["median_ms"], row["peak_mib"], row["comm_bytes"]))
-        row["per_rank_median_ms"] = [g[0] for g in gathered]
-        row["median_ms"] = max(g[0] for g in gathered)
-        row["peak_mib"] = max(g[1] for g in gathered) if row["peak_mib"] is not None else None
-        row["comm_bytes_per_rank"] = [g[2] for g in gathered]
+        dist.all_gather_object(gathered, row)
+        row["per_rank_median_ms"] = [g["median_ms"] for g in gathered]
+        row["comm_bytes_per_rank"] = [g["comm_bytes"] for g in gathered]
+        for key in ("median_ms", "min_ms", "q1_ms", "q3_ms", "max_ms", "peak_mib"):  # the slowest rank counts
+            row[key] = max(g[key] for g in gathered) if row[key] is not None else None
     return row
 
 

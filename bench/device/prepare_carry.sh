@@ -6,7 +6,9 @@ set -e
 main=${1:?main checkout}; name=${2:?carry name}
 here=$(cd "$(dirname "$0")/../.." && pwd)
 dest="$main/.carry/$name"
-rsync -a --delete --exclude .git --exclude __pycache__ "$here/" "$dest/"
+rm -rf "$dest" && mkdir -p "$dest"
+# the tracked and untracked-not-ignored files, as the device tool itself sends a checkout
+git -C "$here" ls-files -co --exclude-standard -z | (cd "$here" && xargs -0 cp --parents -t "$dest")
 git -C "$here" rev-parse --short HEAD > "$dest/COMMIT"
 mkdir -p "$dest/wheels"
 # torchtitan 0.3.0 and what it imports that the GPU image lacks; megatron-core (cp312: the GPU machine's python)
