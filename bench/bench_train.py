@@ -126,12 +126,29 @@ class CollectiveBytes(TorchDispatchMode):
             "allgather_coalesced_": 0, "allgather_into_tensor_coalesced_": 0, "reduce_scatter_": 1,
             "_reduce_scatter_base_": 1, "reduce_scatter_tensor_coalesced_": 1, "alltoall_": 1, "alltoall_base_": 1}
 
+    @staticmethod
+    def _group_size(args) -> int:
+        """The size of the op's group (a functional op names it last; c10d's pass the ProcessGroup)."""
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        for a in reversed(args):
+            try:
+                if isinstance(a, str):
+                    return _resolve_process_group(a).size()
+                if isinstance(a, torch.ScriptObject):
+                    return dist.ProcessGroup.unbox(a).size()
+            except (RuntimeError, ValueError):  # a ReduceOp, or a name that is not a group
+                continue
+        return 2  # unknown: count it
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         ns, op = func.namespace, func._opname
+        # A group of one rank moves nothing (megatron's distributed optimizer still calls its collectives).
         if ns in ("_c10d_functional", "_c10d_functional_autograd") and op in self.FUNCTIONAL:
             index, piece = self.FUNCTIONAL[op]
-            self.bytes += self._size(args[index]) * (int(args[1]) if piece else 1)  # (input, group_size, ...)
-        elif ns == "c10d" and op in self.C10D:
+            if self._group_size(args) > 1:
+                self.bytes += self._size(args[index]) * (int(args[1]) if piece else 1)  # (input, group_size, ...)
+        elif ns == "c10d" and op in self.C10D and self._group_size(args) > 1:
             self.bytes += self._size(args[self.C10D[op]])
         return func(*args, **(kwargs or {}))
 
@@ -371,6 +388,13 @@ def megatron_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Pr
             from None
     if ctx.device.type != "cuda":
         raise Unavailable("megatron-core trains on CUDA only")
+    if name.endswith("overlap"):
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            raise Unavailable("--tp-comm-overlap needs Transformer Engine (its userbuffers, set up by Megatron-LM's "
+                              "initialize_tp_communicators); megatron-core's local linears never read tp_comm_overlap, "
+                              "and transformer_engine does not import here") from None
     world = ctx.mp.size
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     teardown = [parallel_state.destroy_model_parallel]
