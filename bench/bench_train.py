@@ -116,12 +116,12 @@ class CollectiveBytes(TorchDispatchMode):
             return sum(CollectiveBytes._size(x) for x in t)
         return 0
 
-    # op name -> (argument holding the payload, whether that is one rank's piece of a gather)
-    FUNCTIONAL = {"all_reduce": (0, False), "all_reduce_": (0, False), "all_reduce_coalesced": (0, False),
-                  "all_reduce_coalesced_": (0, False), "all_gather_into_tensor": (0, True),
-                  "all_gather_into_tensor_out": (0, True), "all_gather_into_tensor_coalesced": (0, True),
-                  "reduce_scatter_tensor": (0, False), "reduce_scatter_tensor_coalesced": (0, False),
-                  "all_to_all_single": (0, False), "broadcast": (0, False), "broadcast_": (0, False)}
+    # functional ops: the payload is the first argument; a gather's is one rank's piece (x group_size)
+    GATHERS = {"all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced"}
+    FUNCTIONAL = GATHERS | {"all_reduce", "all_reduce_", "all_reduce_coalesced", "all_reduce_coalesced_",
+                            "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_to_all_single",
+                            "broadcast", "broadcast_"}
+    # c10d's in-place ops: op name -> the argument holding the payload
     C10D = {"allreduce_": 0, "allreduce_coalesced_": 0, "broadcast_": 0, "allgather_": 0, "_allgather_base_": 0,
             "allgather_coalesced_": 0, "allgather_into_tensor_coalesced_": 0, "reduce_scatter_": 1,
             "_reduce_scatter_base_": 1, "reduce_scatter_tensor_coalesced_": 1, "alltoall_": 1, "alltoall_base_": 1}
@@ -145,9 +145,8 @@ class CollectiveBytes(TorchDispatchMode):
         ns, op = func.namespace, func._opname
         # A group of one rank moves nothing (megatron's distributed optimizer still calls its collectives).
         if ns in ("_c10d_functional", "_c10d_functional_autograd") and op in self.FUNCTIONAL:
-            index, piece = self.FUNCTIONAL[op]
             if self._group_size(args) > 1:
-                self.bytes += self._size(args[index]) * (int(args[1]) if piece else 1)  # (input, group_size, ...)
+                self.bytes += self._size(args[0]) * (int(args[1]) if op in self.GATHERS else 1)  # (input, group_size
         elif ns == "c10d" and op in self.C10D and self._group_size(args) > 1:
             self.bytes += self._size(args[self.C10D[op]])
         return func(*args, **(kwargs or {}))
@@ -249,9 +248,6 @@ def plain_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepa
     loss_context = contextlib.nullcontext
     teardown = []
     if name.startswith("native"):
-        if ctx.device.type == "cpu" and name != "native-tp-sp-eager":
-            raise Unavailable("compiled DTensor TP runs on CUDA only in this harness (inductor's CPU backend "
-                              "does not lower the functional collectives it needs)")
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                        loss_parallel, parallelize_module)
@@ -300,8 +296,8 @@ def plain_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepa
 
 def torchtitan_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
     """torchtitan's llama3 model, built and parallelized as its Trainer does (meta init, parallelize_llama
-    with compile + async TP, FSDP2 mixed precision at degree 1, init_weights), stepped by its loss and
-    AdamW with clipping."""
+    with compile + async TP, FSDP2 mixed precision at degree 1, init_weights), stepped with its loss,
+    mask and clipping and the AdamW every contender uses."""
     try:
         import torchtitan
         from torchtitan.components.loss import CrossEntropyLoss
@@ -309,7 +305,7 @@ def torchtitan_contender(name: str, args, shape: dict, ctx: ParallelContext) -> 
         from torchtitan.distributed import ParallelDims
         from torchtitan.distributed import utils as titan_dist
         from torchtitan.models import llama3
-        from torchtitan.models.common import Embedding, Linear, RoPE
+        from torchtitan.models.common import Embedding, Linear
     except Exception as e:  # noqa: BLE001 -- any import failure is the reason
         raise Unavailable(f"torchtitan does not import on torch {torch.__version__}: {type(e).__name__}: {e}") from None
     if ctx.device.type != "cuda":
@@ -319,7 +315,6 @@ def torchtitan_contender(name: str, args, shape: dict, ctx: ParallelContext) -> 
     parallel_dims = ParallelDims.from_config(parallelism, world)
     parallel_dims.build_mesh()
     head_dim = shape["hidden"] // shape["heads"]
-    rope_cls = llama3.ComplexRoPE if hasattr(llama3, "ComplexRoPE") else RoPE
     model_cfg = llama3.Llama3Model.Config(
         dim=shape["hidden"], vocab_size=shape["vocab"],
         tok_embeddings=Embedding.Config(num_embeddings=shape["vocab"], embedding_dim=shape["hidden"],
@@ -331,11 +326,10 @@ def torchtitan_contender(name: str, args, shape: dict, ctx: ParallelContext) -> 
         layers=llama3._build_llama3_layers(
             fuse_qkv=True, n_layers=shape["layers"], dim=shape["hidden"], n_heads=shape["heads"],
             n_kv_heads=shape["heads"], hidden_dim=shape["ffn"], attn_backend="flex",  # its default
-            rope=rope_cls.Config(dim=head_dim, max_seq_len=shape["seq"], theta=10000.0, scaling="none")
-            if rope_cls is not RoPE else RoPE.Config(dim=head_dim, max_seq_len=shape["seq"], theta=10000.0)))
+            rope=llama3.ComplexRoPE.Config(dim=head_dim, max_seq_len=shape["seq"], theta=10000.0, scaling="none")))
     with torch.device("meta"):
         model = model_cfg.build()
-    compile_cfg = CompileConfig(enable=True, enable_async_tensor_parallel=world > 1, components=["model"])
+    compile_cfg = CompileConfig(enable=True, enable_async_tensor_parallel=world > 1)  # model and loss, its default
     training = TrainingConfig(seq_len=shape["seq"], local_batch_size=shape["batch"],
                               mixed_precision_param=args.dtype, mixed_precision_reduce="float32")
     model = llama3.parallelize_llama(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
@@ -344,7 +338,7 @@ def torchtitan_contender(name: str, args, shape: dict, ctx: ParallelContext) -> 
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
-    loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=shape["vocab"]))
+    loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=shape["vocab"]), compile_config=compile_cfg)
     params = list(model.parameters())
     optimizer = adamw(params, ctx.device)
     train_context = titan_dist.get_spmd_context(parallel_dims=parallel_dims)
@@ -481,13 +475,13 @@ def one_line(e: BaseException) -> str:
     return " ".join(text.split())[:400]
 
 
-def agree(ok: bool, ctx: ParallelContext, alone: bool) -> bool:
-    """Whether every rank taking part succeeded (ranks must not diverge into different collectives)."""
+def first_error(error: Optional[str], ctx: ParallelContext, alone: bool) -> Optional[str]:
+    """This rank's error, else another rank's (ranks must not diverge into different collectives)."""
     if alone or ctx.world_size == 1:
-        return ok
-    flag = torch.tensor([0 if ok else 1], device=ctx.device)
-    dist.all_reduce(flag)
-    return flag.item() == 0
+        return error
+    errors = [None] * ctx.world_size
+    dist.all_gather_object(errors, error)
+    return error or next((f"rank {i}: {e}" for i, e in enumerate(errors) if e), None)
 
 
 def run_contender(name: str, args, shape: dict, ctx: ParallelContext) -> dict:
@@ -521,10 +515,9 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext) -> dict:
         torch._dynamo.reset()
         del prepared
         release(ctx.device)
-    if not agree(error is None, ctx, alone):
-        error = error or "another rank failed (see its row there)"
+    error = first_error(error, ctx, alone)
     if error:  # how far it got: build_s is there when the build succeeded
-        return {"name": name, "ranks": ranks, "error": error, **({"build_s": row["build_s"]} if "build_s" in row else {})}
+        return {"name": name, "ranks": ranks, "error": error, **{k: row[k] for k in ("build_s",) if k in row}}
     if not alone and ctx.world_size > 1:
         gathered = [None] * ctx.world_size
         dist.all_gather_object(gathered, row)
