@@ -27,6 +27,9 @@ during the timed iterations (weights, grads and activations of the stack). Scali
 is serial-pytorch / (N x time). A short probe also reports the bf16 matmul rate and the bus
 bandwidth of 32 MiB collectives, the two numbers that bound what overlap can reach.
 
+This times the layers' forward + backward only, to study overlap; whole training steps against the
+same contenders (gradient reductions and optimizer included) are bench/bench_train.py's.
+
 On CPU (--smoke) times are wall-clock and mean nothing; the run shows the script works end to end
 and the checks run in float64.
 """

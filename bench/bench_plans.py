@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Optional
@@ -30,6 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from bench.bench_coc import git_commit  # noqa: E402,F401 -- also bench_checkpoint's and bench_recompute's
 from galaxy.config import DistributedConfig, GalaxyConfig, parse_override  # noqa: E402
 from galaxy.core.context import ParallelContext, build_groups  # noqa: E402
 from galaxy.models import build_model  # noqa: E402
@@ -203,15 +203,6 @@ def worker(rank: int, args, port: int, queue) -> None:
     if rank == 0:
         queue.put(rows)
     base.shutdown()
-
-
-def git_commit() -> str:
-    if os.environ.get("GALAXY_COMMIT"):
-        return os.environ["GALAXY_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:
