@@ -365,12 +365,31 @@ class ShardReader:
                     f"checkpoint '{self.path}' holds {found} of the {target.tensor.numel()} elements of '{target.key}' "
                     f"at offsets {list(target.offsets)} that this rank reads: its manifest lists too few chunks; "
                     "resume from an older checkpoint")
+        # DCP places what it reads by (tensor, offsets): a region wanted twice is read once and copied, and
+        # pieces of one tensor at the same offsets but of other sizes go to separate reads.
+        first: dict[tuple, Chunk] = {}
+        copies, reads, placed = [], [], []  # placed[i]: the (key, offsets) of reads[i]
+        for target in targets:
+            same = first.setdefault((target.key, target.offsets, tuple(target.tensor.shape), target.tensor.dtype),
+                                    target)
+            if same is not target:
+                copies.append((same, target))
+                continue
+            i = next((i for i, p in enumerate(placed) if (target.key, target.offsets) not in p), len(reads))
+            if i == len(reads):
+                reads.append([])
+                placed.append(set())
+            reads[i].append(target)
+            placed[i].add((target.key, target.offsets))
         try:
-            with _per_rank():
-                dcp.load({c.ident: c.tensor for c in targets}, storage_reader=_ManifestReader(self.path, self.metadata),
-                         planner=_RegionLoadPlanner(targets), no_dist=True)
+            for read in reads:
+                with _per_rank():
+                    dcp.load({c.ident: c.tensor for c in read}, storage_reader=_ManifestReader(self.path, self.metadata),
+                             planner=_RegionLoadPlanner(read), no_dist=True)
         except Exception as e:  # the files matched their checksums: a manifest that does not fit them
             raise InvalidCheckpointError(f"checkpoint '{self.path}' cannot be read: {type(e).__name__}: {e}") from None
+        for same, target in copies:
+            target.tensor.copy_(same.tensor)
 
     def read_full(self, keys) -> dict[str, torch.Tensor]:
         out = {key: torch.empty(self.shape(key), dtype=self.dtype(key)) for key in keys}
