@@ -113,7 +113,7 @@ def run_steps(trainer: Trainer, batch_at, start: int, stop: int) -> list[float]:
 
 def serial_reference(ctx, case):
     """The serial model's trainer after ``SAVED_AT`` steps, and its losses of the steps after."""
-    _, serial_cfg, _, serial, batch_at = build(ctx, case)
+    _, serial_cfg, _, serial, batch_at = build(ctx, dict(case, max_steps=STEPS))
     ref = Trainer(serial, serial_cfg, ParallelContext.serial())
     run_steps(ref, batch_at, 0, SAVED_AT)
     state = {n: {k: v.clone() for k, v in ref.optimizer.state[p].items()} for n, p in serial.named_parameters()}
@@ -142,7 +142,7 @@ def check_loaded(trainer: Trainer, model, weights: dict, state: dict) -> int:
         return spec.slice(full) if spec is not None else full
 
     for name, p in model.named_parameters():
-        err = rel_err(p.detach(), local(name, p, weights[name]))
+        err = rel_err(p.detach(), local(name, p, weights[name]), 0.02 * p.numel() ** 0.5)
         assert err < TOL, f"weight {name}: relative error {err:.2e}"
     pieces = {id(e["shard"]): e for e in trainer.grad_sync.shard_layout()}
 
@@ -157,13 +157,14 @@ def check_loaded(trainer: Trainer, model, weights: dict, state: dict) -> int:
     optim, compared = local_optimizer(trainer.optimizer), 0
     for group in optim.param_groups:
         for t in group["params"]:
-            if id(t) in pieces:  # the fp32 master piece
-                err = rel_err(t.detach(), expected(t, weights))
+            if id(t) in pieces:  # the master piece
+                err = rel_err(t.detach(), expected(t, weights), 0.02 * t.numel() ** 0.5)
                 assert err < TOL, f"sharded piece: relative error {err:.2e}"
             got = optim.state[t]
             assert got["step"].item() == SAVED_AT
-            for key in ("exp_avg", "exp_avg_sq"):
-                err = rel_err(got[key], expected(t, {n: s[key] for n, s in state.items()}), 1e-30)
+            # Floors for moments of gradients that are rounding noise (an attention key bias has none).
+            for key, floor in (("exp_avg", 1e-6), ("exp_avg_sq", 1e-10)):
+                err = rel_err(got[key], expected(t, {n: s[key] for n, s in state.items()}), floor * t.numel() ** 0.5)
                 assert err < TOL, f"{names.get(t, 'sharded piece')} {key}: relative error {err:.2e}"
             compared += 1
     return compared
@@ -246,22 +247,25 @@ def edit_manifest(src: str, dst: str, edit) -> str:
     return dst
 
 
-def split_param(tensors: dict) -> str:
-    """A parameter whose optimizer state was saved in pieces by both mp ranks (split by the sharding)."""
-    return next(k for k, t in tensors.items() if k.startswith("optim/") and k.endswith("/exp_avg")
-                and len(t["chunks"]) > 1 and len(t["shape"]) == 2)
+def moments_of(tensors: dict, module: str, split: bool) -> str:
+    """The first moments of a replicated weight that galaxy2 shards (the MLP's, the norms'); ``split``:
+    one that both mp ranks saved pieces of. A norm scale shares its bucket with others of its kind."""
+    return next(k for k, t in tensors.items() if k.startswith("optim/") and k.endswith(f"{module}/exp_avg")
+                and (len(t["chunks"]) > 1 or not split))
 
 
 def test_missing_regions_and_partial_optimizer_states_are_refused(dist_pool, saved, tmp_path):
     source = os.path.join(saved("sharded-galaxy2-w2"), f"step_{SAVED_AT:06d}")
     sharded = dict(GALAXY2, mp_grad_reduce="sharded")
     # a chunk missing from the manifest: the region it held is nowhere
-    dropped = edit_manifest(source, str(tmp_path / "dropped"), lambda t: t[split_param(t)]["chunks"].pop())
+    dropped = edit_manifest(source, str(tmp_path / "dropped"),
+                            lambda t: t[moments_of(t, "intermediate.dense.weight", split=True)]["chunks"].pop())
     messages = dist_pool.run(load_expecting, 2, sharded, dropped, r"holds \d+ of the \d+ elements of 'optim/.*"
                                                                    r"manifest lists too few chunks")
     assert len(set(messages)) == 1, "every rank raises the same error"
     # one weight's moments missing altogether, while its piece holds other weights that have them
-    lacking = edit_manifest(source, str(tmp_path / "lacking"), lambda t: t.pop(split_param(t)))
+    lacking = edit_manifest(source, str(tmp_path / "lacking"),
+                            lambda t: t.pop(moments_of(t, "output.LayerNorm.weight", split=False)))
     dist_pool.run(load_expecting, 2, sharded, lacking, r"lacks optimizer state 'exp_avg' of .*incomplete")
     dist_pool.run(load_expecting, 2, GALAXY2, lacking, r"holds optimizer states .* for one parameter and .* for "
                                                        r"others; the checkpoint is incomplete")
