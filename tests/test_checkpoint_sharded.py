@@ -357,3 +357,23 @@ def test_each_rank_hashes_only_the_files_it_reads(dist_pool, tmp_path):
     for rank, (step, hashed) in enumerate(dist_pool.run(load_counting_hashes, 2, str(tmp_path), pp=2)):
         assert step == "step_000001", "every rank fell back to the older checkpoint"
         assert "step_000002/__1_0.distcp" not in hashed if rank == 0 else "step_000002/__0_0.distcp" not in hashed
+
+
+def test_bare_resume_hands_the_save_directory_to_the_load(tmp_path):
+    """``--resume`` without a path: nothing to resume from an empty directory or an interrupted save;
+    otherwise the save directory itself, whose newest valid checkpoint the collective load picks."""
+    import argparse
+
+    from galaxy.cli.args import resume_path
+
+    args = argparse.Namespace(resume="latest", save_dir=str(tmp_path))
+    assert resume_path(args) is None
+    (tmp_path / "step_000002").mkdir()  # an interrupted save: no manifest
+    assert resume_path(args) is None
+    ctx = ParallelContext.serial()
+    cfg, _, model, _, batch_at = build(ctx, dict(plan="none", max_steps=1))
+    train(model, batch_at, cfg, ctx, progress=False, save_dir=str(tmp_path))
+    assert resume_path(args) == str(tmp_path)
+    cfg, _, model, _, _ = build(ctx, dict(plan="none", max_steps=1))
+    trainer = Trainer(model, cfg, ctx)
+    assert load_checkpoint(resume_path(args), model, trainer.optimizer, trainer.schedule, ctx).step == 1

@@ -11,15 +11,19 @@ One directory per step, ``<save_dir>/step_000005/`` (format 2)::
     manifest.json          written last: size and sha256 of every file above, step, world, plan, and
                            every full tensor's dtype, shape and chunks (file, offset, length) as JSON
 
-How tensors become chunks and back: ``shards`` (DCP) and ``regions`` (model and optimizer). Format 1
-checkpoints (everything full on rank 0, ``legacy``) still load and export.
+How tensors become chunks and back: ``shards`` (DCP) and ``regions`` (model and optimizer; the flat
+pieces of ``mp_grad_reduce: sharded`` weights, their masters and states, as regions of the full
+parameters, so they load under any plan or mode). Format 1 checkpoints (everything full on rank 0,
+``legacy``) still load and export.
 
 Atomicity: the ranks write into ``step_000005.tmp-<nonce>/``; when every rank has written and
 fsynced its files, global rank 0 writes the JSON files, renames the directory to ``step_000005/`` and
 then writes ``manifest.json`` through a temporary file + fsync + rename. A checkpoint is valid only with
 a manifest whose sizes and checksums match, so a crash (or ``kill -9``) at any point of a save leaves
-the previous checkpoint the newest valid one. Loading assumes every rank sees the checkpoint directory
-(a shared file system); saving assumes every rank writes into the same one.
+the previous checkpoint the newest valid one. Loading checks the sizes of all files and the checksums
+of the files each rank reads (no rank hashes the whole checkpoint); from a save directory, a checkpoint
+that any rank finds damaged is skipped by all for the next older one. Loading assumes every rank sees
+the checkpoint directory (a shared file system); saving assumes every rank writes into the same one.
 """
 
 from __future__ import annotations
@@ -38,9 +42,9 @@ import torch.nn as nn
 from galaxy.core.context import ParallelContext
 from galaxy.train.checkpoint import legacy
 from galaxy.train.checkpoint.files import (RNG_FILE, STATE_FILE, CheckpointError, InvalidCheckpointError,
-                                           check_sizes, checkpoint_candidates, json_bytes, latest_valid_checkpoint,
-                                           prune, publish, read_json, resolve_checkpoint, step_dir_name,
-                                           verify_checkpoint, write_bytes)
+                                           check_sizes, checkpoint_candidates, has_checkpoint, json_bytes,
+                                           latest_valid_checkpoint, prune, publish, read_json, resolve_checkpoint,
+                                           step_dir_name, verify_checkpoint, write_bytes)
 from galaxy.train.checkpoint.hf_export import export_hf
 from galaxy.train.checkpoint.regions import load_model, model_chunks, optimizer_chunks, read_optimizer_state
 from galaxy.train.checkpoint.shards import (DCP_METADATA_FILE, ShardReader, WritePlan, dcp_metadata_bytes,
@@ -49,8 +53,9 @@ from galaxy.train.checkpoint.state import (check_optimizer, gather_world_json, i
                                            layout, param_groups, restore_rng, rng_record, run_record, state_record,
                                            world_sum)
 
-__all__ = ["CheckpointError", "CheckpointState", "PendingCheckpoint", "export_hf", "latest_valid_checkpoint",
-           "load_checkpoint", "prune", "resolve_checkpoint", "save_checkpoint", "step_dir_name", "verify_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointState", "PendingCheckpoint", "export_hf", "has_checkpoint",
+           "latest_valid_checkpoint", "load_checkpoint", "prune", "resolve_checkpoint", "save_checkpoint",
+           "step_dir_name", "verify_checkpoint"]
 
 logger = logging.getLogger(__name__)
 

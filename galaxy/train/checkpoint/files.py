@@ -186,6 +186,11 @@ def checkpoint_candidates(path_or_dir: str) -> list[str]:
     return [path_or_dir] if is_step_dir(path_or_dir) else [path for _, path in _step_dirs(path_or_dir)]
 
 
+def has_checkpoint(directory: str) -> bool:
+    """Whether ``directory`` holds a step directory with a manifest (not yet whether it verifies)."""
+    return any(os.path.isfile(os.path.join(path, MANIFEST_FILE)) for _, path in _step_dirs(directory))
+
+
 def _step_dirs(directory: str) -> list[tuple[int, str]]:
     """(step, path) of every ``step_N`` directory, newest first."""
     if not os.path.isdir(directory):
