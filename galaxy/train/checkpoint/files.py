@@ -97,7 +97,7 @@ def read_manifest(path: str) -> dict:
     mpath = os.path.join(path, MANIFEST_FILE)
     if not os.path.isfile(mpath):
         raise InvalidCheckpointError(f"checkpoint '{path}' has no {MANIFEST_FILE}: the save did not complete; "
-                              "resume from an older checkpoint")
+                                     "resume from an older checkpoint")
     try:
         with open(mpath, "rb") as f:
             manifest = json.loads(f.read())
@@ -118,7 +118,7 @@ def read_manifest(path: str) -> dict:
                     len(chunk["offsets"]), len(chunk["sizes"]), int(chunk["offset"]), int(chunk["length"])
     except (ValueError, KeyError, TypeError) as e:
         raise InvalidCheckpointError(f"checkpoint manifest '{mpath}' is corrupt ({type(e).__name__}: {e}); "
-                              "resume from an older checkpoint") from None
+                                     "resume from an older checkpoint") from None
     return manifest
 
 
@@ -132,7 +132,7 @@ def verify_file(path: str, name: str, manifest: dict) -> None:
         raise InvalidCheckpointError(f"checkpoint file '{fpath}' cannot be read ({e})") from None
     if found["size"] != int(entry["size"]):
         raise InvalidCheckpointError(f"checkpoint file '{fpath}' is truncated or altered: {found['size']} bytes, "
-                              f"the manifest says {entry['size']}")
+                                     f"the manifest says {entry['size']}")
     if found["sha256"] != entry["sha256"]:
         raise InvalidCheckpointError(f"checkpoint file '{fpath}' fails its sha256 checksum: the file is corrupt")
 
@@ -148,7 +148,8 @@ def read_json(path: str, name: str, manifest: dict) -> dict:
     try:
         return json.loads(read_verified(path, name, manifest))
     except ValueError as e:
-        raise InvalidCheckpointError(f"checkpoint file '{os.path.join(path, name)}' is not valid JSON ({e})") from None
+        raise InvalidCheckpointError(f"checkpoint file '{os.path.join(path, name)}' is not valid JSON "
+                                     f"({e})") from None
 
 
 def verify_checkpoint(path: str) -> dict:

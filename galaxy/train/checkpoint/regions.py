@@ -124,8 +124,9 @@ def sharded_pieces(model: nn.Module, layout: list[dict]) -> dict[torch.Tensor, l
             region, at = param_region(names[p], p), lo - entry["start"]
             for offsets, sizes in flat_blocks(tuple(p.shape), lo - offset, hi - offset):
                 full = tuple(a + b for a, b in zip(region.offsets, offsets))
-                pieces.append(StatePiece(StateRegion(region.name, region.shape, full), sizes, at, at + math.prod(sizes)))
-                at += math.prod(sizes)
+                stop = at + math.prod(sizes)
+                pieces.append(StatePiece(StateRegion(region.name, region.shape, full), sizes, at, stop))
+                at = stop
             offset += p.numel()
         out[entry["shard"]] = pieces
     return out
@@ -344,9 +345,10 @@ def read_optimizer_state(reader: ShardReader, model: nn.Module, optimizer, layou
                 continue
             names = sorted({want.name for want, _, value in reads if value is None})
             if names:
+                has = next(want.name for want, _, value in reads if value is not None)
                 raise CheckpointError(f"checkpoint '{reader.path}' lacks optimizer state '{state_key}' of {names[:3]}, "
-                                      f"which one stepped tensor holds together with {reads[0][0].name!r} that has "
-                                      "it; the checkpoint is incomplete or for another model")
+                                      f"which one stepped tensor holds together with {has!r} that has it; the "
+                                      "checkpoint is incomplete or for another model")
             if all(value is want.target for want, _, value in reads):
                 state.setdefault(index[t], {})[state_key] = reads[0][1]
             elif any(not torch.equal(value, values[0]) or value is want.target for want, _, value in reads):

@@ -338,8 +338,8 @@ class ShardReader:
         try:
             self.metadata = dcp_metadata(self.tensors)
         except (ValueError, TypeError, RuntimeError) as e:
-            raise InvalidCheckpointError(f"checkpoint manifest '{os.path.join(path, 'manifest.json')}' describes unusable "
-                                  f"tensors ({type(e).__name__}: {e})") from None
+            raise InvalidCheckpointError(f"checkpoint manifest '{os.path.join(path, 'manifest.json')}' describes "
+                                         f"unusable tensors ({type(e).__name__}: {e})") from None
         self.verified: set[str] = set()
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -384,8 +384,8 @@ class ShardReader:
         try:
             for read in reads:
                 with _per_rank():
-                    dcp.load({c.ident: c.tensor for c in read}, storage_reader=_ManifestReader(self.path, self.metadata),
-                             planner=_RegionLoadPlanner(read), no_dist=True)
+                    dcp.load({c.ident: c.tensor for c in read}, planner=_RegionLoadPlanner(read), no_dist=True,
+                             storage_reader=_ManifestReader(self.path, self.metadata))
         except Exception as e:  # the files matched their checksums: a manifest that does not fit them
             raise InvalidCheckpointError(f"checkpoint '{self.path}' cannot be read: {type(e).__name__}: {e}") from None
         for same, target in copies:
