@@ -19,6 +19,7 @@ import torch
 
 from galaxy.config import KEY_SECTION, GalaxyConfig
 from galaxy.core.context import ParallelContext
+from galaxy.core.grad_sync import gather_full
 from galaxy.core.layers import shard_spec
 from galaxy.models.bert import BertForMaskedLM
 from galaxy.models.llama import LlamaForCausalLM
@@ -220,6 +221,89 @@ def test_checkpoint_moves_between_plans_worlds_and_modes(dist_pool, saved, sourc
     assert all(compared > 0 for compared, _ in out)
     if case.get("mp_grad_reduce") == "sharded":
         assert all(shards > 0 for _, shards in out), "the loading run steps sharded pieces"
+
+
+def save_bf16_masters(ctx, directory):
+    """galaxy2 under bfloat16 autocast, ``sharded``: 3 steps, saved; returns every weight's fp32 master
+    (the sharded ones gathered from the pieces of every mp rank, as the layout says)."""
+    from galaxy.train.loop import autocast_context
+
+    cfg, _, model, _, batch_at = build(ctx, dict(GALAXY2, mp_grad_reduce="sharded", dtype="bfloat16"))
+    trainer = Trainer(model, cfg, ctx)
+    for step in range(SAVED_AT):
+        loss = trainer.forward_backward(trainer.read_batch(batch_at, step), lambda: autocast_context(cfg, ctx.device))
+        trainer.optimizer_step(loss, step + 1)
+    save_checkpoint(directory, SAVED_AT, model, trainer.optimizer, trainer.schedule, ctx, cfg,
+                    grad_reducer=trainer.grad_sync)
+    masters = {n: gather_full(p.detach(), p, ctx.mp).clone() for n, p in model.named_parameters()}
+    names = {p: n for n, p in model.named_parameters()}
+    for e in trainer.grad_sync.shard_layout():
+        flat = ctx.mp.all_gather(e["shard"].detach(), 0, [e["stop"] - e["start"]] * ctx.mp.size)[:e["numel"]]
+        for p, w in zip(e["params"], flat.split([p.numel() for p in e["params"]])):
+            assert p.dtype == torch.bfloat16 and w.dtype == torch.float32
+            masters[names[p]] = w.view_as(p).clone()
+    trainer.grad_sync.remove()
+    return masters
+
+
+def load_bf16_masters(ctx, case, directory, masters):
+    cfg, _, model, _, _ = build(ctx, dict(case, dtype="bfloat16"))
+    trainer = Trainer(model, cfg, ctx)
+    load_checkpoint(directory, model, trainer.optimizer, trainer.schedule, ctx, cfg, grad_reducer=trainer.grad_sync)
+    layout = trainer.grad_sync.shard_layout()
+    for name, p in model.named_parameters():  # the model's weights: fp32, or bf16 copies of the masters
+        spec = shard_spec(p)
+        want = spec.slice(masters[name]) if spec is not None else masters[name]
+        assert torch.equal(p.detach(), want.to(p.dtype)), name
+    names = {p: n for n, p in model.named_parameters()}
+    for e in layout:  # the pieces: fp32 masters, exactly the slices the layout gives
+        flat = torch.cat([masters[names[p]].reshape(-1) for p in e["params"]])
+        flat = torch.nn.functional.pad(flat, (0, e["stop"] - e["start"]))[e["start"]:e["stop"]]
+        assert e["shard"].dtype == torch.float32 and torch.equal(e["shard"].detach(), flat)
+    trainer.grad_sync.remove()
+    return len(layout)
+
+
+@pytest.mark.parametrize("world,case", [(2, dict(GALAXY2, mp_grad_reduce="sharded")),
+                                        (3, dict(UNEVEN3, mp_grad_reduce="sharded")),
+                                        (3, UNEVEN3)])
+def test_bf16_masters_survive_the_move(dist_pool, tmp_path, world, case):
+    """Under bfloat16 autocast the sharded weights' fp32 masters exist only in the pieces; a checkpoint
+    carries them exactly into the pieces (or fp32 weights) of another world, plan or mode."""
+    masters = dist_pool.run(save_bf16_masters, 2, str(tmp_path))[0]
+    pieces = dist_pool.run(load_bf16_masters, world, case, str(tmp_path), masters)
+    assert all(n > 0 for n in pieces) == (case.get("mp_grad_reduce") == "sharded")
+
+
+def test_async_staging_copies_a_piece_as_it_was(tmp_path):
+    """A sharded piece is a view into its flat shard: the async save stages that view alone, with the
+    values it had when the save started (the write itself held back until the shard has changed)."""
+    import io
+    import threading
+
+    from galaxy.train.checkpoint import shards
+
+    flat = torch.arange(20, dtype=torch.float64)
+    gate, write = threading.Event(), shards._RankWriter.write_data
+
+    def held_back(self, plan, planner):
+        assert gate.wait(30)
+        return write(self, plan, planner)
+
+    shards._RankWriter.write_data = held_back  # test-only: the write waits for the change below
+    try:
+        done = shards.write_chunks(str(tmp_path), 0, [shards.Chunk("x", (4, 3), (1, 0), flat[5:11].view(2, 3))],
+                                   async_save=True)
+        flat.add_(100)
+        gate.set()
+        chunk = done.result()["chunks"]["x"][0]
+    finally:
+        shards._RankWriter.write_data = write
+    with open(tmp_path / chunk["file"], "rb") as f:
+        f.seek(chunk["offset"])
+        saved = torch.load(io.BytesIO(f.read(chunk["length"])), weights_only=True)
+    assert torch.equal(saved, torch.arange(5, 11, dtype=torch.float64).view(2, 3))
+    assert saved.untyped_storage().nbytes() == 6 * 8, "only the piece is written, not its whole shard"
 
 
 # ----------------------------------------------------------------------------- bad input: one clear line
