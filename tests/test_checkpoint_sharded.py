@@ -373,6 +373,37 @@ def test_sharded_optimizer_without_its_layout_is_refused(dist_pool, tmp_path):
 # ----------------------------------------------------------------------------- async saves in train()
 
 
+def test_async_saves_overlap_the_next_steps_and_resume_exactly(tmp_path):
+    """``checkpoint_async_mode: async``: the save after step 1 is still being written while step 2 runs
+    (its write is held until step 2 has ended: a synchronous save would wait forever); the save after
+    step 2 and the end of training wait for the pending ones, so all are complete when ``train``
+    returns, and resuming from the first repeats the run."""
+    import threading
+
+    from galaxy.train.checkpoint import shards
+
+    ctx = ParallelContext.serial()
+    case = dict(plan="none", max_steps=3, checkpoint_async_mode="async")
+    cfg, _, model, _, batch_at = build(ctx, case)
+    step_two, write = threading.Event(), shards._RankWriter.write_data
+
+    def after_step_two(self, plan, planner):
+        assert step_two.wait(60), "the save held training up"
+        return write(self, plan, planner)
+
+    shards._RankWriter.write_data = after_step_two  # test-only
+    try:
+        whole = train(model, batch_at, cfg, ctx, progress=False, save_dir=str(tmp_path), save_every=1,
+                      on_step=lambda step, loss: step == 2 and step_two.set()).losses
+    finally:
+        shards._RankWriter.write_data = write
+    assert sorted(os.listdir(tmp_path)) == ["step_000001", "step_000002", "step_000003"]
+    assert all(ckpt_files.verify_checkpoint(str(tmp_path / d)) for d in os.listdir(tmp_path))
+    cfg, _, model, _, batch_at = build(ctx, case)
+    resumed = train(model, batch_at, cfg, ctx, progress=False, resume=str(tmp_path / "step_000001")).losses
+    assert resumed == whole[1:]
+
+
 def test_async_save_failure_stops_training_with_one_line(tmp_path):
     """The save directory is a file: the failed write surfaces when the next save waits for it."""
     not_a_dir = tmp_path / "file"
