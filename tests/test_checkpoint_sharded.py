@@ -30,6 +30,7 @@ from galaxy.train.checkpoint.shards import ShardReader
 from galaxy.train.checkpoint.state import local_optimizer
 from galaxy.train.loop import Trainer, train
 from galaxy.data.pretraining import mlm_data
+from tests.test_checkpoint import flip_bytes
 from tests.test_dp_pp import BERT, LLAMA, TRAIN, llama_batch_at, rel_err
 
 UNEVEN3 = dict(plan="galaxy", tp_num_attention_heads_list=[1, 3, 2], tp_intermediate_size_list=[10, 20, 10],
@@ -463,12 +464,7 @@ def test_each_rank_hashes_only_the_files_it_reads(dist_pool, tmp_path):
         assert step == "step_000002"
         assert sorted(hashed) == sorted([f"step_000002/__{rank}_0.distcp", "step_000002/state.json",
                                          "step_000002/rng.json"]), hashed
-    newest = tmp_path / "step_000002" / "__1_0.distcp"
-    with open(newest, "r+b") as f:
-        f.seek(newest.stat().st_size // 2)
-        byte = f.read(1)
-        f.seek(newest.stat().st_size // 2)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_bytes(str(tmp_path / "step_000002" / "__1_0.distcp"))
     for rank, (step, hashed) in enumerate(dist_pool.run(load_counting_hashes, 2, str(tmp_path), pp=2)):
         assert step == "step_000001", "every rank fell back to the older checkpoint"
         assert "step_000002/__1_0.distcp" not in hashed if rank == 0 else "step_000002/__0_0.distcp" not in hashed
