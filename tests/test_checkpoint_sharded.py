@@ -85,18 +85,20 @@ def sharded_resume_is_exact(ctx, case, directory):
     return None
 
 
-@pytest.mark.parametrize("name,world,dp,case", [
-    ("galaxy2-w2", 2, 1, GALAXY2),
-    ("galaxy-w3-uneven-async", 3, 1, dict(UNEVEN3, checkpoint_async_mode="async")),
-    ("galaxy2-w2-bf16", 2, 1, dict(GALAXY2, dtype="bfloat16")),
-    ("dp2-galaxy2-zero1", 4, 2, DP2_ZERO1),
+@pytest.mark.parametrize("name,world,dp,pp,case", [
+    ("galaxy2-w2", 2, 1, 1, GALAXY2),
+    ("galaxy-w3-uneven-async", 3, 1, 1, dict(UNEVEN3, checkpoint_async_mode="async")),
+    ("galaxy2-w2-bf16", 2, 1, 1, dict(GALAXY2, dtype="bfloat16")),
+    ("dp2-galaxy2-zero1", 4, 2, 1, DP2_ZERO1),
+    ("llama-pp2-galaxy2-tied", 4, 1, 2, dict(model="llama", pp_size=2, plan="galaxy2", tie_word_embeddings=True,
+                                              num_microbatches=2)),
 ])
-def test_sharded_run_resumes_bit_identically(dist_pool, tmp_path, name, world, dp, case):
+def test_sharded_run_resumes_bit_identically(dist_pool, tmp_path, name, world, dp, pp, case):
     """5 steps of ``train`` under ``sharded`` saving after step 3; steps 4-5 resumed from it in a fresh
     model, trainer and optimizer repeat the uninterrupted run's losses, and its final checkpoint holds
     the same tensors bit for bit (under bfloat16 the weights are saved from the fp32 masters)."""
     case = dict(case, mp_grad_reduce="sharded", max_steps=STEPS)
-    dtypes = dist_pool.run(sharded_resume_is_exact, world, case, str(tmp_path), dp=dp)[0]
+    dtypes = dist_pool.run(sharded_resume_is_exact, world, case, str(tmp_path), dp=dp, pp=pp)[0]
     wanted = "torch.float32" if case.get("dtype") == "bfloat16" else "torch.float64"
     assert set(dtypes.values()) == {wanted}, dtypes
 

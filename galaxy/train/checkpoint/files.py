@@ -205,8 +205,9 @@ def _step_dirs(directory: str) -> list[tuple[int, str]]:
 
 
 def latest_valid_checkpoint(directory: str) -> Optional[str]:
-    """The newest checkpoint under ``directory`` that verifies; invalid newer ones are skipped
-    with a warning. None when there is none."""
+    """The newest checkpoint under ``directory`` that verifies (every file hashed: a check for one
+    process, e.g. a tool; resuming hands the save directory to ``load_checkpoint``, where each rank
+    checks only what it reads); invalid newer ones are skipped with a warning. None when there is none."""
     for _, path in _step_dirs(directory):
         try:
             verify_checkpoint(path)
