@@ -490,3 +490,18 @@ def test_bare_resume_hands_the_save_directory_to_the_load(tmp_path):
     cfg, _, model, _, _ = build(ctx, dict(plan="none", max_steps=1))
     trainer = Trainer(model, cfg, ctx)
     assert load_checkpoint(resume_path(args), model, trainer.optimizer, trainer.schedule, ctx).step == 1
+
+
+def test_flat_blocks_cover_a_flat_range_in_order():
+    """Every range of a row-major tensor's elements, cut into blocks, is those elements in order."""
+    from galaxy.train.checkpoint.regions import flat_blocks
+    from galaxy.train.checkpoint.shards import narrow
+
+    for shape in [(7,), (3, 5), (2, 3, 4), (1, 1, 6), (4, 1, 3)]:
+        index = torch.arange(torch.Size(shape).numel()).view(shape)
+        for start in range(index.numel()):
+            for stop in range(start + 1, index.numel() + 1):
+                blocks = flat_blocks(shape, start, stop)
+                got = torch.cat([narrow(index, offsets, sizes).reshape(-1) for offsets, sizes in blocks])
+                assert torch.equal(got, torch.arange(start, stop)), (shape, start, stop, blocks)
+                assert len(blocks) <= 2 * len(shape) - 1
