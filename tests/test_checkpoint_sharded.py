@@ -4,8 +4,8 @@ verifies when it loads.
 The sharded weights' masters and AdamW states live in flat pieces of buckets spread over the mp ranks;
 a checkpoint holds them as regions of the full parameters. So a run resumed under the same plan repeats
 the uninterrupted run bit for bit (float64 and bfloat16 autocast, whose fp32 masters exist only in the
-pieces; DP x mp with ZeRO-1 too), and a checkpoint moves between plans, world sizes and modes with
-weights, moments, step counts and pieces equal to the serial model trained as many steps (float64).
+pieces; DP x mp with ZeRO-1, and pipelines, too), and a checkpoint moves between plans, world sizes and
+modes with weights, moments, step counts and pieces equal to the serial model trained as many steps.
 The harness (tiny BERT / LLaMA, float64) is tests/test_dp_pp.py's."""
 
 from __future__ import annotations
