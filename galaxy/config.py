@@ -133,6 +133,10 @@ class TrainConfig:
     task: str = "mlm"  # BERT: mlm (masked-LM pretraining) | classify (sequence classification on labelled data)
     eval_every: int = 0  # evaluate on the held-out split every N steps (0: never)
     eval_iters: int = 4  # global batches per evaluation
+    # Checkpoint saves (--save_dir), as torchtitan's async_mode: 'disabled' (each save finishes before the
+    # next step) | 'async' (the tensors are copied to CPU, written while training goes on; the next save
+    # and the end of training wait for it).
+    checkpoint_async_mode: str = "disabled"
 
 
 @dataclass
@@ -459,6 +463,7 @@ class GalaxyConfig:
             ("train", "lr_schedule"): ("linear", "cosine", "constant"),
             ("train", "dtype"): ("float32", "float64", "bfloat16", "float16"),
             ("train", "task"): ("mlm", "classify"),
+            ("train", "checkpoint_async_mode"): ("disabled", "async"),
             ("train", "device"): ("auto", "cpu", "cuda", "npu"),
             ("distributed", "distributed_backend"): ("auto", "gloo", "nccl", "hccl"),
             ("peft", "tuning"): tuple(TUNING_FLAGS.values()),

@@ -119,17 +119,6 @@ def test_fp16_loss_scaling_and_float16_reductions(dist_pool, mode):
             assert rel_err(p, params["after_backward"][name], 0.02 * p.numel() ** 0.5) < 1e-3, name
 
 
-def sharded_checkpoint_refused(ctx, tmp):
-    cfg, _, model, _, batch_at = build(ctx, dict(plan="sp", mp_grad_reduce="sharded", max_steps=1))
-    with pytest.raises(ConfigError, match="mp_grad_reduce"):
-        train(model, batch_at, cfg, ctx, progress=False, save_dir=tmp)
-    return True
-
-
-def test_sharded_mode_refuses_checkpoints_with_one_clear_line(dist_pool, tmp_path):
-    assert all(dist_pool.run(sharded_checkpoint_refused, 2, str(tmp_path)))
-
-
 def test_mp_grad_reduce_is_validated():
     with pytest.raises(ConfigError, match="mp_grad_reduce.*after_backward, overlap, sharded"):
         GalaxyConfig.from_dict({"mp_grad_reduce": "async"})

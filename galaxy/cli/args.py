@@ -88,14 +88,15 @@ def check_checkpoint_flags(args: argparse.Namespace) -> None:
 
 
 def resume_path(args: argparse.Namespace) -> Optional[str]:
-    """What to resume from: --resume PATH, or for a bare --resume the newest valid checkpoint in
-    --save_dir (None, starting afresh with a warning, when it holds none yet)."""
+    """What to resume from: --resume PATH, or for a bare --resume --save_dir itself, whose newest valid
+    checkpoint the load picks, each rank checking only the files it reads (None, starting afresh with a
+    warning, when it holds no checkpoint yet)."""
     resume = getattr(args, "resume", None)
     if resume != "latest":
         return resume
-    from galaxy.train.checkpoint import latest_valid_checkpoint
+    from galaxy.train.checkpoint import has_checkpoint
 
-    found = latest_valid_checkpoint(args.save_dir)
-    if found is None:
-        logger.warning("--resume: no valid checkpoint in '%s' yet; starting from step 0", args.save_dir)
-    return found
+    if not has_checkpoint(args.save_dir):
+        logger.warning("--resume: no checkpoint in '%s' yet; starting from step 0", args.save_dir)
+        return None
+    return args.save_dir

@@ -210,7 +210,8 @@ class GradReducer:
     def shard_layout(self) -> list[dict]:
         """Where each ``sharded`` weight lives: per shard, its parameters (in flat order, each
         ``numel`` long) and the slice ``[start, stop)`` of the padded flat bucket this rank holds.
-        A checkpoint reads each weight's optimizer state from the pieces of every mp rank."""
+        Checkpoints save and load the pieces (masters and optimizer states) as regions of the full
+        weights through it (``galaxy.train.checkpoint.regions.sharded_pieces``)."""
         layout = []
         for b in self.buckets:
             if b.shard is not None:

@@ -458,7 +458,9 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
     ``profile_json`` from rank 0; step K is left out of the throughput numbers.
     Checkpoints (``galaxy.train.checkpoint``): ``resume`` (a step directory, or a save directory for
     its newest valid checkpoint) restores everything and continues after its step; with ``save_dir``
-    and ``save_every`` N, a checkpoint after every N-th step and the last, keeping ``keep_last``.
+    and ``save_every`` N, a checkpoint after every N-th step and the last, keeping ``keep_last``
+    (``checkpoint_async_mode: async``: written while the next steps run; the next save and the end of
+    training wait for it, and a failed write stops the run with one line).
     ``eval_at(i)``: the held-out split's i-th global batch; with ``eval_every`` N, ``eval_iters`` of
     them are evaluated after every N-th step and the last (``galaxy.train.evaluate``)."""
     t = cfg.train
@@ -466,15 +468,12 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
         raise ConfigError("config key 'dp_engine' is 'deepspeed', whose engine keeps the optimizer state in its own "
                           "format, which checkpoints do not read; use dp_engine 'zero1' or 'ddp' to save or resume")
     trainer = make_trainer(model, cfg, ctx)
-    if (save_dir or resume) and trainer.grad_sync.shards():
-        trainer.grad_sync.remove()
-        raise ConfigError("config key 'mp_grad_reduce' is 'sharded', whose optimizer state checkpoints cannot save "
-                          "or load yet; use mp_grad_reduce 'overlap' for runs that save or resume")
     start_step = 0
     if resume is not None:
         from galaxy.train.checkpoint import load_checkpoint
 
-        state = load_checkpoint(resume, model, trainer.optimizer, trainer.schedule, ctx, cfg)
+        state = load_checkpoint(resume, model, trainer.optimizer, trainer.schedule, ctx, cfg,
+                                grad_reducer=trainer.grad_sync)
         start_step = state.step
         if trainer.scaler is not None and "loss_scaler" in state.extra:
             trainer.scaler.load_state_dict(state.extra["loss_scaler"])
@@ -498,6 +497,7 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
     result = TrainResult()
     timed_steps, timed_seconds, timed_tokens = 0, 0.0, 0
     bubble_sum = 0.0
+    pending = None  # checkpoint_async_mode 'async': the save still being written
     model.train()
     try:
         for step in range(start_step, t.max_steps):
@@ -548,9 +548,16 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
                 from galaxy.train.checkpoint import save_checkpoint
 
                 extra = {"loss_scaler": trainer.scaler.state_dict()} if trainer.scaler is not None else None
-                save_checkpoint(save_dir, step + 1, model, trainer.optimizer, trainer.schedule, ctx, cfg,
-                                extra=extra, keep_last=keep_last)
+                if pending is not None:  # one save in flight at a time
+                    pending.result()
+                asynchronous = t.checkpoint_async_mode == "async"
+                saved = save_checkpoint(save_dir, step + 1, model, trainer.optimizer, trainer.schedule, ctx, cfg,
+                                        extra=extra, keep_last=keep_last, grad_reducer=trainer.grad_sync,
+                                        async_save=asynchronous)
+                pending = saved if asynchronous else None
             result.comm_bytes_per_step = comm_bytes
+        if pending is not None:
+            pending.result()  # the last save is complete before train returns
     except Exception as e:
         # A collective that failed because a peer died says only "Connection closed by peer [addr]":
         # name the peer (ParallelContext's heartbeats know which one stopped).

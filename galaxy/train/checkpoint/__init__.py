@@ -11,15 +11,19 @@ One directory per step, ``<save_dir>/step_000005/`` (format 2)::
     manifest.json          written last: size and sha256 of every file above, step, world, plan, and
                            every full tensor's dtype, shape and chunks (file, offset, length) as JSON
 
-How tensors become chunks and back: ``shards`` (DCP) and ``regions`` (model and optimizer). Format 1
-checkpoints (everything full on rank 0, ``legacy``) still load and export.
+How tensors become chunks and back: ``shards`` (DCP) and ``regions`` (model and optimizer; the flat
+pieces of ``mp_grad_reduce: sharded`` weights, their masters and states, as regions of the full
+parameters, so they load under any plan or mode). Format 1 checkpoints (everything full on rank 0,
+``legacy``) still load and export.
 
 Atomicity: the ranks write into ``step_000005.tmp-<nonce>/``; when every rank has written and
 fsynced its files, global rank 0 writes the JSON files, renames the directory to ``step_000005/`` and
 then writes ``manifest.json`` through a temporary file + fsync + rename. A checkpoint is valid only with
 a manifest whose sizes and checksums match, so a crash (or ``kill -9``) at any point of a save leaves
-the previous checkpoint the newest valid one. Loading assumes every rank sees the checkpoint directory
-(a shared file system); saving assumes every rank writes into the same one.
+the previous checkpoint the newest valid one. Loading checks the sizes of all files and the checksums
+of the files each rank reads (no rank hashes the whole checkpoint); from a save directory, a checkpoint
+that any rank finds damaged is skipped by all for the next older one. Loading assumes every rank sees
+the checkpoint directory (a shared file system); saving assumes every rank writes into the same one.
 """
 
 from __future__ import annotations
@@ -37,10 +41,10 @@ import torch.nn as nn
 
 from galaxy.core.context import ParallelContext
 from galaxy.train.checkpoint import legacy
-from galaxy.train.checkpoint.files import (RNG_FILE, STATE_FILE, CheckpointError, json_bytes,
-                                           latest_valid_checkpoint, prune, publish, read_json, read_manifest,
-                                           resolve_checkpoint, step_dir_name, verify_checkpoint,
-                                           write_bytes)
+from galaxy.train.checkpoint.files import (RNG_FILE, STATE_FILE, CheckpointError, InvalidCheckpointError,
+                                           check_sizes, checkpoint_candidates, has_checkpoint, json_bytes,
+                                           latest_valid_checkpoint, prune, publish, read_json, resolve_checkpoint,
+                                           step_dir_name, verify_checkpoint, write_bytes)
 from galaxy.train.checkpoint.hf_export import export_hf
 from galaxy.train.checkpoint.regions import load_model, model_chunks, optimizer_chunks, read_optimizer_state
 from galaxy.train.checkpoint.shards import (DCP_METADATA_FILE, ShardReader, WritePlan, dcp_metadata_bytes,
@@ -49,8 +53,9 @@ from galaxy.train.checkpoint.state import (check_optimizer, gather_world_json, i
                                            layout, param_groups, restore_rng, rng_record, run_record, state_record,
                                            world_sum)
 
-__all__ = ["CheckpointError", "CheckpointState", "PendingCheckpoint", "export_hf", "latest_valid_checkpoint",
-           "load_checkpoint", "prune", "resolve_checkpoint", "save_checkpoint", "step_dir_name", "verify_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointState", "PendingCheckpoint", "export_hf", "has_checkpoint",
+           "latest_valid_checkpoint", "load_checkpoint", "prune", "resolve_checkpoint", "save_checkpoint",
+           "step_dir_name", "verify_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,18 +135,22 @@ class PendingCheckpoint:
 
 def save_checkpoint(directory: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler, ctx: ParallelContext, cfg, extra: Optional[dict] = None,
-                    keep_last: Optional[int] = None, async_save: bool = False):
+                    keep_last: Optional[int] = None, async_save: bool = False, grad_reducer=None):
     """Save the state after ``step`` optimizer steps to ``directory/step_<step>/``; returns its path.
 
     A collective: every rank of ``ctx`` must call it. Every rank writes its own shards (a tensor held
     by several ranks is written by one of them); every rank returns only after the checkpoint is
     complete (or raises ``CheckpointError`` on every rank if a write failed). ``keep_last``: then keep
     only the newest K complete checkpoints. ``async_save``: return a :class:`PendingCheckpoint` as soon
-    as this rank's tensors are copied to CPU memory; its ``result()`` finishes the save."""
+    as this rank's tensors are copied to CPU memory; its ``result()`` finishes the save.
+    ``grad_reducer`` (the trainer's ``GradReducer``; needed with ``mp_grad_reduce: sharded``): the
+    sharded weights' masters and optimizer states are saved from its pieces, as regions of the full
+    parameters."""
     check_optimizer(optimizer)
     final = os.path.join(os.path.abspath(directory), step_dir_name(step))
-    chunks, problem = optimizer_chunks(model, optimizer)
-    chunks = model_chunks(model) + chunks
+    pieces = grad_reducer.shard_layout() if grad_reducer is not None else []
+    chunks, problem = optimizer_chunks(model, optimizer, pieces)
+    chunks = model_chunks(model, pieces) + chunks
     payload = {"rng": rng_record(ctx)}
     if ctx.rank == 0:
         payload.update(nonce=uuid.uuid4().hex[:8], step=step, run=run_record(model, ctx))
@@ -165,46 +174,67 @@ def save_checkpoint(directory: str, step: int, model: nn.Module, optimizer: torc
 # ----------------------------------------------------------------------------- load
 
 
-def _load_tensors(path: str, manifest: dict, state_json: dict, model: nn.Module, optimizer) -> None:
+def _load_tensors(path: str, manifest: dict, state_json: dict, model: nn.Module, optimizer,
+                  pieces: list[dict]) -> None:
     if optimizer is not None:
         check_optimizer(optimizer)
     if int(manifest.get("format_version", 1)) == 1:
+        if pieces:
+            raise CheckpointError(f"checkpoint '{path}' has format 1, which mp_grad_reduce 'sharded' cannot load; "
+                                  "resume it with mp_grad_reduce 'after_backward' and save a new checkpoint")
         legacy.load_model(path, manifest, model)
         if optimizer is not None:
             legacy.load_optimizer(path, manifest, state_json, model, optimizer)
         return
     reader = ShardReader(path, manifest)
-    load_model(reader, model)
+    load_model(reader, model, pieces)
     if optimizer is not None:
-        local, state = read_optimizer_state(reader, model, optimizer)
+        local, state = read_optimizer_state(reader, model, optimizer, pieces)
         install_optimizer_state(optimizer, local, state, state_json.get("param_groups") or [],
                                 os.path.join(path, STATE_FILE))
 
 
-def load_checkpoint(path_or_dir: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-                    scheduler, ctx: ParallelContext, cfg=None) -> CheckpointState:
-    """Restore model, optimizer, LR schedule and RNG states from a step directory, or from the
-    newest valid checkpoint under a save directory. Works across plans, world sizes, dp/pp layouts
-    and ZeRO states, and for both checkpoint formats. Every rank calls it (it ends with a check that
-    all ranks loaded the same step); each rank verifies and reads only the files holding its part.
-    ``cfg`` is only compared: a different model section is logged."""
-    path, step, error, state_json, manifest = path_or_dir, -1, "", {}, {}
-    try:  # a rank may find a damaged file the others do not read: all of them raise its error
-        path = resolve_checkpoint(path_or_dir)
-        manifest = read_manifest(path)
+def _load_one(path: str, model: nn.Module, optimizer, scheduler, ctx: ParallelContext, pieces: list[dict]):
+    """Load one step directory on this rank: (error, whether it is an invalid checkpoint, step, state, manifest)."""
+    try:
+        manifest = check_sizes(path)
         state_json = read_json(path, STATE_FILE, manifest)
         step = int(state_json["step"])
-        _load_tensors(path, manifest, state_json, model, optimizer)
+        _load_tensors(path, manifest, state_json, model, optimizer, pieces)
         if scheduler is not None and state_json.get("scheduler") is not None:
             scheduler.load_state_dict(state_json["scheduler"])
         restore_rng(path, manifest, ctx, step)
     except CheckpointError as e:
-        error = str(e)
-    results = gather_world_json(ctx, [error, step])
-    errors = [e for e, _ in results if e]
-    if errors:
-        raise CheckpointError(errors[0])
-    if any(s != step for _, s in results):
+        return str(e), isinstance(e, InvalidCheckpointError), -1, {}, {}
+    return "", False, step, state_json, manifest
+
+
+def load_checkpoint(path_or_dir: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                    scheduler, ctx: ParallelContext, cfg=None, grad_reducer=None) -> CheckpointState:
+    """Restore model, optimizer, LR schedule and RNG states from a step directory, or from the
+    newest valid checkpoint under a save directory. Works across plans, world sizes, dp/pp layouts,
+    ZeRO states and ``mp_grad_reduce`` modes (``grad_reducer``: the trainer's ``GradReducer``, whose
+    ``sharded`` pieces are filled too), and for both checkpoint formats. Every rank calls it (it ends
+    with a check that all ranks loaded the same step). No rank hashes the whole checkpoint: each checks
+    the files' sizes against the manifest and the checksums of the files it reads; under a save
+    directory, a checkpoint any rank finds damaged is skipped by every rank for the next older one.
+    ``cfg`` is only compared: a different model section is logged."""
+    pieces = grad_reducer.shard_layout() if grad_reducer is not None else []
+    candidates = checkpoint_candidates(path_or_dir)
+    for path in candidates:
+        error, invalid, step, state_json, manifest = _load_one(path, model, optimizer, scheduler, ctx, pieces)
+        results = gather_world_json(ctx, [error, invalid, step])
+        errors = [(e, bad) for e, bad, _ in results if e]
+        if not errors:
+            break
+        if path == path_or_dir or not all(bad for _, bad in errors):
+            raise CheckpointError(errors[0][0])
+        if ctx.rank == 0:
+            logger.warning("skipping invalid checkpoint: %s", errors[0][0])
+    else:
+        raise CheckpointError(f"no valid checkpoint under '{path_or_dir}' (looked for step_N/ directories "
+                              "with a matching manifest)")
+    if any(s != step for _, _, s in results):
         raise CheckpointError(f"ranks loaded different checkpoints (this rank: '{path}'); pass --resume PATH "
                               "or make the save directory the same on every rank")
     saved_cfg = state_json.get("config") or {}

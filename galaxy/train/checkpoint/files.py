@@ -26,6 +26,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be saved or loaded; the message names the file and the fix."""
 
 
+class InvalidCheckpointError(CheckpointError):
+    """A checkpoint whose files do not match its manifest (or that has none): an incomplete or damaged
+    save, which resuming from a save directory skips for the next older one."""
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
@@ -91,8 +96,8 @@ def read_manifest(path: str) -> dict:
     """The manifest of a checkpoint directory, its structure checked (not yet the files it lists)."""
     mpath = os.path.join(path, MANIFEST_FILE)
     if not os.path.isfile(mpath):
-        raise CheckpointError(f"checkpoint '{path}' has no {MANIFEST_FILE}: the save did not complete; "
-                              "resume from an older checkpoint")
+        raise InvalidCheckpointError(f"checkpoint '{path}' has no {MANIFEST_FILE}: the save did not complete; "
+                                     "resume from an older checkpoint")
     try:
         with open(mpath, "rb") as f:
             manifest = json.loads(f.read())
@@ -112,8 +117,8 @@ def read_manifest(path: str) -> dict:
                     files[chunk["file"]]
                     len(chunk["offsets"]), len(chunk["sizes"]), int(chunk["offset"]), int(chunk["length"])
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint manifest '{mpath}' is corrupt ({type(e).__name__}: {e}); "
-                              "resume from an older checkpoint") from None
+        raise InvalidCheckpointError(f"checkpoint manifest '{mpath}' is corrupt ({type(e).__name__}: {e}); "
+                                     "resume from an older checkpoint") from None
     return manifest
 
 
@@ -124,12 +129,12 @@ def verify_file(path: str, name: str, manifest: dict) -> None:
     try:
         found = file_entry(fpath)
     except OSError as e:
-        raise CheckpointError(f"checkpoint file '{fpath}' cannot be read ({e})") from None
+        raise InvalidCheckpointError(f"checkpoint file '{fpath}' cannot be read ({e})") from None
     if found["size"] != int(entry["size"]):
-        raise CheckpointError(f"checkpoint file '{fpath}' is truncated or altered: {found['size']} bytes, "
-                              f"the manifest says {entry['size']}")
+        raise InvalidCheckpointError(f"checkpoint file '{fpath}' is truncated or altered: {found['size']} bytes, "
+                                     f"the manifest says {entry['size']}")
     if found["sha256"] != entry["sha256"]:
-        raise CheckpointError(f"checkpoint file '{fpath}' fails its sha256 checksum: the file is corrupt")
+        raise InvalidCheckpointError(f"checkpoint file '{fpath}' fails its sha256 checksum: the file is corrupt")
 
 
 def read_verified(path: str, name: str, manifest: dict) -> bytes:
@@ -143,7 +148,8 @@ def read_json(path: str, name: str, manifest: dict) -> dict:
     try:
         return json.loads(read_verified(path, name, manifest))
     except ValueError as e:
-        raise CheckpointError(f"checkpoint file '{os.path.join(path, name)}' is not valid JSON ({e})") from None
+        raise InvalidCheckpointError(f"checkpoint file '{os.path.join(path, name)}' is not valid JSON "
+                                     f"({e})") from None
 
 
 def verify_checkpoint(path: str) -> dict:
@@ -153,6 +159,37 @@ def verify_checkpoint(path: str) -> dict:
     for name in manifest["files"]:
         verify_file(path, name, manifest)
     return manifest
+
+
+def check_sizes(path: str) -> dict:
+    """The manifest of a checkpoint directory, after checking that every file it lists exists with its
+    size (cheap: no file is read; each rank checks the checksums of what it reads)."""
+    manifest = read_manifest(path)
+    for name, entry in manifest["files"].items():
+        fpath = os.path.join(path, name)
+        try:
+            size = os.path.getsize(fpath)
+        except OSError as e:
+            raise InvalidCheckpointError(f"checkpoint file '{fpath}' cannot be read ({e})") from None
+        if size != int(entry["size"]):
+            raise InvalidCheckpointError(f"checkpoint file '{fpath}' is truncated or altered: {size} bytes, the "
+                                         f"manifest says {entry['size']}")
+    return manifest
+
+
+def is_step_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST_FILE)) or bool(STEP_DIR.match(os.path.basename(
+        os.path.normpath(path))))
+
+
+def checkpoint_candidates(path_or_dir: str) -> list[str]:
+    """A step directory as it is; for a save directory its ``step_N`` directories, newest first."""
+    return [path_or_dir] if is_step_dir(path_or_dir) else [path for _, path in _step_dirs(path_or_dir)]
+
+
+def has_checkpoint(directory: str) -> bool:
+    """Whether ``directory`` holds a step directory with a manifest (not yet whether it verifies)."""
+    return any(os.path.isfile(os.path.join(path, MANIFEST_FILE)) for _, path in _step_dirs(directory))
 
 
 def _step_dirs(directory: str) -> list[tuple[int, str]]:
@@ -168,8 +205,9 @@ def _step_dirs(directory: str) -> list[tuple[int, str]]:
 
 
 def latest_valid_checkpoint(directory: str) -> Optional[str]:
-    """The newest checkpoint under ``directory`` that verifies; invalid newer ones are skipped
-    with a warning. None when there is none."""
+    """The newest checkpoint under ``directory`` that verifies (every file hashed: a check for one
+    process, e.g. a tool; resuming hands the save directory to ``load_checkpoint``, where each rank
+    checks only what it reads); invalid newer ones are skipped with a warning. None when there is none."""
     for _, path in _step_dirs(directory):
         try:
             verify_checkpoint(path)
@@ -181,8 +219,7 @@ def latest_valid_checkpoint(directory: str) -> Optional[str]:
 
 def resolve_checkpoint(path_or_dir: str) -> str:
     """A step directory as it is, or the newest valid checkpoint under a save directory."""
-    if os.path.isfile(os.path.join(path_or_dir, MANIFEST_FILE)) or STEP_DIR.match(os.path.basename(
-            os.path.normpath(path_or_dir))):
+    if is_step_dir(path_or_dir):
         return path_or_dir
     found = latest_valid_checkpoint(path_or_dir)
     if found is None:

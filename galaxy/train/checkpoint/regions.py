@@ -7,11 +7,15 @@ which full parameter it covers (:class:`StateRegion`):
 
 - a plain optimizer steps every parameter of the rank: the parameter's region;
 - ZeRO-1 (``ZeroRedundancyOptimizer``) keeps in ``optimizer.optim`` the parameters its dp rank owns;
-- an optimizer that shards its states another way (e.g. ZeRO over the model-parallel group, stepping
-  slices of parameters) defines ``checkpoint_state_regions(model) -> (local optimizer, {stepped
-  tensor: StateRegion})``, where each stepped tensor's states have its shape (or are 0-dim, like a step
-  count) and the local optimizer's ``state``/``load_state_dict`` hold them. Saving writes those regions,
-  loading reads them back in whatever regions the loading run's optimizer covers.
+- ``mp_grad_reduce: sharded`` (``GradReducer.shard_layout()``, passed as ``layout``): the optimizer steps
+  flat pieces of buckets of weights; a piece's elements are cut into blocks (:func:`flat_blocks`), each a
+  region of one full parameter (:class:`StatePiece`). Its states, and the weights themselves (the fp32
+  masters live in the pieces), are saved as those regions, so they reshard to any plan or mode;
+- an optimizer that shards its states another way defines ``checkpoint_state_regions(model) ->
+  (local optimizer, {stepped tensor: StateRegion or [StatePiece]})``, where each stepped tensor's states
+  have its shape (or are 0-dim, like a step count) and the local optimizer's ``state``/``load_state_dict``
+  hold them. Saving writes those regions, loading reads them back in whatever regions the loading run's
+  optimizer covers.
 
 Full tensors are keyed ``model/<parameter name>`` and ``optim/<parameter name>/<state key>``, in the
 model's own layout. A model built with another layout of the same architecture (LLaMA's
@@ -23,6 +27,7 @@ time, converted and sliced.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from typing import Optional
 
@@ -57,6 +62,76 @@ def param_region(name: str, param: torch.Tensor) -> StateRegion:
     return StateRegion(name, tuple(spec.full_shape(param.shape)), tuple(offsets))
 
 
+@dataclasses.dataclass(frozen=True)
+class StatePiece:
+    """Elements ``[start, stop)`` of a stepped tensor (flattened, row-major) are the block of sizes
+    ``sizes`` of full parameter ``region.name`` that starts at ``region.offsets``."""
+
+    region: StateRegion
+    sizes: tuple[int, ...]
+    start: int
+    stop: int
+
+    @classmethod
+    def whole(cls, region: StateRegion, tensor: torch.Tensor) -> "StatePiece":
+        return cls(region, tuple(tensor.shape), 0, tensor.numel())
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This piece of ``tensor`` (the stepped tensor or one of its states), a view when it can be."""
+        if (self.start, self.stop) == (0, tensor.numel()) and tuple(tensor.shape) == self.sizes:
+            return tensor
+        return tensor.reshape(-1)[self.start:self.stop].view(self.sizes)
+
+
+def flat_blocks(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The elements ``[start, stop)`` of a row-major tensor of ``shape`` as rectangular blocks
+    (offsets, sizes), in order: a partial first row, whole rows, a partial last row, recursively."""
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    first, last, head, tail = start // inner, stop // inner, start % inner, stop % inner
+
+    def in_row(row, lo, hi):
+        return [((row,) + offsets, (1,) + sizes) for offsets, sizes in flat_blocks(shape[1:], lo, hi)]
+
+    if first == last:
+        return in_row(first, head, tail)
+    out = []
+    if head:
+        out += in_row(first, head, inner)
+        first += 1
+    if last > first:
+        out.append(((first,) + (0,) * (len(shape) - 1), (last - first,) + tuple(shape[1:])))
+    if tail:
+        out += in_row(last, 0, tail)
+    return out
+
+
+def sharded_pieces(model: nn.Module, layout: list[dict]) -> dict[torch.Tensor, list[StatePiece]]:
+    """Per flat piece of ``mp_grad_reduce: sharded`` weights (``GradReducer.shard_layout()``): the
+    regions of full parameters its elements hold (the zero padding of the last piece holds none)."""
+    names = {p: n for n, p in model.named_parameters()}
+    out = {}
+    for entry in layout:
+        pieces, offset = [], 0
+        for p in entry["params"]:
+            lo, hi = max(entry["start"], offset), min(entry["stop"], offset + p.numel())
+            if p not in names:
+                raise CheckpointError("the sharded weights' layout names a parameter that is not in the model; pass "
+                                      "the GradReducer built for the model being saved or loaded")
+            region, at = param_region(names[p], p), lo - entry["start"]
+            for offsets, sizes in flat_blocks(tuple(p.shape), lo - offset, hi - offset):
+                full = tuple(a + b for a, b in zip(region.offsets, offsets))
+                stop = at + math.prod(sizes)
+                pieces.append(StatePiece(StateRegion(region.name, region.shape, full), sizes, at, stop))
+                at = stop
+            offset += p.numel()
+        out[entry["shard"]] = pieces
+    return out
+
+
 def model_key(name: str) -> str:
     return f"{MODEL}/{name}"
 
@@ -65,52 +140,72 @@ def optim_key(name: str, state_key: str) -> str:
     return f"{OPTIM}/{name}/{state_key}"
 
 
-def optimizer_regions(model: nn.Module, optimizer) -> tuple[torch.optim.Optimizer, dict[torch.Tensor, StateRegion]]:
-    """The optimizer holding this rank's states and the region each tensor it steps covers."""
+def optimizer_regions(model: nn.Module, optimizer, layout: Optional[list[dict]] = None) \
+        -> tuple[torch.optim.Optimizer, dict[torch.Tensor, list[StatePiece]]]:
+    """The optimizer holding this rank's states and the pieces of full parameters each tensor it steps
+    covers (``layout``: the ``sharded`` weights' pieces, :func:`sharded_pieces`)."""
     own = getattr(optimizer, "checkpoint_state_regions", None)
     if callable(own):
-        return own(model)
+        local, regions = own(model)
+        return local, {t: [StatePiece.whole(r, t)] if isinstance(r, StateRegion) else list(r)
+                       for t, r in regions.items()}
     local = local_optimizer(optimizer)
     names = {p: n for n, p in model.named_parameters()}
+    shards = sharded_pieces(model, layout or [])
     regions = {}
     for group in local.param_groups:
         for p in group["params"]:
-            if p not in names:
-                raise CheckpointError("the optimizer holds a parameter that is not in the model; build the "
-                                      "optimizer from the model being saved or loaded")
-            regions[p] = param_region(names[p], p)
+            if p in shards:
+                regions[p] = shards[p]
+            elif p in names:
+                regions[p] = [StatePiece.whole(param_region(names[p], p), p)]
+            else:
+                raise CheckpointError("the optimizer steps a tensor that is not a parameter of the model" + (
+                    "; with mp_grad_reduce 'sharded' pass the trainer's GradReducer (grad_reducer=trainer.grad_sync)"
+                    if not layout else "; build the optimizer from the model being saved or loaded"))
     return local, regions
 
 
 # ----------------------------------------------------------------------------- save
 
 
-def model_chunks(model: nn.Module) -> list[Chunk]:
+def model_chunks(model: nn.Module, layout: Optional[list[dict]] = None) -> list[Chunk]:
+    """Every parameter's region; the ``sharded`` weights (``layout``) from this rank's pieces, which hold
+    their masters (fp32 under autocast, where the model keeps them in the compute dtype)."""
+    sharded = {p for entry in layout or [] for p in entry["params"]}
     out = []
     for name, p in model.named_parameters():
-        region = param_region(name, p)
-        out.append(Chunk(model_key(name), region.shape, region.offsets, p.detach()))
+        if p not in sharded:
+            region = param_region(name, p)
+            out.append(Chunk(model_key(name), region.shape, region.offsets, p.detach()))
+    for shard, pieces in sharded_pieces(model, layout or []).items():
+        out += [Chunk(model_key(piece.region.name), piece.region.shape, piece.region.offsets, piece.of(shard.detach()))
+                for piece in pieces]
     return out
 
 
-def optimizer_chunks(model: nn.Module, optimizer) -> tuple[list[Chunk], Optional[str]]:
+def optimizer_chunks(model: nn.Module, optimizer, layout: Optional[list[dict]] = None) \
+        -> tuple[list[Chunk], Optional[str]]:
     """The chunks of this rank's optimizer states, and the reason they cannot be saved (or None). A state
-    of its tensor's shape covers the tensor's region; any other (a step count) is taken whole."""
-    local, regions = optimizer_regions(model, optimizer)
+    of its tensor's shape covers the tensor's pieces; any other (a step count) is taken whole, once for
+    every parameter the tensor holds a piece of."""
+    local, regions = optimizer_regions(model, optimizer, layout)
     out = []
-    for p, region in regions.items():
-        state = local.state.get(p)
+    for t, pieces in regions.items():
+        state = local.state.get(t)
         if not state:
             continue  # no state yet (never stepped, or frozen)
-        problem = non_tensor_state(region.name, state)
+        problem = non_tensor_state(pieces[0].region.name, state)
         if problem:
             return [], problem
         for key, value in sorted(state.items()):
             value = value.detach()
-            if value.dim() > 0 and value.shape == p.shape:
-                out.append(Chunk(optim_key(region.name, key), region.shape, region.offsets, value))
+            if value.dim() > 0 and value.shape == t.shape:
+                out += [Chunk(optim_key(piece.region.name, key), piece.region.shape, piece.region.offsets,
+                              piece.of(value)) for piece in pieces]
             else:
-                out.append(Chunk(optim_key(region.name, key), tuple(value.shape), (0,) * value.dim(), value))
+                out += [Chunk(optim_key(name, key), tuple(value.shape), (0,) * value.dim(), value)
+                        for name in dict.fromkeys(piece.region.name for piece in pieces)]
     return out, None
 
 
@@ -185,21 +280,27 @@ def _read_named(reader: ShardReader, model: nn.Module, namespace: str, wanted: l
                 continue
             if value.dim() > 0 and tuple(value.shape) == want.region.shape:
                 value = narrow(value, want.region.offsets, want.shape)
+                out[i] = want.target.copy_(value) if want.target is not None else value.clone()
             elif namespace == MODEL:
                 raise CheckpointError(f"checkpoint '{reader.path}': '{want.name}' has shape {tuple(value.shape)} but "
                                       f"the model needs {want.region.shape}; the checkpoint is for another model size")
-            out[i] = want.target.copy_(value) if want.target is not None else value.clone()
+            else:  # a state not shaped like its parameter (a step count): whole
+                out[i] = value.clone()
         del full, converted
     return out, consumed
 
 
 @torch.no_grad()
-def load_model(reader: ShardReader, model: nn.Module) -> None:
-    """Read each parameter's region into it (a pipeline stage takes its own parameters)."""
+def load_model(reader: ShardReader, model: nn.Module, layout: Optional[list[dict]] = None) -> None:
+    """Read each parameter's region into it (a pipeline stage takes its own parameters), and the
+    ``sharded`` weights' masters into this rank's pieces (``layout``)."""
     params = dict(model.named_parameters())
     wanted = [Wanted(name, param_region(name, p), tuple(p.shape), p.detach()) for name, p in params.items()]
+    for shard, pieces in sharded_pieces(model, layout or []).items():
+        shard.detach().zero_()  # the padding of the last piece stays zero, as when it was built
+        wanted += [Wanted(piece.region.name, piece.region, piece.sizes, piece.of(shard.detach())) for piece in pieces]
     got, consumed = _read_named(reader, model, MODEL, wanted)
-    missing = sorted(w.name for w, value in zip(wanted, got) if value is None)
+    missing = sorted({w.name for w, value in zip(wanted, got) if value is None})
     if missing:
         raise CheckpointError(f"checkpoint '{reader.path}' lacks {len(missing)} parameter(s) of the model, e.g. "
                               f"{missing[:3]}; the checkpoint is for another model")
@@ -212,19 +313,54 @@ def load_model(reader: ShardReader, model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def read_optimizer_state(reader: ShardReader, model: nn.Module, optimizer) \
+def read_optimizer_state(reader: ShardReader, model: nn.Module, optimizer, layout: Optional[list[dict]] = None) \
         -> tuple[torch.optim.Optimizer, dict[int, dict[str, torch.Tensor]]]:
     """The local optimizer and its state (index in its parameter order -> state key -> tensor in the
-    stepped tensor's shape) read from the regions it covers."""
-    local, regions = optimizer_regions(model, optimizer)
+    stepped tensor's shape) read from the regions it covers. A state of the parameter's shape is read
+    piece by piece into one tensor (a ``sharded`` piece's padding zero); any other (a step count) is read
+    whole and must be the same for every parameter a stepped tensor holds a piece of."""
+    local, regions = optimizer_regions(model, optimizer, layout)
     index = {p: i for i, p in enumerate(p for group in local.param_groups for p in group["params"])}
-    stepped = list(regions.items())
     state_keys = sorted({k.rsplit("/", 1)[1] for k in reader.tensors if k.startswith(f"{OPTIM}/")})
     state: dict[int, dict[str, torch.Tensor]] = {}
     for state_key in state_keys:
-        wanted = [Wanted(region.name, region, tuple(p.shape)) for p, region in stepped]
+        wanted, owners = [], []
+        for t, pieces in regions.items():
+            saved = [reader.tensors.get(optim_key(piece.region.name, state_key)) for piece in pieces]
+            shaped = t.dim() > 0 and all(entry is None or tuple(entry["shape"]) == piece.region.shape
+                                         for entry, piece in zip(saved, pieces))
+            covered = sum(piece.stop - piece.start for piece in pieces)
+            buffer = (torch.empty if covered == t.numel() else torch.zeros)(t.shape, dtype=t.dtype) if shaped else None
+            for piece in pieces:
+                wanted.append(Wanted(piece.region.name, piece.region, piece.sizes,
+                                     piece.of(buffer) if buffer is not None else None))
+                owners.append((t, buffer))
         got, _ = _read_named(reader, model, state_key, wanted)
-        for (p, _), value in zip(stepped, got):
-            if value is not None:
-                state.setdefault(index[p], {})[state_key] = value
+        found: dict[torch.Tensor, list] = defaultdict(list)
+        for (t, buffer), want, value in zip(owners, wanted, got):
+            found[t].append((want, buffer, value))
+        for t, reads in found.items():
+            values = [value for _, _, value in reads if value is not None]
+            if not values:
+                continue
+            names = sorted({want.name for want, _, value in reads if value is None})
+            if names:
+                has = next(want.name for want, _, value in reads if value is not None)
+                raise CheckpointError(f"checkpoint '{reader.path}' lacks optimizer state '{state_key}' of {names[:3]}, "
+                                      f"which one stepped tensor holds together with {has!r} that has it; the "
+                                      "checkpoint is incomplete or for another model")
+            if all(value is want.target for want, _, value in reads):
+                state.setdefault(index[t], {})[state_key] = reads[0][1]
+            elif any(not torch.equal(value, values[0]) or value is want.target for want, _, value in reads):
+                raise CheckpointError(f"checkpoint '{reader.path}': optimizer state '{state_key}' differs between "
+                                      f"parameters {sorted({w.name for w, _, _ in reads})[:3]}, which one stepped "
+                                      "tensor holds together; resume with mp_grad_reduce 'after_backward'")
+            else:
+                state.setdefault(index[t], {})[state_key] = values[0]
+    keys = {index[t]: set(state.get(index[t], {})) for t in regions}
+    every = set().union(*keys.values()) if keys else set()
+    incomplete = [i for i, k in keys.items() if k and k != every]
+    if incomplete:
+        raise CheckpointError(f"checkpoint '{reader.path}' holds optimizer states {sorted(keys[incomplete[0]])} for "
+                              f"one parameter and {sorted(every)} for others; the checkpoint is incomplete")
     return local, state

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePla
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from galaxy.core.context import ParallelContext
-from galaxy.train.checkpoint.files import CheckpointError, file_entry, verify_file
+from galaxy.train.checkpoint.files import CheckpointError, InvalidCheckpointError, file_entry, verify_file
 from galaxy.train.checkpoint.state import gather_world_json, parse_dtype
 
 DCP_METADATA_FILE = ".metadata"
@@ -89,8 +89,10 @@ def narrow(tensor: torch.Tensor, offsets, sizes) -> torch.Tensor:
     return tensor
 
 
-def _overlaps(a_offsets, a_sizes, b_offsets, b_sizes) -> bool:
-    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a_offsets, a_sizes, b_offsets, b_sizes))
+def _overlap(a_offsets, a_sizes, b_offsets, b_sizes) -> int:
+    """Elements two blocks of one tensor have in common."""
+    return math.prod(max(0, min(ao + as_, bo + bs) - max(ao, bo))
+                     for ao, as_, bo, bs in zip(a_offsets, a_sizes, b_offsets, b_sizes))
 
 
 # ----------------------------------------------------------------------------- who writes what
@@ -336,8 +338,8 @@ class ShardReader:
         try:
             self.metadata = dcp_metadata(self.tensors)
         except (ValueError, TypeError, RuntimeError) as e:
-            raise CheckpointError(f"checkpoint manifest '{os.path.join(path, 'manifest.json')}' describes unusable "
-                                  f"tensors ({type(e).__name__}: {e})") from None
+            raise InvalidCheckpointError(f"checkpoint manifest '{os.path.join(path, 'manifest.json')}' describes "
+                                         f"unusable tensors ({type(e).__name__}: {e})") from None
         self.verified: set[str] = set()
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -351,17 +353,43 @@ class ShardReader:
         if not targets:
             return
         for target in targets:
+            found = 0
             for c in self.tensors[target.key]["chunks"]:
-                if c["file"] not in self.verified and _overlaps(c["offsets"], c["sizes"], target.offsets,
-                                                                target.tensor.shape):
+                common = _overlap(c["offsets"], c["sizes"], target.offsets, target.tensor.shape)
+                found += common
+                if common and c["file"] not in self.verified:
                     verify_file(self.path, c["file"], self.manifest)
                     self.verified.add(c["file"])
+            if found < target.tensor.numel():
+                raise InvalidCheckpointError(
+                    f"checkpoint '{self.path}' holds {found} of the {target.tensor.numel()} elements of '{target.key}' "
+                    f"at offsets {list(target.offsets)} that this rank reads: its manifest lists too few chunks; "
+                    "resume from an older checkpoint")
+        # DCP places what it reads by (tensor, offsets): a region wanted twice is read once and copied, and
+        # pieces of one tensor at the same offsets but of other sizes go to separate reads.
+        first: dict[tuple, Chunk] = {}
+        copies, reads, placed = [], [], []  # placed[i]: the (key, offsets) of reads[i]
+        for target in targets:
+            same = first.setdefault((target.key, target.offsets, tuple(target.tensor.shape), target.tensor.dtype),
+                                    target)
+            if same is not target:
+                copies.append((same, target))
+                continue
+            i = next((i for i, p in enumerate(placed) if (target.key, target.offsets) not in p), len(reads))
+            if i == len(reads):
+                reads.append([])
+                placed.append(set())
+            reads[i].append(target)
+            placed[i].add((target.key, target.offsets))
         try:
-            with _per_rank():
-                dcp.load({c.ident: c.tensor for c in targets}, storage_reader=_ManifestReader(self.path, self.metadata),
-                         planner=_RegionLoadPlanner(targets), no_dist=True)
+            for read in reads:
+                with _per_rank():
+                    dcp.load({c.ident: c.tensor for c in read}, planner=_RegionLoadPlanner(read), no_dist=True,
+                             storage_reader=_ManifestReader(self.path, self.metadata))
         except Exception as e:  # the files matched their checksums: a manifest that does not fit them
-            raise CheckpointError(f"checkpoint '{self.path}' cannot be read: {type(e).__name__}: {e}") from None
+            raise InvalidCheckpointError(f"checkpoint '{self.path}' cannot be read: {type(e).__name__}: {e}") from None
+        for same, target in copies:
+            target.tensor.copy_(same.tensor)
 
     def read_full(self, keys) -> dict[str, torch.Tensor]:
         out = {key: torch.empty(self.shape(key), dtype=self.dtype(key)) for key in keys}
