@@ -166,7 +166,7 @@ def test_async_tp_with_cclora_refused():
 
 @pytest.mark.parametrize("plan", ["tp", "sp", "none"])
 def test_async_tp_needs_sequence_edges(plan):
-    with pytest.raises(ConfigError, match=f"async_tp fuses the all-gather/reduce-scatter.*use plan galaxy"):
+    with pytest.raises(ConfigError, match="async_tp fuses the all-gather/reduce-scatter.*use plan galaxy"):
         _cfg(plan=plan, tp_overlap="async_tp").resolve_plan(2)
 
 
