@@ -132,8 +132,23 @@ def timing(ctx, args) -> list[dict]:
         params, stack = list(model.parameters()), GalaxyStack(model)
         x, g = inputs(shape, ctx, model.model.edges.to_stream)
         times, peak = measure(fwd_bwd_step(stack, params, x, g), ctx.device, 3, args.iters)
+        # Memory split: what the forward keeps for backward, and each phase's peak over the start.
+        for p in params:
+            p.grad = None
+        x.grad = None
+        torch.cuda.synchronize(ctx.device)
+        start = torch.cuda.memory_allocated(ctx.device)
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+        out = stack(x)
+        kept, fwd_peak = torch.cuda.memory_allocated(ctx.device) - start, torch.cuda.max_memory_allocated(ctx.device)
+        out.backward(g)
+        del out
+        bwd_peak = torch.cuda.max_memory_allocated(ctx.device)
+        mib = 2 ** 20
         rows.append({"check": f"time galaxy {overlap} (4 x 7B layers, seq 4096, bf16)", "dtype": "bf16",
-                     "median_ms": statistics.median(times), "peak_mib": peak})
+                     "median_ms": statistics.median(times), "peak_mib": peak, "start_mib": start / mib,
+                     "fwd_kept_mib": kept / mib, "fwd_peak_mib": (fwd_peak - start) / mib,
+                     "bwd_peak_mib": (bwd_peak - start) / mib})
         if args.profile and ctx.rank == 0:  # where the time goes: kernels, collectives, copies, by GPU time
             step = fwd_bwd_step(stack, params, x, g)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -145,6 +160,7 @@ def timing(ctx, args) -> list[dict]:
                 f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
             if args.trace:
                 prof.export_chrome_trace(f"{args.profile}_{overlap}.json")
+            del prof  # a live profiler skewed the next row's peak memory (7475 vs 4290 MiB, H100, 2026-11-24)
         del model, params, stack, x, g
         release(ctx.device)
     return rows
@@ -163,7 +179,7 @@ def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> No
             if rank == 0:
                 traceback.print_exc()
 
-    attempt("symm_mem set-up", lambda: (AsyncTpEdges(ctx.mp), {"check": "symm_mem set-up", "rel": 0.0})[1])
+    attempt("symm_mem set-up", lambda: (AsyncTpEdges(ctx.mp), {"check": "symm_mem set-up", "dtype": "fp32", "rel": 0.0})[1])
     for dtype_name in ("fp32", "bf16"):
         attempt(f"edges {dtype_name}", lambda: edge_checks(ctx, dtype_name, 11))
         for fused in (False, True):
@@ -188,7 +204,9 @@ def print_table(report: dict) -> None:
         if "error" in r:
             print(f"  {r['check']:<58} ERROR {r['error']}")
         elif "median_ms" in r:
-            print(f"  {r['check']:<58} {r['median_ms']:9.2f} ms  peak {r['peak_mib']:.0f} MiB")
+            print(f"  {r['check']:<58} {r['median_ms']:9.2f} ms  peak {r['peak_mib']:.0f} MiB (start "
+                  f"{r['start_mib']:.0f}, kept by fwd {r['fwd_kept_mib']:.0f}, fwd peak +{r['fwd_peak_mib']:.0f}, "
+                  f"bwd peak +{r['bwd_peak_mib']:.0f})")
         else:
             print(f"  {r['check']:<58} {r['dtype']:<5} rel {r['rel']:.2e}  {'ok' if r['ok'] else 'FAIL'}"
                   + (f"  (worst {r['worst']})" if r.get("worst") else ""))

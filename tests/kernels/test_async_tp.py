@@ -96,6 +96,44 @@ def row_case(ctx, batch):
     return True
 
 
+def model_case(ctx, plan, fused_gate_up):
+    """The model's hook (CocBoundaries -> AsyncTpEdges) on torch's reference ops equals the serial
+    model: loss, logits and every gradient (fp64), uneven heads/ffn shards, even sequence shards."""
+    from galaxy.core.grad_sync import gather_full
+    from galaxy.kernels.coc import CocBoundaries
+    from galaxy.models.llama import LlamaForCausalLM
+    from tests.test_llama_equivalence import RTOL as MODEL_RTOL
+    from tests.test_llama_equivalence import TINY, UNEVEN, backward_both, rel_err
+
+    seq = 12
+    splits = {k: v for k, v in UNEVEN[ctx.mp.size].items() if k != "seq_scatter_list"}
+    raw = dict(TINY, seq_length=seq, fused_gate_up=fused_gate_up)
+    serial = LlamaForCausalLM(GalaxyConfig.from_dict(raw).model, seed=3).double()
+    cfg = GalaxyConfig.from_dict(dict(raw, plan=plan, **splits))
+    par = LlamaForCausalLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=3).double()
+    # Built without tp_overlap (Gloo refuses torch's symm_mem ops); the boundaries the layers share
+    # then take the async-TP edges over torch's reference ops, as tp_overlap async_tp builds them on CUDA.
+    edges = AsyncTpEdges(ctx.mp, reference_ops())
+    bounds = {id(layer.coc): layer.coc for layer in par.model.layers}
+    assert len(bounds) == 1 and isinstance(next(iter(bounds.values())), CocBoundaries)
+    for b in bounds.values():
+        b.async_tp = edges
+    layer = par.model.layers[0]
+    assert layer.coc.fuses(cfg.resolve_plan(ctx.mp.size).att, layer.self_attn.q_proj, layer.self_attn.o_proj)
+    g = torch.Generator().manual_seed(1000)
+    ids = torch.randint(0, TINY["vocab_size"], (2, seq), generator=g)
+    mask = torch.ones(2, seq, dtype=torch.long)
+    mask[1, seq - 3:] = 0  # right padding
+    labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+    _, worst = backward_both(serial, par, dict(input_ids=ids, attention_mask=mask, labels=labels), ctx,
+                             par.model.edges)
+    grads = {n: p.grad for n, p in serial.named_parameters()}
+    for name, p in par.named_parameters():
+        worst = max(worst, rel_err(gather_full(p.grad, p, ctx.mp), grads[name]))
+    assert worst < MODEL_RTOL, worst
+    return True
+
+
 def refusal_case(ctx):
     with pytest.raises(ConfigError, match="tp_overlap.*CUDA GPUs over NCCL.*gloo"):
         AsyncTpEdges(ctx.mp)
@@ -112,6 +150,12 @@ def test_column_edge_equals_unfused(dist_pool, world, batch):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_row_edge_equals_unfused(dist_pool, world, batch):
     assert all(dist_pool.run(row_case, world, batch))
+
+
+@pytest.mark.parametrize("world, plan, fused_gate_up", [(2, "galaxy", False), (3, "galaxy", True),
+                                                      (2, "galaxy2", True)])
+def test_model_hook_equals_serial(dist_pool, world, plan, fused_gate_up):
+    assert all(dist_pool.run(model_case, world, plan, fused_gate_up))
 
 
 def test_gloo_group_refused(dist_pool):
