@@ -16,15 +16,19 @@ every rank's own tokens, so its gradient is that rank's share: the PARTIAL rule 
 Limits, each refused with one ConfigError line (galaxy.config checks what the config alone shows):
 CUDA tensors on an NCCL group (the ops have no CPU/Gloo kernels); equal sequence shards (the
 ops split evenly); torch builds that register the ops; not with CCLoRA (``lora_fusion``). LoRA
-without fusion works: a LoRA-wrapped linear keeps its edge unfused, as under CoC. NVLink
-multicast is not used by these ops; where a machine forbids it, keep
-``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` in the environment (bench/device scripts set it).
+without fusion works: a LoRA-wrapped linear keeps its edge unfused, as under CoC.
+
+NVLink multicast: these calls never take the ops' multimem path (it needs ``return_A=False``), but
+symmetric memory's rendezvous can create multicast objects where the hardware offers them, which
+some shared machines forbid. So unless the user chose otherwise, ``TORCH_SYMM_MEM_DISABLE_MULTICAST``
+is set to 1 before the first symmetric allocation (the only process state this module touches).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -38,6 +42,8 @@ from galaxy.core.comm import Communicator
 from galaxy.kernels.coc import _run  # autocast's casts, applied as CoC applies them
 
 logger = logging.getLogger(__name__)
+
+MULTICAST_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 
 __all__ = ["AsyncTpEdges", "FusedOps", "all_gather_matmul", "matmul_reduce_scatter", "reference_ops", "symm_mem_ops"]
 
@@ -78,6 +84,9 @@ def symm_mem_ops(comm: Communicator) -> FusedOps:
         raise ConfigError(f"config key 'tp_overlap' async_tp runs on CUDA GPUs over NCCL (symmetric memory), but "
                           f"the model-parallel group uses {backend}; use tp_overlap coc or none")
     symm_mem = _symm_mem_module()
+    if os.environ.setdefault(MULTICAST_ENV, "1") != "1":
+        logger.warning("%s=%s: symmetric memory may create NVLink multicast objects", MULTICAST_ENV,
+                       os.environ[MULTICAST_ENV])
     name = group.group_name
     if not symm_mem.is_symm_mem_enabled_for_group(name):
         with warnings.catch_warnings():  # deprecated (and unneeded) on newer torch, required on older
