@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 MULTICAST_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 
-__all__ = ["AsyncTpEdges", "FusedOps", "all_gather_matmul", "matmul_reduce_scatter", "reference_ops", "symm_mem_ops"]
+__all__ = ["AsyncTpEdges", "FusedOps", "edges_for", "all_gather_matmul", "matmul_reduce_scatter", "reference_ops", "symm_mem_ops"]
 
 SEQ = 1  # activations are [batch, seq, features]; the shards are along the sequence
 
@@ -79,6 +79,8 @@ def symm_mem_ops(comm: Communicator) -> FusedOps:
         raise ConfigError("config key 'tp_overlap' async_tp needs an NCCL process group, but this run has none "
                           "(one process); launch with torch distributed or set tp_overlap none")
     group = comm._process_group
+    if group.size() != comm.size:
+        raise ValueError(f"communicator {comm.name} has {comm.size} ranks but its process group {group.size()}")
     backend = str(dist.get_backend(group)).lower()
     if backend != "nccl" or not torch.cuda.is_available():
         raise ConfigError(f"config key 'tp_overlap' async_tp runs on CUDA GPUs over NCCL (symmetric memory), but "
@@ -206,6 +208,17 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     added once per token (after the reduce-scatter)."""
     _check_even(x.shape[SEQ], comm, "the row-parallel input")
     return _run(_MatmulReduceScatter, x, weight, bias, comm, ops)
+
+
+def edges_for(comm: Communicator) -> Optional["AsyncTpEdges"]:
+    """The async-TP edges of ``comm``, or None for a model-parallel group of one inside a larger run
+    or a single process: nothing to overlap, so the edges stay unfused (as CoC leaves them). A run
+    of one process in a process group of one (one GPU) does take the ops, which is how one GPU
+    checks the path."""
+    if comm.size == 1 and (not dist.is_initialized() or comm._process_group.size() != 1):
+        logger.info("tp_overlap async_tp: the model-parallel group has one rank; its edges run unfused")
+        return None
+    return AsyncTpEdges(comm)
 
 
 class AsyncTpEdges:

@@ -621,8 +621,11 @@ class CocBoundaries:
     """The TP block edges of one layer stack with CoC: ``Boundaries.enter`` + the block's first
     linears, and its last linear + ``Boundaries.leave``, each fused into one overlapped call.
 
+    With ``plan.tp_overlap == "async_tp"`` the same edges run torch's symmetric-memory fused ops
+    instead (``galaxy.kernels.async_tp``), chunks ignored.
+
     It fuses only where the fusion is exact: a TP block, a group of more than one rank, more than
-    one chunk, and plain ``ParallelLinear`` modules without forward hooks (a wrapped or hooked
+    one chunk (or async TP), and plain ``ParallelLinear`` modules without forward hooks (a wrapped or hooked
     module, e.g. LoRA, adds work the fused matmul would skip, so those edges keep the unfused
     path). Elsewhere ``fuses`` is False and the model keeps its usual ``Boundaries`` calls.
     """
@@ -639,14 +642,14 @@ class CocBoundaries:
             if type(self) is not CocBoundaries:
                 raise ConfigError("config key 'tp_overlap' async_tp does not combine with lora_fusion (CCLoRA); "
                                   "set tp_overlap to coc or lora_fusion to false")
-            self.async_tp = async_tp.AsyncTpEdges(comm)
+            self.async_tp = async_tp.edges_for(comm)
         logger.debug("CoC boundaries: %s, plan %s, stream layout %s, group of %d",
                      "async TP" if self.async_tp else f"{chunks} chunk(s)", plan.name, self.stream.value, comm.size)
 
     def fuses(self, method: Method, *linears) -> bool:
         plain = method == Method.TP and all(type(m) is ParallelLinear and not (m._forward_hooks or m._forward_pre_hooks)
                                             for m in linears)
-        # Async TP runs with a group of one too (one GPU checks the path); CoC has nothing to chunk there.
+        # Async TP runs with a process group of one too (one GPU checks the path); CoC has nothing to chunk there.
         return plain and (self.async_tp is not None or (self.chunks > 1 and self.comm.size > 1))
 
     # The fused edges launch and wait for their own async collectives, which torch.compile cannot

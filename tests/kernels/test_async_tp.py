@@ -162,13 +162,30 @@ def test_gloo_group_refused(dist_pool):
     assert all(dist_pool.run(refusal_case, 2))
 
 
-def test_no_process_group_refused():
+def test_single_process_runs_unfused():
     from galaxy.core.comm import Communicator
+    from galaxy.models.llama import LlamaForCausalLM
 
     if dist.is_initialized():
         pytest.skip("this process has a process group")
     with pytest.raises(ConfigError, match="tp_overlap.*needs an NCCL process group"):
         AsyncTpEdges(Communicator("mp"))
+    cfg = _cfg(plan="galaxy", tp_overlap="async_tp")  # one rank: nothing to overlap, edges stay unfused
+    model = LlamaForCausalLM(cfg.model, cfg.resolve_plan(1), seed=0)
+    layer = model.model.layers[0]
+    assert layer.coc.async_tp is None and not layer.coc.fuses(layer.plan.att, layer.self_attn.q_proj)
+
+
+def mp_of_one_case(ctx):
+    """dp 2 x mp 1: the mp group of one must not fall back to the world group (it would gather over dp)."""
+    from galaxy.kernels.async_tp import edges_for
+
+    assert ctx.mp.size == 1 and edges_for(ctx.mp) is None
+    return True
+
+
+def test_mp_of_one_inside_dp_runs_unfused(dist_pool):
+    assert all(dist_pool.run(mp_of_one_case, 2, dp=2))
 
 
 # ----------------------------------------------------------------------------- the config key
