@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 
 MULTICAST_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 
-__all__ = ["AsyncTpEdges", "FusedOps", "edges_for", "all_gather_matmul", "matmul_reduce_scatter", "reference_ops", "symm_mem_ops"]
+__all__ = ["AsyncTpEdges", "FusedOps", "all_gather_matmul", "edges_for", "matmul_reduce_scatter", "reference_ops",
+           "symm_mem_ops"]
 
 SEQ = 1  # activations are [batch, seq, features]; the shards are along the sequence
 

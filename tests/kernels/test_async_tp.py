@@ -4,8 +4,10 @@ On CPU/Gloo the autograd of both edges runs over torch's own unfused definitions
 (``reference_ops``: functional collectives + matmul, the ops' Meta kernels) and equals the path it
 replaces, ``transition`` + ``F.linear``, in float64 at world 2 and 3 with uneven weight shards and
 batch 1 and 2: outputs, input/weight/bias gradients (the row-parallel bias summed over the group,
-as its PARTIAL rule does) and the bytes counted. torch's real symm_mem kernels need CUDA + NCCL:
-bench/device/asynctp_check.py runs them on a GPU. Also: each refusal is one ConfigError line.
+as its PARTIAL rule does) and the bytes counted; through the model's hook (CocBoundaries), LLaMA
+galaxy/galaxy2 with and without fused_gate_up equals the serial model (fp64, every gradient). torch's
+real symm_mem kernels need CUDA + NCCL: bench/device/asynctp_check.py runs them on a GPU. Also: each
+refusal is one ConfigError line, and an mp group of one keeps its edges unfused.
 """
 
 import pytest
