@@ -179,7 +179,8 @@ def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> No
             if rank == 0:
                 traceback.print_exc()
 
-    attempt("symm_mem set-up", lambda: (AsyncTpEdges(ctx.mp), {"check": "symm_mem set-up", "dtype": "fp32", "rel": 0.0})[1])
+    attempt("symm_mem set-up",
+            lambda: (AsyncTpEdges(ctx.mp), {"check": "symm_mem set-up", "dtype": "fp32", "rel": 0.0})[1])
     for dtype_name in ("fp32", "bf16"):
         attempt(f"edges {dtype_name}", lambda: edge_checks(ctx, dtype_name, 11))
         for fused in (False, True):

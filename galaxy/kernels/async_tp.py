@@ -196,7 +196,8 @@ def _check_even(tokens: int, comm: Communicator, what: str) -> None:
 
 
 def all_gather_matmul(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
-                      biases: Sequence[Optional[torch.Tensor]], comm: Communicator, ops: FusedOps) -> list[torch.Tensor]:
+                      biases: Sequence[Optional[torch.Tensor]], comm: Communicator,
+                      ops: FusedOps) -> list[torch.Tensor]:
     """S -> T, then the column-parallel ``F.linear(x_full, W_i, b_i)``: ``x_local`` is
     ``[b, s / N, h]``, each result ``[b, s, out_i]``; the input gradient comes back reduce-scattered."""
     weights, biases = list(weights), list(biases)
