@@ -18,6 +18,8 @@ requires grad, the backward a random output gradient. Contenders:
                          should time like galaxy-<plan>. Outputs and input gradients are checked
                          against the model's own forward/backward ("check" column).
     galaxy-<plan>@coc<k> the model's own CoC (config coc_parallel_num=k), once this tree's models have it
+    galaxy-<plan>@async_tp the model's own async TP (config tp_overlap=async_tp: torch.ops.symm_mem fused
+                         all-gather/reduce-scatter matmuls; galaxy, galaxy2; CUDA + NCCL, even seq splits)
     pytorch-tp-sp        the plain layers under torch.distributed.tensor.parallel.parallelize_module:
                          ColwiseParallel / RowwiseParallel + SequenceParallel (torchtitan's plan)
 
@@ -63,7 +65,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from galaxy.config import GalaxyConfig, ParallelConfig  # noqa: E402
+from galaxy.config import ConfigError, GalaxyConfig, ParallelConfig  # noqa: E402
 from galaxy.core.blocks import self_attention  # noqa: E402
 from galaxy.core.comm import Communicator  # noqa: E402
 from galaxy.core.context import ParallelContext  # noqa: E402
@@ -74,6 +76,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, 
 FULL = dict(hidden=4096, ffn=11008, heads=32, seq=4096, batch=1, layers=4, dtype="bf16")
 SMOKE = dict(hidden=64, ffn=176, heads=4, seq=48, batch=1, layers=2, dtype="fp64")
 COC_PLANS = ("tp", "galaxy", "galaxy2")  # plans with TP blocks; SP has no TP linear to fuse
+ASYNC_TP_PLANS = ("galaxy", "galaxy2")  # async TP fuses S <-> T edges: plan tp's stream is replicated
 REPORTED_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "COC_PARALLEL_NUM",
                 "CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_MAX_NCHANNELS")
 
@@ -197,12 +200,15 @@ def model_has_coc() -> bool:
 
 
 def galaxy_model(shape: dict, plan_name: str, ctx: ParallelContext, seed: int,
-                 coc: Optional[int] = None) -> LlamaForCausalLM:
+                 coc: Optional[int] = None, overlap: Optional[str] = None) -> LlamaForCausalLM:
     """Galaxy's LLaMA at these shapes; ``coc``: the model's own ``coc_parallel_num`` (where the tree
-    has it, pinned to 1 by default so COC_PARALLEL_NUM in the environment cannot change a row)."""
+    has it, pinned to 1 by default so COC_PARALLEL_NUM in the environment cannot change a row);
+    ``overlap``: the config key ``tp_overlap``."""
     parallel = {"plan": plan_name}
     if model_has_coc():
         parallel["coc_parallel_num"] = coc or 1
+    if overlap is not None:
+        parallel["tp_overlap"] = overlap
     raw = {"model": {"preset": "llama-7b", "num_hidden_layers": shape["layers"], "hidden_size": shape["hidden"],
                      "intermediate_size": shape["ffn"], "num_attention_heads": shape["heads"],
                      "num_key_value_heads": shape["heads"], "vocab_size": 128,  # the head is not timed
@@ -418,6 +424,25 @@ def run_galaxy(args, shape, ctx: ParallelContext, plan_name: str, log) -> list[d
             log(rows[-1])
             del model, params, stack
             release(ctx.device)
+    if plan_name in ASYNC_TP_PLANS and world > 1 and args.async_tp:
+        try:
+            model = galaxy_model(shape, plan_name, ctx, seed=0, overlap="async_tp")  # same seed: same weights
+        except ConfigError as e:  # CPU/Gloo, uneven splits, a torch without the ops: say why
+            rows.append({"name": f"galaxy-{plan_name}@async_tp", "skipped": str(e)})
+        else:
+            params, stack = list(model.parameters()), GalaxyStack(model)
+            x.grad = None
+            out = stack(x)
+            out.backward(g)
+            check = max(rel_diff(out.detach(), ref[0]), rel_diff(x.grad, ref[1]))
+            times, peak = measure(fwd_bwd_step(stack, params, x, g), ctx.device, args.warmup, args.iters)
+            r = row(f"galaxy-{plan_name}@async_tp", plan_name, "Galaxy model, tp_overlap=async_tp", world,
+                    times, peak, check=check)
+            r["overlap"] = "async_tp"
+            rows.append(reduce_over_ranks(r, ctx))
+            log(rows[-1])
+            del model, params, stack
+            release(ctx.device)
     del x, g
     release(ctx.device)
     return rows
@@ -467,16 +492,16 @@ def probe(args, shape, ctx: ParallelContext) -> dict:
 def finish(rows: list[dict], world: int) -> None:
     serial = next((r for r in rows if r.get("name") == "serial-pytorch"), None)
     native = next((r for r in rows if r.get("name") == "pytorch-tp-sp" and "median_ms" in r), None)
-    model_rows = {r["plan"]: r for r in rows if r.get("chunks") is None and "median_ms" in r}
+    model_rows = {r["plan"]: r for r in rows if r.get("chunks") is None and not r.get("overlap") and "median_ms" in r}
     coc1 = {r["plan"]: r for r in rows if r.get("chunks") == 1}
     for r in rows:
         if "median_ms" not in r:
             continue
         r["efficiency"] = serial["median_ms"] / (r["ranks"] * r["median_ms"]) if serial else None
         r["speedup_vs_pytorch_tp_sp"] = native["median_ms"] / r["median_ms"] if native and r["ranks"] > 1 else None
-        if r.get("chunks"):
+        if r.get("chunks") or r.get("overlap"):
             model_row = model_rows.get(r["plan"])
-            base = model_row if "@coc" in r["name"] else coc1.get(r["plan"])  # the k = 1 of the same source
+            base = model_row if "@" in r["name"] else coc1.get(r["plan"])  # the k = 1 of the same source
             r["speedup_vs_coc1"] = base["median_ms"] / r["median_ms"] if base else None
             r["speedup_vs_model_plan"] = model_row["median_ms"] / r["median_ms"] if model_row else None
 
@@ -506,6 +531,7 @@ def print_table(report: dict) -> None:
               f"{report['rows'][0]['median_ms'] / report['world']:.2f} ms")
     print("+coc<k> rows: STANDALONE layer loop over the Galaxy model's weights calling galaxy.kernels.coc"
           + ("; @coc<k> rows: the model's own coc_parallel_num" if model_has_coc() else " (the model has no CoC hook)")
+          + "; @async_tp rows: the model's tp_overlap=async_tp ('vs k1': vs the model's plan without overlap)"
           + ". 'check' = max relative difference of output and input gradient vs the model's own forward/backward "
           "without CoC.")
 
@@ -584,6 +610,8 @@ def main() -> None:
     p.add_argument("--coc-source", dest="coc_source", choices=("auto", "standalone", "model"), default="auto",
                    help="CoC rows from the standalone layer loop, from the model's own coc_parallel_num "
                         "(when this tree has it), or both (auto)")
+    p.add_argument("--no-async-tp", dest="async_tp", action="store_false",
+                   help="skip the galaxy-<plan>@async_tp rows (tp_overlap=async_tp)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--no-probe", dest="no_probe", action="store_true")

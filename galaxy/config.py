@@ -86,6 +86,10 @@ class ParallelConfig:
     # CoC: TP linears at block edges overlap their collectives in 1|2|4|8 chunks (1 = no overlap);
     # None = the COC_PARALLEL_NUM environment variable, else 1.
     coc_parallel_num: Optional[int] = None
+    # Overlap of the TP edges' collectives with their matmuls: none | coc (chunked, coc_parallel_num chunks,
+    # 4 when unset) | async_tp (symmetric-memory fused all-gather/reduce-scatter matmuls, torchtitan's
+    # async TP: CUDA + NCCL, sequence-sharded stream, even seq splits). None: coc_parallel_num alone decides.
+    tp_overlap: Optional[str] = None
     # Data and pipeline parallelism around the mp group: world = dp_size x pp_size x mp.
     dp_size: int = 1
     pp_size: int = 1
@@ -332,6 +336,7 @@ class Plan:
     ffn_split: tuple[int, ...]
     seq_split: tuple[int, ...]
     coc_parallel_num: Optional[int] = None  # as configured; galaxy.kernels.coc.coc_chunks resolves it
+    tp_overlap: Optional[str] = None  # "async_tp" selects galaxy.kernels.async_tp at the TP edges
 
     @property
     def size(self) -> int:
@@ -356,6 +361,8 @@ DP_ENGINES = ("ddp", "zero1", "deepspeed")
 MP_GRAD_REDUCE = ("after_backward", "overlap", "sharded")
 OPTIMIZERS = ("adamw", "sgd")
 RECOMPUTE_MODES = ("none", "full", "selective")
+TP_OVERLAPS = ("none", "coc", "async_tp")
+COC_DEFAULT_CHUNKS = 4  # tp_overlap coc without coc_parallel_num
 KERNEL_BACKENDS = ("auto", "triton", "torch")
 # ModelConfig keys that choose how a model computes, not what it is: a model loaded from a
 # checkpoint directory takes them from the run's config (e.g. ``cfg.model = config_from_hf(...)``
@@ -493,9 +500,30 @@ class GalaxyConfig:
         if p.coc_parallel_num is not None and p.coc_parallel_num not in (1, 2, 4, 8):
             raise ConfigError(f"config key 'coc_parallel_num' must be 1, 2, 4 or 8 (chunks per TP linear; "
                               f"1 = no overlap), got {p.coc_parallel_num}")
+        self._validate_tp_overlap()
         self.methods()  # method names are checked here, splits once the world size is known
         self._validate_dp_pp()
         self._validate_compute()
+
+    def _validate_tp_overlap(self) -> None:
+        """What can be checked before the world size is known (resolve_plan checks the splits and
+        galaxy.kernels.async_tp the device, backend and torch build)."""
+        p = self.parallel
+        if p.tp_overlap is None:
+            return
+        if p.tp_overlap not in TP_OVERLAPS:
+            raise ConfigError(f"config key 'tp_overlap': '{p.tp_overlap}' is not one of {', '.join(TP_OVERLAPS)}")
+        chunks = p.coc_parallel_num
+        if p.tp_overlap != "coc" and chunks is not None and chunks > 1:
+            raise ConfigError(f"config key 'tp_overlap' is '{p.tp_overlap}' but coc_parallel_num is {chunks} (CoC "
+                              f"chunks); set tp_overlap to coc, or drop coc_parallel_num")
+        if p.tp_overlap == "coc" and chunks == 1:
+            raise ConfigError("config key 'tp_overlap' is 'coc' but coc_parallel_num is 1 (no overlap); set "
+                              "coc_parallel_num to 2, 4 or 8, or tp_overlap to none")
+        if p.tp_overlap == "async_tp" and self.peft.lora_fusion:
+            raise ConfigError("config key 'tp_overlap' async_tp does not combine with lora_fusion (CCLoRA overlaps "
+                              "the LoRA branch with its own chunked collectives); set tp_overlap to coc or "
+                              "lora_fusion to false")
 
     def _validate_compute(self) -> None:
         m = self.model
@@ -671,7 +699,25 @@ class GalaxyConfig:
                 raise ConfigError(f"config key 'tp_num_attention_heads_list' {list(heads)} splits a group of "
                                   f"{group} query heads that share one key/value head; make every entry a "
                                   f"multiple of {group}")
-        return Plan(att, con, mlp, heads, ffn, seqs, p.coc_parallel_num)
+        chunks = {"none": 1, "async_tp": 1, "coc": p.coc_parallel_num or COC_DEFAULT_CHUNKS}.get(
+            p.tp_overlap, p.coc_parallel_num)
+        if p.tp_overlap == "async_tp":
+            self._check_async_tp_plan(att, con, mlp, seqs)
+        return Plan(att, con, mlp, heads, ffn, seqs, chunks, p.tp_overlap)
+
+    @staticmethod
+    def _check_async_tp_plan(att: Method, con: Method, mlp: Method, seqs: tuple[int, ...]) -> None:
+        """Async TP fuses the S -> T all-gather and the P -> S reduce-scatter around TP blocks, in
+        equal shards (torch's symm_mem ops split evenly): the plan must have those edges."""
+        if con != Method.SP or Method.TP not in (att, mlp):
+            raise ConfigError(f"config key 'tp_overlap' async_tp fuses the all-gather/reduce-scatter between a "
+                              f"sequence-sharded stream and TP blocks, which this plan (att={att.value}, "
+                              f"con={con.value}, mlp={mlp.value}) does not have; use plan galaxy or galaxy2 "
+                              f"(con SP, a TP block), or tp_overlap coc")
+        if len(set(seqs)) > 1:
+            raise ConfigError(f"config key 'tp_overlap' async_tp needs equal sequence shards (torch's fused "
+                              f"symm_mem ops split evenly), but seq_scatter_list is {list(seqs)}; make the splits "
+                              f"equal (seq_length divisible by the model-parallel size) or use tp_overlap coc")
 
 
 def _flatten(raw: dict[str, Any]) -> dict[str, Any]:

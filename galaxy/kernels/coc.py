@@ -60,7 +60,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from galaxy.config import Method, Plan, balanced_split
+from galaxy.config import ConfigError, Method, Plan, balanced_split
 from galaxy.core.blocks import LAYOUTS
 from galaxy.core.comm import Communicator, _all_gather_single, _reduce_scatter_single
 from galaxy.core.layers import ParallelLinear
@@ -621,8 +621,11 @@ class CocBoundaries:
     """The TP block edges of one layer stack with CoC: ``Boundaries.enter`` + the block's first
     linears, and its last linear + ``Boundaries.leave``, each fused into one overlapped call.
 
+    With ``plan.tp_overlap == "async_tp"`` the same edges run torch's symmetric-memory fused ops
+    instead (``galaxy.kernels.async_tp``), chunks ignored.
+
     It fuses only where the fusion is exact: a TP block, a group of more than one rank, more than
-    one chunk, and plain ``ParallelLinear`` modules without forward hooks (a wrapped or hooked
+    one chunk (or async TP), and plain ``ParallelLinear`` modules without forward hooks (a wrapped or hooked
     module, e.g. LoRA, adds work the fused matmul would skip, so those edges keep the unfused
     path). Elsewhere ``fuses`` is False and the model keeps its usual ``Boundaries`` calls.
     """
@@ -630,13 +633,24 @@ class CocBoundaries:
     def __init__(self, comm: Communicator, plan: Plan, chunks: int):
         self.comm, self.plan, self.chunks = comm, plan, chunks
         self.stream = LAYOUTS[plan.con][1]
-        logger.debug("CoC boundaries: %d chunk(s), plan %s, stream layout %s, group of %d",
-                     chunks, plan.name, self.stream.value, comm.size)
+        # tp_overlap async_tp: the same edges on torch's symmetric-memory fused ops instead of chunks
+        # (galaxy.kernels.async_tp; the config has checked the plan has S <-> T edges, evenly split).
+        self.async_tp = None
+        if plan.tp_overlap == "async_tp":
+            from galaxy.kernels import async_tp  # it builds on this module's helpers
+
+            if type(self) is not CocBoundaries:
+                raise ConfigError("config key 'tp_overlap' async_tp does not combine with lora_fusion (CCLoRA); "
+                                  "set tp_overlap to coc or lora_fusion to false")
+            self.async_tp = async_tp.edges_for(comm)
+        logger.debug("CoC boundaries: %s, plan %s, stream layout %s, group of %d",
+                     "async TP" if self.async_tp else f"{chunks} chunk(s)", plan.name, self.stream.value, comm.size)
 
     def fuses(self, method: Method, *linears) -> bool:
-        return (self.chunks > 1 and self.comm.size > 1 and method == Method.TP
-                and all(type(m) is ParallelLinear and not (m._forward_hooks or m._forward_pre_hooks)
-                        for m in linears))
+        plain = method == Method.TP and all(type(m) is ParallelLinear and not (m._forward_hooks or m._forward_pre_hooks)
+                                            for m in linears)
+        # Async TP runs with a process group of one too (one GPU checks the path); CoC has nothing to chunk there.
+        return plain and (self.async_tp is not None or (self.chunks > 1 and self.comm.size > 1))
 
     # The fused edges launch and wait for their own async collectives, which torch.compile cannot
     # trace: in a compiled layer (model key ``compile``) they run eagerly between its graphs.
@@ -644,6 +658,8 @@ class CocBoundaries:
     def enter(self, x: torch.Tensor, linears: Sequence[ParallelLinear]) -> list[torch.Tensor]:
         """Stream (S or R) -> T, then the block's column-parallel ``linears`` on it."""
         weights, biases = [m.weight for m in linears], [m.bias for m in linears]
+        if self.async_tp is not None:
+            return self.async_tp.enter(x, weights, biases)
         if self.stream == Layout.S:
             return all_gather_linear(x, weights, biases, self.comm, self.plan.seq_split, self.chunks)
         return copy_linear(x, weights, biases, self.comm, self.chunks)
@@ -651,6 +667,8 @@ class CocBoundaries:
     @torch.compiler.disable
     def leave(self, y: torch.Tensor, linear: ParallelLinear) -> torch.Tensor:
         """The block's row-parallel ``linear`` on ``y``, then P -> stream (S or R)."""
+        if self.async_tp is not None:
+            return self.async_tp.leave(y, linear.weight, linear.bias)
         if self.stream == Layout.S:
             return linear_reduce_scatter(y, linear.weight, linear.bias, self.comm, self.plan.seq_split, self.chunks)
         return linear_all_reduce(y, linear.weight, linear.bias, self.comm, self.chunks, dst="R")
