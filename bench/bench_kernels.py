@@ -469,13 +469,9 @@ def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool, kernels: list[str]
             for warps in (4, 8, 16):
                 timed(f"ce loss [{n},{v}]", f"block={block} warps={warps}",
                       lambda: ce.ce_forward_rows(z, t, -100, None, None, block, warps))
-        if v <= ce.ONE_BLOCK_MAX:
-            for warps in (8, 16, 32):
-                timed(f"ce loss+grad [{n},{v}]", f"one block warps={warps}",
-                      lambda: ce.ce_forward_rows(z, t, -100, grad, denom, None, warps))
         for block in (8192, 16384, 32768):
-            for warps in (16, 32):
-                timed(f"ce loss+grad [{n},{v}]", f"two-pass block={block} warps={warps}",
+            for warps in (8, 16, 32):
+                timed(f"ce loss+grad [{n},{v}]", f"block={block} warps={warps}",
                       lambda: ce.ce_forward_rows(z, t, -100, grad, denom, block, warps))
         for g in (1.0, 2.0):
             timed(f"scale_rows_ [{n},{v}]", f"g={g}", lambda: ce.scale_rows_(grad, torch.full((), g, device=device)))

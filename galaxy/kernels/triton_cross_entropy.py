@@ -5,10 +5,10 @@ cross-entropy that never holds the full logits.
 same kernel that computes the loss, ``(softmax - onehot) / denominator`` per row, into a new buffer
 or, with ``inplace``, into the logits themselves (Liger-Kernel's memory trade); backward then only
 scales it by ``grad_output`` where that is not 1 (the usual ``loss.backward()`` costs one short
-launch). A vocabulary of at most ``ONE_BLOCK_MAX`` columns is held in registers, so each row is
-read from memory once and written once, the fewest bytes this op can move; a larger one takes an
-online-softmax pass and a second pass, in reverse block order so the most recently read blocks,
-still in L2, are re-read first. Without a gradient (eval), forward is the online pass alone.
+launch). The kernel reads a row in vocab blocks with an online softmax, keeps the last block in
+registers and writes the gradient from there and from the other blocks, re-read last to first (the
+most recently read, likeliest still in L2, first); a row of one block is read once. Without a
+gradient (eval), forward is the online pass alone.
 
 ``FusedLinearCrossEntropy`` (the Liger-Kernel approach): tokens are processed in chunks;
 each chunk's logits are computed by a torch matmul, the Triton kernel overwrites them in
@@ -25,24 +25,20 @@ import triton.language as tl
 
 from galaxy.kernels._triton_utils import persistent_programs
 
-# Loss only: vocab block per step of the online softmax, and warps. Chosen by
-# bench/bench_kernels.py --variants (cross_entropy rows).
+# Vocab block and warps, loss only and loss + gradient, chosen by bench/bench_kernels.py --variants
+# (ce rows; H100, docs/results/kernels_2026-11-24_*_h100*.json). With the gradient, many warps per
+# row keep few rows in flight, so the blocks re-read in the second pass are still in L2 (a
+# 128k-vocab row is 256 KB in bf16); a row of one block is read once.
 FWD_BLOCK_V = 16384
 FWD_WARPS = 8
-# Loss and gradient: rows up to ONE_BLOCK_MAX columns sit in registers (one read, one write);
-# longer rows take two passes in blocks of GRAD_BLOCK_V. Few rows in flight (many warps per row)
-# keep the rows of the second pass in L2 (a 128k-vocab row is 256 KB in bf16).
-ONE_BLOCK_MAX = 32768
-ONE_BLOCK_WARPS = 16
-GRAD_BLOCK_V = 16384
-GRAD_WARPS = 32
+GRAD_TILES = ((32768, 16384, 16), (None, 32768, 32))  # (vocab up to, block, warps)
 SCALE_BLOCK = 4096
 
 
 @triton.jit
 def _ce_fwd_kernel(
     LOGITS, stride_l, GRAD, stride_g, TARGETS, LOSS, DENOM, n_cols, ignore_index,
-    WRITE_GRAD: tl.constexpr, ONE_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = LOGITS + row * stride_l
@@ -56,48 +52,40 @@ def _ce_fwd_kernel(
                 tl.store(grad_ptr + cols, tl.zeros([BLOCK_V], dtype=GRAD.dtype.element_ty), mask=cols < n_cols)
         return
 
+    # Online softmax over all blocks but the last: running max m and sum d of exp(x - m),
+    # rescaled when m grows. The last block stays in registers for the gradient.
+    m = float("-inf")
+    d = 0.0
+    last = (tl.cdiv(n_cols, BLOCK_V) - 1) * BLOCK_V
+    for start in range(0, last, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + cols).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    last_cols = last + tl.arange(0, BLOCK_V)
+    last_mask = last_cols < n_cols
+    x_last = tl.load(row_ptr + last_cols, mask=last_mask, other=float("-inf")).to(tl.float32)
+    m_new = tl.maximum(m, tl.max(x_last, axis=0))
+    d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x_last - m_new), axis=0)
+    lse = m_new + tl.log(d)
     # An out-of-range target cannot raise on the device: it yields a NaN loss instead.
     target_ok = (target >= 0) & (target < n_cols)
-    if ONE_BLOCK:
-        # The whole row in registers: read once, written once.
-        cols = tl.arange(0, BLOCK_V)
-        mask = cols < n_cols
-        x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        m = tl.max(x, axis=0)
-        e = tl.exp(x - m)
-        d = tl.sum(e, axis=0)
-        lse = m + tl.log(d)
-        x_target = tl.sum(tl.where(cols == target, x, 0.0), axis=0)
-        tl.store(LOSS + row, tl.where(target_ok, lse - x_target, float("nan")))
-        if WRITE_GRAD:
-            scale = 1.0 / (d * tl.load(DENOM))
-            grad = e * scale - tl.where(cols == target, 1.0 / tl.load(DENOM), 0.0)
-            tl.store(grad_ptr + cols, grad.to(GRAD.dtype.element_ty), mask=mask)
-    else:
-        # Online softmax: running max m and sum d of exp(x - m), rescaled when m grows.
-        m = float("-inf")
-        d = 0.0
-        for start in range(0, n_cols, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            x = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, axis=0))
-            d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-            m = m_new
-        lse = m + tl.log(d)
-        x_target = tl.load(row_ptr + tl.where(target_ok, target, 0)).to(tl.float32)
-        tl.store(LOSS + row, tl.where(target_ok, lse - x_target, float("nan")))
-        if WRITE_GRAD:
-            # (softmax - onehot) / denominator, last block first: those were read most recently and
-            # are the likeliest still in L2. Each block is read before it is written, so GRAD may
-            # be LOGITS (in place).
-            inv_denom = 1.0 / tl.load(DENOM)
-            n_blocks = tl.cdiv(n_cols, BLOCK_V)
-            for i in range(0, n_blocks):
-                cols = (n_blocks - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
-                mask = cols < n_cols
-                x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * inv_denom
-                tl.store(grad_ptr + cols, grad.to(GRAD.dtype.element_ty), mask=mask)
+    x_target = tl.load(row_ptr + tl.where(target_ok, target, 0)).to(tl.float32)
+    tl.store(LOSS + row, tl.where(target_ok, lse - x_target, float("nan")))
+
+    if WRITE_GRAD:
+        # (softmax - onehot) / denominator: the last block from registers, then the others from the
+        # last to the first, the most recently read (likeliest still in L2) first. Every block is
+        # read before it is written, so GRAD may be LOGITS (in place).
+        inv_denom = 1.0 / tl.load(DENOM)
+        grad = (tl.exp(x_last - lse) - tl.where(last_cols == target, 1.0, 0.0)) * inv_denom
+        tl.store(grad_ptr + last_cols, grad.to(GRAD.dtype.element_ty), mask=last_mask)
+        for i in range(BLOCK_V, last + BLOCK_V, BLOCK_V):
+            cols = (last - i) + tl.arange(0, BLOCK_V)
+            x = tl.load(row_ptr + cols).to(tl.float32)
+            grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * inv_denom
+            tl.store(grad_ptr + cols, grad.to(GRAD.dtype.element_ty))
 
 
 @triton.jit
@@ -130,37 +118,31 @@ def scale_rows_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _vocab_block(block_v: int) -> int:
-    if block_v <= 0 or block_v & (block_v - 1):
-        raise ValueError(f"block_v must be a positive power of 2, got {block_v}")
-    return block_v
-
-
 def ce_forward_rows(logits, targets, ignore_index, grad=None, denom=None, block_v=None, warps=None):
     """Per-row loss (fp32) of ``logits [N, V]``. With ``grad`` (a [N, V] tensor, which may be
     ``logits`` itself), also writes ``(softmax - onehot) / denom`` into it (``denom``: an fp32
-    device scalar, default 1; ignored rows get zeros). ``block_v`` (a power of 2) forces the
-    blocked two-pass kernel with that block; by default a row of at most ``ONE_BLOCK_MAX``
-    columns is held whole."""
+    device scalar, default 1; ignored rows get zeros). ``block_v`` (a power of 2) and ``warps``
+    override the launch settings."""
     n_rows, n_cols = logits.shape
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     if not n_rows:
         return loss
     write_grad = grad is not None
-    one_block = write_grad and block_v is None and n_cols <= ONE_BLOCK_MAX
-    if one_block:
-        block, default_warps = triton.next_power_of_2(n_cols), ONE_BLOCK_WARPS
-    elif write_grad:
-        block, default_warps = _vocab_block(block_v or GRAD_BLOCK_V), GRAD_WARPS
+    if write_grad:
+        block, default_warps = next((b, w) for v, b, w in GRAD_TILES if v is None or n_cols <= v)
     else:
-        block, default_warps = _vocab_block(block_v or FWD_BLOCK_V), FWD_WARPS
+        block, default_warps = FWD_BLOCK_V, FWD_WARPS
+    if block_v is not None:
+        if block_v <= 0 or block_v & (block_v - 1):
+            raise ValueError(f"block_v must be a positive power of 2, got {block_v}")
+        block = block_v
     block = min(block, triton.next_power_of_2(n_cols))
     if write_grad and denom is None:
         denom = torch.ones((), dtype=torch.float32, device=logits.device)
     _ce_fwd_kernel[(n_rows,)](
         logits, logits.stride(0), grad if write_grad else logits, grad.stride(0) if write_grad else 0,
         targets, loss, denom if write_grad else loss, n_cols, ignore_index,
-        WRITE_GRAD=write_grad, ONE_BLOCK=one_block, BLOCK_V=block,
+        WRITE_GRAD=write_grad, BLOCK_V=block,
         # Fewer warps for a small block: at least 4 elements per thread.
         num_warps=min(warps or default_warps, max(1, block // 128)),
     )

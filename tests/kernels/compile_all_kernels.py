@@ -48,11 +48,10 @@ def cases():
                    {"FLAT": flat, "BLOCK_SIZE": 2048}, 8)
             yield (f"swiglu_bwd_{'flat' if flat else '2d'}_{dt}", swiglu._swiglu_bwd_kernel,
                    dict(DY=p, G=p, U=p, DG=p, DU=p), {"FLAT": flat, "BLOCK_SIZE": 2048}, 8)
-        for write_grad, one_block in ((False, False), (True, False), (True, True)):
-            yield (f"ce_fwd{'_grad' if write_grad else ''}{'_one_block' if one_block else ''}_{dt}", ce._ce_fwd_kernel,
+        for write_grad in (False, True):
+            yield (f"ce_fwd{'_grad' if write_grad else ''}_{dt}", ce._ce_fwd_kernel,
                    dict(LOGITS=p, GRAD=p, TARGETS="*i64", LOSS=f32, DENOM=f32),
-                   {"WRITE_GRAD": write_grad, "ONE_BLOCK": one_block, "BLOCK_V": 32768 if one_block else 16384},
-                   16 if one_block else 32)
+                   {"WRITE_GRAD": write_grad, "BLOCK_V": 16384}, 16)
         yield f"scale_rows_{dt}", ce._scale_rows_kernel, dict(X=p, G=f32), {"BLOCK": 4096}, 4
 
 
