@@ -22,5 +22,5 @@ else
   timeout 100 $B --dtype fp32 --only cross_entropy rope --skip torch-compile liger --repeats 1 \
     --json $OUT/kernels_fp32_check.json 2>&1 | grep -E "^(cross_entropy|rope) .* (ok|FAIL)" | head -20
   timeout 70 $B --variants ce --only --json $OUT/kernels_ce_variants.json 2>&1 | grep "variant ce loss+grad"
-  timeout 500 $B --profile --repeats 5 --json $OUT/kernels_final.json 2>&1 | tail -75
+  timeout 460 $B --profile --repeats 4 --json $OUT/kernels_final.json 2>&1 | tail -75
 fi
