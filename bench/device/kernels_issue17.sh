@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 17 on one H100: `explore` = GPU numerics in fp32 (cross-entropy, RoPE), launch-setting sweeps
 # (RoPE tiles, cross-entropy paths), Nsight Compute bytes of the cross-entropy kernels, then the bf16
-# bench of cross-entropy and RoPE with kernel profiles; `final` = fp32 numerics, the
+# bench of cross-entropy and RoPE with kernel profiles; `ce` = the cross-entropy sweep, bytes and bench; `final` = fp32 numerics, the
 # cross-entropy sweep, then the whole bf16 bench with profiles.
 # Run from the repository root with $OUT and GALAXY_COMMIT set, Liger's wheel installed on PYTHONPATH.
 set -uo pipefail
@@ -18,6 +18,12 @@ if [ "$1" = explore ]; then
     dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,gpu__time_duration.sum \
     python3 bench/device/ncu_cross_entropy.py > $OUT/ncu_ce.txt 2>&1; grep -E "ce_fwd|liger|dram__|lts__|gpu__time" $OUT/ncu_ce.txt | tail -40
   timeout 240 $B --only cross_entropy rope --profile --repeats 5 --json $OUT/kernels_ce_rope.json 2>&1 | tail -40
+elif [ "$1" = ce ]; then
+  timeout 70 $B --variants ce --only --json $OUT/kernels_ce_variants.json 2>&1 | grep "variant ce loss+grad"
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  timeout 120 $NCU --clock-control none --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,\
+gpu__time_duration.sum python3 bench/device/ncu_cross_entropy.py > $OUT/ncu_ce.txt 2>&1
+  timeout 150 $B --only cross_entropy --profile --repeats 4 --json $OUT/kernels_ce.json 2>&1 | tail -25
 else
   timeout 100 $B --dtype fp32 --only cross_entropy rope --skip torch-compile liger --repeats 1 \
     --json $OUT/kernels_fp32_check.json 2>&1 | grep -E "^(cross_entropy|rope) .* (ok|FAIL)" | head -20

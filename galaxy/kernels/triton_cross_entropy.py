@@ -57,9 +57,13 @@ def _ce_fwd_kernel(
     m = float("-inf")
     d = 0.0
     last = (tl.cdiv(n_cols, BLOCK_V) - 1) * BLOCK_V
+    # With the gradient to write, the row is read again: ask L2 to keep it (evict_last), and to drop
+    # what is read the second time and the gradient written (evict_first), which would otherwise push
+    # the rows still to be re-read out of L2.
+    keep: tl.constexpr = "evict_last" if WRITE_GRAD else ""
     for start in range(0, last, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + cols).to(tl.float32)
+        x = tl.load(row_ptr + cols, eviction_policy=keep).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
         d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
         m = m_new
@@ -80,12 +84,12 @@ def _ce_fwd_kernel(
         # read before it is written, so GRAD may be LOGITS (in place).
         inv_denom = 1.0 / tl.load(DENOM)
         grad = (tl.exp(x_last - lse) - tl.where(last_cols == target, 1.0, 0.0)) * inv_denom
-        tl.store(grad_ptr + last_cols, grad.to(GRAD.dtype.element_ty), mask=last_mask)
+        tl.store(grad_ptr + last_cols, grad.to(GRAD.dtype.element_ty), mask=last_mask, eviction_policy="evict_first")
         for i in range(BLOCK_V, last + BLOCK_V, BLOCK_V):
             cols = (last - i) + tl.arange(0, BLOCK_V)
-            x = tl.load(row_ptr + cols).to(tl.float32)
+            x = tl.load(row_ptr + cols, eviction_policy="evict_first").to(tl.float32)
             grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * inv_denom
-            tl.store(grad_ptr + cols, grad.to(GRAD.dtype.element_ty))
+            tl.store(grad_ptr + cols, grad.to(GRAD.dtype.element_ty), eviction_policy="evict_first")
 
 
 @triton.jit
