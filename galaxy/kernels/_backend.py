@@ -75,8 +75,9 @@ AUTO_PICKS: dict[str, dict[str, Pick]] = {
                        "1B 0.183 vs 0.184; 1B TP/2 0.096 vs 0.096"),
         "swiglu_packed": Pick("triton", 0, f"{_H100} 7B galaxy 0.244, torch-compile 0.265; 7B TP/2 0.126 vs 0.136; "
                               "1B 0.183 vs 0.199; 1B TP/2 0.096 vs 0.103"),
-        "cross_entropy": Pick("triton", 0, f"{_H100} 32k galaxy 0.229, torch-compile 0.637, F.cross_entropy 2.221; "
-                              "128k 0.928 vs 2.690, 8.964"),
+        "cross_entropy": Pick("triton", 0, "H100 80GB HBM3, 2026-11-24, commit 5e02136, docs/results/"
+                              "kernels_2026-11-24_5e02136_h100_ce.json: ms 32k galaxy 0.219, torch-compile 0.636, "
+                              "F.cross_entropy 2.224; 128k 0.875 vs 2.688, 8.960"),
         "fused_linear_cross_entropy": Pick("triton", 0, f"{_H100} 7B (32k) galaxy 4.256, torch-compile 4.600; "
                                            "1B (128k) 9.010 vs 10.497; 8B head (128k) 17.148 vs 18.559"),
     },

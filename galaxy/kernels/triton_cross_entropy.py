@@ -26,9 +26,10 @@ import triton.language as tl
 from galaxy.kernels._triton_utils import persistent_programs
 
 # Vocab block and warps, loss only and loss + gradient, chosen by bench/bench_kernels.py --variants
-# (ce rows; H100, docs/results/kernels_2026-11-24_*_h100*.json). With the gradient, many warps per
-# row keep few rows in flight, so the blocks re-read in the second pass are still in L2 (a
-# 128k-vocab row is 256 KB in bf16); a row of one block is read once.
+# (ce rows; H100, docs/results/kernels_2026-11-24_5e02136_h100_ce_variants.json). With the gradient,
+# many warps per row keep few rows in flight, so the blocks re-read in the second pass are still in L2
+# (a 128k-vocab row is 256 KB in bf16). A whole 32k row in registers (one read) ran slower than two
+# blocks: one 64 KB row per SM left its loads and stores unoverlapped.
 FWD_BLOCK_V = 16384
 FWD_WARPS = 8
 GRAD_TILES = ((32768, 16384, 16), (None, 32768, 32))  # (vocab up to, block, warps)
