@@ -62,7 +62,11 @@ class Pick(NamedTuple):
 # as fast as torch's fused op and torch.compile of the reference at every measured shape. RoPE keeps
 # Triton where Liger's in-place kernel is faster: auto cannot run Liger, and torch's path, compiled
 # or not, is 2-10x slower. An op missing here runs on torch.
-_H100 = "H100 80GB HBM3, 2026-11-24, commit 690d2e1, docs/results/kernels_2026-11-24_690d2e1_h100.json: ms"
+def _h100(commit: str, suffix: str = "") -> str:
+    return f"H100 80GB HBM3, 2026-11-24, commit {commit}, docs/results/kernels_2026-11-24_{commit}_h100{suffix}.json: ms"
+
+
+_H100 = _h100("690d2e1")
 AUTO_PICKS: dict[str, dict[str, Pick]] = {
     "H100": {
         # Below 2048 x 4096 elements (1B SP/2: 0.034 vs F.rms_norm 0.028) the launches dominate.
@@ -75,11 +79,10 @@ AUTO_PICKS: dict[str, dict[str, Pick]] = {
                        "1B 0.183 vs 0.184; 1B TP/2 0.096 vs 0.096"),
         "swiglu_packed": Pick("triton", 0, f"{_H100} 7B galaxy 0.244, torch-compile 0.265; 7B TP/2 0.126 vs 0.136; "
                               "1B 0.183 vs 0.199; 1B TP/2 0.096 vs 0.103"),
-        "cross_entropy": Pick("triton", 0, "H100 80GB HBM3, 2026-11-24, commit 5e02136, docs/results/"
-                              "kernels_2026-11-24_5e02136_h100_ce.json: ms 32k galaxy 0.219, torch-compile 0.636, "
+        "cross_entropy": Pick("triton", 0, f"{_h100('5e02136', '_ce')} 32k galaxy 0.219, torch-compile 0.636, "
                               "F.cross_entropy 2.224; 128k 0.875 vs 2.688, 8.960"),
-        "fused_linear_cross_entropy": Pick("triton", 0, f"{_H100} 7B (32k) galaxy 4.256, torch-compile 4.600; "
-                                           "1B (128k) 9.010 vs 10.497; 8B head (128k) 17.148 vs 18.559"),
+        "fused_linear_cross_entropy": Pick("triton", 0, f"{_h100('2bfbaee', '_flce')} 7B (32k) galaxy 4.165, "
+                                           "torch-compile 4.610; 1B (128k) 9.003 vs 10.515; 8B head 17.318 vs 18.433"),
     },
 }
 # A CUDA device of a class not measured yet runs the picks of this one (logged once per device).
