@@ -1,7 +1,7 @@
 """Rotary position embedding (HF ``rotate_half`` convention) as a Triton kernel.
 
-One program per (batch, position) rotates every q head and every k head at that position,
-so cos/sin are read once and shared by all heads (GQA: q and k head counts differ).
+Each program rotates every q head and every k head at one or two (batch, position) rows, so
+cos/sin are read once per position and shared by all heads (GQA: q and k head counts differ).
 cos/sin are given per position by the caller, which lets sequence-parallel ranks pass the
 rows for their global positions.
 """
@@ -16,9 +16,11 @@ import triton.language as tl
 def rope_tiles(block_qh: int, block_kh: int, block_d: int) -> tuple[int, int]:
     """(positions per program, warps) for heads padded to ``block_qh``/``block_kh`` and half-dims
     padded to ``block_d``: about 1024 elements per warp, and two positions per program when one
-    position holds fewer than 2048 elements (small heads, TP shards), so that each thread still
-    moves 16 bytes at a time. From bench/bench_kernels.py --variants (rope rows): at 1B TP/2
-    (q 16, k 4 heads of 64) 2 positions x 2 warps ran in 6.3 us, 1 x 4 (the old fixed tile) in 13."""
+    position holds fewer than 2048 elements (small heads, TP shards), so that small tiles are not
+    spread over more threads than they have 16-byte pieces. From bench/bench_kernels.py --variants
+    (rope rows, H100): at 1B TP/2 (q 16, k 4 heads of 64) the forward took 6.3 us with 2 positions x
+    2 warps against 13 with the old fixed 1 x 4 (inputs in L2); in the whole benchmark (forward +
+    backward, inputs rotated) 16.7 against 17.7 us, docs/results/kernels_2026-11-24_690d2e1_h100.json."""
     elems = (block_qh + block_kh) * 2 * block_d
     positions = 2 if elems < 2048 else 1
     warps = max(1, min(8, (positions * elems) // 1024))
