@@ -414,8 +414,9 @@ def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool) -> l
 # ----------------------------------------------------------------------------- variants
 
 
-def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool) -> list[dict]:
-    """GPU ms of the Galaxy kernels' launch settings (the module defaults come from these)."""
+def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool, kernels: list[str] | None = None) -> list[dict]:
+    """GPU ms of the Galaxy kernels' launch settings (the module defaults come from these);
+    ``kernels`` (any of swiglu, rope, ce, rms_norm, flce) limits the sweep."""
     import galaxy.kernels as K
     from galaxy.kernels import triton_cross_entropy as ce, triton_norms as norms, triton_rope as rope
     from galaxy.kernels import triton_swiglu as sw
@@ -430,9 +431,12 @@ def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool) -> list[dict]:
         rows.append(row)
         print(f"variant {name:<34} {setting:<28} {statistics.median(ms):8.4f} ms", file=sys.stderr, flush=True)
 
+    def want(kernel):
+        return not kernels or kernel in kernels
+
     rows: list[dict] = []
     n = 48 if smoke else 4096
-    widths = [96] if smoke else [11008, 5504]
+    widths = ([96] if smoke else [11008, 5504]) if want("swiglu") else []
     for w in widths:
         g, u, dy = randn(n, w), randn(n, w), randn(n, w)
         gu = randn(n, 2 * w)
@@ -446,39 +450,32 @@ def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool) -> list[dict]:
                       lambda: sw.swiglu_forward(gu[:, :w], gu[:, w:], block, warps))
                 timed(f"swiglu_packed bwd [{n},2x{w}]", s,
                       lambda: sw.swiglu_backward(dy, gu[:, :w], gu[:, w:], dgu[:, :w], dgu[:, w:], block, warps))
-    heads = [(4, 2, 16)] if smoke else [(32, 32, 128), (32, 8, 64), (16, 16, 128), (16, 4, 64)]
+    heads = ([(4, 2, 16)] if smoke else [(32, 32, 128), (32, 8, 64), (16, 16, 128), (16, 4, 64)]) if want("rope") else []
     for hq, hk, d in heads:
         cos, sin = rope_tables(n, d, device, dtype)
-        for layout in ("bshd", "bhsd"):
-            if layout == "bshd":
-                q, k = randn(1, n, hq, d).transpose(1, 2), randn(1, n, hk, d).transpose(1, 2)
-            else:
-                q, k = randn(1, hq, n, d), randn(1, hk, n, d)
-            for positions in (1, 2, 4):
-                for warps in (2, 4, 8):
-                    timed(f"rope fwd q[{hq},{d}] k[{hk}] {layout}", f"positions={positions} warps={warps}",
-                          lambda: rope.rope_launch(q, k, cos, sin, False, positions, warps))
-    vocabs = [257] if smoke else [32000, 128256]
+        # The attention block's layout: [b, s, h, d] projections viewed as [b, h, s, d].
+        q, k = randn(1, n, hq, d).transpose(1, 2), randn(1, n, hk, d).transpose(1, 2)
+        timed(f"rope fwd q[{hq},{d}] k[{hk}]", "default (rope_tiles)",
+              lambda: rope.rope_launch(q, k, cos, sin, False))
+        for positions in (1, 2, 4):
+            for warps in (1, 2, 4, 8):
+                timed(f"rope fwd q[{hq},{d}] k[{hk}]", f"positions={positions} warps={warps}",
+                      lambda: rope.rope_launch(q, k, cos, sin, False, positions, warps))
+    vocabs = ([257] if smoke else [32000, 128256]) if want("ce") else []
     for v in vocabs:
         z, t = randn(n, v, scale=2.0), _targets(n, v, device)
-        _, lse = ce.ce_forward_rows(z, t, -100, False)
-        one, denom = torch.ones((), device=device), torch.full((), float(n), device=device)
-        for block in (4096, 8192, 16384, 32768):
-            for warps in (4, 8, 16, 32):
-                if block // (32 * warps) < 4:
-                    continue
-                timed(f"ce fwd [{n},{v}]", f"block={block} warps={warps}",
-                      lambda: ce.ce_forward_rows(z, t, -100, False, block, warps))
-        for block in (1024, 2048, 4096, 8192):
+        grad, denom = torch.empty_like(z), torch.full((), float(n), device=device)
+        for block in (8192, 16384):
             for warps in (4, 8, 16):
-                timed(f"ce bwd [{n},{v}]", f"block={block} warps={warps}",
-                      lambda: ce.ce_backward_rows(z, t, lse, one, denom, -100, False, block, warps))
-        for warps in (8, 16, 32):  # the in-place / fused-linear forward, which also writes the gradient
-            timed(f"ce fwd+grad [{n},{v}]", f"block={ce.FWD_BLOCK_V} warps={warps}",
-                  lambda: ce.ce_forward_rows(z, t, -100, True, None, warps, denom))
+                timed(f"ce loss [{n},{v}]", f"block={block} warps={warps}",
+                      lambda: ce.ce_forward_rows(z, t, -100, None, None, block, warps))
+        for block in (8192, 16384, 32768):
+            for warps in (8, 16, 32):
+                timed(f"ce loss+grad [{n},{v}]", f"block={block} warps={warps}",
+                      lambda: ce.ce_forward_rows(z, t, -100, grad, denom, block, warps))
         for g in (1.0, 2.0):
-            timed(f"scale_rows_ [{n},{v}]", f"g={g}", lambda: ce.scale_rows_(z, torch.full((), g, device=device)))
-    hidden = [64] if smoke else [4096, 2048]
+            timed(f"scale_rows_ [{n},{v}]", f"g={g}", lambda: ce.scale_rows_(grad, torch.full((), g, device=device)))
+    hidden = ([64] if smoke else [4096, 2048]) if want("rms_norm") else []
     for h in hidden:
         x, dy = randn(n, h), randn(n, h)
         w = 1 + randn(h, scale=0.1)
@@ -486,7 +483,8 @@ def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool) -> list[dict]:
         for per_sm in (1, 2, 4, 8):
             timed(f"rms_norm bwd [{n},{h}]", f"programs_per_sm={per_sm}",
                   lambda: norms.rms_norm_backward(dy, x, w, rstd, per_sm))
-    flce = [(48, 64, 257)] if smoke else [(4096, 4096, 32000), (4096, 4096, 128256), (4096, 2048, 128256)]
+    flce = ([(48, 64, 257)] if smoke else [(4096, 4096, 32000), (4096, 4096, 128256), (4096, 2048, 128256)]
+            if want("flce") else [])
     for n_, h, v in flce:
         hh, w, t = _leaf(randn(n_, h)), _leaf(randn(v, h, scale=0.02)), _targets(n_, v, device)
         for chunk in ((8, 16, 48) if smoke else (256, 512, 1024, 2048, 4096)):
@@ -582,10 +580,12 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU with TRITON_INTERPRET=1")
     parser.add_argument("--json", help="write results to this JSON file (rewritten after every case)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--only", nargs="*", help="ops to run (default: all)")
+    parser.add_argument("--only", nargs="*", help="ops to run (default: all; the flag alone: none, e.g. "
+                        "with --variants)")
     parser.add_argument("--skip", nargs="*", default=[], help="contenders to leave out (e.g. torch-compile)")
     parser.add_argument("--repeats", type=int, default=5, help="timings per contender, interleaved")
-    parser.add_argument("--variants", action="store_true", help="first sweep the Galaxy kernels' launch settings")
+    parser.add_argument("--variants", nargs="*", help="first sweep the Galaxy kernels' launch settings "
+                        "(optionally only these: swiglu rope ce rms_norm flce)")
     parser.add_argument("--profile", action="store_true", help="store each contender's per-kernel device times")
     parser.add_argument("--commit", default=os.environ.get("GALAXY_COMMIT", "unknown"), help="recorded in the JSON")
     args = parser.parse_args(argv)
@@ -615,15 +615,15 @@ def main(argv=None) -> int:
         report.notes.append("CPU run: no peak-memory numbers, times are the interpreter's")
 
     torch.manual_seed(0)
-    if args.variants:
-        report.variants = variant_sweeps(dtype, device, on_cuda, args.smoke)
+    if args.variants is not None:
+        report.variants = variant_sweeps(dtype, device, on_cuda, args.smoke, args.variants)
         _write(args.json, report)
     compile_ok = on_cuda and "torch-compile" not in args.skip  # inductor on the CPU interpreter: not a measure
     cases = build_cases(dtype, device, liger, args.smoke)
     for case in cases:
         for skipped in [*args.skip, *([] if compile_ok else ["torch-compile"])]:
             case.impls.pop(skipped, None)
-    if args.only:
+    if args.only is not None:
         unknown = set(args.only) - {c.op for c in cases}
         if unknown:
             parser.error(f"unknown ops {sorted(unknown)}; choose from {sorted({c.op for c in cases})}")

@@ -103,8 +103,9 @@ def cross_entropy(
 
     ``reduction``: 'mean' (over non-ignored targets, or over ``num_targets`` when given, e.g.
     the global count when tokens are sharded across ranks), 'sum', or 'none' (shape of targets).
-    ``inplace`` (Triton only): the logits' memory holds their gradient from forward on, so no
-    [N, V] gradient is allocated; the logits must not be read after the call.
+    The Triton path computes the logits' gradient during forward (one pass over the logits; backward
+    only applies ``grad_output``, so it can run once). ``inplace`` (Triton only): the logits' memory
+    holds that gradient, so no [N, V] gradient is allocated; the logits must not be read after the call.
     """
     if reduction not in reference.REDUCTIONS:
         raise ValueError(f"reduction must be one of {reference.REDUCTIONS}, got {reduction!r}")
@@ -113,6 +114,10 @@ def cross_entropy(
     if resolve_backend(backend, logits, "cross_entropy") == "triton":
         from galaxy.kernels.triton_cross_entropy import TritonCrossEntropy
 
+        if not torch.is_grad_enabled():
+            # Evaluation: a detached input tells the Function to skip its in-forward gradient
+            # (inside forward, needs_input_grad ignores no_grad).
+            flat_logits = flat_logits.detach()
         loss = TritonCrossEntropy.apply(flat_logits, flat_targets, ignore_index, reduction, num_targets, None, inplace)
     else:
         loss = reference.cross_entropy(flat_logits, flat_targets, ignore_index, reduction, num_targets)

@@ -58,26 +58,31 @@ class Pick(NamedTuple):
 
 
 # Per device class, per op, from bench/bench_kernels.py: forward + backward, bf16, GPU time per step
-# (median of 5 repeats); raw JSON under docs/results/. Triton only where it was at least as fast as
-# torch's fused op and torch.compile of the reference at every measured shape. An op missing here
-# runs on torch.
-_H100 = "H100 80GB HBM3, 2026-11-24, commit c3cd466, docs/results/kernels_2026-11-24_c3cd466_h100.json: ms"
+# (median of 4 repeats in one launch); raw JSON under docs/results/. Triton only where it was at least
+# as fast as torch's fused op and torch.compile of the reference at every measured shape. RoPE keeps
+# Triton where Liger's in-place kernel is faster: auto cannot run Liger, and torch's path, compiled
+# or not, is 2-10x slower. An op missing here runs on torch.
+def _h100(commit: str, suffix: str = "") -> str:
+    return f"H100 80GB HBM3, 2026-11-24, commit {commit}, docs/results/kernels_2026-11-24_{commit}_h100{suffix}.json: ms"
+
+
+_H100 = _h100("690d2e1")
 AUTO_PICKS: dict[str, dict[str, Pick]] = {
     "H100": {
         # Below 2048 x 4096 elements (1B SP/2: 0.034 vs F.rms_norm 0.028) the launches dominate.
         "rms_norm": Pick("triton", 2048 * 4096, f"{_H100} 7B galaxy 0.090, torch-compile 0.095, F.rms_norm 0.114; "
                          "7B SP/2 0.056, F.rms_norm 0.059; 1B 0.051, torch-compile 0.051"),
-        "layer_norm": Pick("torch", 0, f"{_H100} BERT-large galaxy 0.050, F.layer_norm 0.041, torch-compile 0.038"),
-        "rope": Pick("triton", 0, f"{_H100} 7B galaxy 0.098, torch-compile 0.190; 1B 0.036, torch-compile 0.076; "
-                     "TP/2: 0.054 vs 0.102, 0.021 vs 0.046"),
+        "layer_norm": Pick("torch", 0, f"{_H100} BERT-large galaxy 0.050, F.layer_norm 0.041, torch-compile 0.039"),
+        "rope": Pick("triton", 0, f"{_H100} 7B galaxy 0.098, torch-compile 0.190; 1B 0.037, torch-compile 0.076; "
+                     "TP/2: 0.054 vs 0.105, 0.021 vs 0.048"),
         "swiglu": Pick("triton", 0, f"{_H100} 7B galaxy 0.244, torch-compile 0.244; 7B TP/2 0.126 vs 0.126; "
-                       "1B 0.183 vs 0.191; 1B TP/2 0.095 vs 0.096"),
-        "swiglu_packed": Pick("triton", 0, f"{_H100} 7B galaxy 0.244, torch-compile 0.265; 7B TP/2 0.126 vs 0.143; "
-                              "1B 0.184 vs 0.199"),
-        "cross_entropy": Pick("triton", 0, f"{_H100} 32k galaxy 0.292, torch-compile 0.637, F.cross_entropy 2.220; "
-                              "128k 1.071 vs 2.689, 8.960"),
-        "fused_linear_cross_entropy": Pick("triton", 0, f"{_H100} 7B (32k) galaxy 4.233, torch-compile 4.596; "
-                                           "1B (128k) 9.125 vs 10.515; 8B head (128k) 17.568 vs 18.694"),
+                       "1B 0.183 vs 0.184; 1B TP/2 0.096 vs 0.096"),
+        "swiglu_packed": Pick("triton", 0, f"{_H100} 7B galaxy 0.244, torch-compile 0.265; 7B TP/2 0.126 vs 0.136; "
+                              "1B 0.183 vs 0.199; 1B TP/2 0.096 vs 0.103"),
+        "cross_entropy": Pick("triton", 0, f"{_h100('5e02136', '_ce')} 32k galaxy 0.219, torch-compile 0.636, "
+                              "F.cross_entropy 2.224; 128k 0.875 vs 2.688, 8.960"),
+        "fused_linear_cross_entropy": Pick("triton", 0, f"{_h100('2bfbaee', '_flce')} 7B (32k) galaxy 4.165, "
+                                           "torch-compile 4.610; 1B (128k) 9.003 vs 10.515; 8B head 17.318 vs 18.433"),
     },
 }
 # A CUDA device of a class not measured yet runs the picks of this one (logged once per device).

@@ -1,10 +1,14 @@
-"""Cross-entropy with an online softmax over the vocabulary, and the fused linear +
+"""Cross-entropy that writes the logits' gradient during forward, and the fused linear +
 cross-entropy that never holds the full logits.
 
-``TritonCrossEntropy``: logits already exist. Forward reads each row once in vocab blocks
-(running max and rescaled sum, fp32) and keeps only the per-row log-sum-exp; backward
-writes ``g * (softmax - onehot)`` in one more pass. The logits are not modified, unless
-``inplace`` asks for Liger-Kernel's trade: the gradient written into the logits in forward.
+``TritonCrossEntropy``: logits already exist. When they need a gradient, forward computes it in the
+same kernel that computes the loss, ``(softmax - onehot) / denominator`` per row, into a new buffer
+or, with ``inplace``, into the logits themselves (Liger-Kernel's memory trade); backward then only
+scales it by ``grad_output`` where that is not 1 (the usual ``loss.backward()`` costs one short
+launch). The kernel reads a row in vocab blocks with an online softmax, keeps the last block in
+registers and writes the gradient from there and from the other blocks, re-read last to first (the
+most recently read, likeliest still in L2, first); a row of one block is read once. Without a
+gradient (eval), forward is the online pass alone.
 
 ``FusedLinearCrossEntropy`` (the Liger-Kernel approach): tokens are processed in chunks;
 each chunk's logits are computed by a torch matmul, the Triton kernel overwrites them in
@@ -21,86 +25,72 @@ import triton.language as tl
 
 from galaxy.kernels._triton_utils import persistent_programs
 
-# Forward: vocab block per loop step of the per-row online softmax (large enough that the loop is
-# short, small enough for registers); backward: vocab block per program of the 2-D grid. Chosen by
-# bench/bench_kernels.py --variants (cross_entropy rows).
+# Vocab block and warps, loss only and loss + gradient, chosen by bench/bench_kernels.py --variants
+# (ce rows; H100, docs/results/kernels_2026-11-24_5e02136_h100_ce_variants.json). With the gradient,
+# many warps per row keep few rows in flight, so the blocks re-read in the second pass are still in L2
+# (a 128k-vocab row is 256 KB in bf16). A whole 32k row in registers (one read) ran slower than two
+# blocks: one 64 KB row per SM left its loads and stores unoverlapped.
 FWD_BLOCK_V = 16384
 FWD_WARPS = 8
-# Writing the gradient re-reads each row right after the online pass: fewer rows in flight keep
-# those rows in L2 (128k-vocab rows are 256 KB each).
-FWD_GRAD_WARPS = 16
-BWD_BLOCK_V = 4096
-BWD_WARPS = 8
+GRAD_TILES = ((32768, 16384, 16), (None, 32768, 32))  # (vocab up to, block, warps)
 SCALE_BLOCK = 4096
 
 
 @triton.jit
 def _ce_fwd_kernel(
-    LOGITS, stride_l, TARGETS, LOSS, LSE, DENOM, n_cols, ignore_index,
+    LOGITS, stride_l, GRAD, stride_g, TARGETS, LOSS, DENOM, n_cols, ignore_index,
     WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = LOGITS + row * stride_l
+    grad_ptr = GRAD + row * stride_g
     target = tl.load(TARGETS + row)
     if target == ignore_index:
         tl.store(LOSS + row, 0.0)
-        tl.store(LSE + row, 0.0)
         if WRITE_GRAD:
             for start in range(0, n_cols, BLOCK_V):
                 cols = start + tl.arange(0, BLOCK_V)
-                tl.store(row_ptr + cols, tl.zeros([BLOCK_V], dtype=LOGITS.dtype.element_ty), mask=cols < n_cols)
+                tl.store(grad_ptr + cols, tl.zeros([BLOCK_V], dtype=GRAD.dtype.element_ty), mask=cols < n_cols)
         return
 
-    # Online softmax: running max m and sum d of exp(x - m), rescaled when m grows.
+    # Online softmax over all blocks but the last: running max m and sum d of exp(x - m),
+    # rescaled when m grows. The last block stays in registers for the gradient.
     m = float("-inf")
     d = 0.0
-    for start in range(0, n_cols, BLOCK_V):
+    last = (tl.cdiv(n_cols, BLOCK_V) - 1) * BLOCK_V
+    # With the gradient to write, the row is read again: ask L2 to keep it (evict_last), and to drop
+    # what is read the second time and the gradient written (evict_first), which would otherwise push
+    # the rows still to be re-read out of L2.
+    keep: tl.constexpr = "evict_last" if WRITE_GRAD else ""
+    for start in range(0, last, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        x = tl.load(row_ptr + cols, eviction_policy=keep).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
         d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
         m = m_new
-    lse = m + tl.log(d)
+    last_cols = last + tl.arange(0, BLOCK_V)
+    last_mask = last_cols < n_cols
+    x_last = tl.load(row_ptr + last_cols, mask=last_mask, other=float("-inf")).to(tl.float32)
+    m_new = tl.maximum(m, tl.max(x_last, axis=0))
+    d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x_last - m_new), axis=0)
+    lse = m_new + tl.log(d)
     # An out-of-range target cannot raise on the device: it yields a NaN loss instead.
     target_ok = (target >= 0) & (target < n_cols)
     x_target = tl.load(row_ptr + tl.where(target_ok, target, 0)).to(tl.float32)
     tl.store(LOSS + row, tl.where(target_ok, lse - x_target, float("nan")))
-    tl.store(LSE + row, lse)
 
     if WRITE_GRAD:
-        # (softmax - onehot) / denominator. Reads each block before overwriting it, so in-place on
-        # the logits is safe; the row was just read, so the second read mostly hits L2.
+        # (softmax - onehot) / denominator: the last block from registers, then the others from the
+        # last to the first, the most recently read (likeliest still in L2) first. Every block is
+        # read before it is written, so GRAD may be LOGITS (in place).
         inv_denom = 1.0 / tl.load(DENOM)
-        for start in range(0, n_cols, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            mask = cols < n_cols
-            x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        grad = (tl.exp(x_last - lse) - tl.where(last_cols == target, 1.0, 0.0)) * inv_denom
+        tl.store(grad_ptr + last_cols, grad.to(GRAD.dtype.element_ty), mask=last_mask, eviction_policy="evict_first")
+        for i in range(BLOCK_V, last + BLOCK_V, BLOCK_V):
+            cols = (last - i) + tl.arange(0, BLOCK_V)
+            x = tl.load(row_ptr + cols, eviction_policy="evict_first").to(tl.float32)
             grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * inv_denom
-            tl.store(row_ptr + cols, grad.to(LOGITS.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _ce_bwd_kernel(
-    LOGITS, stride_l, DLOGITS, stride_d, TARGETS, LSE, GRAD, stride_g, DENOM, n_cols, ignore_index,
-    PER_ROW: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    # One program per (row, vocab block): elementwise, so the whole GPU streams at once.
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    target = tl.load(TARGETS + row)
-    lse = tl.load(LSE + row)
-    # The upstream gradient: per row ('none') or the scalar over the denominator, read here
-    # rather than prepared by separate small launches.
-    if PER_ROW:
-        g = tl.load(GRAD + row * stride_g).to(tl.float32)
-    else:
-        g = tl.load(GRAD).to(tl.float32) / tl.load(DENOM)
-    # Ignored rows get a zero gradient.
-    g = tl.where(target == ignore_index, 0.0, g)
-    mask = cols < n_cols
-    x = tl.load(LOGITS + row * stride_l + cols, mask=mask, other=0.0).to(tl.float32)
-    grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * g
-    tl.store(DLOGITS + row * stride_d + cols, grad.to(DLOGITS.dtype.element_ty), mask=mask)
+            tl.store(grad_ptr + cols, grad.to(GRAD.dtype.element_ty), eviction_policy="evict_first")
 
 
 @triton.jit
@@ -133,44 +123,35 @@ def scale_rows_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _vocab_block(n_cols: int, block_v: int | None, default: int) -> int:
-    if block_v is None:
-        return min(default, triton.next_power_of_2(n_cols))
-    if block_v <= 0 or block_v & (block_v - 1):
-        raise ValueError(f"block_v must be a positive power of 2, got {block_v}")
-    return block_v
-
-
-def ce_forward_rows(logits, targets, ignore_index, write_grad, block_v=None, warps=None, denom=None):
-    """Per-row loss and log-sum-exp (fp32); with write_grad, logits become
-    (softmax - onehot) / denom (denom: an fp32 device scalar, default 1)."""
+def ce_forward_rows(logits, targets, ignore_index, grad=None, denom=None, block_v=None, warps=None):
+    """Per-row loss (fp32) of ``logits [N, V]``. With ``grad`` (a [N, V] tensor, which may be
+    ``logits`` itself), also writes ``(softmax - onehot) / denom`` into it (``denom``: an fp32
+    device scalar, default 1; ignored rows get zeros). ``block_v`` (a power of 2) and ``warps``
+    override the launch settings."""
     n_rows, n_cols = logits.shape
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-    if n_rows:
-        block = _vocab_block(n_cols, block_v, FWD_BLOCK_V)
-        _ce_fwd_kernel[(n_rows,)](
-            logits, logits.stride(0), targets, loss, lse,
-            loss if not write_grad else denom if denom is not None else torch.ones((), device=logits.device),
-            n_cols, ignore_index, WRITE_GRAD=write_grad, BLOCK_V=block,
-            num_warps=warps or (FWD_GRAD_WARPS if write_grad else FWD_WARPS),
-        )
-    return loss, lse
-
-
-def ce_backward_rows(logits, targets, lse, grad, denom, ignore_index, per_row, block_v=None, warps=None):
-    """``grad * (softmax - onehot)`` per row, where ``grad`` is per row (``per_row``) or a
-    scalar divided by ``denom``; a new tensor like ``logits``."""
-    n_rows, n_cols = logits.shape
-    dlogits = torch.empty_like(logits)
-    if n_rows:
-        block = _vocab_block(n_cols, block_v, BWD_BLOCK_V)
-        _ce_bwd_kernel[(n_rows, triton.cdiv(n_cols, block))](
-            logits, logits.stride(0), dlogits, dlogits.stride(0), targets, lse, grad,
-            grad.stride(0) if per_row else 0, denom, n_cols, ignore_index,
-            PER_ROW=per_row, BLOCK_V=block, num_warps=warps or BWD_WARPS,
-        )
-    return dlogits
+    if not n_rows:
+        return loss
+    write_grad = grad is not None
+    if write_grad:
+        block, default_warps = next((b, w) for v, b, w in GRAD_TILES if v is None or n_cols <= v)
+    else:
+        block, default_warps = FWD_BLOCK_V, FWD_WARPS
+    if block_v is not None:
+        if block_v <= 0 or block_v & (block_v - 1):
+            raise ValueError(f"block_v must be a positive power of 2, got {block_v}")
+        block = block_v
+    block = min(block, triton.next_power_of_2(n_cols))
+    if write_grad and denom is None:
+        denom = torch.ones((), dtype=torch.float32, device=logits.device)
+    _ce_fwd_kernel[(n_rows,)](
+        logits, logits.stride(0), grad if write_grad else logits, grad.stride(0) if write_grad else 0,
+        targets, loss, denom if write_grad else loss, n_cols, ignore_index,
+        WRITE_GRAD=write_grad, BLOCK_V=block,
+        # Fewer warps for a small block: at least 4 elements per thread.
+        num_warps=min(warps or default_warps, max(1, block // 128)),
+    )
+    return loss
 
 
 def _denominator(targets, ignore_index, reduction, num_targets, device) -> torch.Tensor:
@@ -193,10 +174,10 @@ def _check_targets(n_rows: int, targets: torch.Tensor) -> torch.Tensor:
 class TritonCrossEntropy(torch.autograd.Function):
     """Cross-entropy of ``logits [N, V]`` (any float dtype) vs ``targets [N]``; loss in fp32.
 
-    ``inplace``: forward overwrites the logits with their gradient (Liger-Kernel's memory saving: no
-    [N, V] gradient buffer, one kernel reading each row twice, the second time mostly from L2) and
-    backward scales them by the upstream gradient only where it is not 1. The logits must not be used
-    after the call, and backward can run once.
+    When the logits need a gradient, forward writes it (``(softmax - onehot) / denominator``; per
+    row unscaled for 'none') into a new [N, V] buffer, or with ``inplace`` into the logits (no
+    [N, V] buffer; the logits must not be used after the call). Backward scales it by the upstream
+    gradient only where that is not 1, in place, so backward can run once.
     """
 
     @staticmethod
@@ -209,11 +190,15 @@ class TritonCrossEntropy(torch.autograd.Function):
             logits = logits.contiguous()
         targets = _check_targets(logits.shape[0], targets)
         denom = _denominator(targets, ignore_index, reduction, num_targets, logits.device)
+        grad = None
+        if ctx.needs_input_grad[0]:
+            grad = logits if inplace else torch.empty_like(logits)
         # 'none' has no common denominator: its rows are scaled in backward.
-        loss_rows, lse = ce_forward_rows(logits, targets, ignore_index, inplace, block_v,
-                                         denom=None if reduction == "none" else denom)
-        ctx.save_for_backward(logits, targets, lse, denom)
-        ctx.ignore_index, ctx.reduction, ctx.block_v, ctx.inplace = ignore_index, reduction, block_v, inplace
+        loss_rows = ce_forward_rows(logits, targets, ignore_index, grad,
+                                    None if reduction == "none" else denom, block_v)
+        if grad is not None:
+            ctx.save_for_backward(grad)
+        ctx.per_row = reduction == "none"
         ctx.consumed = False
         if reduction == "none":
             return loss_rows
@@ -221,17 +206,13 @@ class TritonCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        logits, targets, lse, denom = ctx.saved_tensors
-        per_row = ctx.reduction == "none"
-        grad = grad_output.reshape(-1) if per_row else grad_output
-        if ctx.inplace:
-            if ctx.consumed:
-                raise RuntimeError("cross_entropy(inplace=True) holds its gradient in the logits and can "
-                                   "run backward only once (no retain_graph double backward)")
-            ctx.consumed = True
-            return scale_rows_(logits, grad), None, None, None, None, None, None
-        dlogits = ce_backward_rows(logits, targets, lse, grad, denom, ctx.ignore_index, per_row, ctx.block_v)
-        return dlogits, None, None, None, None, None, None
+        if ctx.consumed:
+            raise RuntimeError("cross_entropy's Triton backward scales the gradient it computed in forward in "
+                               "place, so it can run only once (no retain_graph double backward)")
+        ctx.consumed = True
+        (grad,) = ctx.saved_tensors
+        scale = grad_output.reshape(-1) if ctx.per_row else grad_output
+        return scale_rows_(grad, scale), None, None, None, None, None, None
 
 
 # Bytes of one chunk's logits. Every chunk adds its part into the [V, H] weight gradient, a
@@ -290,7 +271,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             if bias is not None:
                 logits += bias
             # Overwrites logits with the gradient (softmax - onehot) / denom (0 on ignored rows).
-            loss_chunk, _ = ce_forward_rows(logits, targets[start:end], ignore_index, True, block_v, denom=denom)
+            loss_chunk = ce_forward_rows(logits, targets[start:end], ignore_index, logits, denom, block_v)
             loss_rows[start:end] = loss_chunk
             if need_h:
                 torch.mm(logits, weight, out=grad_h[start:end])

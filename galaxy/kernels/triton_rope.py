@@ -1,7 +1,7 @@
 """Rotary position embedding (HF ``rotate_half`` convention) as a Triton kernel.
 
-One program per (batch, position) rotates every q head and every k head at that position,
-so cos/sin are read once and shared by all heads (GQA: q and k head counts differ).
+Each program rotates every q head and every k head at one or two (batch, position) rows, so
+cos/sin are read once per position and shared by all heads (GQA: q and k head counts differ).
 cos/sin are given per position by the caller, which lets sequence-parallel ranks pass the
 rows for their global positions.
 """
@@ -12,10 +12,19 @@ import torch
 import triton
 import triton.language as tl
 
-from galaxy.kernels._triton_utils import warps_for
 
-# (batch, position) rows per program; chosen by bench/bench_kernels.py --variants (rope rows).
-POSITIONS = 1
+def rope_tiles(block_qh: int, block_kh: int, block_d: int) -> tuple[int, int]:
+    """(positions per program, warps) for heads padded to ``block_qh``/``block_kh`` and half-dims
+    padded to ``block_d``: about 1024 elements per warp, and two positions per program when one
+    position holds fewer than 2048 elements (small heads, TP shards), so that small tiles are not
+    spread over more threads than they have 16-byte pieces. From bench/bench_kernels.py --variants
+    (rope rows, H100): at 1B TP/2 (q 16, k 4 heads of 64) the forward took 6.3 us with 2 positions x
+    2 warps against 13 with the old fixed 1 x 4 (inputs in L2); in the whole benchmark (forward +
+    backward, inputs rotated) 16.7 against 17.7 us, docs/results/kernels_2026-11-24_690d2e1_h100.json."""
+    elems = (block_qh + block_kh) * 2 * block_d
+    positions = 2 if elems < 2048 else 1
+    warps = max(1, min(8, (positions * elems) // 1024))
+    return positions, 1 << (warps.bit_length() - 1)
 
 
 @triton.jit
@@ -76,10 +85,10 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def rope_launch(q, k, cos, sin, inverse: bool, positions: int = POSITIONS, warps: int | None = None):
+def rope_launch(q, k, cos, sin, inverse: bool, positions: int | None = None, warps: int | None = None):
     """Rotate q [b, hq, s, d] and k [b, hk, s, d] into new tensors of the same layout, ``positions``
-    (batch, position) rows per program. Arbitrary batch/head/seq strides are read directly
-    (e.g. q from a transposed view)."""
+    (batch, position) rows per program with ``warps`` warps (default: ``rope_tiles``). Arbitrary
+    batch/head/seq strides are read directly (e.g. q from a transposed view)."""
     q, k = _unit_last_stride(q), _unit_last_stride(k)
     batch, n_q_heads, seq_len, head_dim = q.shape
     n_k_heads = k.shape[1]
@@ -92,6 +101,8 @@ def rope_launch(q, k, cos, sin, inverse: bool, positions: int = POSITIONS, warps
     block_d = triton.next_power_of_2(half)
     block_qh = triton.next_power_of_2(n_q_heads)
     block_kh = triton.next_power_of_2(n_k_heads)
+    tile_positions, tile_warps = rope_tiles(block_qh, block_kh, block_d)
+    positions, warps = positions or tile_positions, warps or tile_warps
     # A batch-1 cos/sin broadcasts over the batch through a zero stride.
     sc_b = 0 if cos.shape[0] == 1 else cos.stride(0)
     ss_b = 0 if sin.shape[0] == 1 else sin.stride(0)
@@ -102,7 +113,7 @@ def rope_launch(q, k, cos, sin, inverse: bool, positions: int = POSITIONS, warps
         sc_b, cos.stride(1), ss_b, sin.stride(1),
         seq_len, batch * seq_len, n_q_heads, n_k_heads, half,
         INVERSE=inverse, POSITIONS=positions, BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_D=block_d,
-        num_warps=warps or warps_for(block_qh * block_d),
+        num_warps=warps,
     )
     return qo, ko
 

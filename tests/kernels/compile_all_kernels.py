@@ -50,13 +50,9 @@ def cases():
                    dict(DY=p, G=p, U=p, DG=p, DU=p), {"FLAT": flat, "BLOCK_SIZE": 2048}, 8)
         for write_grad in (False, True):
             yield (f"ce_fwd{'_grad' if write_grad else ''}_{dt}", ce._ce_fwd_kernel,
-                   dict(LOGITS=p, TARGETS="*i64", LOSS=f32, LSE=f32, DENOM=f32),
-                   {"WRITE_GRAD": write_grad, "BLOCK_V": 16384}, 8)
+                   dict(LOGITS=p, GRAD=p, TARGETS="*i64", LOSS=f32, DENOM=f32),
+                   {"WRITE_GRAD": write_grad, "BLOCK_V": 16384}, 16)
         yield f"scale_rows_{dt}", ce._scale_rows_kernel, dict(X=p, G=f32), {"BLOCK": 4096}, 4
-        for per_row in (True, False):
-            yield (f"ce_bwd{'_per_row' if per_row else ''}_{dt}", ce._ce_bwd_kernel,
-                   dict(LOGITS=p, DLOGITS=p, TARGETS="*i64", LSE=f32, GRAD=f32, DENOM=f32),
-                   {"PER_ROW": per_row, "BLOCK_V": 4096}, 8)
 
 
 def main(arch: int = 90) -> int:
