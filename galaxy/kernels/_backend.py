@@ -67,6 +67,8 @@ def _h100(commit: str, suffix: str = "") -> str:
 
 
 _H100 = _h100("690d2e1")
+_H200 = ("NVIDIA H200 (143771 MiB), 2026-11-24, commit c49d856, docs/results/kernels_2026-11-24_c49d856_h200.json: "
+         "ms (median of 4)")
 AUTO_PICKS: dict[str, dict[str, Pick]] = {
     "H100": {
         # Triton at every size: at 1B SP/2 (2048 x 2048) F.rms_norm is faster (0.028 vs 0.034), but it
@@ -84,6 +86,21 @@ AUTO_PICKS: dict[str, dict[str, Pick]] = {
                               "F.cross_entropy 2.224; 128k 0.875 vs 2.688, 8.960"),
         "fused_linear_cross_entropy": Pick("triton", 0, f"{_h100('2bfbaee', '_flce')} 7B (32k) galaxy 4.165, "
                                            "torch-compile 4.610; 1B (128k) 9.003 vs 10.515; 8B head 17.318 vs 18.433"),
+    },
+    "H200": {
+        "rms_norm": Pick("triton", 0, f"{_H200} 7B galaxy 0.077, torch-compile 0.080, F.rms_norm 0.089; 1B 0.044 vs "
+                         "0.046, 0.052; SP/2 (7B, 1B) F.rms_norm 0.046, 0.026 vs 0.049, 0.031: exception as on H100"),
+        "layer_norm": Pick("torch", 0, f"{_H200} BERT-large galaxy 0.047, F.layer_norm 0.040, torch-compile 0.036"),
+        "rope": Pick("triton", 0, f"{_H200} 7B galaxy 0.074, torch-compile 0.167; 1B 0.029 vs 0.069; "
+                     "TP/2: 0.041 vs 0.091, 0.017 vs 0.046 (Liger 0.076 / 0.025 / 0.041 / 0.014)"),
+        "swiglu": Pick("triton", 0, f"{_H200} 7B galaxy 0.172, torch-compile 0.172; 7B TP/2 0.090 vs 0.090; "
+                       "1B 0.130 vs 0.130; 1B TP/2 0.069 vs 0.069"),
+        "swiglu_packed": Pick("triton", 0, f"{_H200} 7B galaxy 0.172, torch-compile 0.238; 7B TP/2 0.090 vs 0.122; "
+                              "1B 0.130 vs 0.197; 1B TP/2 0.069 vs 0.093"),
+        "cross_entropy": Pick("triton", 0, f"{_H200} 32k galaxy 0.203, torch-compile 0.484, F.cross_entropy 1.674; "
+                              "128k 0.753 vs 1.979, 6.823"),
+        "fused_linear_cross_entropy": Pick("triton", 0, f"{_H200} 7B (32k) galaxy 4.148, torch-compile 4.457; "
+                                           "1B (128k) 9.024 vs 9.795; 8B head 17.435 vs 17.889"),
     },
 }
 # A CUDA device of a class not measured yet runs the picks of this one (logged once per device).
