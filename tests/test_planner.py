@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from galaxy.config import ConfigError, GalaxyConfig, Method
-from galaxy.planner.cluster import (OPS, PIECES, AlphaBeta, Cluster, Curve, Piece, RankProfile, cluster_from_dict,
+from galaxy.planner.cluster import (OPS, PIECES, AlphaBeta, ClusterProfile, Curve, Piece, RankProfile, cluster_from_dict,
                                     isotonic, load_cluster)
 from galaxy.planner.cost import GroupModel, Layout, Splits, Workload, collectives, predict
 from galaxy.planner.blocks import grid
@@ -54,7 +54,7 @@ def synthetic_cluster(model_raw, world, speeds, seq=8, rows=2, alpha=2e-4, beta=
                                  Curve(xs, tuple(1000.0 * x for x in xs)))
         ranks.append(RankProfile(r, "host", memory, {rows: pieces}, AlphaBeta(1e-4, 1e-9 / speed)))
     groups = {g: {op: AlphaBeta(alpha, beta) for op in OPS} for g in candidate_groups(world)}
-    return Cluster(world, "gloo", "cpu", m, (rows,), seq, "float32", tuple(ranks), groups)
+    return ClusterProfile(world, "gloo", "cpu", m, (rows,), seq, "float32", tuple(ranks), groups)
 
 
 # ----------------------------------------------------------------------------- cost model pieces
@@ -377,3 +377,24 @@ def test_profiler_writes_a_valid_file(dist_pool):
         ab = cluster.collective([0, 1], op)
         assert ab.alpha_s >= 0 and ab.beta_s_per_byte >= 0 and len(ab.samples) >= 2
     assert all(r.memory_bytes > 0 and r.step_overhead_s >= 0 and r.forward_overhead_s >= 0 for r in cluster.ranks)
+
+
+def test_profiler_on_three_ranks(tmp_path):
+    """Three local ranks (the CLI's own launch): every subgroup a plan can use is created and timed.
+    It hung once: members that had created different numbers of groups named the next one apart."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"model": BERT, "train": {"seq_length": 8, "global_batch_size": 2}}))
+    out = tmp_path / "cluster.json"
+    run = subprocess.run([sys.executable, os.path.join(root, "plan_galaxy.py"), "profile", "--model", str(model),
+                          "--world", "3", "--rows", "2", "--reps", "1", "--out", str(out)],
+                         env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True, timeout=90)
+    assert run.returncode == 0, run.stderr[-2000:]
+    cluster = load_cluster(str(out))
+    assert cluster.world == 3 and set(cluster.groups) == set(candidate_groups(3)) == {(0, 1, 2), (0, 1), (1, 2)}
+    for group in cluster.groups:
+        assert all(cluster.collective(group, op).beta_s_per_byte >= 0 for op in OPS)

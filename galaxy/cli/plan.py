@@ -23,7 +23,7 @@ import time
 from typing import Optional
 
 from galaxy.config import MODEL_PRESETS, ConfigError, GalaxyConfig, parse_override
-from galaxy.planner.cluster import Cluster, load_cluster
+from galaxy.planner.cluster import ClusterProfile, load_cluster
 from galaxy.planner.cost import Workload
 from galaxy.planner.search import Choice, search
 from galaxy.cli.launch import decide_launch, launch_ranks, rank_context
@@ -127,7 +127,7 @@ def plan_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_model(cluster: Cluster, cfg: GalaxyConfig, source: str) -> None:
+def check_model(cluster: ClusterProfile, cfg: GalaxyConfig, source: str) -> None:
     from galaxy.config import COMPUTE_KEYS
 
     for key, value in vars(cluster.model).items():

@@ -142,7 +142,7 @@ class RankProfile:
 
 
 @dataclass(frozen=True)
-class Cluster:
+class ClusterProfile:
     world: int
     backend: str
     device: str
@@ -237,7 +237,7 @@ class _Reader:
         return tuple((float(a), float(b)) for a, b in raw)
 
 
-def cluster_from_dict(raw: Any, source: str = "<dict>") -> Cluster:
+def cluster_from_dict(raw: Any, source: str = "<dict>") -> ClusterProfile:
     from galaxy.config import GalaxyConfig
 
     r = _Reader(source)
@@ -305,11 +305,11 @@ def cluster_from_dict(raw: Any, source: str = "<dict>") -> Cluster:
             ops[op] = AlphaBeta(r.get(entry, "alpha_s", p, float), r.get(entry, "beta_s_per_byte", p, float),
                                 r.samples(entry, p))
         groups[tuple(members)] = ops
-    return Cluster(world, str(raw.get("backend", "")), str(raw.get("device", "")), model, tuple(int(v) for v in rows), seq,
+    return ClusterProfile(world, str(raw.get("backend", "")), str(raw.get("device", "")), model, tuple(int(v) for v in rows), seq,
                    str(raw.get("dtype", "float32")), tuple(ranks), groups)
 
 
-def load_cluster(path: str) -> Cluster:
+def load_cluster(path: str) -> ClusterProfile:
     try:
         with open(path) as f:
             raw = json.load(f)

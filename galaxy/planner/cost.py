@@ -20,7 +20,7 @@ import numpy as np
 from galaxy.config import Method, ModelConfig, balanced_split
 from galaxy.core.context import rank_of
 from galaxy.core.transitions import TRANSITION_OPS
-from galaxy.planner.cluster import Cluster
+from galaxy.planner.cluster import ClusterProfile
 from galaxy.planner.workload import LAYOUTS, edge_params, layer_params, stream_layout
 
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
@@ -119,7 +119,7 @@ class Segments:
 class GroupModel:
     """The pieces and collectives of one model-parallel group (``ranks``) under one plan."""
 
-    def __init__(self, cluster: Cluster, work: Workload, methods: tuple[Method, Method, Method],
+    def __init__(self, cluster: ClusterProfile, work: Workload, methods: tuple[Method, Method, Method],
                  splits: Splits, ranks: list[int], rows: int):
         self.cluster, self.work, self.splits, self.ranks, self.rows = cluster, work, splits, ranks, rows
         self.att, self.con, self.mlp = methods
@@ -215,7 +215,7 @@ def collectives(group: GroupModel, layers: int) -> list[tuple[str, int, str]]:
     return fwd + bwd
 
 
-def predict(cluster: Cluster, work: Workload, methods: tuple[Method, Method, Method], splits: Splits,
+def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Method, Method], splits: Splits,
             layout: Layout = Layout(), segments: Optional[Segments] = None) -> Prediction:
     """Step time (objective 'train') or batch-1 forward latency ('latency'), and memory per rank.
     ``segments`` (dp = pp = 1 only) records the stretches between sync points."""
@@ -354,6 +354,6 @@ def predict(cluster: Cluster, work: Workload, methods: tuple[Method, Method, Met
     return _finish(cluster, end, memory, detail)
 
 
-def _finish(cluster: Cluster, time: np.ndarray, memory: np.ndarray, detail: dict) -> Prediction:
+def _finish(cluster: ClusterProfile, time: np.ndarray, memory: np.ndarray, detail: dict) -> Prediction:
     budget = np.array([r.memory_bytes for r in cluster.ranks], dtype=float)
     return Prediction(time, memory, (memory <= budget).all(axis=1), detail)

@@ -23,7 +23,7 @@ from galaxy.config import Method, ModelConfig, Plan
 from galaxy.core.comm import Communicator
 from galaxy.core.context import ParallelContext, rank_of
 from galaxy.planner.blocks import measure_blocks, synchronize
-from galaxy.planner.cluster import OPS, AlphaBeta, Cluster, RankProfile
+from galaxy.planner.cluster import OPS, AlphaBeta, ClusterProfile, RankProfile
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,20 @@ def candidate_groups(world: int) -> list[tuple[int, ...]]:
                     found.append(tuple(g))
     return found
 
+
+
+def probe_groups(run_group, world: int) -> list[tuple[tuple[int, ...], Optional[dist.ProcessGroup]]]:
+    """Every candidate group, created by every rank in the same order. Not with
+    ``use_local_synchronization=True``: torch names such a group by its ranks and the number of
+    groups the calling process already holds, so once one member has created a group the other
+    has not (ranks 0 and 1 make [0, 1]; then [1, 2]), the members disagree on the name, wait on
+    different rendezvous keys and time out: what hung three-rank profiles."""
+    if any(len(g) < world for g in candidate_groups(world)) and dist.get_world_size() != world:
+        raise ValueError(f"profiling {world} of {dist.get_world_size()} processes: run the profiler on the whole "
+                         "world, it creates every subgroup a plan can use")
+    global_ranks = [dist.get_global_rank(run_group, r) if run_group is not None else r for r in range(world)]
+    return [(members, run_group if len(members) == world else dist.new_group([global_ranks[r] for r in members]))
+            for members in candidate_groups(world)]
 
 
 def measure_optimizer(device: torch.device, most_params: int, reps: int, barrier) -> AlphaBeta:
@@ -130,7 +144,7 @@ def measure_overheads(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtyp
         if i:
             steps.append(t1 - t0)
             forwards.append(t3 - t2)
-    alone = Cluster(1, "none", device.type, m, tuple(me.pieces), seq, dtype, (me,), {})
+    alone = ClusterProfile(1, "none", device.type, m, tuple(me.pieces), seq, dtype, (me,), {})
     serial = Splits.balanced(m, seq, 1)
     none = (Method.NONE,) * 3
     step = predict(alone, Workload(m, "train", rows, seq, dtype), none, serial, Layout()).time_s[0]
@@ -183,9 +197,9 @@ def measure_group(comm: Communicator, device: torch.device, sizes: list[int], re
 
 def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq: int, dtype: str, reps: int = 3,
                  memory_gb: Optional[float] = None, ffn_unit: int = 1,
-                 most_bytes: Optional[int] = None) -> Optional[Cluster]:
+                 most_bytes: Optional[int] = None) -> Optional[ClusterProfile]:
     """Measure this rank and its groups; every rank of ``ctx.mp`` (the whole run: profile with
-    dp = pp = 1) must call it. Its rank 0 returns the Cluster, the others None."""
+    dp = pp = 1) must call it. Its rank 0 returns the ClusterProfile, the others None."""
     if ctx.mp.size != ctx.world_size:
         raise ValueError("profile with dp_size = pp_size = 1: the profiler measures every group itself")
     world, run_group, rank = ctx.mp.size, ctx.mp.group, ctx.mp.rank
@@ -208,12 +222,8 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
     if world > 1:
         act = max(rows) * seq * m.hidden_size * 4
         sizes = message_sizes(most_bytes or min(max(act, 2**20), 2**26))
-        global_ranks = [dist.get_global_rank(run_group, r) if run_group is not None else r for r in range(world)]
-        for members in candidate_groups(world):
+        for members, group in probe_groups(run_group, world):
             if rank in members:
-                # only the members create (and later use) a group: no rank waits on another's
-                group = run_group if len(members) == world else dist.new_group(
-                    [global_ranks[r] for r in members], use_local_synchronization=True)
                 comm = Communicator("probe", members.index(rank), len(members), group)
                 groups[members] = measure_group(comm, ctx.device, sizes, reps)
             barrier()
@@ -230,5 +240,5 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
     for _, g in everyone:  # every member holds the same (reduced) fits
         merged.update(g)
     backend = dist.get_backend(run_group) if world > 1 else "none"
-    return Cluster(world, backend, ctx.device.type, m, rows, seq, dtype,
+    return ClusterProfile(world, backend, ctx.device.type, m, rows, seq, dtype,
                    tuple(p for p, _ in everyone), {g: merged[g] for g in candidate_groups(world)})

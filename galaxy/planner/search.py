@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 
 from galaxy.config import ConfigError, Method, balanced_split
-from galaxy.planner.cluster import Cluster
+from galaxy.planner.cluster import ClusterProfile
 from galaxy.planner.cost import Layout, Prediction, Segments, Splits, Workload, predict
 
 EXACT_LIMIT = 200_000
@@ -101,7 +101,7 @@ def min_max_split(costs: np.ndarray, units: int) -> np.ndarray:
 class SplitSearch:
     """The best splits of one method combination and layout."""
 
-    def __init__(self, cluster: Cluster, work: Workload, methods, layout: Layout, ffn_unit: int = 1,
+    def __init__(self, cluster: ClusterProfile, work: Workload, methods, layout: Layout, ffn_unit: int = 1,
                  seq_unit: int = 1, exact_limit: int = EXACT_LIMIT):
         m = work.model
         self.cluster, self.work, self.methods, self.layout = cluster, work, methods, layout
@@ -243,7 +243,7 @@ class SplitSearch:
                       bool(pred.fits[0]), exact, self.uses, time if exact else None)
 
 
-def layouts(cluster: Cluster, work: Workload) -> list[list[Layout]]:
+def layouts(cluster: ClusterProfile, work: Workload) -> list[list[Layout]]:
     """Per dp x pp x mp of the world, its layouts in two tiers: first those worth running for speed
     (one micro-batch without a pipeline, pp or more with one; no recomputation), then the ones that
     only save memory (more micro-batches, full recomputation), tried when nothing in the first fits.
@@ -267,7 +267,7 @@ def layouts(cluster: Cluster, work: Workload) -> list[list[Layout]]:
     return out
 
 
-def search(cluster: Cluster, work: Workload, ffn_unit: int = 1, seq_unit: int = 1, top: int = 10,
+def search(cluster: ClusterProfile, work: Workload, ffn_unit: int = 1, seq_unit: int = 1, top: int = 10,
            exact_limit: int = EXACT_LIMIT) -> list[Choice]:
     """The plans, best first (those within every memory budget before those that are not): one per
     method combination and dp x pp, with its best micro-batch count and recomputation."""
