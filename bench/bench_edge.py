@@ -232,7 +232,8 @@ def run_scenario(model: str, shares: list[int], link: float, args, objectives: l
                 if contender == "planned" and objective in plans:
                     top = plans[objective]["table"][0]
                     row.update(predicted_ms=top["predicted_ms"], plan=top["plan"], splits={
-                        k: top[k] for k in ("heads", "ffn", "seq")}, layout=top["dp x pp x mp"])
+                        k: top[k] for k in ("heads", "ffn", "seq")}, layout=top["dp x pp x mp"],
+                        devices=top["devices"])
                 rows[contender] = row
             result[objective]["contenders"] = rows
             result[objective]["verdict"] = verdict(rows, objective)
@@ -288,6 +289,8 @@ def markdown(results: list[dict]) -> str:
                 cells.append("-" if t is None else f"{t:.1f}" + (f" ({pred:.0f})" if pred else ""))
             v, planned = r[objective]["verdict"], rows.get("planned", {})
             plan = planned.get("plan", "-") + (f" ({planned['layout']})" if planned.get("layout") else "")
+            if planned.get("devices") is not None and len(planned["devices"]) < len(r["shares"]):
+                plan += f" on device{'s' if len(planned['devices']) > 1 else ''} {planned['devices']}"
             if planned.get("splits"):
                 plan += " " + " ".join(f"{k}={s}" for k, s in planned["splits"].items() if s)
             lines.append(f"| {r['model']} | {':'.join(map(str, r['shares']))} | {r['link_mbit']:g} | {objective} | "

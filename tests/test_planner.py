@@ -5,6 +5,7 @@ Communicator's records, the parameters' gradient rules); search optima from brut
 split scored by the same cost model; alpha-beta fits from synthetic timings with known terms.
 """
 
+import dataclasses
 import itertools
 import json
 import math
@@ -18,7 +19,7 @@ from galaxy.planner.cluster import (OPS, PIECES, AlphaBeta, ClusterProfile, Curv
                                     isotonic, load_cluster)
 from galaxy.planner.cost import GroupModel, Layout, Splits, Workload, collectives, predict
 from galaxy.planner.blocks import grid
-from galaxy.planner.profile import candidate_groups
+from galaxy.planner.cluster import candidate_groups
 from galaxy.planner.search import SplitSearch, compositions, min_max_split, search
 from galaxy.planner.workload import edge_params, layer_params
 
@@ -267,6 +268,38 @@ def test_search_matches_brute_force(speeds, methods, objective):
     assert best * 0.95 < descent.lower_bound_s <= best * (1 + 1e-12)
 
 
+def test_search_over_device_subsets():
+    """On a slow link the fastest device alone beats every plan over both; on a free link both
+    devices win. Each subset's plans are the search over that subset's own profile."""
+    from galaxy.cli.plan import plan_config
+
+    for alpha, beta, want in ((5e-2, 1e-5, (1,)), (0.0, 0.0, (0, 1))):
+        cluster = synthetic_cluster(BERT, 2, [1.0, 1.5], alpha=alpha, beta=beta)
+        work = Workload(cluster.model, "latency", 2, 8)
+        choices = search(cluster, work, ffn_unit=8, top=100)
+        assert choices[0].devices == want
+        assert {c.devices for c in choices} == {(0, 1), (0,), (1,)}
+        alone = next(c for c in choices if c.devices == (1,))
+        assert alone.methods == (NONE, NONE, NONE)
+        assert alone.time_s == pytest.approx(float(predict(cluster.restrict((1,)), work, (NONE,) * 3,
+                                                           Splits.balanced(cluster.model, 8, 1)).time_s[0]))
+        config = plan_config(GalaxyConfig.from_dict({"model": BERT}), choices[0], 2)
+        assert config.get("distributed", {}).get("devices") == (None if want == (0, 1) else list(want))
+
+
+def test_restricted_profile_renumbers_ranks_and_groups():
+    cluster = synthetic_cluster(BERT, 3, [1.0, 2.0, 3.0])
+    assert set(candidate_groups(3)) == {(0, 1, 2), (0, 1), (1, 2), (0, 2)}
+    sub = cluster.restrict((0, 2))
+    assert sub.world == 2 and [r.rank for r in sub.ranks] == [0, 1]
+    assert sub.ranks[1].pieces is cluster.ranks[2].pieces
+    assert sub.collective([0, 1], "all_reduce") is cluster.collective([0, 2], "all_reduce")
+    older = dataclasses.replace(cluster, groups={g: v for g, v in cluster.groups.items() if g != (0, 2)})
+    assert older.restrict((0, 2)) is None  # a profile without that pair: the subset is skipped
+    assert {c.devices for c in search(older, Workload(cluster.model, "latency", 2, 8), ffn_unit=8, top=100)} \
+        == {(0, 1, 2), (0, 1), (1, 2), (0,), (1,), (2,)}
+
+
 def test_splits_respect_gqa_groups_and_units():
     cluster = synthetic_cluster(LLAMA, 2, [1.0, 2.2])
     work = Workload(cluster.model, "train", 2, 8)
@@ -354,7 +387,8 @@ def test_written_plan_loads_and_trains(tmp_path, dist_pool, capsys):
     split = next(c for c in table["configs"] if c["parallel"]["dp_size"] * c["parallel"]["pp_size"] == 1)
     for config in (table["configs"][0], split):
         par = config["parallel"]
-        losses = dist_pool.run(train_two_steps, 2, config, dp=par["dp_size"], pp=par["pp_size"])[0]
+        world = len(config.get("distributed", {}).get("devices") or [0, 1])
+        losses = dist_pool.run(train_two_steps, world, config, dp=par["dp_size"], pp=par["pp_size"])[0]
         assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
 
 
@@ -395,6 +429,6 @@ def test_profiler_on_three_ranks(tmp_path):
                          env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True, timeout=90)
     assert run.returncode == 0, run.stderr[-2000:]
     cluster = load_cluster(str(out))
-    assert cluster.world == 3 and set(cluster.groups) == set(candidate_groups(3)) == {(0, 1, 2), (0, 1), (1, 2)}
+    assert cluster.world == 3 and set(cluster.groups) == set(candidate_groups(3)) == {(0, 1, 2), (0, 1), (1, 2), (0, 2)}
     for group in cluster.groups:
         assert all(cluster.collective(group, op).beta_s_per_byte >= 0 for op in OPS)

@@ -138,8 +138,9 @@ def check_model(cluster: ClusterProfile, cfg: GalaxyConfig, source: str) -> None
                               f"profiled with {value!r}; profile this model or pass the same --model")
 
 
-def plan_config(cfg: GalaxyConfig, choice: Choice) -> dict:
-    """The config the training CLIs take for ``choice``."""
+def plan_config(cfg: GalaxyConfig, choice: Choice, world: int) -> dict:
+    """The config the training CLIs take for ``choice`` on a cluster of ``world`` ranks; a plan on
+    fewer devices names them (config key 'devices': the launchers start its ranks there)."""
     model = {k: v for k, v in vars(cfg.model).items() if k != "preset"}
     model["recompute"] = choice.layout.recompute
     att, con, mlp = choice.methods
@@ -152,13 +153,16 @@ def plan_config(cfg: GalaxyConfig, choice: Choice) -> dict:
             parallel[key] = list(getattr(choice, var))
     train = {k: getattr(cfg.train, k) for k in ("global_batch_size", "seq_length", "dtype", "optimizer", "lr",
                                                  "seed", "device")}
-    return {"model": model, "parallel": parallel, "train": train}
+    config = {"model": model, "parallel": parallel, "train": train}
+    if choice.devices != tuple(range(world)):
+        config["distributed"] = {"devices": list(choice.devices)}
+    return config
 
 
 def table_rows(choices: list[Choice]) -> list[dict]:
     rows = []
     for i, c in enumerate(choices):
-        rows.append({"rank": i + 1, "plan": c.name, "att/con/mlp": "/".join(m.value for m in c.methods),
+        rows.append({"rank": i + 1, "plan": c.name, "devices": list(c.devices), "att/con/mlp": "/".join(m.value for m in c.methods),
                      "dp x pp x mp": f"{c.layout.dp}x{c.layout.pp}x{len(c.seq)}", "microbatches": c.layout.microbatches,
                      "recompute": c.layout.recompute,
                      "heads": list(c.heads) if "heads" in c.uses else None,
@@ -171,7 +175,7 @@ def table_rows(choices: list[Choice]) -> list[dict]:
 
 
 def print_table(rows: list[dict], measured: Optional[list[Optional[float]]] = None) -> None:
-    cols = ["rank", "plan", "att/con/mlp", "dp x pp x mp", "microbatches", "recompute", "heads", "ffn", "seq",
+    cols = ["rank", "plan", "devices", "att/con/mlp", "dp x pp x mp", "microbatches", "recompute", "heads", "ffn", "seq",
             "predicted_ms", "lower_bound_ms", "max_memory_mb", "fits"]
     cells = [[str(r[c]) if r[c] is not None else "-" for c in cols] for r in rows]
     if measured is not None:
@@ -200,17 +204,16 @@ def plan_main(argv: list[str]) -> int:
                         cfg.train.dtype, cfg.train.optimizer)
         started = time.perf_counter()
         choices = search(cluster, work, args.ffn_unit, args.seq_unit, top=max(args.top, args.validate))
-        configs = [plan_config(cfg, c) for c in choices]
-        for config in configs:  # every written plan must load and resolve as the CLIs will
-            GalaxyConfig.from_dict(config).resolve_plan(cluster.world // (config["parallel"]["dp_size"]
-                                                                          * config["parallel"]["pp_size"]))
+        configs = [plan_config(cfg, c, cluster.world) for c in choices]
+        for config, choice in zip(configs, choices):  # every written plan must load and resolve as the CLIs will
+            GalaxyConfig.from_dict(config).resolve_plan(len(choice.devices) // (choice.layout.dp * choice.layout.pp))
     except (ConfigError, FileNotFoundError) as e:
         return bad_input(e)
     with open(args.out, "w") as f:
         json.dump(configs[0], f, indent=2)
     print(f"searched in {time.perf_counter() - started:.2f}s; best plan written to {args.out}", flush=True)
     rows = table_rows(choices)
-    measured = [validate(config, cluster.world, args) for config in configs[:args.validate]] or None
+    measured = [validate(config, len(c.devices), args) for config, c in zip(configs, choices[:args.validate])] or None
     if measured:
         measured += [None] * (len(rows) - len(measured))
         for row, m in zip(rows, measured):

@@ -22,14 +22,16 @@ rank beyond the cost model's prediction from its pieces; every prediction adds t
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
 
 from galaxy.config import ConfigError, ModelConfig
+from galaxy.core.context import rank_of
 
 VERSION = 1
 # piece name -> the size it varies (the others are full)
@@ -44,6 +46,42 @@ PIECES = {
     "head.tokens": "tokens; embeddings + output head + loss",
 }
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def layout_groups(world: int) -> list[tuple[int, ...]]:
+    """Every mp, dp, pp and adjacent-stage group of every factorisation world = dp x pp x mp."""
+    found: list[tuple[int, ...]] = []
+    for dp in range(1, world + 1):
+        for pp in range(1, world // dp + 1):
+            if world % (dp * pp):
+                continue
+            mp = world // (dp * pp)
+            at = lambda d, p, m: rank_of(d, p, m, pp, mp)  # noqa: E731
+            families = [[at(d, p, m) for m in range(mp)] for d in range(dp) for p in range(pp)]
+            families += [[at(d, p, m) for d in range(dp)] for p in range(pp) for m in range(mp)]
+            families += [[at(d, p, m) for p in range(pp)] for d in range(dp) for m in range(mp)]
+            families += [[at(d, p, m), at(d, p + 1, m)] for d in range(dp) for p in range(pp - 1) for m in range(mp)]
+            for g in families:
+                if len(g) > 1 and tuple(g) not in found:
+                    found.append(tuple(g))
+    return found
+
+
+def device_subsets(world: int) -> list[tuple[int, ...]]:
+    """Every non-empty set of a cluster's ranks a plan can run on, the whole cluster first."""
+    return [d for k in range(world, 0, -1) for d in itertools.combinations(range(world), k)]
+
+
+def candidate_groups(world: int) -> list[tuple[int, ...]]:
+    """Every group a plan on any subset of the ``world`` ranks can use (``layout_groups`` of each
+    subset, in the cluster's rank numbers)."""
+    found: list[tuple[int, ...]] = []
+    for devices in device_subsets(world):
+        for g in layout_groups(len(devices)):
+            mapped = tuple(devices[i] for i in g)
+            if mapped not in found:
+                found.append(mapped)
+    return found
 
 
 def isotonic(values: Sequence[float]) -> np.ndarray:
@@ -159,6 +197,18 @@ class ClusterProfile:
             raise ConfigError(f"cluster file has no measurements for group {list(key)}; profile again with "
                               f"--world {self.world} (it measures every group a plan can use)")
         return self.groups[key][op]
+
+    def restrict(self, devices: Sequence[int]) -> "ClusterProfile | None":
+        """The profile of ``devices`` alone (ascending), renumbered 0..k-1; None when the file lacks
+        a group a plan on them can use (profiled before subsets were measured)."""
+        groups = {}
+        for g in layout_groups(len(devices)):
+            key = tuple(devices[i] for i in g)
+            if key not in self.groups:
+                return None
+            groups[g] = self.groups[key]
+        ranks = tuple(replace(self.ranks[d], rank=i) for i, d in enumerate(devices))
+        return replace(self, world=len(devices), ranks=ranks, groups=groups)
 
     def p2p(self, a: int, b: int) -> AlphaBeta:
         """Point-to-point a <-> b, as an all-gather of twice the bytes on the pair (one each way)."""

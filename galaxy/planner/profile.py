@@ -21,31 +21,11 @@ import torch.distributed as dist
 
 from galaxy.config import Method, ModelConfig, Plan
 from galaxy.core.comm import Communicator
-from galaxy.core.context import ParallelContext, rank_of
+from galaxy.core.context import ParallelContext
 from galaxy.planner.blocks import measure_blocks, synchronize
-from galaxy.planner.cluster import OPS, AlphaBeta, ClusterProfile, RankProfile
+from galaxy.planner.cluster import OPS, AlphaBeta, ClusterProfile, RankProfile, candidate_groups
 
 logger = logging.getLogger(__name__)
-
-
-def candidate_groups(world: int) -> list[tuple[int, ...]]:
-    """Every mp, dp, pp and adjacent-stage group of every factorisation world = dp x pp x mp."""
-    found: list[tuple[int, ...]] = []
-    for dp in range(1, world + 1):
-        for pp in range(1, world // dp + 1):
-            if world % (dp * pp):
-                continue
-            mp = world // (dp * pp)
-            at = lambda d, p, m: rank_of(d, p, m, pp, mp)  # noqa: E731
-            families = [[at(d, p, m) for m in range(mp)] for d in range(dp) for p in range(pp)]
-            families += [[at(d, p, m) for d in range(dp)] for p in range(pp) for m in range(mp)]
-            families += [[at(d, p, m) for p in range(pp)] for d in range(dp) for m in range(mp)]
-            families += [[at(d, p, m), at(d, p + 1, m)] for d in range(dp) for p in range(pp - 1) for m in range(mp)]
-            for g in families:
-                if len(g) > 1 and tuple(g) not in found:
-                    found.append(tuple(g))
-    return found
-
 
 
 def probe_groups(run_group, world: int) -> list[tuple[tuple[int, ...], Optional[dist.ProcessGroup]]]:
