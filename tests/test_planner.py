@@ -34,7 +34,7 @@ LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden
 
 
 def model_config(raw):
-    return GalaxyConfig.from_dict({"model": raw}).model
+    return GalaxyConfig.from_dict({"model": raw, "train": {"seq_length": raw.get("max_position_embeddings", 128)}}).model
 
 
 def synthetic_cluster(model_raw, world, speeds, seq=8, rows=2, alpha=2e-4, beta=1e-8, memory=2**30):
@@ -187,6 +187,56 @@ def test_parameter_counts_match_the_model(dist_pool, model_type, methods, heads,
     for rank, (total, partial) in enumerate(real):
         assert per_layer.total[rank] * m.num_hidden_layers + edges == total
         assert per_layer.partial[rank] * m.num_hidden_layers + (edges if con == SP else 0) == partial
+
+
+@pytest.mark.parametrize("case", [
+    ("tp", 2, 1, "after_backward", False, 1),
+    ("sp", 2, 1, "sharded", False, 1),
+    ("galaxy", 3, 1, "overlap", False, 1),
+    ("galaxy2", 2, 1, "sharded", False, 1),
+    ("galaxy2", 2, 2, "overlap", True, 1),
+    ("none", 1, 1, "after_backward", False, 2),
+])
+def test_step_collectives_match_the_hand_derived_bytes(case):
+    """Every collective a training step issues is in the cost model: global rank 0's bytes of a step,
+    as the model charges them, equal tests/test_comm_bytes.py's derivation from the serial model's
+    shapes (which that test checks against the Communicator's records of real steps): transitions,
+    loss, PARTIAL sums per mp_grad_reduce mode, dp buckets, ZeRO-1 broadcasts, gradient norm,
+    pipeline sends and the tied-embedding sum."""
+    from galaxy.config import PLAN_PRESETS
+    from tests.test_comm_bytes import BERT as SHAPES, TRAIN, expected_step_bytes
+
+    plan, mp, dp, mode, zero1, pp = case
+    raw = dict(SHAPES, model_type="bert")
+    cluster = synthetic_cluster(raw, mp * dp * pp, [1.0] * (mp * dp * pp), seq=TRAIN["seq_length"],
+                                rows=TRAIN["global_batch_size"])
+    work = Workload(cluster.model, "train", TRAIN["global_batch_size"], TRAIN["seq_length"], "float64",
+                    mp_grad_reduce=mode, dp_engine="zero1" if zero1 else "ddp")
+    methods = PLAN_PRESETS[plan] if plan != "none" else (NONE,) * 3
+    pred = predict(cluster, work, methods, Splits.balanced(cluster.model, TRAIN["seq_length"], mp),
+                   Layout(dp=dp, pp=pp, microbatches=pp))
+    assert pred.detail["comm_bytes"][0] == expected_step_bytes(plan, mp, dp, mode, zero1, pp)
+
+
+def test_tied_embedding_sum_is_charged_between_pipeline_stages():
+    """BERT at pp 2: the word embeddings' gradient (vocab x hidden, float32) crosses the link once per step."""
+    cluster = synthetic_cluster(BERT, 2, [1.0, 1.0], alpha=0.0, beta=1e-6)
+    cluster = dataclasses.replace(cluster, ranks=tuple(dataclasses.replace(r, optimizer=AlphaBeta(0.0, 0.0))
+                                                       for r in cluster.ranks))  # parameter counts differ
+    work = Workload(cluster.model, "train", 2, 8)
+    one = Splits.balanced(cluster.model, 8, 1)
+    tied = predict(cluster, work, (NONE,) * 3, one, Layout(pp=2, microbatches=2)).time_s[0]
+    untied_model = dataclasses.replace(cluster.model, model_type="llama", tie_word_embeddings=False)
+    base = dataclasses.replace(cluster, model=untied_model)
+    # the same shapes, only the tie differs: the difference is the all-reduce of the tied gradient
+    bert_like = predict(dataclasses.replace(cluster, model=dataclasses.replace(untied_model, tie_word_embeddings=True)),
+                        dataclasses.replace(work, model=dataclasses.replace(untied_model, tie_word_embeddings=True)),
+                        (NONE,) * 3, one, Layout(pp=2, microbatches=2)).time_s[0]
+    untied = predict(base, dataclasses.replace(work, model=untied_model), (NONE,) * 3, one,
+                     Layout(pp=2, microbatches=2)).time_s[0]
+    v, h = BERT["vocab_size"], BERT["hidden_size"]
+    assert bert_like - untied == pytest.approx(1e-6 * v * h * 4, rel=1e-9)
+    assert tied > 0
 
 
 def test_uneven_speeds_move_work_to_the_fast_rank():

@@ -146,7 +146,8 @@ def plan_config(cfg: GalaxyConfig, choice: Choice, world: int) -> dict:
     att, con, mlp = choice.methods
     parallel = {"att_parallel_method": att.value, "con_parallel_method": con.value,
                 "mlp_parallel_method": mlp.value, "dp_size": choice.layout.dp, "pp_size": choice.layout.pp,
-                "num_microbatches": choice.layout.microbatches, "pipeline_schedule": choice.layout.schedule}
+                "num_microbatches": choice.layout.microbatches, "pipeline_schedule": choice.layout.schedule,
+                "mp_grad_reduce": cfg.parallel.mp_grad_reduce, "dp_engine": cfg.parallel.dp_engine}
     for var, key in (("heads", "tp_num_attention_heads_list"), ("ffn", "tp_intermediate_size_list"),
                      ("seq", "seq_scatter_list")):
         if var in choice.uses:
@@ -201,7 +202,7 @@ def plan_main(argv: list[str]) -> int:
             raise ConfigError("--validate trains BERT plans only (LLaMA's training CLI needs instruction data); "
                               "validate LLaMA with --objective latency")
         work = Workload(cfg.model, args.objective, cfg.train.global_batch_size, cfg.train.seq_length,
-                        cfg.train.dtype, cfg.train.optimizer)
+                        cfg.train.dtype, cfg.train.optimizer, cfg.parallel.mp_grad_reduce, cfg.parallel.dp_engine)
         started = time.perf_counter()
         choices = search(cluster, work, args.ffn_unit, args.seq_unit, top=max(args.top, args.validate))
         configs = [plan_config(cfg, c, cluster.world) for c in choices]
