@@ -74,6 +74,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=7, help="timed forwards per contender")
     p.add_argument("--steps", type=int, default=4, help="training steps per contender (the first is not timed)")
     p.add_argument("--profile_reps", type=int, default=3, help="repetitions per profiler measurement")
+    p.add_argument("--window_ms", type=float, default=200.0,
+                   help="the profiler averages each timing over this long (two periods of the CPU quota)")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "results"), help="JSON and PNG go here")
     p.add_argument("--tag", default="", help="appended to the output names (edge_<model><tag>.json)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per launched command")
@@ -86,6 +88,7 @@ def parse() -> argparse.Namespace:
         args.models, args.shares, args.links, args.objectives = "bert", "1:2", "1000", "latency"
         args.contenders = "alone,tp,planned"
         args.layers, args.seq, args.batch, args.reps, args.warmup, args.profile_reps = 1, 16, 2, 2, 1, 1
+        args.window_ms = 0.0
     return args
 
 
@@ -136,7 +139,7 @@ def profile_and_plan(work: str, cfg_path: str, cluster: str, objectives: list[st
     prof = os.path.join(work, "profile.json")
     out = launch([sys.executable, "-m", "galaxy.emulate", cluster, "--log-level", "WARNING", "--",
                   sys.executable, "plan_galaxy.py", "profile", "--model", cfg_path, "--rows", "1", str(args.batch),
-                  "--reps", str(args.profile_reps), "--out", prof], args.timeout)
+                  "--reps", str(args.profile_reps), "--window_ms", str(args.window_ms), "--out", prof], args.timeout)
     if out is None:
         return {}
     plans = {"profile": prof}

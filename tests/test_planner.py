@@ -71,6 +71,41 @@ def test_alpha_beta_fit_recovers_known_terms():
     assert fit.beta_s_per_byte == pytest.approx(beta, rel=0.02)
     # a line through the origin never gets a negative latency
     assert AlphaBeta.fit([(100, 1e-6), (200, 2.2e-6), (400, 4.1e-6)]).alpha_s >= 0.0
+    # measured sizes predict themselves; a line's own samples predict the line anywhere
+    assert fit(sizes) == pytest.approx(isotonic([t for _, t in samples]), rel=1e-12)
+    exact = AlphaBeta.fit([(n, alpha + beta * n) for n in sizes])
+    probe = np.array([0, 1000, 50_000, 10**6, 10**9])
+    assert exact(probe) == pytest.approx(alpha + beta * probe, rel=1e-6)
+
+
+def test_collective_time_follows_its_measured_curve():
+    """A token-bucket link: the first 64 KiB pass at line rate, the rest at the shaped rate. Between
+    measured sizes the time is linear, beyond the largest it keeps the last slope."""
+    burst, fast, slow = 65536, 1e-9, 8e-8
+    t = lambda n: 1e-4 + fast * min(n, burst) + slow * max(n - burst, 0)  # noqa: E731
+    sizes = [4096 * 4**k for k in range(6)]
+    ab = AlphaBeta.fit([(n, t(n)) for n in sizes])
+    assert ab(sizes) == pytest.approx([t(n) for n in sizes], rel=1e-12)
+    assert ab(600_000) == pytest.approx(t(600_000), rel=1e-12)  # linear beyond the knee
+    assert ab(sizes[-1] * 3) == pytest.approx(t(sizes[-1] * 3), rel=1e-12)
+    assert ab.scaled_bytes(2.0)(sizes[-1] / 2) == pytest.approx(t(sizes[-1]), rel=1e-12)
+
+
+def test_windowed_timing_shares_the_wall_time_by_the_parts():
+    """A run whose parts report 1 ms and 3 ms but take 10 ms of wall time (the rest: time the rank
+    was stopped, as under a CPU quota) is charged the wall time, split 1:3."""
+    import time
+
+    from galaxy.planner.blocks import windowed
+
+    def once():
+        time.sleep(0.01)
+        return 0.001, 0.003
+
+    fwd, bwd = windowed(once, 0.05)
+    assert bwd == pytest.approx(3 * fwd, rel=1e-9)
+    assert 0.009 < fwd + bwd < 0.05
+    assert windowed(once, 0.0) == (0.001, 0.003)
 
 
 def test_curve_is_monotone_and_robust_to_one_outlier():
@@ -475,7 +510,7 @@ def test_profiler_on_three_ranks(tmp_path):
     model.write_text(json.dumps({"model": BERT, "train": {"seq_length": 8, "global_batch_size": 2}}))
     out = tmp_path / "cluster.json"
     run = subprocess.run([sys.executable, os.path.join(root, "plan_galaxy.py"), "profile", "--model", str(model),
-                          "--world", "3", "--rows", "2", "--reps", "1", "--out", str(out)],
+                          "--world", "3", "--rows", "2", "--reps", "1", "--window_ms", "0", "--out", str(out)],
                          env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True, timeout=90)
     assert run.returncode == 0, run.stderr[-2000:]
     cluster = load_cluster(str(out))

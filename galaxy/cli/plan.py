@@ -66,6 +66,8 @@ def profile_parser() -> argparse.ArgumentParser:
                    help="batch sizes to measure the blocks at (the cost model interpolates between them); "
                         "default: 1 and the config's global_batch_size")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (median)")
+    p.add_argument("--window_ms", type=float, default=200.0,
+                   help="each timing averages repeated runs over at least this long (a CPU quota's periods; 0: one run)")
     p.add_argument("--memory_gb", type=float, default=None, help="memory budget per rank (default: measured)")
     p.add_argument("--ffn_unit", type=int, default=1, help="FFN shard sizes are measured in multiples of this")
     p.add_argument("--out", required=True, help="cluster profile to write (JSON)")
@@ -79,7 +81,7 @@ def _profile_rank(rank: int, launch, payload) -> None:
     ctx = rank_context(rank, launch, cfg, args.log_level)
     try:
         cluster = profile_rank(ctx, cfg.model, args.rows, cfg.train.seq_length, cfg.train.dtype, args.reps,
-                               args.memory_gb, args.ffn_unit)
+                               args.memory_gb, args.ffn_unit, window_s=args.window_ms / 1e3)
         if cluster is not None:
             cluster.save(args.out)
             print(f"wrote {args.out}: {cluster.world} ranks, {len(cluster.groups)} groups", flush=True)
@@ -95,8 +97,8 @@ def profile_main(argv: list[str]) -> int:
     try:
         cfg = workload_config(args)
         args.rows = args.rows or [1, cfg.train.global_batch_size]
-        if min(args.rows) < 1 or args.reps < 1:
-            raise ConfigError("--rows and --reps must be at least 1")
+        if min(args.rows) < 1 or args.reps < 1 or args.window_ms < 0:
+            raise ConfigError("--rows and --reps must be at least 1, --window_ms at least 0")
         if args.ffn_unit < 1 or cfg.model.intermediate_size % args.ffn_unit:
             raise ConfigError(f"--ffn_unit {args.ffn_unit} must be a positive divisor of intermediate_size "
                               f"{cfg.model.intermediate_size}")

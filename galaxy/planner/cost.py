@@ -347,7 +347,7 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
             return
         ranks = [groups[(d, p)].ranks[i] for d, p, i in keys]
         ab = cluster.collective(ranks, op)
-        cost = np.broadcast_to(ab.alpha_s * buckets + ab.beta_s_per_byte * np.asarray(nbytes, dtype=float), (C,))
+        cost = np.broadcast_to(buckets * ab(np.asarray(nbytes, dtype=float) / buckets), (C,))
         start = np.max([clocks[(d, p)][:, i] for d, p, i in keys], axis=0)
         d0, p0, _ = keys[0]
         g = groups[(d0, p0)]

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from galaxy.config import Method, ModelConfig, Plan
 from galaxy.core.comm import Communicator
 from galaxy.core.context import ParallelContext
-from galaxy.planner.blocks import measure_blocks, synchronize
+from galaxy.planner.blocks import measure_blocks, synchronize, windowed
 from galaxy.planner.cluster import OPS, AlphaBeta, ClusterProfile, RankProfile, candidate_groups
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def probe_groups(run_group, world: int) -> list[tuple[tuple[int, ...], Optional[
             for members in candidate_groups(world)]
 
 
-def measure_optimizer(device: torch.device, most_params: int, reps: int, barrier) -> AlphaBeta:
+def measure_optimizer(device: torch.device, most_params: int, reps: int, barrier, window_s: float = 0.0) -> AlphaBeta:
     """AdamW step seconds by parameter count (8 tensors each, as a model holds many)."""
     counts = sorted({c for c in (2**12, 2**15, 2**18, 2**20, most_params) if c <= max(most_params, 2**12)})
     samples = []
@@ -51,15 +51,19 @@ def measure_optimizer(device: torch.device, most_params: int, reps: int, barrier
         for p in params:
             p.grad = torch.randn_like(p)
         opt = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if device.type == "cuda" else {}))
-        times = []
-        for i in range(reps + 1):
-            barrier()
+        def once() -> tuple[float]:
             synchronize(device)
             t0 = time.perf_counter()
             opt.step()
             synchronize(device)
+            return (time.perf_counter() - t0,)
+
+        times = []
+        for i in range(reps + 1):
+            barrier()
+            t = windowed(once, window_s if i else 0.0)[0]
             if i:
-                times.append(time.perf_counter() - t0)
+                times.append(t)
         samples.append((float(sum(p.numel() for p in params)), statistics.median(times)))
     return AlphaBeta.fit(samples)
 
@@ -79,7 +83,7 @@ def memory_budget(device: torch.device, local_ranks: int, override_gb: Optional[
 
 
 def measure_overheads(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str, device: torch.device,
-                      reps: int, barrier) -> tuple[float, float]:
+                      reps: int, barrier, window_s: float = 0.0) -> tuple[float, float]:
     """(training step, batch-1 forward) seconds that the pieces do not account for: the whole
     serial model run by the training loop's own Trainer (data, masking, loss, grad norm, optimizer,
     Python between the blocks), less what the cost model predicts for it from this rank's pieces.
@@ -115,15 +119,18 @@ def measure_overheads(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtyp
         t1 = time.perf_counter()
         barrier()
         model.eval()
-        with torch.no_grad():
-            t2 = time.perf_counter()
-            model(ids)
-            synchronize(device)
-            t3 = time.perf_counter()
+
+        def forward() -> tuple[float]:
+            with torch.no_grad():
+                t2 = time.perf_counter()
+                model(ids)
+                synchronize(device)
+                return (time.perf_counter() - t2,)
+        forward_s = windowed(forward, window_s if i else 0.0)[0]
         model.train()
         if i:
             steps.append(t1 - t0)
-            forwards.append(t3 - t2)
+            forwards.append(forward_s)
     alone = ClusterProfile(1, "none", device.type, m, tuple(me.pieces), seq, dtype, (me,), {})
     serial = Splits.balanced(m, seq, 1)
     none = (Method.NONE,) * 3
@@ -176,8 +183,8 @@ def measure_group(comm: Communicator, device: torch.device, sizes: list[int], re
 
 
 def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq: int, dtype: str, reps: int = 3,
-                 memory_gb: Optional[float] = None, ffn_unit: int = 1,
-                 most_bytes: Optional[int] = None) -> Optional[ClusterProfile]:
+                 memory_gb: Optional[float] = None, ffn_unit: int = 1, most_bytes: Optional[int] = None,
+                 window_s: float = 0.0) -> Optional[ClusterProfile]:
     """Measure this rank and its groups; every rank of ``ctx.mp`` (the whole run: profile with
     dp = pp = 1) must call it. Its rank 0 returns the ClusterProfile, the others None."""
     if ctx.mp.size != ctx.world_size:
@@ -185,13 +192,13 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
     world, run_group, rank = ctx.mp.size, ctx.mp.group, ctx.mp.rank
     barrier = (lambda: dist.barrier(group=run_group)) if world > 1 else (lambda: None)
     rows = tuple(sorted(set(rows)))
-    pieces = {n: measure_blocks(m, n, seq, ctx.device, dtype, reps, barrier, ffn_unit) for n in rows}
+    pieces = {n: measure_blocks(m, n, seq, ctx.device, dtype, reps, barrier, ffn_unit, window_s) for n in rows}
     from galaxy.planner.workload import edge_params, layer_params
 
     H, F_ = m.num_attention_heads, m.intermediate_size
     model_params = int(layer_params(m, Method.NONE, Method.NONE, Method.NONE, H, F_).total) * m.num_hidden_layers \
         + sum(edge_params(m))
-    optimizer = measure_optimizer(ctx.device, min(model_params, 2**24), reps, barrier)
+    optimizer = measure_optimizer(ctx.device, min(model_params, 2**24), reps, barrier, window_s)
     host = socket.gethostname()
     hosts = [host]
     if world > 1:
@@ -208,7 +215,8 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
                 groups[members] = measure_group(comm, ctx.device, sizes, reps)
             barrier()
     mine = RankProfile(rank, host, memory, pieces, optimizer)
-    step_overhead, forward_overhead = measure_overheads(mine, m, max(rows), seq, dtype, ctx.device, reps, barrier)
+    step_overhead, forward_overhead = measure_overheads(mine, m, max(rows), seq, dtype, ctx.device, reps, barrier,
+                                                         window_s)
     mine = dataclasses.replace(mine, step_overhead_s=step_overhead, forward_overhead_s=forward_overhead)
     everyone = [(mine, groups)]
     if world > 1:
