@@ -492,6 +492,8 @@ def test_profiler_writes_a_valid_file(dist_pool):
     assert cluster.rows == (1, 2)
     heads = cluster.ranks[1].pieces[2]["att_proj.heads"].fwd.sizes
     assert heads == (4, 8)  # whole GQA groups only
+    assert all(p.infer is not None and p.infer.sizes == p.fwd.sizes for p in cluster.ranks[0].pieces[1].values())
+    assert raw == cluster.to_dict()
     for op in OPS:
         ab = cluster.collective([0, 1], op)
         assert ab.alpha_s >= 0 and ab.beta_s_per_byte >= 0 and len(ab.samples) >= 2

@@ -4,7 +4,7 @@
      "model": {ModelConfig fields}, "rows": [1, 16], "seq_length": S, "dtype": "float32",
      "ranks": [{"rank": 0, "host": "...", "memory_bytes": M,
                 "pieces": {"16": {"att_proj.heads": {"sizes": [...], "fwd_s": [...], "bwd_s": [...],
-                                                     "act_bytes": [...]}, ...}, "1": {...}},
+                                                     "infer_s": [...], "act_bytes": [...]}, ...}, "1": {...}},
                 "optimizer": {"alpha_s": a, "s_per_param": b, "samples": [[params, seconds], ...]},
                 "step_overhead_s": o, "forward_overhead_s": f}],
      "groups": [{"ranks": [0, 1], "ops": {"all_reduce": {"alpha_s": a, "beta_s_per_byte": b,
@@ -26,7 +26,7 @@ import itertools
 import json
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -123,6 +123,7 @@ class Piece:
     fwd: Curve
     bwd: Curve
     act: Curve  # bytes saved for backward
+    infer: Optional[Curve] = None  # the forward without autograd (a request's); None: as ``fwd``
 
 
 @dataclass(frozen=True)
@@ -190,18 +191,21 @@ class RankProfile:
     step_overhead_s: float = 0.0
     forward_overhead_s: float = 0.0
 
-    def piece(self, name: str, rows: int, sizes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(forward s, backward s, saved bytes) of piece ``name`` at ``rows`` rows and ``sizes``."""
+    def piece(self, name: str, rows: int, sizes, inference: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(forward s, backward s, saved bytes) of piece ``name`` at ``rows`` rows and ``sizes``;
+        ``inference``: the forward without autograd where it was measured."""
+        def curves(p: Piece) -> tuple[Curve, Curve, Curve]:
+            return (p.infer if inference and p.infer is not None else p.fwd), p.bwd, p.act
+
         measured = sorted(self.pieces)
         if len(measured) == 1:
-            p, scale = self.pieces[measured[0]][name], rows / measured[0]
-            return p.fwd(sizes) * scale, p.bwd(sizes) * scale, p.act(sizes) * scale
+            scale = rows / measured[0]
+            return tuple(c(sizes) * scale for c in curves(self.pieces[measured[0]][name]))
         k = min(max(int(np.searchsorted(measured, rows)), 1), len(measured) - 1)
         lo, hi = measured[k - 1], measured[k]
         w = (rows - lo) / (hi - lo)
-        a, b = self.pieces[lo][name], self.pieces[hi][name]
         return tuple(np.maximum(fa(sizes) + w * (fb(sizes) - fa(sizes)), 0.0)
-                     for fa, fb in ((a.fwd, b.fwd), (a.bwd, b.bwd), (a.act, b.act)))
+                     for fa, fb in zip(curves(self.pieces[lo][name]), curves(self.pieces[hi][name])))
 
 
 @dataclass(frozen=True)
@@ -242,7 +246,7 @@ class ClusterProfile:
     def to_dict(self) -> dict[str, Any]:
         def curve_dict(p: Piece) -> dict:
             return {"sizes": list(p.fwd.sizes), "fwd_s": list(p.fwd.values), "bwd_s": list(p.bwd.values),
-                    "act_bytes": list(p.act.values)}
+                    "act_bytes": list(p.act.values), **({"infer_s": list(p.infer.values)} if p.infer else {})}
 
         return {
             "version": VERSION, "world": self.world, "backend": self.backend, "device": self.device,
@@ -350,7 +354,8 @@ def cluster_from_dict(raw: Any, source: str = "<dict>") -> ClusterProfile:
                     raise r.fail(f"{path}pieces.{n}.{name}", "is missing")
                 sizes = r.numbers(entry, "sizes", p, increasing=True)
                 curves = [Curve(sizes, r.numbers(entry, k, p, len(sizes))) for k in ("fwd_s", "bwd_s", "act_bytes")]
-                pieces[n][name] = Piece(*curves)
+                infer = Curve(sizes, r.numbers(entry, "infer_s", p, len(sizes))) if "infer_s" in entry else None
+                pieces[n][name] = Piece(*curves, infer=infer)
             unknown = sorted(set(pieces_raw) - set(PIECES))
             if unknown:
                 raise r.fail(f"{path}pieces.{n}.{unknown[0]}", f"is not a known piece (known: {', '.join(PIECES)})")

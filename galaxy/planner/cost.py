@@ -142,7 +142,8 @@ class GroupModel:
     def piece(self, name: str, sizes: np.ndarray) -> Compute:
         out = [np.empty(sizes.shape) for _ in range(3)]
         for i, r in enumerate(self.ranks):
-            for k, values in enumerate(self.cluster.ranks[r].piece(name, self.rows, sizes[:, i])):
+            for k, values in enumerate(self.cluster.ranks[r].piece(name, self.rows, sizes[:, i],
+                                                                   self.work.objective == "latency")):
                 out[k][:, i] = values
         return Compute(*out, name=name)
 

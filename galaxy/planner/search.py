@@ -162,7 +162,7 @@ class SplitSearch:
             self.work.global_batch // (self.layout.dp * self.layout.microbatches)
         for i in range(self.mp):  # the first group's ranks: a start point, the descent sees every group
             for name in pieces:
-                fwd, bwd, _ = self.cluster.ranks[i].piece(name, rows, sizes)
+                fwd, bwd, _ = self.cluster.ranks[i].piece(name, rows, sizes, self.work.objective == "latency")
                 costs[i] += fwd + (0 if self.work.objective == "latency" else bwd)
         return costs
 
