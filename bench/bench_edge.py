@@ -216,6 +216,9 @@ def run_scenario(model: str, shares: list[int], link: float, args, objectives: l
         alone = cluster_file(os.path.join(work, "alone.json"), [max(result["cores"])], link)
         wanted = args.contenders.split(",")
         plans = profile_and_plan(work, cfg_path, cluster, objectives, args) if "planned" in wanted else {}
+        if "profile" in plans:  # kept, so the cost model can be checked against this run again
+            with open(plans["profile"]) as f:
+                result["profile"] = json.load(f)
         for objective in objectives:
             if objective in plans:
                 result[objective]["planner_table"] = plans[objective]["table"]
