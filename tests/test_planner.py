@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from galaxy.config import ConfigError, GalaxyConfig, Method
-from galaxy.planner.cluster import (OPS, PIECES, AlphaBeta, ClusterProfile, Curve, Piece, RankProfile, cluster_from_dict,
-                                    isotonic, load_cluster)
+from galaxy.planner.cluster import (OPS, PIECES, AlphaBeta, ClusterProfile, Curve, Piece, RankProfile,
+                                    cluster_from_dict, isotonic, load_cluster)
 from galaxy.planner.cost import GroupModel, Layout, Splits, Workload, collectives, predict
 from galaxy.planner.blocks import grid
 from galaxy.planner.cluster import candidate_groups
@@ -34,7 +34,8 @@ LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden
 
 
 def model_config(raw):
-    return GalaxyConfig.from_dict({"model": raw, "train": {"seq_length": raw.get("max_position_embeddings", 128)}}).model
+    seq = raw.get("max_position_embeddings", 128)
+    return GalaxyConfig.from_dict({"model": raw, "train": {"seq_length": seq}}).model
 
 
 def synthetic_cluster(model_raw, world, speeds, seq=8, rows=2, alpha=2e-4, beta=1e-8, memory=2**30):

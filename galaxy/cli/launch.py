@@ -70,8 +70,8 @@ def on_devices(launch: Launch, devices: Optional[list[int]]) -> Launch:
     if launch.emulate is not None:
         return replace(launch, world=len(devices), emulate=launch.emulate.subset(devices, "emulated cluster"))
     if launch.world != len(devices):
-        raise ConfigError(f"the plan runs on the {len(devices)} devices {devices} (config key 'devices'), but this launch "
-                          f"has {launch.world} ranks; start {len(devices)} ranks, one on each of those devices")
+        raise ConfigError(f"the plan runs on the {len(devices)} devices {devices} (config key 'devices'), but this "
+                          f"launch has {launch.world} ranks; start {len(devices)} ranks, one on each of those devices")
     return launch
 
 

@@ -67,7 +67,7 @@ def profile_parser() -> argparse.ArgumentParser:
                         "default: 1 and the config's global_batch_size")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (median)")
     p.add_argument("--window_ms", type=float, default=200.0,
-                   help="each timing averages repeated runs over at least this long (a CPU quota's periods; 0: one run)")
+                   help="each timing averages repeated runs over at least this long (CPU-quota periods; 0: one run)")
     p.add_argument("--memory_gb", type=float, default=None, help="memory budget per rank (default: measured)")
     p.add_argument("--ffn_unit", type=int, default=1, help="FFN shard sizes are measured in multiples of this")
     p.add_argument("--out", required=True, help="cluster profile to write (JSON)")
@@ -165,7 +165,8 @@ def plan_config(cfg: GalaxyConfig, choice: Choice, world: int) -> dict:
 def table_rows(choices: list[Choice]) -> list[dict]:
     rows = []
     for i, c in enumerate(choices):
-        rows.append({"rank": i + 1, "plan": c.name, "devices": list(c.devices), "att/con/mlp": "/".join(m.value for m in c.methods),
+        rows.append({"rank": i + 1, "plan": c.name, "devices": list(c.devices),
+                     "att/con/mlp": "/".join(m.value for m in c.methods),
                      "dp x pp x mp": f"{c.layout.dp}x{c.layout.pp}x{len(c.seq)}", "microbatches": c.layout.microbatches,
                      "recompute": c.layout.recompute,
                      "heads": list(c.heads) if "heads" in c.uses else None,
@@ -178,7 +179,8 @@ def table_rows(choices: list[Choice]) -> list[dict]:
 
 
 def print_table(rows: list[dict], measured: Optional[list[Optional[float]]] = None) -> None:
-    cols = ["rank", "plan", "devices", "att/con/mlp", "dp x pp x mp", "microbatches", "recompute", "heads", "ffn", "seq",
+    cols = ["rank", "plan", "devices", "att/con/mlp", "dp x pp x mp", "microbatches", "recompute", "heads", "ffn",
+            "seq",
             "predicted_ms", "lower_bound_ms", "max_memory_mb", "fits"]
     cells = [[str(r[c]) if r[c] is not None else "-" for c in cols] for r in rows]
     if measured is not None:

@@ -62,8 +62,8 @@ class Cluster:
         is device ``devices[i]``, with its compute share and link."""
         bad = [d for d in devices if not 0 <= d < self.world_size]
         if bad:
-            raise ConfigError(f"config key 'devices' names rank {bad[0]}, but the {where} has ranks 0..{self.world_size - 1}; "
-                              "plan for this cluster or fix 'devices'")
+            raise ConfigError(f"config key 'devices' names rank {bad[0]}, but the {where} has ranks "
+                              f"0..{self.world_size - 1}; plan for this cluster or fix 'devices'")
         return replace(self, ranks=tuple(self.ranks[d] for d in devices))
 
     @classmethod

@@ -384,7 +384,8 @@ def cluster_from_dict(raw: Any, source: str = "<dict>") -> ClusterProfile:
             ops[op] = AlphaBeta(r.get(entry, "alpha_s", p, float), r.get(entry, "beta_s_per_byte", p, float),
                                 r.samples(entry, p))
         groups[tuple(members)] = ops
-    return ClusterProfile(world, str(raw.get("backend", "")), str(raw.get("device", "")), model, tuple(int(v) for v in rows), seq,
+    return ClusterProfile(world, str(raw.get("backend", "")), str(raw.get("device", "")), model,
+                          tuple(int(v) for v in rows), seq,
                    str(raw.get("dtype", "float32")), tuple(ranks), groups)
 
 

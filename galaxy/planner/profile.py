@@ -51,6 +51,7 @@ def measure_optimizer(device: torch.device, most_params: int, reps: int, barrier
         for p in params:
             p.grad = torch.randn_like(p)
         opt = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if device.type == "cuda" else {}))
+
         def once() -> tuple[float]:
             synchronize(device)
             t0 = time.perf_counter()
@@ -229,4 +230,4 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
         merged.update(g)
     backend = dist.get_backend(run_group) if world > 1 else "none"
     return ClusterProfile(world, backend, ctx.device.type, m, rows, seq, dtype,
-                   tuple(p for p, _ in everyone), {g: merged[g] for g in candidate_groups(world)})
+                          tuple(p for p, _ in everyone), {g: merged[g] for g in candidate_groups(world)})

@@ -15,11 +15,10 @@ so its distance from the optimum is bounded by ``time - lower_bound``.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -290,7 +289,7 @@ def search(cluster: ClusterProfile, work: Workload, ffn_unit: int = 1, seq_unit:
             logger.info("devices %s skipped: the cluster file has no measurements for their groups", list(devices))
             continue
         for choice in search_devices(sub, work, ffn_unit, seq_unit, exact_limit):
-            found.append(dataclasses.replace(choice, devices=devices))
+            found.append(replace(choice, devices=devices))
     if not found:
         raise ConfigError(f"no plan fits the world of {cluster.world} ranks: the model has too few heads, "
                           "FFN units or tokens for it")
