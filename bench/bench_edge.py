@@ -74,6 +74,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=7, help="timed forwards per contender")
     p.add_argument("--steps", type=int, default=4, help="training steps per contender (the first is not timed)")
     p.add_argument("--profile_reps", type=int, default=3, help="repetitions per profiler measurement")
+    p.add_argument("--window_ms", type=float, default=200.0,
+                   help="the profiler averages each timing over this long (two periods of the CPU quota)")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "results"), help="JSON and PNG go here")
     p.add_argument("--tag", default="", help="appended to the output names (edge_<model><tag>.json)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per launched command")
@@ -86,6 +88,7 @@ def parse() -> argparse.Namespace:
         args.models, args.shares, args.links, args.objectives = "bert", "1:2", "1000", "latency"
         args.contenders = "alone,tp,planned"
         args.layers, args.seq, args.batch, args.reps, args.warmup, args.profile_reps = 1, 16, 2, 2, 1, 1
+        args.window_ms = 0.0
     return args
 
 
@@ -136,7 +139,7 @@ def profile_and_plan(work: str, cfg_path: str, cluster: str, objectives: list[st
     prof = os.path.join(work, "profile.json")
     out = launch([sys.executable, "-m", "galaxy.emulate", cluster, "--log-level", "WARNING", "--",
                   sys.executable, "plan_galaxy.py", "profile", "--model", cfg_path, "--rows", "1", str(args.batch),
-                  "--reps", str(args.profile_reps), "--out", prof], args.timeout)
+                  "--reps", str(args.profile_reps), "--window_ms", str(args.window_ms), "--out", prof], args.timeout)
     if out is None:
         return {}
     plans = {"profile": prof}
@@ -213,6 +216,9 @@ def run_scenario(model: str, shares: list[int], link: float, args, objectives: l
         alone = cluster_file(os.path.join(work, "alone.json"), [max(result["cores"])], link)
         wanted = args.contenders.split(",")
         plans = profile_and_plan(work, cfg_path, cluster, objectives, args) if "planned" in wanted else {}
+        if "profile" in plans:  # kept, so the cost model can be checked against this run again
+            with open(plans["profile"]) as f:
+                result["profile"] = json.load(f)
         for objective in objectives:
             if objective in plans:
                 result[objective]["planner_table"] = plans[objective]["table"]
@@ -232,7 +238,8 @@ def run_scenario(model: str, shares: list[int], link: float, args, objectives: l
                 if contender == "planned" and objective in plans:
                     top = plans[objective]["table"][0]
                     row.update(predicted_ms=top["predicted_ms"], plan=top["plan"], splits={
-                        k: top[k] for k in ("heads", "ffn", "seq")}, layout=top["dp x pp x mp"])
+                        k: top[k] for k in ("heads", "ffn", "seq")}, layout=top["dp x pp x mp"],
+                        devices=top["devices"])
                 rows[contender] = row
             result[objective]["contenders"] = rows
             result[objective]["verdict"] = verdict(rows, objective)
@@ -288,6 +295,8 @@ def markdown(results: list[dict]) -> str:
                 cells.append("-" if t is None else f"{t:.1f}" + (f" ({pred:.0f})" if pred else ""))
             v, planned = r[objective]["verdict"], rows.get("planned", {})
             plan = planned.get("plan", "-") + (f" ({planned['layout']})" if planned.get("layout") else "")
+            if planned.get("devices") is not None and len(planned["devices"]) < len(r["shares"]):
+                plan += f" on device{'s' if len(planned['devices']) > 1 else ''} {planned['devices']}"
             if planned.get("splits"):
                 plan += " " + " ".join(f"{k}={s}" for k, s in planned["splits"].items() if s)
             lines.append(f"| {r['model']} | {':'.join(map(str, r['shares']))} | {r['link_mbit']:g} | {objective} | "

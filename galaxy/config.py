@@ -156,6 +156,8 @@ class DistributedConfig:
     init_method: str = "env://"
     distributed_backend: str = "auto"  # auto | gloo | nccl | hccl
     timeout_s: float = 120.0
+    # the devices (ranks of a profiled / emulated cluster) this run's ranks take, in order; None: all
+    devices: Optional[list[int]] = None
 
 
 @dataclass
@@ -494,6 +496,9 @@ class GalaxyConfig:
             raise ConfigError(f"config key 'lora_dropout' must be in [0, 1), got {self.peft.lora_dropout}")
         if self.distributed.timeout_s <= 0:
             raise ConfigError("config key 'timeout_s' must be positive")
+        devices = self.distributed.devices
+        if devices is not None and (not devices or min(devices) < 0 or len(set(devices)) != len(devices)):
+            raise ConfigError(f"config key 'devices' must list distinct cluster ranks (0, 1, ...), got {devices}")
         p = self.parallel
         if p.plan is not None and p.plan.lower() not in PLAN_PRESETS:
             raise ConfigError(f"config key 'plan': unknown plan '{p.plan}'; use one of {', '.join(PLAN_PRESETS)}")

@@ -328,3 +328,19 @@ def test_training_cli_refuses_emulate_with_rank_or_another_world(tmp_path):
                              capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
                              timeout=60)
         assert out.returncode == 2 and says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_plan_on_some_devices_starts_there():
+    """A planned config naming devices (key 'devices') runs on those ranks of the emulated cluster only."""
+    from galaxy.cli.launch import Launch, on_devices
+
+    cluster = Cluster.from_dict({"ranks": [{"compute_share": 0.5}, {"compute_share": 1.0, "bandwidth_mbit": 50},
+                                           {"compute_share": 1.5}], "links": {"bandwidth_mbit": 100}})
+    launch = on_devices(Launch(3, None, None, None, emulate=cluster), [2, 1])
+    assert launch.world == 2 and launch.emulate.ranks == (cluster.ranks[2], cluster.ranks[1])
+    with pytest.raises(ConfigError, match="'devices' names rank 3"):
+        on_devices(Launch(3, None, None, None, emulate=cluster), [3])
+    with pytest.raises(ConfigError, match="start 1 ranks"):
+        on_devices(Launch(2, None, None, None), [1])
+    plain = Launch(2, None, None, None)
+    assert on_devices(plain, None) is plain and on_devices(plain, [0, 1]) is plain

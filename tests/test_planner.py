@@ -5,6 +5,7 @@ Communicator's records, the parameters' gradient rules); search optima from brut
 split scored by the same cost model; alpha-beta fits from synthetic timings with known terms.
 """
 
+import dataclasses
 import itertools
 import json
 import math
@@ -14,11 +15,11 @@ import pytest
 import torch
 
 from galaxy.config import ConfigError, GalaxyConfig, Method
-from galaxy.planner.cluster import (OPS, PIECES, AlphaBeta, Cluster, Curve, Piece, RankProfile, cluster_from_dict,
-                                    isotonic, load_cluster)
+from galaxy.planner.cluster import (OPS, PIECES, AlphaBeta, ClusterProfile, Curve, Piece, RankProfile,
+                                    cluster_from_dict, isotonic, load_cluster)
 from galaxy.planner.cost import GroupModel, Layout, Splits, Workload, collectives, predict
 from galaxy.planner.blocks import grid
-from galaxy.planner.profile import candidate_groups
+from galaxy.planner.cluster import candidate_groups
 from galaxy.planner.search import SplitSearch, compositions, min_max_split, search
 from galaxy.planner.workload import edge_params, layer_params
 
@@ -33,7 +34,8 @@ LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden
 
 
 def model_config(raw):
-    return GalaxyConfig.from_dict({"model": raw}).model
+    seq = raw.get("max_position_embeddings", 128)
+    return GalaxyConfig.from_dict({"model": raw, "train": {"seq_length": seq}}).model
 
 
 def synthetic_cluster(model_raw, world, speeds, seq=8, rows=2, alpha=2e-4, beta=1e-8, memory=2**30):
@@ -54,7 +56,7 @@ def synthetic_cluster(model_raw, world, speeds, seq=8, rows=2, alpha=2e-4, beta=
                                  Curve(xs, tuple(1000.0 * x for x in xs)))
         ranks.append(RankProfile(r, "host", memory, {rows: pieces}, AlphaBeta(1e-4, 1e-9 / speed)))
     groups = {g: {op: AlphaBeta(alpha, beta) for op in OPS} for g in candidate_groups(world)}
-    return Cluster(world, "gloo", "cpu", m, (rows,), seq, "float32", tuple(ranks), groups)
+    return ClusterProfile(world, "gloo", "cpu", m, (rows,), seq, "float32", tuple(ranks), groups)
 
 
 # ----------------------------------------------------------------------------- cost model pieces
@@ -70,6 +72,41 @@ def test_alpha_beta_fit_recovers_known_terms():
     assert fit.beta_s_per_byte == pytest.approx(beta, rel=0.02)
     # a line through the origin never gets a negative latency
     assert AlphaBeta.fit([(100, 1e-6), (200, 2.2e-6), (400, 4.1e-6)]).alpha_s >= 0.0
+    # measured sizes predict themselves; a line's own samples predict the line anywhere
+    assert fit(sizes) == pytest.approx(isotonic([t for _, t in samples]), rel=1e-12)
+    exact = AlphaBeta.fit([(n, alpha + beta * n) for n in sizes])
+    probe = np.array([0, 1000, 50_000, 10**6, 10**9])
+    assert exact(probe) == pytest.approx(alpha + beta * probe, rel=1e-6)
+
+
+def test_collective_time_follows_its_measured_curve():
+    """A token-bucket link: the first 64 KiB pass at line rate, the rest at the shaped rate. Between
+    measured sizes the time is linear, beyond the largest it keeps the last slope."""
+    burst, fast, slow = 65536, 1e-9, 8e-8
+    t = lambda n: 1e-4 + fast * min(n, burst) + slow * max(n - burst, 0)  # noqa: E731
+    sizes = [4096 * 4**k for k in range(6)]
+    ab = AlphaBeta.fit([(n, t(n)) for n in sizes])
+    assert ab(sizes) == pytest.approx([t(n) for n in sizes], rel=1e-12)
+    assert ab(600_000) == pytest.approx(t(600_000), rel=1e-12)  # linear beyond the knee
+    assert ab(sizes[-1] * 3) == pytest.approx(t(sizes[-1] * 3), rel=1e-12)
+    assert ab.scaled_bytes(2.0)(sizes[-1] / 2) == pytest.approx(t(sizes[-1]), rel=1e-12)
+
+
+def test_windowed_timing_shares_the_wall_time_by_the_parts():
+    """A run whose parts report 1 ms and 3 ms but take 10 ms of wall time (the rest: time the rank
+    was stopped, as under a CPU quota) is charged the wall time, split 1:3."""
+    import time
+
+    from galaxy.planner.blocks import windowed
+
+    def once():
+        time.sleep(0.01)
+        return 0.001, 0.003
+
+    fwd, bwd = windowed(once, 0.05)
+    assert bwd == pytest.approx(3 * fwd, rel=1e-9)
+    assert 0.009 < fwd + bwd < 0.05
+    assert windowed(once, 0.0) == (0.001, 0.003)
 
 
 def test_curve_is_monotone_and_robust_to_one_outlier():
@@ -188,6 +225,56 @@ def test_parameter_counts_match_the_model(dist_pool, model_type, methods, heads,
         assert per_layer.partial[rank] * m.num_hidden_layers + (edges if con == SP else 0) == partial
 
 
+@pytest.mark.parametrize("case", [
+    ("tp", 2, 1, "after_backward", False, 1),
+    ("sp", 2, 1, "sharded", False, 1),
+    ("galaxy", 3, 1, "overlap", False, 1),
+    ("galaxy2", 2, 1, "sharded", False, 1),
+    ("galaxy2", 2, 2, "overlap", True, 1),
+    ("none", 1, 1, "after_backward", False, 2),
+])
+def test_step_collectives_match_the_hand_derived_bytes(case):
+    """Every collective a training step issues is in the cost model: global rank 0's bytes of a step,
+    as the model charges them, equal tests/test_comm_bytes.py's derivation from the serial model's
+    shapes (which that test checks against the Communicator's records of real steps): transitions,
+    loss, PARTIAL sums per mp_grad_reduce mode, dp buckets, ZeRO-1 broadcasts, gradient norm,
+    pipeline sends and the tied-embedding sum."""
+    from galaxy.config import PLAN_PRESETS
+    from tests.test_comm_bytes import BERT as SHAPES, TRAIN, expected_step_bytes
+
+    plan, mp, dp, mode, zero1, pp = case
+    raw = dict(SHAPES, model_type="bert")
+    cluster = synthetic_cluster(raw, mp * dp * pp, [1.0] * (mp * dp * pp), seq=TRAIN["seq_length"],
+                                rows=TRAIN["global_batch_size"])
+    work = Workload(cluster.model, "train", TRAIN["global_batch_size"], TRAIN["seq_length"], "float64",
+                    mp_grad_reduce=mode, dp_engine="zero1" if zero1 else "ddp")
+    methods = PLAN_PRESETS[plan] if plan != "none" else (NONE,) * 3
+    pred = predict(cluster, work, methods, Splits.balanced(cluster.model, TRAIN["seq_length"], mp),
+                   Layout(dp=dp, pp=pp, microbatches=pp))
+    assert pred.detail["comm_bytes"][0] == expected_step_bytes(plan, mp, dp, mode, zero1, pp)
+
+
+def test_tied_embedding_sum_is_charged_between_pipeline_stages():
+    """BERT at pp 2: the word embeddings' gradient (vocab x hidden, float32) crosses the link once per step."""
+    cluster = synthetic_cluster(BERT, 2, [1.0, 1.0], alpha=0.0, beta=1e-6)
+    cluster = dataclasses.replace(cluster, ranks=tuple(dataclasses.replace(r, optimizer=AlphaBeta(0.0, 0.0))
+                                                       for r in cluster.ranks))  # parameter counts differ
+    work = Workload(cluster.model, "train", 2, 8)
+    one = Splits.balanced(cluster.model, 8, 1)
+    tied = predict(cluster, work, (NONE,) * 3, one, Layout(pp=2, microbatches=2)).time_s[0]
+    untied_model = dataclasses.replace(cluster.model, model_type="llama", tie_word_embeddings=False)
+    base = dataclasses.replace(cluster, model=untied_model)
+    # the same shapes, only the tie differs: the difference is the all-reduce of the tied gradient
+    bert_like = predict(dataclasses.replace(cluster, model=dataclasses.replace(untied_model, tie_word_embeddings=True)),
+                        dataclasses.replace(work, model=dataclasses.replace(untied_model, tie_word_embeddings=True)),
+                        (NONE,) * 3, one, Layout(pp=2, microbatches=2)).time_s[0]
+    untied = predict(base, dataclasses.replace(work, model=untied_model), (NONE,) * 3, one,
+                     Layout(pp=2, microbatches=2)).time_s[0]
+    v, h = BERT["vocab_size"], BERT["hidden_size"]
+    assert bert_like - untied == pytest.approx(1e-6 * v * h * 4, rel=1e-9)
+    assert tied > 0
+
+
 def test_uneven_speeds_move_work_to_the_fast_rank():
     cluster = synthetic_cluster(BERT, 2, [1.0, 3.0], alpha=1e-6, beta=1e-12)
     work = Workload(cluster.model, "train", 2, 8)
@@ -265,6 +352,38 @@ def test_search_matches_brute_force(speeds, methods, objective):
     assert not descent.exact and descent.time_s == pytest.approx(best, rel=1e-9)
     # and its lower bound holds, and is tight here
     assert best * 0.95 < descent.lower_bound_s <= best * (1 + 1e-12)
+
+
+def test_search_over_device_subsets():
+    """On a slow link the fastest device alone beats every plan over both; on a free link both
+    devices win. Each subset's plans are the search over that subset's own profile."""
+    from galaxy.cli.plan import plan_config
+
+    for alpha, beta, want in ((5e-2, 1e-5, (1,)), (0.0, 0.0, (0, 1))):
+        cluster = synthetic_cluster(BERT, 2, [1.0, 1.5], alpha=alpha, beta=beta)
+        work = Workload(cluster.model, "latency", 2, 8)
+        choices = search(cluster, work, ffn_unit=8, top=100)
+        assert choices[0].devices == want
+        assert {c.devices for c in choices} == {(0, 1), (0,), (1,)}
+        alone = next(c for c in choices if c.devices == (1,))
+        assert alone.methods == (NONE, NONE, NONE)
+        assert alone.time_s == pytest.approx(float(predict(cluster.restrict((1,)), work, (NONE,) * 3,
+                                                           Splits.balanced(cluster.model, 8, 1)).time_s[0]))
+        config = plan_config(GalaxyConfig.from_dict({"model": BERT}), choices[0], 2)
+        assert config.get("distributed", {}).get("devices") == (None if want == (0, 1) else list(want))
+
+
+def test_restricted_profile_renumbers_ranks_and_groups():
+    cluster = synthetic_cluster(BERT, 3, [1.0, 2.0, 3.0])
+    assert set(candidate_groups(3)) == {(0, 1, 2), (0, 1), (1, 2), (0, 2)}
+    sub = cluster.restrict((0, 2))
+    assert sub.world == 2 and [r.rank for r in sub.ranks] == [0, 1]
+    assert sub.ranks[1].pieces is cluster.ranks[2].pieces
+    assert sub.collective([0, 1], "all_reduce") is cluster.collective([0, 2], "all_reduce")
+    older = dataclasses.replace(cluster, groups={g: v for g, v in cluster.groups.items() if g != (0, 2)})
+    assert older.restrict((0, 2)) is None  # a profile without that pair: the subset is skipped
+    assert {c.devices for c in search(older, Workload(cluster.model, "latency", 2, 8), ffn_unit=8, top=100)} \
+        == {(0, 1, 2), (0, 1), (1, 2), (0,), (1,), (2,)}
 
 
 def test_splits_respect_gqa_groups_and_units():
@@ -354,7 +473,8 @@ def test_written_plan_loads_and_trains(tmp_path, dist_pool, capsys):
     split = next(c for c in table["configs"] if c["parallel"]["dp_size"] * c["parallel"]["pp_size"] == 1)
     for config in (table["configs"][0], split):
         par = config["parallel"]
-        losses = dist_pool.run(train_two_steps, 2, config, dp=par["dp_size"], pp=par["pp_size"])[0]
+        world = len(config.get("distributed", {}).get("devices") or [0, 1])
+        losses = dist_pool.run(train_two_steps, world, config, dp=par["dp_size"], pp=par["pp_size"])[0]
         assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
 
 
@@ -373,7 +493,30 @@ def test_profiler_writes_a_valid_file(dist_pool):
     assert cluster.rows == (1, 2)
     heads = cluster.ranks[1].pieces[2]["att_proj.heads"].fwd.sizes
     assert heads == (4, 8)  # whole GQA groups only
+    assert all(p.infer is not None and p.infer.sizes == p.fwd.sizes for p in cluster.ranks[0].pieces[1].values())
+    assert raw == cluster.to_dict()
     for op in OPS:
         ab = cluster.collective([0, 1], op)
         assert ab.alpha_s >= 0 and ab.beta_s_per_byte >= 0 and len(ab.samples) >= 2
     assert all(r.memory_bytes > 0 and r.step_overhead_s >= 0 and r.forward_overhead_s >= 0 for r in cluster.ranks)
+
+
+def test_profiler_on_three_ranks(tmp_path):
+    """Three local ranks (the CLI's own launch): every subgroup a plan can use is created and timed.
+    It hung once: members that had created different numbers of groups named the next one apart."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"model": BERT, "train": {"seq_length": 8, "global_batch_size": 2}}))
+    out = tmp_path / "cluster.json"
+    run = subprocess.run([sys.executable, os.path.join(root, "plan_galaxy.py"), "profile", "--model", str(model),
+                          "--world", "3", "--rows", "2", "--reps", "1", "--window_ms", "0", "--out", str(out)],
+                         env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True, timeout=90)
+    assert run.returncode == 0, run.stderr[-2000:]
+    cluster = load_cluster(str(out))
+    assert cluster.world == 3 and set(cluster.groups) == set(candidate_groups(3)) == {(0, 1, 2), (0, 1), (1, 2), (0, 2)}
+    for group in cluster.groups:
+        assert all(cluster.collective(group, op).beta_s_per_byte >= 0 for op in OPS)

@@ -22,7 +22,7 @@ import statistics
 import time
 from typing import Callable, Optional
 
-from galaxy.cli.launch import check_plan_for_cli, decide_launch, launch_ranks, rank_context
+from galaxy.cli.launch import check_plan_for_cli, decide_launch, launch_ranks, on_devices, rank_context
 from galaxy.cli.output import bad_input, print_summary, setup_logging
 from galaxy.config import MODEL_PRESETS, PLAN_PRESETS, ConfigError, GalaxyConfig, parse_override
 
@@ -226,7 +226,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     setup_logging(args.log_level)
     try:
         cfg = load(args)
-        launch = decide_launch(args)
+        launch = on_devices(decide_launch(args), cfg.distributed.devices)
         check(args, cfg, launch.world)
         ids = prompt(args, cfg)
     except (ConfigError, FileNotFoundError) as e:

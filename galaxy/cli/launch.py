@@ -61,6 +61,20 @@ def decide_launch(args: argparse.Namespace) -> Launch:
 
 
 
+def on_devices(launch: Launch, devices: Optional[list[int]]) -> Launch:
+    """A plan placed on some devices of a cluster (config key 'devices', written by the planner):
+    on an emulated cluster its ranks start on those devices only; elsewhere the launch must hold
+    one rank per device."""
+    if devices is None:
+        return launch
+    if launch.emulate is not None:
+        return replace(launch, world=len(devices), emulate=launch.emulate.subset(devices, "emulated cluster"))
+    if launch.world != len(devices):
+        raise ConfigError(f"the plan runs on the {len(devices)} devices {devices} (config key 'devices'), but this "
+                          f"launch has {launch.world} ranks; start {len(devices)} ranks, one on each of those devices")
+    return launch
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -213,7 +227,7 @@ def check_engine(cfg: GalaxyConfig) -> None:
 def plan_launch(args: argparse.Namespace, cfg: GalaxyConfig, plan: str, strict: bool, fill: Optional[str]) -> Launch:
     """Decide the launch and check everything about it before any process starts: the plan for this
     CLI, the world split into dp x pp x mp, every split, and the profile and checkpoint flags."""
-    launch = decide_launch(args)
+    launch = on_devices(decide_launch(args), cfg.distributed.devices)
     check_plan_for_cli(cfg, plan, launch.world, strict)
     fill_world(cfg, launch.world, fill)
     cfg.resolve_plan(cfg.mp_size(launch.world))

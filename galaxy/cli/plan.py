@@ -23,7 +23,7 @@ import time
 from typing import Optional
 
 from galaxy.config import MODEL_PRESETS, ConfigError, GalaxyConfig, parse_override
-from galaxy.planner.cluster import Cluster, load_cluster
+from galaxy.planner.cluster import ClusterProfile, load_cluster
 from galaxy.planner.cost import Workload
 from galaxy.planner.search import Choice, search
 from galaxy.cli.launch import decide_launch, launch_ranks, rank_context
@@ -66,6 +66,8 @@ def profile_parser() -> argparse.ArgumentParser:
                    help="batch sizes to measure the blocks at (the cost model interpolates between them); "
                         "default: 1 and the config's global_batch_size")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (median)")
+    p.add_argument("--window_ms", type=float, default=200.0,
+                   help="each timing averages repeated runs over at least this long (CPU-quota periods; 0: one run)")
     p.add_argument("--memory_gb", type=float, default=None, help="memory budget per rank (default: measured)")
     p.add_argument("--ffn_unit", type=int, default=1, help="FFN shard sizes are measured in multiples of this")
     p.add_argument("--out", required=True, help="cluster profile to write (JSON)")
@@ -79,7 +81,7 @@ def _profile_rank(rank: int, launch, payload) -> None:
     ctx = rank_context(rank, launch, cfg, args.log_level)
     try:
         cluster = profile_rank(ctx, cfg.model, args.rows, cfg.train.seq_length, cfg.train.dtype, args.reps,
-                               args.memory_gb, args.ffn_unit)
+                               args.memory_gb, args.ffn_unit, window_s=args.window_ms / 1e3)
         if cluster is not None:
             cluster.save(args.out)
             print(f"wrote {args.out}: {cluster.world} ranks, {len(cluster.groups)} groups", flush=True)
@@ -95,8 +97,8 @@ def profile_main(argv: list[str]) -> int:
     try:
         cfg = workload_config(args)
         args.rows = args.rows or [1, cfg.train.global_batch_size]
-        if min(args.rows) < 1 or args.reps < 1:
-            raise ConfigError("--rows and --reps must be at least 1")
+        if min(args.rows) < 1 or args.reps < 1 or args.window_ms < 0:
+            raise ConfigError("--rows and --reps must be at least 1, --window_ms at least 0")
         if args.ffn_unit < 1 or cfg.model.intermediate_size % args.ffn_unit:
             raise ConfigError(f"--ffn_unit {args.ffn_unit} must be a positive divisor of intermediate_size "
                               f"{cfg.model.intermediate_size}")
@@ -127,7 +129,7 @@ def plan_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_model(cluster: Cluster, cfg: GalaxyConfig, source: str) -> None:
+def check_model(cluster: ClusterProfile, cfg: GalaxyConfig, source: str) -> None:
     from galaxy.config import COMPUTE_KEYS
 
     for key, value in vars(cluster.model).items():
@@ -138,27 +140,33 @@ def check_model(cluster: Cluster, cfg: GalaxyConfig, source: str) -> None:
                               f"profiled with {value!r}; profile this model or pass the same --model")
 
 
-def plan_config(cfg: GalaxyConfig, choice: Choice) -> dict:
-    """The config the training CLIs take for ``choice``."""
+def plan_config(cfg: GalaxyConfig, choice: Choice, world: int) -> dict:
+    """The config the training CLIs take for ``choice`` on a cluster of ``world`` ranks; a plan on
+    fewer devices names them (config key 'devices': the launchers start its ranks there)."""
     model = {k: v for k, v in vars(cfg.model).items() if k != "preset"}
     model["recompute"] = choice.layout.recompute
     att, con, mlp = choice.methods
     parallel = {"att_parallel_method": att.value, "con_parallel_method": con.value,
                 "mlp_parallel_method": mlp.value, "dp_size": choice.layout.dp, "pp_size": choice.layout.pp,
-                "num_microbatches": choice.layout.microbatches, "pipeline_schedule": choice.layout.schedule}
+                "num_microbatches": choice.layout.microbatches, "pipeline_schedule": choice.layout.schedule,
+                "mp_grad_reduce": cfg.parallel.mp_grad_reduce, "dp_engine": cfg.parallel.dp_engine}
     for var, key in (("heads", "tp_num_attention_heads_list"), ("ffn", "tp_intermediate_size_list"),
                      ("seq", "seq_scatter_list")):
         if var in choice.uses:
             parallel[key] = list(getattr(choice, var))
     train = {k: getattr(cfg.train, k) for k in ("global_batch_size", "seq_length", "dtype", "optimizer", "lr",
                                                  "seed", "device")}
-    return {"model": model, "parallel": parallel, "train": train}
+    config = {"model": model, "parallel": parallel, "train": train}
+    if choice.devices != tuple(range(world)):
+        config["distributed"] = {"devices": list(choice.devices)}
+    return config
 
 
 def table_rows(choices: list[Choice]) -> list[dict]:
     rows = []
     for i, c in enumerate(choices):
-        rows.append({"rank": i + 1, "plan": c.name, "att/con/mlp": "/".join(m.value for m in c.methods),
+        rows.append({"rank": i + 1, "plan": c.name, "devices": list(c.devices),
+                     "att/con/mlp": "/".join(m.value for m in c.methods),
                      "dp x pp x mp": f"{c.layout.dp}x{c.layout.pp}x{len(c.seq)}", "microbatches": c.layout.microbatches,
                      "recompute": c.layout.recompute,
                      "heads": list(c.heads) if "heads" in c.uses else None,
@@ -171,7 +179,8 @@ def table_rows(choices: list[Choice]) -> list[dict]:
 
 
 def print_table(rows: list[dict], measured: Optional[list[Optional[float]]] = None) -> None:
-    cols = ["rank", "plan", "att/con/mlp", "dp x pp x mp", "microbatches", "recompute", "heads", "ffn", "seq",
+    cols = ["rank", "plan", "devices", "att/con/mlp", "dp x pp x mp", "microbatches", "recompute", "heads", "ffn",
+            "seq",
             "predicted_ms", "lower_bound_ms", "max_memory_mb", "fits"]
     cells = [[str(r[c]) if r[c] is not None else "-" for c in cols] for r in rows]
     if measured is not None:
@@ -197,20 +206,19 @@ def plan_main(argv: list[str]) -> int:
             raise ConfigError("--validate trains BERT plans only (LLaMA's training CLI needs instruction data); "
                               "validate LLaMA with --objective latency")
         work = Workload(cfg.model, args.objective, cfg.train.global_batch_size, cfg.train.seq_length,
-                        cfg.train.dtype, cfg.train.optimizer)
+                        cfg.train.dtype, cfg.train.optimizer, cfg.parallel.mp_grad_reduce, cfg.parallel.dp_engine)
         started = time.perf_counter()
         choices = search(cluster, work, args.ffn_unit, args.seq_unit, top=max(args.top, args.validate))
-        configs = [plan_config(cfg, c) for c in choices]
-        for config in configs:  # every written plan must load and resolve as the CLIs will
-            GalaxyConfig.from_dict(config).resolve_plan(cluster.world // (config["parallel"]["dp_size"]
-                                                                          * config["parallel"]["pp_size"]))
+        configs = [plan_config(cfg, c, cluster.world) for c in choices]
+        for config, choice in zip(configs, choices):  # every written plan must load and resolve as the CLIs will
+            GalaxyConfig.from_dict(config).resolve_plan(len(choice.devices) // (choice.layout.dp * choice.layout.pp))
     except (ConfigError, FileNotFoundError) as e:
         return bad_input(e)
     with open(args.out, "w") as f:
         json.dump(configs[0], f, indent=2)
     print(f"searched in {time.perf_counter() - started:.2f}s; best plan written to {args.out}", flush=True)
     rows = table_rows(choices)
-    measured = [validate(config, cluster.world, args) for config in configs[:args.validate]] or None
+    measured = [validate(config, len(c.devices), args) for config, c in zip(configs, choices[:args.validate])] or None
     if measured:
         measured += [None] * (len(rows) - len(measured))
         for row, m in zip(rows, measured):

@@ -28,8 +28,8 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Sequence
 
 from galaxy.config import ConfigError
 
@@ -56,6 +56,15 @@ class Cluster:
     def quota_us(self, rank: int) -> Optional[int]:
         share = self.ranks[rank].compute_share
         return None if share is None else max(MIN_QUOTA_US, round(share * self.cpu_period_us))
+
+    def subset(self, devices: Sequence[int], where: str = "cluster") -> "Cluster":
+        """The cluster of ``devices`` alone (a plan that leaves some ranks idle): rank i of the run
+        is device ``devices[i]``, with its compute share and link."""
+        bad = [d for d in devices if not 0 <= d < self.world_size]
+        if bad:
+            raise ConfigError(f"config key 'devices' names rank {bad[0]}, but the {where} has ranks "
+                              f"0..{self.world_size - 1}; plan for this cluster or fix 'devices'")
+        return replace(self, ranks=tuple(self.ranks[d] for d in devices))
 
     @classmethod
     def from_dict(cls, raw: Any, where: str = "cluster") -> "Cluster":

@@ -199,7 +199,8 @@ class PieceRun:
             out = self.fn(*self.inputs)
         return [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
 
-    def once(self) -> tuple[float, float]:
+    def once(self) -> tuple[float, float, float]:
+        """Seconds of a training forward, its backward, and an inference forward (no autograd)."""
         synchronize(self.device)
         t0 = time.perf_counter()
         outs = self.forward()
@@ -211,32 +212,58 @@ class PieceRun:
         t2 = time.perf_counter()
         for x in self.inputs:
             x.grad = None
-        return t1 - t0, t2 - t1
+        with torch.no_grad():
+            self.forward()
+        synchronize(self.device)
+        return t1 - t0, t2 - t1, time.perf_counter() - t2
 
     def saved(self) -> int:
         with self.autocast:
             return saved_bytes(self.fn, self.inputs)
 
 
-def time_pieces(bench: BlockBench, makes: list[Callable], reps: int,
-                barrier: Callable[[], None]) -> list[tuple[float, float, int]]:
-    """Median forward and backward seconds, and saved bytes, of one piece at several sizes. The
-    sizes take turns within each repetition, so a burst of load from elsewhere disturbs one
-    sample of many sizes rather than every sample of one (the median then drops it)."""
+def windowed(once: Callable[[], tuple[float, ...]], window_s: float) -> tuple[float, ...]:
+    """Mean seconds of each part of ``once()``, run again and again for at least ``window_s``: the
+    wall time of the whole loop per run, shared out in proportion to the parts' fastest timings. A
+    CPU quota (cgroup CFS: full speed until the period's quota is spent, then stopped until the
+    next period) makes one short run time the full speed; a run of a plan sees the average, and so
+    does a window of a few periods. A stop lands in one part or another at random, so the parts'
+    shares come from their fastest (unstopped) runs. ``window_s`` 0: one run."""
+    fastest = None
+    count = 0
+    start = time.perf_counter()
+    while True:
+        t = once()
+        fastest = t if fastest is None else tuple(min(a, b) for a, b in zip(fastest, t))
+        count += 1
+        if time.perf_counter() - start >= window_s:
+            break
+    if window_s <= 0:
+        return fastest
+    per_run, total = (time.perf_counter() - start) / count, sum(fastest)
+    return tuple(per_run * p / total if total > 0 else per_run / len(fastest) for p in fastest)
+
+
+def time_pieces(bench: BlockBench, makes: list[Callable], reps: int, barrier: Callable[[], None],
+                window_s: float = 0.0) -> list[tuple[float, float, float, int]]:
+    """Median forward, backward and inference-forward seconds, and saved bytes, of one piece at several sizes, each
+    sample the mean over a window (``windowed``). The sizes take turns within each repetition, so
+    a burst of load from elsewhere disturbs one sample of many sizes rather than every sample of
+    one (the median then drops it)."""
     runs = [PieceRun(bench, make) for make in makes]
-    samples: list[list[tuple[float, float]]] = [[] for _ in runs]
+    samples: list[list[tuple[float, float, float]]] = [[] for _ in runs]
     for i in range(reps + 1):  # the first round warms up
         for run, taken in zip(runs, samples):
             barrier()
-            t = run.once()
+            t = windowed(run.once, window_s if i else 0.0)
             if i:
                 taken.append(t)
-    return [(statistics.median(f for f, _ in taken), statistics.median(b for _, b in taken), run.saved())
+    return [(*(statistics.median(t[k] for t in taken) for k in range(3)), run.saved())
             for run, taken in zip(runs, samples)]
 
 
 def measure_blocks(m: ModelConfig, rows: int, seq: int, device: torch.device, dtype: str, reps: int,
-                   barrier: Callable[[], None], ffn_unit: int = 1) -> dict[str, Piece]:
+                   barrier: Callable[[], None], ffn_unit: int = 1, window_s: float = 0.0) -> dict[str, Piece]:
     bench = BlockBench(m, rows, seq, device, dtype)
     H, F_ = m.num_attention_heads, m.intermediate_size
     heads = grid(H, H // m.kv_heads)
@@ -254,9 +281,9 @@ def measure_blocks(m: ModelConfig, rows: int, seq: int, device: torch.device, dt
     }
     pieces = {}
     for name, (sizes, make) in plan.items():
-        rows_ = time_pieces(bench, [lambda n=n: make(n) for n in sizes], reps, barrier)
+        rows_ = time_pieces(bench, [lambda n=n: make(n) for n in sizes], reps, barrier, window_s)
         tsizes = tuple(sizes)
-        pieces[name] = Piece(Curve(tsizes, tuple(r[0] for r in rows_)), Curve(tsizes, tuple(r[1] for r in rows_)),
-                             Curve(tsizes, tuple(float(r[2]) for r in rows_)))
+        pieces[name] = Piece(*(Curve(tsizes, tuple(float(r[k]) for r in rows_)) for k in (0, 1, 3)),
+                             infer=Curve(tsizes, tuple(r[2] for r in rows_)))
         logger.info("measured %s at %d sizes", name, len(sizes))
     return pieces

@@ -4,7 +4,7 @@
      "model": {ModelConfig fields}, "rows": [1, 16], "seq_length": S, "dtype": "float32",
      "ranks": [{"rank": 0, "host": "...", "memory_bytes": M,
                 "pieces": {"16": {"att_proj.heads": {"sizes": [...], "fwd_s": [...], "bwd_s": [...],
-                                                     "act_bytes": [...]}, ...}, "1": {...}},
+                                                     "infer_s": [...], "act_bytes": [...]}, ...}, "1": {...}},
                 "optimizer": {"alpha_s": a, "s_per_param": b, "samples": [[params, seconds], ...]},
                 "step_overhead_s": o, "forward_overhead_s": f}],
      "groups": [{"ranks": [0, 1], "ops": {"all_reduce": {"alpha_s": a, "beta_s_per_byte": b,
@@ -22,14 +22,16 @@ rank beyond the cost model's prediction from its pieces; every prediction adds t
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from galaxy.config import ConfigError, ModelConfig
+from galaxy.core.context import rank_of
 
 VERSION = 1
 # piece name -> the size it varies (the others are full)
@@ -44,6 +46,42 @@ PIECES = {
     "head.tokens": "tokens; embeddings + output head + loss",
 }
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def layout_groups(world: int) -> list[tuple[int, ...]]:
+    """Every mp, dp, pp and adjacent-stage group of every factorisation world = dp x pp x mp."""
+    found: list[tuple[int, ...]] = []
+    for dp in range(1, world + 1):
+        for pp in range(1, world // dp + 1):
+            if world % (dp * pp):
+                continue
+            mp = world // (dp * pp)
+            at = lambda d, p, m: rank_of(d, p, m, pp, mp)  # noqa: E731
+            families = [[at(d, p, m) for m in range(mp)] for d in range(dp) for p in range(pp)]
+            families += [[at(d, p, m) for d in range(dp)] for p in range(pp) for m in range(mp)]
+            families += [[at(d, p, m) for p in range(pp)] for d in range(dp) for m in range(mp)]
+            families += [[at(d, p, m), at(d, p + 1, m)] for d in range(dp) for p in range(pp - 1) for m in range(mp)]
+            for g in families:
+                if len(g) > 1 and tuple(g) not in found:
+                    found.append(tuple(g))
+    return found
+
+
+def device_subsets(world: int) -> list[tuple[int, ...]]:
+    """Every non-empty set of a cluster's ranks a plan can run on, the whole cluster first."""
+    return [d for k in range(world, 0, -1) for d in itertools.combinations(range(world), k)]
+
+
+def candidate_groups(world: int) -> list[tuple[int, ...]]:
+    """Every group a plan on any subset of the ``world`` ranks can use (``layout_groups`` of each
+    subset, in the cluster's rank numbers)."""
+    found: list[tuple[int, ...]] = []
+    for devices in device_subsets(world):
+        for g in layout_groups(len(devices)):
+            mapped = tuple(devices[i] for i in g)
+            if mapped not in found:
+                found.append(mapped)
+    return found
 
 
 def isotonic(values: Sequence[float]) -> np.ndarray:
@@ -85,18 +123,44 @@ class Piece:
     fwd: Curve
     bwd: Curve
     act: Curve  # bytes saved for backward
+    infer: Optional[Curve] = None  # the forward without autograd (a request's); None: as ``fwd``
 
 
 @dataclass(frozen=True)
 class AlphaBeta:
-    """``seconds = alpha + beta * bytes``, fitted to ``samples`` of (bytes, seconds)."""
+    """A collective's seconds by message bytes. With two or more measured ``samples`` of (bytes,
+    seconds): their isotonic fit, linear between the measured sizes, beyond the largest along its
+    last segment, below the smallest towards the fitted latency ``alpha_s`` at zero bytes. A real
+    link is not one line (a token bucket lets a burst through at line rate, the transport switches
+    algorithms by size), and the straight fit ``alpha_s + beta_s_per_byte * bytes`` missed the
+    measured times by up to 40% in between. Without samples: the line."""
 
     alpha_s: float
     beta_s_per_byte: float
     samples: tuple[tuple[float, float], ...] = ()
 
     def __call__(self, nbytes) -> np.ndarray:
-        return self.alpha_s + self.beta_s_per_byte * np.asarray(nbytes, dtype=float)
+        x = np.asarray(nbytes, dtype=float)
+        line = self.alpha_s + self.beta_s_per_byte * x
+        if len(self.samples) < 2:
+            return line
+        pairs = sorted(self.samples)
+        xs = np.array([p[0] for p in pairs])
+        ys = isotonic([p[1] for p in pairs])
+        if np.ptp(xs) == 0:
+            return line
+        first = min(self.alpha_s, ys[0])
+        out = np.interp(x, np.concatenate([[0.0], xs]), np.concatenate([[first], ys]))
+        k = len(xs) - 1
+        while k > 0 and xs[k - 1] == xs[k]:
+            k -= 1
+        slope = (ys[-1] - ys[k - 1]) / (xs[-1] - xs[k - 1]) if k > 0 else self.beta_s_per_byte
+        return np.where(x > xs[-1], ys[-1] + (x - xs[-1]) * slope, out)
+
+    def scaled_bytes(self, factor: float) -> "AlphaBeta":
+        """The same link for messages ``factor`` times as large: ``t'(n) = t(factor * n)``."""
+        return AlphaBeta(self.alpha_s, self.beta_s_per_byte * factor,
+                         tuple((b / factor, t) for b, t in self.samples))
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[float, float]]) -> "AlphaBeta":
@@ -127,22 +191,25 @@ class RankProfile:
     step_overhead_s: float = 0.0
     forward_overhead_s: float = 0.0
 
-    def piece(self, name: str, rows: int, sizes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(forward s, backward s, saved bytes) of piece ``name`` at ``rows`` rows and ``sizes``."""
+    def piece(self, name: str, rows: int, sizes, inference: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(forward s, backward s, saved bytes) of piece ``name`` at ``rows`` rows and ``sizes``;
+        ``inference``: the forward without autograd where it was measured."""
+        def curves(p: Piece) -> tuple[Curve, Curve, Curve]:
+            return (p.infer if inference and p.infer is not None else p.fwd), p.bwd, p.act
+
         measured = sorted(self.pieces)
         if len(measured) == 1:
-            p, scale = self.pieces[measured[0]][name], rows / measured[0]
-            return p.fwd(sizes) * scale, p.bwd(sizes) * scale, p.act(sizes) * scale
+            scale = rows / measured[0]
+            return tuple(c(sizes) * scale for c in curves(self.pieces[measured[0]][name]))
         k = min(max(int(np.searchsorted(measured, rows)), 1), len(measured) - 1)
         lo, hi = measured[k - 1], measured[k]
         w = (rows - lo) / (hi - lo)
-        a, b = self.pieces[lo][name], self.pieces[hi][name]
         return tuple(np.maximum(fa(sizes) + w * (fb(sizes) - fa(sizes)), 0.0)
-                     for fa, fb in ((a.fwd, b.fwd), (a.bwd, b.bwd), (a.act, b.act)))
+                     for fa, fb in zip(curves(self.pieces[lo][name]), curves(self.pieces[hi][name])))
 
 
 @dataclass(frozen=True)
-class Cluster:
+class ClusterProfile:
     world: int
     backend: str
     device: str
@@ -160,15 +227,26 @@ class Cluster:
                               f"--world {self.world} (it measures every group a plan can use)")
         return self.groups[key][op]
 
+    def restrict(self, devices: Sequence[int]) -> "ClusterProfile | None":
+        """The profile of ``devices`` alone (ascending), renumbered 0..k-1; None when the file lacks
+        a group a plan on them can use (profiled before subsets were measured)."""
+        groups = {}
+        for g in layout_groups(len(devices)):
+            key = tuple(devices[i] for i in g)
+            if key not in self.groups:
+                return None
+            groups[g] = self.groups[key]
+        ranks = tuple(replace(self.ranks[d], rank=i) for i, d in enumerate(devices))
+        return replace(self, world=len(devices), ranks=ranks, groups=groups)
+
     def p2p(self, a: int, b: int) -> AlphaBeta:
         """Point-to-point a <-> b, as an all-gather of twice the bytes on the pair (one each way)."""
-        ab = self.collective(sorted((a, b)), "all_gather")
-        return AlphaBeta(ab.alpha_s, 2 * ab.beta_s_per_byte)
+        return self.collective(sorted((a, b)), "all_gather").scaled_bytes(2.0)
 
     def to_dict(self) -> dict[str, Any]:
         def curve_dict(p: Piece) -> dict:
             return {"sizes": list(p.fwd.sizes), "fwd_s": list(p.fwd.values), "bwd_s": list(p.bwd.values),
-                    "act_bytes": list(p.act.values)}
+                    "act_bytes": list(p.act.values), **({"infer_s": list(p.infer.values)} if p.infer else {})}
 
         return {
             "version": VERSION, "world": self.world, "backend": self.backend, "device": self.device,
@@ -237,7 +315,7 @@ class _Reader:
         return tuple((float(a), float(b)) for a, b in raw)
 
 
-def cluster_from_dict(raw: Any, source: str = "<dict>") -> Cluster:
+def cluster_from_dict(raw: Any, source: str = "<dict>") -> ClusterProfile:
     from galaxy.config import GalaxyConfig
 
     r = _Reader(source)
@@ -276,7 +354,8 @@ def cluster_from_dict(raw: Any, source: str = "<dict>") -> Cluster:
                     raise r.fail(f"{path}pieces.{n}.{name}", "is missing")
                 sizes = r.numbers(entry, "sizes", p, increasing=True)
                 curves = [Curve(sizes, r.numbers(entry, k, p, len(sizes))) for k in ("fwd_s", "bwd_s", "act_bytes")]
-                pieces[n][name] = Piece(*curves)
+                infer = Curve(sizes, r.numbers(entry, "infer_s", p, len(sizes))) if "infer_s" in entry else None
+                pieces[n][name] = Piece(*curves, infer=infer)
             unknown = sorted(set(pieces_raw) - set(PIECES))
             if unknown:
                 raise r.fail(f"{path}pieces.{n}.{unknown[0]}", f"is not a known piece (known: {', '.join(PIECES)})")
@@ -305,11 +384,12 @@ def cluster_from_dict(raw: Any, source: str = "<dict>") -> Cluster:
             ops[op] = AlphaBeta(r.get(entry, "alpha_s", p, float), r.get(entry, "beta_s_per_byte", p, float),
                                 r.samples(entry, p))
         groups[tuple(members)] = ops
-    return Cluster(world, str(raw.get("backend", "")), str(raw.get("device", "")), model, tuple(int(v) for v in rows), seq,
+    return ClusterProfile(world, str(raw.get("backend", "")), str(raw.get("device", "")), model,
+                          tuple(int(v) for v in rows), seq,
                    str(raw.get("dtype", "float32")), tuple(ranks), groups)
 
 
-def load_cluster(path: str) -> Cluster:
+def load_cluster(path: str) -> ClusterProfile:
     try:
         with open(path) as f:
             raw = json.load(f)

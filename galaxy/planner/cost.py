@@ -20,7 +20,7 @@ import numpy as np
 from galaxy.config import Method, ModelConfig, balanced_split
 from galaxy.core.context import rank_of
 from galaxy.core.transitions import TRANSITION_OPS
-from galaxy.planner.cluster import Cluster
+from galaxy.planner.cluster import ClusterProfile
 from galaxy.planner.workload import LAYOUTS, edge_params, layer_params, stream_layout
 
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
@@ -48,6 +48,8 @@ class Workload:
     seq_length: int
     dtype: str = "float32"
     optimizer: str = "adamw"
+    mp_grad_reduce: str = "after_backward"  # config key of the same name
+    dp_engine: str = "ddp"  # ddp | zero1
 
     @property
     def elem(self) -> int:
@@ -119,7 +121,7 @@ class Segments:
 class GroupModel:
     """The pieces and collectives of one model-parallel group (``ranks``) under one plan."""
 
-    def __init__(self, cluster: Cluster, work: Workload, methods: tuple[Method, Method, Method],
+    def __init__(self, cluster: ClusterProfile, work: Workload, methods: tuple[Method, Method, Method],
                  splits: Splits, ranks: list[int], rows: int):
         self.cluster, self.work, self.splits, self.ranks, self.rows = cluster, work, splits, ranks, rows
         self.att, self.con, self.mlp = methods
@@ -140,7 +142,8 @@ class GroupModel:
     def piece(self, name: str, sizes: np.ndarray) -> Compute:
         out = [np.empty(sizes.shape) for _ in range(3)]
         for i, r in enumerate(self.ranks):
-            for k, values in enumerate(self.cluster.ranks[r].piece(name, self.rows, sizes[:, i])):
+            for k, values in enumerate(self.cluster.ranks[r].piece(name, self.rows, sizes[:, i],
+                                                                   self.work.objective == "latency")):
                 out[k][:, i] = values
         return Compute(*out, name=name)
 
@@ -184,7 +187,8 @@ class GroupModel:
     def head(self) -> list:
         events = [self.piece("head.tokens", self.tokens)]
         if self.stream == "S" and self.mp > 1 and self.work.objective == "train":
-            events.append(Collective("all_reduce", None, 4, np.full(len(self.padded), 4), "loss"))  # fp32 loss
+            loss = max(4, self.work.elem)  # the loss, in float32 at least
+            events.append(Collective("all_reduce", None, loss, np.full(len(self.padded), loss), "loss"))
         return events
 
     def cost(self, op: str, wire) -> np.ndarray:
@@ -215,7 +219,7 @@ def collectives(group: GroupModel, layers: int) -> list[tuple[str, int, str]]:
     return fwd + bwd
 
 
-def predict(cluster: Cluster, work: Workload, methods: tuple[Method, Method, Method], splits: Splits,
+def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Method, Method], splits: Splits,
             layout: Layout = Layout(), segments: Optional[Segments] = None) -> Prediction:
     """Step time (objective 'train') or batch-1 forward latency ('latency'), and memory per rank.
     ``segments`` (dp = pp = 1 only) records the stretches between sync points."""
@@ -262,8 +266,10 @@ def predict(cluster: Cluster, work: Workload, methods: tuple[Method, Method, Met
         return _finish(cluster, time, memory, detail)
 
     opt = {r: cluster.ranks[r].optimizer for r in range(world)}
-    grad_bytes = 4  # gradients are reduced in float32
-    state = MASTER_BYTES + OPTIMIZER_STATE_BYTES[work.optimizer]
+    grad_bytes = 8 if work.dtype == "float64" else 4  # gradients are reduced in the master weights' precision
+    zero1 = dp > 1 and work.dp_engine == "zero1"  # optimizer state and step split over dp
+    stepped = 1 / dp if zero1 else 1
+    state = MASTER_BYTES + OPTIMIZER_STATE_BYTES[work.optimizer] * stepped
     stage_f, stage_b = np.zeros((pp, C)), np.zeros((pp, C))
     clocks = {}
     for (d, p), g in groups.items():
@@ -295,7 +301,7 @@ def predict(cluster: Cluster, work: Workload, methods: tuple[Method, Method, Met
             return f_end, clock
 
         if pp == 1:
-            clock = np.stack([opt[r](params[0][:, i]) + cluster.ranks[r].step_overhead_s
+            clock = np.stack([opt[r](params[0][:, i] * stepped) + cluster.ranks[r].step_overhead_s
                               for i, r in enumerate(g.ranks)], axis=1)
             for _ in range(M):
                 _, clock = fwd_bwd(clock)
@@ -319,41 +325,86 @@ def predict(cluster: Cluster, work: Workload, methods: tuple[Method, Method, Met
         opt_max = np.zeros(C)
         for (d, p), g in groups.items():
             for i, r in enumerate(g.ranks):
-                opt_max = np.maximum(opt_max, opt[r](params[p][:, i]) + cluster.ranks[r].step_overhead_s)
+                opt_max = np.maximum(opt_max, opt[r](params[p][:, i] * stepped) + cluster.ranks[r].step_overhead_s)
         clocks = {k: np.repeat((opt_max + pipe)[:, None], mp, axis=1) for k in groups}
         detail["bubble"] = 1 - per_stage.sum(axis=0) * M / pp / np.maximum(pipe, 1e-30)
 
-    # data-parallel gradient all-reduce: mp rank i of every replica, per stage
+    # After the backward, in the order a step issues them (galaxy.train.loop): the dp sum of every
+    # gradient, the mp sum of PARTIAL gradients (per mp_grad_reduce), the tied-embedding sum between
+    # the pipeline's ends, the loss (dp sum, pp broadcast), the gradient norm (mp, then pp), and
+    # after the optimizer ZeRO-1's broadcasts over dp / sharded mode's all-gather over mp.
+    sent = np.zeros(C)  # global rank 0's bytes of a step, as galaxy.core.comm records them
+    g0 = groups[(0, 0)]
+    for e in [e for _ in range(stage_layers[0]) for e in g0.layer()] + (g0.head() if pp == 1 else []):
+        if isinstance(e, Collective):
+            sent += M * e.nbytes * ((e.fwd_op is not None) + (e.bwd_op is not None))
+    if pp > 1:  # stage 0 sends each micro-batch's stream forward (what it receives is not counted)
+        sent += M * rows * g0.tokens[:, 0] * m.hidden_size * work.elem
+
+    def sync(keys: list[tuple[int, int, int]], op: str, nbytes, buckets=1) -> None:
+        """One collective over the ranks ``(d, p, i)`` of ``keys``: all leave when the last arrives."""
+        nonlocal sent
+        if len(keys) < 2:
+            return
+        ranks = [groups[(d, p)].ranks[i] for d, p, i in keys]
+        ab = cluster.collective(ranks, op)
+        cost = np.broadcast_to(buckets * ab(np.asarray(nbytes, dtype=float) / buckets), (C,))
+        start = np.max([clocks[(d, p)][:, i] for d, p, i in keys], axis=0)
+        d0, p0, _ = keys[0]
+        g = groups[(d0, p0)]
+        if g.segments is not None and len(keys) == mp and all((d, p) == (d0, p0) for d, p, _ in keys):
+            g.segments.sync(clocks[(d0, p0)], cost[:, None])
+        for d, p, i in keys:
+            clocks[(d, p)][:, i] = start + cost
+        if (0, 0, 0) in keys:
+            sent = sent + nbytes
+
+    def mp_keys(d, p):
+        return [(d, p, i) for i in range(mp)]
+
+    sharded = mp > 1 and work.mp_grad_reduce == "sharded"
+    partial_bytes = {p: partial[p][:, 0] * grad_bytes for p in range(pp)}  # the same on every rank of a group
+    buckets = {p: np.maximum(np.ceil(partial_bytes[p] / GRAD_BUCKET_BYTES), 1) for p in range(pp)}
     if dp > 1:
         for p in range(pp):
+            for i in range(mp):  # a sharded PARTIAL bucket's dp sum moves this rank's piece only
+                local = params[p][:, i] - (partial[p][:, i] * (1 - 1 / mp) if sharded else 0)
+                sync([(d, p, i) for d in range(dp)], "all_reduce", local * grad_bytes)
+    for (d, p) in groups:
+        if mp > 1 and partial_bytes[p].max() > 0:
+            sync(mp_keys(d, p), "reduce_scatter" if sharded else "all_reduce", partial_bytes[p], buckets[p])
+    tied = m.vocab_size * m.hidden_size if pp > 1 and (m.model_type == "bert" or m.tie_word_embeddings) else 0
+    for d in range(dp):
+        for i in range(mp):
+            if tied:
+                sync([(d, 0, i), (d, pp - 1, i)], "all_reduce", tied * grad_bytes)
+    for i in range(mp):
+        for _ in range(2):  # the loss-target count and the loss, summed over dp on the last stage
+            sync([(d, pp - 1, i) for d in range(dp)], "all_reduce", 8)
+        for d in range(dp):  # the loss, broadcast from the last stage
+            sync([(d, p, i) for p in range(pp)], "all_reduce", 8)
+    for (d, p) in groups:  # the squared gradient norm: over mp, then over pp
+        if mp > 1:
+            sync(mp_keys(d, p), "all_reduce", 8)
+    for d in range(dp):
+        for i in range(mp):
+            sync([(d, p, i) for p in range(pp)], "all_reduce", 8)
+    for (d, p) in groups:  # after the optimizer: the updated weights gathered back
+        if sharded and partial_bytes[p].max() > 0:
+            sync(mp_keys(d, p), "all_gather", partial_bytes[p], buckets[p])
+    if zero1:
+        for p in range(pp):
             for i in range(mp):
-                members = [groups[(d, p)].ranks[i] for d in range(dp)]
-                start = np.max([clocks[(d, p)][:, i] for d in range(dp)], axis=0)
-                done = start + cluster.collective(members, "all_reduce")(params[p][:, i] * grad_bytes)
-                for d in range(dp):
-                    clocks[(d, p)][:, i] = done
-    # model-parallel sum of PARTIAL gradients (in buckets), then the grad-norm all-reduce (mp, then pp)
+                sync([(d, p, i) for d in range(dp)], "all_gather", params[p][:, i] * grad_bytes)
     end = np.zeros(C)
     for (d, p), g in groups.items():
-        clock = clocks[(d, p)]
-        if mp > 1:
-            nbytes = partial[p][:, 0] * grad_bytes  # the same on every rank of the group
-            buckets = np.maximum(np.ceil(nbytes / GRAD_BUCKET_BYTES), 1)
-            ar = cluster.collective(g.ranks, "all_reduce")
-            costs = [(ar.alpha_s * buckets + ar.beta_s_per_byte * nbytes)[:, None]] if nbytes.max() > 0 else []
-            for cost in costs + [np.broadcast_to(ar(8), (C, 1))]:
-                if g.segments is not None:
-                    g.segments.sync(clock, cost)
-                clock = np.repeat(clock.max(axis=1, keepdims=True) + cost, mp, axis=1)
         if g.segments is not None:
-            g.segments.finish(clock)
-        end = np.maximum(end, clock.max(axis=1))
-    if pp > 1:
-        end = end + max(cluster.collective([rank_of(d, p, i, pp, mp) for p in range(pp)], "all_reduce")(8)
-                        for d in range(dp) for i in range(mp))
+            g.segments.finish(clocks[(d, p)])
+        end = np.maximum(end, clocks[(d, p)].max(axis=1))
+    detail["comm_bytes"] = sent
     return _finish(cluster, end, memory, detail)
 
 
-def _finish(cluster: Cluster, time: np.ndarray, memory: np.ndarray, detail: dict) -> Prediction:
+def _finish(cluster: ClusterProfile, time: np.ndarray, memory: np.ndarray, detail: dict) -> Prediction:
     budget = np.array([r.memory_bytes for r in cluster.ranks], dtype=float)
     return Prediction(time, memory, (memory <= budget).all(axis=1), detail)

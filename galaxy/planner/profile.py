@@ -21,34 +21,28 @@ import torch.distributed as dist
 
 from galaxy.config import Method, ModelConfig, Plan
 from galaxy.core.comm import Communicator
-from galaxy.core.context import ParallelContext, rank_of
-from galaxy.planner.blocks import measure_blocks, synchronize
-from galaxy.planner.cluster import OPS, AlphaBeta, Cluster, RankProfile
+from galaxy.core.context import ParallelContext
+from galaxy.planner.blocks import measure_blocks, synchronize, windowed
+from galaxy.planner.cluster import OPS, AlphaBeta, ClusterProfile, RankProfile, candidate_groups
 
 logger = logging.getLogger(__name__)
 
 
-def candidate_groups(world: int) -> list[tuple[int, ...]]:
-    """Every mp, dp, pp and adjacent-stage group of every factorisation world = dp x pp x mp."""
-    found: list[tuple[int, ...]] = []
-    for dp in range(1, world + 1):
-        for pp in range(1, world // dp + 1):
-            if world % (dp * pp):
-                continue
-            mp = world // (dp * pp)
-            at = lambda d, p, m: rank_of(d, p, m, pp, mp)  # noqa: E731
-            families = [[at(d, p, m) for m in range(mp)] for d in range(dp) for p in range(pp)]
-            families += [[at(d, p, m) for d in range(dp)] for p in range(pp) for m in range(mp)]
-            families += [[at(d, p, m) for p in range(pp)] for d in range(dp) for m in range(mp)]
-            families += [[at(d, p, m), at(d, p + 1, m)] for d in range(dp) for p in range(pp - 1) for m in range(mp)]
-            for g in families:
-                if len(g) > 1 and tuple(g) not in found:
-                    found.append(tuple(g))
-    return found
+def probe_groups(run_group, world: int) -> list[tuple[tuple[int, ...], Optional[dist.ProcessGroup]]]:
+    """Every candidate group, created by every rank in the same order. Not with
+    ``use_local_synchronization=True``: torch names such a group by its ranks and the number of
+    groups the calling process already holds, so once one member has created a group the other
+    has not (ranks 0 and 1 make [0, 1]; then [1, 2]), the members disagree on the name, wait on
+    different rendezvous keys and time out: what hung three-rank profiles."""
+    if any(len(g) < world for g in candidate_groups(world)) and dist.get_world_size() != world:
+        raise ValueError(f"profiling {world} of {dist.get_world_size()} processes: run the profiler on the whole "
+                         "world, it creates every subgroup a plan can use")
+    global_ranks = [dist.get_global_rank(run_group, r) if run_group is not None else r for r in range(world)]
+    return [(members, run_group if len(members) == world else dist.new_group([global_ranks[r] for r in members]))
+            for members in candidate_groups(world)]
 
 
-
-def measure_optimizer(device: torch.device, most_params: int, reps: int, barrier) -> AlphaBeta:
+def measure_optimizer(device: torch.device, most_params: int, reps: int, barrier, window_s: float = 0.0) -> AlphaBeta:
     """AdamW step seconds by parameter count (8 tensors each, as a model holds many)."""
     counts = sorted({c for c in (2**12, 2**15, 2**18, 2**20, most_params) if c <= max(most_params, 2**12)})
     samples = []
@@ -57,15 +51,20 @@ def measure_optimizer(device: torch.device, most_params: int, reps: int, barrier
         for p in params:
             p.grad = torch.randn_like(p)
         opt = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if device.type == "cuda" else {}))
-        times = []
-        for i in range(reps + 1):
-            barrier()
+
+        def once() -> tuple[float]:
             synchronize(device)
             t0 = time.perf_counter()
             opt.step()
             synchronize(device)
+            return (time.perf_counter() - t0,)
+
+        times = []
+        for i in range(reps + 1):
+            barrier()
+            t = windowed(once, window_s if i else 0.0)[0]
             if i:
-                times.append(time.perf_counter() - t0)
+                times.append(t)
         samples.append((float(sum(p.numel() for p in params)), statistics.median(times)))
     return AlphaBeta.fit(samples)
 
@@ -85,7 +84,7 @@ def memory_budget(device: torch.device, local_ranks: int, override_gb: Optional[
 
 
 def measure_overheads(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str, device: torch.device,
-                      reps: int, barrier) -> tuple[float, float]:
+                      reps: int, barrier, window_s: float = 0.0) -> tuple[float, float]:
     """(training step, batch-1 forward) seconds that the pieces do not account for: the whole
     serial model run by the training loop's own Trainer (data, masking, loss, grad norm, optimizer,
     Python between the blocks), less what the cost model predicts for it from this rank's pieces.
@@ -121,16 +120,19 @@ def measure_overheads(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtyp
         t1 = time.perf_counter()
         barrier()
         model.eval()
-        with torch.no_grad():
-            t2 = time.perf_counter()
-            model(ids)
-            synchronize(device)
-            t3 = time.perf_counter()
+
+        def forward() -> tuple[float]:
+            with torch.no_grad():
+                t2 = time.perf_counter()
+                model(ids)
+                synchronize(device)
+                return (time.perf_counter() - t2,)
+        forward_s = windowed(forward, window_s if i else 0.0)[0]
         model.train()
         if i:
             steps.append(t1 - t0)
-            forwards.append(t3 - t2)
-    alone = Cluster(1, "none", device.type, m, tuple(me.pieces), seq, dtype, (me,), {})
+            forwards.append(forward_s)
+    alone = ClusterProfile(1, "none", device.type, m, tuple(me.pieces), seq, dtype, (me,), {})
     serial = Splits.balanced(m, seq, 1)
     none = (Method.NONE,) * 3
     step = predict(alone, Workload(m, "train", rows, seq, dtype), none, serial, Layout()).time_s[0]
@@ -182,22 +184,22 @@ def measure_group(comm: Communicator, device: torch.device, sizes: list[int], re
 
 
 def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq: int, dtype: str, reps: int = 3,
-                 memory_gb: Optional[float] = None, ffn_unit: int = 1,
-                 most_bytes: Optional[int] = None) -> Optional[Cluster]:
+                 memory_gb: Optional[float] = None, ffn_unit: int = 1, most_bytes: Optional[int] = None,
+                 window_s: float = 0.0) -> Optional[ClusterProfile]:
     """Measure this rank and its groups; every rank of ``ctx.mp`` (the whole run: profile with
-    dp = pp = 1) must call it. Its rank 0 returns the Cluster, the others None."""
+    dp = pp = 1) must call it. Its rank 0 returns the ClusterProfile, the others None."""
     if ctx.mp.size != ctx.world_size:
         raise ValueError("profile with dp_size = pp_size = 1: the profiler measures every group itself")
     world, run_group, rank = ctx.mp.size, ctx.mp.group, ctx.mp.rank
     barrier = (lambda: dist.barrier(group=run_group)) if world > 1 else (lambda: None)
     rows = tuple(sorted(set(rows)))
-    pieces = {n: measure_blocks(m, n, seq, ctx.device, dtype, reps, barrier, ffn_unit) for n in rows}
+    pieces = {n: measure_blocks(m, n, seq, ctx.device, dtype, reps, barrier, ffn_unit, window_s) for n in rows}
     from galaxy.planner.workload import edge_params, layer_params
 
     H, F_ = m.num_attention_heads, m.intermediate_size
     model_params = int(layer_params(m, Method.NONE, Method.NONE, Method.NONE, H, F_).total) * m.num_hidden_layers \
         + sum(edge_params(m))
-    optimizer = measure_optimizer(ctx.device, min(model_params, 2**24), reps, barrier)
+    optimizer = measure_optimizer(ctx.device, min(model_params, 2**24), reps, barrier, window_s)
     host = socket.gethostname()
     hosts = [host]
     if world > 1:
@@ -208,17 +210,14 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
     if world > 1:
         act = max(rows) * seq * m.hidden_size * 4
         sizes = message_sizes(most_bytes or min(max(act, 2**20), 2**26))
-        global_ranks = [dist.get_global_rank(run_group, r) if run_group is not None else r for r in range(world)]
-        for members in candidate_groups(world):
+        for members, group in probe_groups(run_group, world):
             if rank in members:
-                # only the members create (and later use) a group: no rank waits on another's
-                group = run_group if len(members) == world else dist.new_group(
-                    [global_ranks[r] for r in members], use_local_synchronization=True)
                 comm = Communicator("probe", members.index(rank), len(members), group)
                 groups[members] = measure_group(comm, ctx.device, sizes, reps)
             barrier()
     mine = RankProfile(rank, host, memory, pieces, optimizer)
-    step_overhead, forward_overhead = measure_overheads(mine, m, max(rows), seq, dtype, ctx.device, reps, barrier)
+    step_overhead, forward_overhead = measure_overheads(mine, m, max(rows), seq, dtype, ctx.device, reps, barrier,
+                                                         window_s)
     mine = dataclasses.replace(mine, step_overhead_s=step_overhead, forward_overhead_s=forward_overhead)
     everyone = [(mine, groups)]
     if world > 1:
@@ -230,5 +229,5 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
     for _, g in everyone:  # every member holds the same (reduced) fits
         merged.update(g)
     backend = dist.get_backend(run_group) if world > 1 else "none"
-    return Cluster(world, backend, ctx.device.type, m, rows, seq, dtype,
-                   tuple(p for p, _ in everyone), {g: merged[g] for g in candidate_groups(world)})
+    return ClusterProfile(world, backend, ctx.device.type, m, rows, seq, dtype,
+                          tuple(p for p, _ in everyone), {g: merged[g] for g in candidate_groups(world)})

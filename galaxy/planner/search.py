@@ -1,5 +1,6 @@
-"""The best plan for a cluster: exhaustive over block methods (and, for training, dp x pp x mp,
-micro-batches and recomputation); per method combination the best splits under the memory budgets.
+"""The best plan for a cluster: exhaustive over the sets of devices it runs on, block methods (and,
+for training, dp x pp x mp, micro-batches and recomputation); per method combination the best
+splits under the memory budgets.
 
 Splits are searched in units that keep every shard valid: query heads in multiples of the GQA
 group (so key/value heads split with them), FFN columns in multiples of ``ffn_unit``, tokens in
@@ -15,15 +16,18 @@ so its distance from the optimum is bounded by ``time - lower_bound``.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
 
 from galaxy.config import ConfigError, Method, balanced_split
-from galaxy.planner.cluster import Cluster
+from galaxy.planner.cluster import ClusterProfile, device_subsets
 from galaxy.planner.cost import Layout, Prediction, Segments, Splits, Workload, predict
+
+logger = logging.getLogger(__name__)
 
 EXACT_LIMIT = 200_000
 CHUNK = 20_000  # candidates scored in one vectorised pass
@@ -44,6 +48,7 @@ class Choice:
     exact: bool
     uses: tuple[str, ...] = field(default=())  # which splits the methods use: heads, ffn, seq
     lower_bound_s: Optional[float] = None  # no split of these methods and layout is faster (None: unknown)
+    devices: tuple[int, ...] = ()  # the cluster's ranks the plan runs on (rank i of the run on devices[i])
 
     @property
     def name(self) -> str:
@@ -101,7 +106,7 @@ def min_max_split(costs: np.ndarray, units: int) -> np.ndarray:
 class SplitSearch:
     """The best splits of one method combination and layout."""
 
-    def __init__(self, cluster: Cluster, work: Workload, methods, layout: Layout, ffn_unit: int = 1,
+    def __init__(self, cluster: ClusterProfile, work: Workload, methods, layout: Layout, ffn_unit: int = 1,
                  seq_unit: int = 1, exact_limit: int = EXACT_LIMIT):
         m = work.model
         self.cluster, self.work, self.methods, self.layout = cluster, work, methods, layout
@@ -156,7 +161,7 @@ class SplitSearch:
             self.work.global_batch // (self.layout.dp * self.layout.microbatches)
         for i in range(self.mp):  # the first group's ranks: a start point, the descent sees every group
             for name in pieces:
-                fwd, bwd, _ = self.cluster.ranks[i].piece(name, rows, sizes)
+                fwd, bwd, _ = self.cluster.ranks[i].piece(name, rows, sizes, self.work.objective == "latency")
                 costs[i] += fwd + (0 if self.work.objective == "latency" else bwd)
         return costs
 
@@ -243,7 +248,7 @@ class SplitSearch:
                       bool(pred.fits[0]), exact, self.uses, time if exact else None)
 
 
-def layouts(cluster: Cluster, work: Workload) -> list[list[Layout]]:
+def layouts(cluster: ClusterProfile, work: Workload) -> list[list[Layout]]:
     """Per dp x pp x mp of the world, its layouts in two tiers: first those worth running for speed
     (one micro-batch without a pipeline, pp or more with one; no recomputation), then the ones that
     only save memory (more micro-batches, full recomputation), tried when nothing in the first fits.
@@ -267,14 +272,34 @@ def layouts(cluster: Cluster, work: Workload) -> list[list[Layout]]:
     return out
 
 
-def search(cluster: Cluster, work: Workload, ffn_unit: int = 1, seq_unit: int = 1, top: int = 10,
+def search(cluster: ClusterProfile, work: Workload, ffn_unit: int = 1, seq_unit: int = 1, top: int = 10,
            exact_limit: int = EXACT_LIMIT) -> list[Choice]:
     """The plans, best first (those within every memory budget before those that are not): one per
-    method combination and dp x pp, with its best micro-batch count and recomputation."""
+    set of devices (every subset of the cluster's ranks: on slow links fewer devices can be faster,
+    one alone runs the plan 'none'), method combination and dp x pp, with its best micro-batch
+    count and recomputation."""
     m = work.model
     for key, total, unit in (("ffn_unit", m.intermediate_size, ffn_unit), ("seq_unit", work.seq_length, seq_unit)):
         if unit < 1 or total % unit:
             raise ConfigError(f"--{key} {unit} must be a positive divisor of {total}")
+    found = []
+    for devices in device_subsets(cluster.world):
+        sub = cluster.restrict(devices)
+        if sub is None:
+            logger.info("devices %s skipped: the cluster file has no measurements for their groups", list(devices))
+            continue
+        for choice in search_devices(sub, work, ffn_unit, seq_unit, exact_limit):
+            found.append(replace(choice, devices=devices))
+    if not found:
+        raise ConfigError(f"no plan fits the world of {cluster.world} ranks: the model has too few heads, "
+                          "FFN units or tokens for it")
+    found.sort(key=lambda c: (not c.fits, c.time_s))
+    return found[:top]
+
+
+def search_devices(cluster: ClusterProfile, work: Workload, ffn_unit: int, seq_unit: int,
+                   exact_limit: int) -> list[Choice]:
+    """The best plan per method combination and dp x pp on all of ``cluster``'s ranks."""
     tiers = layouts(cluster, work)
     found = []
     for fast, frugal in zip(tiers[::2], tiers[1::2]):
@@ -291,8 +316,4 @@ def search(cluster: Cluster, work: Workload, ffn_unit: int = 1, seq_unit: int = 
                     break
             if best is not None:
                 found.append(best)
-    if not found:
-        raise ConfigError(f"no plan fits the world of {cluster.world} ranks: the model has too few heads, "
-                          "FFN units or tokens for it")
-    found.sort(key=lambda c: (not c.fits, c.time_s))
-    return found[:top]
+    return found
