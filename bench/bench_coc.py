@@ -377,6 +377,18 @@ def run_serial(args, shape, ctx: ParallelContext, log) -> list[dict]:
     return rows
 
 
+def time_overlap_variant(model, name, plan_name, label, world, x, g, ref, ctx, args, **extra) -> dict:
+    """One Galaxy model with an overlap setting: its output and input gradient checked against the
+    plain run's (``ref``), then timed as the plain row is."""
+    params, stack = list(model.parameters()), GalaxyStack(model)
+    x.grad = None
+    out = stack(x)
+    out.backward(g)
+    check = max(rel_diff(out.detach(), ref[0]), rel_diff(x.grad, ref[1]))
+    times, peak = measure(fwd_bwd_step(stack, params, x, g), ctx.device, args.warmup, args.iters)
+    return reduce_over_ranks({**row(name, plan_name, label, world, times, peak, check=check), **extra}, ctx)
+
+
 def run_galaxy(args, shape, ctx: ParallelContext, plan_name: str, log) -> list[dict]:
     rows, world = [], ctx.mp.size
     model = galaxy_model(shape, plan_name, ctx, seed=0)
@@ -412,17 +424,11 @@ def run_galaxy(args, shape, ctx: ParallelContext, plan_name: str, log) -> list[d
     if plan_name in COC_PLANS and world > 1 and model_has_coc() and args.coc_source in ("auto", "model"):
         for k in (k for k in args.coc if k > 1):  # k = 1 is the galaxy-<plan> row
             model = galaxy_model(shape, plan_name, ctx, seed=0, coc=k)  # same seed: the same weights
-            params, stack = list(model.parameters()), GalaxyStack(model)
-            x.grad = None
-            out = stack(x)
-            out.backward(g)
-            check = max(rel_diff(out.detach(), ref[0]), rel_diff(x.grad, ref[1]))
-            times, peak = measure(fwd_bwd_step(stack, params, x, g), ctx.device, args.warmup, args.iters)
-            r = row(f"galaxy-{plan_name}@coc{k}", plan_name, f"Galaxy model, coc_parallel_num={k}", world,
-                    times, peak, chunks=k, check=check)
-            rows.append(reduce_over_ranks(r, ctx))
+            rows.append(time_overlap_variant(model, f"galaxy-{plan_name}@coc{k}", plan_name,
+                                             f"Galaxy model, coc_parallel_num={k}", world, x, g, ref, ctx, args,
+                                             chunks=k))
             log(rows[-1])
-            del model, params, stack
+            del model
             release(ctx.device)
     if plan_name in ASYNC_TP_PLANS and world > 1 and args.async_tp:
         try:
@@ -430,18 +436,11 @@ def run_galaxy(args, shape, ctx: ParallelContext, plan_name: str, log) -> list[d
         except ConfigError as e:  # CPU/Gloo, uneven splits, a torch without the ops: say why
             rows.append({"name": f"galaxy-{plan_name}@async_tp", "skipped": str(e)})
         else:
-            params, stack = list(model.parameters()), GalaxyStack(model)
-            x.grad = None
-            out = stack(x)
-            out.backward(g)
-            check = max(rel_diff(out.detach(), ref[0]), rel_diff(x.grad, ref[1]))
-            times, peak = measure(fwd_bwd_step(stack, params, x, g), ctx.device, args.warmup, args.iters)
-            r = row(f"galaxy-{plan_name}@async_tp", plan_name, "Galaxy model, tp_overlap=async_tp", world,
-                    times, peak, check=check)
-            r["overlap"] = "async_tp"
-            rows.append(reduce_over_ranks(r, ctx))
+            rows.append(time_overlap_variant(model, f"galaxy-{plan_name}@async_tp", plan_name,
+                                             "Galaxy model, tp_overlap=async_tp", world, x, g, ref, ctx, args,
+                                             overlap="async_tp"))
             log(rows[-1])
-            del model, params, stack
+            del model
             release(ctx.device)
     del x, g
     release(ctx.device)

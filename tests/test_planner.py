@@ -22,6 +22,7 @@ from galaxy.planner.blocks import grid
 from galaxy.planner.cluster import candidate_groups
 from galaxy.planner.search import SplitSearch, compositions, min_max_split, search
 from galaxy.planner.workload import edge_params, layer_params
+from tests.test_comm_bytes import CASES as COMM_BYTES_CASES
 
 TP, SP, NONE = Method.TP, Method.SP, Method.NONE
 
@@ -225,14 +226,7 @@ def test_parameter_counts_match_the_model(dist_pool, model_type, methods, heads,
         assert per_layer.partial[rank] * m.num_hidden_layers + (edges if con == SP else 0) == partial
 
 
-@pytest.mark.parametrize("case", [
-    ("tp", 2, 1, "after_backward", False, 1),
-    ("sp", 2, 1, "sharded", False, 1),
-    ("galaxy", 3, 1, "overlap", False, 1),
-    ("galaxy2", 2, 1, "sharded", False, 1),
-    ("galaxy2", 2, 2, "overlap", True, 1),
-    ("none", 1, 1, "after_backward", False, 2),
-])
+@pytest.mark.parametrize("case", COMM_BYTES_CASES)
 def test_step_collectives_match_the_hand_derived_bytes(case):
     """Every collective a training step issues is in the cost model: global rank 0's bytes of a step,
     as the model charges them, equal tests/test_comm_bytes.py's derivation from the serial model's

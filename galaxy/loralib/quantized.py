@@ -18,7 +18,6 @@ every buffer), which is what gathering, checkpoints and resharding read.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Optional
@@ -142,13 +141,7 @@ def load_quantized(model_cls, path: str, plan=None, ctx=None, config_overrides: 
     each tensor (safetensors lazy slices), quantizes the linears (all but heads and ``skip``) and
     keeps the rest in ``dtype``. Peak host memory: one tensor slice in the checkpoint's dtype.
     Equal to ``model_cls.from_pretrained`` + ``quantize_linears`` (the buffers bit for bit)."""
-    config_file = os.path.join(path, "config.json")
-    if not os.path.isfile(config_file):
-        raise FileNotFoundError(f"model_path '{path}' has no config.json; point it at a local HF model directory")
-    with open(config_file) as f:
-        config = model_cls.config_from_hf(json.load(f))
-    for key, value in (config_overrides or {}).items():
-        setattr(config, key, value)
+    config = model_cls.config_from_dir(path, config_overrides)
     if getattr(config, "fused_gate_up", False):
         raise ConfigError("quantize-on-load quantizes each linear on its own; set fused_gate_up to false")
     model = model_cls(config, plan=plan, ctx=ctx, meta=True)  # laid out, no storage: filled below

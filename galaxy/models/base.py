@@ -198,9 +198,8 @@ class GalaxyModel(nn.Module):
         return self.hf_config(self.config, next(self.parameters()).dtype)
 
     @classmethod
-    def from_pretrained(cls, path: str, plan: Optional[Plan] = None, ctx: Optional[ParallelContext] = None,
-                        config_overrides: Optional[dict] = None) -> "GalaxyModel":
-        """Load a local HF checkpoint directory (config.json + safetensors or torch weights)."""
+    def config_from_dir(cls, path: str, config_overrides: Optional[dict] = None):
+        """The model config of a local HF checkpoint directory's config.json, with ``config_overrides``."""
         config_file = os.path.join(path, "config.json")
         if not os.path.isfile(config_file):
             raise FileNotFoundError(f"model_path '{path}' has no config.json; point it at a local HF model directory")
@@ -208,7 +207,13 @@ class GalaxyModel(nn.Module):
             config = cls.config_from_hf(json.load(f))
         for key, value in (config_overrides or {}).items():
             setattr(config, key, value)
-        model = cls(config, plan=plan, ctx=ctx)
+        return config
+
+    @classmethod
+    def from_pretrained(cls, path: str, plan: Optional[Plan] = None, ctx: Optional[ParallelContext] = None,
+                        config_overrides: Optional[dict] = None) -> "GalaxyModel":
+        """Load a local HF checkpoint directory (config.json + safetensors or torch weights)."""
+        model = cls(cls.config_from_dir(path, config_overrides), plan=plan, ctx=ctx)
         model.load_full_state_dict(load_weights(path), source=f"checkpoint '{path}'")
         return model
 
