@@ -63,6 +63,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--shares", default="1:1,1:2,1:1:2", help="compute shares per scenario, e.g. 1:2,1:1:2")
     p.add_argument("--links", default="50,100,500,1000", help="link bandwidths in Mbit/s")
     p.add_argument("--core_unit", type=float, default=0.5, help="CPU cores per share unit (1:2 -> 0.5 and 1.0 cores)")
+    p.add_argument("--cpu_period_us", type=int, default=None,
+                   help="the CPU quota's CFS period (the cluster file's key; default: the emulator's)")
     p.add_argument("--layers", type=int, default=2, help="transformer layers (the presets' own: 0)")
     p.add_argument("--vocab_size", type=int, default=8192, help="BERT vocabulary (0: the preset's 30522)")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence (the request's prompt)")
@@ -121,9 +123,12 @@ def model_config(args, model: str) -> dict:
                                        "warmup_steps": 0, "log_every": 10**6}}
 
 
-def cluster_file(path: str, shares: list[float], link: float) -> str:
+def cluster_file(path: str, shares: list[float], link: float, period_us: Optional[int]) -> str:
+    raw = {"ranks": [{"compute_share": s} for s in shares], "links": {"bandwidth_mbit": link}}
+    if period_us is not None:
+        raw["cpu_period_us"] = period_us
     with open(path, "w") as f:
-        json.dump({"ranks": [{"compute_share": s} for s in shares], "links": {"bandwidth_mbit": link}}, f)
+        json.dump(raw, f)
     return path
 
 
@@ -212,8 +217,8 @@ def run_scenario(model: str, shares: list[int], link: float, args, objectives: l
             json.dump(raw, f)
         cfg = GalaxyConfig.from_dict(raw)
         result["config"] = raw
-        cluster = cluster_file(os.path.join(work, "cluster.json"), result["cores"], link)
-        alone = cluster_file(os.path.join(work, "alone.json"), [max(result["cores"])], link)
+        cluster = cluster_file(os.path.join(work, "cluster.json"), result["cores"], link, args.cpu_period_us)
+        alone = cluster_file(os.path.join(work, "alone.json"), [max(result["cores"])], link, args.cpu_period_us)
         wanted = args.contenders.split(",")
         plans = profile_and_plan(work, cfg_path, cluster, objectives, args) if "planned" in wanted else {}
         if "profile" in plans:  # kept, so the cost model can be checked against this run again

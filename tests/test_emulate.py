@@ -41,6 +41,7 @@ needs_host = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
     ({"ranks": [{"compute": 1.0}]}, "'compute'; did you mean 'compute_share'"),
     ({"ranks": [{}], "latency_ms": 5}, "'latency_ms'"),
     ({"ranks": [{}], "cpu_period_us": 10}, "'cpu_period_us'"),
+    ({"ranks": [{}], "cpu_emulation": "slow"}, "'cpu_emulation'"),
     ({"ranks": [5]}, "'ranks[0]'"),
     ([{"compute_share": 1.0}], "must be a JSON object"),
 ])
@@ -158,10 +159,88 @@ def test_cpu_quota_slows_a_busy_loop_by_the_share():
     assert 0.17 < quarter < 0.29 and 0.35 < half < 0.56, (half, quarter)
 
 
+def test_placement_packs_ranks_onto_cores_and_fills_the_rest():
+    """Whole cores for whole shares; smaller shares packed largest first onto shared cores, weighted by
+    share, capped by a quota only where they share a core with another rank, the rest of a core to a
+    filler; a cluster that does not fit, or a share above one core that is not whole, is refused in
+    one line naming the fix."""
+    def place(*shares, **keys):
+        return cgroups.placement(Cluster.from_dict({"ranks": [{"compute_share": s} for s in shares], **keys}), [0, 1])
+
+    one = cgroups.CORE_WEIGHT
+    p = place(0.5, 1.0)
+    assert [r.cpus for r in p.ranks] == [(1,), (0,)] and [r.quota_us for r in p.ranks] == [None, None]
+    assert p.ranks[0].weight == one // 2 and p.fillers == ((1, one // 2),)
+    p = place(0.5, 0.5, 1.0)  # the two halves share a core, each capped at its share, no filler
+    assert [r.cpus for r in p.ranks] == [(1,), (1,), (0,)] and p.fillers == ()
+    assert [r.quota_us for r in p.ranks] == [5000, 5000, None]
+    p = place(None, 2.0, cpu_emulation="cores")
+    assert p.ranks[0].cpus is None and p.ranks[1].cpus == (0, 1)
+    assert place(0.25, 2.0, cpu_emulation="quota").ranks[1].cpus is None  # no pinning, quotas only
+    assert place(2.0, cpu_emulation="quota").ranks[0].quota_us == 20000
+    for shares, says in [((1.0, 1.0, 0.5), "need 3 cores here, but this machine has 2"),
+                         ((1.5,), "not a whole number of cores")]:
+        with pytest.raises(ConfigError, match=says) as err:
+            place(*shares)
+        assert "cpu_emulation" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_training_cli_refuses_a_cluster_that_does_not_fit_this_machine(tmp_path):
+    cluster = tmp_path / "c.json"
+    cluster.write_text(json.dumps({"ranks": [{"compute_share": len(os.sched_getaffinity(0))}, {"compute_share": 1.0}]}))
+    out = subprocess.run([sys.executable, "pretrain_galaxy.py", "--emulate", str(cluster)], capture_output=True,
+                         text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, timeout=60)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert str(cluster) in out.stderr and "'cpu_emulation': 'quota'" in out.stderr, out.stderr
+
+
+BURSTY_RANK = textwrap.dedent("""
+    import statistics, sys, time
+    def work(n):
+        x = 0
+        for i in range(n):
+            x += i
+    n, chunks = int(sys.argv[1]), []
+    for _ in range(int(sys.argv[2])):
+        time.sleep(0.01)  # waiting on a link
+        t = time.perf_counter()
+        work(n)
+        chunks.append(time.perf_counter() - t)
+    print(statistics.median(chunks))
+""")
+
+
 @needs_host
-def test_links_and_quotas_are_where_the_file_says():
+def test_a_share_is_a_slower_core_also_right_after_waiting():
+    """A rank of half a core that computes in 20 ms pieces (at full speed) between 10 ms waits takes
+    about twice as long per piece: its core is shared with a filler, so the wait banks nothing. (A
+    CFS quota alone lets such a rank compute each piece at full speed: the period's budget is unspent
+    when it wakes.)"""
+    def work(n):
+        x = 0
+        for i in range(n):
+            x += i
+    n = 20000
+    t = time.perf_counter()
+    work(n)
+    n = max(1000, int(n * 0.02 / (time.perf_counter() - t)))
+    free = subprocess.run([sys.executable, "-c", BURSTY_RANK, str(n), "15"], capture_output=True, text=True,
+                          check=True).stdout
+    cluster = Cluster.from_dict({"ranks": [{"compute_share": 0.5}]})
+    with EmulatedCluster(cluster) as emu:
+        slowed = emu.spawn(0, [sys.executable, "-c", BURSTY_RANK, str(n), "15"], stdout=subprocess.PIPE, text=True)
+        slowed = slowed.communicate(timeout=60)[0]
+    ratio = float(slowed) / float(free)
+    logging.getLogger(__name__).info("20 ms pieces after waits at half a core: %.2fx", ratio)
+    assert 1.5 < ratio < 2.6, ratio
+
+
+@needs_host
+@pytest.mark.parametrize("emulation", ["quota", "cores"])
+def test_links_and_cpu_limits_are_where_the_file_says(emulation):
     cluster = Cluster.from_dict({"ranks": [{"compute_share": 0.5, "bandwidth_mbit": 20}, {}],
-                                 "links": {"bandwidth_mbit": 100}, "cpu_period_us": 20000})
+                                 "links": {"bandwidth_mbit": 100}, "cpu_period_us": 20000,
+                                 "cpu_emulation": emulation})
     with EmulatedCluster(cluster) as emu:
         switch = network.switch_namespace(emu.name)
         for rank, rate in [(0, "20Mbit"), (1, "100Mbit")]:
@@ -171,14 +250,23 @@ def test_links_and_quotas_are_where_the_file_says():
                                        text=True, check=True).stdout
                 assert "tbf" in shown and f"rate {rate}" in shown, (where, dev, shown)
         group = cgroups.rank_group(emu.name, 0)
-        assert open(f"{group}/cpu.cfs_quota_us").read().strip() == "10000"
+        assert open(f"{group}/cpu.cfs_quota_us").read().strip() == ("10000" if emulation == "quota" else "-1")
         assert open(f"{group}/cpu.cfs_period_us").read().strip() == "20000"
         assert open(f"{cgroups.rank_group(emu.name, 1)}/cpu.cfs_quota_us").read().strip() == "-1"
         env = emu.rank_env(1, {})
         assert env["MASTER_ADDR"] == "10.200.0.1" and env["RANK"] == "1" and env["WORLD_SIZE"] == "2"
-        seen = emu.spawn(1, ["sh", "-c", "ip -4 -o addr show gxlink; cat /proc/self/cgroup"],
-                         stdout=subprocess.PIPE, text=True).communicate(timeout=30)[0]
-        assert "10.200.0.2/16" in seen and f"cpu:/{emu.name}/rank1" in seen, seen
+        seen = emu.spawn(0, ["sh", "-c", "ip -4 -o addr show gxlink; cat /proc/self/cgroup; grep Cpus_allowed_list "
+                                         "/proc/self/status"], stdout=subprocess.PIPE, text=True).communicate(timeout=30)[0]
+        assert "10.200.0.1/16" in seen and f"cpu:/{emu.name}/rank0" in seen, seen
+        cpus = re.search(r"Cpus_allowed_list:\s*(\S+)", seen).group(1)
+        fillers = [f for f in os.listdir(cgroups.run_group(emu.name)) if f.startswith("filler")]
+        if emulation == "cores":  # pinned to one core, a filler of the other half beside it
+            assert cpus.isdigit() and fillers == [f"filler{cpus}"], (cpus, fillers)
+            filler = cgroups.filler_group(emu.name, int(cpus))
+            assert open(f"{filler}/cpu.shares").read().strip() == str(cgroups.CORE_WEIGHT // 2)
+            assert len(cgroups.members(filler)) == 1
+        else:
+            assert fillers == [] and cpus == ",".join(map(str, sorted(os.sched_getaffinity(0)))).replace("0,1", "0-1")
     assert leftovers(emu.name) == []
 
 

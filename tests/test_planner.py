@@ -93,6 +93,35 @@ def test_collective_time_follows_its_measured_curve():
     assert ab.scaled_bytes(2.0)(sizes[-1] / 2) == pytest.approx(t(sizes[-1]), rel=1e-12)
 
 
+@pytest.mark.parametrize("slower", [1.3, 0.8])
+def test_calibration_predicts_the_serial_runs_it_was_given(slower):
+    """A rank whose real serial step and forward took ``slower`` times the pieces' prediction: longer
+    runs become overheads, shorter ones scale the pieces' compute (the optimizer stays as measured),
+    and either way the serial plan on that rank is then predicted as measured, while a split plan
+    moves with it in the same direction."""
+    from galaxy.planner.profile import calibrated, model_params
+
+    cluster = synthetic_cluster(LLAMA, 2, [1.0, 0.5])
+    m, seq, rows = cluster.model, cluster.seq_length, cluster.rows[0]
+    serial, none = Splits.balanced(m, seq, 1), (NONE, NONE, NONE)
+    alone = cluster.restrict([1])
+    train, latency = Workload(m, "train", rows, seq), Workload(m, "latency", rows, seq)
+    step = predict(alone, train, none, serial).time_s[0]
+    forward = predict(alone, latency, none, serial).time_s[0]
+    optimizer = float(alone.ranks[0].optimizer(model_params(m)))
+    measured_step = optimizer + (step - optimizer) * slower
+    rank = calibrated(cluster.ranks[1], m, rows, seq, "float32", measured_step, forward * slower)
+    assert (rank.step_compute_scale, rank.forward_compute_scale) == ((1.0, 1.0) if slower > 1 else (slower,) * 2)
+    assert (rank.step_overhead_s > 0) == (slower > 1) and (rank.forward_overhead_s > 0) == (slower > 1)
+    again = dataclasses.replace(alone, ranks=(dataclasses.replace(rank, rank=0),))
+    assert predict(again, train, none, serial).time_s[0] == pytest.approx(measured_step, rel=1e-9)
+    assert predict(again, latency, none, serial).time_s[0] == pytest.approx(forward * slower, rel=1e-9)
+    both = dataclasses.replace(cluster, ranks=(cluster.ranks[0], rank))
+    split = Splits.balanced(m, seq, 2)
+    before, after = (predict(c, latency, (TP, SP, TP), split).time_s[0] for c in (cluster, both))
+    assert (after > before) == (slower > 1)
+
+
 def test_windowed_timing_shares_the_wall_time_by_the_parts():
     """A run whose parts report 1 ms and 3 ms but take 10 ms of wall time (the rest: time the rank
     was stopped, as under a CPU quota) is charged the wall time, split 1:3."""
@@ -493,6 +522,7 @@ def test_profiler_writes_a_valid_file(dist_pool):
         ab = cluster.collective([0, 1], op)
         assert ab.alpha_s >= 0 and ab.beta_s_per_byte >= 0 and len(ab.samples) >= 2
     assert all(r.memory_bytes > 0 and r.step_overhead_s >= 0 and r.forward_overhead_s >= 0 for r in cluster.ranks)
+    assert all(0.5 <= r.step_compute_scale <= 1 and 0.5 <= r.forward_compute_scale <= 1 for r in cluster.ranks)
 
 
 def test_profiler_on_three_ranks(tmp_path):

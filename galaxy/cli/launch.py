@@ -20,7 +20,7 @@ from typing import Callable, Optional
 from galaxy.cli.args import check_checkpoint_flags, check_profile_step, resume_path
 from galaxy.cli.output import setup_logging
 from galaxy.config import PLAN_PRESETS, ConfigError, GalaxyConfig
-from galaxy.emulate import Cluster, run_emulated
+from galaxy.emulate import Cluster, cgroups, run_emulated
 from galaxy.emulate.launch import describe_exit
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,10 @@ def decide_launch(args: argparse.Namespace) -> Launch:
         if args.rank is not None:
             raise ConfigError("--emulate starts every rank of the emulated cluster here; drop --rank")
         cluster = Cluster.from_file(args.emulate)
+        try:
+            cgroups.placement(cluster, cgroups.host_cpus())  # fits this machine: say so now, in one line
+        except ConfigError as e:
+            raise ConfigError(f"cluster file '{args.emulate}': {e}") from None
         if args.world is not None and args.world != cluster.world_size:
             raise ConfigError(f"--world {args.world} disagrees with the {cluster.world_size} ranks of the cluster file "
                               f"'{args.emulate}'; drop --world or list {args.world} ranks")

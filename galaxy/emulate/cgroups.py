@@ -1,7 +1,9 @@
-"""Per-rank CPU quotas: a cgroup v1 cpu group ``/sys/fs/cgroup/cpu/<run>/rank<i>`` per rank.
+"""Per-rank CPU: where each rank runs, its cgroup v1 cpu group ``/sys/fs/cgroup/cpu/<run>/rank<i>``
+(weight and quota), and the filler processes that take the rest of a partly used core
+(``/sys/fs/cgroup/cpu/<run>/filler<cpu>``).
 
-The group also tracks every process a rank starts (children of a cgroup member stay in it), which
-is how teardown finds and kills them all before removing the groups.
+The groups also track every process a rank starts (children of a cgroup member stay in it), which
+is how teardown finds and kills them all, fillers included, before removing the groups.
 """
 
 from __future__ import annotations
@@ -11,13 +13,88 @@ import logging
 import os
 import signal
 import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
+from galaxy.config import ConfigError
 from galaxy.emulate.cluster import Cluster
 from galaxy.emulate.host import CPU_CGROUP_ROOT
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_WEIGHT, QUOTA_WEIGHT, MAX_WEIGHT = 1024, 16 * 1024, 1 << 18  # cpu.shares
+# cpu.shares: a core's worth of weight is CORE_WEIGHT, so an emulated rank outweighs the host's
+# other processes (1024 each) and gets its share on a busy host too
+DEFAULT_WEIGHT, CORE_WEIGHT, MAX_WEIGHT = 1024, 16 * 1024, 1 << 18
+MIN_FILLER_SHARE = 0.01  # less of a core left over is not worth a filler
+
+
+@dataclass(frozen=True)
+class RankCpu:
+    cpus: Optional[tuple[int, ...]]  # pinned to these; None: anywhere
+    weight: int  # cpu.shares
+    quota_us: Optional[int]  # cpu.cfs_quota_us; None: no cap
+
+
+@dataclass(frozen=True)
+class Placement:
+    ranks: tuple[RankCpu, ...]
+    fillers: tuple[tuple[int, int], ...]  # (cpu, weight): a busy loop pinned there
+
+
+def placement(cluster: Cluster, cpus: Sequence[int]) -> Placement:
+    """Where the ranks of ``cluster`` run on a host whose usable cores are ``cpus``.
+
+    ``cpu_emulation`` "cores": a rank of k whole cores gets k cores of its own; ranks of less than a
+    core are packed (largest first) onto shared cores, each weighted by its share, the rest of the
+    core weighted to a filler, so a computing rank gets exactly its share of the core whatever the
+    others do; ranks packed together are capped by a quota too, or one would compute faster while
+    its neighbour waits. "quota": a quota per rank, no pinning, no fillers."""
+    specs = cluster.ranks
+    if cluster.cpu_emulation == "quota":
+        return Placement(tuple(RankCpu(None, DEFAULT_WEIGHT if cluster.quota_us(r) is None else CORE_WEIGHT,
+                                       cluster.quota_us(r)) for r in range(cluster.world_size)), ())
+    for r, spec in enumerate(specs):
+        if spec.compute_share is not None and spec.compute_share > 1 and not spec.compute_share.is_integer():
+            raise ConfigError(f"cluster key 'ranks[{r}].compute_share' {spec.compute_share:g} is more than one core "
+                              "but not a whole number of cores; use whole cores above one, or set "
+                              "'cpu_emulation': 'quota'")
+    free = list(cpus)
+    whole: dict[int, tuple[int, ...]] = {}
+    bins: list[list[int]] = []  # ranks below one core, per shared core
+    for r in sorted(range(len(specs)), key=lambda r: -(specs[r].compute_share or 0)):
+        share = specs[r].compute_share
+        if share is None:
+            continue
+        if share >= 1:
+            whole[r] = tuple(free[:int(share)])
+            free = free[int(share):]
+            continue
+        fit = next((b for b in bins if sum(specs[o].compute_share for o in b) + share <= 1 + 1e-9), None)
+        if fit is None:
+            bins.append(fit := [])
+        fit.append(r)
+    needed = sum(int(specs[r].compute_share) for r in whole) + len(bins)
+    if needed > len(cpus):
+        shares = [s.compute_share for s in specs if s.compute_share is not None]
+        raise ConfigError(f"the cluster's compute shares ({', '.join(f'{s:g}' for s in shares)} cores) need {needed} "
+                          f"cores here, but this machine has {len(cpus)}; lower the shares (each rank below one core "
+                          "shares a core), or set the cluster key 'cpu_emulation': 'quota' to oversubscribe")
+    ranks: dict[int, RankCpu] = {r: RankCpu(c, CORE_WEIGHT * len(c), None) for r, c in whole.items()}
+    fillers = []
+    for b, cpu in zip(bins, free):
+        for r in b:
+            ranks[r] = RankCpu((cpu,), max(2, round(CORE_WEIGHT * specs[r].compute_share)),
+                               cluster.quota_us(r) if len(b) > 1 else None)
+        rest = 1 - sum(specs[r].compute_share for r in b)
+        if rest >= MIN_FILLER_SHARE:
+            fillers.append((cpu, max(2, round(CORE_WEIGHT * rest))))
+    return Placement(tuple(ranks.get(r, RankCpu(None, DEFAULT_WEIGHT, None)) for r in range(len(specs))),
+                     tuple(fillers))
+
+
+def host_cpus() -> list[int]:
+    """The cores this process may run on (and so the ranks it starts)."""
+    return sorted(os.sched_getaffinity(0))
 
 
 def run_group(run_name: str) -> str:
@@ -28,21 +105,24 @@ def rank_group(run_name: str, rank: int) -> str:
     return os.path.join(run_group(run_name), f"rank{rank}")
 
 
-def build(run_name: str, cluster: Cluster) -> None:
-    """One group per rank under the run's group. A rank with a quota gets QUOTA_WEIGHT: its share is
-    what it gets, not only a cap, so it outweighs the host's other load (and the quota keeps it from
-    taking more). The run's group weighs the sum of its ranks, as if they were side by side at the top."""
+def filler_group(run_name: str, cpu: int) -> str:
+    return os.path.join(run_group(run_name), f"filler{cpu}")
+
+
+def build(run_name: str, cluster: Cluster, place: Placement) -> None:
+    """One group per rank and per filler under the run's group, with the placement's weights and
+    quotas. The run's group weighs the sum of its members, as if they were side by side at the top."""
     top = run_group(run_name)
     os.mkdir(top)
     weights = []
-    for rank in range(cluster.world_size):
-        group = rank_group(run_name, rank)
+    groups = [(rank_group(run_name, r), rc.weight, rc.quota_us) for r, rc in enumerate(place.ranks)]
+    groups += [(filler_group(run_name, cpu), weight, None) for cpu, weight in place.fillers]
+    for group, weight, quota in groups:
         os.mkdir(group)
         _write(group, "cpu.cfs_period_us", cluster.cpu_period_us)
-        quota = cluster.quota_us(rank)
         _write(group, "cpu.cfs_quota_us", -1 if quota is None else quota)
-        weights.append(DEFAULT_WEIGHT if quota is None else QUOTA_WEIGHT)
-        _write(group, "cpu.shares", weights[-1])
+        _write(group, "cpu.shares", weight)
+        weights.append(weight)
     _write(top, "cpu.shares", min(MAX_WEIGHT, sum(weights)))
 
 

@@ -17,8 +17,17 @@
     both directions. Absent: ``links.bandwidth_mbit``.
 - ``links`` (optional):
   - ``bandwidth_mbit``: every rank's link unless the rank names its own. ``null`` or absent: unshaped.
-- ``cpu_period_us`` (optional, default 100000): the CFS period; a smaller one spreads a rank's
-  throttling more finely over time.
+- ``cpu_emulation`` (optional, default ``"cores"``): how a share is enforced.
+  ``"cores"``: a slower core. Every rank with a share is pinned to cores of its own (``placement``):
+  a whole core per whole unit of share; ranks below one core are packed onto shared cores, and the
+  rest of a core's time goes to a filler process of the matching weight, so the rank gets its share
+  whenever it computes, including right after waiting on a link. Ranks that share a core are also
+  capped by a CFS quota, so one's idle time is not the other's bonus. Needs as many cores as the
+  placement. ``"quota"``: a CFS quota alone, no pinning: fits any number of ranks, but a quota is a
+  budget per period, not a slower core: a rank that waited on its link computes at full speed until
+  the period's budget is spent, so a plan that communicates much runs faster than its share.
+- ``cpu_period_us`` (optional, default 10000): the CFS period of the quotas; a shorter one bounds
+  the burst after a wait more tightly, and below ~10 ms the kernel's 4 ms tick makes quotas lossy.
 
 Unknown keys are errors, as everywhere in Galaxy.
 """
@@ -34,6 +43,8 @@ from typing import Any, Optional, Sequence
 from galaxy.config import ConfigError
 
 MIN_QUOTA_US = 1000  # the kernel refuses a cfs_quota_us below 1 ms
+CPU_EMULATIONS = ("cores", "quota")
+DEFAULT_PERIOD_US = 10_000
 MAX_RANKS = 4000  # one /16 of addresses, see network.rank_address
 MAX_BANDWIDTH_MBIT = 100_000  # far beyond what a veth carries; faster is the same as unshaped
 
@@ -47,7 +58,8 @@ class RankSpec:
 @dataclass(frozen=True)
 class Cluster:
     ranks: tuple[RankSpec, ...]
-    cpu_period_us: int = 100_000
+    cpu_period_us: int = DEFAULT_PERIOD_US
+    cpu_emulation: str = "cores"
 
     @property
     def world_size(self) -> int:
@@ -68,11 +80,15 @@ class Cluster:
 
     @classmethod
     def from_dict(cls, raw: Any, where: str = "cluster") -> "Cluster":
-        _check_keys(raw, where, {"ranks", "links", "cpu_period_us"})
+        _check_keys(raw, where, {"ranks", "links", "cpu_period_us", "cpu_emulation"})
         links = raw.get("links", {})
         _check_keys(links, f"{where} key 'links'", {"bandwidth_mbit"})
         default_bw = _bandwidth(links.get("bandwidth_mbit"), f"{where} key 'links.bandwidth_mbit'")
-        period = raw.get("cpu_period_us", 100_000)
+        emulation = raw.get("cpu_emulation", "cores")
+        if emulation not in CPU_EMULATIONS:
+            raise ConfigError(f"{where} key 'cpu_emulation' must be one of {', '.join(CPU_EMULATIONS)}, "
+                              f"got {emulation!r}")
+        period = raw.get("cpu_period_us", DEFAULT_PERIOD_US)
         if isinstance(period, bool) or not isinstance(period, int) or not 1000 <= period <= 1_000_000:
             raise ConfigError(f"{where} key 'cpu_period_us' must be an integer from 1000 to 1000000 "
                               f"(microseconds), got {period!r}")
@@ -94,7 +110,7 @@ class Cluster:
             bw = _bandwidth(entry["bandwidth_mbit"], f"{where} key '{key}.bandwidth_mbit'") \
                 if "bandwidth_mbit" in entry else default_bw
             specs.append(RankSpec(compute_share=share, bandwidth_mbit=bw))
-        return cls(ranks=tuple(specs), cpu_period_us=period)
+        return cls(ranks=tuple(specs), cpu_period_us=period, cpu_emulation=emulation)
 
     @classmethod
     def from_file(cls, path: str) -> "Cluster":

@@ -29,11 +29,12 @@ logger = logging.getLogger(__name__)
 LOCK_DIR = "/run/galaxy-emulate"
 NAME_PATTERN = re.compile(r"galaxy-emu-[0-9a-f]{8}")
 DEFAULT_MASTER_PORT = 29500  # every run has its own namespaces, so a fixed port never collides
-# Run under `setpriv --pdeathsig KILL` (the rank dies with the launcher): joins the rank's cgroup, checks
-# that the launcher did not die before the death signal was armed, then becomes the rank's command
-# inside its namespace (the same pid all along).
-_ENTER_RANK = ('echo $$ > "$0" || exit 126; read -r _ _ _ parent _ < /proc/$$/stat; '
-               '[ "$parent" = "$1" ] || exit 125; ns="$2"; shift 2; exec ip netns exec "$ns" "$@"')
+# Run under `setpriv --pdeathsig KILL` (the process dies with the launcher): joins its cgroup, checks
+# that the launcher did not die before the death signal was armed, then becomes the command (a rank's,
+# inside its namespace, or a filler's busy loop; the same pid all along).
+_ENTER = ('echo $$ > "$0" || exit 126; read -r _ _ _ parent _ < /proc/$$/stat; '
+          '[ "$parent" = "$1" ] || exit 125; shift; exec "$@"')
+_FILLER = ["sh", "-c", "while :; do :; done"]
 _DEFERRED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
@@ -50,6 +51,8 @@ class EmulatedCluster:
         self.master_port = master_port
         self.name = ""
         self.processes: dict[int, subprocess.Popen] = {}
+        self.fillers: list[subprocess.Popen] = []
+        self.placement: Optional[cgroups.Placement] = None
         self._lock_fd: Optional[int] = None
 
     @property
@@ -60,16 +63,20 @@ class EmulatedCluster:
 
     def __enter__(self) -> "EmulatedCluster":
         require_prerequisites()
+        self.placement = cgroups.placement(self.cluster, cgroups.host_cpus())
         with _signals_blocked():
             self.name, self._lock_fd = _claim_name()
             try:
                 remove_stale_runs()
-                cgroups.build(self.name, self.cluster)
+                cgroups.build(self.name, self.cluster, self.placement)
                 network.build(self.name, self.cluster)
+                self.fillers = [self._start(cgroups.filler_group(self.name, cpu), (cpu,), _FILLER,
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                for cpu, _ in self.placement.fillers]
             except BaseException:
                 self._teardown()
                 raise
-        logger.info("emulated cluster %s: %s", self.name, describe(self.cluster))
+        logger.info("emulated cluster %s: %s", self.name, describe(self.cluster, self.placement))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -77,7 +84,7 @@ class EmulatedCluster:
             self._teardown()
 
     def _teardown(self) -> None:
-        for proc in self.processes.values():
+        for proc in [*self.processes.values(), *self.fillers]:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
@@ -101,7 +108,7 @@ class EmulatedCluster:
                    GLOO_SOCKET_IFNAME=network.RANK_INTERFACE)
         share = self.cluster.ranks[rank].compute_share
         if share is not None and "OMP_NUM_THREADS" not in env:
-            # more threads than the quota's cores only adds throttling stalls
+            # more threads than the share's cores only adds stalls
             env["OMP_NUM_THREADS"] = str(max(1, math.ceil(share)))
         return env
 
@@ -113,21 +120,31 @@ class EmulatedCluster:
             raise RuntimeError("EmulatedCluster.spawn needs the cluster built: use it inside 'with'")
         if rank in self.processes:
             raise RuntimeError(f"rank {rank} was already started in emulated cluster {self.name}")
-        procs_file = os.path.join(cgroups.rank_group(self.name, rank), "cgroup.procs")
-        command = ["setpriv", "--pdeathsig", "KILL", "--", "sh", "-c", _ENTER_RANK, procs_file, str(os.getpid()),
-                   network.rank_namespace(self.name, rank), *argv]
-        proc = subprocess.Popen(command, env=self.rank_env(rank, env), start_new_session=True, **popen_kwargs)
+        proc = self._start(cgroups.rank_group(self.name, rank), self.placement.ranks[rank].cpus,
+                           ["ip", "netns", "exec", network.rank_namespace(self.name, rank), *argv],
+                           env=self.rank_env(rank, env), **popen_kwargs)
         self.processes[rank] = proc
         return proc
 
+    def _start(self, group: str, cpus: Optional[tuple[int, ...]], argv: Sequence[str], **popen_kwargs):
+        """``argv`` in ``group``, on ``cpus`` (None: anywhere), dying with this process, in a session
+        of its own."""
+        pin = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
+        command = ["setpriv", "--pdeathsig", "KILL", "--", *pin, "sh", "-c", _ENTER,
+                   os.path.join(group, "cgroup.procs"), str(os.getpid()), *argv]
+        return subprocess.Popen(command, start_new_session=True, **popen_kwargs)
 
-def describe(cluster: Cluster) -> str:
+
+def describe(cluster: Cluster, place: Optional[cgroups.Placement] = None) -> str:
     def one(rank: int) -> str:
         spec = cluster.ranks[rank]
-        cpu = "no CPU quota" if spec.compute_share is None else f"compute_share {spec.compute_share:g}"
+        cpu = "no CPU limit" if spec.compute_share is None else f"compute_share {spec.compute_share:g}"
+        if place is not None and place.ranks[rank].cpus:
+            cpu += f" on cpu {','.join(map(str, place.ranks[rank].cpus))}"
         bw = "unshaped" if spec.bandwidth_mbit is None else f"{spec.bandwidth_mbit:g} Mbit/s"
         return f"rank {rank} {network.rank_address(rank)} {cpu}, {bw}"
-    return "; ".join(one(r) for r in range(cluster.world_size))
+    fillers = [f"cpu {cpu} {w / cgroups.CORE_WEIGHT:.2g}" for cpu, w in (place.fillers if place else ())]
+    return "; ".join(one(r) for r in range(cluster.world_size)) + (f"; fillers: {', '.join(fillers)}" if fillers else "")
 
 
 # ----------------------------------------------------------------------------- run names and leftovers

@@ -8,7 +8,7 @@ import subprocess
 from typing import Sequence
 
 CPU_CGROUP_ROOT = "/sys/fs/cgroup/cpu"  # the cgroup v1 cpu controller's hierarchy
-TOOLS = ("ip", "tc", "setpriv")  # iproute2 (ip, tc) and util-linux (setpriv)
+TOOLS = ("ip", "tc", "setpriv", "taskset")  # iproute2 (ip, tc) and util-linux (setpriv, taskset)
 
 
 class EmulationUnavailable(RuntimeError):
@@ -25,7 +25,7 @@ def missing_prerequisite() -> str | None:
         return "cluster emulation needs root (network namespaces, tc, cgroups); run as root"
     for tool in TOOLS:
         if shutil.which(tool) is None:
-            package = "util-linux" if tool == "setpriv" else "iproute2"
+            package = "util-linux" if tool in ("setpriv", "taskset") else "iproute2"
             return f"cluster emulation needs the '{tool}' command; install {package} (apt-get install {package})"
     quota = os.path.join(CPU_CGROUP_ROOT, "cpu.cfs_quota_us")
     if not os.path.isfile(quota):

@@ -6,7 +6,8 @@
                 "pieces": {"16": {"att_proj.heads": {"sizes": [...], "fwd_s": [...], "bwd_s": [...],
                                                      "infer_s": [...], "act_bytes": [...]}, ...}, "1": {...}},
                 "optimizer": {"alpha_s": a, "s_per_param": b, "samples": [[params, seconds], ...]},
-                "step_overhead_s": o, "forward_overhead_s": f}],
+                "step_overhead_s": o, "forward_overhead_s": f, "step_compute_scale": c,
+                "forward_compute_scale": d}],
      "groups": [{"ranks": [0, 1], "ops": {"all_reduce": {"alpha_s": a, "beta_s_per_byte": b,
                                                          "samples": [[bytes, seconds], ...]}, ...}}]}
 
@@ -17,7 +18,10 @@ the measured batch sizes a piece is linear in rows (so a fixed per-call overhead
 scaled); with one batch size it is proportional. Collective bytes are the full tensor's bytes
 (``galaxy.core.comm`` pads uneven pieces to the largest one; the cost model charges that).
 The overheads are what a real serial training step / batch-1 forward of the model took on the
-rank beyond the cost model's prediction from its pieces; every prediction adds them.
+rank beyond the cost model's prediction from its pieces; every prediction adds them. Where the real
+model took less than its pieces (blocks timed one by one run a little slower than inside the
+model), the compute scales (at most 1; absent: 1) say by how much, and every piece's time on that
+rank is scaled by them.
 """
 
 from __future__ import annotations
@@ -190,6 +194,9 @@ class RankProfile:
     # what a real serial step / batch-1 forward took beyond the pieces' prediction (loop, data, Python)
     step_overhead_s: float = 0.0
     forward_overhead_s: float = 0.0
+    # real serial compute over the pieces' prediction where it was less (training, inference)
+    step_compute_scale: float = 1.0
+    forward_compute_scale: float = 1.0
 
     def piece(self, name: str, rows: int, sizes, inference: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(forward s, backward s, saved bytes) of piece ``name`` at ``rows`` rows and ``sizes``;
@@ -200,12 +207,15 @@ class RankProfile:
         measured = sorted(self.pieces)
         if len(measured) == 1:
             scale = rows / measured[0]
-            return tuple(c(sizes) * scale for c in curves(self.pieces[measured[0]][name]))
-        k = min(max(int(np.searchsorted(measured, rows)), 1), len(measured) - 1)
-        lo, hi = measured[k - 1], measured[k]
-        w = (rows - lo) / (hi - lo)
-        return tuple(np.maximum(fa(sizes) + w * (fb(sizes) - fa(sizes)), 0.0)
-                     for fa, fb in zip(curves(self.pieces[lo][name]), curves(self.pieces[hi][name])))
+            fwd, bwd, act = (c(sizes) * scale for c in curves(self.pieces[measured[0]][name]))
+        else:
+            k = min(max(int(np.searchsorted(measured, rows)), 1), len(measured) - 1)
+            lo, hi = measured[k - 1], measured[k]
+            w = (rows - lo) / (hi - lo)
+            fwd, bwd, act = (np.maximum(fa(sizes) + w * (fb(sizes) - fa(sizes)), 0.0)
+                             for fa, fb in zip(curves(self.pieces[lo][name]), curves(self.pieces[hi][name])))
+        scale = self.forward_compute_scale if inference else self.step_compute_scale
+        return fwd * scale, bwd * scale, act
 
 
 @dataclass(frozen=True)
@@ -257,7 +267,8 @@ class ClusterProfile:
                                   for rows, by_name in r.pieces.items()},
                        "optimizer": {"alpha_s": r.optimizer.alpha_s, "s_per_param": r.optimizer.beta_s_per_byte,
                                      "samples": [list(s) for s in r.optimizer.samples]},
-                       "step_overhead_s": r.step_overhead_s, "forward_overhead_s": r.forward_overhead_s}
+                       "step_overhead_s": r.step_overhead_s, "forward_overhead_s": r.forward_overhead_s,
+                       "step_compute_scale": r.step_compute_scale, "forward_compute_scale": r.forward_compute_scale}
                       for r in self.ranks],
             "groups": [{"ranks": list(g), "ops": {op: {"alpha_s": ab.alpha_s, "beta_s_per_byte": ab.beta_s_per_byte,
                                                        "samples": [list(s) for s in ab.samples]}
@@ -363,10 +374,15 @@ def cluster_from_dict(raw: Any, source: str = "<dict>") -> ClusterProfile:
         optimizer = AlphaBeta(r.get(opt, "alpha_s", f"{path}optimizer.", float),
                               r.get(opt, "s_per_param", f"{path}optimizer.", float),
                               r.samples(opt, f"{path}optimizer."))
+        scales = {}
+        for key in ("step_compute_scale", "forward_compute_scale"):  # profiles written before them: 1
+            scales[key] = r.get(rank_raw, key, path, float, positive=True) if key in rank_raw else 1.0
+            if scales[key] > 1:
+                raise r.fail(f"{path}{key}", f"must be at most 1 (a longer real step is an overhead), got {scales[key]}")
         ranks.append(RankProfile(i, str(rank_raw.get("host", "")),
                                  r.get(rank_raw, "memory_bytes", path, int, positive=True), pieces, optimizer,
                                  r.get(rank_raw, "step_overhead_s", path, float),
-                                 r.get(rank_raw, "forward_overhead_s", path, float)))
+                                 r.get(rank_raw, "forward_overhead_s", path, float), **scales))
     groups = {}
     for j, g in enumerate(r.get(raw, "groups", "", list)):
         path = f"groups[{j}]."
