@@ -5,21 +5,22 @@ of every plan, and of the plan the planner picks, on a few slow devices joined b
     python bench/bench_edge.py --models bert --shares 1:2 --links 100 --layers 2
     python bench/bench_edge.py --quick                          # one tiny scenario, a smoke test
 
-A scenario is a model, the ranks' compute shares (``1:2``: rank 1 has twice rank 0's CPU quota,
-``--core_unit`` cores per share unit) and one link bandwidth for every rank (Mbit/s), built by
-``galaxy.emulate`` (network namespaces, tbf-shaped links, cgroup CPU quotas). In each scenario, in
-one run of this script:
+A scenario is a model, the ranks' compute shares (``1:2``: rank 1 has twice rank 0's share of a
+core, ``--core_unit`` cores per share unit) and one link bandwidth for every rank (Mbit/s), built by
+``galaxy.emulate`` (network namespaces, tbf-shaped links, pinned cores shared with fillers). In each
+scenario, in one run of this script:
 
 1. the planner's profiler measures the emulated cluster from inside it (``python -m galaxy.emulate
-   cluster.json -- plan_galaxy.py profile``), and ``plan_galaxy.py`` searches a plan per objective
-   (``latency``: a batch-1 forward; ``train``: a whole training step);
-2. every contender runs on the same emulated cluster: ``alone`` (one rank with the fastest device's
-   quota), ``tp``, ``sp``, ``galaxy``, ``galaxy2`` with even splits, and ``planned``. Latency:
+   cluster.json -- plan_galaxy.py profile``), and ``plan_galaxy.py --validate K --emulate`` searches a
+   plan per objective (``latency``: a batch-1 forward; ``train``: a whole training step) and runs its
+   top K plans on the cluster; the first is ``planned``;
+2. every other contender runs on the same emulated cluster: ``alone`` (one rank with the fastest
+   device's share), ``tp``, ``sp``, ``galaxy``, ``galaxy2`` with even splits. Latency:
    ``infer_galaxy.py`` (median over repetitions of the slowest rank's batch-1 forward; LLaMA also
    greedy generation with the KV cache); training: ``pretrain_galaxy.py`` (BERT MLM, median step
    time after the first) — LLaMA is timed for latency only;
-3. the cost model's prediction is recorded beside each measurement (even-split plans through
-   ``galaxy.planner.cost.predict`` with balanced splits on the same profile).
+3. the cost model's prediction is recorded beside each measurement (even-split plans and the serial
+   model alone through ``galaxy.planner.cost.predict`` on the same profile).
 
 Raw JSON goes to ``--out/edge_<model>.json`` (every measurement, prediction, the planner's table and
 the host's load average at the start and end of each scenario), PNG plots beside it, and a markdown
@@ -76,6 +77,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=7, help="timed forwards per contender")
     p.add_argument("--steps", type=int, default=4, help="training steps per contender (the first is not timed)")
     p.add_argument("--profile_reps", type=int, default=3, help="repetitions per profiler measurement")
+    p.add_argument("--validate", type=int, default=3,
+                   help="the planner's top plans run on the cluster (plan_galaxy.py --validate; the first is 'planned')")
     p.add_argument("--window_ms", type=float, default=200.0,
                    help="the profiler averages each timing over this long (two periods of the CPU quota)")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "results"), help="JSON and PNG go here")
@@ -90,6 +93,7 @@ def parse() -> argparse.Namespace:
         args.models, args.shares, args.links, args.objectives = "bert", "1:2", "1000", "latency"
         args.contenders = "alone,tp,planned"
         args.layers, args.seq, args.batch, args.reps, args.warmup, args.profile_reps = 1, 16, 2, 2, 1, 1
+        args.validate = 1
         args.window_ms = 0.0
     return args
 
@@ -140,7 +144,8 @@ def load_average() -> list[float]:
 
 
 def profile_and_plan(work: str, cfg_path: str, cluster: str, objectives: list[str], args) -> dict:
-    """The planner on this emulated cluster: the profile, and per objective the written plan and its table."""
+    """The planner on this emulated cluster: the profile, and per objective the written plan, its
+    table and the top ``--validate`` plans run on the cluster (``plan_galaxy.py --validate``)."""
     prof = os.path.join(work, "profile.json")
     out = launch([sys.executable, "-m", "galaxy.emulate", cluster, "--log-level", "WARNING", "--",
                   sys.executable, "plan_galaxy.py", "profile", "--model", cfg_path, "--rows", "1", str(args.batch),
@@ -150,8 +155,10 @@ def profile_and_plan(work: str, cfg_path: str, cluster: str, objectives: list[st
     plans = {"profile": prof}
     for objective in objectives:
         path = os.path.join(work, f"plan_{objective}.json")
+        steps = args.reps if objective == "latency" else args.steps
         if launch([sys.executable, "plan_galaxy.py", "--model", cfg_path, "--cluster", prof, "--objective", objective,
-                   "--out", path, "--top", "12"], args.timeout) is None:
+                   "--out", path, "--top", "12", "--validate", str(args.validate), "--validate_steps", str(steps),
+                   "--emulate", cluster], args.timeout * max(1, args.validate)) is None:
             continue
         with open(os.path.splitext(path)[0] + ".plans.json") as f:
             plans[objective] = {"config": path, "table": json.load(f)["plans"]}
@@ -161,22 +168,45 @@ def profile_and_plan(work: str, cfg_path: str, cluster: str, objectives: list[st
 def predict_even(profile: str, cfg: GalaxyConfig, objective: str, plan: str, mp: int) -> Optional[float]:
     """The cost model's milliseconds for an even-split preset plan on the profiled cluster."""
     from galaxy.planner.cluster import load_cluster
-    from galaxy.planner.cost import Splits, Workload, predict
+    from galaxy.planner.cost import Splits, predict
 
-    work = Workload(cfg.model, objective, cfg.train.global_batch_size, cfg.train.seq_length, cfg.train.dtype,
-                    cfg.train.optimizer)
     try:
-        pred = predict(load_cluster(profile), work, PLAN_PRESETS[plan], Splits.balanced(cfg.model, cfg.train.seq_length, mp))
+        pred = predict(load_cluster(profile), workload(cfg, objective), PLAN_PRESETS[plan],
+                       Splits.balanced(cfg.model, cfg.train.seq_length, mp))
     except (ValueError, KeyError) as e:  # a split the profile has no measurement for
         print(f"  no prediction for {plan}: {e}", file=sys.stderr)
         return None
     return round(float(pred.time_s[0]) * 1e3, 3)
 
 
-def contender_flags(name: str, cfg_path: str, plans: dict, objective: str) -> Optional[list[str]]:
-    if name == "planned":
-        return ["--config", plans[objective]["config"]] if objective in plans else None
+def predict_alone(profile: str, cfg: GalaxyConfig, objective: str) -> float:
+    """The cost model's milliseconds for the serial model on the device it predicts fastest."""
+    from galaxy.planner.cluster import load_cluster
+    from galaxy.planner.cost import Splits, predict
+
+    cluster = load_cluster(profile)
+    serial = Splits.balanced(cfg.model, cfg.train.seq_length, 1)
+    return round(min(float(predict(cluster.restrict([d]), workload(cfg, objective), PLAN_PRESETS["none"],
+                                   serial).time_s[0]) for d in range(cluster.world)) * 1e3, 3)
+
+
+def workload(cfg: GalaxyConfig, objective: str):
+    from galaxy.planner.cost import Workload
+
+    return Workload(cfg.model, objective, cfg.train.global_batch_size, cfg.train.seq_length, cfg.train.dtype,
+                    cfg.train.optimizer)
+
+
+def contender_flags(name: str, cfg_path: str) -> list[str]:
     return ["--config", cfg_path, "--override", f"plan={'none' if name == 'alone' else name}"]
+
+
+def planned_row(top: dict, objective: str) -> dict:
+    """The planner's pick as its validation run measured it (the same CLI and repetitions)."""
+    measured = top["measured_ms"]
+    return {"measured": {"forward": {"median_ms": measured}} if objective == "latency" else {"median_ms": measured},
+            "predicted_ms": top["predicted_ms"], "plan": top["plan"], "layout": top["dp x pp x mp"],
+            "devices": top["devices"], "splits": {k: top[k] for k in ("heads", "ffn", "seq")}}
 
 
 def measure_latency(name: str, cluster: str, flags: list[str], work: str, args, is_llama: bool) -> Optional[dict]:
@@ -229,9 +259,11 @@ def run_scenario(model: str, shares: list[int], link: float, args, objectives: l
                 result[objective]["planner_table"] = plans[objective]["table"]
             rows = {}
             for contender in wanted:
-                flags = contender_flags(contender, cfg_path, plans, objective)
-                if flags is None:
+                if contender == "planned":
+                    if objective in plans and plans[objective]["table"][0].get("measured_ms") is not None:
+                        rows[contender] = planned_row(plans[objective]["table"][0], objective)
                     continue
+                flags = contender_flags(contender, cfg_path)
                 where = alone if contender == "alone" else cluster
                 if objective == "latency":
                     measured = measure_latency(contender, where, flags, work, args, model.startswith("llama"))
@@ -240,14 +272,11 @@ def run_scenario(model: str, shares: list[int], link: float, args, objectives: l
                 row = {"measured": measured}
                 if contender in EVEN and "profile" in plans:
                     row["predicted_ms"] = predict_even(plans["profile"], cfg, objective, contender, len(shares))
-                if contender == "planned" and objective in plans:
-                    top = plans[objective]["table"][0]
-                    row.update(predicted_ms=top["predicted_ms"], plan=top["plan"], splits={
-                        k: top[k] for k in ("heads", "ffn", "seq")}, layout=top["dp x pp x mp"],
-                        devices=top["devices"])
+                if contender == "alone" and "profile" in plans:
+                    row["predicted_ms"] = predict_alone(plans["profile"], cfg, objective)
                 rows[contender] = row
             result[objective]["contenders"] = rows
-            result[objective]["verdict"] = verdict(rows, objective)
+            result[objective]["verdict"] = verdict(rows, objective, plans.get(objective, {}).get("table", []))
     result["load_after"] = load_average()
     return result
 
@@ -259,9 +288,10 @@ def median_of(row: dict, objective: str) -> Optional[float]:
     return m["forward"]["median_ms"] if objective == "latency" else m["median_ms"]
 
 
-def verdict(rows: dict, objective: str) -> dict:
+def verdict(rows: dict, objective: str, table: list[dict]) -> dict:
     """What the issue asks of a scenario: the planned plan against the best even split and even TP,
-    the planner's pick against the fastest measured contender, and its prediction error."""
+    the planner's pick against the fastest measured contender (validated plans included), and the
+    prediction error of every contender and of every validated plan."""
     times = {k: median_of(r, objective) for k, r in rows.items()}
     times = {k: v for k, v in times.items() if v is not None}
     out = {"fastest": min(times, key=times.get) if times else None}
@@ -272,13 +302,40 @@ def verdict(rows: dict, objective: str) -> dict:
         out.update(best_even=best, planned_vs_best_even=round(even[best] / planned, 3))
     if planned and "tp" in times:
         out["planned_vs_tp"] = round(times["tp"] / planned, 3)
+    validated = [r for r in table if r.get("measured_ms") is not None]
     if planned:
-        out["planned_vs_fastest"] = round(planned / min(times.values()), 3)
+        out["planned_vs_fastest"] = round(planned / min([*times.values(), *(r["measured_ms"] for r in validated)]), 3)
     errors = {k: round(r["predicted_ms"] / times[k] - 1, 3) for k, r in rows.items()
               if r.get("predicted_ms") and k in times}
     if errors:
         out["prediction_error"] = errors
+    if validated:
+        out["validation_error"] = [round(r["predicted_ms"] / r["measured_ms"] - 1, 3) for r in validated]
     return out
+
+
+def accuracy(results: list[dict]) -> str:
+    """The issue's three questions over the whole table, for people."""
+    validated, every, picks = [], [], []
+    for r in results:
+        for objective in ("latency", "train"):
+            v = r[objective].get("verdict")
+            if not v:
+                continue
+            validated += v.get("validation_error", [])
+            every += [e for k, e in v.get("prediction_error", {}).items() if k != "planned"]
+            every += v.get("validation_error", [])
+            if "planned_vs_fastest" in v:
+                picks.append(v["planned_vs_fastest"])
+
+    def spread(errors):
+        if not errors:
+            return "-"
+        a = [abs(e) * 100 for e in errors]
+        return f"median {statistics.median(a):.1f}%, worst {max(a):.1f}% over {len(a)}"
+
+    return (f"prediction error, validated plans: {spread(validated)}; every measured plan: {spread(every)}; "
+            f"the pick within 5% of the fastest measured in {sum(p <= 1.05 for p in picks)} of {len(picks)} rows")
 
 
 # ----------------------------------------------------------------------------- output
@@ -344,6 +401,7 @@ def main() -> int:
             with open(path) as f:
                 results += json.load(f)["scenarios"]
         print(markdown(results))
+        print(accuracy(results))
         return 0
     from galaxy.emulate import missing_prerequisite
 
@@ -364,6 +422,7 @@ def main() -> int:
                 write(results, model, args, commit)
         all_results += results
     print(markdown(all_results))
+    print(accuracy(all_results))
     return 0
 
 

@@ -160,10 +160,10 @@ def test_cpu_quota_slows_a_busy_loop_by_the_share():
 
 
 def test_placement_packs_ranks_onto_cores_and_fills_the_rest():
-    """Whole cores for whole shares; smaller shares packed largest first onto shared cores, weighted by
-    share, capped by a quota only where they share a core with another rank, the rest of a core to a
-    filler; a cluster that does not fit, or a share above one core that is not whole, is refused in
-    one line naming the fix."""
+    """Whole cores for whole shares; a smaller share gets a core of its own while cores last (else the
+    least loaded one it fits on), weighted by its share, capped by a quota only where it shares a core
+    with another rank, the rest of a core to a filler; a cluster that does not fit, or a share above
+    one core that is not whole, is refused in one line naming the fix."""
     def place(*shares, **keys):
         return cgroups.placement(Cluster.from_dict({"ranks": [{"compute_share": s} for s in shares], **keys}), [0, 1])
 
@@ -171,6 +171,9 @@ def test_placement_packs_ranks_onto_cores_and_fills_the_rest():
     p = place(0.5, 1.0)
     assert [r.cpus for r in p.ranks] == [(1,), (0,)] and [r.quota_us for r in p.ranks] == [None, None]
     assert p.ranks[0].weight == one // 2 and p.fillers == ((1, one // 2),)
+    p = place(0.5, 0.5)  # a core each
+    assert [r.cpus for r in p.ranks] == [(0,), (1,)] and p.fillers == ((0, one // 2), (1, one // 2))
+    assert [r.quota_us for r in p.ranks] == [None, None]
     p = place(0.5, 0.5, 1.0)  # the two halves share a core, each capped at its share, no filler
     assert [r.cpus for r in p.ranks] == [(1,), (1,), (0,)] and p.fillers == ()
     assert [r.quota_us for r in p.ranks] == [5000, 5000, None]
@@ -178,7 +181,8 @@ def test_placement_packs_ranks_onto_cores_and_fills_the_rest():
     assert p.ranks[0].cpus is None and p.ranks[1].cpus == (0, 1)
     assert place(0.25, 2.0, cpu_emulation="quota").ranks[1].cpus is None  # no pinning, quotas only
     assert place(2.0, cpu_emulation="quota").ranks[0].quota_us == 20000
-    for shares, says in [((1.0, 1.0, 0.5), "need 3 cores here, but this machine has 2"),
+    for shares, says in [((1.0, 1.0, 0.5), "do not fit the 2 cores of this machine"),
+                         ((0.75, 0.75, 0.5), "do not fit the 2 cores of this machine"),
                          ((1.5,), "not a whole number of cores")]:
         with pytest.raises(ConfigError, match=says) as err:
             place(*shares)

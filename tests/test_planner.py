@@ -465,6 +465,39 @@ def test_cli_bad_cluster_is_one_line(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 0 and "key 'rows' is missing" in err
 
 
+@pytest.mark.parametrize("objective", ["latency", "train"])
+def test_validate_runs_the_top_plans_through_the_clis(tmp_path, capsys, objective):
+    """``--validate 2`` runs the two best plans with infer_galaxy.py / pretrain_galaxy.py on local
+    processes and puts each measured time beside its prediction (table and JSON)."""
+    from galaxy.cli.plan import main
+
+    cluster = synthetic_cluster(BERT, 2, [1.0, 1.0], seq=16, alpha=1e-5, beta=1e-10)
+    cluster.save(str(tmp_path / "cluster.json"))
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"model": BERT, "train": {"seq_length": 16, "global_batch_size": 2}}))
+    out = tmp_path / "plan.json"
+    assert main(["--model", str(model), "--cluster", str(tmp_path / "cluster.json"), "--out", str(out),
+                 "--objective", objective, "--validate", "2", "--validate_steps", "2", "--top", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "measured_ms" in printed and "error" in printed
+    rows = json.loads((tmp_path / "plan.plans.json").read_text())["plans"]
+    assert all(r["measured_ms"] > 0 for r in rows[:2]) and rows[2]["measured_ms"] is None, rows
+
+
+def test_validate_on_an_emulated_cluster_refuses_another_world(tmp_path, capsys):
+    from galaxy.cli.plan import main
+
+    synthetic_cluster(BERT, 2, [1.0, 1.0], seq=16).save(str(tmp_path / "cluster.json"))
+    emulated = tmp_path / "emulated.json"
+    emulated.write_text(json.dumps({"ranks": [{"compute_share": 0.5}] * 3}))
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"model": BERT, "train": {"seq_length": 16, "global_batch_size": 2}}))
+    code = main(["--model", str(model), "--cluster", str(tmp_path / "cluster.json"),
+                 "--out", str(tmp_path / "plan.json"), "--validate", "1", "--emulate", str(emulated)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "has 3 ranks but the cluster file" in err, err
+
+
 def train_two_steps(ctx, config):
     from galaxy.models import build_model
     from galaxy.train.loop import train

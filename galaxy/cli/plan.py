@@ -12,11 +12,11 @@ the top plans as a table (printed, and as JSON beside it).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -125,7 +125,10 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--ffn_unit", type=int, default=1, help="FFN splits in multiples of this")
     p.add_argument("--seq_unit", type=int, default=1, help="sequence splits in multiples of this")
     p.add_argument("--validate", type=int, default=0, metavar="K", help="run the top K plans and print measured times")
-    p.add_argument("--validate_steps", type=int, default=5, help="training steps per validated plan (first untimed)")
+    p.add_argument("--validate_steps", type=int, default=5,
+                   help="training steps (the first untimed) or timed forwards per validated plan")
+    p.add_argument("--emulate", default=None, metavar="CLUSTER_JSON",
+                   help="validate on this emulated cluster (galaxy/emulate), the one the profile was measured on")
     return p
 
 
@@ -202,6 +205,14 @@ def plan_main(argv: list[str]) -> int:
         check_model(cluster, cfg, args.cluster)
         if args.top < 1 or args.validate < 0 or args.validate_steps < 2:
             raise ConfigError("--top must be at least 1, --validate at least 0 and --validate_steps at least 2")
+        if args.emulate:
+            from galaxy.emulate import Cluster, cgroups
+
+            emulated = Cluster.from_file(args.emulate)
+            if emulated.world_size != cluster.world:
+                raise ConfigError(f"--emulate '{args.emulate}' has {emulated.world_size} ranks but the cluster file "
+                                  f"'{args.cluster}' was profiled on {cluster.world}; pass the cluster it measured")
+            cgroups.placement(emulated, cgroups.host_cpus())
         if args.validate and args.objective == "train" and cfg.model.model_type != "bert":
             raise ConfigError("--validate trains BERT plans only (LLaMA's training CLI needs instruction data); "
                               "validate LLaMA with --objective latency")
@@ -234,81 +245,37 @@ def plan_main(argv: list[str]) -> int:
 
 # ----------------------------------------------------------------------------- validation
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def validate(config: dict, world: int, args: argparse.Namespace) -> Optional[float]:
-    """Run one plan on ``world`` local processes; its median measured step (train: every step
-    after the first) or batch-1 forward (latency) seconds, robust to a few disturbed steps."""
-    from galaxy.cli.args import build_parser
-    from galaxy.cli.launch import plan_launch
-
+    """Run one plan through the CLI a user would run it with (``pretrain_galaxy.py`` for training,
+    ``infer_galaxy.py`` for latency), on ``world`` local processes or on the emulated cluster of
+    ``--emulate`` (a plan on some of its devices starts there); its median measured step (every
+    step after the first) or batch-1 forward, in seconds, robust to a few disturbed steps."""
     with tempfile.TemporaryDirectory() as tmp:
-        summary, metrics = os.path.join(tmp, "summary.json"), os.path.join(tmp, "metrics.jsonl")
-        cfg = GalaxyConfig.from_dict(config, {"max_steps": args.validate_steps, "log_every": 10**6})
-        run_args = build_parser("validate").parse_args(["--world", str(world), "--no_progress", "--summary_json",
-                                                        summary, "--metrics_file", metrics,
-                                                        "--log_level", args.log_level])
-        try:
-            launch = plan_launch(run_args, cfg, "galaxy", False, None)
-        except ConfigError as e:
-            logger.warning("cannot validate %s here: %s", config["parallel"], e)
-            return None
+        path, out = os.path.join(tmp, "plan.json"), os.path.join(tmp, "measured.json")
+        with open(path, "w") as f:
+            json.dump(config, f)
+        where = ["--emulate", args.emulate] if args.emulate else ["--world", str(world)]
         if args.objective == "train":
-            code = launch_ranks(_train_rank, launch, (cfg, run_args), cfg)
+            argv = ["pretrain_galaxy.py", "--max_steps", str(args.validate_steps), "--metrics_file", out,
+                    "--no_progress", "--override", "log_every=1000000"]
         else:
-            code = launch_ranks(_latency_rank, launch, (cfg, run_args, summary), cfg)
-        if code != 0 or not os.path.isfile(summary):
-            logger.warning("validation run of %s failed (exit %s)", config["parallel"], code)
+            argv = ["infer_galaxy.py", "--warmup", "2", "--reps", str(args.validate_steps), "--summary_json", out]
+        run = subprocess.run([sys.executable, os.path.join(ROOT, argv[0]), "--config", path, *where, *argv[1:],
+                              "--log_level", args.log_level], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": ROOT})
+        if run.returncode != 0 or not os.path.isfile(out):
+            said = run.stderr.strip().splitlines()
+            logger.warning("validation run of %s failed (exit %s): %s", config["parallel"], run.returncode,
+                           said[-1] if said else "no output")
             return None
-        if args.objective == "latency":
-            with open(summary) as f:
-                return float(json.load(f)["latency_s"])
-        with open(metrics) as f:
+        with open(out) as f:
+            if args.objective == "latency":
+                return json.load(f)["forward"]["median_ms"] / 1e3
             steps = [json.loads(line)["step_time_s"] for line in f][1:]
         return statistics.median(steps)
-
-
-def _train_rank(rank: int, launch, payload) -> None:
-    """The pretraining CLI's rank, its summary (printed per plan) silenced: the table reports it."""
-    from galaxy.cli.pretrain import pretrain_rank
-
-    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
-        pretrain_rank(rank, launch, payload)
-
-
-def _latency_rank(rank: int, launch, payload) -> None:
-    """Median batch-1 forward seconds of the slowest rank, over ``max_steps`` timed forwards."""
-    import torch
-    import torch.distributed as dist
-
-    from galaxy.models import build_model
-
-    cfg, args, summary = payload
-    ctx = rank_context(rank, launch, cfg, args.log_level)
-    try:
-        plan = cfg.resolve_plan(ctx.mp.size)
-        model = build_model(cfg, plan, ctx).eval()
-        ids = torch.randint(0, cfg.model.vocab_size, (1, cfg.train.seq_length), device=ctx.device)
-        times = []
-        with torch.no_grad():
-            for i in range(cfg.train.max_steps + 1):
-                if ctx.world_size > 1:
-                    dist.barrier()
-                start = time.perf_counter()
-                model(ids)
-                if ctx.device.type == "cuda":
-                    torch.cuda.synchronize()
-                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                if ctx.world_size > 1:
-                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                if i:
-                    times.append(float(elapsed))
-        if rank == 0:
-            with open(summary, "w") as f:
-                json.dump({"latency_s": statistics.median(times)}, f)
-    except BaseException:
-        ctx.shutdown(wait_for_peers=False)
-        raise
-    ctx.shutdown()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

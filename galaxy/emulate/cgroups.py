@@ -44,11 +44,12 @@ class Placement:
 def placement(cluster: Cluster, cpus: Sequence[int]) -> Placement:
     """Where the ranks of ``cluster`` run on a host whose usable cores are ``cpus``.
 
-    ``cpu_emulation`` "cores": a rank of k whole cores gets k cores of its own; ranks of less than a
-    core are packed (largest first) onto shared cores, each weighted by its share, the rest of the
-    core weighted to a filler, so a computing rank gets exactly its share of the core whatever the
-    others do; ranks packed together are capped by a quota too, or one would compute faster while
-    its neighbour waits. "quota": a quota per rank, no pinning, no fillers."""
+    ``cpu_emulation`` "cores": a rank of k whole cores gets k cores of its own; a rank of less than a
+    core gets a core of its own while there are cores left (else it shares the least loaded one it
+    fits on), weighted by its share, the rest of the core weighted to a filler, so a computing rank
+    gets its share of the core whatever the others do; ranks sharing a core are capped by a quota
+    too, or one would compute faster while its neighbour waits. "quota": a quota per rank, no
+    pinning, no fillers."""
     specs = cluster.ranks
     if cluster.cpu_emulation == "quota":
         return Placement(tuple(RankCpu(None, DEFAULT_WEIGHT if cluster.quota_us(r) is None else CORE_WEIGHT,
@@ -58,35 +59,36 @@ def placement(cluster: Cluster, cpus: Sequence[int]) -> Placement:
             raise ConfigError(f"cluster key 'ranks[{r}].compute_share' {spec.compute_share:g} is more than one core "
                               "but not a whole number of cores; use whole cores above one, or set "
                               "'cpu_emulation': 'quota'")
-    free = list(cpus)
-    whole: dict[int, tuple[int, ...]] = {}
-    bins: list[list[int]] = []  # ranks below one core, per shared core
-    for r in sorted(range(len(specs)), key=lambda r: -(specs[r].compute_share or 0)):
-        share = specs[r].compute_share
-        if share is None:
-            continue
-        if share >= 1:
-            whole[r] = tuple(free[:int(share)])
-            free = free[int(share):]
-            continue
-        fit = next((b for b in bins if sum(specs[o].compute_share for o in b) + share <= 1 + 1e-9), None)
-        if fit is None:
-            bins.append(fit := [])
-        fit.append(r)
-    needed = sum(int(specs[r].compute_share) for r in whole) + len(bins)
-    if needed > len(cpus):
+    order = sorted(range(len(specs)), key=lambda r: -(specs[r].compute_share or 0))
+    whole = [r for r in order if specs[r].compute_share is not None and specs[r].compute_share >= 1]
+    parts = [r for r in order if specs[r].compute_share is not None and specs[r].compute_share < 1]
+    free = len(cpus) - sum(int(specs[r].compute_share) for r in whole)
+    bins: list[list[int]] = [[] for _ in range(max(free, 0))]  # ranks below one core, per core left
+    load = lambda b: sum(specs[o].compute_share for o in b)  # noqa: E731
+    misfit = free < 0
+    for r in parts:  # largest first, each onto the least loaded core it fits: alone while cores last
+        fits = [b for b in bins if load(b) + specs[r].compute_share <= 1 + 1e-9]
+        misfit = misfit or not fits
+        if fits:
+            min(fits, key=load).append(r)
+    if misfit:
         shares = [s.compute_share for s in specs if s.compute_share is not None]
-        raise ConfigError(f"the cluster's compute shares ({', '.join(f'{s:g}' for s in shares)} cores) need {needed} "
-                          f"cores here, but this machine has {len(cpus)}; lower the shares (each rank below one core "
-                          "shares a core), or set the cluster key 'cpu_emulation': 'quota' to oversubscribe")
-    ranks: dict[int, RankCpu] = {r: RankCpu(c, CORE_WEIGHT * len(c), None) for r, c in whole.items()}
+        raise ConfigError(f"the cluster's compute shares ({', '.join(f'{s:g}' for s in shares)} cores) do not fit the "
+                          f"{len(cpus)} cores of this machine; lower the shares (ranks below one core can share a "
+                          "core), or set the cluster key 'cpu_emulation': 'quota' to oversubscribe")
+    taken, cores = 0, {}
+    for r in whole:
+        n = int(specs[r].compute_share)
+        cores[r] = tuple(cpus[taken:taken + n])
+        taken += n
+    ranks: dict[int, RankCpu] = {r: RankCpu(c, CORE_WEIGHT * len(c), None) for r, c in cores.items()}
     fillers = []
-    for b, cpu in zip(bins, free):
+    for b, cpu in zip(bins, cpus[taken:]):
         for r in b:
             ranks[r] = RankCpu((cpu,), max(2, round(CORE_WEIGHT * specs[r].compute_share)),
                                cluster.quota_us(r) if len(b) > 1 else None)
-        rest = 1 - sum(specs[r].compute_share for r in b)
-        if rest >= MIN_FILLER_SHARE:
+        rest = 1 - load(b)
+        if b and rest >= MIN_FILLER_SHARE:
             fillers.append((cpu, max(2, round(CORE_WEIGHT * rest))))
     return Placement(tuple(ranks.get(r, RankCpu(None, DEFAULT_WEIGHT, None)) for r in range(len(specs))),
                      tuple(fillers))

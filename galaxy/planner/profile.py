@@ -87,13 +87,15 @@ def memory_budget(device: torch.device, local_ranks: int, override_gb: Optional[
 
 
 def calibrate(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str, device: torch.device,
-              reps: int, barrier, window_s: float = 0.0) -> RankProfile:
+              reps: int, barrier, rank: int = 0, world: int = 1, window_s: float = 0.0) -> RankProfile:
     """``me`` with its overheads or compute scales: the whole serial model run by the training loop's
     own Trainer (data, masking, loss, grad norm, optimizer, Python between the blocks) and a batch-1
     forward, against what the cost model predicts for them from this rank's pieces. Where the real
     run took longer, the difference is an overhead every prediction adds; where it took less, the
     pieces' compute is scaled down to match (blocks timed one by one run a little slower than in
-    the model, 5-15% on CPU), so a plan on this rank alone is predicted as measured."""
+    the model, 5-15% on CPU), so a plan on this rank alone is predicted as measured. The ranks take
+    turns (``barrier`` between them): devices that share a host's memory bus (an emulated cluster)
+    would otherwise slow each other's serial run, which a plan on one device never sees."""
     from galaxy.config import GalaxyConfig
     from galaxy.models import build_model
     from galaxy.train.loop import make_trainer
@@ -114,28 +116,33 @@ def calibrate(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str, 
     trainer = make_trainer(model, cfg, ctx)
     steps, forwards = [], []
     ids = torch.randint(0, m.vocab_size, (1, seq), device=device)
-    for i in range(reps + 1):
-        barrier()
-        synchronize(device)
-        t0 = time.perf_counter()
-        loss = trainer.forward_backward(trainer.read_batch(batch_at, i))
-        trainer.optimizer_step(loss, i + 1)
-        loss.item()
-        t1 = time.perf_counter()
-        barrier()
-        model.eval()
 
-        def forward() -> tuple[float]:
-            with torch.no_grad():
-                t2 = time.perf_counter()
-                model(ids)
-                synchronize(device)
-                return (time.perf_counter() - t2,)
-        forward_s = windowed(forward, window_s if i else 0.0)[0]
-        model.train()
-        if i:
-            steps.append(t1 - t0)
-            forwards.append(forward_s)
+    def forward() -> tuple[float]:
+        with torch.no_grad():
+            synchronize(device)
+            t = time.perf_counter()
+            model(ids)
+            synchronize(device)
+            return (time.perf_counter() - t,)
+
+    for turn in range(world):  # one rank at a time, as a plan on one device runs: the others idle
+        barrier()
+        if turn != rank:
+            continue
+        for i in range(reps + 1):
+            synchronize(device)
+            t0 = time.perf_counter()
+            loss = trainer.forward_backward(trainer.read_batch(batch_at, i))
+            trainer.optimizer_step(loss, i + 1)
+            loss.item()
+            t1 = time.perf_counter()
+            model.eval()
+            forward_s = windowed(forward, window_s if i else 0.0)[0]
+            model.train()
+            if i:
+                steps.append(t1 - t0)
+                forwards.append(forward_s)
+    barrier()
     return calibrated(me, m, rows, seq, dtype, statistics.median(steps), statistics.median(forwards))
 
 
@@ -245,7 +252,7 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
                 groups[members] = measure_group(comm, ctx.device, sizes, reps)
             barrier()
     mine = calibrate(RankProfile(rank, host, memory, pieces, optimizer), m, max(rows), seq, dtype, ctx.device,
-                     reps, barrier, window_s)
+                     reps, barrier, rank, world, window_s)
     everyone = [(mine, groups)]
     if world > 1:
         everyone = [None] * world
