@@ -86,16 +86,15 @@ def memory_budget(device: torch.device, local_ranks: int, override_gb: Optional[
 # ----------------------------------------------------------------------------- the rest of a step
 
 
-def calibrate(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str, device: torch.device,
-              reps: int, barrier, rank: int = 0, world: int = 1, window_s: float = 0.0) -> RankProfile:
-    """``me`` with its overheads or compute scales: the whole serial model run by the training loop's
-    own Trainer (data, masking, loss, grad norm, optimizer, Python between the blocks) and a batch-1
-    forward, against what the cost model predicts for them from this rank's pieces. Where the real
-    run took longer, the difference is an overhead every prediction adds; where it took less, the
-    pieces' compute is scaled down to match (blocks timed one by one run a little slower than in
-    the model, 5-15% on CPU), so a plan on this rank alone is predicted as measured. The ranks take
-    turns (``barrier`` between them): devices that share a host's memory bus (an emulated cluster)
-    would otherwise slow each other's serial run, which a plan on one device never sees."""
+def measure_serial(m: ModelConfig, rows: int, seq: int, dtype: str, device: torch.device, reps: int, barrier,
+                   rank: int = 0, world: int = 1, window_s: float = 0.0):
+    """Median seconds of a whole serial training step of ``rows`` rows, run by the training loop's own
+    Trainer (data, masking, loss, grad norm, optimizer, Python between the blocks), and of a batch-1
+    forward, as ``(alone, together)`` pairs: ``alone`` with the ranks taking turns (``barrier``
+    between them), as a plan on one device runs with the others idle; ``together`` with every rank
+    at once, as the pieces are timed (devices that share a host's memory bus, as an emulated
+    cluster's do, slow each other). This runs first, in a fresh process, as the CLIs do: the steps
+    one after another (the first untimed), then the forwards."""
     from galaxy.config import GalaxyConfig
     from galaxy.models import build_model
     from galaxy.train.loop import make_trainer
@@ -114,7 +113,6 @@ def calibrate(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str, 
             ids = torch.randint(0, m.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(step))
             return {"input_ids": ids, "labels": ids}
     trainer = make_trainer(model, cfg, ctx)
-    steps, forwards = [], []
     ids = torch.randint(0, m.vocab_size, (1, seq), device=device)
 
     def forward() -> tuple[float]:
@@ -125,31 +123,39 @@ def calibrate(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str, 
             synchronize(device)
             return (time.perf_counter() - t,)
 
-    for turn in range(world):  # one rank at a time, as a plan on one device runs: the others idle
-        barrier()
-        if turn != rank:
-            continue
+    def runs(first: int) -> tuple[float, float]:
+        steps = []
+        model.train()
         for i in range(reps + 1):
             synchronize(device)
             t0 = time.perf_counter()
-            loss = trainer.forward_backward(trainer.read_batch(batch_at, i))
-            trainer.optimizer_step(loss, i + 1)
+            loss = trainer.forward_backward(trainer.read_batch(batch_at, first + i))
+            trainer.optimizer_step(loss, first + i + 1)
             loss.item()
-            t1 = time.perf_counter()
-            model.eval()
-            forward_s = windowed(forward, window_s if i else 0.0)[0]
-            model.train()
             if i:
-                steps.append(t1 - t0)
-                forwards.append(forward_s)
+                steps.append(time.perf_counter() - t0)
+        model.eval()
+        forwards = [windowed(forward, window_s if i else 0.0)[0] for i in range(reps + 1)][1:]
+        return statistics.median(steps), statistics.median(forwards)
+
+    alone = None
+    for turn in range(world):  # one rank at a time, as a plan on one device runs: the others idle
+        barrier()
+        if turn == rank:
+            alone = runs(0)
     barrier()
-    return calibrated(me, m, rows, seq, dtype, statistics.median(steps), statistics.median(forwards))
+    together = runs(reps + 1) if world > 1 else alone  # all at once, as the pieces were timed
+    barrier()
+    return alone, together
 
 
 def calibrated(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str, step_s: float,
                forward_s: float) -> RankProfile:
     """``me`` with the overheads or compute scales that make the cost model predict a serial training
-    step of ``rows`` rows as ``step_s`` and a batch-1 forward as ``forward_s``."""
+    step of ``rows`` rows as ``step_s`` and a batch-1 forward as ``forward_s`` (``measure_serial``):
+    where the real run took longer than the pieces' prediction, the difference is an overhead every
+    prediction adds; where it took less (blocks timed one by one run a little slower than inside
+    the model, 5-15% on CPU), the pieces' compute is scaled down to match."""
     me = dataclasses.replace(me, step_overhead_s=0.0, forward_overhead_s=0.0, step_compute_scale=1.0,
                              forward_compute_scale=1.0)
     alone = ClusterProfile(1, "none", "cpu", m, tuple(me.pieces), seq, dtype, (me,), {})
@@ -234,6 +240,7 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
     world, run_group, rank = ctx.mp.size, ctx.mp.group, ctx.mp.rank
     barrier = (lambda: dist.barrier(group=run_group)) if world > 1 else (lambda: None)
     rows = tuple(sorted(set(rows)))
+    serial = measure_serial(m, max(rows), seq, dtype, ctx.device, reps, barrier, rank, world, window_s)
     pieces = {n: measure_blocks(m, n, seq, ctx.device, dtype, reps, barrier, ffn_unit, window_s) for n in rows}
     optimizer = measure_optimizer(ctx.device, min(model_params(m), 2**24), reps, barrier, window_s)
     host = socket.gethostname()
@@ -251,8 +258,9 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
                 comm = Communicator("probe", members.index(rank), len(members), group)
                 groups[members] = measure_group(comm, ctx.device, sizes, reps)
             barrier()
-    mine = calibrate(RankProfile(rank, host, memory, pieces, optimizer), m, max(rows), seq, dtype, ctx.device,
-                     reps, barrier, rank, world, window_s)
+    alone, together = serial
+    mine = calibrated(RankProfile(rank, host, memory, pieces, optimizer), m, max(rows), seq, dtype, *together)
+    mine = dataclasses.replace(mine, alone_step_factor=alone[0] / together[0], alone_forward_factor=alone[1] / together[1])
     everyone = [(mine, groups)]
     if world > 1:
         everyone = [None] * world
