@@ -191,10 +191,12 @@ def model_params(m: ModelConfig) -> int:
 
 
 def message_sizes(most_bytes: int) -> list[int]:
+    """4 KiB, then x4 up to 256 KiB, then x2 (a shaped link's queue overflows somewhere up there, and
+    the time bends) up to ``most_bytes``."""
     sizes, n = [], 4096
     while n < most_bytes:
         sizes.append(n)
-        n *= 4
+        n *= 4 if n < 2**18 else 2
     return sizes + [most_bytes]
 
 
@@ -251,8 +253,10 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
     memory = memory_budget(ctx.device, hosts.count(host), memory_gb)
     groups = {}
     if world > 1:
+        # the largest activation collective of any plan: K and V gathered, padded to a shard that
+        # holds every token (world x the whole activation, twice)
         act = max(rows) * seq * m.hidden_size * 4
-        sizes = message_sizes(most_bytes or min(max(act, 2**20), 2**26))
+        sizes = message_sizes(most_bytes or min(max(2 * world * act, 2**20), 2**26))
         for members, group in probe_groups(run_group, world):
             if rank in members:
                 comm = Communicator("probe", members.index(rank), len(members), group)
