@@ -7,7 +7,7 @@
                                                      "infer_s": [...], "act_bytes": [...]}, ...}, "1": {...}},
                 "optimizer": {"alpha_s": a, "s_per_param": b, "samples": [[params, seconds], ...]},
                 "step_overhead_s": o, "forward_overhead_s": f, "step_compute_scale": c,
-                "forward_compute_scale": d, "alone_step_factor": e, "alone_forward_factor": g}],
+                "forward_compute_scale": d}],
      "groups": [{"ranks": [0, 1], "ops": {"all_reduce": {"alpha_s": a, "beta_s_per_byte": b,
                                                          "samples": [[bytes, seconds], ...]}, ...}}]}
 
@@ -21,9 +21,7 @@ The overheads are what a real serial training step / batch-1 forward of the mode
 rank beyond the cost model's prediction from its pieces; every prediction adds them. Where the real
 model took less than its pieces (blocks timed one by one run a little slower than inside the
 model), the compute scales (at most 1; absent: 1) say by how much, and every piece's time on that
-rank is scaled by them. Those serial runs are timed with every rank at once, as the pieces are; the
-alone factors (absent: 1) say how much faster the same run was with the other ranks idle, as a plan
-on that one device runs.
+rank is scaled by them.
 """
 
 from __future__ import annotations
@@ -199,10 +197,6 @@ class RankProfile:
     # real serial compute over the pieces' prediction where it was less (training, inference)
     step_compute_scale: float = 1.0
     forward_compute_scale: float = 1.0
-    # a serial run with the other ranks idle over one with every rank at once: a plan on this
-    # device alone takes this much of its prediction (training, inference)
-    alone_step_factor: float = 1.0
-    alone_forward_factor: float = 1.0
 
     def piece(self, name: str, rows: int, sizes, inference: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(forward s, backward s, saved bytes) of piece ``name`` at ``rows`` rows and ``sizes``;
@@ -274,8 +268,7 @@ class ClusterProfile:
                        "optimizer": {"alpha_s": r.optimizer.alpha_s, "s_per_param": r.optimizer.beta_s_per_byte,
                                      "samples": [list(s) for s in r.optimizer.samples]},
                        "step_overhead_s": r.step_overhead_s, "forward_overhead_s": r.forward_overhead_s,
-                       "step_compute_scale": r.step_compute_scale, "forward_compute_scale": r.forward_compute_scale,
-                       "alone_step_factor": r.alone_step_factor, "alone_forward_factor": r.alone_forward_factor}
+                       "step_compute_scale": r.step_compute_scale, "forward_compute_scale": r.forward_compute_scale}
                       for r in self.ranks],
             "groups": [{"ranks": list(g), "ops": {op: {"alpha_s": ab.alpha_s, "beta_s_per_byte": ab.beta_s_per_byte,
                                                        "samples": [list(s) for s in ab.samples]}
@@ -382,9 +375,9 @@ def cluster_from_dict(raw: Any, source: str = "<dict>") -> ClusterProfile:
                               r.get(opt, "s_per_param", f"{path}optimizer.", float),
                               r.samples(opt, f"{path}optimizer."))
         scales = {}
-        for key in ("step_compute_scale", "forward_compute_scale", "alone_step_factor", "alone_forward_factor"):
+        for key in ("step_compute_scale", "forward_compute_scale"):
             scales[key] = r.get(rank_raw, key, path, float, positive=True) if key in rank_raw else 1.0  # older: 1
-            if key.endswith("scale") and scales[key] > 1:
+            if scales[key] > 1:
                 raise r.fail(f"{path}{key}", f"must be at most 1 (a longer real step is an overhead), got {scales[key]}")
         ranks.append(RankProfile(i, str(rank_raw.get("host", "")),
                                  r.get(rank_raw, "memory_bytes", path, int, positive=True), pieces, optimizer,

@@ -263,7 +263,7 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
         time = clock.max(axis=1)
         working = max((e.act for e in layer + head_ev if isinstance(e, Compute)), key=lambda a: a.sum())
         memory[:, g.ranks] = params[0] * work.elem + working
-        return _finish(cluster, time * _alone(cluster, work), memory, detail)
+        return _finish(cluster, time, memory, detail)
 
     opt = {r: cluster.ranks[r].optimizer for r in range(world)}
     grad_bytes = 8 if work.dtype == "float64" else 4  # gradients are reduced in the master weights' precision
@@ -402,15 +402,7 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
             g.segments.finish(clocks[(d, p)])
         end = np.maximum(end, clocks[(d, p)].max(axis=1))
     detail["comm_bytes"] = sent
-    return _finish(cluster, end * _alone(cluster, work), memory, detail)
-
-
-def _alone(cluster: ClusterProfile, work: Workload) -> float:
-    """A plan on one device runs with the cluster's other devices idle: its measured factor."""
-    if cluster.world > 1:
-        return 1.0
-    rank = cluster.ranks[0]
-    return rank.alone_forward_factor if work.objective == "latency" else rank.alone_step_factor
+    return _finish(cluster, end, memory, detail)
 
 
 def _finish(cluster: ClusterProfile, time: np.ndarray, memory: np.ndarray, detail: dict) -> Prediction:

@@ -86,15 +86,12 @@ def memory_budget(device: torch.device, local_ranks: int, override_gb: Optional[
 # ----------------------------------------------------------------------------- the rest of a step
 
 
-def measure_serial(m: ModelConfig, rows: int, seq: int, dtype: str, device: torch.device, reps: int, barrier,
-                   rank: int = 0, world: int = 1, window_s: float = 0.0):
+def measure_serial(m: ModelConfig, rows: int, seq: int, dtype: str, device: torch.device, reps: int,
+                   window_s: float = 0.0) -> tuple[float, float]:
     """Median seconds of a whole serial training step of ``rows`` rows, run by the training loop's own
     Trainer (data, masking, loss, grad norm, optimizer, Python between the blocks), and of a batch-1
-    forward, as ``(alone, together)`` pairs: ``alone`` with the ranks taking turns (``barrier``
-    between them), as a plan on one device runs with the others idle; ``together`` with every rank
-    at once, as the pieces are timed (devices that share a host's memory bus, as an emulated
-    cluster's do, slow each other). This runs first, in a fresh process, as the CLIs do: the steps
-    one after another (the first untimed), then the forwards."""
+    forward. It runs first, in a fresh process, as the CLIs do: the steps one after another (the
+    first two untimed: allocation and first touch of the memory), then the forwards."""
     from galaxy.config import GalaxyConfig
     from galaxy.models import build_model
     from galaxy.train.loop import make_trainer
@@ -114,6 +111,16 @@ def measure_serial(m: ModelConfig, rows: int, seq: int, dtype: str, device: torc
             return {"input_ids": ids, "labels": ids}
     trainer = make_trainer(model, cfg, ctx)
     ids = torch.randint(0, m.vocab_size, (1, seq), device=device)
+    steps = []
+    for i in range(reps + 2):
+        synchronize(device)
+        t0 = time.perf_counter()
+        loss = trainer.forward_backward(trainer.read_batch(batch_at, i))
+        trainer.optimizer_step(loss, i + 1)
+        loss.item()
+        if i >= 2:
+            steps.append(time.perf_counter() - t0)
+    model.eval()
 
     def forward() -> tuple[float]:
         with torch.no_grad():
@@ -122,31 +129,8 @@ def measure_serial(m: ModelConfig, rows: int, seq: int, dtype: str, device: torc
             model(ids)
             synchronize(device)
             return (time.perf_counter() - t,)
-
-    def runs(first: int) -> tuple[float, float]:
-        steps = []
-        model.train()
-        for i in range(reps + 1):
-            synchronize(device)
-            t0 = time.perf_counter()
-            loss = trainer.forward_backward(trainer.read_batch(batch_at, first + i))
-            trainer.optimizer_step(loss, first + i + 1)
-            loss.item()
-            if i:
-                steps.append(time.perf_counter() - t0)
-        model.eval()
-        forwards = [windowed(forward, window_s if i else 0.0)[0] for i in range(reps + 1)][1:]
-        return statistics.median(steps), statistics.median(forwards)
-
-    alone = None
-    for turn in range(world):  # one rank at a time, as a plan on one device runs: the others idle
-        barrier()
-        if turn == rank:
-            alone = runs(0)
-    barrier()
-    together = runs(reps + 1) if world > 1 else alone  # all at once, as the pieces were timed
-    barrier()
-    return alone, together
+    forwards = [windowed(forward, window_s if i else 0.0)[0] for i in range(reps + 1)][1:]
+    return statistics.median(steps), statistics.median(forwards)
 
 
 def calibrated(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str, step_s: float,
@@ -242,7 +226,7 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
     world, run_group, rank = ctx.mp.size, ctx.mp.group, ctx.mp.rank
     barrier = (lambda: dist.barrier(group=run_group)) if world > 1 else (lambda: None)
     rows = tuple(sorted(set(rows)))
-    serial = measure_serial(m, max(rows), seq, dtype, ctx.device, reps, barrier, rank, world, window_s)
+    serial = measure_serial(m, max(rows), seq, dtype, ctx.device, reps, window_s)
     pieces = {n: measure_blocks(m, n, seq, ctx.device, dtype, reps, barrier, ffn_unit, window_s) for n in rows}
     optimizer = measure_optimizer(ctx.device, min(model_params(m), 2**24), reps, barrier, window_s)
     host = socket.gethostname()
@@ -262,9 +246,7 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
                 comm = Communicator("probe", members.index(rank), len(members), group)
                 groups[members] = measure_group(comm, ctx.device, sizes, reps)
             barrier()
-    alone, together = serial
-    mine = calibrated(RankProfile(rank, host, memory, pieces, optimizer), m, max(rows), seq, dtype, *together)
-    mine = dataclasses.replace(mine, alone_step_factor=alone[0] / together[0], alone_forward_factor=alone[1] / together[1])
+    mine = calibrated(RankProfile(rank, host, memory, pieces, optimizer), m, max(rows), seq, dtype, *serial)
     everyone = [(mine, groups)]
     if world > 1:
         everyone = [None] * world
