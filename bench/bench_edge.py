@@ -82,6 +82,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--profile_reps", type=int, default=3, help="repetitions per profiler measurement")
     p.add_argument("--validate", type=int, default=3,
                    help="the planner's top plans run on the cluster (plan_galaxy.py --validate; the first is 'planned')")
+    p.add_argument("--validate_runs", type=int, default=2, help="launches per validated plan (their mean)")
     p.add_argument("--window_ms", type=float, default=200.0,
                    help="the profiler averages each timing over this long (two periods of the CPU quota)")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "results"), help="JSON and PNG go here")
@@ -96,7 +97,7 @@ def parse() -> argparse.Namespace:
         args.models, args.shares, args.links, args.objectives = "bert", "1:2", "1000", "latency"
         args.contenders = "alone,tp,planned"
         args.layers, args.seq, args.batch, args.reps, args.warmup, args.profile_reps = 1, 16, 2, 2, 1, 1
-        args.validate = 1
+        args.validate, args.validate_runs = 1, 1
         args.window_ms = 0.0
     return args
 
@@ -160,7 +161,8 @@ def profile_and_plan(work: str, cfg_path: str, cluster: str, objectives: list[st
         steps = args.reps if objective == "latency" else args.steps
         if launch([sys.executable, "plan_galaxy.py", "--model", cfg_path, "--cluster", prof, "--objective", objective,
                    "--out", path, "--top", "12", "--validate", str(args.validate), "--validate_steps", str(steps),
-                   "--emulate", cluster], args.timeout * max(1, args.validate)) is None:
+                   "--validate_runs", str(args.validate_runs), "--emulate", cluster],
+                  args.timeout * max(1, args.validate * args.validate_runs)) is None:
             continue
         with open(os.path.splitext(path)[0] + ".plans.json") as f:
             plans[objective] = {"config": path, "table": json.load(f)["plans"]}
@@ -278,7 +280,7 @@ def run_scenario(model: str, shares: list[int], link: float, args, objectives: l
                     row["predicted_ms"] = predict_alone(plans["profile"], cfg, objective)
                 rows[contender] = row
             result[objective]["contenders"] = rows
-            result[objective]["verdict"] = verdict(rows, objective, plans.get(objective, {}).get("table", []))
+            result[objective]["verdict"] = verdict(result, objective)
     result["load_after"] = load_average()
     return result
 
@@ -290,10 +292,14 @@ def median_of(row: dict, objective: str) -> Optional[float]:
     return m["forward"]["median_ms"] if objective == "latency" else m["median_ms"]
 
 
-def verdict(rows: dict, objective: str, table: list[dict]) -> dict:
+def verdict(scenario: dict, objective: str) -> dict:
     """What the issue asks of a scenario: the planned plan against the best even split and even TP,
-    the planner's pick against the fastest measured contender (validated plans included), and the
-    prediction error of every contender and of every validated plan."""
+    the planner's pick against the fastest measured plan (validated plans included), and the
+    prediction error of every contender and of every validated plan. A pick of the fastest device
+    alone is the ``alone`` contender's configuration: the two are one plan measured twice (their gap
+    is this machine's run-to-run noise, kept as ``alone_vs_planned``), not a faster plan."""
+    rows = scenario[objective]["contenders"]
+    table = scenario[objective].get("planner_table", [])
     times = {k: median_of(r, objective) for k, r in rows.items()}
     times = {k: v for k, v in times.items() if v is not None}
     out = {"fastest": min(times, key=times.get) if times else None}
@@ -305,6 +311,12 @@ def verdict(rows: dict, objective: str, table: list[dict]) -> dict:
     if planned and "tp" in times:
         out["planned_vs_tp"] = round(times["tp"] / planned, 3)
     validated = [r for r in table if r.get("measured_ms") is not None]
+    pick = rows.get("planned", {})
+    shares = scenario["shares"]
+    if pick.get("plan") == "none" and len(pick.get("devices") or []) == 1 and shares[pick["devices"][0]] == max(shares):
+        out["planned_is_alone"] = True
+        if "alone" in times and planned:
+            out["alone_vs_planned"] = round(times.pop("alone") / planned, 3)
     if planned:
         out["planned_vs_fastest"] = round(planned / min([*times.values(), *(r["measured_ms"] for r in validated)]), 3)
     errors = {k: round(r["predicted_ms"] / times[k] - 1, 3) for k, r in rows.items()
@@ -321,9 +333,9 @@ def accuracy(results: list[dict]) -> str:
     validated, every, picks = [], [], []
     for r in results:
         for objective in ("latency", "train"):
-            v = r[objective].get("verdict")
-            if not v:
+            if not r[objective].get("contenders"):
                 continue
+            v = verdict(r, objective)
             validated += v.get("validation_error", [])
             every += [e for k, e in v.get("prediction_error", {}).items() if k != "planned"]
             every += v.get("validation_error", [])
@@ -357,7 +369,7 @@ def markdown(results: list[dict]) -> str:
                 t = median_of(rows[c], objective) if c in rows else None
                 pred = rows.get(c, {}).get("predicted_ms")
                 cells.append("-" if t is None else f"{t:.1f}" + (f" ({pred:.0f})" if pred else ""))
-            v, planned = r[objective]["verdict"], rows.get("planned", {})
+            v, planned = verdict(r, objective), rows.get("planned", {})
             plan = planned.get("plan", "-") + (f" ({planned['layout']})" if planned.get("layout") else "")
             if planned.get("devices") is not None and len(planned["devices"]) < len(r["shares"]):
                 plan += f" on device{'s' if len(planned['devices']) > 1 else ''} {planned['devices']}"

@@ -127,6 +127,9 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--validate", type=int, default=0, metavar="K", help="run the top K plans and print measured times")
     p.add_argument("--validate_steps", type=int, default=5,
                    help="training steps (the first untimed) or timed forwards per validated plan")
+    p.add_argument("--validate_runs", type=int, default=1,
+                   help="launches per validated plan, taking turns with the other plans; the mean of their medians "
+                        "(a process's own speed varies by a few percent from launch to launch)")
     p.add_argument("--emulate", default=None, metavar="CLUSTER_JSON",
                    help="validate on this emulated cluster (galaxy/emulate), the one the profile was measured on")
     return p
@@ -203,8 +206,9 @@ def plan_main(argv: list[str]) -> int:
         cfg = workload_config(args)
         cluster = load_cluster(args.cluster)
         check_model(cluster, cfg, args.cluster)
-        if args.top < 1 or args.validate < 0 or args.validate_steps < 2:
-            raise ConfigError("--top must be at least 1, --validate at least 0 and --validate_steps at least 2")
+        if args.top < 1 or args.validate < 0 or args.validate_steps < 2 or args.validate_runs < 1:
+            raise ConfigError("--top must be at least 1, --validate at least 0, --validate_steps at least 2 and "
+                              "--validate_runs at least 1")
         if args.emulate:
             from galaxy.emulate import Cluster, cgroups
 
@@ -229,7 +233,7 @@ def plan_main(argv: list[str]) -> int:
         json.dump(configs[0], f, indent=2)
     print(f"searched in {time.perf_counter() - started:.2f}s; best plan written to {args.out}", flush=True)
     rows = table_rows(choices)
-    measured = [validate(config, len(c.devices), args) for config, c in zip(configs, choices[:args.validate])] or None
+    measured = validate_all(configs[:args.validate], choices, args) or None
     if measured:
         measured += [None] * (len(rows) - len(measured))
         for row, m in zip(rows, measured):
@@ -246,6 +250,19 @@ def plan_main(argv: list[str]) -> int:
 # ----------------------------------------------------------------------------- validation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def validate_all(configs: list[dict], choices: list[Choice], args: argparse.Namespace) -> list[Optional[float]]:
+    """Seconds of each validated plan: ``--validate_runs`` launches each, the plans taking turns (a
+    slow spell of the machine then touches every plan alike), the mean of the launches; None for
+    a plan whose every launch failed."""
+    runs: list[list[float]] = [[] for _ in configs]
+    for _ in range(args.validate_runs):
+        for taken, config, choice in zip(runs, configs, choices):
+            seconds = validate(config, len(choice.devices), args)
+            if seconds is not None:
+                taken.append(seconds)
+    return [statistics.mean(t) if t else None for t in runs]
 
 
 def validate(config: dict, world: int, args: argparse.Namespace) -> Optional[float]:
