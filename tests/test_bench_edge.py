@@ -36,3 +36,17 @@ def test_quick_scenario_end_to_end(tmp_path):
     verdict = scenario["latency"]["verdict"]
     assert verdict["fastest"] in rows and len(verdict["validation_error"]) == 1
     assert "| bert | 1:2 | 1000 | latency |" in out.stdout and "prediction error, validated plans" in out.stdout
+
+
+@pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+def test_share_bench_measures_a_half_core_as_about_twice_as_slow_for_long_pieces(tmp_path):
+    """``bench/bench_share.py``: pieces of 20 ms on half a core take about twice a free core's time."""
+    path = tmp_path / "share.json"
+    out = subprocess.run([sys.executable, "bench/bench_share.py", "--modes", "cores", "--pieces", "20", "--waits",
+                          "0,5", "--seconds", "0.5", "--out", str(path)], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(path.read_text())["modes"]["cores"]
+    assert [(r["piece_ms"], r["wait_ms"]) for r in rows] == [(20, 0), (20, 5)]
+    for r in rows:
+        assert 1.4 < r["ratio"] < 2.7, r
