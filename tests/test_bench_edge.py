@@ -37,6 +37,19 @@ def test_quick_scenario_end_to_end(tmp_path):
     assert verdict["fastest"] in rows and len(verdict["validation_error"]) == 1
     assert "| bert | 1:2 | 1000 | latency |" in out.stdout and "prediction error, validated plans" in out.stdout
 
+    # bench/edge_breakdown.py on this result: the TP contender again, per rank, next to the same prediction
+    out = subprocess.run([sys.executable, "bench/edge_breakdown.py", str(tmp_path / "edge_bert.json"), "--methods",
+                          "TP/None/TP", "--warmup", "1", "--reps", "2"], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    breakdown = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["rank"] for r in breakdown["measured"]] == [0, 1] == [r["rank"] for r in breakdown["predicted"]]
+    for r in breakdown["measured"]:
+        assert r["total_ms"] > 0 and r["compute_ms"] > 0 and r["collectives_ms"] > 0, r
+    for r in breakdown["predicted"]:
+        assert r["total_ms"] == pytest.approx(rows["tp"]["predicted_ms"], rel=1e-3), r
+        assert 0 < r["compute_ms"] < r["total_ms"], r
+
 
 @pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 def test_share_bench_measures_a_half_core_as_about_twice_as_slow_for_long_pieces(tmp_path):
