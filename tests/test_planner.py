@@ -110,7 +110,7 @@ def test_calibration_predicts_the_serial_runs_it_was_given(slower):
     forward = predict(alone, latency, none, serial).time_s[0]
     optimizer = float(alone.ranks[0].optimizer(model_params(m)))
     measured_step = optimizer + (step - optimizer) * slower
-    rank = calibrated(cluster.ranks[1], m, rows, seq, "float32", measured_step, forward * slower)
+    rank = calibrated(cluster.ranks[1], m, rows, seq, "float32", [measured_step], [forward * slower])
     assert (rank.step_compute_scale, rank.forward_compute_scale) == ((1.0, 1.0) if slower > 1 else (slower,) * 2)
     assert (rank.step_overhead_s > 0) == (slower > 1) and (rank.forward_overhead_s > 0) == (slower > 1)
     again = dataclasses.replace(alone, ranks=(dataclasses.replace(rank, rank=0),))
@@ -120,6 +120,29 @@ def test_calibration_predicts_the_serial_runs_it_was_given(slower):
     split = Splits.balanced(m, seq, 2)
     before, after = (predict(c, latency, (TP, SP, TP), split).time_s[0] for c in (cluster, both))
     assert (after > before) == (slower > 1)
+
+
+def test_calibration_takes_an_overhead_from_the_fastest_run_only():
+    """Serial runs with a burst of load in one of them: the overhead is what the fastest run took
+    beyond the pieces (the burst is not charged to every plan); runs straddling the prediction
+    (fastest below, median above) change nothing."""
+    from galaxy.planner.profile import calibrated
+
+    cluster = synthetic_cluster(LLAMA, 2, [1.0, 0.5])
+    m, seq, rows = cluster.model, cluster.seq_length, cluster.rows[0]
+    serial, none = Splits.balanced(m, seq, 1), (NONE, NONE, NONE)
+    alone = cluster.restrict([1])
+    step = predict(alone, Workload(m, "train", rows, seq), none, serial).time_s[0]
+    forward = predict(alone, Workload(m, "latency", rows, seq), none, serial).time_s[0]
+    rank = calibrated(cluster.ranks[1], m, rows, seq, "float32", [step * 1.1, step * 1.4, step * 1.1],
+                      [forward * 1.05, forward * 1.05, forward * 3])
+    assert rank.step_overhead_s == pytest.approx(step * 0.1, rel=1e-9)
+    assert rank.forward_overhead_s == pytest.approx(forward * 0.05, rel=1e-9)
+    assert (rank.step_compute_scale, rank.forward_compute_scale) == (1.0, 1.0)
+    rank = calibrated(cluster.ranks[1], m, rows, seq, "float32", [step * 0.9, step * 1.2, step * 1.3],
+                      [forward * 0.9, forward * 1.1, forward * 1.2])
+    assert (rank.step_overhead_s, rank.forward_overhead_s, rank.step_compute_scale,
+            rank.forward_compute_scale) == (0.0, 0.0, 1.0, 1.0)
 
 
 def test_windowed_timing_shares_the_wall_time_by_the_parts():

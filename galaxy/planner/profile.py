@@ -87,11 +87,11 @@ def memory_budget(device: torch.device, local_ranks: int, override_gb: Optional[
 
 
 def measure_serial(m: ModelConfig, rows: int, seq: int, dtype: str, device: torch.device, reps: int,
-                   window_s: float = 0.0) -> tuple[float, float]:
-    """Median seconds of a whole serial training step of ``rows`` rows, run by the training loop's own
-    Trainer (data, masking, loss, grad norm, optimizer, Python between the blocks), and of a batch-1
-    forward. It runs first, in a fresh process, as the CLIs do: the steps one after another (the
-    first two untimed: allocation and first touch of the memory), then the forwards."""
+                   window_s: float = 0.0) -> tuple[list[float], list[float]]:
+    """Seconds of ``reps`` whole serial training steps of ``rows`` rows, run by the training loop's own
+    Trainer (data, masking, loss, grad norm, optimizer, Python between the blocks), and of ``reps``
+    batch-1 forwards. It runs first, in a fresh process, as the CLIs do: the steps one after another
+    (the first two untimed: allocation and first touch of the memory), then the forwards."""
     from galaxy.config import GalaxyConfig
     from galaxy.models import build_model
     from galaxy.train.loop import make_trainer
@@ -130,16 +130,18 @@ def measure_serial(m: ModelConfig, rows: int, seq: int, dtype: str, device: torc
             synchronize(device)
             return (time.perf_counter() - t,)
     forwards = [windowed(forward, window_s if i else 0.0)[0] for i in range(reps + 1)][1:]
-    return statistics.median(steps), statistics.median(forwards)
+    return steps, forwards
 
 
-def calibrated(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str, step_s: float,
-               forward_s: float) -> RankProfile:
-    """``me`` with the overheads or compute scales that make the cost model predict a serial training
-    step of ``rows`` rows as ``step_s`` and a batch-1 forward as ``forward_s`` (``measure_serial``):
-    where the real run took longer than the pieces' prediction, the difference is an overhead every
-    prediction adds; where it took less (blocks timed one by one run a little slower than inside
-    the model, 5-15% on CPU), the pieces' compute is scaled down to match."""
+def calibrated(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str, steps_s: Sequence[float],
+               forwards_s: Sequence[float]) -> RankProfile:
+    """``me`` with the overheads or compute scales that make the cost model predict the serial
+    training steps of ``rows`` rows ``steps_s`` and the batch-1 forwards ``forwards_s``
+    (``measure_serial``): where even the fastest run took longer than the pieces' prediction, the
+    difference is an overhead every prediction adds (one that every run pays; a burst of load in
+    some runs is not one); where the median run took less (blocks timed one by one run a little
+    slower than inside the model, 5-15% on CPU), the pieces' compute is scaled down to match;
+    in between, neither."""
     me = dataclasses.replace(me, step_overhead_s=0.0, forward_overhead_s=0.0, step_compute_scale=1.0,
                              forward_compute_scale=1.0)
     alone = ClusterProfile(1, "none", "cpu", m, tuple(me.pieces), seq, dtype, (me,), {})
@@ -149,15 +151,18 @@ def calibrated(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str,
     forward = predict(alone, Workload(m, "latency", rows, seq, dtype), none, serial).time_s[0]
     optimizer = float(me.optimizer(model_params(m)))
 
-    def split(measured: float, predicted: float, fixed: float) -> tuple[float, float]:
-        """(overhead, compute scale) for a run measured against a prediction of which ``fixed`` is
+    def split(measured: Sequence[float], predicted: float, fixed: float) -> tuple[float, float]:
+        """(overhead, compute scale) for runs measured against a prediction of which ``fixed`` is
         not the pieces' compute."""
-        if measured >= predicted:
-            return measured - predicted, 1.0
-        return 0.0, min(1.0, max(MIN_COMPUTE_SCALE, (measured - fixed) / max(predicted - fixed, 1e-12)))
+        if min(measured) >= predicted:
+            return min(measured) - predicted, 1.0
+        typical = statistics.median(measured)
+        if typical >= predicted:
+            return 0.0, 1.0
+        return 0.0, min(1.0, max(MIN_COMPUTE_SCALE, (typical - fixed) / max(predicted - fixed, 1e-12)))
 
-    step_overhead, step_scale = split(step_s, step, optimizer)
-    forward_overhead, forward_scale = split(forward_s, forward, 0.0)
+    step_overhead, step_scale = split(steps_s, step, optimizer)
+    forward_overhead, forward_scale = split(forwards_s, forward, 0.0)
     return dataclasses.replace(me, step_overhead_s=step_overhead, forward_overhead_s=forward_overhead,
                                step_compute_scale=step_scale, forward_compute_scale=forward_scale)
 
