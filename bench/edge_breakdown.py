@@ -74,6 +74,7 @@ def main() -> int:
     if sys.argv[1:2] == ["--rank"]:
         rank_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
         return 0
+    from bench_edge import ENV, cluster_file  # the scenario's cluster, built as bench_edge built it
     from galaxy.config import ConfigError, GalaxyConfig
     from galaxy.planner.cost import Splits
 
@@ -88,7 +89,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=10)
     args = p.parse_args()
     with open(args.result) as f:
-        scenarios = json.load(f)["scenarios"]
+        result = json.load(f)
+    scenarios, scenario_period_us = result["scenarios"], result["args"].get("cpu_period_us")
     if not 0 <= args.scenario < len(scenarios):
         p.error(f"--scenario must be 0..{len(scenarios) - 1}: '{args.result}' has {len(scenarios)} scenarios")
     s = scenarios[args.scenario]
@@ -109,16 +111,14 @@ def main() -> int:
     methods = (plan.att, plan.con, plan.mlp)
     splits = Splits.one(plan.heads_split, plan.ffn_split, plan.seq_split)
     with tempfile.TemporaryDirectory() as tmp:
-        config, cluster = os.path.join(tmp, "plan.json"), os.path.join(tmp, "cluster.json")
+        config = os.path.join(tmp, "plan.json")
         with open(config, "w") as f:
             json.dump(raw, f)
-        with open(cluster, "w") as f:
-            json.dump({"ranks": [{"compute_share": c} for c in s["cores"]],
-                       "links": {"bandwidth_mbit": s["link_mbit"]}}, f)
+        cluster = cluster_file(os.path.join(tmp, "cluster.json"), s["cores"], s["link_mbit"],
+                               scenario_period_us)
         run = subprocess.run([sys.executable, "-m", "galaxy.emulate", cluster, "--log-level", "WARNING", "--",
                               sys.executable, os.path.abspath(__file__), "--rank", config, str(args.warmup),
-                              str(args.reps)], capture_output=True, text=True, cwd=ROOT,
-                             env=dict(os.environ, PYTHONPATH=ROOT, THP_MEM_ALLOC_ENABLE="1"))
+                              str(args.reps)], capture_output=True, text=True, cwd=ROOT, env=ENV)
     if run.returncode != 0:
         print(run.stderr.strip().splitlines()[-1] if run.stderr.strip() else f"exit {run.returncode}", file=sys.stderr)
         return 1
