@@ -70,6 +70,11 @@ def predicted(profile: dict, cfg, methods: tuple, splits) -> list[dict]:
              "compute_ms": round(float(c) * 1e3, 3)} for r, c in enumerate(compute)]
 
 
+def per_rank(text: str) -> list[int]:
+    """'3,5' -> [3, 5] (argparse turns the ValueError into one line naming the flag)."""
+    return [int(x) for x in text.split(",")]
+
+
 def main() -> int:
     if sys.argv[1:2] == ["--rank"]:
         rank_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
@@ -82,9 +87,9 @@ def main() -> int:
     p.add_argument("result", help="a bench_edge.py JSON")
     p.add_argument("--scenario", type=int, default=0, help="index of the scenario in it")
     p.add_argument("--methods", required=True, help="ATT/CON/MLP, e.g. SP/SP/SP or TP/SP/TP")
-    p.add_argument("--heads", default=None, help="query heads per rank (ATT TP), e.g. 3,5")
-    p.add_argument("--ffn", default=None, help="FFN columns per rank (MLP TP)")
-    p.add_argument("--seq", default=None, help="tokens per rank (SP)")
+    p.add_argument("--heads", type=per_rank, default=None, help="query heads per rank (ATT TP), e.g. 3,5")
+    p.add_argument("--ffn", type=per_rank, default=None, help="FFN columns per rank (MLP TP)")
+    p.add_argument("--seq", type=per_rank, default=None, help="tokens per rank (SP)")
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--reps", type=int, default=10)
     args = p.parse_args()
@@ -94,6 +99,8 @@ def main() -> int:
     if not 0 <= args.scenario < len(scenarios):
         p.error(f"--scenario must be 0..{len(scenarios) - 1}: '{args.result}' has {len(scenarios)} scenarios")
     s = scenarios[args.scenario]
+    if "profile" not in s:
+        p.error(f"scenario {args.scenario} of '{args.result}' kept no cluster profile (its profiling failed)")
     names = args.methods.split("/")
     if len(names) != 3:
         p.error(f"--methods '{args.methods}': give ATT/CON/MLP, e.g. SP/SP/SP")
@@ -101,7 +108,7 @@ def main() -> int:
     lists = {"tp_num_attention_heads_list": args.heads, "tp_intermediate_size_list": args.ffn,
              "seq_scatter_list": args.seq}
     parallel = {"att_parallel_method": names[0], "con_parallel_method": names[1], "mlp_parallel_method": names[2],
-                **{k: [int(x) for x in v.split(",")] for k, v in lists.items() if v}}
+                **{k: v for k, v in lists.items() if v}}
     raw = {**s["config"], "parallel": parallel, "train": {**s["config"]["train"], "device": "cpu"}}
     try:
         cfg = GalaxyConfig.from_dict(raw)
