@@ -127,7 +127,8 @@ def main() -> int:
                               sys.executable, os.path.abspath(__file__), "--rank", config, str(args.warmup),
                               str(args.reps)], capture_output=True, text=True, cwd=ROOT, env=ENV)
     if run.returncode != 0:
-        print(run.stderr.strip().splitlines()[-1] if run.stderr.strip() else f"exit {run.returncode}", file=sys.stderr)
+        said = run.stderr.strip().splitlines()
+        print(said[-1] if said else f"exit {run.returncode}", file=sys.stderr)
         return 1
     measured = sorted((json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")),
                       key=lambda r: r["rank"])
@@ -135,8 +136,8 @@ def main() -> int:
     print(f"{s['model']} {':'.join(map(str, s['shares']))} at {s['link_mbit']:g} Mbit, {args.methods} "
           f"heads {list(plan.heads_split)} ffn {list(plan.ffn_split)} seq {list(plan.seq_split)}; ms, measured (predicted)")
     for m, q in zip(measured, model):
-        print(f"  rank {m['rank']} ({s['cores'][m['rank']]:g} cores): forward {m['total_ms']:.1f} ({q['total_ms']:.1f}), "
-              f"compute {m['compute_ms']:.1f} ({q['compute_ms']:.1f}), "
+        print(f"  rank {m['rank']} ({s['cores'][m['rank']]:g} cores): forward {m['total_ms']:.1f} "
+              f"({q['total_ms']:.1f}), compute {m['compute_ms']:.1f} ({q['compute_ms']:.1f}), "
               f"in collectives {m['collectives_ms']:.1f} ({q['collectives_ms']:.1f})")
     print(json.dumps({"measured": measured, "predicted": model}))
     return 0

@@ -22,9 +22,9 @@
   a whole core per whole unit of share; ranks below one core are packed onto shared cores, and the
   rest of a core's time goes to a filler process of the matching weight, so the rank gets its share
   whenever it computes, right after waiting on a link too, for pieces longer than the scheduler's
-  slice (a few ms; shorter ones after a wait run at nearly full speed: ``bench/bench_share.py``). Ranks that share a core are also
-  capped by a CFS quota, so one's idle time is not the other's bonus. Needs as many cores as the
-  placement. ``"quota"``: a CFS quota alone, no pinning: fits any number of ranks, but a quota is a
+  slice (a few ms; shorter ones after a wait run at nearly full speed: ``bench/bench_share.py``).
+  Ranks that share a core are also capped by a CFS quota, so one's idle time is not the other's
+  bonus. Needs as many cores as the placement. ``"quota"``: a CFS quota alone, no pinning: fits any number of ranks, but a quota is a
   budget per period, not a slower core: a rank that waited on its link computes at full speed until
   the period's budget is spent, so a plan that communicates much runs faster than its share.
 - ``cpu_period_us`` (optional, default 10000): the CFS period of the quotas; a shorter one bounds

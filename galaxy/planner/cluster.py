@@ -18,8 +18,8 @@ the measured batch sizes a piece is linear in rows (so a fixed per-call overhead
 scaled); with one batch size it is proportional. Collective bytes are the full tensor's bytes
 (``galaxy.core.comm`` pads uneven pieces to the largest one; the cost model charges that).
 The overheads are what the fastest of a few real serial training steps / batch-1 forwards of the
-model took on the rank beyond the cost model's prediction from its pieces; every prediction adds them. Where the real
-model took less than its pieces (blocks timed one by one run a little slower than inside the
+model took on the rank beyond the cost model's prediction from its pieces; every prediction adds
+them. Where the real model took less than its pieces (blocks timed one by one run a little slower than inside the
 model), the compute scales (at most 1; absent: 1) say by how much, and every piece's time on that
 rank is scaled by them.
 """
