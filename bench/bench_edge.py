@@ -7,7 +7,8 @@ of every plan, and of the plan the planner picks, on a few slow devices joined b
 
 A scenario is a model, the ranks' compute shares (``1:2``: rank 1 has twice rank 0's share of a
 core, ``--core_unit`` cores per share unit) and one link bandwidth for every rank (Mbit/s), built by
-``galaxy.emulate`` (network namespaces, tbf-shaped links, pinned cores shared with fillers). In each
+``galaxy.emulate`` (network namespaces, tbf-shaped links, ``--cpu_emulation``: by default every rank
+on a core of its own, a slower one stretching each op to its share). In each
 scenario, in one run of this script:
 
 1. the planner's profiler measures the emulated cluster from inside it (``python -m galaxy.emulate
@@ -67,6 +68,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--shares", default="1:1,1:2,1:1:2", help="compute shares per scenario, e.g. 1:2,1:1:2")
     p.add_argument("--links", default="50,100,500,1000", help="link bandwidths in Mbit/s")
     p.add_argument("--core_unit", type=float, default=0.5, help="CPU cores per share unit (1:2 -> 0.5 and 1.0 cores)")
+    p.add_argument("--cpu_emulation", default="dilate", choices=("dilate", "cores", "quota"),
+                   help="how a share is made slower (galaxy/emulate/cluster.py): 'dilate' needs a core per rank")
     p.add_argument("--cpu_period_us", type=int, default=None,
                    help="the CPU quota's CFS period (the cluster file's key; default: the emulator's)")
     p.add_argument("--layers", type=int, default=2, help="transformer layers (the presets' own: 0)")
@@ -130,8 +133,9 @@ def model_config(args, model: str) -> dict:
                                        "warmup_steps": 0, "log_every": 10**6}}
 
 
-def cluster_file(path: str, shares: list[float], link: float, period_us: Optional[int]) -> str:
-    raw = {"ranks": [{"compute_share": s} for s in shares], "links": {"bandwidth_mbit": link}}
+def cluster_file(path: str, shares: list[float], link: float, period_us: Optional[int], emulation: str) -> str:
+    raw = {"ranks": [{"compute_share": s} for s in shares], "links": {"bandwidth_mbit": link},
+           "cpu_emulation": emulation}
     if period_us is not None:
         raw["cpu_period_us"] = period_us
     with open(path, "w") as f:
@@ -241,6 +245,7 @@ def run_scenario(model: str, shares: list[int], link: float, args, objectives: l
     name = f"{model} {':'.join(map(str, shares))} {link:g}Mbit"
     print(f"== {name}", file=sys.stderr, flush=True)
     result = {"model": model, "shares": shares, "cores": [s * args.core_unit for s in shares], "link_mbit": link,
+              "cpu_emulation": args.cpu_emulation,
               "load_before": load_average(), "latency": {}, "train": {}}
     if model.startswith("llama"):  # LLaMA's training CLI needs instruction data of uneven lengths: latency only
         objectives = [o for o in objectives if o == "latency"]
@@ -251,8 +256,10 @@ def run_scenario(model: str, shares: list[int], link: float, args, objectives: l
             json.dump(raw, f)
         cfg = GalaxyConfig.from_dict(raw)
         result["config"] = raw
-        cluster = cluster_file(os.path.join(work, "cluster.json"), result["cores"], link, args.cpu_period_us)
-        alone = cluster_file(os.path.join(work, "alone.json"), [max(result["cores"])], link, args.cpu_period_us)
+        cluster = cluster_file(os.path.join(work, "cluster.json"), result["cores"], link, args.cpu_period_us,
+                               args.cpu_emulation)
+        alone = cluster_file(os.path.join(work, "alone.json"), [max(result["cores"])], link, args.cpu_period_us,
+                             args.cpu_emulation)
         wanted = args.contenders.split(",")
         plans = profile_and_plan(work, cfg_path, cluster, objectives, args) if "planned" in wanted else {}
         if "profile" in plans:  # kept, so the cost model can be checked against this run again
@@ -356,9 +363,9 @@ def accuracy(results: list[dict]) -> str:
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| model | shares | link Mbit | objective | " + " | ".join(CONTENDERS) + " | planned plan | "
+    lines = ["| model | shares | cpu | link Mbit | objective | " + " | ".join(CONTENDERS) + " | planned plan | "
              "planned vs best even | planned vs TP |",
-             "|---" * (len(CONTENDERS) + 7) + "|"]
+             "|---" * (len(CONTENDERS) + 8) + "|"]
     for r in results:
         for objective in ("latency", "train"):
             rows = r[objective].get("contenders")
@@ -375,7 +382,8 @@ def markdown(results: list[dict]) -> str:
                 plan += f" on device{'s' if len(planned['devices']) > 1 else ''} {planned['devices']}"
             if planned.get("splits"):
                 plan += " " + " ".join(f"{k}={s}" for k, s in planned["splits"].items() if s)
-            lines.append(f"| {r['model']} | {':'.join(map(str, r['shares']))} | {r['link_mbit']:g} | {objective} | "
+            lines.append(f"| {r['model']} | {':'.join(map(str, r['shares']))} | {r.get('cpu_emulation', '-')} | "
+                         f"{r['link_mbit']:g} | {objective} | "
                          + " | ".join(cells) + f" | {plan} | {v.get('planned_vs_best_even', '-')}x | "
                          f"{v.get('planned_vs_tp', '-')}x |")
     return "\n".join(lines)

@@ -77,7 +77,10 @@ def per_rank(text: str) -> list[int]:
 
 def main() -> int:
     if sys.argv[1:2] == ["--rank"]:
-        rank_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        from galaxy.emulate.slowdown import slowdown_from_env, slowed_compute  # as the CLIs' ranks do
+
+        with slowed_compute(slowdown_from_env()):
+            rank_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
         return 0
     from bench_edge import ENV, cluster_file  # the scenario's cluster, built as bench_edge built it
     from galaxy.config import ConfigError, GalaxyConfig
@@ -122,7 +125,7 @@ def main() -> int:
         with open(config, "w") as f:
             json.dump(raw, f)
         cluster = cluster_file(os.path.join(tmp, "cluster.json"), s["cores"], s["link_mbit"],
-                               scenario_period_us)
+                               scenario_period_us, result["args"].get("cpu_emulation", "cores"))
         run = subprocess.run([sys.executable, "-m", "galaxy.emulate", cluster, "--log-level", "WARNING", "--",
                               sys.executable, os.path.abspath(__file__), "--rank", config, str(args.warmup),
                               str(args.reps)], capture_output=True, text=True, cwd=ROOT, env=ENV)

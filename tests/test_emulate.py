@@ -181,6 +181,11 @@ def test_placement_packs_ranks_onto_cores_and_fills_the_rest():
     assert p.ranks[0].cpus is None and p.ranks[1].cpus == (0, 1)
     assert place(0.25, 2.0, cpu_emulation="quota").ranks[1].cpus is None  # no pinning, quotas only
     assert place(2.0, cpu_emulation="quota").ranks[0].quota_us == 20000
+    p = place(0.5, 1.0, cpu_emulation="dilate")  # a core each, no filler, no quota: the rank stretches its ops
+    assert [r.cpus for r in p.ranks] == [(0,), (1,)] and p.fillers == () and [r.quota_us for r in p.ranks] == [None] * 2
+    with pytest.raises(ConfigError, match="'cpu_emulation' 'dilate' gives every rank cores of its own: 3") as err:
+        place(0.5, 0.5, 0.5, cpu_emulation="dilate")
+    assert "'cpu_emulation': 'cores'" in str(err.value) and "\n" not in str(err.value)
     for shares, says in [((1.0, 1.0, 0.5), "do not fit the 2 cores of this machine"),
                          ((0.75, 0.75, 0.5), "do not fit the 2 cores of this machine"),
                          ((1.5,), "not a whole number of cores")]:
@@ -239,8 +244,82 @@ def test_a_share_is_a_slower_core_also_right_after_waiting():
     assert 1.5 < ratio < 2.6, ratio
 
 
+def test_dilate_sets_each_slower_rank_its_slowdown_and_the_cli_ranks_take_it(monkeypatch):
+    """Under "dilate" a rank of share s < 1 is told 1 / s; whole cores and the other modes are told
+    nothing (a slowdown left in the launcher's own environment is not passed on); a Galaxy CLI rank
+    runs its work inside the stretching mode; a bad value is one line naming the variable."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from galaxy.cli.launch import Launch, run_rank
+    from galaxy.emulate.cluster import SLOWDOWN_ENV
+    from galaxy.emulate.slowdown import StretchOps, slowdown_from_env
+
+    cluster = Cluster.from_dict({"ranks": [{"compute_share": 0.25}, {"compute_share": 1.0}, {}],
+                                 "cpu_emulation": "dilate"})
+    assert [cluster.slowdown(r) for r in range(3)] == [4.0, 1.0, 1.0]
+    emu = EmulatedCluster(cluster)
+    assert emu.rank_env(0, {})[SLOWDOWN_ENV] == "4" and SLOWDOWN_ENV not in emu.rank_env(1, {SLOWDOWN_ENV: "3"})
+    cores = EmulatedCluster(Cluster.from_dict({"ranks": [{"compute_share": 0.25}]}))
+    assert cores.cluster.slowdown(0) == 1.0 and SLOWDOWN_ENV not in cores.rank_env(0, {})
+
+    seen = []
+    monkeypatch.setenv(SLOWDOWN_ENV, "3")
+    assert run_rank(lambda *_: seen.append(_get_current_dispatch_mode()), 0, Launch(1, 0, None, None), None) == 0
+    assert isinstance(seen[0], StretchOps) and seen[0].extra == 2.0
+    monkeypatch.delenv(SLOWDOWN_ENV)
+    assert run_rank(lambda *_: seen.append(_get_current_dispatch_mode()), 0, Launch(1, 0, None, None), None) == 0
+    assert seen[1] is None
+    for bad in ("fast", "0.5", "nan"):
+        with pytest.raises(ConfigError, match=f"{SLOWDOWN_ENV}='{bad}' must be a number from 1"):
+            slowdown_from_env({SLOWDOWN_ENV: bad})
+
+
+def test_stretched_ops_take_the_slowdown_and_collectives_do_not(tmp_path):
+    """Compute ops (backward's too) take ~3x under a slowdown of 3, whatever waits came before;
+    a Gloo all-reduce under a slowdown of 100 is not stretched (the emulated link times it)."""
+    import torch
+    import torch.distributed as dist
+
+    from galaxy.emulate.slowdown import slowed_compute
+
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256, requires_grad=True)  # ops of ~0.3 ms: the mode's ~10 us per op is noise
+
+    def pieces(factor):
+        took = []
+        with slowed_compute(factor):
+            for _ in range(8):
+                time.sleep(0.003)
+                t = time.perf_counter()
+                y = a
+                for _ in range(10):
+                    y = torch.tanh(y @ a)
+                y.sum().backward()
+                took.append(time.perf_counter() - t)
+        return sorted(took)[len(took) // 2]
+
+    pieces(None)
+    ratio = pieces(3.0) / pieces(None)
+    assert 2.5 < ratio < 3.6, ratio
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        t = torch.ones(1 << 16)
+
+        def all_reduce(factor):
+            with slowed_compute(factor):
+                dist.all_reduce(t)
+                start = time.perf_counter()
+                for _ in range(20):
+                    dist.all_reduce(t)
+                return time.perf_counter() - start
+        all_reduce(None)
+        assert all_reduce(100.0) < 10 * all_reduce(None) + 0.002
+    finally:
+        dist.destroy_process_group()
+
+
 @needs_host
-@pytest.mark.parametrize("emulation", ["quota", "cores"])
+@pytest.mark.parametrize("emulation", ["quota", "cores", "dilate"])
 def test_links_and_cpu_limits_are_where_the_file_says(emulation):
     cluster = Cluster.from_dict({"ranks": [{"compute_share": 0.5, "bandwidth_mbit": 20}, {}],
                                  "links": {"bandwidth_mbit": 100}, "cpu_period_us": 20000,
@@ -264,7 +343,9 @@ def test_links_and_cpu_limits_are_where_the_file_says(emulation):
         assert "10.200.0.1/16" in seen and f"cpu:/{emu.name}/rank0" in seen, seen
         cpus = re.search(r"Cpus_allowed_list:\s*(\S+)", seen).group(1)
         fillers = [f for f in os.listdir(cgroups.run_group(emu.name)) if f.startswith("filler")]
-        if emulation == "cores":  # pinned to one core, a filler of the other half beside it
+        if emulation == "dilate":  # a core of its own, no filler, told to stretch its ops by 2
+            assert cpus.isdigit() and fillers == [] and emu.rank_env(0, {})["GALAXY_EMULATE_SLOWDOWN"] == "2"
+        elif emulation == "cores":  # pinned to one core, a filler of the other half beside it
             assert cpus.isdigit() and fillers == [f"filler{cpus}"], (cpus, fillers)
             filler = cgroups.filler_group(emu.name, int(cpus))
             assert open(f"{filler}/cpu.shares").read().strip() == str(cgroups.CORE_WEIGHT // 2)

@@ -93,9 +93,13 @@ def _child(fn, rank: int, launch: Launch, payload) -> None:
 
 
 def run_rank(fn, rank: int, launch: Launch, payload) -> int:
-    """Run one rank, turning expected failures into one clear line on stderr and exit code 1."""
+    """Run one rank, turning expected failures into one clear line on stderr and exit code 1. On an
+    emulated cluster under ``cpu_emulation`` "dilate" its ops are stretched to the rank's share."""
     try:
-        fn(rank, launch, payload)
+        from galaxy.emulate.slowdown import slowdown_from_env, slowed_compute  # imports torch: ranks only
+
+        with slowed_compute(slowdown_from_env()):
+            fn(rank, launch, payload)
         return 0
     except (ConfigError, ValueError, FileNotFoundError, RuntimeError, FloatingPointError) as e:
         print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)

@@ -48,8 +48,9 @@ def placement(cluster: Cluster, cpus: Sequence[int]) -> Placement:
     core gets a core of its own while there are cores left (else it shares the least loaded one it
     fits on), weighted by its share, the rest of the core weighted to a filler, so a computing rank
     gets its share of the core whatever the others do; ranks sharing a core are capped by a quota
-    too, or one would compute faster while its neighbour waits. "quota": a quota per rank, no
-    pinning, no fillers."""
+    too, or one would compute faster while its neighbour waits. "dilate": every rank with a share
+    gets cores of its own, one below a whole core (its process stretches its ops, ``slowdown.py``).
+    "quota": a quota per rank, no pinning, no fillers."""
     specs = cluster.ranks
     if cluster.cpu_emulation == "quota":
         return Placement(tuple(RankCpu(None, DEFAULT_WEIGHT if cluster.quota_us(r) is None else CORE_WEIGHT,
@@ -59,6 +60,8 @@ def placement(cluster: Cluster, cpus: Sequence[int]) -> Placement:
             raise ConfigError(f"cluster key 'ranks[{r}].compute_share' {spec.compute_share:g} is more than one core "
                               "but not a whole number of cores; use whole cores above one, or set "
                               "'cpu_emulation': 'quota'")
+    if cluster.cpu_emulation == "dilate":
+        return _own_cores(cluster, cpus)
     order = sorted(range(len(specs)), key=lambda r: -(specs[r].compute_share or 0))
     whole = [r for r in order if specs[r].compute_share is not None and specs[r].compute_share >= 1]
     parts = [r for r in order if specs[r].compute_share is not None and specs[r].compute_share < 1]
@@ -92,6 +95,21 @@ def placement(cluster: Cluster, cpus: Sequence[int]) -> Placement:
             fillers.append((cpu, max(2, round(CORE_WEIGHT * rest))))
     return Placement(tuple(ranks.get(r, RankCpu(None, DEFAULT_WEIGHT, None)) for r in range(len(specs))),
                      tuple(fillers))
+
+
+def _own_cores(cluster: Cluster, cpus: Sequence[int]) -> Placement:
+    """``dilate``: whole cores per rank, in rank order, no filler and no quota."""
+    need = [max(1, int(s.compute_share)) if s.compute_share is not None else 0 for s in cluster.ranks]
+    if sum(need) > len(cpus):
+        raise ConfigError(f"cluster key 'cpu_emulation' 'dilate' gives every rank cores of its own: {sum(need)} for these "
+                          f"{cluster.world_size} ranks, but this machine has {len(cpus)}; use fewer ranks, or "
+                          "'cpu_emulation': 'cores' (ranks below one core share one)")
+    ranks, taken = [], 0
+    for n in need:
+        ranks.append(RankCpu(tuple(cpus[taken:taken + n]), CORE_WEIGHT * n, None) if n else
+                     RankCpu(None, DEFAULT_WEIGHT, None))
+        taken += n
+    return Placement(tuple(ranks), ())
 
 
 def host_cpus() -> list[int]:

@@ -11,8 +11,8 @@
     }
 
 - ``ranks`` (required, one object per rank, rank i is the i-th entry):
-  - ``compute_share``: CPU cores the rank may use, enforced as a CFS quota (quota = share x period):
-    1.0 is one full core, 0.5 half a core, 2.0 two cores. ``null`` or absent: no quota.
+  - ``compute_share``: CPU cores the rank computes as fast as (``cpu_emulation`` says how): 1.0 is one
+    full core, 0.5 a core at half speed, 2.0 two cores. ``null`` or absent: no limit, not pinned.
   - ``bandwidth_mbit``: this rank's link to the switch, in megabits per second (10^6 bit/s), shaped in
     both directions. Absent: ``links.bandwidth_mbit``.
 - ``links`` (optional):
@@ -24,9 +24,13 @@
   whenever it computes, right after waiting on a link too, for pieces longer than the scheduler's
   slice (a few ms; shorter ones after a wait run at nearly full speed: ``bench/bench_share.py``).
   Ranks that share a core are also capped by a CFS quota, so one's idle time is not the other's
-  bonus. Needs as many cores as the placement. ``"quota"``: a CFS quota alone, no pinning: fits any number of ranks, but a quota is a
-  budget per period, not a slower core: a rank that waited on its link computes at full speed until
-  the period's budget is spent, so a plan that communicates much runs faster than its share.
+  bonus. Needs as many cores as the placement. ``"dilate"``: a slower core at every piece length.
+  Every rank gets cores of its own (one below a whole core, no filler), and a rank of share s < 1
+  stretches each compute op to 1 / s times its duration (``slowdown.py``; Galaxy's CLIs only, other
+  programs run at the core's speed). Needs a core per rank. ``"quota"``: a CFS quota alone, no
+  pinning: fits any number of ranks, but a quota is a budget per period, not a slower core: a rank
+  that waited on its link computes at full speed until the period's budget is spent, so a plan that
+  communicates much runs faster than its share.
 - ``cpu_period_us`` (optional, default 10000): the CFS period of the quotas; a shorter one bounds
   the burst after a wait more tightly, and below ~10 ms the kernel's 4 ms tick makes quotas lossy.
 
@@ -44,7 +48,8 @@ from typing import Any, Optional, Sequence
 from galaxy.config import ConfigError
 
 MIN_QUOTA_US = 1000  # the kernel refuses a cfs_quota_us below 1 ms
-CPU_EMULATIONS = ("cores", "quota")
+CPU_EMULATIONS = ("cores", "dilate", "quota")
+SLOWDOWN_ENV = "GALAXY_EMULATE_SLOWDOWN"  # a rank's slowdown under "dilate", read by slowdown.py
 DEFAULT_PERIOD_US = 10_000
 MAX_RANKS = 4000  # one /16 of addresses, see network.rank_address
 MAX_BANDWIDTH_MBIT = 100_000  # far beyond what a veth carries; faster is the same as unshaped
@@ -69,6 +74,13 @@ class Cluster:
     def quota_us(self, rank: int) -> Optional[int]:
         share = self.ranks[rank].compute_share
         return None if share is None else max(MIN_QUOTA_US, round(share * self.cpu_period_us))
+
+    def slowdown(self, rank: int) -> float:
+        """How many times slower than its cores rank ``rank`` computes ops (``dilate``; else 1)."""
+        share = self.ranks[rank].compute_share
+        if self.cpu_emulation != "dilate" or share is None or share >= 1:
+            return 1.0
+        return 1.0 / share
 
     def subset(self, devices: Sequence[int], where: str = "cluster") -> "Cluster":
         """The cluster of ``devices`` alone (a plan that leaves some ranks idle): rank i of the run

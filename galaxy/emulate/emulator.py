@@ -21,7 +21,7 @@ import subprocess
 from typing import Mapping, Optional, Sequence
 
 from galaxy.emulate import cgroups, network
-from galaxy.emulate.cluster import Cluster
+from galaxy.emulate.cluster import SLOWDOWN_ENV, Cluster
 from galaxy.emulate.host import CPU_CGROUP_ROOT, require_prerequisites
 
 logger = logging.getLogger(__name__)
@@ -101,12 +101,18 @@ class EmulatedCluster:
     # -- ranks
 
     def rank_env(self, rank: int, base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
-        """``base`` (default: this process's environment) plus the rendezvous and Gloo variables."""
+        """``base`` (default: this process's environment) plus the rendezvous and Gloo variables, and
+        the rank's slowdown under ``cpu_emulation`` "dilate"."""
         env = dict(os.environ if base is None else base)
         env.update(RANK=str(rank), WORLD_SIZE=str(self.cluster.world_size), LOCAL_RANK="0",
                    LOCAL_WORLD_SIZE="1", MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port),
                    GLOO_SOCKET_IFNAME=network.RANK_INTERFACE)
         share = self.cluster.ranks[rank].compute_share
+        slowdown = self.cluster.slowdown(rank)
+        if slowdown > 1:
+            env[SLOWDOWN_ENV] = f"{slowdown:.6g}"
+        else:
+            env.pop(SLOWDOWN_ENV, None)
         if share is not None and "OMP_NUM_THREADS" not in env:
             # more threads than the share's cores only adds stalls
             env["OMP_NUM_THREADS"] = str(max(1, math.ceil(share)))

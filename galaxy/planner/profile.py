@@ -29,6 +29,7 @@ from galaxy.planner.cost import Layout, Splits, Workload, predict
 logger = logging.getLogger(__name__)
 
 MIN_COMPUTE_SCALE = 0.5  # a real run at less than half its pieces' time means a broken measurement
+COLLECTIVE_REPS = 5  # rounds over every message size: two slow rounds of a shaped link leave the median
 
 
 def probe_groups(run_group, world: int) -> list[tuple[tuple[int, ...], Optional[dist.ProcessGroup]]]:
@@ -190,31 +191,35 @@ def message_sizes(most_bytes: int) -> list[int]:
 
 
 def measure_group(comm: Communicator, device: torch.device, sizes: list[int], reps: int) -> dict[str, AlphaBeta]:
-    """Each op's alpha-beta on one group: the slowest member's time, median over ``reps``."""
+    """Each op's alpha-beta on one group: the slowest member's time, median over ``reps`` rounds.
+    A round times every size once (after an untimed round), so a burst of load or a slow spell of
+    the link lands on one sample of several sizes, which the median drops, instead of on every
+    sample of one size, which no fit can tell from the link."""
     fits = {}
     for op in OPS:
-        samples = []
+        runs = []
         for nbytes in sizes:
             piece = max(1, nbytes // 4 // comm.size)
             full = torch.randn(piece * comm.size, device=device)
             local = full[:piece].contiguous()
             even = [piece] * comm.size
-            run = {"all_reduce": lambda: comm.all_reduce(full),
-                   "all_gather": lambda: comm.all_gather(local, 0, even),
-                   "reduce_scatter": lambda: comm.reduce_scatter(full, 0, even)}[op]
-            times = []
-            for i in range(reps + 1):
+            runs.append((float(full.numel() * 4), {
+                "all_reduce": lambda full=full: comm.all_reduce(full),
+                "all_gather": lambda local=local, even=even: comm.all_gather(local, 0, even),
+                "reduce_scatter": lambda full=full, even=even: comm.reduce_scatter(full, 0, even)}[op]))
+        times = [[] for _ in runs]
+        for i in range(reps + 1):
+            for (_, run), took in zip(runs, times):
                 dist.barrier(group=comm.group)
                 synchronize(device)
                 t0 = time.perf_counter()
                 run()
                 synchronize(device)
                 if i:
-                    times.append(time.perf_counter() - t0)
-            slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=comm.group)
-            samples.append((float(full.numel() * 4), float(slowest.item())))
-        fits[op] = AlphaBeta.fit(samples)
+                    took.append(time.perf_counter() - t0)
+        slowest = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=comm.group)
+        fits[op] = AlphaBeta.fit([(nbytes, float(t)) for (nbytes, _), t in zip(runs, slowest.tolist())])
     return fits
 
 
@@ -249,7 +254,7 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
         for members, group in probe_groups(run_group, world):
             if rank in members:
                 comm = Communicator("probe", members.index(rank), len(members), group)
-                groups[members] = measure_group(comm, ctx.device, sizes, reps)
+                groups[members] = measure_group(comm, ctx.device, sizes, max(reps, COLLECTIVE_REPS))
             barrier()
     mine = calibrated(RankProfile(rank, host, memory, pieces, optimizer), m, max(rows), seq, dtype, *serial)
     everyone = [(mine, groups)]
