@@ -400,6 +400,30 @@ def test_search_matches_brute_force(speeds, methods, objective):
     assert best * 0.95 < descent.lower_bound_s <= best * (1 + 1e-12)
 
 
+def test_even_split_is_kept_unless_an_uneven_one_wins_by_the_margin():
+    """An uneven split predicted g faster than the even one of the same methods is chosen under a
+    margin below g; under a margin above g the even split is, carrying the uneven one's time as the
+    bound on what a split of those methods could gain. A bad margin is one line."""
+    cluster = synthetic_cluster(BERT, 2, [1.0, 1.5], alpha=5e-5, beta=1e-9)
+    work = Workload(cluster.model, "train", 2, 8)
+
+    def tp(margin):
+        return next(c for c in search(cluster, work, ffn_unit=8, top=100, split_margin=margin)
+                    if c.methods == (TP, NONE, TP) and c.devices == (0, 1))
+
+    uneven = tp(0.0)
+    assert (uneven.heads, uneven.ffn) != ((2, 2), (32, 32)) and uneven.exact
+    even_time = float(predict(cluster, work, (TP, NONE, TP), Splits.balanced(cluster.model, 8, 2)).time_s[0])
+    gain = even_time / uneven.time_s - 1
+    assert gain > 0
+    assert tp(gain * 0.9).ffn == uneven.ffn
+    even = tp(gain * 1.1)
+    assert (even.heads, even.ffn) == ((2, 2), (32, 32)) and even.time_s == pytest.approx(even_time, rel=1e-12)
+    assert not even.exact and even.lower_bound_s == uneven.time_s
+    with pytest.raises(ConfigError, match="--split_margin"):
+        search(cluster, work, ffn_unit=8, split_margin=-0.1)
+
+
 def test_search_over_device_subsets():
     """On a slow link the fastest device alone beats every plan over both; on a free link both
     devices win. Each subset's plans are the search over that subset's own profile."""
@@ -472,6 +496,10 @@ def test_cluster_file_round_trip_and_errors(tmp_path):
     assert "'ranks'" in broken(lambda r: r["ranks"].pop())
     assert "'ranks[0].memory_bytes'" in broken(lambda r: r["ranks"][0].update(memory_bytes=0))
     assert "'ranks[1].step_overhead_s'" in broken(lambda r: r["ranks"][1].pop("step_overhead_s"))
+    assert "'ranks[0].serial_steps_s'" in broken(lambda r: r["ranks"][0].update(serial_steps_s=[0.5, -1.0]))
+    raw = json.loads(path.read_text())
+    raw["ranks"][0].pop("serial_forwards_s")  # older files kept no serial runs
+    assert cluster_from_dict(raw).ranks[0].serial_forwards_s == ()
     assert "'model'" in broken(lambda r: r["model"].update(hidden_sise=3))
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
@@ -581,6 +609,13 @@ def test_profiler_writes_a_valid_file(dist_pool):
         assert ab.alpha_s >= 0 and ab.beta_s_per_byte >= 0 and len(ab.samples) >= 2
     assert all(r.memory_bytes > 0 and r.step_overhead_s >= 0 and r.forward_overhead_s >= 0 for r in cluster.ranks)
     assert all(0.5 <= r.step_compute_scale <= 1 and 0.5 <= r.forward_compute_scale <= 1 for r in cluster.ranks)
+    # the serial runs, timed before and after the pieces, are kept and reproduce the calibration
+    from galaxy.planner.profile import calibrated
+
+    for r in cluster.ranks:
+        assert len(r.serial_steps_s) == len(r.serial_forwards_s) == 2 and min(r.serial_steps_s) > 0
+        again = calibrated(r, cluster.model, 2, 8, "float32", r.serial_steps_s, r.serial_forwards_s)
+        assert again == r
 
 
 def test_profiler_on_three_ranks(tmp_path):

@@ -197,6 +197,9 @@ class RankProfile:
     # real serial compute over the pieces' prediction where it was less (training, inference)
     step_compute_scale: float = 1.0
     forward_compute_scale: float = 1.0
+    # the serial runs those four came from (seconds; empty in older files)
+    serial_steps_s: tuple[float, ...] = ()
+    serial_forwards_s: tuple[float, ...] = ()
 
     def piece(self, name: str, rows: int, sizes, inference: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(forward s, backward s, saved bytes) of piece ``name`` at ``rows`` rows and ``sizes``;
@@ -268,7 +271,8 @@ class ClusterProfile:
                        "optimizer": {"alpha_s": r.optimizer.alpha_s, "s_per_param": r.optimizer.beta_s_per_byte,
                                      "samples": [list(s) for s in r.optimizer.samples]},
                        "step_overhead_s": r.step_overhead_s, "forward_overhead_s": r.forward_overhead_s,
-                       "step_compute_scale": r.step_compute_scale, "forward_compute_scale": r.forward_compute_scale}
+                       "step_compute_scale": r.step_compute_scale, "forward_compute_scale": r.forward_compute_scale,
+                       "serial_steps_s": list(r.serial_steps_s), "serial_forwards_s": list(r.serial_forwards_s)}
                       for r in self.ranks],
             "groups": [{"ranks": list(g), "ops": {op: {"alpha_s": ab.alpha_s, "beta_s_per_byte": ab.beta_s_per_byte,
                                                        "samples": [list(s) for s in ab.samples]}
@@ -379,10 +383,12 @@ def cluster_from_dict(raw: Any, source: str = "<dict>") -> ClusterProfile:
             scales[key] = r.get(rank_raw, key, path, float, positive=True) if key in rank_raw else 1.0  # older: 1
             if scales[key] > 1:
                 raise r.fail(f"{path}{key}", f"must be at most 1 (a longer real step is an overhead), got {scales[key]}")
+        serial = {key: r.numbers(rank_raw, key, path) if rank_raw.get(key, []) != [] else ()
+                  for key in ("serial_steps_s", "serial_forwards_s")}  # older files: none
         ranks.append(RankProfile(i, str(rank_raw.get("host", "")),
                                  r.get(rank_raw, "memory_bytes", path, int, positive=True), pieces, optimizer,
                                  r.get(rank_raw, "step_overhead_s", path, float),
-                                 r.get(rank_raw, "forward_overhead_s", path, float), **scales))
+                                 r.get(rank_raw, "forward_overhead_s", path, float), **scales, **serial))
     groups = {}
     for j, g in enumerate(r.get(raw, "groups", "", list)):
         path = f"groups[{j}]."

@@ -138,11 +138,11 @@ def calibrated(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str,
                forwards_s: Sequence[float]) -> RankProfile:
     """``me`` with the overheads or compute scales that make the cost model predict the serial
     training steps of ``rows`` rows ``steps_s`` and the batch-1 forwards ``forwards_s``
-    (``measure_serial``): where even the fastest run took longer than the pieces' prediction, the
-    difference is an overhead every prediction adds (one that every run pays; a burst of load in
-    some runs is not one); where the median run took less (blocks timed one by one run a little
-    slower than inside the model, 5-15% on CPU), the pieces' compute is scaled down to match;
-    in between, neither."""
+    (``measure_serial``, timed before and after the pieces; kept in the profile): where even the
+    fastest run took longer than the pieces' prediction, the difference is an overhead every
+    prediction adds (one that every run pays; a burst of load in some runs is not one); where the
+    median run took less (blocks timed one by one run a little slower than inside the model, 5-15%
+    on CPU), the pieces' compute is scaled down to match; in between, neither."""
     me = dataclasses.replace(me, step_overhead_s=0.0, forward_overhead_s=0.0, step_compute_scale=1.0,
                              forward_compute_scale=1.0)
     alone = ClusterProfile(1, "none", "cpu", m, tuple(me.pieces), seq, dtype, (me,), {})
@@ -165,7 +165,8 @@ def calibrated(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str,
     step_overhead, step_scale = split(steps_s, step, optimizer)
     forward_overhead, forward_scale = split(forwards_s, forward, 0.0)
     return dataclasses.replace(me, step_overhead_s=step_overhead, forward_overhead_s=forward_overhead,
-                               step_compute_scale=step_scale, forward_compute_scale=forward_scale)
+                               step_compute_scale=step_scale, forward_compute_scale=forward_scale,
+                               serial_steps_s=tuple(steps_s), serial_forwards_s=tuple(forwards_s))
 
 
 def model_params(m: ModelConfig) -> int:
@@ -236,9 +237,13 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
     world, run_group, rank = ctx.mp.size, ctx.mp.group, ctx.mp.rank
     barrier = (lambda: dist.barrier(group=run_group)) if world > 1 else (lambda: None)
     rows = tuple(sorted(set(rows)))
-    serial = measure_serial(m, max(rows), seq, dtype, ctx.device, reps, window_s)
+    before = measure_serial(m, max(rows), seq, dtype, ctx.device, reps, window_s)
     pieces = {n: measure_blocks(m, n, seq, ctx.device, dtype, reps, barrier, ffn_unit, window_s) for n in rows}
     optimizer = measure_optimizer(ctx.device, min(model_params(m), 2**24), reps, barrier, window_s)
+    barrier()
+    # timed again after the pieces: a burst of load during one timing is then one of two, not all
+    after = measure_serial(m, max(rows), seq, dtype, ctx.device, reps, window_s)
+    serial = (before[0] + after[0], before[1] + after[1])
     host = socket.gethostname()
     hosts = [host]
     if world > 1:
