@@ -44,6 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from galaxy.config import PLAN_PRESETS, GalaxyConfig  # noqa: E402
+from galaxy.emulate.cluster import CPU_EMULATIONS  # noqa: E402
 
 # Every command, the profiler's included: PyTorch's CPU allocator asks for huge pages for large
 # tensors, which made a serial BERT-large step 6% faster and its run-to-run spread 3% instead of 10%.
@@ -68,7 +69,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--shares", default="1:1,1:2,1:1:2", help="compute shares per scenario, e.g. 1:2,1:1:2")
     p.add_argument("--links", default="50,100,500,1000", help="link bandwidths in Mbit/s")
     p.add_argument("--core_unit", type=float, default=0.5, help="CPU cores per share unit (1:2 -> 0.5 and 1.0 cores)")
-    p.add_argument("--cpu_emulation", default="dilate", choices=("dilate", "cores", "quota"),
+    p.add_argument("--cpu_emulation", default="dilate", choices=CPU_EMULATIONS,
                    help="how a share is made slower (galaxy/emulate/cluster.py): 'dilate' needs a core per rank")
     p.add_argument("--cpu_period_us", type=int, default=None,
                    help="the CPU quota's CFS period (the cluster file's key; default: the emulator's)")

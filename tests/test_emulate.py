@@ -233,13 +233,15 @@ def test_a_share_is_a_slower_core_also_right_after_waiting():
     t = time.perf_counter()
     work(n)
     n = max(1000, int(n * 0.02 / (time.perf_counter() - t)))
-    free = subprocess.run([sys.executable, "-c", BURSTY_RANK, str(n), "15"], capture_output=True, text=True,
-                          check=True).stdout
+    def free():  # the faster of two, before and after: a burst of other load on the host slows only one
+        return float(subprocess.run([sys.executable, "-c", BURSTY_RANK, str(n), "15"], capture_output=True,
+                                    text=True, check=True).stdout)
+    before = free()
     cluster = Cluster.from_dict({"ranks": [{"compute_share": 0.5}]})
     with EmulatedCluster(cluster) as emu:
         slowed = emu.spawn(0, [sys.executable, "-c", BURSTY_RANK, str(n), "15"], stdout=subprocess.PIPE, text=True)
         slowed = slowed.communicate(timeout=60)[0]
-    ratio = float(slowed) / float(free)
+    ratio = float(slowed) / min(before, free())
     logging.getLogger(__name__).info("20 ms pieces after waits at half a core: %.2fx", ratio)
     assert 1.5 < ratio < 2.6, ratio
 

@@ -11,7 +11,9 @@ How the cluster file (``cluster.py``) maps onto the host:
   default) the rank is pinned to cores of its own, and below one core its cgroup's ``cpu.shares`` competes
   with a filler process (``/sys/fs/cgroup/cpu/<run>/filler<cpu>``) weighted to the rest of the core, a
   quota capping it only where two ranks share a core; under "quota" that cgroup's ``cpu.cfs_quota_us`` =
-  share x ``cpu_period_us``. Weights are high so the rank gets its share on a busy host too;
+  share x ``cpu_period_us``; under "dilate" every rank gets cores of its own and a rank below one core
+  the environment variable ``GALAXY_EMULATE_SLOWDOWN`` = 1 / share, on which Galaxy's CLI ranks
+  stretch each op (``slowdown.py``). Weights are high so the rank gets its share on a busy host too;
   OMP_NUM_THREADS defaults to the share rounded up.
 - ``ranks[i].bandwidth_mbit`` (default ``links.bandwidth_mbit``) -> a tbf qdisc at that rate on both ends
   of the rank's veth pair. All veths meet on a bridge in the namespace ``<run>-switch``: a star, so

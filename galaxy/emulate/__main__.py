@@ -1,6 +1,7 @@
 """``python -m galaxy.emulate CLUSTER.json [--master-port P] -- COMMAND ...``: run COMMAND as every rank
 of the emulated cluster (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GLOO_SOCKET_IFNAME set) and exit
-with run_emulated's code."""
+with run_emulated's code. Under ``cpu_emulation`` "dilate" the slower ranks also get
+GALAXY_EMULATE_SLOWDOWN, which Galaxy's CLIs act on; another COMMAND computes at its cores' speed."""
 
 from __future__ import annotations
 
