@@ -101,9 +101,9 @@ def _own_cores(cluster: Cluster, cpus: Sequence[int]) -> Placement:
     """``dilate``: whole cores per rank, in rank order, no filler and no quota."""
     need = [max(1, int(s.compute_share)) if s.compute_share is not None else 0 for s in cluster.ranks]
     if sum(need) > len(cpus):
-        raise ConfigError(f"cluster key 'cpu_emulation' 'dilate' gives every rank cores of its own: {sum(need)} for these "
-                          f"{cluster.world_size} ranks, but this machine has {len(cpus)}; use fewer ranks, or "
-                          "'cpu_emulation': 'cores' (ranks below one core share one)")
+        raise ConfigError(f"cluster key 'cpu_emulation' 'dilate' gives every rank cores of its own: {sum(need)} "
+                          f"for these {cluster.world_size} ranks, but this machine has {len(cpus)}; use fewer "
+                          "ranks, or 'cpu_emulation': 'cores' (ranks below one core share one)")
     ranks, taken = [], 0
     for n in need:
         ranks.append(RankCpu(tuple(cpus[taken:taken + n]), CORE_WEIGHT * n, None) if n else

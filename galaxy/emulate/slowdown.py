@@ -41,8 +41,9 @@ def slowdown_from_env(env: Optional[Mapping[str, str]] = None) -> Optional[float
     except ValueError:
         factor = float("nan")
     if not 1.0 <= factor <= MAX_SLOWDOWN:
-        raise ConfigError(f"environment variable {SLOWDOWN_ENV}={raw!r} must be a number from 1 to {MAX_SLOWDOWN:g} (how many "
-                          "times slower this rank computes); the emulator sets it, unset it outside one")
+        raise ConfigError(f"environment variable {SLOWDOWN_ENV}={raw!r} must be a number from 1 to "
+                          f"{MAX_SLOWDOWN:g} (how many times slower this rank computes); the emulator sets it, "
+                          "unset it outside one")
     return factor
 
 
