@@ -133,6 +133,10 @@ class SplitSearch:
             uses.append("seq")
         self.uses = tuple(uses) if self.mp > 1 else ()
 
+    def balanced(self) -> dict[str, np.ndarray]:
+        """The even split of every variable the methods use, as one candidate."""
+        return {v: np.array([balanced_split(self.units[v][1], self.mp)]) for v in self.uses}
+
     def feasible(self) -> bool:
         return all(self.units[v][1] >= self.mp for v in self.uses)
 
@@ -229,7 +233,7 @@ class SplitSearch:
         if self.layout.dp * self.layout.pp != 1 or not self.uses:
             return None
         ones = {v: np.ones((1, self.mp), dtype=np.int64) for v in self.uses}
-        balanced = {v: np.array([balanced_split(self.units[v][1], self.mp)]) for v in self.uses}
+        balanced = self.balanced()
         seg = Segments()
         predict(self.cluster, self.work, self.methods, self.splits(balanced), self.layout, seg)
         comm = float(sum(c[0, 0] for c in seg.comm))
@@ -250,7 +254,7 @@ class SplitSearch:
         """The even split instead of ``best`` where ``best`` is not more than ``margin`` faster."""
         if not self.uses:
             return best
-        balanced = {v: np.array([balanced_split(self.units[v][1], self.mp)]) for v in self.uses}
+        balanced = self.balanced()
         pred, _ = self.score(balanced)
         even = self.choice(balanced, pred, False)
         if (even.heads, even.ffn, even.seq) == (best.heads, best.ffn, best.seq) \
@@ -320,7 +324,7 @@ def search(cluster: ClusterProfile, work: Workload, ffn_unit: int = 1, seq_unit:
 
 
 def search_devices(cluster: ClusterProfile, work: Workload, ffn_unit: int, seq_unit: int,
-                   exact_limit: int, split_margin: float = SPLIT_MARGIN) -> list[Choice]:
+                   exact_limit: int, split_margin: float) -> list[Choice]:
     """The best plan per method combination and dp x pp on all of ``cluster``'s ranks."""
     tiers = layouts(cluster, work)
     found = []
