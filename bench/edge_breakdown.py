@@ -25,7 +25,8 @@ sys.path.insert(0, ROOT)
 
 
 def rank_main(config: str, warmup: int, reps: int) -> None:
-    """One emulated rank: median forward, collective and compute milliseconds, as one JSON line."""
+    """One emulated rank: median forward, collective and compute milliseconds, as one JSON line, with
+    the last forward's collectives (op, bytes, enter and leave on the host's monotonic clock)."""
     import torch
     import torch.distributed as dist
 
@@ -36,8 +37,8 @@ def rank_main(config: str, warmup: int, reps: int) -> None:
     cfg = GalaxyConfig.from_file(config)
     ctx = ParallelContext.initialize(cfg.distributed, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "cpu")
     model = build_model(cfg, cfg.resolve_plan(ctx.mp.size), ctx).eval()
-    records = []
-    ctx.mp.observers.append(records.append)
+    records = []  # (leave time, record)
+    ctx.mp.observers.append(lambda record: records.append((time.perf_counter(), record)))
     ids = torch.randint(0, cfg.model.vocab_size, (1, cfg.train.seq_length), generator=torch.Generator().manual_seed(0))
     total, inside = [], []
     for i in range(warmup + reps):
@@ -48,10 +49,12 @@ def rank_main(config: str, warmup: int, reps: int) -> None:
             model(ids)
         if i >= warmup:
             total.append(time.perf_counter() - start)
-            inside.append(sum(r.seconds for r in records))
+            inside.append(sum(r.seconds for _, r in records))
     ms = lambda xs: round(statistics.median(xs) * 1e3, 3)  # noqa: E731
+    trace = [{"op": r.op, "bytes": r.nbytes, "enter_s": t - r.seconds, "leave_s": t} for t, r in records]
     print(json.dumps({"rank": ctx.rank, "total_ms": ms(total), "collectives_ms": ms(inside),
-                      "compute_ms": ms([t - c for t, c in zip(total, inside)])}), flush=True)
+                      "compute_ms": ms([t - c for t, c in zip(total, inside)]), "start_s": start,
+                      "last_forward": trace}), flush=True)
     ctx.shutdown()
 
 
@@ -68,6 +71,16 @@ def predicted(profile: dict, cfg, methods: tuple, splits) -> list[dict]:
     compute = np.sum([part[0] for part in segments.parts], axis=0)
     return [{"rank": r, "total_ms": round(total * 1e3, 3), "collectives_ms": round((total - c) * 1e3, 3),
              "compute_ms": round(float(c) * 1e3, 3)} for r, c in enumerate(compute)]
+
+
+def print_trace(measured: list[dict]) -> None:
+    """Each collective of the last forward side by side: when each rank entered and left it."""
+    origin = min(m["start_s"] for m in measured)
+    at = lambda t: f"{(t - origin) * 1e3:7.1f}"  # noqa: E731
+    print("  collective          bytes  " + "  ".join(f"rank {m['rank']} enter/leave ms" for m in measured))
+    for calls in zip(*(m["last_forward"] for m in measured)):
+        print(f"  {calls[0]['op']:<16}{calls[0]['bytes']:>9}  "
+              + "  ".join(f"  {at(c['enter_s'])} {at(c['leave_s'])}   " for c in calls))
 
 
 def per_rank(text: str) -> list[int]:
@@ -95,6 +108,8 @@ def main() -> int:
     p.add_argument("--seq", type=per_rank, default=None, help="tokens per rank (SP)")
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--trace", action="store_true",
+                   help="also print the last forward's collectives per rank: enter and leave, ms from its start")
     args = p.parse_args()
     with open(args.result) as f:
         result = json.load(f)
@@ -142,6 +157,8 @@ def main() -> int:
         print(f"  rank {m['rank']} ({s['cores'][m['rank']]:g} cores): forward {m['total_ms']:.1f} "
               f"({q['total_ms']:.1f}), compute {m['compute_ms']:.1f} ({q['compute_ms']:.1f}), "
               f"in collectives {m['collectives_ms']:.1f} ({q['collectives_ms']:.1f})")
+    if args.trace:
+        print_trace(measured)
     print(json.dumps({"measured": measured, "predicted": model}))
     return 0
 

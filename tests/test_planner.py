@@ -39,8 +39,9 @@ def model_config(raw):
     return GalaxyConfig.from_dict({"model": raw, "train": {"seq_length": seq}}).model
 
 
-def synthetic_cluster(model_raw, world, speeds, seq=8, rows=2, alpha=2e-4, beta=1e-8, memory=2**30):
-    """Per-rank piece times linear in size, divided by the rank's speed; one alpha-beta for all groups."""
+def synthetic_cluster(model_raw, world, speeds, seq=8, rows=2, alpha=2e-4, beta=1e-8, memory=2**30, waited=None):
+    """Per-rank piece times linear in size, divided by the rank's speed; one alpha-beta for all groups.
+    ``waited``: the members that waited leave an all-gather at that fraction of its time (as over Gloo)."""
     m = model_config(model_raw)
     sizes = {"heads": grid(m.num_attention_heads, m.num_attention_heads // m.kv_heads),
              "tokens": grid(seq), "ffn": grid(m.intermediate_size)}
@@ -57,7 +58,9 @@ def synthetic_cluster(model_raw, world, speeds, seq=8, rows=2, alpha=2e-4, beta=
                                  Curve(xs, tuple(1000.0 * x for x in xs)))
         ranks.append(RankProfile(r, "host", memory, {rows: pieces}, AlphaBeta(1e-4, 1e-9 / speed)))
     groups = {g: {op: AlphaBeta(alpha, beta) for op in OPS} for g in candidate_groups(world)}
-    return ClusterProfile(world, "gloo", "cpu", m, (rows,), seq, "float32", tuple(ranks), groups)
+    early = {} if waited is None else {g: {**ops, "all_gather": AlphaBeta(alpha * waited, beta * waited)}
+                                       for g, ops in groups.items()}
+    return ClusterProfile(world, "gloo", "cpu", m, (rows,), seq, "float32", tuple(ranks), groups, early)
 
 
 # ----------------------------------------------------------------------------- cost model pieces
@@ -379,15 +382,17 @@ def brute_force(cluster, work, methods, layout, units):
     return best
 
 
-@pytest.mark.parametrize("speeds,methods,objective", [
-    ([1.0, 1.0], (TP, SP, TP), "train"),
-    ([1.0, 2.5], (TP, SP, TP), "train"),
-    ([2.0, 1.0], (TP, SP, SP), "latency"),
-    ([1.0, 1.7, 3.0], (TP, SP, TP), "train"),
-    ([3.0, 1.0, 1.0], (SP, SP, TP), "latency"),
+@pytest.mark.parametrize("speeds,methods,objective,waited", [
+    ([1.0, 1.0], (TP, SP, TP), "train", None),
+    ([1.0, 2.5], (TP, SP, TP), "train", None),
+    ([2.0, 1.0], (TP, SP, SP), "latency", None),
+    ([1.0, 1.7, 3.0], (TP, SP, TP), "train", None),
+    ([3.0, 1.0, 1.0], (SP, SP, TP), "latency", None),
+    ([1.0, 2.5], (SP, SP, SP), "latency", 0.6),
+    ([1.0, 1.7, 3.0], (SP, SP, TP), "train", 0.6),
 ])
-def test_search_matches_brute_force(speeds, methods, objective):
-    cluster = synthetic_cluster(BERT, len(speeds), speeds, alpha=5e-5, beta=1e-9)
+def test_search_matches_brute_force(speeds, methods, objective, waited):
+    cluster = synthetic_cluster(BERT, len(speeds), speeds, alpha=5e-5, beta=1e-9, waited=waited)
     work = Workload(cluster.model, objective, 2, 8)
     exact = SplitSearch(cluster, work, methods, Layout(), ffn_unit=8)
     best = brute_force(cluster, work, methods, Layout(), exact.units)
@@ -396,8 +401,37 @@ def test_search_matches_brute_force(speeds, methods, objective):
     # the path for large split spaces (min-max start, coordinate descent) reaches it too
     descent = SplitSearch(cluster, work, methods, Layout(), ffn_unit=8, exact_limit=0).run()
     assert not descent.exact and descent.time_s == pytest.approx(best, rel=1e-9)
-    # and its lower bound holds, and is tight here
-    assert best * 0.95 < descent.lower_bound_s <= best * (1 + 1e-12)
+    # and its lower bound holds, and is tight here (less so where the last member leaves later: the
+    # bound charges each collective until the first member leaves)
+    assert best * (0.95 if waited is None else 0.85) < descent.lower_bound_s <= best * (1 + 1e-12)
+
+
+def test_the_last_member_leaves_a_collective_after_the_ones_that_waited():
+    """Hand-derived: all-gathers of 10 ms for the last member to arrive and 4 ms for the one that
+    waited. Rank 1 arrives last at 3 s and leaves at 3.010, rank 0 at 3.004; then rank 0 computes 2 s
+    (5.004) and rank 1 0.5 s (3.510), so rank 0 is last: 5.014, rank 1 leaves at 5.008. A file
+    without the waiting time has both leave together (3.010, then 5.010 + 0.010). The segments keep
+    each rank's compute, and their sum of maxima plus the 4 ms stays below the time."""
+    from galaxy.planner.cost import Collective, Compute, Segments, run
+
+    def model(waited):
+        cluster = synthetic_cluster(BERT, 2, [1.0, 1.0], alpha=0.010, beta=0.0, waited=waited)
+        work = Workload(cluster.model, "latency", 1, 8)
+        return GroupModel(cluster, work, (SP, SP, SP), Splits.balanced(cluster.model, 8, 2), [0, 1], 1)
+
+    def step(*fwd):
+        return Compute(np.array([fwd]), np.zeros((1, 2)), np.zeros((1, 2)))
+
+    gather = Collective("all_gather", None, 64, np.array([64.0]))
+    events = [step(1.0, 3.0), gather, step(2.0, 0.5), gather]
+    g = model(0.4)
+    g.segments = Segments()
+    np.testing.assert_allclose(run(g, events, np.zeros((1, 2))), [[5.014, 5.008]], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(np.concatenate(g.segments.parts), [[1.0, 3.0], [2.0, 0.5]], atol=1e-12)
+    assert sum(p.max() for p in g.segments.parts) + sum(c.sum() for c in g.segments.comm) == pytest.approx(5.008)
+    np.testing.assert_allclose(run(model(None), events, np.zeros((1, 2))), [[5.02, 5.02]], rtol=0, atol=1e-12)
+    # arriving together, one of them is still last
+    assert sorted(run(model(0.4), [gather], np.full((1, 2), 2.0))[0]) == pytest.approx([2.004, 2.010])
 
 
 def test_even_split_is_kept_unless_an_uneven_one_wins_by_the_margin():
@@ -471,12 +505,14 @@ def test_splits_respect_gqa_groups_and_units():
 
 
 def test_cluster_file_round_trip_and_errors(tmp_path):
-    cluster = synthetic_cluster(BERT, 2, [1.0, 2.0])
+    cluster = synthetic_cluster(BERT, 2, [1.0, 2.0], waited=0.5)
     path = tmp_path / "cluster.json"
     cluster.save(str(path))
     again = load_cluster(str(path))
     assert again.ranks[1].pieces[2]["mlp.ffn"].fwd == cluster.ranks[1].pieces[2]["mlp.ffn"].fwd
     assert again.collective([0, 1], "all_gather") == cluster.collective([0, 1], "all_gather")
+    assert again.waiting_leave([0, 1], "all_gather") == cluster.waiting_leave([0, 1], "all_gather") \
+        != cluster.collective([0, 1], "all_gather")
 
     def broken(edit):
         raw = json.loads(path.read_text())
@@ -493,6 +529,12 @@ def test_cluster_file_round_trip_and_errors(tmp_path):
     assert "'ranks[1].pieces.2'" in broken(lambda r: r["ranks"][1].update(pieces={"3": {}}))
     assert "'groups[0].ops.reduce_scatter.alpha_s'" in broken(
         lambda r: r["groups"][0]["ops"]["reduce_scatter"].update(alpha_s=-1))
+    assert "'groups[0].early_leave.all_gather.beta_s_per_byte'" in broken(
+        lambda r: r["groups"][0]["early_leave"]["all_gather"].pop("beta_s_per_byte"))
+    raw = json.loads(path.read_text())
+    raw["groups"][0].pop("early_leave")  # older files: every member leaves together
+    older = cluster_from_dict(raw)
+    assert older.waiting_leave([0, 1], "all_gather") == older.collective([0, 1], "all_gather")
     assert "'ranks'" in broken(lambda r: r["ranks"].pop())
     assert "'ranks[0].memory_bytes'" in broken(lambda r: r["ranks"][0].update(memory_bytes=0))
     assert "'ranks[1].step_overhead_s'" in broken(lambda r: r["ranks"][1].pop("step_overhead_s"))
@@ -604,9 +646,10 @@ def test_profiler_writes_a_valid_file(dist_pool):
     assert heads == (4, 8)  # whole GQA groups only
     assert all(p.infer is not None and p.infer.sizes == p.fwd.sizes for p in cluster.ranks[0].pieces[1].values())
     assert raw == cluster.to_dict()
-    for op in OPS:
-        ab = cluster.collective([0, 1], op)
-        assert ab.alpha_s >= 0 and ab.beta_s_per_byte >= 0 and len(ab.samples) >= 2
+    for op in OPS:  # both roles: the last member to arrive, and the one that waited
+        for ab in (cluster.collective([0, 1], op), cluster.waiting_leave([0, 1], op)):
+            assert ab.alpha_s >= 0 and ab.beta_s_per_byte >= 0 and len(ab.samples) >= 2
+    assert set(cluster.early_leave) == {(0, 1)}
     assert all(r.memory_bytes > 0 and r.step_overhead_s >= 0 and r.forward_overhead_s >= 0 for r in cluster.ranks)
     assert all(0.5 <= r.step_compute_scale <= 1 and 0.5 <= r.forward_compute_scale <= 1 for r in cluster.ranks)
     # the serial runs, timed before and after the pieces, are kept and reproduce the calibration

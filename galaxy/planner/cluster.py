@@ -9,7 +9,8 @@
                 "step_overhead_s": o, "forward_overhead_s": f, "step_compute_scale": c,
                 "forward_compute_scale": d}],
      "groups": [{"ranks": [0, 1], "ops": {"all_reduce": {"alpha_s": a, "beta_s_per_byte": b,
-                                                         "samples": [[bytes, seconds], ...]}, ...}}]}
+                                                         "samples": [[bytes, seconds], ...]}, ...},
+                 "early_leave": {"all_reduce": {...}, ...}}]}
 
 A piece is one block's compute measured on one rank at each of the ``rows`` batch sizes, as a
 function of one size (``PIECES``); the other sizes are the model's full ones, or for
@@ -17,6 +18,11 @@ function of one size (``PIECES``); the other sizes are the model's full ones, or
 the measured batch sizes a piece is linear in rows (so a fixed per-call overhead is kept, not
 scaled); with one batch size it is proportional. Collective bytes are the full tensor's bytes
 (``galaxy.core.comm`` pads uneven pieces to the largest one; the cost model charges that).
+A group's ``ops`` are the seconds from the last member's arrival at a collective until it leaves,
+``early_leave`` until the members that were waiting for it leave: not the same over Gloo's TCP
+transport, where an all-gather lets the waiting members go ~0.4-0.5x its time before the last one
+(its peers' pieces reach the last member only after its own have left; docs/benchmarks.md). Files
+without ``early_leave`` (older ones) have every member leave together.
 The overheads are what the fastest of a few real serial training steps / batch-1 forwards of the
 model took on the rank beyond the cost model's prediction from its pieces; every prediction adds
 them. Where the real model took less than its pieces (blocks timed one by one run a little slower than inside the
@@ -29,7 +35,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -231,32 +237,46 @@ class ClusterProfile:
     seq_length: int
     dtype: str
     ranks: tuple[RankProfile, ...]
-    groups: dict[tuple[int, ...], dict[str, AlphaBeta]]
+    groups: dict[tuple[int, ...], dict[str, AlphaBeta]]  # until the last member to arrive leaves
+    early_leave: dict[tuple[int, ...], dict[str, AlphaBeta]] = field(default_factory=dict)  # the others
 
     def collective(self, ranks: Sequence[int], op: str) -> AlphaBeta:
+        """Seconds from the last member's arrival until it leaves (so every member has left)."""
         key = tuple(ranks)
         if key not in self.groups:
             raise ConfigError(f"cluster file has no measurements for group {list(key)}; profile again with "
                               f"--world {self.world} (it measures every group a plan can use)")
         return self.groups[key][op]
 
+    def waiting_leave(self, ranks: Sequence[int], op: str) -> AlphaBeta:
+        """Seconds from the last member's arrival until the members that waited for it leave; where
+        the file has none, as ``collective``."""
+        key = tuple(ranks)
+        return self.early_leave[key][op] if key in self.early_leave else self.collective(ranks, op)
+
     def restrict(self, devices: Sequence[int]) -> "ClusterProfile | None":
         """The profile of ``devices`` alone (ascending), renumbered 0..k-1; None when the file lacks
         a group a plan on them can use (profiled before subsets were measured)."""
-        groups = {}
+        groups, early = {}, {}
         for g in layout_groups(len(devices)):
             key = tuple(devices[i] for i in g)
             if key not in self.groups:
                 return None
             groups[g] = self.groups[key]
+            if key in self.early_leave:
+                early[g] = self.early_leave[key]
         ranks = tuple(replace(self.ranks[d], rank=i) for i, d in enumerate(devices))
-        return replace(self, world=len(devices), ranks=ranks, groups=groups)
+        return replace(self, world=len(devices), ranks=ranks, groups=groups, early_leave=early)
 
     def p2p(self, a: int, b: int) -> AlphaBeta:
         """Point-to-point a <-> b, as an all-gather of twice the bytes on the pair (one each way)."""
         return self.collective(sorted((a, b)), "all_gather").scaled_bytes(2.0)
 
     def to_dict(self) -> dict[str, Any]:
+        def fits_dict(ops: dict[str, AlphaBeta]) -> dict:
+            return {op: {"alpha_s": ab.alpha_s, "beta_s_per_byte": ab.beta_s_per_byte,
+                         "samples": [list(s) for s in ab.samples]} for op, ab in ops.items()}
+
         def curve_dict(p: Piece) -> dict:
             return {"sizes": list(p.fwd.sizes), "fwd_s": list(p.fwd.values), "bwd_s": list(p.bwd.values),
                     "act_bytes": list(p.act.values), **({"infer_s": list(p.infer.values)} if p.infer else {})}
@@ -274,9 +294,9 @@ class ClusterProfile:
                        "step_compute_scale": r.step_compute_scale, "forward_compute_scale": r.forward_compute_scale,
                        "serial_steps_s": list(r.serial_steps_s), "serial_forwards_s": list(r.serial_forwards_s)}
                       for r in self.ranks],
-            "groups": [{"ranks": list(g), "ops": {op: {"alpha_s": ab.alpha_s, "beta_s_per_byte": ab.beta_s_per_byte,
-                                                       "samples": [list(s) for s in ab.samples]}
-                                                  for op, ab in ops.items()}} for g, ops in self.groups.items()],
+            "groups": [{"ranks": list(g), "ops": fits_dict(ops),
+                        **({"early_leave": fits_dict(self.early_leave[g])} if g in self.early_leave else {})}
+                       for g, ops in self.groups.items()],
         }
 
     def save(self, path: str) -> None:
@@ -328,6 +348,19 @@ class _Reader:
         if not all(isinstance(s, list) and len(s) == 2 and all(isinstance(v, (int, float)) for v in s) for s in raw):
             raise self.fail(f"{path}samples", "must be a list of [size, seconds] pairs")
         return tuple((float(a), float(b)) for a, b in raw)
+
+
+    def fits(self, group: Any, key: str, path: str) -> dict[str, AlphaBeta]:
+        """One AlphaBeta per collective op under ``group[key]``."""
+        ops_raw, ops = self.get(group, key, path, dict), {}
+        for op in OPS:
+            entry = ops_raw.get(op)
+            if entry is None:
+                raise self.fail(f"{path}{key}.{op}", "is missing")
+            p = f"{path}{key}.{op}."
+            ops[op] = AlphaBeta(self.get(entry, "alpha_s", p, float), self.get(entry, "beta_s_per_byte", p, float),
+                                self.samples(entry, p))
+        return ops
 
 
 def cluster_from_dict(raw: Any, source: str = "<dict>") -> ClusterProfile:
@@ -389,26 +422,19 @@ def cluster_from_dict(raw: Any, source: str = "<dict>") -> ClusterProfile:
                                  r.get(rank_raw, "memory_bytes", path, int, positive=True), pieces, optimizer,
                                  r.get(rank_raw, "step_overhead_s", path, float),
                                  r.get(rank_raw, "forward_overhead_s", path, float), **scales, **serial))
-    groups = {}
+    groups, early = {}, {}
     for j, g in enumerate(r.get(raw, "groups", "", list)):
         path = f"groups[{j}]."
         members = r.get(g, "ranks", path, list)
         if len(members) < 2 or not all(isinstance(m, int) and 0 <= m < world for m in members) \
                 or len(set(members)) != len(members):
             raise r.fail(f"{path}ranks", f"must list at least two distinct ranks of 0..{world - 1}, got {members}")
-        ops_raw = r.get(g, "ops", path, dict)
-        ops = {}
-        for op in OPS:
-            entry = ops_raw.get(op)
-            if entry is None:
-                raise r.fail(f"{path}ops.{op}", "is missing")
-            p = f"{path}ops.{op}."
-            ops[op] = AlphaBeta(r.get(entry, "alpha_s", p, float), r.get(entry, "beta_s_per_byte", p, float),
-                                r.samples(entry, p))
-        groups[tuple(members)] = ops
+        groups[tuple(members)] = r.fits(g, "ops", path)
+        if "early_leave" in g:  # older files: every member leaves together
+            early[tuple(members)] = r.fits(g, "early_leave", path)
     return ClusterProfile(world, str(raw.get("backend", "")), str(raw.get("device", "")), model,
-                          tuple(int(v) for v in rows), seq,
-                   str(raw.get("dtype", "float32")), tuple(ranks), groups)
+                          tuple(int(v) for v in rows), seq, str(raw.get("dtype", "float32")), tuple(ranks),
+                          groups, early)
 
 
 def load_cluster(path: str) -> ClusterProfile:

@@ -101,18 +101,19 @@ class Collective:
 
 class Segments:
     """The stretches between a group's sync points, as the simulation passes them: each rank's
-    compute since the last sync (``parts``, ``[C, mp]``) and each sync's collective (``comm``,
-    ``[C, 1]``). The step is the sum of each part's maximum over ranks and of the comms."""
+    compute since it left the last sync (``parts``, ``[C, mp]``) and each sync's time from the last
+    arrival until the first member leaves (``comm``, ``[C, 1]``). The step is at least the sum of
+    each part's maximum over ranks and of the comms (equal where every member leaves together)."""
 
     def __init__(self):
         self.base = 0.0
         self.parts: list[np.ndarray] = []
         self.comm: list[np.ndarray] = []
 
-    def sync(self, clock: np.ndarray, cost: np.ndarray) -> None:
+    def sync(self, clock: np.ndarray, first_out: np.ndarray, leave: np.ndarray) -> None:
         self.parts.append(clock - self.base)
-        self.comm.append(cost)
-        self.base = clock.max(axis=1, keepdims=True) + cost
+        self.comm.append(first_out)
+        self.base = leave
 
     def finish(self, clock: np.ndarray) -> None:
         self.parts.append(clock - self.base)
@@ -191,8 +192,19 @@ class GroupModel:
             events.append(Collective("all_reduce", None, loss, np.full(len(self.padded), loss), "loss"))
         return events
 
-    def cost(self, op: str, wire) -> np.ndarray:
-        return self.cluster.collective(self.ranks, op)(wire)[:, None]
+    def leave(self, op: str, wire, clock: np.ndarray) -> np.ndarray:
+        """When each rank leaves collective ``op`` that it entered at ``clock`` ``[C, mp]``: the last
+        to arrive after ``collective``'s time, the ranks that waited for it after ``waiting_leave``'s
+        (earlier over Gloo's all-gather; the same where the profile has no difference)."""
+        last = clock.max(axis=1, keepdims=True)
+        waited = self.cluster.waiting_leave(self.ranks, op)(wire)[:, None]
+        leave = np.repeat(last + waited, clock.shape[1], axis=1)
+        latest = clock.argmax(axis=1)  # ties: one of them is last in a real run
+        rows = np.arange(clock.shape[0])
+        leave[rows, latest] = last[:, 0] + np.maximum(self.cluster.collective(self.ranks, op)(wire), waited[:, 0])
+        if self.segments is not None:
+            self.segments.sync(clock, waited, leave)
+        return leave
 
 
 def run(group: GroupModel, events: list, clock: np.ndarray, backward: bool = False) -> np.ndarray:
@@ -202,11 +214,8 @@ def run(group: GroupModel, events: list, clock: np.ndarray, backward: bool = Fal
             clock = clock + (e.bwd if backward else e.fwd)
         else:
             op = e.bwd_op if backward else e.fwd_op
-            if op is not None:  # everyone leaves together, when the last one has arrived
-                cost = group.cost(op, e.wire)
-                if group.segments is not None:
-                    group.segments.sync(clock, cost)
-                clock = np.repeat(clock.max(axis=1, keepdims=True) + cost, clock.shape[1], axis=1)
+            if op is not None:
+                clock = group.leave(op, e.wire, clock)
     return clock
 
 
@@ -352,10 +361,11 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
         start = np.max([clocks[(d, p)][:, i] for d, p, i in keys], axis=0)
         d0, p0, _ = keys[0]
         g = groups[(d0, p0)]
-        if g.segments is not None and len(keys) == mp and all((d, p) == (d0, p0) for d, p, _ in keys):
-            g.segments.sync(clocks[(d0, p0)], cost[:, None])
+        before = clocks[(d0, p0)].copy()
         for d, p, i in keys:
             clocks[(d, p)][:, i] = start + cost
+        if g.segments is not None and len(keys) == mp and all((d, p) == (d0, p0) for d, p, _ in keys):
+            g.segments.sync(before, cost[:, None], clocks[(d0, p0)])
         if (0, 0, 0) in keys:
             sent = sent + nbytes
 

@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 MIN_COMPUTE_SCALE = 0.5  # a real run at less than half its pieces' time means a broken measurement
 COLLECTIVE_REPS = 5  # rounds over every message size: two slow rounds of a shaped link leave the median
+# How late one member comes to each profiled collective: past the ~1 ms below which Gloo's members
+# still leave an all-gather together (at 1 MiB over 50 Mbit: 0.5 ms late in 2 of 4 rounds, 2 ms in every one)
+STAGGER_S = 0.005
 
 
 def probe_groups(run_group, world: int) -> list[tuple[tuple[int, ...], Optional[dist.ProcessGroup]]]:
@@ -191,12 +194,18 @@ def message_sizes(most_bytes: int) -> list[int]:
     return sizes + [most_bytes]
 
 
-def measure_group(comm: Communicator, device: torch.device, sizes: list[int], reps: int) -> dict[str, AlphaBeta]:
-    """Each op's alpha-beta on one group: the slowest member's time, median over ``reps`` rounds.
-    A round times every size once (after an untimed round), so a burst of load or a slow spell of
-    the link lands on one sample of several sizes, which the median drops, instead of on every
-    sample of one size, which no fit can tell from the link."""
-    fits = {}
+def measure_group(comm: Communicator, device: torch.device, sizes: list[int],
+                  reps: int) -> tuple[dict[str, AlphaBeta], dict[str, AlphaBeta]]:
+    """Each op's time by message size on one group, with one member arriving ``STAGGER_S`` after
+    the others (a different one each round): from its arrival until it leaves, and until the
+    members that waited leave (``ClusterProfile.collective`` and ``waiting_leave``); per role the
+    slowest member's median over ``reps`` rounds. Staggered because members of a real run never
+    arrive together, and Gloo's all-gather lets the waiting members go well before the last one;
+    timed after a barrier instead, the ranks leave it within a millisecond, some rounds staggered and
+    some not, and the median mixed the two. A round times every size once (after an untimed round),
+    so a burst of load or a slow spell of the link lands on one sample of several sizes, which the
+    median drops, instead of on every sample of one size, which no fit can tell from the link."""
+    last_fits, waited_fits = {}, {}
     for op in OPS:
         runs = []
         for nbytes in sizes:
@@ -208,20 +217,29 @@ def measure_group(comm: Communicator, device: torch.device, sizes: list[int], re
                 "all_reduce": lambda full=full: comm.all_reduce(full),
                 "all_gather": lambda local=local, even=even: comm.all_gather(local, 0, even),
                 "reduce_scatter": lambda full=full, even=even: comm.reduce_scatter(full, 0, even)}[op]))
-        times = [[] for _ in runs]
+        as_last, as_waiting = [[] for _ in runs], [[] for _ in runs]
         for i in range(reps + 1):
-            for (_, run), took in zip(runs, times):
+            late = comm.rank == i % comm.size
+            for (_, run), last, waited in zip(runs, as_last, as_waiting):
                 dist.barrier(group=comm.group)
                 synchronize(device)
                 t0 = time.perf_counter()
+                if late:
+                    time.sleep(STAGGER_S)
+                    t0 = time.perf_counter()
                 run()
                 synchronize(device)
+                took = time.perf_counter() - t0
                 if i:
-                    took.append(time.perf_counter() - t0)
-        slowest = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64, device=device)
+                    (last if late else waited).append(took if late else max(took - STAGGER_S, 0.0))
+        median = lambda xs: statistics.median(xs) if xs else 0.0  # noqa: E731 (a member never last: 0)
+        slowest = torch.tensor([[median(a), median(b)] for a, b in zip(as_last, as_waiting)], dtype=torch.float64,
+                               device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=comm.group)
-        fits[op] = AlphaBeta.fit([(nbytes, float(t)) for (nbytes, _), t in zip(runs, slowest.tolist())])
-    return fits
+        sizes_b = [nbytes for nbytes, _ in runs]
+        last_fits[op] = AlphaBeta.fit([(b, float(t)) for b, t in zip(sizes_b, slowest[:, 0].tolist())])
+        waited_fits[op] = AlphaBeta.fit([(b, float(t)) for b, t in zip(sizes_b, slowest[:, 1].tolist())])
+    return last_fits, waited_fits
 
 
 # ----------------------------------------------------------------------------- one rank's run
@@ -272,5 +290,6 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
     for _, g in everyone:  # every member holds the same (reduced) fits
         merged.update(g)
     backend = dist.get_backend(run_group) if world > 1 else "none"
-    return ClusterProfile(world, backend, ctx.device.type, m, rows, seq, dtype,
-                          tuple(p for p, _ in everyone), {g: merged[g] for g in candidate_groups(world)})
+    groups = candidate_groups(world)
+    return ClusterProfile(world, backend, ctx.device.type, m, rows, seq, dtype, tuple(p for p, _ in everyone),
+                          {g: merged[g][0] for g in groups}, {g: merged[g][1] for g in groups})

@@ -223,13 +223,14 @@ class SplitSearch:
         return choice
 
     def lower_bound(self) -> Optional[float]:
-        """A time no split of these methods can beat (memory budgets ignored). The step is the sum,
-        over the stretches between sync points, of the slowest rank's compute, plus the syncs'
-        collectives. A stretch's compute on rank i is at least that of the pieces sized by one
+        """A time no split of these methods can beat (memory budgets ignored). The step is at least
+        the sum, over the stretches between sync points, of the slowest rank's compute, plus the
+        syncs' collectives. A stretch's compute on rank i is at least that of the pieces sized by one
         split variable v at rank i's share of v, with every other variable at its smallest share
         (times are monotone); so the stretch costs at least the min-max of that table over splits of
         v (``min_max_split``, exact), for the best v. Collectives cost at least their balanced-split
-        value (uneven sequence pieces are padded to the largest). None for dp or pp > 1."""
+        value until the first member leaves (uneven sequence pieces are padded to the largest). None
+        for dp or pp > 1."""
         if self.layout.dp * self.layout.pp != 1 or not self.uses:
             return None
         ones = {v: np.ones((1, self.mp), dtype=np.int64) for v in self.uses}
