@@ -139,10 +139,11 @@ def test_gloo_all_reduce_and_bandwidth_through_shaped_links(tmp_path):
 STAGGER_RANK = textwrap.dedent("""
     import json, os, torch, torch.distributed as dist
     from galaxy.core.comm import Communicator
+    from galaxy.planner.cluster import OPS
     from galaxy.planner.profile import measure_group
     dist.init_process_group("gloo")
     comm = Communicator("probe", dist.get_rank(), dist.get_world_size())
-    last, waited = measure_group(comm, torch.device("cpu"), [1 << 20], reps=3)
+    last, waited = measure_group(comm, torch.device("cpu"), {op: [1 << 20] for op in OPS}, reps=3)
     if dist.get_rank() == 0:
         with open(os.environ["RESULT"], "w") as f:
             json.dump({op: [last[op](1 << 20).item(), waited[op](1 << 20).item()] for op in last}, f)

@@ -661,6 +661,23 @@ def test_profiler_writes_a_valid_file(dist_pool):
         assert again == r
 
 
+def test_all_reduce_is_timed_up_to_a_gradient_bucket():
+    """Activation collectives up to world x K and V of the largest batch; all-reduce also up to the
+    25 MiB bucket the gradient sync sends (or the whole gradient, when smaller)."""
+    from galaxy.planner.cost import GRAD_BUCKET_BYTES
+    from galaxy.planner.profile import collective_sizes, model_params
+
+    large = model_config({**BERT, "hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16,
+                          "vocab_size": 8192})
+    sizes = collective_sizes(large, 2, 128, 2)
+    assert max(sizes["all_gather"]) == max(sizes["reduce_scatter"]) == 2 * 2 * 2 * 128 * 1024 * 4
+    assert max(sizes["all_reduce"]) == GRAD_BUCKET_BYTES < model_params(large) * 4
+    assert sizes["all_reduce"][:len(sizes["all_gather"]) - 1] == sizes["all_gather"][:-1]
+    small = collective_sizes(model_config(BERT), 2, 8, 2)
+    assert small["all_reduce"] == small["all_gather"] and max(small["all_gather"]) == 2**20
+    assert all(max(v) == 2**14 for v in collective_sizes(large, 2, 128, 2, most_bytes=2**14).values())
+
+
 def test_profiler_on_three_ranks(tmp_path):
     """Three local ranks (the CLI's own launch): every subgroup a plan can use is created and timed.
     It hung once: members that had created different numbers of groups named the next one apart."""

@@ -24,7 +24,7 @@ from galaxy.core.comm import Communicator
 from galaxy.core.context import ParallelContext
 from galaxy.planner.blocks import measure_blocks, synchronize, windowed
 from galaxy.planner.cluster import OPS, AlphaBeta, ClusterProfile, RankProfile, candidate_groups
-from galaxy.planner.cost import Layout, Splits, Workload, predict
+from galaxy.planner.cost import GRAD_BUCKET_BYTES, Layout, Splits, Workload, predict
 
 logger = logging.getLogger(__name__)
 
@@ -194,9 +194,24 @@ def message_sizes(most_bytes: int) -> list[int]:
     return sizes + [most_bytes]
 
 
-def measure_group(comm: Communicator, device: torch.device, sizes: list[int],
+def collective_sizes(m: ModelConfig, rows: int, seq: int, world: int,
+                     most_bytes: Optional[int] = None) -> dict[str, list[int]]:
+    """The message sizes to time each op at: up to the largest activation collective of any plan
+    (K and V gathered, padded to a shard that holds every token: world x the whole activation, twice),
+    and for all-reduce up to a gradient sync's bucket (extrapolated from a few MiB to 25 MiB, one noisy
+    sample became +13% on every replicated training step at 50 Mbit; docs/benchmarks.md).
+    ``most_bytes``: one limit for every op instead."""
+    largest = most_bytes or min(max(2 * world * rows * seq * m.hidden_size * 4, 2**20), 2**26)
+    sizes = {op: message_sizes(largest) for op in OPS}
+    bucket = min(GRAD_BUCKET_BYTES, model_params(m) * 4)
+    if most_bytes is None and bucket > largest:
+        sizes["all_reduce"] = message_sizes(bucket)
+    return sizes
+
+
+def measure_group(comm: Communicator, device: torch.device, sizes: dict[str, list[int]],
                   reps: int) -> tuple[dict[str, AlphaBeta], dict[str, AlphaBeta]]:
-    """Each op's time by message size on one group, with one member arriving ``STAGGER_S`` after
+    """Each op's time at its message ``sizes`` on one group, with one member arriving ``STAGGER_S`` after
     the others (a different one each round): from its arrival until it leaves, and until the
     members that waited leave (``ClusterProfile.collective`` and ``waiting_leave``); per role the
     slowest member's median over ``reps`` rounds. Staggered because members of a real run never
@@ -208,7 +223,7 @@ def measure_group(comm: Communicator, device: torch.device, sizes: list[int],
     last_fits, waited_fits = {}, {}
     for op in OPS:
         runs = []
-        for nbytes in sizes:
+        for nbytes in sizes[op]:
             piece = max(1, nbytes // 4 // comm.size)
             full = torch.randn(piece * comm.size, device=device)
             local = full[:piece].contiguous()
@@ -270,10 +285,7 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
     memory = memory_budget(ctx.device, hosts.count(host), memory_gb)
     groups = {}
     if world > 1:
-        # the largest activation collective of any plan: K and V gathered, padded to a shard that
-        # holds every token (world x the whole activation, twice)
-        act = max(rows) * seq * m.hidden_size * 4
-        sizes = message_sizes(most_bytes or min(max(2 * world * act, 2**20), 2**26))
+        sizes = collective_sizes(m, max(rows), seq, world, most_bytes)
         for members, group in probe_groups(run_group, world):
             if rank in members:
                 comm = Communicator("probe", members.index(rank), len(members), group)
