@@ -349,7 +349,6 @@ class _Reader:
             raise self.fail(f"{path}samples", "must be a list of [size, seconds] pairs")
         return tuple((float(a), float(b)) for a, b in raw)
 
-
     def fits(self, group: Any, key: str, path: str) -> dict[str, AlphaBeta]:
         """One AlphaBeta per collective op under ``group[key]``."""
         ops_raw, ops = self.get(group, key, path, dict), {}
