@@ -198,8 +198,9 @@ def collective_sizes(m: ModelConfig, rows: int, seq: int, world: int,
                      most_bytes: Optional[int] = None) -> dict[str, list[int]]:
     """The message sizes to time each op at: up to the largest activation collective of any plan
     (K and V gathered, padded to a shard that holds every token: world x the whole activation, twice),
-    and for all-reduce up to a gradient sync's bucket (extrapolated from a few MiB to 25 MiB, one noisy
-    sample became +13% on every replicated training step at 50 Mbit; docs/benchmarks.md).
+    and for all-reduce up to a gradient sync's bucket: extrapolated to 25 MiB along the slope between
+    2 and 4 MiB (237 ms/MiB at 50 Mbit, where 16-25 MiB run at 201), it put every replicated training
+    step 13% high (docs/benchmarks.md).
     ``most_bytes``: one limit for every op instead."""
     largest = most_bytes or min(max(2 * world * rows * seq * m.hidden_size * 4, 2**20), 2**26)
     sizes = {op: message_sizes(largest) for op in OPS}
