@@ -17,7 +17,7 @@ import torch
 from galaxy.config import ConfigError, GalaxyConfig, Method
 from galaxy.planner.cluster import (OPS, PIECES, AlphaBeta, ClusterProfile, Curve, Piece, RankProfile,
                                     cluster_from_dict, isotonic, load_cluster)
-from galaxy.planner.cost import GroupModel, Layout, Splits, Workload, collectives, predict
+from galaxy.planner.cost import GroupModel, Layout, Segments, Splits, Workload, collectives, predict
 from galaxy.planner.blocks import grid
 from galaxy.planner.cluster import candidate_groups
 from galaxy.planner.search import SplitSearch, compositions, min_max_split, search
@@ -401,6 +401,10 @@ def test_search_matches_brute_force(speeds, methods, objective, waited):
     # the path for large split spaces (min-max start, coordinate descent) reaches it too
     descent = SplitSearch(cluster, work, methods, Layout(), ffn_unit=8, exact_limit=0).run()
     assert not descent.exact and descent.time_s == pytest.approx(best, rel=1e-9)
+    # every stretch the bound is built from is a rank's own compute: never negative
+    segments = Segments()
+    predict(cluster, work, methods, Splits.balanced(cluster.model, 8, len(speeds)), Layout(), segments)
+    assert min(part.min() for part in segments.parts) >= 0
     # and its lower bound holds, and is tight here (less so where the last member leaves later: the
     # bound charges each collective until the first member leaves)
     assert best * (0.95 if waited is None else 0.85) < descent.lower_bound_s <= best * (1 + 1e-12)

@@ -113,7 +113,7 @@ class Segments:
     def sync(self, clock: np.ndarray, first_out: np.ndarray, leave: np.ndarray) -> None:
         self.parts.append(clock - self.base)
         self.comm.append(first_out)
-        self.base = leave
+        self.base = leave.copy()  # the caller may advance its clocks in place
 
     def finish(self, clock: np.ndarray) -> None:
         self.parts.append(clock - self.base)
@@ -361,10 +361,11 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
         start = np.max([clocks[(d, p)][:, i] for d, p, i in keys], axis=0)
         d0, p0, _ = keys[0]
         g = groups[(d0, p0)]
-        before = clocks[(d0, p0)].copy()
+        record = g.segments is not None and len(keys) == mp and all((d, p) == (d0, p0) for d, p, _ in keys)
+        before = clocks[(d0, p0)].copy() if record else None
         for d, p, i in keys:
             clocks[(d, p)][:, i] = start + cost
-        if g.segments is not None and len(keys) == mp and all((d, p) == (d0, p0) for d, p, _ in keys):
+        if record:
             g.segments.sync(before, cost[:, None], clocks[(d0, p0)])
         if (0, 0, 0) in keys:
             sent = sent + nbytes
