@@ -25,7 +25,7 @@ from typing import Optional
 from galaxy.config import MODEL_PRESETS, ConfigError, GalaxyConfig, parse_override
 from galaxy.planner.cluster import ClusterProfile, load_cluster
 from galaxy.planner.cost import Workload
-from galaxy.planner.search import SPLIT_MARGIN, Choice, search
+from galaxy.planner.search import DEVICE_MARGIN, SPLIT_MARGIN, Choice, search
 from galaxy.cli.launch import decide_launch, launch_ranks, rank_context
 from galaxy.cli.output import bad_input, setup_logging
 
@@ -127,6 +127,9 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--split_margin", type=float, default=SPLIT_MARGIN,
                    help="keep the even split unless an uneven one is predicted faster by more than this fraction "
                         "(equal devices' profiles differ by their noise; 0: the predicted optimum)")
+    p.add_argument("--device_margin", type=float, default=DEVICE_MARGIN,
+                   help="put a plan on more devices first only where it is predicted faster than the best plan on "
+                        "fewer by more than this fraction (0: the predicted optimum)")
     p.add_argument("--validate", type=int, default=0, metavar="K", help="run the top K plans and print measured times")
     p.add_argument("--validate_steps", type=int, default=5,
                    help="training steps (the first untimed) or timed forwards per validated plan")
@@ -227,7 +230,7 @@ def plan_main(argv: list[str]) -> int:
                         cfg.train.dtype, cfg.train.optimizer, cfg.parallel.mp_grad_reduce, cfg.parallel.dp_engine)
         started = time.perf_counter()
         choices = search(cluster, work, args.ffn_unit, args.seq_unit, top=max(args.top, args.validate),
-                         split_margin=args.split_margin)
+                         split_margin=args.split_margin, device_margin=args.device_margin)
         configs = [plan_config(cfg, c, cluster.world) for c in choices]
         for config, choice in zip(configs, choices):  # every written plan must load and resolve as the CLIs will
             GalaxyConfig.from_dict(config).resolve_plan(len(choice.devices) // (choice.layout.dp * choice.layout.pp))

@@ -16,7 +16,10 @@ An uneven split is kept only where it is predicted faster than the even split of
 more than ``split_margin`` (default 3%): the profiles of two equal devices differ by their noise, and
 a split fitted to that noise ran 13% slower than the even one it was predicted to beat by 2.4%
 (docs/benchmarks.md, BERT-large 1:1). The even choice then carries the optimum's time as its
-``lower_bound_s``.
+``lower_bound_s``. In the same way a plan on more devices comes first only where it is predicted
+faster than the best plan on fewer by more than ``device_margin`` (default 3%): every device added
+brings its collectives and its noise, and two-device plans predicted 2-3% ahead of one device alone
+ran 10-12% behind it (BERT-large 1:1 at 100 Mbit).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 EXACT_LIMIT = 200_000
 SPLIT_MARGIN = 0.03
+DEVICE_MARGIN = 0.03
 CHUNK = 20_000  # candidates scored in one vectorised pass
 METHODS = [(att, con, mlp) for att in (Method.TP, Method.SP, Method.NONE) for con in (Method.SP, Method.NONE)
            for mlp in (Method.TP, Method.SP, Method.NONE)]
@@ -298,17 +302,20 @@ def layouts(cluster: ClusterProfile, work: Workload) -> list[list[Layout]]:
 
 
 def search(cluster: ClusterProfile, work: Workload, ffn_unit: int = 1, seq_unit: int = 1, top: int = 10,
-           exact_limit: int = EXACT_LIMIT, split_margin: float = SPLIT_MARGIN) -> list[Choice]:
-    """The plans, best first (those within every memory budget before those that are not): one per
-    set of devices (every subset of the cluster's ranks: on slow links fewer devices can be faster,
-    one alone runs the plan 'none'), method combination and dp x pp, with its best micro-batch
-    count and recomputation, its splits even unless uneven ones win by more than ``split_margin``."""
+           exact_limit: int = EXACT_LIMIT, split_margin: float = SPLIT_MARGIN,
+           device_margin: float = DEVICE_MARGIN) -> list[Choice]:
+    """The plans, best first (those within every memory budget before those that are not; the first
+    on the fewest devices unless more win by more than ``device_margin``): one per set of devices
+    (every subset of the cluster's ranks: on slow links fewer devices can be faster, one alone runs
+    the plan 'none'), method combination and dp x pp, with its best micro-batch count and
+    recomputation, its splits even unless uneven ones win by more than ``split_margin``."""
     m = work.model
     for key, total, unit in (("ffn_unit", m.intermediate_size, ffn_unit), ("seq_unit", work.seq_length, seq_unit)):
         if unit < 1 or total % unit:
             raise ConfigError(f"--{key} {unit} must be a positive divisor of {total}")
-    if not 0 <= split_margin < 1:
-        raise ConfigError(f"--split_margin {split_margin} must be a fraction from 0 to below 1, e.g. 0.03")
+    for key, margin in (("split_margin", split_margin), ("device_margin", device_margin)):
+        if not 0 <= margin < 1:
+            raise ConfigError(f"--{key} {margin} must be a fraction from 0 to below 1, e.g. 0.03")
     found = []
     for devices in device_subsets(cluster.world):
         sub = cluster.restrict(devices)
@@ -321,7 +328,20 @@ def search(cluster: ClusterProfile, work: Workload, ffn_unit: int = 1, seq_unit:
         raise ConfigError(f"no plan fits the world of {cluster.world} ranks: the model has too few heads, "
                           "FFN units or tokens for it")
     found.sort(key=lambda c: (not c.fits, c.time_s))
-    return found[:top]
+    first = fewest_devices_unless_beaten(found, device_margin)
+    return [first] + [c for c in found if c is not first][:top - 1]
+
+
+def fewest_devices_unless_beaten(ranked: list[Choice], margin: float) -> Choice:
+    """The plan to run from ``ranked`` (best first): going up from the fewest devices, the best plan
+    on more devices replaces the one so far only where it is faster by more than ``margin``."""
+    fitting = [c for c in ranked if c.fits] or ranked[:1]
+    chosen = None
+    for count in sorted({len(c.devices) for c in fitting}):
+        best = next(c for c in fitting if len(c.devices) == count)
+        if chosen is None or best.time_s * (1 + margin) < chosen.time_s:
+            chosen = best
+    return chosen
 
 
 def search_devices(cluster: ClusterProfile, work: Workload, ffn_unit: int, seq_unit: int,
