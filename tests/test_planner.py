@@ -18,7 +18,7 @@ from galaxy.config import ConfigError, GalaxyConfig, Method
 from galaxy.planner.cluster import (OPS, PIECES, AlphaBeta, ClusterProfile, Curve, Piece, RankProfile,
                                     cluster_from_dict, isotonic, load_cluster)
 from galaxy.planner.cost import GroupModel, Layout, Segments, Splits, Workload, collectives, predict
-from galaxy.planner.blocks import grid
+from galaxy.planner.blocks import BlockBench, grid, off_the_line, time_pieces
 from galaxy.planner.cluster import candidate_groups
 from galaxy.planner.search import SplitSearch, compositions, min_max_split, search
 from galaxy.planner.workload import edge_params, layer_params
@@ -163,6 +163,46 @@ def test_windowed_timing_shares_the_wall_time_by_the_parts():
     assert bwd == pytest.approx(3 * fwd, rel=1e-9)
     assert 0.009 < fwd + bwd < 0.05
     assert windowed(once, 0.0) == (0.001, 0.003)
+
+
+def test_off_the_line_flags_a_sample_its_neighbours_disagree_with():
+    sizes = [1, 2, 4, 6, 8, 10, 12]
+    line = [1.0 + 0.5 * x for x in sizes]
+    assert off_the_line(sizes, line, 0.1) == []
+    # the last: against the line through 4 and 6 extended; a neighbour of a bad one is flagged too
+    assert off_the_line(sizes, [*line[:6], line[6] * 1.3], 0.1) == [5, 6]
+    assert off_the_line(sizes, [line[0] * 1.3, *line[1:]], 0.1) == [0, 1]
+    assert off_the_line(sizes, [*line[:3], line[3] * 1.3, *line[4:]], 0.1) == [2, 3, 4]
+    assert off_the_line(sizes, [*line[:3], line[3] * 1.05, *line[4:]], 0.1) == []
+    assert off_the_line([1, 2], [1.0, 9.0], 0.1) == []
+
+
+def test_time_pieces_times_a_size_again_where_a_burst_hit_every_sample():
+    """Pieces that sleep 2 ms per size unit; the size-4 one 40 ms more in every call of the first
+    pass (a burst longer than the repetitions, which their median keeps). It comes back near 8 ms,
+    timed again with its neighbours; a size another rank asks for (``agree``) is timed again too."""
+    import time
+
+    bench = BlockBench(model_config(BERT), 1, 8, torch.device("cpu"), "float32")
+    calls = {}
+
+    def make(n, burst):
+        def fn(x):
+            calls[n] = calls.get(n, 0) + 1
+            time.sleep(0.002 * n + (0.04 if burst and n == 4 and calls[n] <= 8 else 0.0))
+            return x * 2
+        return lambda: ([torch.ones(2, requires_grad=True)], fn)
+
+    sizes = [1, 2, 3, 4, 5, 6, 7]
+    out = time_pieces(bench, [make(n, True) for n in sizes], sizes, 3, lambda: None)
+    # warm-up + 3 rounds, a training and an inference forward each (8), 3 rounds again (6), saved bytes (1)
+    assert calls[3] == calls[4] == calls[5] == 15
+    assert out[3][0] < 0.025 and out[3][2] < 0.025  # 48 ms with the burst
+    calls.clear()
+    asked = []
+    time_pieces(bench, [make(n, False) for n in sizes], sizes, 3, lambda: None,
+                agree=lambda mine: asked.append(mine) or sorted({*mine, 0}))
+    assert len(asked) == 1 and calls[1] == 15
 
 
 def test_curve_is_monotone_and_robust_to_one_outlier():
@@ -460,6 +500,26 @@ def test_even_split_is_kept_unless_an_uneven_one_wins_by_the_margin():
     assert not even.exact and even.lower_bound_s == uneven.time_s
     with pytest.raises(ConfigError, match="--split_margin"):
         search(cluster, work, ffn_unit=8, split_margin=-0.1)
+
+
+def test_more_devices_come_first_only_where_they_win_by_the_margin():
+    """Both devices predicted g faster than the fast one alone: first under a margin below g; under
+    one above g the device alone is first and the plan on both stays in the table, which is
+    otherwise in predicted order. A bad margin is one line."""
+    cluster = synthetic_cluster(BERT, 2, [1.0, 1.5], alpha=0.0, beta=0.0)
+    work = Workload(cluster.model, "latency", 2, 8)
+    ranked = search(cluster, work, ffn_unit=8, top=100, device_margin=0.0)
+    both, alone = ranked[0], next(c for c in ranked if len(c.devices) == 1)
+    assert both.devices == (0, 1) and alone.devices == (1,)
+    gain = alone.time_s / both.time_s - 1
+    assert 0 < gain < 0.9
+    assert search(cluster, work, ffn_unit=8, top=100, device_margin=gain * 0.9)[0].devices == (0, 1)
+    held = search(cluster, work, ffn_unit=8, top=100, device_margin=gain * 1.1)
+    assert held[0].devices == (1,) and held[0].time_s == alone.time_s
+    assert [c.time_s for c in held[1:]] == sorted(c.time_s for c in held[1:]) and held[1].devices == (0, 1)
+    assert len(held) == len(ranked)
+    with pytest.raises(ConfigError, match="--device_margin"):
+        search(cluster, work, ffn_unit=8, device_margin=1.0)
 
 
 def test_search_over_device_subsets():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from galaxy.planner.cluster import Curve, Piece
 logger = logging.getLogger(__name__)
 
 FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 7 / 8, 1.0)
+RETIME_TOLERANCE = 0.10  # a sample this far off its neighbours' line is timed again
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
                 "float16": torch.float16}
 
@@ -244,26 +245,65 @@ def windowed(once: Callable[[], tuple[float, ...]], window_s: float) -> tuple[fl
     return tuple(per_run * p / total if total > 0 else per_run / len(fastest) for p in fastest)
 
 
-def time_pieces(bench: BlockBench, makes: list[Callable], reps: int, barrier: Callable[[], None],
+def off_the_line(sizes: Sequence[int], values: Sequence[float], tolerance: float) -> list[int]:
+    """Indices of ``values`` more than ``tolerance`` (relative) off the line through their two
+    neighbours (at an end, the two nearest): where a burst of load may have hit a sample. A real
+    bend of the curve is flagged too; timed again it comes back the same."""
+    n = len(sizes)
+    if n < 3:
+        return []
+    out = []
+    for i in range(n):
+        a, b = (i - 1, i + 1) if 0 < i < n - 1 else ((1, 2) if i == 0 else (n - 3, n - 2))
+        line = values[a] + (values[b] - values[a]) * (sizes[i] - sizes[a]) / (sizes[b] - sizes[a])
+        if line <= 0 or abs(values[i] / line - 1) > tolerance:
+            out.append(i)
+    return out
+
+
+def time_pieces(bench: BlockBench, makes: list[Callable], sizes: Sequence[int], reps: int,
+                barrier: Callable[[], None], agree: Callable[[list[int]], list[int]] = sorted,
                 window_s: float = 0.0) -> list[tuple[float, float, float, int]]:
-    """Median forward, backward and inference-forward seconds, and saved bytes, of one piece at several sizes, each
-    sample the mean over a window (``windowed``). The sizes take turns within each repetition, so
-    a burst of load from elsewhere disturbs one sample of many sizes rather than every sample of
-    one (the median then drops it)."""
+    """Median forward, backward and inference-forward seconds, and saved bytes, of one piece at several ``sizes``,
+    each sample the mean over a window (``windowed``). The sizes take turns within each repetition,
+    so a burst of load from elsewhere disturbs one sample of many sizes rather than every sample of
+    one (the median then drops it). A burst longer than that leaves a size off the line through its
+    neighbours (``off_the_line``); those sizes, on any rank (``agree``: the union over the ranks, so
+    all keep timing together), are timed again, the new samples replacing the old (a median of
+    both would keep half of a burst that hit every sample). A piece at full size is what the
+    calibration holds the serial model to: one burst there scaled every other size of that rank
+    (BERT-large 1:1: two equal ranks 11% apart at half the sequence)."""
     runs = [PieceRun(bench, make) for make in makes]
     samples: list[list[tuple[float, float, float]]] = [[] for _ in runs]
-    for i in range(reps + 1):  # the first round warms up
-        for run, taken in zip(runs, samples):
-            barrier()
-            t = windowed(run.once, window_s if i else 0.0)
-            if i:
-                taken.append(t)
-    return [(*(statistics.median(t[k] for t in taken) for k in range(3)), run.saved())
-            for run, taken in zip(runs, samples)]
+
+    def rounds(which: Sequence[int], warm: bool) -> None:
+        for i in range(reps + warm):  # a first round warms up
+            timed = i >= warm
+            for k in which:
+                barrier()
+                t = windowed(runs[k].once, window_s if timed else 0.0)
+                if timed:
+                    samples[k].append(t)
+
+    def medians() -> list[tuple[float, ...]]:
+        return [tuple(statistics.median(t[q] for t in taken) for q in range(3)) for taken in samples]
+
+    rounds(range(len(runs)), warm=True)
+    now = medians()
+    suspect = {i for q in range(3) for i in off_the_line(sizes, [m[q] for m in now], RETIME_TOLERANCE)}
+    again = agree(sorted(suspect))
+    if again:
+        logger.info("timing %d of %d sizes again: off the line through their neighbours", len(again), len(runs))
+        for k in again:
+            samples[k] = []
+        rounds(again, warm=False)
+        now = medians()
+    return [(*m, run.saved()) for m, run in zip(now, runs)]
 
 
 def measure_blocks(m: ModelConfig, rows: int, seq: int, device: torch.device, dtype: str, reps: int,
-                   barrier: Callable[[], None], ffn_unit: int = 1, window_s: float = 0.0) -> dict[str, Piece]:
+                   barrier: Callable[[], None], ffn_unit: int = 1, window_s: float = 0.0,
+                   agree: Callable[[list[int]], list[int]] = sorted) -> dict[str, Piece]:
     bench = BlockBench(m, rows, seq, device, dtype)
     H, F_ = m.num_attention_heads, m.intermediate_size
     heads = grid(H, H // m.kv_heads)
@@ -281,7 +321,7 @@ def measure_blocks(m: ModelConfig, rows: int, seq: int, device: torch.device, dt
     }
     pieces = {}
     for name, (sizes, make) in plan.items():
-        rows_ = time_pieces(bench, [lambda n=n: make(n) for n in sizes], reps, barrier, window_s)
+        rows_ = time_pieces(bench, [lambda n=n: make(n) for n in sizes], sizes, reps, barrier, agree, window_s)
         tsizes = tuple(sizes)
         pieces[name] = Piece(*(Curve(tsizes, tuple(float(r[k]) for r in rows_)) for k in (0, 1, 3)),
                              infer=Curve(tsizes, tuple(r[2] for r in rows_)))

@@ -270,9 +270,18 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
         raise ValueError("profile with dp_size = pp_size = 1: the profiler measures every group itself")
     world, run_group, rank = ctx.mp.size, ctx.mp.group, ctx.mp.rank
     barrier = (lambda: dist.barrier(group=run_group)) if world > 1 else (lambda: None)
+
+    def agree(mine: list[int]) -> list[int]:
+        """The union of every rank's ``mine``."""
+        if world == 1:
+            return sorted(mine)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine, group=run_group)
+        return sorted(set().union(*everyone))
     rows = tuple(sorted(set(rows)))
     before = measure_serial(m, max(rows), seq, dtype, ctx.device, reps, window_s)
-    pieces = {n: measure_blocks(m, n, seq, ctx.device, dtype, reps, barrier, ffn_unit, window_s) for n in rows}
+    pieces = {n: measure_blocks(m, n, seq, ctx.device, dtype, reps, barrier, ffn_unit, window_s, agree)
+              for n in rows}
     optimizer = measure_optimizer(ctx.device, min(model_params(m), 2**24), reps, barrier, window_s)
     barrier()
     # timed again after the pieces: a burst of load during one timing is then one of two, not all
