@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -320,22 +321,21 @@ def test_stretched_ops_take_the_slowdown_and_collectives_do_not(tmp_path):
     torch.set_num_threads(1)
     a = torch.randn(256, 256, requires_grad=True)  # ops of ~0.3 ms: the mode's ~10 us per op is noise
 
-    def pieces(factor):
-        took = []
+    def piece(factor):
         with slowed_compute(factor):
-            for _ in range(8):
-                time.sleep(0.003)
-                t = time.perf_counter()
-                y = a
-                for _ in range(10):
-                    y = torch.tanh(y @ a)
-                y.sum().backward()
-                took.append(time.perf_counter() - t)
-        return sorted(took)[len(took) // 2]
+            time.sleep(0.003)
+            t = time.perf_counter()
+            y = a
+            for _ in range(10):
+                y = torch.tanh(y @ a)
+            y.sum().backward()
+            return time.perf_counter() - t
 
-    pieces(None)
-    ratio = pieces(3.0) / pieces(None)
-    assert 2.5 < ratio < 3.6, ratio
+    piece(None)
+    # taking turns, so a burst of load from elsewhere slows both sides rather than one
+    plain, slowed = zip(*[(piece(None), piece(3.0)) for _ in range(9)])
+    ratio = statistics.median(slowed) / statistics.median(plain)
+    assert 2.2 < ratio < 3.6, ratio  # unstretched: 1; stretched twice: 5 and more (CI once measured 2.47)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         t = torch.ones(1 << 16)
