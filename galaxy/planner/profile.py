@@ -278,6 +278,7 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
         everyone = [None] * world
         dist.all_gather_object(everyone, mine, group=run_group)
         return sorted(set().union(*everyone))
+
     rows = tuple(sorted(set(rows)))
     before = measure_serial(m, max(rows), seq, dtype, ctx.device, reps, window_s)
     pieces = {n: measure_blocks(m, n, seq, ctx.device, dtype, reps, barrier, ffn_unit, window_s, agree)
