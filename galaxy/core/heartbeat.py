@@ -199,14 +199,7 @@ class Heartbeat:
             return
         self._stopping.set()
         atexit.unregister(self._at_exit)
-        # The thread must be gone before the interpreter exits: one still inside a store call then
-        # (the GIL released in C++) aborts the process, "terminate called without an active
-        # exception" (seen at a pipeline run's teardown under load). A tick ends within the store's
-        # timeout; a clean shutdown or exit waits for it (ranks stop before their last barrier, so
-        # the store is still up), a failing rank only briefly, and the interpreter's exit for the rest.
-        self._thread.join(timeout=2 * self.interval if state == FAILED else self.stale_after)
-        if self._thread.is_alive():
-            atexit.register(self._thread.join, self.stale_after)
+        self._thread.join(timeout=2 * self.interval)
         store, self._store = self._store, None
         if store is not None and not self._thread.is_alive():  # never two users of one connection
             try:
