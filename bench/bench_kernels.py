@@ -10,7 +10,8 @@ intermediate of 5504 = 11008 / 2), every contender
               longer than the GPU work (small kernels), as an eager step on an idle GPU sees it;
    ``gpu``    the same steps queued behind a GPU sleep so the host runs ahead (as it does inside a
               training step), timed with CUDA events: device time, without launch gaps. Inputs
-              rotate over several copies so repeated steps do not hit L2. A contender that syncs
+              and upstream gradients rotate over several copies so repeated steps do not hit L2
+              (in training both are fresh tensors at every layer). A contender that syncs
               with the host (Liger's cross-entropy reads ``.item()``) pays for it here too,
 3. has its peak extra memory over one forward + backward measured.
 
@@ -375,7 +376,7 @@ def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool) -> l
     ref_outs, ref_grads = _fwd_bwd(torch_fn, _clone_args(args), grad_outs)
     expected = [t.detach() for t in (*ref_outs, *ref_grads)]
     del ref_outs, ref_grads
-    n_copies = 1 + min(7, ROTATE_BYTES // max(1, _tensor_bytes(args)))
+    n_copies = 1 + min(7, ROTATE_BYTES // max(1, _tensor_bytes(args) + _tensor_bytes(grad_outs)))
 
     results, steps = [], {}
     for name, fn in case.impls.items():
@@ -389,10 +390,11 @@ def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool) -> l
             res.max_err = max(_normalized_err(g, e) for g, e in zip(got, expected))
             res.ok = res.max_err <= TOLERANCE[dtype]
             del outs, grads, got
-            # Each contender times its own copies of the inputs and upstream gradients: in-place kernels
-            # (Liger's, galaxy-inplace) overwrite theirs.
-            mine = tuple(g.clone() for g in grad_outs)
-            steps[name] = [lambda fn=fn, a=_clone_args(args), g=mine: _fwd_bwd(fn, a, g) for _ in range(n_copies)]
+            # Each contender times its own copies of the inputs and of the upstream gradients, both
+            # rotated: in-place kernels (Liger's, galaxy-inplace) overwrite theirs, and in a training step
+            # the upstream gradient is a fresh tensor, not one that stays in L2 from the last step.
+            steps[name] = [lambda fn=fn, a=_clone_args(args), g=tuple(g.clone() for g in grad_outs): _fwd_bwd(fn, a, g)
+                           for _ in range(n_copies)]
             res.peak_mib = peak_mib(steps[name][0], on_cuda)
             if profile:
                 res.kernels = profile_kernels(steps[name][0], on_cuda)
@@ -481,9 +483,17 @@ def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool, kernels: list[str]
         w = 1 + randn(h, scale=0.1)
         rstd = torch.rand(n, device=device) + 0.5
         for per_sm in (1, 2, 4, 8):
-            timed(f"rms_norm bwd [{n},{h}]", f"programs_per_sm={per_sm}",
-                  lambda: norms.rms_norm_backward(dy, x, w, rstd, per_sm))
-    flce = ([(48, 64, 257)] if smoke else [(4096, 4096, 32000), (4096, 4096, 128256), (4096, 2048, 128256)]
+            def bwd(per_sm=per_sm):
+                _, partial = norms.rms_norm_backward(dy, x, w, rstd, per_sm)
+                return norms.sum_partials(partial, (w.dtype,))
+            timed(f"rms_norm bwd + dw sum [{n},{h}]", f"programs_per_sm={per_sm}", bwd)
+        _, partial = norms.rms_norm_backward(dy, x, w, rstd)
+        timed(f"rms_norm dw sum [{partial.shape[0]},{h}]", "torch sum(0).to", lambda: partial.sum(0).to(w.dtype))
+        for block_c in (16, 32, 64, 128):
+            for block_p in (32, 64, 128):
+                timed(f"rms_norm dw sum [{partial.shape[0]},{h}]", f"block_c={block_c} block_p={block_p}",
+                      lambda: norms.sum_partials(partial, (w.dtype,), block_c, block_p))
+    flce = (([(48, 64, 257)] if smoke else [(4096, 4096, 32000), (4096, 4096, 128256), (4096, 2048, 128256)])
             if want("flce") else [])
     for n_, h, v in flce:
         hh, w, t = _leaf(randn(n_, h)), _leaf(randn(v, h, scale=0.02)), _targets(n_, v, device)

@@ -2,7 +2,8 @@
 # Issue 17 on one H100. Modes: `explore` = fp32 numerics of cross-entropy and RoPE, launch-setting sweeps
 # (RoPE tiles, cross-entropy blocks), Nsight Compute bytes of the cross-entropy kernels, the bf16 bench of
 # both with kernel profiles; `ce` = the cross-entropy sweep, bytes and bench; `final` = fp32 numerics, the
-# cross-entropy sweep, then the whole bf16 bench with profiles.
+# cross-entropy sweep, then the whole bf16 bench with profiles; `norms` = the RMSNorm backward sweep
+# (programs per SM, the partial-row sum's tiles), then the norms and RoPE bench with profiles.
 # Run from the repository root with $OUT and GALAXY_COMMIT set, Liger's wheel installed on PYTHONPATH.
 set -uo pipefail
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -27,10 +28,13 @@ case "$1" in
     timeout 70 $B --variants ce --only --json $OUT/kernels_ce_variants.json 2>&1 | grep "variant ce loss+grad"
     ce_bytes
     timeout 150 $B --only cross_entropy --profile --repeats 4 --json $OUT/kernels_ce.json 2>&1 | tail -25 ;;
+  norms)
+    timeout 150 $B --variants rms_norm --only --json $OUT/kernels_norms_variants.json 2>&1 | grep variant
+    timeout 300 $B --only rms_norm layer_norm rope --profile --repeats 4 --json $OUT/kernels_norms_rope.json 2>&1 | tail -40 ;;
   final)
     timeout 100 $B --dtype fp32 --only cross_entropy rope --skip torch-compile liger --repeats 1 \
       --json $OUT/kernels_fp32_check.json 2>&1 | grep -E "^(cross_entropy|rope) .* (ok|FAIL)" | head -20
     timeout 70 $B --variants ce --only --json $OUT/kernels_ce_variants.json 2>&1 | grep "variant ce loss+grad"
     timeout 460 $B --profile --repeats 4 --json $OUT/kernels_final.json 2>&1 | tail -75 ;;
-  *) echo "usage: $0 explore|ce|final" >&2; exit 2 ;;
+  *) echo "usage: $0 explore|ce|norms|final" >&2; exit 2 ;;
 esac

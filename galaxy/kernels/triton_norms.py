@@ -2,7 +2,8 @@
 
 One program per row in the forward pass. The backward pass runs a fixed number of programs
 that each loop over rows and accumulate their weight/bias gradient in registers, writing one
-partial row each; the partials are summed in torch (no atomics, deterministic).
+partial row each; ``sum_partials`` adds the partial rows up column by column in one more launch
+(no atomics, deterministic) and writes the parameter's dtype.
 """
 
 from __future__ import annotations
@@ -16,6 +17,45 @@ from galaxy.kernels._triton_utils import as_rows, persistent_programs, row_block
 # Programs per SM of the backward kernels (each loops over its rows; more programs keep more rows
 # in flight, at the cost of more partial rows to sum). Chosen by bench/bench_kernels.py --variants.
 BWD_PROGRAMS_PER_SM = 4
+
+# Column tile of ``sum_partials``: narrow tiles give enough programs at hidden sizes of 1-4k. From
+# bench/bench_kernels.py --variants (rms_norm rows).
+SUM_BLOCK_C = 32
+SUM_BLOCK_P = 64
+
+
+@triton.jit
+def _sum_partials_kernel(P, OUT, OUT2, n_partials, n_cols, split, stride_p,
+                         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < n_cols
+    acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    for start in range(0, n_partials, BLOCK_P):
+        rows = start + tl.arange(0, BLOCK_P)
+        mask = (rows[:, None] < n_partials) & col_mask[None, :]
+        acc += tl.load(P + rows[:, None].to(tl.int64) * stride_p + cols[None, :], mask=mask, other=0.0)
+    total = tl.sum(acc, axis=0)
+    tl.store(OUT + cols, total.to(OUT.dtype.element_ty), mask=cols < split)
+    tl.store(OUT2 + (cols - split), total.to(OUT2.dtype.element_ty), mask=(cols >= split) & col_mask)
+
+
+def sum_partials(partials: torch.Tensor, dtypes: tuple[torch.dtype, ...], block_c: int = SUM_BLOCK_C,
+                 block_p: int = SUM_BLOCK_P) -> tuple[torch.Tensor, ...]:
+    """Column sums of the fp32 partial rows ``[programs, n_cols]`` (unit column stride) in one launch:
+    one output of ``dtypes[0]``, or, given two dtypes, the first and second halves of the columns
+    as two tensors (LayerNorm's dweight and dbias). Replaces ``partials.sum(0).to(dtype)``: torch's
+    dim-0 reduction of a few hundred rows took a third of the small norms' backward (10.5 of 34 us
+    at 2048 x 2048 on H100, docs/results/kernels_2026-11-24_690d2e1_h100.json)."""
+    n_partials, n_cols = partials.shape
+    split = n_cols // len(dtypes)
+    outs = tuple(torch.empty(split, dtype=dt, device=partials.device) for dt in dtypes)
+    if n_cols:
+        _sum_partials_kernel[(triton.cdiv(n_cols, block_c),)](
+            partials, outs[0], outs[-1], n_partials, n_cols, split, partials.stride(0),
+            BLOCK_P=block_p, BLOCK_C=block_c, num_warps=4,
+        )
+    return outs
+
 
 # ----------------------------------------------------------------------------- RMSNorm
 
@@ -92,7 +132,7 @@ class TritonRMSNorm(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x2, weight, rstd = ctx.saved_tensors
         dx, dw_partial = rms_norm_backward(as_rows(dy), x2, weight, rstd)
-        dw = dw_partial.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        dw = sum_partials(dw_partial, (weight.dtype,))[0] if ctx.needs_input_grad[1] else None
         return dx.view(ctx.shape), dw, None
 
 
@@ -137,7 +177,7 @@ def _layer_norm_fwd_kernel(
 @triton.jit
 def _layer_norm_bwd_kernel(
     DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL,
-    stride_dy, stride_x, stride_dx, n_rows, n_cols, rows_per_program,
+    stride_dy, stride_x, stride_dx, stride_partial, n_rows, n_cols, rows_per_program,
     BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -165,8 +205,8 @@ def _layer_norm_bwd_kernel(
         c2 = tl.sum(dxhat, axis=0) / n_cols
         dx = (dxhat - (xhat * c1 + c2)) * rstd
         tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
-    tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
-    tl.store(DB_PARTIAL + pid.to(tl.int64) * n_cols + cols, db_acc, mask=col_mask)
+    tl.store(DW_PARTIAL + pid.to(tl.int64) * stride_partial + cols, dw_acc, mask=col_mask)
+    tl.store(DB_PARTIAL + pid.to(tl.int64) * stride_partial + cols, db_acc, mask=col_mask)
 
 
 class TritonLayerNorm(torch.autograd.Function):
@@ -203,17 +243,21 @@ class TritonLayerNorm(torch.autograd.Function):
         dy2 = as_rows(dy)
         dx = torch.empty_like(x2)
         programs = persistent_programs(x2.device, n_rows, BWD_PROGRAMS_PER_SM)
-        # Every program writes its partial rows, so only an empty input needs zeros.
-        partial = torch.empty if n_rows else torch.zeros
-        dw_partial = partial((programs, n_cols), dtype=torch.float32, device=x2.device)
-        db_partial = partial((programs, n_cols), dtype=torch.float32, device=x2.device)
+        # Every program writes its partial rows, so only an empty input needs zeros. dweight's partial
+        # row and dbias's side by side: one ``sum_partials`` launch adds up both.
+        partials = (torch.empty if n_rows else torch.zeros)((programs, 2 * n_cols), dtype=torch.float32, device=x2.device)
+        dw_partial, db_partial = partials[:, :n_cols], partials[:, n_cols:]
         block, warps = row_block(n_cols)
         if n_rows > 0:
             _layer_norm_bwd_kernel[(programs,)](
                 dy2, x2, weight, mean, rstd, dx, dw_partial, db_partial,
-                dy2.stride(0), x2.stride(0), dx.stride(0), n_rows, n_cols, triton.cdiv(n_rows, programs),
-                BLOCK_N=block, num_warps=warps,
+                dy2.stride(0), x2.stride(0), dx.stride(0), partials.stride(0), n_rows, n_cols,
+                triton.cdiv(n_rows, programs), BLOCK_N=block, num_warps=warps,
             )
-        dw = dw_partial.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        db = db_partial.sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+        want_w, want_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        if want_w and want_b:
+            dw, db = sum_partials(partials, (weight.dtype, ctx.bias_dtype))
+        else:
+            dw = sum_partials(dw_partial, (weight.dtype,))[0] if want_w else None
+            db = sum_partials(db_partial, (ctx.bias_dtype,))[0] if want_b else None
         return dx.view(ctx.shape), dw, db, None

@@ -39,6 +39,8 @@ def cases():
                dict(X=p, W=p, B=p, Y=p, MEAN=f32, RSTD=f32, eps="fp32"), {"BLOCK_N": 1024}, 4)
         yield (f"ln_bwd_{dt}", norms._layer_norm_bwd_kernel,
                dict(DY=p, X=p, W=p, MEAN=f32, RSTD=f32, DX=p, DW_PARTIAL=f32, DB_PARTIAL=f32), {"BLOCK_N": 1024}, 4)
+        yield (f"sum_partials_{dt}", norms._sum_partials_kernel, dict(P=f32, OUT=p, OUT2=f32),
+               {"BLOCK_P": 64, "BLOCK_C": 32}, 4)
         for inverse in (False, True):
             yield (f"rope_{'bwd' if inverse else 'fwd'}_{dt}", rope._rope_kernel,
                    dict(Q=p, K=p, COS=p, SIN=p, QO=p, KO=p),

@@ -309,6 +309,31 @@ def test_layer_norm_triton_bf16(triton_cpu):
     assert_all_close([y, *grads(y, (x, w, b), dy)], truth, cast=True, **BF16)
 
 
+@pytest.mark.parametrize("frozen", ["weight", "bias"])
+def test_layer_norm_triton_one_parameter_frozen(triton_cpu, frozen):
+    # Only one of dweight / dbias is summed then (the other half of the partial rows is skipped).
+    x, w, b = leaf(9, 40), leaf(40), leaf(40)
+    (w if frozen == "weight" else b).requires_grad_(False)
+    y = K.layer_norm(x, w, b, 1e-5, backend="triton")
+    y_r = R.layer_norm(x, w, b, 1e-5)
+    dy = torch.randn_like(y)
+    assert_all_close([y, *grads(y, (x, w, b), dy)], [y_r, *grads(y_r, (x, w, b), dy)], **FP32)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.bfloat16,), (torch.bfloat16, torch.float32)])
+def test_sum_partials_adds_up_columns_in_the_asked_dtypes(triton_cpu, dtypes):
+    # More partial rows than one row tile and a column count off the tile: the loop and both masks run.
+    from galaxy.kernels.triton_norms import sum_partials
+
+    partials = torch.randn(150, 70, dtype=torch.float64).float()
+    outs = sum_partials(partials, dtypes, block_c=32, block_p=64)
+    truth = partials.double().sum(0).split(70 // len(dtypes))
+    assert len(outs) == len(dtypes)
+    for out, want, dtype in zip(outs, truth, dtypes):
+        assert out.dtype == dtype and out.shape == want.shape
+        torch.testing.assert_close(out, want.to(dtype), **(FP32 if dtype == torch.float32 else BF16))
+
+
 # ---------------------------------------------------------------- Triton vs reference: RoPE
 
 
