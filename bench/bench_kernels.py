@@ -346,16 +346,17 @@ def peak_mib(fn, on_cuda: bool) -> float | None:
     return peak / 2**20
 
 
-def profile_kernels(fn, on_cuda: bool, steps: int = 3, top: int = 6) -> list:
-    """The ``top`` device kernels of one step: (name, ms per step)."""
+def profile_kernels(fns: list[Callable], on_cuda: bool, steps: int = 3, top: int = 6) -> list:
+    """The ``top`` device kernels of one step: (name, ms per step), the steps taken in turn over
+    ``fns`` (copies of the inputs, as ``gpu_ms`` takes them)."""
     if not on_cuda:
         return []
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
+        for i in range(steps):
+            fns[i % len(fns)]()
         torch.cuda.synchronize()
     rows = [(e.key, e.device_time_total / 1e3 / steps) for e in prof.key_averages() if e.device_time_total > 0]
     rows.sort(key=lambda r: -r[1])
@@ -397,7 +398,7 @@ def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool) -> l
                            for _ in range(n_copies)]
             res.peak_mib = peak_mib(steps[name][0], on_cuda)
             if profile:
-                res.kernels = profile_kernels(steps[name][0], on_cuda)
+                res.kernels = profile_kernels(steps[name], on_cuda)
         except Exception as err:  # noqa: BLE001 - one failing impl must not stop the table
             res.ok = False
             res.note = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]
@@ -427,8 +428,11 @@ def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool, kernels: list[str]
         return torch.randn(*s, device=device, dtype=torch.float32).mul_(scale).to(dtype)
 
     def timed(name, setting, fn, **extra):
-        host = wall_ms(fn, on_cuda)
-        ms = [gpu_ms([fn], on_cuda, host) for _ in range(3)]
+        """``fn``: one step, or a list of steps on different copies of the inputs, taken in turn so
+        that inputs smaller than L2 are not read from it (as in the main bench)."""
+        fns = fn if isinstance(fn, list) else [fn]
+        host = wall_ms(fns[0], on_cuda)
+        ms = [gpu_ms(fns, on_cuda, host) for _ in range(3)]
         row = dict(kernel=name, setting=setting, gpu_ms=ms, **extra)
         rows.append(row)
         print(f"variant {name:<34} {setting:<28} {statistics.median(ms):8.4f} ms", file=sys.stderr, flush=True)
@@ -455,14 +459,17 @@ def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool, kernels: list[str]
     heads = ([(4, 2, 16)] if smoke else [(32, 32, 128), (32, 8, 64), (16, 16, 128), (16, 4, 64)]) if want("rope") else []
     for hq, hk, d in heads:
         cos, sin = rope_tables(n, d, device, dtype)
-        # The attention block's layout: [b, s, h, d] projections viewed as [b, h, s, d].
-        q, k = randn(1, n, hq, d).transpose(1, 2), randn(1, n, hk, d).transpose(1, 2)
+        # The attention block's layout: [b, s, h, d] projections viewed as [b, h, s, d]; copies in turn.
+        qks = [(randn(1, n, hq, d).transpose(1, 2), randn(1, n, hk, d).transpose(1, 2))
+               for _ in range(1 + min(7, ROTATE_BYTES // (2 * n * (hq + hk) * d * dtype.itemsize)))]
         timed(f"rope fwd q[{hq},{d}] k[{hk}]", "default (rope_tiles)",
-              lambda: rope.rope_launch(q, k, cos, sin, False))
-        for positions in (1, 2, 4):
+              [lambda q=q, k=k: rope.rope_launch(q, k, cos, sin, False) for q, k in qks])
+        for positions in (1, 2, 4, 8):
             for warps in (1, 2, 4, 8):
                 timed(f"rope fwd q[{hq},{d}] k[{hk}]", f"positions={positions} warps={warps}",
-                      lambda: rope.rope_launch(q, k, cos, sin, False, positions, warps))
+                      [lambda q=q, k=k, p=positions, w=warps: rope.rope_launch(q, k, cos, sin, False, p, w)
+                       for q, k in qks])
+        del qks
     vocabs = ([257] if smoke else [32000, 128256]) if want("ce") else []
     for v in vocabs:
         z, t = randn(n, v, scale=2.0), _targets(n, v, device)
@@ -479,17 +486,19 @@ def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool, kernels: list[str]
             timed(f"scale_rows_ [{n},{v}]", f"g={g}", lambda: ce.scale_rows_(grad, torch.full((), g, device=device)))
     hidden = ([64] if smoke else [4096, 2048]) if want("rms_norm") else []
     for h in hidden:
-        x, dy = randn(n, h), randn(n, h)
         w = 1 + randn(h, scale=0.1)
         rstd = torch.rand(n, device=device) + 0.5
+        xdys = [(randn(n, h), randn(n, h)) for _ in range(1 + min(7, ROTATE_BYTES // (4 * n * h * dtype.itemsize)))]
         for per_sm in (1, 2, 4, 8):
-            def bwd(per_sm=per_sm):
+            def bwd(x, dy, per_sm=per_sm):
                 _, partial = norms.rms_norm_backward(dy, x, w, rstd, per_sm)
                 return norms.sum_partials(partial, (w.dtype,))
-            timed(f"rms_norm bwd + dw sum [{n},{h}]", f"programs_per_sm={per_sm}", bwd)
-        _, partial = norms.rms_norm_backward(dy, x, w, rstd)
+            timed(f"rms_norm bwd + dw sum [{n},{h}]", f"programs_per_sm={per_sm}",
+                  [lambda x=x, dy=dy, bwd=bwd: bwd(x, dy) for x, dy in xdys])
+        _, partial = norms.rms_norm_backward(xdys[0][1], xdys[0][0], w, rstd)
+        del xdys
         timed(f"rms_norm dw sum [{partial.shape[0]},{h}]", "torch sum(0).to", lambda: partial.sum(0).to(w.dtype))
-        for block_c in (16, 32, 64, 128):
+        for block_c in (8, 16, 32):
             for block_p in (32, 64, 128):
                 timed(f"rms_norm dw sum [{partial.shape[0]},{h}]", f"block_c={block_c} block_p={block_p}",
                       lambda: norms.sum_partials(partial, (w.dtype,), block_c, block_p))
