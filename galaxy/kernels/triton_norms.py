@@ -14,14 +14,20 @@ import triton.language as tl
 
 from galaxy.kernels._triton_utils import as_rows, persistent_programs, row_block
 
-# Programs per SM of the backward kernels (each loops over its rows; more programs keep more rows
-# in flight, at the cost of more partial rows to sum). Chosen by bench/bench_kernels.py --variants.
-BWD_PROGRAMS_PER_SM = 4
 
-# Column tile of ``sum_partials``: narrow tiles give enough programs at hidden sizes of 1-4k. From
-# bench/bench_kernels.py --variants (rms_norm rows).
+def bwd_programs_per_sm(n_cols: int) -> int:
+    """Programs per SM of the backward kernels (each loops over its rows; more programs keep more
+    rows in flight, at the cost of more partial rows to sum). From bench/bench_kernels.py --variants
+    (rms_norm rows, H100, backward + dweight sum, docs/results/kernels_2026-11-26_0643a1f_h100_variants.json):
+    4096 columns 0.048 ms with 2 per SM against 0.054 with 4; 2048 columns 0.030 with 4 against 0.032."""
+    return 2 if n_cols >= 4096 else 4
+
+
+# Tiles of ``sum_partials``: narrow column tiles give enough programs at hidden sizes of 1-4k. From
+# the same sweep: 4.7-5.6 us for 528 partial rows of 2048 or 4096 columns, the steadiest setting
+# (torch's sum(0) + cast: 11.4-11.7 us).
 SUM_BLOCK_C = 32
-SUM_BLOCK_P = 64
+SUM_BLOCK_P = 128
 
 
 @triton.jit
@@ -136,11 +142,11 @@ class TritonRMSNorm(torch.autograd.Function):
         return dx.view(ctx.shape), dw, None
 
 
-def rms_norm_backward(dy2, x2, weight, rstd, programs_per_sm: int = BWD_PROGRAMS_PER_SM):
+def rms_norm_backward(dy2, x2, weight, rstd, programs_per_sm: int | None = None):
     """dx and the per-program fp32 partial sums of dweight ([programs, n_cols])."""
     n_rows, n_cols = x2.shape
     dx = torch.empty_like(x2)
-    programs = persistent_programs(x2.device, n_rows, programs_per_sm)
+    programs = persistent_programs(x2.device, n_rows, programs_per_sm or bwd_programs_per_sm(n_cols))
     # Every program writes its partial row, so only an empty input needs zeros.
     dw_partial = (torch.empty if n_rows else torch.zeros)((programs, n_cols), dtype=torch.float32, device=x2.device)
     block, warps = row_block(n_cols)
@@ -242,7 +248,7 @@ class TritonLayerNorm(torch.autograd.Function):
         n_rows, n_cols = x2.shape
         dy2 = as_rows(dy)
         dx = torch.empty_like(x2)
-        programs = persistent_programs(x2.device, n_rows, BWD_PROGRAMS_PER_SM)
+        programs = persistent_programs(x2.device, n_rows, bwd_programs_per_sm(n_cols))
         # Every program writes its partial rows, so only an empty input needs zeros. dweight's partial
         # row and dbias's side by side: one ``sum_partials`` launch adds up both.
         partials = (torch.empty if n_rows else torch.zeros)((programs, 2 * n_cols), dtype=torch.float32, device=x2.device)
