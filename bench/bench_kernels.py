@@ -315,21 +315,27 @@ def wall_ms(fn, on_cuda: bool, warmup: int = 10, rep: int = 40) -> float:
     return statistics.median(times)
 
 
-def gpu_ms(steps: list[Callable], on_cuda: bool, host_ms: float, budget_ms: float = 25.0) -> float:
+def gpu_ms(steps: list[Callable], on_cuda: bool, host_ms: float, budget_ms: float = 25.0, tries: int = 4) -> float:
     """Device ms per step with the host running ahead: the steps (cycling over ``steps``) are queued
-    behind a GPU sleep longer than the host needs to launch them, then timed with events."""
+    behind a GPU sleep longer than the host needs to launch them, then timed with events. Where the
+    sleep ended before the host had queued every step (a host stall: the GPU then waited, and the
+    time would be the host's), the measurement is taken again behind a sleep twice as long."""
     if not on_cuda:
         return wall_ms(steps[0], False)
     count = max(len(steps), min(200, int(budget_ms / max(host_ms, 1e-3))))
-    torch.cuda.synchronize()
-    # ~1.9e6 cycles per ms at Hopper clocks; twice the host's launch time, at least 5 ms.
-    torch.cuda._sleep(int(max(5.0, 2.0 * count * host_ms) * 2e6))
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(count):
-        steps[i % len(steps)]()
-    end.record()
-    end.synchronize()
+    for attempt in range(tries):
+        torch.cuda.synchronize()
+        # ~1.9e6 cycles per ms at Hopper clocks; twice the host's launch time, at least 5 ms.
+        torch.cuda._sleep(int(max(5.0, 2.0 * count * host_ms) * 2e6 * 2**attempt))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(count):
+            steps[i % len(steps)]()
+        queued_in_time = not start.query()  # the start event still waits behind the sleep
+        end.record()
+        end.synchronize()
+        if queued_in_time:
+            break
     return start.elapsed_time(end) / count
 
 

@@ -15,31 +15,36 @@ import triton.language as tl
 
 def rope_tiles(block_qh: int, block_kh: int, block_d: int) -> tuple[int, int]:
     """(positions per program, warps) for heads padded to ``block_qh``/``block_kh`` and half-dims
-    padded to ``block_d``: about 1024 elements per warp, and four positions per program when one
+    padded to ``block_d``: about 1024 elements per warp, and two positions per program when one
     position holds fewer than 2048 elements (small heads, TP shards), so that small tiles are not
     spread over more threads than they have 16-byte pieces. From bench/bench_kernels.py --variants
-    (rope rows, H100, inputs taken in turn from copies beyond L2): at 1B TP/2 (q 16, k 4 heads of 64)
-    the forward took 10.0 us with 4 positions x 4 warps against 11.7 with 2 x 2 (which led when the
-    sweep read its inputs from L2), docs/results/kernels_2026-11-26_0643a1f_h100_variants.json; at
-    the other shapes the default was within 1% of the best setting."""
+    (rope rows, H100): at 1B TP/2 (q 16, k 4 heads of 64) the forward took 6.3 us with 2 positions x
+    2 warps against 13 with the old fixed 1 x 4 (inputs in L2); in the whole benchmark (forward +
+    backward, inputs rotated) 16.7 against 17.7 us, docs/results/kernels_2026-11-24_690d2e1_h100.json."""
     elems = (block_qh + block_kh) * 2 * block_d
-    positions = 4 if elems < 2048 else 1
+    positions = 2 if elems < 2048 else 1
     warps = max(1, min(8, (positions * elems) // 1024))
     return positions, 1 << (warps.bit_length() - 1)
 
 
 @triton.jit
-def _rotate_heads(
-    X, OUT, x_base, out_base, stride_xh, stride_oh, n_heads, half,
-    c1, c2, s1, s2, INVERSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+def _load_halves(X, base, stride_h, n_heads, half, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < n_heads) & (dims < half)
+    ptr = X + base + heads * stride_h + dims
+    return tl.load(ptr, mask=mask, other=0.0).to(tl.float32), tl.load(ptr + half, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_rotated(
+    OUT, base, stride_h, n_heads, half, x1, x2, c1, c2, s1, s2,
+    INVERSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
     mask = (heads < n_heads) & (dims < half)
-    x_ptr = X + x_base + heads * stride_xh + dims
-    o_ptr = OUT + out_base + heads * stride_oh + dims
-    x1 = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + half, mask=mask, other=0.0).to(tl.float32)
+    ptr = OUT + base + heads * stride_h + dims
     if INVERSE:
         # Transpose of the forward map (the backward pass): with cos=[c1,c2], sin=[s1,s2],
         # forward is o1 = x1*c1 - x2*s1, o2 = x2*c2 + x1*s2.
@@ -48,8 +53,8 @@ def _rotate_heads(
     else:
         o1 = x1 * c1 - x2 * s1
         o2 = x2 * c2 + x1 * s2
-    tl.store(o_ptr, o1.to(OUT.dtype.element_ty), mask=mask)
-    tl.store(o_ptr + half, o2.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(ptr, o1.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(ptr + half, o2.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -69,6 +74,11 @@ def _rope_kernel(
         if pid < n_positions:
             b = pid // seq_len
             s = pid % seq_len
+            # q and k are both loaded before either is stored: a store may alias a later load as far
+            # as the compiler knows, so storing q first would hold k's loads back (a small head's
+            # position is a few KB, too little in flight to hide the latency of two round trips).
+            q1, q2 = _load_halves(Q, b * sq_b + s * sq_s, sq_h, n_q_heads, half, BLOCK_QH, BLOCK_D)
+            k1, k2 = _load_halves(K, b * sk_b + s * sk_s, sk_h, n_k_heads, half, BLOCK_KH, BLOCK_D)
             # Full cos/sin rows (both halves) so no assumption that the halves are duplicates.
             cos_ptr = COS + b * sc_b + s * sc_s + dims
             sin_ptr = SIN + b * ss_b + s * ss_s + dims
@@ -76,10 +86,10 @@ def _rope_kernel(
             c2 = tl.load(cos_ptr + half, mask=dmask, other=0.0).to(tl.float32)[None, :]
             s1 = tl.load(sin_ptr, mask=dmask, other=0.0).to(tl.float32)[None, :]
             s2 = tl.load(sin_ptr + half, mask=dmask, other=0.0).to(tl.float32)[None, :]
-            _rotate_heads(Q, QO, b * sq_b + s * sq_s, b * sqo_b + s * sqo_s, sq_h, sqo_h, n_q_heads, half,
-                          c1, c2, s1, s2, INVERSE, BLOCK_QH, BLOCK_D)
-            _rotate_heads(K, KO, b * sk_b + s * sk_s, b * sko_b + s * sko_s, sk_h, sko_h, n_k_heads, half,
-                          c1, c2, s1, s2, INVERSE, BLOCK_KH, BLOCK_D)
+            _store_rotated(QO, b * sqo_b + s * sqo_s, sqo_h, n_q_heads, half, q1, q2, c1, c2, s1, s2,
+                           INVERSE, BLOCK_QH, BLOCK_D)
+            _store_rotated(KO, b * sko_b + s * sko_s, sko_h, n_k_heads, half, k1, k2, c1, c2, s1, s2,
+                           INVERSE, BLOCK_KH, BLOCK_D)
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
