@@ -15,17 +15,16 @@ import triton.language as tl
 
 def rope_tiles(block_qh: int, block_kh: int, block_d: int) -> tuple[int, int]:
     """(positions per program, warps) for heads padded to ``block_qh``/``block_kh`` and half-dims
-    padded to ``block_d``: about 512 elements per warp (at most 8 warps), and two positions per
-    program when one position holds fewer than 2048 elements (small heads, TP shards), so that small
-    tiles are not spread over more threads than they have 16-byte pieces. From bench/bench_kernels.py
-    --variants (rope rows, H100, inputs taken in turn from copies beyond L2, forward;
-    docs/results/kernels_2026-11-26_faeb9f3_h100_rope_variants.json): 1B (q 32, k 8 heads of 64)
-    15.5 us with 4 warps against 16.4 with 2 (1024 elements per warp, the rule before); 1B TP/2
-    (16 + 4 heads) 8.8-9.1 us at one or two positions with 2-4 warps, 12.3 with 8; 7B and 7B TP/2
-    (heads of 128) within 1% from 4 to 8 warps."""
+    padded to ``block_d``: about 1024 elements per warp, and two positions per program when one
+    position holds fewer than 2048 elements (small heads, TP shards), so that small tiles are not
+    spread over more threads than they have 16-byte pieces. Measured forward + backward on H100 with
+    inputs beyond L2 (bench/bench_kernels.py, docs/results/kernels_2026-11-26_*_h100.json): 1B TP/2
+    (q 16, k 4 heads of 64) 18.9 us with this rule (2 positions x 2 warps); 21.1 us with 512
+    elements per warp (2 x 4), which the forward-only sweep had favoured; 24.5 us with 4 positions
+    x 4 warps. The other shapes moved less than 1% between these rules."""
     elems = (block_qh + block_kh) * 2 * block_d
     positions = 2 if elems < 2048 else 1
-    warps = max(1, min(8, (positions * elems) // 512))
+    warps = max(1, min(8, (positions * elems) // 1024))
     return positions, 1 << (warps.bit_length() - 1)
 
 
