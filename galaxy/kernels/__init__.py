@@ -49,7 +49,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, backend: 
 def layer_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5, backend: str = "auto"
 ) -> torch.Tensor:
-    """LayerNorm over the last dim with weight and bias; fp32 statistics, output in ``x.dtype``."""
+    """LayerNorm over the last dim with weight and bias; fp32 statistics, output in the promoted dtype of
+    ``x`` and ``weight`` (see ``reference.layer_norm``)."""
     if resolve_backend(backend, x, "layer_norm") == "triton":
         from galaxy.kernels.triton_norms import TritonLayerNorm
 

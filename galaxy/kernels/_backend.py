@@ -58,49 +58,45 @@ class Pick(NamedTuple):
 
 
 # Per device class, per op, from bench/bench_kernels.py: forward + backward, bf16, GPU time per step
-# (median of 4 repeats in one launch); raw JSON under docs/results/. Triton only where it was at least
-# as fast as torch's fused op and torch.compile of the reference at every measured shape, with two
-# stated exceptions: RoPE keeps Triton where Liger's in-place kernel is faster (auto cannot run Liger,
-# and torch's path, compiled or not, is 2-10x slower), and RMSNorm where F.rms_norm is (see there). An op missing here runs on torch.
-def _h100(commit: str, suffix: str = "") -> str:
-    return f"H100 80GB HBM3, 2026-11-24, commit {commit}, docs/results/kernels_2026-11-24_{commit}_h100{suffix}.json: ms"
-
-
-_H100 = _h100("690d2e1")
-_H200 = ("NVIDIA H200 (143771 MiB), 2026-11-24, commit c49d856, docs/results/kernels_2026-11-24_c49d856_h200.json: "
-         "ms (median of 4)")
+# (median of 4 repeats in one launch; inputs and upstream gradients beyond L2); raw JSON under
+# docs/results/. Triton only where it was at least as fast as torch's fused op and torch.compile of
+# the reference at every measured shape. One stated exception: RoPE keeps Triton at the 1B shapes where
+# Liger's in-place kernel is 2-5% faster (auto cannot run Liger, and torch's path, compiled or not, is
+# 2-10x slower). An op missing here runs on torch.
+_H100 = "H100 80GB HBM3, 2026-11-26, commit faeb9f3, docs/results/kernels_2026-11-26_faeb9f3_h100.json: ms"
+_H200 = "NVIDIA H200 (143771 MiB), 2026-11-26, commit 500cf42, docs/results/kernels_2026-11-26_500cf42_h200.json: ms"
 AUTO_PICKS: dict[str, dict[str, Pick]] = {
     "H100": {
-        # Triton at every size: at 1B SP/2 (2048 x 2048) F.rms_norm is faster (0.028 vs 0.034), but it
-        # cannot keep HF's cast before the weight, so Galaxy's torch path is the op-by-op form (0.256).
-        "rms_norm": Pick("triton", 0, f"{_H100} 7B galaxy 0.090, torch-compile 0.095, F.rms_norm 0.114; "
-                         "7B SP/2 0.056, F.rms_norm 0.059; 1B 0.051, torch-compile 0.051"),
-        "layer_norm": Pick("torch", 0, f"{_H100} BERT-large galaxy 0.050, F.layer_norm 0.041, torch-compile 0.039"),
-        "rope": Pick("triton", 0, f"{_H100} 7B galaxy 0.098, torch-compile 0.190; 1B 0.037, torch-compile 0.076; "
-                     "TP/2: 0.054 vs 0.105, 0.021 vs 0.048"),
-        "swiglu": Pick("triton", 0, f"{_H100} 7B galaxy 0.244, torch-compile 0.244; 7B TP/2 0.126 vs 0.126; "
-                       "1B 0.183 vs 0.184; 1B TP/2 0.096 vs 0.096"),
-        "swiglu_packed": Pick("triton", 0, f"{_H100} 7B galaxy 0.244, torch-compile 0.265; 7B TP/2 0.126 vs 0.136; "
-                              "1B 0.183 vs 0.199; 1B TP/2 0.096 vs 0.103"),
-        "cross_entropy": Pick("triton", 0, f"{_h100('5e02136', '_ce')} 32k galaxy 0.219, torch-compile 0.636, "
-                              "F.cross_entropy 2.224; 128k 0.875 vs 2.688, 8.960"),
-        "fused_linear_cross_entropy": Pick("triton", 0, f"{_h100('2bfbaee', '_flce')} 7B (32k) galaxy 4.165, "
-                                           "torch-compile 4.610; 1B (128k) 9.003 vs 10.515; 8B head 17.318 vs 18.433"),
+        "rms_norm": Pick("triton", 0, f"{_H100} 7B galaxy 0.073, torch-compile 0.095, F.rms_norm 0.113; "
+                         "7B SP/2 0.042 vs F.rms_norm 0.059; 1B 0.042 vs torch-compile 0.050; 1B SP/2 0.026 vs "
+                         "F.rms_norm 0.029"),
+        "layer_norm": Pick("triton", 0, f"{_H100} BERT-large galaxy 0.029, torch-compile 0.039, F.layer_norm 0.041"),
+        "rope": Pick("triton", 0, f"{_H100} 7B galaxy 0.098, torch-compile 0.190; 1B 0.036 vs 0.080; "
+                     "TP/2: 0.054 vs 0.102, 0.019 vs 0.048 (Liger 0.100 / 0.035 / 0.053 / 0.021)"),
+        "swiglu": Pick("triton", 0, f"{_H100} 7B galaxy 0.243, torch-compile 0.244; 7B TP/2 0.125 vs 0.125; "
+                       "1B 0.183 vs 0.183; 1B TP/2 0.095 vs 0.099"),
+        "swiglu_packed": Pick("triton", 0, f"{_H100} 7B galaxy 0.244, torch-compile 0.265; 7B TP/2 0.125 vs 0.136; "
+                              "1B 0.183 vs 0.198; 1B TP/2 0.095 vs 0.109"),
+        "cross_entropy": Pick("triton", 0, f"{_H100} 32k galaxy 0.219, torch-compile 0.636, F.cross_entropy 2.219; "
+                              "128k 0.874 vs 2.688, 8.956"),
+        "fused_linear_cross_entropy": Pick("triton", 0, f"{_H100} 7B (32k) galaxy 4.184, torch-compile 4.579; "
+                                           "1B (128k) 8.868 vs 10.450; 8B head 16.993 vs 18.668"),
     },
     "H200": {
-        "rms_norm": Pick("triton", 0, f"{_H200} 7B galaxy 0.077, torch-compile 0.080, F.rms_norm 0.089; 1B 0.044 vs "
-                         "0.046, 0.052; SP/2 (7B, 1B) F.rms_norm 0.046, 0.026 vs 0.049, 0.031: exception as on H100"),
-        "layer_norm": Pick("torch", 0, f"{_H200} BERT-large galaxy 0.047, F.layer_norm 0.040, torch-compile 0.036"),
-        "rope": Pick("triton", 0, f"{_H200} 7B galaxy 0.074, torch-compile 0.167; 1B 0.029 vs 0.069; "
-                     "TP/2: 0.041 vs 0.091, 0.017 vs 0.046 (Liger 0.076 / 0.025 / 0.041 / 0.014)"),
+        "rms_norm": Pick("triton", 0, f"{_H200} 7B galaxy 0.060, torch-compile 0.079, F.rms_norm 0.088; "
+                         "7B SP/2 0.036 vs F.rms_norm 0.046; 1B 0.036 vs torch-compile 0.046; 1B SP/2 0.023 vs "
+                         "F.rms_norm 0.026"),
+        "layer_norm": Pick("triton", 0, f"{_H200} BERT-large galaxy 0.027, torch-compile 0.036, F.layer_norm 0.040"),
+        "rope": Pick("triton", 0, f"{_H200} 7B galaxy 0.073, torch-compile 0.167; 1B 0.029 vs 0.068; "
+                     "TP/2: 0.040 vs 0.091, 0.016 vs 0.042 (Liger 0.076 / 0.027 / 0.040 / 0.017)"),
         "swiglu": Pick("triton", 0, f"{_H200} 7B galaxy 0.172, torch-compile 0.172; 7B TP/2 0.090 vs 0.090; "
-                       "1B 0.130 vs 0.130; 1B TP/2 0.069 vs 0.069"),
-        "swiglu_packed": Pick("triton", 0, f"{_H200} 7B galaxy 0.172, torch-compile 0.238; 7B TP/2 0.090 vs 0.122; "
-                              "1B 0.130 vs 0.197; 1B TP/2 0.069 vs 0.093"),
-        "cross_entropy": Pick("triton", 0, f"{_H200} 32k galaxy 0.203, torch-compile 0.484, F.cross_entropy 1.674; "
-                              "128k 0.753 vs 1.979, 6.823"),
-        "fused_linear_cross_entropy": Pick("triton", 0, f"{_H200} 7B (32k) galaxy 4.148, torch-compile 4.457; "
-                                           "1B (128k) 9.024 vs 9.795; 8B head 17.435 vs 17.889"),
+                       "1B 0.130 vs 0.130; 1B TP/2 0.069 vs 0.073"),
+        "swiglu_packed": Pick("triton", 0, f"{_H200} 7B galaxy 0.172, torch-compile 0.238; 7B TP/2 0.090 vs 0.135; "
+                              "1B 0.130 vs 0.179; 1B TP/2 0.069 vs 0.093"),
+        "cross_entropy": Pick("triton", 0, f"{_H200} 32k galaxy 0.201, torch-compile 0.483, F.cross_entropy 1.674; "
+                              "128k 0.753 vs 1.977, 6.819"),
+        "fused_linear_cross_entropy": Pick("triton", 0, f"{_H200} 7B (32k) galaxy 4.151, torch-compile 4.417; "
+                                           "1B (128k) 8.917 vs 9.819; 8B head 16.994 vs 18.235"),
     },
 }
 # A CUDA device of a class not measured yet runs the picks of this one (logged once per device).

@@ -25,14 +25,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """LayerNorm over the last dim, computed in fp32 and returned in ``x.dtype``
-    (what ``F.layer_norm`` does for half inputs)."""
+    """LayerNorm over the last dim, computed in fp32 and returned in the promoted dtype of ``x`` and
+    ``weight``: ``x.dtype`` for a half-precision model, fp32 for half activations over fp32 weights
+    (what ``F.layer_norm`` returns under autocast, which runs it in fp32)."""
     h = x.to(torch.float32)
     mean = h.mean(-1, keepdim=True)
     centered = h - mean
     var = centered.pow(2).mean(-1, keepdim=True)
     y = centered * torch.rsqrt(var + eps) * weight.to(torch.float32) + bias.to(torch.float32)
-    return y.to(x.dtype)
+    return y.to(torch.promote_types(x.dtype, weight.dtype))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

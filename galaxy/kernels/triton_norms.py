@@ -228,7 +228,7 @@ class TritonLayerNorm(torch.autograd.Function):
             raise ValueError(
                 f"weight {tuple(weight.shape)} / bias {tuple(bias.shape)} do not match hidden size {n_cols}"
             )
-        y = torch.empty_like(x2)
+        y = torch.empty((n_rows, n_cols), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
         mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         block, warps = row_block(n_cols)

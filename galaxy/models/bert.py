@@ -46,15 +46,15 @@ HF_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_head
 
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` (same parameters, names and class name, which profiles report) that runs the
-    Triton kernel only when ``kernels`` is 'triton' (and not inside a torch.compile graph, see
-    ``use_triton``): measured on H200 it is slower than ``F.layer_norm``, so 'auto' keeps torch's."""
+    Triton kernel where ``kernels`` asks for it ('auto': where the measured table picks it; never inside
+    a torch.compile graph, see ``use_triton``). Under autocast both return fp32 over fp32 weights."""
 
     def __init__(self, hidden_size: int, eps: float, kernels: str = "auto"):
         super().__init__(hidden_size, eps=eps)
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels == "triton" and not torch.compiler.is_compiling():
+        if use_triton(self.kernels, x, "layer_norm"):
             return layer_norm(x, self.weight, self.bias, self.eps, backend="triton")
         return super().forward(x)
 

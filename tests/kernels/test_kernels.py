@@ -309,6 +309,22 @@ def test_layer_norm_triton_bf16(triton_cpu):
     assert_all_close([y, *grads(y, (x, w, b), dy)], truth, cast=True, **BF16)
 
 
+def test_layer_norm_triton_half_input_over_fp32_weights_returns_fp32(triton_cpu):
+    # Autocast's case (bf16 activations, fp32 master weights): F.layer_norm runs in fp32 there and
+    # returns fp32, so the kernel must not round its output to bf16.
+    x, w, b = leaf(6, 100, dtype=torch.bfloat16), leaf(100), leaf(100)
+    y = K.layer_norm(x, w, b, 1e-5, backend="triton")
+    y_r = R.layer_norm(x, w, b, 1e-5)
+    assert y.dtype == y_r.dtype == F.layer_norm(x.float(), (100,), w, b, 1e-5).dtype == torch.float32
+    dy = torch.randn_like(y)
+    truth = fp64_truth(lambda *t: F.layer_norm(t[0], (100,), t[1], t[2], 1e-5), (x, w, b), dy)
+    dx, dw, db = grads(y, (x, w, b), dy)
+    ty, tdx, tdw, tdb = truth
+    # fp32 output and parameter gradients to fp32 precision; dx is bf16 like x.
+    assert_all_close([y, dw, db], [ty, tdw, tdb], cast=True, rtol=1e-5, atol=1e-5)
+    assert_all_close([dx], [tdx], cast=True, **BF16)
+
+
 @pytest.mark.parametrize("frozen", ["weight", "bias"])
 def test_layer_norm_triton_one_parameter_frozen(triton_cpu, frozen):
     # Only one of dweight / dbias is summed then (the other half of the partial rows is skipped).
