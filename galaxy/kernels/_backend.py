@@ -123,6 +123,16 @@ def auto_pick(op: str, device_name: str, numel: int | None = None) -> str:
     return pick.backend
 
 
+def device_class_of(device: torch.device) -> str:
+    """The measured device class whose launch settings a kernel on ``device`` uses: the class of a CUDA
+    device, else (an unmeasured GPU, the CPU interpreter) ``FALLBACK_CLASS``."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return FALLBACK_CLASS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return device_class(_cuda_device_name(index)) or FALLBACK_CLASS
+
+
 @functools.lru_cache(maxsize=None)
 def _log_fallback(device_name: str) -> None:
     logger.info("kernels 'auto': no measurement for %s; using the %s picks", device_name, FALLBACK_CLASS)

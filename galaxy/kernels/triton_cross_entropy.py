@@ -23,16 +23,23 @@ import torch
 import triton
 import triton.language as tl
 
+from galaxy.kernels._backend import device_class_of
 from galaxy.kernels._triton_utils import persistent_programs
 
 # Vocab block and warps, loss only and loss + gradient, chosen by bench/bench_kernels.py --variants
-# (ce rows; H100, docs/results/kernels_2026-11-24_5e02136_h100_ce_variants.json). With the gradient,
-# many warps per row keep few rows in flight, so the blocks re-read in the second pass are still in L2
-# (a 128k-vocab row is 256 KB in bf16). A whole 32k row in registers (one read) ran slower than two
-# blocks: one 64 KB row per SM left its loads and stores unoverlapped.
+# (ce rows). With the gradient, many warps per row keep few rows in flight, so the blocks re-read in the
+# second pass are still in L2 (a 128k-vocab row is 256 KB in bf16). A whole 32k row in registers (one
+# read) ran slower than two blocks on H100: one 64 KB row per SM left its loads and stores unoverlapped.
 FWD_BLOCK_V = 16384
 FWD_WARPS = 8
-GRAD_TILES = ((32768, 16384, 16), (None, 32768, 32))  # (vocab up to, block, warps)
+# Per device class (``_backend.device_class_of``), (vocab up to, block, warps) with the gradient.
+GRAD_TILES = {
+    # docs/results/kernels_2026-11-24_5e02136_h100_ce_variants.json
+    "H100": ((32768, 16384, 16), (None, 32768, 32)),
+    # docs/results/kernels_2026-11-26_ebd212c_h200_ce_variants.json: 32k 0.167 ms against 0.181 with
+    # H100's tile, 128k 0.701 against 0.734; H200's faster memory drains smaller blocks in time.
+    "H200": ((32768, 8192, 8), (None, 16384, 16)),
+}
 SCALE_BLOCK = 4096
 
 
@@ -134,7 +141,8 @@ def ce_forward_rows(logits, targets, ignore_index, grad=None, denom=None, block_
         return loss
     write_grad = grad is not None
     if write_grad:
-        block, default_warps = next((b, w) for v, b, w in GRAD_TILES if v is None or n_cols <= v)
+        tiles = GRAD_TILES[device_class_of(logits.device)]
+        block, default_warps = next((b, w) for v, b, w in tiles if v is None or n_cols <= v)
     else:
         block, default_warps = FWD_BLOCK_V, FWD_WARPS
     if block_v is not None:

@@ -121,6 +121,18 @@ def test_auto_table_names_known_ops_and_its_measurements():
             assert op in _backend.OPS and pick.backend in ("triton", "torch") and pick.measured, (cls, op)
 
 
+def test_launch_settings_follow_the_device_class(triton_cpu, monkeypatch):
+    from galaxy.kernels import _backend, triton_cross_entropy
+
+    monkeypatch.setattr(_backend, "_cuda_device_name", {0: "NVIDIA H200", 1: "NVIDIA A100-SXM4-80GB"}.get)
+    assert _backend.device_class_of(torch.device("cuda", 0)) == "H200"
+    assert _backend.device_class_of(torch.device("cuda", 1)) == _backend.FALLBACK_CLASS  # not measured
+    assert _backend.device_class_of(torch.device("cpu")) == _backend.FALLBACK_CLASS  # the interpreter
+    # Every class auto can land on has its cross-entropy tiles, each ending with an open-ended vocab.
+    assert set(triton_cross_entropy.GRAD_TILES) == set(_backend.AUTO_PICKS)
+    assert all(tiles[-1][0] is None for tiles in triton_cross_entropy.GRAD_TILES.values())
+
+
 def test_auto_uses_torch_on_cpu():
     assert K.resolve_backend("auto", torch.randn(2)) == "torch"
     assert K.resolve_backend("torch", torch.randn(2)) == "torch"
