@@ -88,7 +88,14 @@ def free_port() -> int:
 
 def _child(fn, rank: int, launch: Launch, payload) -> None:
     code = run_rank(fn, rank, launch, payload)
-    sys.exit(code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed stream must not change the exit code
+            pass
+    # Skips finalization, where a Gloo worker thread can abort ("terminate called without an active exception")
+    os._exit(code)
 
 
 

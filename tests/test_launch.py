@@ -1,0 +1,33 @@
+"""The local launcher's children (``--world N`` without ``--rank``) end with ``os._exit``: what a rank
+printed or logged still arrives, and the exit code still tells the launcher how the rank ended."""
+
+from __future__ import annotations
+
+import logging
+
+from galaxy.cli.launch import Launch, launch_ranks
+from galaxy.config import GalaxyConfig
+
+
+def speak(rank: int, launch: Launch, payload) -> None:
+    """A launcher child: prints without flushing (stdout is a file here, so block-buffered) and logs."""
+    print(f"rank {rank} of {launch.world} says {payload}")
+    logging.getLogger("galaxy.test_launch").warning("rank %d logs", rank)
+    if payload == "fail" and rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+
+
+def test_children_output_arrives_and_the_launch_succeeds(capfd, monkeypatch):
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # the children's stdout is block-buffered
+    assert launch_ranks(speak, Launch(2, None, None, None), "hello", GalaxyConfig()) == 0
+    out, err = capfd.readouterr()
+    for rank in (0, 1):
+        assert f"rank {rank} of 2 says hello" in out, out
+        assert f"rank {rank} logs" in err, err
+
+
+def test_a_failed_child_is_reported_with_its_exit_code(capfd):
+    assert launch_ranks(speak, Launch(2, None, None, None), "fail", GalaxyConfig()) == 1
+    err = capfd.readouterr().err
+    assert "error (rank 1): rank 1 fails on purpose" in err, err
+    assert "error: rank 1 exited with code 1;" in err, err
