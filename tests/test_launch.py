@@ -31,3 +31,21 @@ def test_a_failed_child_is_reported_with_its_exit_code(capfd):
     err = capfd.readouterr().err
     assert "error (rank 1): rank 1 fails on purpose" in err, err
     assert "error: rank 1 exited with code 1;" in err, err
+
+
+def test_a_step_without_zero_leaves_torch_distributed_optim_unimported():
+    # Importing torch.distributed.optim after init_process_group binds the live WORLD group as a default
+    # argument, keeping the Gloo group (and the worker thread that aborted at exit) past destroy.
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys, types, torch
+        from galaxy.train.loop import Trainer
+        owner = types.SimpleNamespace(optimizer=torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]))
+        Trainer.count_zero_broadcasts(owner)
+        print("torch.distributed.optim" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

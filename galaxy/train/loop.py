@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import resource
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -327,9 +328,11 @@ class Trainer:
     def count_zero_broadcasts(self) -> None:
         """ZeroRedundancyOptimizer's step broadcasts every parameter from its owner over dp, outside
         the Communicator: count those bytes on it."""
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+        # Looked up, not imported: a ZeRO run has imported it already, and importing it after
+        # init_process_group binds the live WORLD group as a default argument (_broadcast_object), so
+        # the Gloo group and its threads outlive destroy_process_group.
+        zero = sys.modules.get("torch.distributed.optim")
+        if zero is not None and isinstance(self.optimizer, zero.ZeroRedundancyOptimizer):
             self.ctx.dp.bytes_sent += sum(p.numel() * p.element_size() for p in self.params)
 
     def comm_bytes(self) -> int:
