@@ -37,7 +37,7 @@ GRAD_TILES = {
     # docs/results/kernels_2026-11-24_5e02136_h100_ce_variants.json
     "H100": ((32768, 16384, 16), (None, 32768, 32)),
     # docs/results/kernels_2026-11-26_ebd212c_h200_ce_variants.json: 32k 0.167 ms against 0.181 with
-    # H100's tile, 128k 0.701 against 0.734; H200's faster memory drains smaller blocks in time.
+    # H100's tile, 128k 0.701 against 0.734.
     "H200": ((32768, 8192, 8), (None, 16384, 16)),
 }
 SCALE_BLOCK = 4096
