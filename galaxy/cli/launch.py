@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import socket
 import sys
@@ -94,6 +95,9 @@ def _child(fn, rank: int, launch: Launch, payload) -> None:
             stream.flush()
         except Exception:  # a closed stream must not change the exit code
             pass
+    # The end-of-process cleanup multiprocessing runs after a target returns (its finalizers unlink the
+    # semaphores this rank created, e.g. tqdm's lock), which os._exit would skip.
+    multiprocessing.util._exit_function()
     # Skips finalization, where a Gloo worker thread can abort ("terminate called without an active exception")
     os._exit(code)
 
