@@ -270,14 +270,20 @@ def test_a_share_is_a_slower_core_also_right_after_waiting():
     def free():  # the faster of two, before and after: a burst of other load on the host slows only one
         return float(subprocess.run([sys.executable, "-c", BURSTY_RANK, str(n), "15"], capture_output=True,
                                     text=True, check=True).stdout)
-    before = free()
     cluster = Cluster.from_dict({"ranks": [{"compute_share": 0.5}]})
-    with EmulatedCluster(cluster) as emu:
-        slowed = emu.spawn(0, [sys.executable, "-c", BURSTY_RANK, str(n), "15"], stdout=subprocess.PIPE, text=True)
-        slowed = slowed.communicate(timeout=60)[0]
-    ratio = float(slowed) / min(before, free())
-    logging.getLogger(__name__).info("20 ms pieces after waits at half a core: %.2fx", ratio)
-    assert 1.5 < ratio < 2.6, ratio
+    ratios = []
+    # A second try where the first is off: one CI run measured 1.08 once (5 of 5 runs alone and every
+    # other CI run passed); a filler that does not share the core fails both tries.
+    for _ in range(2):
+        before = free()
+        with EmulatedCluster(cluster) as emu:
+            slowed = emu.spawn(0, [sys.executable, "-c", BURSTY_RANK, str(n), "15"], stdout=subprocess.PIPE, text=True)
+            slowed = slowed.communicate(timeout=60)[0]
+        ratios.append(float(slowed) / min(before, free()))
+        logging.getLogger(__name__).info("20 ms pieces after waits at half a core: %.2fx", ratios[-1])
+        if 1.5 < ratios[-1] < 2.6:
+            break
+    assert 1.5 < ratios[-1] < 2.6, ratios
 
 
 def test_dilate_sets_each_slower_rank_its_slowdown_and_the_cli_ranks_take_it(monkeypatch):
