@@ -467,7 +467,7 @@ def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool, kernels: list[str]
         cos, sin = rope_tables(n, d, device, dtype)
         # The attention block's layout: [b, s, h, d] projections viewed as [b, h, s, d]; copies in turn.
         qks = [(randn(1, n, hq, d).transpose(1, 2), randn(1, n, hk, d).transpose(1, 2))
-               for _ in range(1 + min(7, ROTATE_BYTES // (2 * n * (hq + hk) * d * dtype.itemsize)))]
+               for _ in range(1 + min(7, ROTATE_BYTES // (n * (hq + hk) * d * dtype.itemsize)))]
         timed(f"rope fwd q[{hq},{d}] k[{hk}]", "default (rope_tiles)",
               [lambda q=q, k=k: rope.rope_launch(q, k, cos, sin, False) for q, k in qks])
         for positions in (1, 2, 4, 8):
@@ -494,7 +494,7 @@ def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool, kernels: list[str]
     for h in hidden:
         w = 1 + randn(h, scale=0.1)
         rstd = torch.rand(n, device=device) + 0.5
-        xdys = [(randn(n, h), randn(n, h)) for _ in range(1 + min(7, ROTATE_BYTES // (4 * n * h * dtype.itemsize)))]
+        xdys = [(randn(n, h), randn(n, h)) for _ in range(1 + min(7, ROTATE_BYTES // (2 * n * h * dtype.itemsize)))]
         for per_sm in (1, 2, 4, 8):
             def bwd(x, dy, per_sm=per_sm):
                 _, partial = norms.rms_norm_backward(dy, x, w, rstd, per_sm)

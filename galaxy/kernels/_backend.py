@@ -131,8 +131,12 @@ def device_class_of(device: torch.device) -> str:
     device = torch.device(device)
     if device.type != "cuda":
         return FALLBACK_CLASS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return device_class(_cuda_device_name(index)) or FALLBACK_CLASS
+    return device_class(_name_of(device)) or FALLBACK_CLASS
+
+
+def _name_of(device: torch.device) -> str:
+    """The name of a CUDA device (the current one where ``device`` has no index)."""
+    return _cuda_device_name(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
@@ -171,8 +175,7 @@ def resolve_backend_for(backend: str, device: torch.device, dtype: torch.dtype |
             return "torch"
         if op is None:
             return "triton"
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return auto_pick(op, _cuda_device_name(index), numel)
+        return auto_pick(op, _name_of(device), numel)
     device = device.type
     if not triton_available():
         raise ImportError(

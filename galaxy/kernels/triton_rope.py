@@ -18,11 +18,12 @@ def rope_tiles(block_qh: int, block_kh: int, block_d: int) -> tuple[int, int]:
     padded to ``block_d``: about 1024 elements per warp, and two positions per program when one
     position holds fewer than 2048 elements (small heads, TP shards), so that small tiles are not
     spread over more threads than they have 16-byte pieces. Measured forward + backward on H100 with
-    inputs beyond L2 (bench/bench_kernels.py, docs/results/kernels_2026-11-26_*_h100.json): 1B TP/2
-    (q 16, k 4 heads of 64) 18.9 us with this rule (2 positions x 2 warps); 21.1 us with 512
-    elements per warp (2 x 4), which the forward-only sweep had favoured. (4 positions x 4 warps:
-    24.5 us, measured before q and k were loaded ahead of the stores, against 21.1 then for this
-    rule.) The other shapes moved less than 1% between these rules."""
+    inputs beyond L2 (bench/bench_kernels.py): 1B TP/2 (q 16, k 4 heads of 64) 18.9 us with this rule
+    (2 positions x 2 warps, docs/results/kernels_2026-11-26_faeb9f3_h100.json); 21.1 us with 512
+    elements per warp (2 x 4, ..._1ef1e3d_h100.json), which the forward-only sweep had favoured.
+    (4 positions x 4 warps: 24.5 us, ..._0da1c3d_h100.json, measured before q and k were loaded ahead
+    of the stores, against 21.1 then for this rule, ..._07419fd_h100_norms_rope.json.) The other
+    shapes moved less than 1% between these rules."""
     elems = (block_qh + block_kh) * 2 * block_d
     positions = 2 if elems < 2048 else 1
     warps = max(1, min(8, (positions * elems) // 1024))
