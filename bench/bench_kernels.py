@@ -142,6 +142,11 @@ def rope_tables(seq: int, head_dim: int, device, dtype, base: float = 10000.0):
     return emb.cos()[None].to(dtype), emb.sin()[None].to(dtype)
 
 
+def _first_halves(*tables: torch.Tensor) -> list[torch.Tensor]:
+    """The first halves of ``rotate_half`` tables (their halves are equal), as Galaxy's model passes them."""
+    return [t[..., : t.shape[-1] // 2] for t in tables]
+
+
 def _targets(n: int, vocab: int, device) -> torch.Tensor:
     t = torch.randint(0, vocab, (n,), device=device)
     t[: n // 10] = -100  # a prompt-like prefix of ignored tokens
@@ -202,7 +207,8 @@ def build_cases(dtype: torch.dtype, device: torch.device, liger, smoke: bool) ->
             return [_leaf(q), _leaf(k), cos, sin]
 
         add("rope", f"q [1, {hq}, {n}, {d}] k [1, {hk}, {n}, {d}]", label, rope_args,
-            {"galaxy-triton": lambda q, k, c, s: K.apply_rope(q, k, c, s, backend="triton"),
+            # Galaxy's model passes the tables' first halves (RopeAt), Liger reads only those too.
+            {"galaxy-triton": lambda q, k, c, s: K.apply_rope(q, k, *_first_halves(c, s), backend="triton"),
              "torch": R.apply_rope,
              "torch-compile": _compiled(R.apply_rope),
              "liger": L and (lambda q, k, c, s: L.liger_rope(q, k, c, s))})
@@ -464,7 +470,7 @@ def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool, kernels: list[str]
                       lambda: sw.swiglu_backward(dy, gu[:, :w], gu[:, w:], dgu[:, :w], dgu[:, w:], block, warps))
     heads = ([(4, 2, 16)] if smoke else [(32, 32, 128), (32, 8, 64), (16, 16, 128), (16, 4, 64)]) if want("rope") else []
     for hq, hk, d in heads:
-        cos, sin = rope_tables(n, d, device, dtype)
+        cos, sin = _first_halves(*rope_tables(n, d, device, dtype))
         # The attention block's layout: [b, s, h, d] projections viewed as [b, h, s, d]; copies in turn.
         qks = [(randn(1, n, hq, d).transpose(1, 2), randn(1, n, hk, d).transpose(1, 2))
                for _ in range(1 + min(7, ROTATE_BYTES // (n * (hq + hk) * d * dtype.itemsize)))]

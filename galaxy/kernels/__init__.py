@@ -62,7 +62,8 @@ def apply_rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding (HF ``rotate_half``) of q [b, heads, s, d] and k [b, kv_heads, s, d]
-    with cos/sin [b or 1, s, d] chosen by the caller (global positions under SP)."""
+    with cos/sin [b or 1, s, d] chosen by the caller (global positions under SP), or only their
+    first halves [b or 1, s, d / 2] (the halves of such a table are equal; the kernel reads less)."""
     if resolve_backend(backend, q, "rope") == "triton":
         from galaxy.kernels.triton_rope import TritonRoPE
 

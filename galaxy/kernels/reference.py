@@ -47,9 +47,12 @@ def apply_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding, HF ``apply_rotary_pos_emb`` with ``unsqueeze_dim=1``.
 
-    q: [b, heads, s, d], k: [b, kv_heads, s, d], cos/sin: [b or 1, s, d] (or [s, d]).
+    q: [b, heads, s, d], k: [b, kv_heads, s, d], cos/sin: [b or 1, s, d] (or [s, d]), or only
+    their first halves (width d / 2; a ``rotate_half`` table's halves are equal).
     cos/sin are indexed by the caller, so global positions under sequence parallelism work.
     """
+    if cos.shape[-1] * 2 == q.shape[-1]:
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     if cos.dim() == 3:  # [b, s, d] -> [b, 1, s, d] to broadcast over heads
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

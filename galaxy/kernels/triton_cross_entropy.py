@@ -79,7 +79,9 @@ def _ce_fwd_kernel(
     last_mask = last_cols < n_cols
     x_last = tl.load(row_ptr + last_cols, mask=last_mask, other=float("-inf")).to(tl.float32)
     m_new = tl.maximum(m, tl.max(x_last, axis=0))
-    d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x_last - m_new), axis=0)
+    # Kept for the gradient: exp(x - lse) = e_last / d spares the last block a second exp.
+    e_last = tl.exp(x_last - m_new)
+    d = d * tl.exp(m - m_new) + tl.sum(e_last, axis=0)
     lse = m_new + tl.log(d)
     # An out-of-range target cannot raise on the device: it yields a NaN loss instead.
     target_ok = (target >= 0) & (target < n_cols)
@@ -91,7 +93,7 @@ def _ce_fwd_kernel(
         # last to the first, the most recently read (likeliest still in L2) first. Every block is
         # read before it is written, so GRAD may be LOGITS (in place).
         inv_denom = 1.0 / tl.load(DENOM)
-        grad = (tl.exp(x_last - lse) - tl.where(last_cols == target, 1.0, 0.0)) * inv_denom
+        grad = (e_last * (1.0 / d) - tl.where(last_cols == target, 1.0, 0.0)) * inv_denom
         tl.store(grad_ptr + last_cols, grad.to(GRAD.dtype.element_ty), mask=last_mask, eviction_policy="evict_first")
         for i in range(BLOCK_V, last + BLOCK_V, BLOCK_V):
             cols = (last - i) + tl.arange(0, BLOCK_V)

@@ -139,7 +139,8 @@ class LlamaRotaryEmbedding(nn.Module):
 class RopeAt:
     """The ``rope(q, k, idx)`` callback of ``self_attention``: ``idx`` are indices into the
     sequence the tables were built for (global positions under SP), so each rank rotates its
-    local queries and keys at their true positions before K/V are gathered."""
+    local queries and keys at their true positions before K/V are gathered. cos/sin are
+    ``rotate_half`` tables as ``LlamaRotaryEmbedding`` makes them (their two halves equal)."""
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor, kernels: str = "auto"):
         self.cos, self.sin, self.kernels = cos, sin, kernels
@@ -147,7 +148,9 @@ class RopeAt:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos[:, idx], self.sin[:, idx]  # [b or 1, s, d]
         if use_triton(self.kernels, q, "rope"):
-            return apply_rope(q, k, cos, sin, backend="triton")
+            # LlamaRotaryEmbedding's halves are equal: the kernel reads only the first.
+            half = cos.shape[-1] // 2
+            return apply_rope(q, k, cos[..., :half], sin[..., :half], backend="triton")
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 

@@ -42,9 +42,11 @@ def cases():
         yield (f"sum_partials_{dt}", norms._sum_partials_kernel, dict(P=f32, OUT=p, OUT2=f32),
                {"BLOCK_P": 64, "BLOCK_C": 32}, 4)
         for inverse in (False, True):
-            yield (f"rope_{'bwd' if inverse else 'fwd'}_{dt}", rope._rope_kernel,
-                   dict(Q=p, K=p, COS=p, SIN=p, QO=p, KO=p),
-                   {"INVERSE": inverse, "POSITIONS": 2, "BLOCK_QH": 32, "BLOCK_KH": 8, "BLOCK_D": 64}, 16)
+            for half_table in (False, True):
+                yield (f"rope_{'bwd' if inverse else 'fwd'}{'_half_table' if half_table else ''}_{dt}",
+                       rope._rope_kernel, dict(Q=p, K=p, COS=p, SIN=p, QO=p, KO=p),
+                       {"INVERSE": inverse, "POSITIONS": 2, "BLOCK_QH": 32, "BLOCK_KH": 8, "BLOCK_D": 64,
+                        "HALF_TABLE": half_table}, 16)
         for flat in (True, False):
             yield (f"swiglu_fwd_{'flat' if flat else '2d'}_{dt}", swiglu._swiglu_fwd_kernel, dict(G=p, U=p, Y=p),
                    {"FLAT": flat, "BLOCK_SIZE": 2048}, 8)

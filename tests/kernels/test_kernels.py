@@ -381,17 +381,33 @@ def test_rope_triton_fp32_gqa_noncontiguous(triton_cpu, cos_batch):
     )
 
 
-def test_rope_triton_bf16_with_hf_tables(triton_cpu):
+@pytest.mark.parametrize("half_table", [False, True])
+def test_rope_triton_bf16_with_hf_tables(triton_cpu, half_table):
     llama = pytest.importorskip("transformers.models.llama.modeling_llama")
     from transformers import LlamaConfig
 
     config = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=32)
     q, k = leaf(1, 4, 7, 32, dtype=torch.bfloat16), leaf(1, 1, 7, 32, dtype=torch.bfloat16)
     cos, sin = llama.LlamaRotaryEmbedding(config)(q, torch.arange(100, 107)[None])
-    out = K.apply_rope(q, k, cos, sin, backend="triton")
+    # HF's tables repeat their first half; the half-width form passes it once (a strided view).
+    c, s = (cos[..., :16], sin[..., :16]) if half_table else (cos, sin)
+    out = K.apply_rope(q, k, c, s, backend="triton")
     dout = (torch.randn_like(out[0]), torch.randn_like(out[1]))
     truth = fp64_truth(lambda a, b: llama.apply_rotary_pos_emb(a, b, cos.double(), sin.double()), (q, k), dout)
     assert_all_close([*out, *grads(out, (q, k), dout)], truth, cast=True, **BF16)
+
+
+def test_rope_half_tables_match_full_tables_in_fp64():
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=24)
+    q, k = leaf(2, 4, 6, 24, dtype=torch.float64), leaf(2, 2, 6, 24, dtype=torch.float64)
+    cos, sin = llama.LlamaRotaryEmbedding(config)(q, torch.arange(3, 9).expand(2, 6))
+    cos, sin = cos.double(), sin.double()
+    want = llama.apply_rotary_pos_emb(q, k, cos, sin)
+    got = R.apply_rope(q, k, cos[..., :12], sin[..., :12])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_rope_rejects_bad_shapes(triton_cpu):
@@ -401,6 +417,10 @@ def test_rope_rejects_bad_shapes(triton_cpu):
     q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
     with pytest.raises(ValueError, match="cos"):
         K.apply_rope(q, k, torch.randn(1, 4, 4), torch.randn(1, 4, 4), backend="triton")
+    with pytest.raises(ValueError, match="head_dim or head_dim / 2"):
+        K.apply_rope(q, k, torch.randn(1, 3, 3), torch.randn(1, 3, 3), backend="triton")
+    with pytest.raises(ValueError, match="same width"):
+        K.apply_rope(q, k, torch.randn(1, 3, 4), torch.randn(1, 3, 2), backend="triton")
 
 
 # ---------------------------------------------------------------- Triton vs reference: SwiGLU
