@@ -472,15 +472,20 @@ def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool, kernels: list[str]
     for hq, hk, d in heads:
         cos, sin = _first_halves(*rope_tables(n, d, device, dtype))
         # The attention block's layout: [b, s, h, d] projections viewed as [b, h, s, d]; copies in turn.
-        qks = [(randn(1, n, hq, d).transpose(1, 2), randn(1, n, hk, d).transpose(1, 2))
-               for _ in range(1 + min(7, ROTATE_BYTES // (n * (hq + hk) * d * dtype.itemsize)))]
-        timed(f"rope fwd q[{hq},{d}] k[{hk}]", "default (rope_tiles)",
-              [lambda q=q, k=k: rope.rope_launch(q, k, cos, sin, False) for q, k in qks])
-        for positions in (1, 2, 4, 8):
+        # Forward and backward (the gradients in the same layout): forward alone picked two tile rules
+        # that the step did not confirm (triton_rope.rope_tiles).
+        copies = 1 + min(7, ROTATE_BYTES // (2 * n * (hq + hk) * d * dtype.itemsize))
+        qks = [[randn(1, n, h, d).transpose(1, 2) for h in (hq, hk, hq, hk)] for _ in range(copies)]
+
+        def step(q, k, dq, dk, p=None, w=None):
+            rope.rope_launch(q, k, cos, sin, False, p, w)
+            rope.rope_launch(dq, dk, cos, sin, True, p, w)
+
+        timed(f"rope fwd+bwd q[{hq},{d}] k[{hk}]", "default (rope_tiles)", [lambda a=a: step(*a) for a in qks])
+        for positions in (1, 2, 4):
             for warps in (1, 2, 4, 8):
-                timed(f"rope fwd q[{hq},{d}] k[{hk}]", f"positions={positions} warps={warps}",
-                      [lambda q=q, k=k, p=positions, w=warps: rope.rope_launch(q, k, cos, sin, False, p, w)
-                       for q, k in qks])
+                timed(f"rope fwd+bwd q[{hq},{d}] k[{hk}]", f"positions={positions} warps={warps}",
+                      [lambda a=a, p=positions, w=warps: step(*a, p, w) for a in qks])
         del qks
     vocabs = ([257] if smoke else [32000, 128256]) if want("ce") else []
     for v in vocabs:

@@ -5,6 +5,7 @@ Triton kernels run on CPU via TRITON_INTERPRET=1 (set in conftest.py); shapes ar
 and deliberately odd (non-power-of-2 widths, partial blocks, ignored targets).
 """
 
+import json
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # also when this file is run on its own
@@ -421,6 +422,16 @@ def test_rope_rejects_bad_shapes(triton_cpu):
         K.apply_rope(q, k, torch.randn(1, 3, 3), torch.randn(1, 3, 3), backend="triton")
     with pytest.raises(ValueError, match="same width"):
         K.apply_rope(q, k, torch.randn(1, 3, 4), torch.randn(1, 3, 2), backend="triton")
+
+
+def test_ce_designs_bench_checks_every_design_against_torch(triton_cpu, tmp_path):
+    from bench import ce_designs
+
+    out = tmp_path / "designs.json"
+    assert ce_designs.main(["--smoke", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["design"] for r in rows} == {"galaxy", "lane", "persistent", "ablation", "tail"}
+    assert all(r["ok"] and r["exact"] for r in rows)
 
 
 # ---------------------------------------------------------------- Triton vs reference: SwiGLU
