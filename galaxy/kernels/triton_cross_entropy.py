@@ -41,6 +41,7 @@ GRAD_TILES = {
     "H200": ((32768, 8192, 8), (None, 16384, 16)),
 }
 SCALE_BLOCK = 4096
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -61,7 +62,8 @@ def _ce_fwd_kernel(
         return
 
     # Online softmax over all blocks but the last: running max m and sum d of exp(x - m),
-    # rescaled when m grows. The last block stays in registers for the gradient.
+    # rescaled when m grows. The last block stays in registers for the gradient. Exponentials are
+    # exp2(x * log2(e) - c): one fused multiply-add per element before the special-function unit.
     m = float("-inf")
     d = 0.0
     last = (tl.cdiv(n_cols, BLOCK_V) - 1) * BLOCK_V
@@ -73,15 +75,15 @@ def _ce_fwd_kernel(
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + cols, eviction_policy=keep).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
-        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        d = d * tl.exp2((m - m_new) * LOG2E) + tl.sum(tl.exp2(x * LOG2E - m_new * LOG2E), axis=0)
         m = m_new
     last_cols = last + tl.arange(0, BLOCK_V)
     last_mask = last_cols < n_cols
     x_last = tl.load(row_ptr + last_cols, mask=last_mask, other=float("-inf")).to(tl.float32)
     m_new = tl.maximum(m, tl.max(x_last, axis=0))
     # Kept for the gradient: exp(x - lse) = e_last / d spares the last block a second exp.
-    e_last = tl.exp(x_last - m_new)
-    d = d * tl.exp(m - m_new) + tl.sum(e_last, axis=0)
+    e_last = tl.exp2(x_last * LOG2E - m_new * LOG2E)
+    d = d * tl.exp2((m - m_new) * LOG2E) + tl.sum(e_last, axis=0)
     lse = m_new + tl.log(d)
     # An out-of-range target cannot raise on the device: it yields a NaN loss instead.
     target_ok = (target >= 0) & (target < n_cols)
@@ -89,17 +91,25 @@ def _ce_fwd_kernel(
     tl.store(LOSS + row, tl.where(target_ok, lse - x_target, float("nan")))
 
     if WRITE_GRAD:
-        # (softmax - onehot) / denominator: the last block from registers, then the others from the
-        # last to the first, the most recently read (likeliest still in L2) first. Every block is
-        # read before it is written, so GRAD may be LOGITS (in place).
+        # softmax / denominator: the last block from registers, then the others from the last to the
+        # first, the most recently read (likeliest still in L2) first. Every block is read before it
+        # is written, so GRAD may be LOGITS (in place). The one-hot is subtracted at the end, by one
+        # store: comparing every column with the target cost more than the exp (bench/ce_designs.py).
         inv_denom = 1.0 / tl.load(DENOM)
-        grad = (e_last * (1.0 / d) - tl.where(last_cols == target, 1.0, 0.0)) * inv_denom
+        grad = e_last * (inv_denom / d)
         tl.store(grad_ptr + last_cols, grad.to(GRAD.dtype.element_ty), mask=last_mask, eviction_policy="evict_first")
+        lse2 = lse * LOG2E
         for i in range(BLOCK_V, last + BLOCK_V, BLOCK_V):
             cols = (last - i) + tl.arange(0, BLOCK_V)
             x = tl.load(row_ptr + cols, eviction_policy="evict_first").to(tl.float32)
-            grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * inv_denom
+            grad = tl.exp2(x * LOG2E - lse2) * inv_denom
             tl.store(grad_ptr + cols, grad.to(GRAD.dtype.element_ty), eviction_policy="evict_first")
+        # The program's threads wrote the row; after the barrier their stores are visible to the one
+        # that overwrites the target's entry (the same address: without it the order is undefined).
+        tl.debug_barrier()
+        if target_ok:
+            g_target = (tl.exp(x_target - lse) - 1.0) * inv_denom
+            tl.store(grad_ptr + target, g_target.to(GRAD.dtype.element_ty))
 
 
 @triton.jit

@@ -478,6 +478,22 @@ def test_cross_entropy_triton_fp32(triton_cpu, vocab, block_v, reduction, inplac
     assert_all_close([loss, *grads(loss, (z,), dl)], expected, **FP32)
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+def test_cross_entropy_triton_one_hot_lands_in_every_block(triton_cpu, inplace):
+    # The one-hot is subtracted by a last store over the block's: targets at the first and last
+    # column, in the last (register-held, partial) block and in the re-read blocks.
+    from galaxy.kernels.triton_cross_entropy import TritonCrossEntropy
+
+    vocab, block_v = 300, 64  # blocks of 64: four re-read, the last holds 44 columns
+    targets = torch.tensor([0, 299, 256, 255, 63, 64, 130, -100])
+    logits = leaf(len(targets), vocab, scale=4.0)
+    loss_r = R.cross_entropy(logits, targets)
+    expected = [loss_r, *grads(loss_r, (logits,), torch.ones(()))]
+    z = logits.detach().clone().requires_grad_() if inplace else logits
+    loss = TritonCrossEntropy.apply(z, targets, -100, "mean", None, block_v, inplace)
+    assert_all_close([loss, *grads(loss, (z,), torch.ones(()))], expected, **FP32)
+
+
 def test_cross_entropy_inplace_unit_grad_and_single_backward(triton_cpu):
     """grad_output 1 (loss.backward()) leaves the in-forward gradient as it is; a second backward raises."""
     logits, targets = leaf(9, 300, scale=3.0), _targets(9, 300)
