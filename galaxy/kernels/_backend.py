@@ -60,45 +60,49 @@ class Pick(NamedTuple):
 # Per device class, per op, from bench/bench_kernels.py: forward + backward, bf16, GPU time per step
 # (median of 4 repeats in one launch; inputs and upstream gradients beyond L2); raw JSON under
 # docs/results/. Triton only where it was at least as fast as torch's fused op and torch.compile of
-# the reference at every measured shape. One stated exception: RoPE keeps Triton at the 1B shapes where
-# Liger's in-place kernel is 2-5% faster (auto cannot run Liger, and torch's path, compiled or not, is
+# the reference at every measured shape. One stated exception: RoPE keeps Triton at the 1B shape where
+# Liger's in-place kernel is 1-3% faster (auto cannot run Liger, and torch's path, compiled or not, is
 # 2-10x slower). An op missing here runs on torch.
 _H100 = "H100 80GB HBM3, 2026-11-26, commit faeb9f3, docs/results/kernels_2026-11-26_faeb9f3_h100.json: ms"
 _H200 = "NVIDIA H200 (143771 MiB), 2026-11-26, commit 500cf42, docs/results/kernels_2026-11-26_500cf42_h200.json: ms"
-# The cross-entropy kernels with H200's own tiles (GRAD_TILES), every contender again, in a later launch.
-_H200_CE = "NVIDIA H200, 2026-11-26, commit d7d1ac3, docs/results/kernels_2026-11-26_d7d1ac3_h200_ce.json: ms"
+# RoPE (half-width tables) and cross-entropy (one-hot by one store) re-measured after their changes,
+# every contender again, in later launches.
+_H100_ROPE = "H100 80GB HBM3, 2026-11-26, commit 65eb378, docs/results/kernels_2026-11-26_65eb378_h100.json: ms"
+_H100_CE = "H100 80GB HBM3, 2026-11-26, commit a17f7db, docs/results/kernels_2026-11-26_a17f7db_h100_ce.json: ms"
+_H200_ROPE = "NVIDIA H200, 2026-11-26, commit 65eb378, docs/results/kernels_2026-11-26_65eb378_h200.json: ms"
+_H200_CE = "NVIDIA H200, 2026-11-26, commit a17f7db, docs/results/kernels_2026-11-26_a17f7db_h200_ce.json: ms"
 AUTO_PICKS: dict[str, dict[str, Pick]] = {
     "H100": {
         "rms_norm": Pick("triton", 0, f"{_H100} 7B galaxy 0.073, torch-compile 0.095, F.rms_norm 0.113; "
                          "7B SP/2 0.042 vs F.rms_norm 0.059; 1B 0.042 vs torch-compile 0.050; 1B SP/2 0.026 vs "
                          "F.rms_norm 0.029"),
         "layer_norm": Pick("triton", 0, f"{_H100} BERT-large galaxy 0.029, torch-compile 0.039, F.layer_norm 0.041"),
-        "rope": Pick("triton", 0, f"{_H100} 7B galaxy 0.098, torch-compile 0.190; 1B 0.036 vs 0.080; "
-                     "TP/2: 0.054 vs 0.102, 0.019 vs 0.048 (Liger 0.100 / 0.035 / 0.053 / 0.021)"),
+        "rope": Pick("triton", 0, f"{_H100_ROPE} 7B galaxy 0.098, torch-compile 0.191; 1B 0.036 vs 0.076; "
+                     "TP/2: 0.053 vs 0.103, 0.019 vs 0.048 (Liger 0.101 / 0.0355 / 0.053 / 0.021)"),
         "swiglu": Pick("triton", 0, f"{_H100} 7B galaxy 0.243, torch-compile 0.244; 7B TP/2 0.125 vs 0.125; "
                        "1B 0.183 vs 0.183; 1B TP/2 0.095 vs 0.099"),
         "swiglu_packed": Pick("triton", 0, f"{_H100} 7B galaxy 0.244, torch-compile 0.265; 7B TP/2 0.125 vs 0.136; "
                               "1B 0.183 vs 0.198; 1B TP/2 0.095 vs 0.109"),
-        "cross_entropy": Pick("triton", 0, f"{_H100} 32k galaxy 0.219, torch-compile 0.636, F.cross_entropy 2.219; "
-                              "128k 0.874 vs 2.688, 8.956"),
-        "fused_linear_cross_entropy": Pick("triton", 0, f"{_H100} 7B (32k) galaxy 4.184, torch-compile 4.579; "
-                                           "1B (128k) 8.868 vs 10.450; 8B head 16.993 vs 18.668"),
+        "cross_entropy": Pick("triton", 0, f"{_H100_CE} 32k galaxy 0.193, torch-compile 0.637, F.cross_entropy 2.219; "
+                              "128k 0.771 vs 2.690, 8.965 (Liger 0.865 / 1.510)"),
+        "fused_linear_cross_entropy": Pick("triton", 0, f"{_H100_CE} 7B (32k) galaxy 4.146, torch-compile 4.561; "
+                                           "1B (128k) 8.753 vs 10.452; 8B head 17.020 vs 18.540"),
     },
     "H200": {
         "rms_norm": Pick("triton", 0, f"{_H200} 7B galaxy 0.060, torch-compile 0.079, F.rms_norm 0.088; "
                          "7B SP/2 0.036 vs F.rms_norm 0.046; 1B 0.036 vs torch-compile 0.046; 1B SP/2 0.023 vs "
                          "F.rms_norm 0.026"),
         "layer_norm": Pick("triton", 0, f"{_H200} BERT-large galaxy 0.027, torch-compile 0.036, F.layer_norm 0.040"),
-        "rope": Pick("triton", 0, f"{_H200} 7B galaxy 0.073, torch-compile 0.167; 1B 0.029 vs 0.068; "
-                     "TP/2: 0.040 vs 0.091, 0.016 vs 0.042 (Liger 0.076 / 0.027 / 0.040 / 0.017)"),
+        "rope": Pick("triton", 0, f"{_H200_ROPE} 7B galaxy 0.073, torch-compile 0.164; 1B 0.028 vs 0.067; "
+                     "TP/2: 0.040 vs 0.092, 0.015 vs 0.044 (Liger 0.075 / 0.027 / 0.040 / 0.017)"),
         "swiglu": Pick("triton", 0, f"{_H200} 7B galaxy 0.172, torch-compile 0.172; 7B TP/2 0.090 vs 0.090; "
                        "1B 0.130 vs 0.130; 1B TP/2 0.069 vs 0.073"),
         "swiglu_packed": Pick("triton", 0, f"{_H200} 7B galaxy 0.172, torch-compile 0.238; 7B TP/2 0.090 vs 0.135; "
                               "1B 0.130 vs 0.179; 1B TP/2 0.069 vs 0.093"),
-        "cross_entropy": Pick("triton", 0, f"{_H200_CE} 32k galaxy 0.188, torch-compile 0.485, F.cross_entropy 1.654; "
-                              "128k 0.720 vs 1.983, 6.811"),
-        "fused_linear_cross_entropy": Pick("triton", 0, f"{_H200_CE} 7B (32k) galaxy 4.157, torch-compile 4.429; "
-                                           "1B (128k) 8.841 vs 9.832; 8B head 17.074 vs 17.900"),
+        "cross_entropy": Pick("triton", 0, f"{_H200_CE} 32k galaxy 0.153, torch-compile 0.485, F.cross_entropy 1.653; "
+                              "128k 0.638 vs 1.984, 6.801 (Liger 0.788 / 1.288)"),
+        "fused_linear_cross_entropy": Pick("triton", 0, f"{_H200_CE} 7B (32k) galaxy 4.185, torch-compile 4.414; "
+                                           "1B (128k) 9.044 vs 9.828; 8B head 16.759 vs 17.869"),
     },
 }
 # A CUDA device of a class not measured yet runs the picks of this one (logged once per device).

@@ -5,10 +5,11 @@ cross-entropy that never holds the full logits.
 same kernel that computes the loss, ``(softmax - onehot) / denominator`` per row, into a new buffer
 or, with ``inplace``, into the logits themselves (Liger-Kernel's memory trade); backward then only
 scales it by ``grad_output`` where that is not 1 (the usual ``loss.backward()`` costs one short
-launch). The kernel reads a row in vocab blocks with an online softmax, keeps the last block in
-registers and writes the gradient from there and from the other blocks, re-read last to first (the
-most recently read, likeliest still in L2, first); a row of one block is read once. Without a
-gradient (eval), forward is the online pass alone.
+launch). The kernel reads a row in vocab blocks with an online softmax, keeps the last block (and its
+exps) in registers and writes the gradient from there and from the other blocks, re-read last to
+first (the most recently read, likeliest still in L2, first); a row of one block is read once. The
+one-hot is one store at the row's end. Without a gradient (eval), forward is the online pass alone.
+Other row designs, measured and dropped: ``bench/ce_designs.py``.
 
 ``FusedLinearCrossEntropy`` (the Liger-Kernel approach): tokens are processed in chunks;
 each chunk's logits are computed by a torch matmul, the Triton kernel overwrites them in
@@ -34,10 +35,13 @@ FWD_BLOCK_V = 16384
 FWD_WARPS = 8
 # Per device class (``_backend.device_class_of``), (vocab up to, block, warps) with the gradient.
 GRAD_TILES = {
-    # docs/results/kernels_2026-11-24_5e02136_h100_ce_variants.json
+    # docs/results/kernels_2026-11-24_5e02136_h100_ce_variants.json; confirmed after the one-hot change by
+    # ..._2026-11-26_a17f7db_h100_ce.json: 32k 0.170 ms (8 warps 0.170, 8192 / 8 0.181), 128k 0.748
+    # (16384 / 16 0.844).
     "H100": ((32768, 16384, 16), (None, 32768, 32)),
     # docs/results/kernels_2026-11-26_ebd212c_h200_ce_variants.json: 32k 0.167 ms against 0.181 with
-    # H100's tile, 128k 0.701 against 0.734.
+    # H100's tile, 128k 0.701 against 0.734; confirmed by ..._a17f7db_h200_ce.json: 32k 0.132 (16384 / 16
+    # 0.137), 128k 0.616 (32768 / 32 0.627).
     "H200": ((32768, 8192, 8), (None, 16384, 16)),
 }
 SCALE_BLOCK = 4096

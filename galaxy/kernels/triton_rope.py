@@ -20,17 +20,21 @@ def rope_tiles(block_qh: int, block_kh: int, block_d: int) -> tuple[int, int]:
     """(positions per program, warps) for heads padded to ``block_qh``/``block_kh`` and half-dims
     padded to ``block_d``: about 1024 elements per warp, and two positions per program when one
     position holds fewer than 2048 elements (small heads, TP shards), so that small tiles are not
-    spread over more threads than they have 16-byte pieces. Measured forward + backward on H100 with
-    inputs beyond L2 (bench/bench_kernels.py): 1B TP/2 (q 16, k 4 heads of 64) 18.9 us with this rule
-    (2 positions x 2 warps, docs/results/kernels_2026-11-26_faeb9f3_h100.json); 21.1 us with 512
-    elements per warp (2 x 4, ..._1ef1e3d_h100.json), which the forward-only sweep had favoured.
-    (4 positions x 4 warps: 24.5 us, ..._0da1c3d_h100.json, measured before q and k were loaded ahead
-    of the stores, against 21.1 then for this rule, ..._07419fd_h100_norms_rope.json.) The other
-    shapes moved less than 1% between these rules."""
+    spread over more threads than they have 16-byte pieces. Between two powers of 2 a one-position
+    program takes the larger warp count, two positions the smaller. Measured forward + backward on
+    H100 with inputs beyond L2 (bench/bench_kernels.py --variants rope,
+    docs/results/kernels_2026-11-26_e63c9a2_h100_rope_variants.json): 1B (q 32 / k 8 heads of 64,
+    2560 elements) 1 x 4: 30.2 us against 31.7 with 1 x 2; 1B TP/2 (q 16 / k 4) 2 x 2: 17.3 us, and
+    2 x 4 21.1 against 18.9 in ..._1ef1e3d_h100.json / ..._faeb9f3_h100.json (a forward-only sweep had
+    favoured 2 x 4; 4 positions x 4 warps: 24.5 us, ..._0da1c3d_h100.json). 7B shapes moved less than 1%
+    between these rules."""
     elems = (block_qh + block_kh) * 2 * block_d
-    positions = 2 if elems < 2048 else 1
-    warps = max(1, min(8, (positions * elems) // 1024))
-    return positions, 1 << (warps.bit_length() - 1)
+    if elems < 2048:
+        positions, warps = 2, max(1, (2 * elems) // 1024)
+        warps = 1 << (warps.bit_length() - 1)
+    else:
+        positions, warps = 1, 1 << max(0, (-(-elems // 1024) - 1).bit_length())
+    return positions, min(8, warps)
 
 
 @triton.jit
