@@ -61,15 +61,15 @@ class Pick(NamedTuple):
 # (median of 4 repeats in one launch; inputs and upstream gradients beyond L2); raw JSON under
 # docs/results/. Triton only where it was at least as fast as torch's fused op and torch.compile of
 # the reference at every measured shape. One stated exception: RoPE keeps Triton at the 1B shape where
-# Liger's in-place kernel is 1-3% faster (auto cannot run Liger, and torch's path, compiled or not, is
-# 2-10x slower). An op missing here runs on torch.
+# Liger's in-place kernel is 1% faster on H100 (level on H200; auto cannot run Liger, and torch's path,
+# compiled or not, is 2-10x slower). An op missing here runs on torch.
 _H100 = "H100 80GB HBM3, 2026-11-26, commit faeb9f3, docs/results/kernels_2026-11-26_faeb9f3_h100.json: ms"
 _H200 = "NVIDIA H200 (143771 MiB), 2026-11-26, commit 500cf42, docs/results/kernels_2026-11-26_500cf42_h200.json: ms"
 # RoPE (half-width tables) and cross-entropy (one-hot by one store) re-measured after their changes,
 # every contender again, in later launches.
-_H100_ROPE = "H100 80GB HBM3, 2026-11-26, commit 65eb378, docs/results/kernels_2026-11-26_65eb378_h100.json: ms"
+_H100_ROPE = "H100 80GB HBM3, 2026-11-26, commit f82ca54, docs/results/kernels_2026-11-26_f82ca54_h100_rope.json: ms"
 _H100_CE = "H100 80GB HBM3, 2026-11-26, commit a17f7db, docs/results/kernels_2026-11-26_a17f7db_h100_ce.json: ms"
-_H200_ROPE = "NVIDIA H200, 2026-11-26, commit 65eb378, docs/results/kernels_2026-11-26_65eb378_h200.json: ms"
+_H200_ROPE = "NVIDIA H200, 2026-11-26, commit f82ca54, docs/results/kernels_2026-11-26_f82ca54_h200_rope.json: ms"
 _H200_CE = "NVIDIA H200, 2026-11-26, commit a17f7db, docs/results/kernels_2026-11-26_a17f7db_h200_ce.json: ms"
 AUTO_PICKS: dict[str, dict[str, Pick]] = {
     "H100": {
@@ -77,8 +77,8 @@ AUTO_PICKS: dict[str, dict[str, Pick]] = {
                          "7B SP/2 0.042 vs F.rms_norm 0.059; 1B 0.042 vs torch-compile 0.050; 1B SP/2 0.026 vs "
                          "F.rms_norm 0.029"),
         "layer_norm": Pick("triton", 0, f"{_H100} BERT-large galaxy 0.029, torch-compile 0.039, F.layer_norm 0.041"),
-        "rope": Pick("triton", 0, f"{_H100_ROPE} 7B galaxy 0.098, torch-compile 0.191; 1B 0.036 vs 0.076; "
-                     "TP/2: 0.053 vs 0.103, 0.019 vs 0.048 (Liger 0.101 / 0.0355 / 0.053 / 0.021)"),
+        "rope": Pick("triton", 0, f"{_H100_ROPE} 7B galaxy 0.097, torch-compile 0.190; 1B 0.0355 vs 0.075; "
+                     "TP/2: 0.053 vs 0.102, 0.019 vs 0.047 (Liger 0.100 / 0.0352 / 0.053 / 0.021)"),
         "swiglu": Pick("triton", 0, f"{_H100} 7B galaxy 0.243, torch-compile 0.244; 7B TP/2 0.125 vs 0.125; "
                        "1B 0.183 vs 0.183; 1B TP/2 0.095 vs 0.099"),
         "swiglu_packed": Pick("triton", 0, f"{_H100} 7B galaxy 0.244, torch-compile 0.265; 7B TP/2 0.125 vs 0.136; "
@@ -93,8 +93,8 @@ AUTO_PICKS: dict[str, dict[str, Pick]] = {
                          "7B SP/2 0.036 vs F.rms_norm 0.046; 1B 0.036 vs torch-compile 0.046; 1B SP/2 0.023 vs "
                          "F.rms_norm 0.026"),
         "layer_norm": Pick("triton", 0, f"{_H200} BERT-large galaxy 0.027, torch-compile 0.036, F.layer_norm 0.040"),
-        "rope": Pick("triton", 0, f"{_H200_ROPE} 7B galaxy 0.073, torch-compile 0.164; 1B 0.028 vs 0.067; "
-                     "TP/2: 0.040 vs 0.092, 0.015 vs 0.044 (Liger 0.075 / 0.027 / 0.040 / 0.017)"),
+        "rope": Pick("triton", 0, f"{_H200_ROPE} 7B galaxy 0.073, torch-compile 0.164; 1B 0.0270 vs 0.068; "
+                     "TP/2: 0.040 vs 0.089, 0.0155 vs 0.042 (Liger 0.076 / 0.0271 / 0.040 / 0.017)"),
         "swiglu": Pick("triton", 0, f"{_H200} 7B galaxy 0.172, torch-compile 0.172; 7B TP/2 0.090 vs 0.090; "
                        "1B 0.130 vs 0.130; 1B TP/2 0.069 vs 0.073"),
         "swiglu_packed": Pick("triton", 0, f"{_H200} 7B galaxy 0.172, torch-compile 0.238; 7B TP/2 0.090 vs 0.135; "
