@@ -5,8 +5,8 @@ cos/sin are read once per position and shared by all heads (GQA: q and k head co
 cos/sin are given per position by the caller, which lets sequence-parallel ranks pass the
 rows for their global positions. They are full ``rotate_half`` tables (``head_dim`` wide) or, as
 flash-attn's rotary takes them, only their first half (``head_dim / 2``: the halves of such a table
-are equal), which the kernel then reads once per position instead of twice: 2-6% of the step at
-the small heads (1B: q 32 / k 8 heads of 64), where a position's cos/sin are 5% of its bytes.
+are equal), which the kernel then reads once per position instead of twice (a position's cos/sin are
+3-5% of the bytes it reads; measured: 2% off the 7B kernel, within noise at 1B).
 """
 
 from __future__ import annotations
@@ -24,17 +24,15 @@ def rope_tiles(block_qh: int, block_kh: int, block_d: int) -> tuple[int, int]:
     program takes the larger warp count, two positions the smaller. Measured forward + backward on
     H100 with inputs beyond L2 (bench/bench_kernels.py --variants rope,
     docs/results/kernels_2026-11-26_e63c9a2_h100_rope_variants.json): 1B (q 32 / k 8 heads of 64,
-    2560 elements) 1 x 4: 30.2 us against 31.7 with 1 x 2; 1B TP/2 (q 16 / k 4) 2 x 2: 17.3 us, and
-    2 x 4 21.1 against 18.9 in ..._1ef1e3d_h100.json / ..._faeb9f3_h100.json (a forward-only sweep had
-    favoured 2 x 4; 4 positions x 4 warps: 24.5 us, ..._0da1c3d_h100.json). 7B shapes moved less than 1%
-    between these rules."""
+    2560 elements) 1 x 4: 30.2 us against 31.7 with 1 x 2. 1B TP/2 (q 16 / k 4) keeps 2 x 2 (17.3 us;
+    2 x 4 ran 21.1 against 18.9 in ..._1ef1e3d_h100.json / ..._faeb9f3_h100.json, after a forward-only
+    sweep had favoured it; 4 positions x 4 warps: 24.5 us, ..._0da1c3d_h100.json). 7B shapes moved
+    less than 1% between these rules."""
     elems = (block_qh + block_kh) * 2 * block_d
-    if elems < 2048:
-        positions, warps = 2, max(1, (2 * elems) // 1024)
-        warps = 1 << (warps.bit_length() - 1)
-    else:
-        positions, warps = 1, 1 << max(0, (-(-elems // 1024) - 1).bit_length())
-    return positions, min(8, warps)
+    if elems < 2048:  # two positions; warps rounded down to a power of 2
+        warps = max(1, 2 * elems // 1024)
+        return 2, 1 << (warps.bit_length() - 1)
+    return 1, min(8, triton.next_power_of_2(triton.cdiv(elems, 1024)))
 
 
 @triton.jit
