@@ -45,6 +45,12 @@ IGNORE = -100
 
 
 @triton.jit
+def _row(LOGITS, stride_l, GRAD, stride_g, TARGETS, row):
+    """A row's logits and gradient pointers and its target."""
+    return LOGITS + row * stride_l, GRAD + row * stride_g, tl.load(TARGETS + row)
+
+
+@triton.jit
 def _ignored_row(LOSS, grad_ptr, row, n_cols, BLOCK_V: tl.constexpr):
     tl.store(LOSS + row, 0.0)
     for start in range(0, n_cols, BLOCK_V):
@@ -73,8 +79,7 @@ def _finish_row(LOSS, DENOM, row, row_ptr, grad_ptr, target, n_cols, lse, x_last
 def _lane_kernel(LOGITS, stride_l, GRAD, stride_g, TARGETS, LOSS, DENOM, n_cols, ignore_index,
                  BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    row_ptr, grad_ptr = LOGITS + row * stride_l, GRAD + row * stride_g
-    target = tl.load(TARGETS + row)
+    row_ptr, grad_ptr, target = _row(LOGITS, stride_l, GRAD, stride_g, TARGETS, row)
     if target == ignore_index:
         _ignored_row(LOSS, grad_ptr, row, n_cols, BLOCK_V)
     else:
@@ -131,8 +136,7 @@ def _persistent_kernel(LOGITS, stride_l, GRAD, stride_g, TARGETS, LOSS, DENOM, n
     pid = tl.program_id(0)
     for i in range(0, tl.cdiv(n_rows - pid, tl.num_programs(0))):
         row = (pid + i * tl.num_programs(0)).to(tl.int64)
-        row_ptr, grad_ptr = LOGITS + row * stride_l, GRAD + row * stride_g
-        target = tl.load(TARGETS + row)
+        row_ptr, grad_ptr, target = _row(LOGITS, stride_l, GRAD, stride_g, TARGETS, row)
         if target == ignore_index:
             _ignored_row(LOSS, grad_ptr, row, n_cols, BLOCK_V)
         else:
@@ -145,8 +149,7 @@ def _persistent_kernel(LOGITS, stride_l, GRAD, stride_g, TARGETS, LOSS, DENOM, n
 def _ablation_kernel(LOGITS, stride_l, GRAD, stride_g, TARGETS, LOSS, DENOM, n_cols, ignore_index,
                      BLOCK_V: tl.constexpr, EXP1: tl.constexpr, EXP2: tl.constexpr, PREFETCH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    row_ptr, grad_ptr = LOGITS + row * stride_l, GRAD + row * stride_g
-    target = tl.load(TARGETS + row)
+    row_ptr, grad_ptr, target = _row(LOGITS, stride_l, GRAD, stride_g, TARGETS, row)
     if target == ignore_index:
         _ignored_row(LOSS, grad_ptr, row, n_cols, BLOCK_V)
     else:
@@ -168,8 +171,7 @@ def _ablation_kernel(LOGITS, stride_l, GRAD, stride_g, TARGETS, LOSS, DENOM, n_c
 def _tail_kernel(LOGITS, stride_l, GRAD, stride_g, TARGETS, LOSS, DENOM, n_cols, ignore_index,
                  BLOCK_V: tl.constexpr, TAIL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    row_ptr, grad_ptr = LOGITS + row * stride_l, GRAD + row * stride_g
-    target = tl.load(TARGETS + row)
+    row_ptr, grad_ptr, target = _row(LOGITS, stride_l, GRAD, stride_g, TARGETS, row)
     if target == ignore_index:
         _ignored_row(LOSS, grad_ptr, row, n_cols, BLOCK_V)
     else:
