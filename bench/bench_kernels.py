@@ -48,7 +48,9 @@ if __package__ in (None, ""):  # run as a script from anywhere: make the repo im
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# Normalized max error (max|a - b| / max|b|) allowed vs the torch reference.
+# Normalized max error (max|a - b| / max|b|) allowed vs the torch reference. In fp32 the errors are
+# taken against a float64 truth instead, and twice torch's own fp32 error is allowed where that is
+# larger: fp32 results of differently shaped matmuls differ by more than rounding.
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 # Rotate input copies until they span this many bytes (several times any L2).
 ROTATE_BYTES = 512 * 2**20
@@ -301,8 +303,18 @@ def _clone_args(args):
     return [clone(a) for a in args]
 
 
+def _float64_truth(fn, args, grad_outs) -> list[torch.Tensor]:
+    """Outputs and input gradients of ``fn`` on the floating inputs upcast to float64."""
+    def up(a):
+        if not isinstance(a, torch.Tensor) or not a.is_floating_point():
+            return a
+        return _leaf(a.double(), a.requires_grad) if a.requires_grad else a.detach().double()
+    outs, grads = _fwd_bwd(fn, [up(a) for a in args], tuple(g.double() for g in grad_outs))
+    return [t.detach() for t in (*outs, *grads)]
+
+
 def _normalized_err(got, want) -> float:
-    got, want = got.float(), want.float()
+    got, want = got.double(), want.double()
     scale = want.abs().max().item()
     return (got - want).abs().max().item() / (scale if scale > 0 else 1.0)
 
@@ -389,6 +401,11 @@ def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool) -> l
     ref_outs, ref_grads = _fwd_bwd(torch_fn, _clone_args(args), grad_outs)
     expected = [t.detach() for t in (*ref_outs, *ref_grads)]
     del ref_outs, ref_grads
+    bound = TOLERANCE[dtype]
+    if dtype == torch.float32:
+        truth = _float64_truth(torch_fn, _clone_args(args), grad_outs)
+        bound = max(bound, 2 * max(_normalized_err(g, e) for g, e in zip(expected, truth)))
+        expected = truth
     n_copies = 1 + min(7, ROTATE_BYTES // max(1, _tensor_bytes(args) + _tensor_bytes(grad_outs)))
 
     results, steps = [], {}
@@ -401,7 +418,7 @@ def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool) -> l
             if len(got) != len(expected):
                 raise RuntimeError(f"returned {len(got)} outputs+grads, expected {len(expected)}")
             res.max_err = max(_normalized_err(g, e) for g, e in zip(got, expected))
-            res.ok = res.max_err <= TOLERANCE[dtype]
+            res.ok = res.max_err <= bound
             del outs, grads, got
             # Each contender times its own copies of the inputs and of the upstream gradients, both
             # rotated: in-place kernels (Liger's, galaxy-inplace) overwrite theirs, and in a training step
