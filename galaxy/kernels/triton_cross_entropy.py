@@ -95,6 +95,10 @@ def _ce_fwd_kernel(
     tl.store(LOSS + row, tl.where(target_ok, lse - x_target, float("nan")))
 
     if WRITE_GRAD:
+        # In place, the stores below overwrite the row: no warp may store before every warp has read
+        # x_target (a warp that has passed the reductions runs ahead; without this barrier a slower
+        # warp could read the target's gradient as its logit, seen as a wrong loss on H100).
+        tl.debug_barrier()
         # softmax / denominator: the last block from registers, then the others from the last to the
         # first, the most recently read (likeliest still in L2) first. Every block is read before it
         # is written, so GRAD may be LOGITS (in place). The one-hot is subtracted at the end, by one
