@@ -68,7 +68,7 @@ _H200 = "NVIDIA H200 (143771 MiB), 2026-11-26, commit 500cf42, docs/results/kern
 # RoPE (half-width tables) and cross-entropy (one-hot by one store) re-measured after their changes,
 # every contender again, in later launches.
 _H100_ROPE = "H100 80GB HBM3, 2026-11-26, commit f82ca54, docs/results/kernels_2026-11-26_f82ca54_h100_rope.json: ms"
-_H100_CE = "H100 80GB HBM3, 2026-11-26, commit a17f7db, docs/results/kernels_2026-11-26_a17f7db_h100_ce.json: ms"
+_H100_CE = "H100 80GB HBM3, 2026-11-26, commit 08646d3, docs/results/kernels_2026-11-26_08646d3_h100_ce.json: ms"
 _H200_ROPE = "NVIDIA H200, 2026-11-26, commit f82ca54, docs/results/kernels_2026-11-26_f82ca54_h200_rope.json: ms"
 _H200_CE = "NVIDIA H200, 2026-11-26, commit a17f7db, docs/results/kernels_2026-11-26_a17f7db_h200_ce.json: ms"
 AUTO_PICKS: dict[str, dict[str, Pick]] = {
@@ -83,10 +83,10 @@ AUTO_PICKS: dict[str, dict[str, Pick]] = {
                        "1B 0.183 vs 0.183; 1B TP/2 0.095 vs 0.099"),
         "swiglu_packed": Pick("triton", 0, f"{_H100} 7B galaxy 0.244, torch-compile 0.265; 7B TP/2 0.125 vs 0.136; "
                               "1B 0.183 vs 0.198; 1B TP/2 0.095 vs 0.109"),
-        "cross_entropy": Pick("triton", 0, f"{_H100_CE} 32k galaxy 0.193, torch-compile 0.637, F.cross_entropy 2.219; "
-                              "128k 0.771 vs 2.690, 8.965 (Liger 0.865 / 1.510)"),
-        "fused_linear_cross_entropy": Pick("triton", 0, f"{_H100_CE} 7B (32k) galaxy 4.146, torch-compile 4.561; "
-                                           "1B (128k) 8.753 vs 10.452; 8B head 17.020 vs 18.540"),
+        "cross_entropy": Pick("triton", 0, f"{_H100_CE} 32k galaxy 0.194, torch-compile 0.637, F.cross_entropy 2.224; "
+                              "128k 0.772 vs 2.690, 8.967 (Liger 0.955 / 1.510)"),
+        "fused_linear_cross_entropy": Pick("triton", 0, f"{_H100_CE} 7B (32k) galaxy 4.186, torch-compile 4.608; "
+                                           "1B (128k) 8.781 vs 10.530; 8B head 17.172 vs 18.576"),
     },
     "H200": {
         "rms_norm": Pick("triton", 0, f"{_H200} 7B galaxy 0.060, torch-compile 0.079, F.rms_norm 0.088; "
