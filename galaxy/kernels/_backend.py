@@ -70,7 +70,7 @@ _H200 = "NVIDIA H200 (143771 MiB), 2026-11-26, commit 500cf42, docs/results/kern
 _H100_ROPE = "H100 80GB HBM3, 2026-11-26, commit f82ca54, docs/results/kernels_2026-11-26_f82ca54_h100_rope.json: ms"
 _H100_CE = "H100 80GB HBM3, 2026-11-26, commit 08646d3, docs/results/kernels_2026-11-26_08646d3_h100_ce.json: ms"
 _H200_ROPE = "NVIDIA H200, 2026-11-26, commit f82ca54, docs/results/kernels_2026-11-26_f82ca54_h200_rope.json: ms"
-_H200_CE = "NVIDIA H200, 2026-11-26, commit a17f7db, docs/results/kernels_2026-11-26_a17f7db_h200_ce.json: ms"
+_H200_CE = "NVIDIA H200, 2026-11-26, commit 08646d3, docs/results/kernels_2026-11-26_08646d3_h200_ce.json: ms"
 AUTO_PICKS: dict[str, dict[str, Pick]] = {
     "H100": {
         "rms_norm": Pick("triton", 0, f"{_H100} 7B galaxy 0.073, torch-compile 0.095, F.rms_norm 0.113; "
@@ -99,10 +99,10 @@ AUTO_PICKS: dict[str, dict[str, Pick]] = {
                        "1B 0.130 vs 0.130; 1B TP/2 0.069 vs 0.073"),
         "swiglu_packed": Pick("triton", 0, f"{_H200} 7B galaxy 0.172, torch-compile 0.238; 7B TP/2 0.090 vs 0.135; "
                               "1B 0.130 vs 0.179; 1B TP/2 0.069 vs 0.093"),
-        "cross_entropy": Pick("triton", 0, f"{_H200_CE} 32k galaxy 0.153, torch-compile 0.485, F.cross_entropy 1.653; "
-                              "128k 0.638 vs 1.984, 6.801 (Liger 0.788 / 1.288)"),
-        "fused_linear_cross_entropy": Pick("triton", 0, f"{_H200_CE} 7B (32k) galaxy 4.185, torch-compile 4.414; "
-                                           "1B (128k) 9.044 vs 9.828; 8B head 16.759 vs 17.869"),
+        "cross_entropy": Pick("triton", 0, f"{_H200_CE} 32k galaxy 0.154, torch-compile 0.484, F.cross_entropy 1.654; "
+                              "128k 0.638 vs 1.984, 6.806 (Liger 1.040 / 1.343)"),
+        "fused_linear_cross_entropy": Pick("triton", 0, f"{_H200_CE} 7B (32k) galaxy 4.125, torch-compile 4.416; "
+                                           "1B (128k) 9.207 vs 9.830; 8B head 16.712 vs 17.912"),
     },
 }
 # A CUDA device of a class not measured yet runs the picks of this one (logged once per device).
