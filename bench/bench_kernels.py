@@ -15,6 +15,11 @@ intermediate of 5504 = 11008 / 2), every contender
               with the host (Liger's cross-entropy reads ``.item()``) pays for it here too,
 3. has its peak extra memory over one forward + backward measured.
 
+A memory-bound op also gets a ``copy-floor`` row, not a contender: the same launches' worth of plain
+copies (the device memcpy or torch's elementwise kernel, the faster) of the bytes the op must read
+and write at the least, timed the same way. A kernel that moves those bytes once cannot beat it, so
+Liger's time over the floor bounds how far ahead of Liger any kernel can get.
+
 ``--variants`` first sweeps the launch settings of the Galaxy kernels (block sizes, warps,
 programs, fused-linear-CE chunk size) with the same GPU-time method. ``--profile`` stores the
 per-kernel device times (torch.profiler) of every contender. The JSON holds everything; the table
@@ -56,6 +61,8 @@ TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 ROTATE_BYTES = 512 * 2**20
 # Contenders that are not Galaxy's; auto may use Triton for an op only if it is at least as fast.
 RIVALS = ("torch", "torch-fused", "torch-compile", "liger")
+# Not a contender: a copy of the bytes a memory-bound op must move (``copy_floor_steps``).
+FLOOR = "copy-floor"
 
 
 @dataclass
@@ -65,6 +72,9 @@ class Case:
     model: str  # which model / shard the shape comes from
     make_args: Callable[[], list]  # fresh inputs; tensors that need grad are leaves
     impls: dict[str, Callable]  # name -> fn(*args) -> Tensor | tuple[Tensor, ...]
+    # (forward, backward) bytes that any implementation must read plus write in DRAM, from the
+    # inputs; None where the op is bound by compute, not memory (fused linear + CE, LoRA).
+    min_bytes: Callable[[list], tuple[int, int]] | None = None
 
 
 @dataclass
@@ -80,6 +90,7 @@ class Result:
     ok: bool | None = None
     note: str = ""
     kernels: list = field(default_factory=list)  # (name, device ms per step) from --profile
+    moved_bytes: tuple | None = None  # copy-floor rows: (forward, backward) bytes read + written
 
     @property
     def gpu(self) -> float | None:
@@ -172,8 +183,8 @@ def build_cases(dtype: torch.dtype, device: torch.device, liger, smoke: bool) ->
     grid = shape_grid(smoke)
     by_label = dict(grid)
 
-    def add(op, shape, model, make_args, impls):
-        cases.append(Case(op, shape, model, make_args, {k: v for k, v in impls.items() if v is not None}))
+    def add(op, shape, model, make_args, impls, min_bytes=None):
+        cases.append(Case(op, shape, model, make_args, {k: v for k, v in impls.items() if v is not None}, min_bytes))
 
     # RMSNorm: every model's hidden size, full sequence and SP shard.
     for label in [g for g in by_label if "TP" not in g]:
@@ -185,7 +196,8 @@ def build_cases(dtype: torch.dtype, device: torch.device, liger, smoke: bool) ->
              "torch": lambda x, w: R.rms_norm(x, w, 1e-6),
              "torch-fused": lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6),
              "torch-compile": _compiled(lambda x, w: R.rms_norm(x, w, 1e-6)),
-             "liger": L and (lambda x, w: L.liger_rms_norm(x, w, 1e-6, in_place=False))})
+             "liger": L and (lambda x, w: L.liger_rms_norm(x, w, 1e-6, in_place=False))},
+            _norm_bytes)
 
     # LayerNorm (BERT): BERT-large hidden 1024 over 8 x 512 tokens.
     n, h = (48, 64) if smoke else (4096, 1024)
@@ -195,7 +207,8 @@ def build_cases(dtype: torch.dtype, device: torch.device, liger, smoke: bool) ->
          "torch": lambda x, w, b: R.layer_norm(x, w, b, 1e-5),
          "torch-fused": lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5),
          "torch-compile": _compiled(lambda x, w, b: R.layer_norm(x, w, b, 1e-5)),
-         "liger": L and (lambda x, w, b: L.liger_layer_norm(x, w, b, 1e-5))})
+         "liger": L and (lambda x, w, b: L.liger_layer_norm(x, w, b, 1e-5))},
+        _norm_bytes)
 
     # RoPE: q, k as the attention block makes them, [b, s, h, d] projections viewed [b, h, s, d].
     for label in [g for g in by_label if "SP" not in g]:
@@ -213,7 +226,9 @@ def build_cases(dtype: torch.dtype, device: torch.device, liger, smoke: bool) ->
             {"galaxy-triton": lambda q, k, c, s: K.apply_rope(q, k, *_first_halves(c, s), backend="triton"),
              "torch": R.apply_rope,
              "torch-compile": _compiled(R.apply_rope),
-             "liger": L and (lambda q, k, c, s: L.liger_rope(q, k, c, s))})
+             "liger": L and (lambda q, k, c, s: L.liger_rope(q, k, c, s))},
+            # q, k read and their rotations written, forward and backward alike.
+            lambda a: (2 * _tensor_bytes(a[:2]),) * 2)
 
     # SwiGLU: separate gate/up and the packed [gate | up] of a fused projection; full and TP/2.
     for label in [g for g in by_label if "SP" not in g]:
@@ -223,13 +238,15 @@ def build_cases(dtype: torch.dtype, device: torch.device, liger, smoke: bool) ->
             {"galaxy-triton": lambda g, u: K.swiglu(g, u, backend="triton"),
              "torch": R.swiglu,
              "torch-compile": _compiled(R.swiglu),
-             "liger": L and (lambda g, u: L.liger_swiglu(g, u))})
+             "liger": L and (lambda g, u: L.liger_swiglu(g, u))},
+            _swiglu_bytes)
         packed_ref = lambda gu: R.swiglu(*gu.chunk(2, dim=-1))  # noqa: E731
         add("swiglu_packed", f"[{n}, 2 x {w}]", label, lambda n=n, w=w: [_leaf(randn(n, 2 * w))],
             {"galaxy-triton": lambda gu: K.swiglu_packed(gu, backend="triton"),
              "torch": packed_ref,
              "torch-compile": _compiled(packed_ref),
-             "liger": L and _liger_packed_swiglu()})
+             "liger": L and _liger_packed_swiglu()},
+            _swiglu_bytes)
 
     # Cross-entropy over existing logits and the fused head + loss, at each vocabulary.
     for label in [g for g in by_label if "TP" not in g and "SP" not in g]:
@@ -244,7 +261,10 @@ def build_cases(dtype: torch.dtype, device: torch.device, liger, smoke: bool) ->
              "torch-fused": lambda z, t: F.cross_entropy(z.float(), t),
              "torch-compile": _compiled(lambda z, t: R.cross_entropy(z, t)),
              # Liger writes the gradient into the logits in place (its memory saving).
-             "liger": L and (lambda z, t: L.liger_cross_entropy(z, t, ignore_index=-100, reduction="mean"))})
+             "liger": L and (lambda z, t: L.liger_cross_entropy(z, t, ignore_index=-100, reduction="mean"))},
+            # The logits read once and their gradient written once, both in forward (the gradient
+            # of a scalar loss is known there up to grad_output's scale).
+            lambda a: (2 * _tensor_bytes(a[:1]), 0))
     flce_shapes = [(label, by_label[label]["tokens"], by_label[label]["hidden"], by_label[label]["vocab"])
                    for label in by_label if "TP" not in label and "SP" not in label]
     if not smoke:  # the 128k vocabulary at 7B's hidden size (LLaMA-3-8B's head)
@@ -271,6 +291,19 @@ def build_cases(dtype: torch.dtype, device: torch.device, liger, smoke: bool) ->
         {"galaxy-triton": lambda x, w, a, b: K.lora_linear(x, w, a, b, 2.0),
          "torch": lambda x, w, a, b: K.lora_linear(x, w, a, b, 2.0, backend="torch")})
     return cases
+
+
+def _norm_bytes(args) -> tuple[int, int]:
+    """x read and y written in forward; dy and x read and dx written in backward (the weights and
+    per-row statistics are a row's worth, left out)."""
+    x = _tensor_bytes(args[:1])
+    return 2 * x, 3 * x
+
+
+def _swiglu_bytes(args) -> tuple[int, int]:
+    """gate and up read, h written in forward; dh, gate and up read, dgate and dup written in backward."""
+    h = _tensor_bytes(args) // 2  # gate and up, separate or packed, are twice h
+    return 3 * h, 5 * h
 
 
 def _liger_packed_swiglu():
@@ -391,6 +424,27 @@ def _tensor_bytes(args) -> int:
     return sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
 
 
+def copy_floor_steps(moved: tuple[int, int], n_copies: int, device, how: str) -> list[Callable]:
+    """Steps that read and write ``moved`` = (forward, backward) bytes as plain copies, one launch per
+    direction as the op's own kernels, over ``n_copies`` rotating buffers: the device's memcpy
+    (``how="memcpy"``) or torch's vectorized elementwise kernel (a bf16 negation). The faster is the
+    op's floor: no kernel that moves those bytes once runs faster than a copy of them."""
+    def buffers(nbytes):
+        if how == "memcpy":
+            return torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+        return torch.empty(nbytes // 4, dtype=torch.bfloat16, device=device)
+
+    def step(pairs):
+        for src, dst in pairs:
+            if how == "memcpy":
+                dst.copy_(src)
+            else:
+                torch.neg(src, out=dst)
+
+    copies = [[(buffers(b), buffers(b)) for b in moved if b] for _ in range(n_copies)]
+    return [lambda pairs=pairs: step(pairs) for pairs in copies]
+
+
 def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool) -> list[Result]:
     args = case.make_args()
     torch_fn = case.impls["torch"]
@@ -431,13 +485,32 @@ def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool) -> l
         except Exception as err:  # noqa: BLE001 - one failing impl must not stop the table
             res.ok = False
             res.note = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]
+    floors, floor_by_copy = {}, {}
+    if case.min_bytes:
+        moved = case.min_bytes(args)
+        floor = Result(case.op, case.shape, case.model, FLOOR, moved_bytes=moved,
+                       note=f"copies of the op's fewest bytes: forward {moved[0] / 1e6:.1f} MB, backward "
+                            f"{moved[1] / 1e6:.1f} MB (read + written)")
+        results.append(floor)
+        floors = {how: copy_floor_steps(moved, n_copies, args[0].device, how) for how in ("memcpy", "elementwise")}
+        if profile:
+            floor.kernels = {how: profile_kernels(fs, on_cuda) for how, fs in floors.items()}
     # Repeats interleave the contenders, so a drift of the device shows in every spread.
     for _ in range(repeats):
         for res in results:
             if res.impl in steps:
                 res.wall_ms.append(wall_ms(steps[res.impl][0], on_cuda))
                 res.gpu_ms.append(gpu_ms(steps[res.impl], on_cuda, res.wall_ms[-1]))
-    del steps
+        if floors:  # the faster of the two copies, per repeat
+            walls = {how: wall_ms(fs[0], on_cuda) for how, fs in floors.items()}
+            gpus = {how: gpu_ms(fs, on_cuda, walls[how]) for how, fs in floors.items()}
+            floor.wall_ms.append(min(walls.values()))
+            floor.gpu_ms.append(min(gpus.values()))
+            for how, ms in gpus.items():
+                floor_by_copy.setdefault(how, []).append(ms)
+    if floors:
+        floor.note += "; gpu ms " + ", ".join(f"{how} {statistics.median(ms):.4f}" for how, ms in floor_by_copy.items())
+    del steps, floors
     if on_cuda:
         torch.cuda.empty_cache()
     return results
@@ -553,7 +626,10 @@ def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool, kernels: list[str]
 
 def verdicts(results: list[Result]) -> list[dict]:
     """Per op and shape: Galaxy's GPU ms against the fastest rival and against Liger. ``wins``
-    means Galaxy's median is at most the fastest rival's, or their [min, max] ranges overlap."""
+    means Galaxy's median is at most the fastest rival's, or their [min, max] ranges overlap.
+    For memory-bound ops, ``liger_over_floor`` is Liger's time over the copy floor's: the most any
+    kernel moving the op's fewest bytes at copy speed could lead Liger by (1.1 or more for a 10%
+    lead to be possible)."""
     rows = []
     keys = sorted({(r.op, r.shape, r.model) for r in results}, key=lambda k: [r.op for r in results].index(k[0]))
     for op, shape, model in keys:
@@ -563,6 +639,8 @@ def verdicts(results: list[Result]) -> list[dict]:
             continue
         best_name, best = min(rivals.items(), key=lambda kv: kv[1].gpu)
         liger = group.get("liger")
+        floor = next((r for r in results if (r.op, r.shape, r.model, r.impl) == (op, shape, model, FLOOR)
+                      and r.gpu_ms), None)
         for impl, ours in group.items():
             if not impl.startswith("galaxy"):
                 continue
@@ -570,6 +648,8 @@ def verdicts(results: list[Result]) -> list[dict]:
                 op=op, shape=shape, model=model, impl=impl, galaxy_ms=ours.gpu, best_rival=best_name,
                 best_rival_ms=best.gpu, wins=ours.gpu <= best.gpu or min(ours.gpu_ms) <= max(best.gpu_ms),
                 vs_liger=(liger.gpu / ours.gpu) if liger else None,
+                floor_ms=floor.gpu if floor else None,
+                liger_over_floor=(liger.gpu / floor.gpu) if liger and floor else None,
             ))
     return rows
 
@@ -594,11 +674,12 @@ def print_table(results: list[Result], verdict_rows: list[dict]) -> None:
               f"{_fmt(r.wall, 8, '.3f')} {_spread(r.wall_ms):>18} {_fmt(r.peak_mib, 9, '.1f')} "
               f"{_fmt(r.max_err, 9, '.1e')}  {status} {r.note}")
     print()
-    print(f"{'op':<26} {'model':<10} {'impl':<14} {'gpu ms':>8} {'best rival':>14} {'ms':>8} {'x liger':>8}  wins")
+    print(f"{'op':<26} {'model':<10} {'impl':<14} {'gpu ms':>8} {'best rival':>14} {'ms':>8} {'x liger':>8} "
+          f"{'floor ms':>9} {'liger/floor':>11}  wins")
     for v in verdict_rows:
         print(f"{v['op']:<26} {v['model']:<10} {v['impl']:<14} {v['galaxy_ms']:8.3f} {v['best_rival']:>14} "
-              f"{v['best_rival_ms']:8.3f} "
-              f"{_fmt(v['vs_liger'], 8, '.2f')}  {'yes' if v['wins'] else 'no'}")
+              f"{v['best_rival_ms']:8.3f} {_fmt(v['vs_liger'], 8, '.2f')} {_fmt(v['floor_ms'], 9, '.4f')} "
+              f"{_fmt(v['liger_over_floor'], 11, '.2f')}  {'yes' if v['wins'] else 'no'}")
 
 
 def _load_liger(on_cuda: bool, notes: list):

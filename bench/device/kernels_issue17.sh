@@ -3,7 +3,8 @@
 # (RoPE tiles, cross-entropy blocks), Nsight Compute bytes of the cross-entropy kernels, the bf16 bench of
 # both with kernel profiles; `ce` = the cross-entropy sweep, bytes and bench; `final` = fp32 numerics, the
 # cross-entropy sweep, then the whole bf16 bench with profiles; `norms` = the RMSNorm backward sweep
-# (programs per SM, the partial-row sum's tiles), then the norms and RoPE bench with profiles.
+# (programs per SM, the partial-row sum's tiles), then the norms and RoPE bench with profiles; `floor` =
+# the bench of every memory-bound op with profiles, each beside its copy floor.
 # Run from the repository root with $OUT and GALAXY_COMMIT set, Liger's wheel installed on PYTHONPATH.
 set -uo pipefail
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -36,5 +37,8 @@ case "$1" in
       --json $OUT/kernels_fp32_check.json 2>&1 | grep -E "^(cross_entropy|rope) .* (ok|FAIL)" | head -20
     timeout 70 $B --variants ce --only --json $OUT/kernels_ce_variants.json 2>&1 | grep "variant ce loss+grad"
     timeout 460 $B --profile --repeats 4 --json $OUT/kernels_final.json 2>&1 | tail -75 ;;
-  *) echo "usage: $0 explore|ce|norms|final" >&2; exit 2 ;;
+  floor)
+    timeout 560 $B --only rms_norm layer_norm rope swiglu swiglu_packed cross_entropy --profile --repeats 4 \
+      --json $OUT/kernels_floor.json 2>&1 | tail -60 ;;
+  *) echo "usage: $0 explore|ce|norms|final|floor" >&2; exit 2 ;;
 esac

@@ -709,7 +709,15 @@ def test_bench_script_smoke(triton_cpu, tmp_path, monkeypatch):
     assert {("swiglu", "tiny TP/2", "galaxy-triton"), ("cross_entropy", "tiny", "torch-fused"),
             ("lora_linear", "tiny", "galaxy-triton")} <= impls
     assert all(len(r["wall_ms"]) == 1 and len(r["gpu_ms"]) == 1 for r in report["results"])
-    assert all(r["ok"] for r in report["results"]), report["results"]
+    floors = {(r["op"], r["model"]): r for r in report["results"] if r["impl"] == "copy-floor"}
+    assert all(r["ok"] for r in report["results"] if r["impl"] != "copy-floor"), report["results"]
+    # Memory-bound ops get a floor of the bytes they must move; compute-bound ones (LoRA) none.
+    assert {("swiglu", "tiny"), ("cross_entropy", "tiny")} <= set(floors) and ("lora_linear", "tiny") not in floors
+    tokens, width, vocab = 48, 96, 257  # the smoke shapes: bf16 gate/up [48, 96], logits [48, 257]
+    assert floors[("swiglu", "tiny")]["moved_bytes"] == [3 * tokens * width * 2, 5 * tokens * width * 2]
+    assert floors[("cross_entropy", "tiny")]["moved_bytes"] == [2 * tokens * vocab * 2, 0]
+    verdict = next(v for v in report["verdicts"] if (v["op"], v["model"]) == ("swiglu", "tiny"))
+    assert verdict["floor_ms"] == floors[("swiglu", "tiny")]["gpu_ms"][0]
     # fp32: errors against a float64 truth; torch's own fp32 path is then off by rounding, not 0.
     assert bench.main(["--smoke", "--dtype", "fp32", "--only", "fused_linear_cross_entropy", "--repeats", "1",
                        "--json", str(out)]) == 0
