@@ -15,10 +15,11 @@ intermediate of 5504 = 11008 / 2), every contender
               with the host (Liger's cross-entropy reads ``.item()``) pays for it here too,
 3. has its peak extra memory over one forward + backward measured.
 
-A memory-bound op also gets a ``copy-floor`` row, not a contender: the same launches' worth of plain
-copies (the device memcpy or torch's elementwise kernel, the faster) of the bytes the op must read
-and write at the least, timed the same way. A kernel that moves those bytes once cannot beat it, so
-Liger's time over the floor bounds how far ahead of Liger any kernel can get.
+A memory-bound op also gets a ``copy-floor`` row, not a contender: per launch of the op, the
+tensors it must read and write at the least, moved by the device's memcpy (as many bytes) and by a
+pointwise kernel that reads and writes as many tensors of that size, into new tensors or over its
+inputs (Inductor's, compiled; eager on CPU), timed the same way; the fastest is the floor. Liger's time over the floor bounds how far ahead
+of Liger a kernel that moves those bytes once can get.
 
 ``--variants`` first sweeps the launch settings of the Galaxy kernels (block sizes, warps,
 programs, fused-linear-CE chunk size) with the same GPU-time method. ``--profile`` stores the
@@ -61,7 +62,7 @@ TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 ROTATE_BYTES = 512 * 2**20
 # Contenders that are not Galaxy's; auto may use Triton for an op only if it is at least as fast.
 RIVALS = ("torch", "torch-fused", "torch-compile", "liger")
-# Not a contender: a copy of the bytes a memory-bound op must move (``copy_floor_steps``).
+# Not a contender: the bytes a memory-bound op must move, moved without arithmetic (``floor_steps``).
 FLOOR = "copy-floor"
 
 
@@ -72,9 +73,10 @@ class Case:
     model: str  # which model / shard the shape comes from
     make_args: Callable[[], list]  # fresh inputs; tensors that need grad are leaves
     impls: dict[str, Callable]  # name -> fn(*args) -> Tensor | tuple[Tensor, ...]
-    # (forward, backward) bytes that any implementation must read plus write in DRAM, from the
-    # inputs; None where the op is bound by compute, not memory (fused linear + CE, LoRA).
-    min_bytes: Callable[[list], tuple[int, int]] | None = None
+    # What any implementation must read and write in DRAM, from the inputs: (bytes of one tensor,
+    # ((tensors read, tensors written) per launch: forward, then backward if it moves any)); None
+    # where the op is bound by compute, not memory (fused linear + CE, LoRA).
+    traffic: Callable[[list], tuple[int, tuple]] | None = None
 
 
 @dataclass
@@ -90,7 +92,7 @@ class Result:
     ok: bool | None = None
     note: str = ""
     kernels: list = field(default_factory=list)  # (name, device ms per step) from --profile
-    moved_bytes: tuple | None = None  # copy-floor rows: (forward, backward) bytes read + written
+    moved_bytes: list | None = None  # copy-floor rows: bytes read + written per launch (forward, backward)
 
     @property
     def gpu(self) -> float | None:
@@ -183,8 +185,8 @@ def build_cases(dtype: torch.dtype, device: torch.device, liger, smoke: bool) ->
     grid = shape_grid(smoke)
     by_label = dict(grid)
 
-    def add(op, shape, model, make_args, impls, min_bytes=None):
-        cases.append(Case(op, shape, model, make_args, {k: v for k, v in impls.items() if v is not None}, min_bytes))
+    def add(op, shape, model, make_args, impls, traffic=None):
+        cases.append(Case(op, shape, model, make_args, {k: v for k, v in impls.items() if v is not None}, traffic))
 
     # RMSNorm: every model's hidden size, full sequence and SP shard.
     for label in [g for g in by_label if "TP" not in g]:
@@ -197,7 +199,7 @@ def build_cases(dtype: torch.dtype, device: torch.device, liger, smoke: bool) ->
              "torch-fused": lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6),
              "torch-compile": _compiled(lambda x, w: R.rms_norm(x, w, 1e-6)),
              "liger": L and (lambda x, w: L.liger_rms_norm(x, w, 1e-6, in_place=False))},
-            _norm_bytes)
+            _norm_traffic)
 
     # LayerNorm (BERT): BERT-large hidden 1024 over 8 x 512 tokens.
     n, h = (48, 64) if smoke else (4096, 1024)
@@ -208,7 +210,7 @@ def build_cases(dtype: torch.dtype, device: torch.device, liger, smoke: bool) ->
          "torch-fused": lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5),
          "torch-compile": _compiled(lambda x, w, b: R.layer_norm(x, w, b, 1e-5)),
          "liger": L and (lambda x, w, b: L.liger_layer_norm(x, w, b, 1e-5))},
-        _norm_bytes)
+        _norm_traffic)
 
     # RoPE: q, k as the attention block makes them, [b, s, h, d] projections viewed [b, h, s, d].
     for label in [g for g in by_label if "SP" not in g]:
@@ -228,7 +230,7 @@ def build_cases(dtype: torch.dtype, device: torch.device, liger, smoke: bool) ->
              "torch-compile": _compiled(R.apply_rope),
              "liger": L and (lambda q, k, c, s: L.liger_rope(q, k, c, s))},
             # q, k read and their rotations written, forward and backward alike.
-            lambda a: (2 * _tensor_bytes(a[:2]),) * 2)
+            lambda a: (_tensor_bytes(a[:2]), ((1, 1), (1, 1))))
 
     # SwiGLU: separate gate/up and the packed [gate | up] of a fused projection; full and TP/2.
     for label in [g for g in by_label if "SP" not in g]:
@@ -239,14 +241,14 @@ def build_cases(dtype: torch.dtype, device: torch.device, liger, smoke: bool) ->
              "torch": R.swiglu,
              "torch-compile": _compiled(R.swiglu),
              "liger": L and (lambda g, u: L.liger_swiglu(g, u))},
-            _swiglu_bytes)
+            _swiglu_traffic)
         packed_ref = lambda gu: R.swiglu(*gu.chunk(2, dim=-1))  # noqa: E731
         add("swiglu_packed", f"[{n}, 2 x {w}]", label, lambda n=n, w=w: [_leaf(randn(n, 2 * w))],
             {"galaxy-triton": lambda gu: K.swiglu_packed(gu, backend="triton"),
              "torch": packed_ref,
              "torch-compile": _compiled(packed_ref),
              "liger": L and _liger_packed_swiglu()},
-            _swiglu_bytes)
+            _swiglu_traffic)
 
     # Cross-entropy over existing logits and the fused head + loss, at each vocabulary.
     for label in [g for g in by_label if "TP" not in g and "SP" not in g]:
@@ -264,7 +266,7 @@ def build_cases(dtype: torch.dtype, device: torch.device, liger, smoke: bool) ->
              "liger": L and (lambda z, t: L.liger_cross_entropy(z, t, ignore_index=-100, reduction="mean"))},
             # The logits read once and their gradient written once, both in forward (the gradient
             # of a scalar loss is known there up to grad_output's scale).
-            lambda a: (2 * _tensor_bytes(a[:1]), 0))
+            lambda a: (_tensor_bytes(a[:1]), ((1, 1),)))
     flce_shapes = [(label, by_label[label]["tokens"], by_label[label]["hidden"], by_label[label]["vocab"])
                    for label in by_label if "TP" not in label and "SP" not in label]
     if not smoke:  # the 128k vocabulary at 7B's hidden size (LLaMA-3-8B's head)
@@ -293,17 +295,15 @@ def build_cases(dtype: torch.dtype, device: torch.device, liger, smoke: bool) ->
     return cases
 
 
-def _norm_bytes(args) -> tuple[int, int]:
+def _norm_traffic(args) -> tuple[int, tuple]:
     """x read and y written in forward; dy and x read and dx written in backward (the weights and
     per-row statistics are a row's worth, left out)."""
-    x = _tensor_bytes(args[:1])
-    return 2 * x, 3 * x
+    return _tensor_bytes(args[:1]), ((1, 1), (2, 1))
 
 
-def _swiglu_bytes(args) -> tuple[int, int]:
+def _swiglu_traffic(args) -> tuple[int, tuple]:
     """gate and up read, h written in forward; dh, gate and up read, dgate and dup written in backward."""
-    h = _tensor_bytes(args) // 2  # gate and up, separate or packed, are twice h
-    return 3 * h, 5 * h
+    return _tensor_bytes(args) // 2, ((2, 1), (3, 2))  # gate and up, separate or packed, are twice h
 
 
 def _liger_packed_swiglu():
@@ -424,28 +424,41 @@ def _tensor_bytes(args) -> int:
     return sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
 
 
-def copy_floor_steps(moved: tuple[int, int], n_copies: int, device, how: str) -> list[Callable]:
-    """Steps that read and write ``moved`` = (forward, backward) bytes as plain copies, one launch per
-    direction as the op's own kernels, over ``n_copies`` rotating buffers: the device's memcpy
-    (``how="memcpy"``) or torch's vectorized elementwise kernel (a bf16 negation). The faster is the
-    op's floor: no kernel that moves those bytes once runs faster than a copy of them."""
-    def buffers(nbytes):
-        if how == "memcpy":
-            return torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
-        return torch.empty(nbytes // 4, dtype=torch.bfloat16, device=device)
-
-    def step(pairs):
-        for src, dst in pairs:
-            if how == "memcpy":
-                dst.copy_(src)
-            else:
-                torch.neg(src, out=dst)
-
-    copies = [[(buffers(b), buffers(b)) for b in moved if b] for _ in range(n_copies)]
-    return [lambda pairs=pairs: step(pairs) for pairs in copies]
+def _pointwise(reads: int, writes: int, in_place: bool) -> Callable:
+    """``writes`` outputs from ``reads`` inputs of one size, one add per input: no arithmetic to speak
+    of. ``in_place`` writes them over the first inputs (as Liger's kernels write their results)."""
+    def move(*inputs):
+        total = inputs[0]
+        for x in inputs[1:]:
+            total = total + x
+        outs = [total + float(j) for j in range(writes)]
+        if in_place:
+            return [x.copy_(out) for x, out in zip(inputs, outs)]
+        return outs
+    return move
 
 
-def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool) -> list[Result]:
+def floor_steps(traffic: tuple[int, tuple], n_copies: int, device, how: str, compiled: bool) -> list[Callable]:
+    """Steps that move an op's ``traffic`` (``Case.traffic``) with no arithmetic, one launch per launch
+    of the op, over ``n_copies`` rotating buffers: the device's memcpy of as many bytes
+    (``how="memcpy"``), or a pointwise kernel reading and writing as many bf16 tensors (``"pointwise"``,
+    or ``"in place"`` over its inputs where it writes no more than it reads; Inductor's when
+    ``compiled``): reads and writes need not cost the same, nor writes to new and to read addresses."""
+    unit, launches = traffic
+    if how == "memcpy":
+        def pair(nbytes):
+            src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            return src, torch.empty_like(src)
+        copies = [[pair((r + w) * unit // 2) for r, w in launches] for _ in range(n_copies)]
+        return [lambda pairs=pairs: [dst.copy_(src) for src, dst in pairs] for pairs in copies]
+    moves = [_pointwise(r, w, how == "in place") for r, w in launches]
+    kernels = [torch.compile(move, dynamic=False) if compiled else move for move in moves]
+    inputs = [[[torch.zeros(unit // 2, dtype=torch.bfloat16, device=device) for _ in range(r)] for r, _ in launches]
+              for _ in range(n_copies)]
+    return [lambda xs=xs: [kernel(*x) for kernel, x in zip(kernels, xs)] for xs in inputs]
+
+
+def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool, compiled: bool = False) -> list[Result]:
     args = case.make_args()
     torch_fn = case.impls["torch"]
     with torch.no_grad():
@@ -486,13 +499,17 @@ def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool) -> l
             res.ok = False
             res.note = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]
     floors, floor_by_copy = {}, {}
-    if case.min_bytes:
-        moved = case.min_bytes(args)
+    if case.traffic:
+        unit, launches = case.traffic(args)
+        moved = [unit * (r + w) for r, w in launches]
         floor = Result(case.op, case.shape, case.model, FLOOR, moved_bytes=moved,
-                       note=f"copies of the op's fewest bytes: forward {moved[0] / 1e6:.1f} MB, backward "
-                            f"{moved[1] / 1e6:.1f} MB (read + written)")
+                       note="the op's fewest bytes moved without arithmetic: "
+                            + ", ".join(f"{r} read + {w} written x {unit / 1e6:.1f} MB" for r, w in launches))
         results.append(floor)
-        floors = {how: copy_floor_steps(moved, n_copies, args[0].device, how) for how in ("memcpy", "elementwise")}
+        floors = {how: floor_steps((unit, launches), n_copies, args[0].device, how, compiled)
+                  for how in ("memcpy", "pointwise", "in place")}
+        for fs in floors.values():
+            fs[0]()  # compiles the pointwise kernels before any timing
         if profile:
             floor.kernels = {how: profile_kernels(fs, on_cuda) for how, fs in floors.items()}
     # Repeats interleave the contenders, so a drift of the device shows in every spread.
@@ -501,7 +518,7 @@ def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool) -> l
             if res.impl in steps:
                 res.wall_ms.append(wall_ms(steps[res.impl][0], on_cuda))
                 res.gpu_ms.append(gpu_ms(steps[res.impl], on_cuda, res.wall_ms[-1]))
-        if floors:  # the faster of the two copies, per repeat
+        if floors:  # the faster of the two, per repeat
             walls = {how: wall_ms(fs[0], on_cuda) for how, fs in floors.items()}
             gpus = {how: gpu_ms(fs, on_cuda, walls[how]) for how, fs in floors.items()}
             floor.wall_ms.append(min(walls.values()))
@@ -765,7 +782,7 @@ def main(argv=None) -> int:
 
     for case in cases:
         print(f"running {case.op} {case.model} {case.shape} ...", file=sys.stderr, flush=True)
-        report.results.extend(run_case(case, dtype, on_cuda, args.repeats, args.profile))
+        report.results.extend(run_case(case, dtype, on_cuda, args.repeats, args.profile, compile_ok))
         _write(args.json, report)
     report.verdicts = verdicts(report.results)
 
