@@ -18,8 +18,8 @@ intermediate of 5504 = 11008 / 2), every contender
 A memory-bound op also gets a ``copy-floor`` row, not a contender: per launch of the op, the
 tensors it must read and write at the least, moved by the device's memcpy (as many bytes) and by a
 pointwise kernel that reads and writes as many tensors of that size, into new tensors or over its
-inputs (Inductor's, compiled; eager on CPU), timed the same way; the fastest is the floor. Liger's time over the floor bounds how far ahead
-of Liger a kernel that moves those bytes once can get.
+inputs (Inductor's, compiled; eager on CPU), timed the same way; the fastest is the floor. Liger's
+time over the floor bounds how far ahead of Liger a kernel that moves those bytes once can get.
 
 ``--variants`` first sweeps the launch settings of the Galaxy kernels (block sizes, warps,
 programs, fused-linear-CE chunk size) with the same GPU-time method. ``--profile`` stores the
@@ -459,7 +459,7 @@ def floor_steps(traffic: tuple[int, tuple], n_copies: int, device, how: str, com
     return [lambda xs=xs: [kernel(*x) for kernel, x in zip(kernels, xs)] for xs in inputs]
 
 
-def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool, compiled: bool = False) -> list[Result]:
+def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool) -> list[Result]:
     args = case.make_args()
     torch_fn = case.impls["torch"]
     with torch.no_grad():
@@ -499,7 +499,7 @@ def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool, comp
         except Exception as err:  # noqa: BLE001 - one failing impl must not stop the table
             res.ok = False
             res.note = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]
-    floors, floor_by_copy = {}, {}
+    floors, floor_by_way = {}, {}
     if case.traffic:
         unit, launches = case.traffic(args)
         moved = [unit * (r + w) for r, w in launches]
@@ -507,7 +507,9 @@ def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool, comp
                        note="the op's fewest bytes moved without arithmetic: "
                             + ", ".join(f"{r} read + {w} written x {unit / 1e6:.1f} MB" for r, w in launches))
         results.append(floor)
-        floors = {how: floor_steps((unit, launches), n_copies, args[0].device, how, compiled)
+        # Inductor on CUDA (the Triton interpreter would time Python, not memory), even with the
+        # torch-compile contender skipped.
+        floors = {how: floor_steps((unit, launches), n_copies, args[0].device, how, compiled=on_cuda)
                   for how in ("memcpy", "pointwise", "in place")}
         for fs in floors.values():
             fs[0]()  # compiles the pointwise kernels before any timing
@@ -519,15 +521,15 @@ def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool, comp
             if res.impl in steps:
                 res.wall_ms.append(wall_ms(steps[res.impl][0], on_cuda))
                 res.gpu_ms.append(gpu_ms(steps[res.impl], on_cuda, res.wall_ms[-1]))
-        if floors:  # the faster of the two, per repeat
+        if floors:  # the fastest way, per repeat
             walls = {how: wall_ms(fs[0], on_cuda) for how, fs in floors.items()}
             gpus = {how: gpu_ms(fs, on_cuda, walls[how]) for how, fs in floors.items()}
             floor.wall_ms.append(min(walls.values()))
             floor.gpu_ms.append(min(gpus.values()))
             for how, ms in gpus.items():
-                floor_by_copy.setdefault(how, []).append(ms)
+                floor_by_way.setdefault(how, []).append(ms)
     if floors:
-        floor.note += "; gpu ms " + ", ".join(f"{how} {statistics.median(ms):.4f}" for how, ms in floor_by_copy.items())
+        floor.note += "; gpu ms " + ", ".join(f"{how} {statistics.median(ms):.4f}" for how, ms in floor_by_way.items())
     del steps, floors
     if on_cuda:
         torch.cuda.empty_cache()
@@ -645,8 +647,8 @@ def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool, kernels: list[str]
 def verdicts(results: list[Result]) -> list[dict]:
     """Per op and shape: Galaxy's GPU ms against the fastest rival and against Liger. ``wins``
     means Galaxy's median is at most the fastest rival's, or their [min, max] ranges overlap.
-    For memory-bound ops, ``liger_over_floor`` is Liger's time over the copy floor's: the most any
-    kernel moving the op's fewest bytes at copy speed could lead Liger by (1.1 or more for a 10%
+    For memory-bound ops, ``liger_over_floor`` is Liger's time over the floor's: the most a kernel
+    moving the op's fewest bytes at the floor's speed could lead Liger by (1.1 or more for a 10%
     lead to be possible)."""
     rows = []
     keys = sorted({(r.op, r.shape, r.model) for r in results}, key=lambda k: [r.op for r in results].index(k[0]))
@@ -786,7 +788,7 @@ def main(argv=None) -> int:
     with torch._dynamo.config.patch(recompile_limit=256):
         for case in cases:
             print(f"running {case.op} {case.model} {case.shape} ...", file=sys.stderr, flush=True)
-            report.results.extend(run_case(case, dtype, on_cuda, args.repeats, args.profile, compile_ok))
+            report.results.extend(run_case(case, dtype, on_cuda, args.repeats, args.profile))
             _write(args.json, report)
     report.verdicts = verdicts(report.results)
 
