@@ -113,11 +113,6 @@ def rope_inv_freq(cfg: ModelConfig, device: Optional[torch.device] = None) -> to
     return inv_freq
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class LlamaRotaryEmbedding(nn.Module):
     """cos/sin tables for given position ids. ``inv_freq`` is a plain fp32 tensor, not a buffer, so
     ``model.half()`` / ``.double()`` cannot round it and it never enters a state dict. It is made on
@@ -151,8 +146,7 @@ class RopeAt:
             # LlamaRotaryEmbedding's halves are equal: the kernel reads only the first.
             half = cos.shape[-1] // 2
             return apply_rope(q, k, cos[..., :half], sin[..., :half], backend="triton")
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return apply_rope(q, k, cos, sin, backend="torch")
 
 
 # ----------------------------------------------------------------------------- KV cache
