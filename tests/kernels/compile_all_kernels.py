@@ -16,6 +16,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from galaxy.kernels import triton_cross_entropy as ce  # noqa: E402
+from galaxy.kernels import triton_mlp as mlp  # noqa: E402
 from galaxy.kernels import triton_norms as norms  # noqa: E402
 from galaxy.kernels import triton_rope as rope  # noqa: E402
 from galaxy.kernels import triton_swiglu as swiglu  # noqa: E402
@@ -57,6 +58,13 @@ def cases():
                    dict(LOGITS=p, GRAD=p, TARGETS="*i64", LOSS=f32, DENOM=f32),
                    {"WRITE_GRAD": write_grad, "BLOCK_V": 16384}, 16)
         yield f"scale_rows_{dt}", ce._scale_rows_kernel, dict(X=p, G=f32), {"BLOCK": 4096}, 4
+        tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, ACC=mlp._accumulator(mlp.torch.float32),
+                     UPCAST=False, PRECISION="ieee" if dt == "fp32" else "tf32")
+        for even_k in (True, False):
+            yield (f"mlp_gate_up_swiglu{'_even_k' if even_k else ''}_{dt}", mlp._gate_up_swiglu_kernel,
+                   dict(X=p, W=p, GU=p, H=p), dict(tiles, EVEN_K=even_k), 8)
+            yield (f"mlp_down_dgrad_swiglu{'_even_k' if even_k else ''}_{dt}", mlp._down_dgrad_swiglu_kernel,
+                   dict(DY=p, WD=p, GU=p, DGU=p), dict(tiles, EVEN_K=even_k), 8)
 
 
 def main(arch: int = 90) -> int:
