@@ -558,11 +558,14 @@ def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool) -> l
 
 # ----------------------------------------------------------------------------- variants
 
-# Launch settings of the MLP's epilogue GEMMs (triton_mlp.Tiles: block m, n, k, stages, warps).
+# Launch settings of the MLP's epilogue GEMMs (triton_mlp.Tiles: block m, n, k, stages, warps, group m,
+# persistent with tensor descriptors).
 MLP_TILES = {
-    True: [(16, 16, 16, 1, 1), (32, 16, 16, 1, 2)],
-    False: [(128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 64, 64, 4, 4), (128, 64, 64, 3, 4),
-            (64, 128, 64, 4, 4), (128, 128, 32, 4, 8), (128, 256, 64, 3, 8), (128, 64, 128, 3, 8)],
+    True: [(16, 16, 16, 1, 1, 2, False), (16, 16, 16, 1, 1, 2, True)],
+    False: [(128, 128, 64, 4, 8, 8, False), (64, 128, 64, 4, 4, 8, False),
+            (128, 128, 64, 3, 8, 8, True), (128, 128, 64, 4, 8, 8, True), (128, 64, 64, 4, 4, 8, True),
+            (64, 128, 64, 4, 4, 8, True), (128, 256, 64, 3, 8, 8, True), (128, 128, 64, 4, 4, 8, True),
+            (128, 128, 64, 3, 8, 16, True), (128, 64, 64, 3, 8, 8, True)],
 }
 
 

@@ -32,6 +32,9 @@ class Tiles(NamedTuple):
     stages: int
     warps: int
     group_m: int = 8
+    # A persistent grid (one program per SM walking the tiles) whose tiles move by the copy engine
+    # (TMA tensor descriptors); the operands' strides and offsets must then be 16-byte aligned.
+    tma: bool = False
 
 
 # Chosen by bench/bench_kernels.py --variants (swiglu-mlp rows).
@@ -42,18 +45,72 @@ INTERPRETER_TILES = Tiles(16, 16, 16, 1, 1, 2)
 
 
 @triton.jit
-def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(row tile, column tile) of this program, ``GROUP_M`` row tiles at a time so that
-    consecutive programs share the weight tiles they load."""
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
+def _tile_of(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of tile number ``tile``, ``GROUP_M`` row tiles at a time so that
+    consecutive tiles share the weight tiles they load."""
     per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
+    first_m = (tile // per_group) * GROUP_M
     group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-    return pid_m, pid_n
+    return first_m + (tile % per_group) % group_rows, (tile % per_group) // group_rows
+
+
+@triton.jit
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    return _tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+
+
+@triton.jit
+def _silu_grads(dh, g, u):
+    """The gradients of silu(g) * u for g and u, given the product's gradient ``dh``."""
+    sig = tl.sigmoid(g)
+    # d silu/dg = sig * (1 + g * (1 - sig))
+    return dh * u * sig * (1.0 + g * (1.0 - sig)), dh * g * sig
+
+
+@triton.jit
+def _gate_up_swiglu_tma_kernel(X, WG, WU, G, U, H, M, N, K, ACC: tl.constexpr, UPCAST: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr):
+    """``_gate_up_swiglu_kernel`` on tensor descriptors (gate and up weights and outputs each their
+    own), one program per SM walking the tiles."""
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, GROUP_M)
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+        for k in range(tl.cdiv(K, BLOCK_K)):
+            a = X.load([off_m, k * BLOCK_K])
+            wg = WG.load([off_n, k * BLOCK_K])
+            wu = WU.load([off_n, k * BLOCK_K])
+            if UPCAST:
+                a, wg, wu = a.to(ACC), wg.to(ACC), wu.to(ACC)
+            acc_g = tl.dot(a, wg.T, acc_g)
+            acc_u = tl.dot(a, wu.T, acc_u)
+        G.store([off_m, off_n], acc_g.to(G.dtype))
+        U.store([off_m, off_n], acc_u.to(U.dtype))
+        H.store([off_m, off_n], (acc_g * tl.sigmoid(acc_g) * acc_u).to(H.dtype))
+
+
+@triton.jit
+def _down_dgrad_swiglu_tma_kernel(DY, WD, G, U, DG, DU, M, N, K, ACC: tl.constexpr, UPCAST: tl.constexpr,
+                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                  GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr):
+    """``_down_dgrad_swiglu_kernel`` on tensor descriptors, one program per SM walking the tiles."""
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, GROUP_M)
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+        for k in range(tl.cdiv(K, BLOCK_K)):
+            a = DY.load([off_m, k * BLOCK_K])
+            b = WD.load([k * BLOCK_K, off_n])
+            if UPCAST:
+                a, b = a.to(ACC), b.to(ACC)
+            acc = tl.dot(a, b, acc)
+        dg, du = _silu_grads(acc, G.load([off_m, off_n]).to(ACC), U.load([off_m, off_n]).to(ACC))
+        DG.store([off_m, off_n], dg.to(DG.dtype))
+        DU.store([off_m, off_n], du.to(DU.dtype))
 
 
 @triton.jit
@@ -128,13 +185,11 @@ def _down_dgrad_swiglu_kernel(DY, WD, GU, DGU, M, N, K, stride_dy, stride_wd, st
         w_ptrs += BLOCK_K * stride_wd
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     gu_ptrs = GU + rows[:, None].to(tl.int64) * stride_gu + cols[None, :]
-    g = tl.load(gu_ptrs, mask=mask, other=0.0).to(ACC)
-    u = tl.load(gu_ptrs + N, mask=mask, other=0.0).to(ACC)
-    sig = tl.sigmoid(g)
+    dg, du = _silu_grads(acc, tl.load(gu_ptrs, mask=mask, other=0.0).to(ACC),
+                         tl.load(gu_ptrs + N, mask=mask, other=0.0).to(ACC))
     dgu_ptrs = DGU + rows[:, None].to(tl.int64) * stride_dgu + cols[None, :]
-    # d silu/dg = sig * (1 + g * (1 - sig))
-    tl.store(dgu_ptrs, (acc * u * sig * (1.0 + g * (1.0 - sig))).to(DGU.dtype.element_ty), mask=mask)
-    tl.store(dgu_ptrs + N, (acc * g * sig).to(DGU.dtype.element_ty), mask=mask)
+    tl.store(dgu_ptrs, dg.to(DGU.dtype.element_ty), mask=mask)
+    tl.store(dgu_ptrs + N, du.to(DGU.dtype.element_ty), mask=mask)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -162,6 +217,36 @@ def _tiles_for(t: torch.Tensor, tiles: Tiles | None, default: Tiles) -> Tiles:
     return default if t.is_cuda else INTERPRETER_TILES
 
 
+def _tma_fits(tiles: Tiles, *tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need 16-bit operands here (fp32 would multiply in TF32) with 16-byte
+    aligned addresses and row strides."""
+    return tiles.tma and all(t.dtype in (torch.bfloat16, torch.float16) and t.data_ptr() % 16 == 0
+                             and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+
+
+def _programs(device: torch.device, tiles: int) -> int:
+    count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(tiles, count))
+
+
+def _launch(pointer_kernel, tma_kernel, tiles: Tiles, m: int, n: int, k: int, operands, tma_operands) -> None:
+    """One of the two kernels over an [m, n] output from K = k: ``operands`` are (tensor or int) for
+    the pointer kernel; ``tma_operands`` are (tensor, block rows, block columns) views for the
+    descriptor kernel, used where they all fit it."""
+    dtype = operands[0].dtype
+    common = dict(ACC=_accumulator(dtype), UPCAST=_upcast(dtype), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                  BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m, num_stages=tiles.stages, num_warps=tiles.warps)
+    if _tma_fits(tiles, *(t for t, _, _ in tma_operands)):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        descriptors = [TensorDescriptor.from_tensor(t, [rows, cols]) for t, rows, cols in tma_operands]
+        programs = _programs(operands[0].device, _grid(m, n, tiles)[0])
+        tma_kernel[(programs,)](*descriptors, m, n, k, PROGRAMS=programs, **common)
+    else:
+        pointer_kernel[_grid(m, n, tiles)](*operands, m, n, k, *(t.stride(0) for t in operands),
+                                            EVEN_K=k % tiles.block_k == 0, PRECISION=_precision(dtype), **common)
+
+
 def gate_up_swiglu(x2: torch.Tensor, w_gate_up: torch.Tensor,
                    tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``[gate | up] = x2 w_gate_up^T`` and ``silu(gate) * up`` for x2 [rows, hidden] and
@@ -171,11 +256,10 @@ def gate_up_swiglu(x2: torch.Tensor, w_gate_up: torch.Tensor,
     gate_up = torch.empty((m, 2 * width), dtype=x2.dtype, device=x2.device)
     h = torch.empty((m, width), dtype=x2.dtype, device=x2.device)
     if m and width:
-        _gate_up_swiglu_kernel[_grid(m, width, tiles)](
-            x2, w_gate_up, gate_up, h, m, width, k, x2.stride(0), w_gate_up.stride(0), gate_up.stride(0),
-            h.stride(0), EVEN_K=k % tiles.block_k == 0, PRECISION=_precision(x2.dtype), ACC=_accumulator(x2.dtype), UPCAST=_upcast(x2.dtype), BLOCK_M=tiles.block_m,
-            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m, num_stages=tiles.stages,
-            num_warps=tiles.warps)
+        bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+        _launch(_gate_up_swiglu_kernel, _gate_up_swiglu_tma_kernel, tiles, m, width, k, (x2, w_gate_up, gate_up, h),
+                ((x2, bm, bk), (w_gate_up[:width], bn, bk), (w_gate_up[width:], bn, bk),
+                 (gate_up[:, :width], bm, bn), (gate_up[:, width:], bm, bn), (h, bm, bn)))
     return gate_up, h
 
 
@@ -190,11 +274,11 @@ def down_dgrad_swiglu(dy2: torch.Tensor, w_down: torch.Tensor, gate_up: torch.Te
                          f"[{m}, {2 * width}] with unit column stride, got {tuple(gate_up.shape)}")
     grad = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
     if m and width:
-        _down_dgrad_swiglu_kernel[_grid(m, width, tiles)](
-            dy2, w_down, gate_up, grad, m, width, k, dy2.stride(0), w_down.stride(0), gate_up.stride(0),
-            grad.stride(0), EVEN_K=k % tiles.block_k == 0, PRECISION=_precision(dy2.dtype), ACC=_accumulator(dy2.dtype), UPCAST=_upcast(dy2.dtype),
-            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-            num_stages=tiles.stages, num_warps=tiles.warps)
+        bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+        _launch(_down_dgrad_swiglu_kernel, _down_dgrad_swiglu_tma_kernel, tiles, m, width, k,
+                (dy2, w_down, gate_up, grad),
+                ((dy2, bm, bk), (w_down, bk, bn), (gate_up[:, :width], bm, bn), (gate_up[:, width:], bm, bn),
+                 (grad[:, :width], bm, bn), (grad[:, width:], bm, bn)))
     return grad
 
 

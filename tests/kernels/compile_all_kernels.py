@@ -65,6 +65,14 @@ def cases():
                    dict(X=p, W=p, GU=p, H=p), dict(tiles, EVEN_K=even_k), 8)
             yield (f"mlp_down_dgrad_swiglu{'_even_k' if even_k else ''}_{dt}", mlp._down_dgrad_swiglu_kernel,
                    dict(DY=p, WD=p, GU=p, DGU=p), dict(tiles, EVEN_K=even_k), 8)
+        if dt == "bf16":  # the descriptor kernels run 16-bit operands only
+            tma = {k: v for k, v in tiles.items() if k != "PRECISION"} | {"PROGRAMS": 132}
+            mk, nk, mn = (f"tensordesc<{dt}[{r}, {c}]>" for r, c in ((128, 64), (128, 64), (128, 128)))
+            kn = f"tensordesc<{dt}[64, 128]>"
+            yield ("mlp_gate_up_swiglu_tma_bf16", mlp._gate_up_swiglu_tma_kernel,
+                   dict(X=mk, WG=nk, WU=nk, G=mn, U=mn, H=mn), tma, 8)
+            yield ("mlp_down_dgrad_swiglu_tma_bf16", mlp._down_dgrad_swiglu_tma_kernel,
+                   dict(DY=mk, WD=kn, G=mn, U=mn, DG=mn, DU=mn), tma, 8)
 
 
 def main(arch: int = 90) -> int:
