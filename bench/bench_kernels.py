@@ -562,10 +562,10 @@ def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool) -> l
 # persistent with tensor descriptors).
 MLP_TILES = {
     True: [(16, 16, 16, 1, 1, 2, False), (16, 16, 16, 1, 1, 2, True)],
-    False: [(128, 128, 64, 4, 8, 8, False), (64, 128, 64, 4, 4, 8, False),
-            (128, 128, 64, 3, 8, 8, True), (128, 128, 64, 4, 8, 8, True), (128, 64, 64, 4, 4, 8, True),
-            (64, 128, 64, 4, 4, 8, True), (128, 256, 64, 3, 8, 8, True), (128, 128, 64, 4, 4, 8, True),
-            (128, 128, 64, 3, 8, 16, True), (128, 64, 64, 3, 8, 8, True)],
+    False: [(128, 128, 64, 4, 8, 8, False), (128, 128, 64, 3, 8, 8, True), (128, 128, 64, 4, 8, 8, True),
+            (128, 128, 64, 3, 8, 8, True, True), (128, 128, 64, 4, 8, 8, True, True),
+            (128, 128, 64, 2, 8, 8, True, True), (128, 128, 64, 3, 4, 8, True, True),
+            (128, 64, 64, 4, 4, 8, True, True), (64, 128, 64, 4, 4, 8, True, True)],
 }
 
 

@@ -35,6 +35,7 @@ class Tiles(NamedTuple):
     # A persistent grid (one program per SM walking the tiles) whose tiles move by the copy engine
     # (TMA tensor descriptors); the operands' strides and offsets must then be 16-byte aligned.
     tma: bool = False
+    warp_specialize: bool = False  # tma only: loads by producer warps (Triton's automatic warp specialization)
 
 
 # Chosen by bench/bench_kernels.py --variants (swiglu-mlp rows).
@@ -70,11 +71,12 @@ def _silu_grads(dh, g, u):
 @triton.jit
 def _gate_up_swiglu_tma_kernel(X, WG, WU, G, U, H, M, N, K, ACC: tl.constexpr, UPCAST: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr):
+                               GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """``_gate_up_swiglu_kernel`` on tensor descriptors (gate and up weights and outputs each their
     own), one program per SM walking the tiles."""
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True):
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True,
+                         warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, GROUP_M)
         off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
@@ -95,10 +97,11 @@ def _gate_up_swiglu_tma_kernel(X, WG, WU, G, U, H, M, N, K, ACC: tl.constexpr, U
 @triton.jit
 def _down_dgrad_swiglu_tma_kernel(DY, WD, G, U, DG, DU, M, N, K, ACC: tl.constexpr, UPCAST: tl.constexpr,
                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                  GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr):
+                                  GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """``_down_dgrad_swiglu_kernel`` on tensor descriptors, one program per SM walking the tiles."""
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True):
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True,
+                         warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, GROUP_M)
         off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
@@ -241,7 +244,8 @@ def _launch(pointer_kernel, tma_kernel, tiles: Tiles, m: int, n: int, k: int, op
 
         descriptors = [TensorDescriptor.from_tensor(t, [rows, cols]) for t, rows, cols in tma_operands]
         programs = _programs(operands[0].device, _grid(m, n, tiles)[0])
-        tma_kernel[(programs,)](*descriptors, m, n, k, PROGRAMS=programs, **common)
+        tma_kernel[(programs,)](*descriptors, m, n, k, PROGRAMS=programs, WARP_SPECIALIZE=tiles.warp_specialize,
+                                 **common)
     else:
         pointer_kernel[_grid(m, n, tiles)](*operands, m, n, k, *(t.stride(0) for t in operands),
                                             EVEN_K=k % tiles.block_k == 0, PRECISION=_precision(dtype), **common)

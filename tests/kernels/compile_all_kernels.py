@@ -66,7 +66,7 @@ def cases():
             yield (f"mlp_down_dgrad_swiglu{'_even_k' if even_k else ''}_{dt}", mlp._down_dgrad_swiglu_kernel,
                    dict(DY=p, WD=p, GU=p, DGU=p), dict(tiles, EVEN_K=even_k), 8)
         if dt == "bf16":  # the descriptor kernels run 16-bit operands only
-            tma = {k: v for k, v in tiles.items() if k != "PRECISION"} | {"PROGRAMS": 132}
+            tma = {k: v for k, v in tiles.items() if k != "PRECISION"} | {"PROGRAMS": 132, "WARP_SPECIALIZE": False}
             mk, nk, mn = (f"tensordesc<{dt}[{r}, {c}]>" for r, c in ((128, 64), (128, 64), (128, 128)))
             kn = f"tensordesc<{dt}[64, 128]>"
             yield ("mlp_gate_up_swiglu_tma_bf16", mlp._gate_up_swiglu_tma_kernel,
