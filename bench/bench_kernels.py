@@ -250,21 +250,6 @@ def build_cases(dtype: torch.dtype, device: torch.device, liger, smoke: bool) ->
              "liger": L and _liger_packed_swiglu()},
             _swiglu_traffic)
 
-    # The whole SwiGLU MLP, the activation against GEMM epilogues: bound by compute, no floor.
-    for label in [g for g in by_label if "SP" not in g]:
-        s = by_label[label]
-        n, h, w = s["tokens"], s["hidden"], s["intermediate"]
-        unfused = lambda x, wgu, wd: F.linear(K.swiglu_packed(F.linear(x, wgu), backend="triton"), wd)  # noqa: E731
-        add("swiglu_mlp", f"x [{n}, {h}] W_gate_up [2 x {w}, {h}]", label,
-            lambda n=n, h=h, w=w: [_leaf(randn(n, h)), _leaf(randn(2 * w, h, scale=h ** -0.5)),
-                                   _leaf(randn(h, w, scale=w ** -0.5))],
-            {"galaxy-triton": lambda x, wgu, wd: K.swiglu_mlp(x, wgu, wd, backend="triton"),
-             "galaxy-unfused": unfused,  # cuBLAS GEMMs around Galaxy's SwiGLU kernel (the model's path before)
-             "torch": R.swiglu_mlp,
-             "torch-compile": _compiled(R.swiglu_mlp),
-             # cuBLAS GEMMs around Liger's SwiGLU of a fused gate/up projection.
-             "liger": L and _liger_swiglu_mlp()})
-
     # Cross-entropy over existing logits and the fused head + loss, at each vocabulary.
     for label in [g for g in by_label if "TP" not in g and "SP" not in g]:
         s = by_label[label]
@@ -325,11 +310,6 @@ def _liger_packed_swiglu():
     from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
 
     return lambda gu: LigerFusedGateUpSiLUMulFunction.apply(gu)
-
-
-def _liger_swiglu_mlp():
-    packed = _liger_packed_swiglu()
-    return lambda x, wgu, wd: F.linear(packed(F.linear(x, wgu)), wd)
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -558,23 +538,13 @@ def run_case(case: Case, dtype, on_cuda: bool, repeats: int, profile: bool) -> l
 
 # ----------------------------------------------------------------------------- variants
 
-# Launch settings of the MLP's epilogue GEMMs (triton_mlp.Tiles: block m, n, k, stages, warps, group m,
-# persistent with tensor descriptors).
-MLP_TILES = {
-    True: [(16, 16, 16, 1, 1, 2, False), (16, 16, 16, 1, 1, 2, True)],
-    False: [(128, 128, 64, 4, 8, 8, False), (128, 128, 64, 3, 8, 8, True), (128, 128, 64, 4, 8, 8, True),
-            (128, 128, 64, 3, 8, 8, True, True), (128, 128, 64, 4, 8, 8, True, True),
-            (128, 128, 64, 2, 8, 8, True, True), (128, 128, 64, 3, 4, 8, True, True),
-            (128, 64, 64, 4, 4, 8, True, True), (64, 128, 64, 4, 4, 8, True, True)],
-}
-
 
 def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool, kernels: list[str] | None = None) -> list[dict]:
     """GPU ms of the Galaxy kernels' launch settings (the module defaults come from these);
-    ``kernels`` (any of swiglu, rope, ce, rms_norm, flce, mlp) limits the sweep."""
+    ``kernels`` (any of swiglu, rope, ce, rms_norm, flce) limits the sweep."""
     import galaxy.kernels as K
     from galaxy.kernels import triton_cross_entropy as ce, triton_norms as norms, triton_rope as rope
-    from galaxy.kernels import triton_mlp as mlp, triton_swiglu as sw
+    from galaxy.kernels import triton_swiglu as sw
 
     def randn(*s, scale=1.0):
         return torch.randn(*s, device=device, dtype=torch.float32).mul_(scale).to(dtype)
@@ -659,20 +629,6 @@ def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool, kernels: list[str]
             for block_p in (32, 64, 128):
                 timed(f"rms_norm dw sum [{partial.shape[0]},{h}]", f"block_c={block_c} block_p={block_p}",
                       lambda: norms.sum_partials(partial, (w.dtype,), block_c, block_p))
-    mlps = (([(48, 64, 96)] if smoke else [(4096, 4096, 11008), (4096, 4096, 5504), (4096, 2048, 8192),
-                                          (4096, 2048, 4096)]) if want("mlp") else [])
-    for n_, h, w in mlps:
-        x, wgu, wd, dy = randn(n_, h), randn(2 * w, h, scale=h ** -0.5), randn(h, w, scale=w ** -0.5), randn(n_, h)
-        gu, _ = mlp.gate_up_swiglu(x, wgu)
-        timed(f"mlp gate/up GEMM x[{n_},{h}] w[{w}]", "cuBLAS mm alone", lambda: torch.mm(x, wgu.t()))
-        timed(f"mlp down dgrad dy[{n_},{h}] w[{w}]", "cuBLAS mm alone", lambda: torch.mm(dy, wd))
-        for t in map(lambda t: mlp.Tiles(*t), MLP_TILES[smoke]):
-            for name, fn in ((f"mlp gate/up GEMM x[{n_},{h}] w[{w}]", lambda t=t: mlp.gate_up_swiglu(x, wgu, t)),
-                             (f"mlp down dgrad dy[{n_},{h}] w[{w}]", lambda t=t: mlp.down_dgrad_swiglu(dy, wd, gu, t))):
-                try:
-                    timed(name, str(tuple(t)), fn)
-                except Exception as err:  # noqa: BLE001 - a tile that does not fit (shared memory) is a row too
-                    rows.append(dict(kernel=name, setting=str(tuple(t)), error=str(err).splitlines()[0][:160]))
     flce = (([(48, 64, 257)] if smoke else [(4096, 4096, 32000), (4096, 4096, 128256), (4096, 2048, 128256)])
             if want("flce") else [])
     for n_, h, v in flce:
@@ -783,7 +739,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip", nargs="*", default=[], help="contenders to leave out (e.g. torch-compile)")
     parser.add_argument("--repeats", type=int, default=5, help="timings per contender, interleaved")
     parser.add_argument("--variants", nargs="*", help="first sweep the Galaxy kernels' launch settings "
-                        "(optionally only these: swiglu rope ce rms_norm flce mlp)")
+                        "(optionally only these: swiglu rope ce rms_norm flce)")
     parser.add_argument("--profile", action="store_true", help="store each contender's per-kernel device times")
     parser.add_argument("--commit", default=os.environ.get("GALAXY_COMMIT", "unknown"), help="recorded in the JSON")
     args = parser.parse_args(argv)

@@ -4,8 +4,7 @@
 # both with kernel profiles; `ce` = the cross-entropy sweep, bytes and bench; `final` = fp32 numerics, the
 # cross-entropy sweep, then the whole bf16 bench with profiles; `norms` = the RMSNorm backward sweep
 # (programs per SM, the partial-row sum's tiles), then the norms and RoPE bench with profiles; `floor` =
-# the bench of every memory-bound op with profiles, each beside its copy floor; `mlp` = the tiles of the
-# MLP's epilogue GEMMs beside cuBLAS, then the whole SwiGLU MLP and the packed SwiGLU with profiles.
+# the bench of every memory-bound op with profiles, each beside its copy floor.
 # Run from the repository root with $OUT and GALAXY_COMMIT set, Liger's wheel installed on PYTHONPATH.
 set -uo pipefail
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -41,9 +40,5 @@ case "$1" in
   floor)
     timeout 560 $B --only rms_norm layer_norm rope swiglu swiglu_packed cross_entropy --profile --repeats 4 \
       --json $OUT/kernels_floor.json 2>&1 | tail -60 ;;
-  mlp)
-    timeout 240 $B --variants mlp --only --json $OUT/kernels_mlp_variants.json 2>&1 | grep variant
-    timeout 330 $B --only swiglu_mlp swiglu_packed --profile --repeats 4 \
-      --json $OUT/kernels_mlp.json 2>&1 | tail -30 ;;
-  *) echo "usage: $0 explore|ce|norms|final|floor|mlp" >&2; exit 2 ;;
+  *) echo "usage: $0 explore|ce|norms|final|floor" >&2; exit 2 ;;
 esac

@@ -31,7 +31,6 @@ __all__ = [
     "resolve_backend_for",
     "rms_norm",
     "swiglu",
-    "swiglu_mlp",
     "swiglu_packed",
     "triton_available",
     "triton_interpret_enabled",
@@ -91,28 +90,6 @@ def swiglu_packed(gate_up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
 
         return TritonSwiGLUPacked.apply(gate_up)
     return reference.swiglu(*gate_up.chunk(2, dim=-1))
-
-
-def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """The LLaMA MLP ``down(silu(gate) * up)``, ``[gate | up] = x @ w_gate_up^T`` (w_gate_up
-    [2 * width, hidden], gate rows first; w_down [hidden, width]). Triton computes the activation in
-    the gate/up GEMM's epilogue and its gradient in the epilogue of the down projection's
-    input-gradient GEMM (``triton_mlp``); the other GEMMs are torch's."""
-    if w_gate_up.shape[0] % 2 or w_gate_up.shape[1] != x.shape[-1] or w_down.shape[1] * 2 != w_gate_up.shape[0]:
-        raise ValueError(f"swiglu_mlp needs w_gate_up [2 * width, {x.shape[-1]}] and w_down [hidden, width], got "
-                         f"{tuple(w_gate_up.shape)} and {tuple(w_down.shape)}")
-    if resolve_backend(backend, x, "swiglu_mlp") == "triton":
-        from galaxy.kernels.triton_mlp import TritonSwiGLUMLP
-
-        kind = x.device.type
-        if torch.is_autocast_enabled(kind):
-            # What F.linear under autocast computes on: every operand in the autocast dtype.
-            dtype = torch.get_autocast_dtype(kind)
-            x, w_gate_up, w_down = (t if t.dtype == torch.float64 else t.to(dtype) for t in (x, w_gate_up, w_down))
-            with torch.autocast(kind, enabled=False):
-                return TritonSwiGLUMLP.apply(x, w_gate_up, w_down)
-        return TritonSwiGLUMLP.apply(x, w_gate_up, w_down)
-    return reference.swiglu_mlp(x, w_gate_up, w_down)
 
 
 def cross_entropy(

@@ -44,7 +44,7 @@ def triton_interpret_enabled() -> bool:
 # The kernels compute in fp32: ``auto`` leaves float64 (the exactness tests' dtype) to torch.
 AUTO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-OPS = ("rms_norm", "layer_norm", "rope", "swiglu", "swiglu_packed", "swiglu_mlp", "cross_entropy",
+OPS = ("rms_norm", "layer_norm", "rope", "swiglu", "swiglu_packed", "cross_entropy",
        "fused_linear_cross_entropy")
 
 

@@ -63,12 +63,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """The LLaMA MLP ``down(silu(gate) * up)`` with ``[gate | up] = x @ w_gate_up^T`` (gate rows first)
-    and w_down [hidden, width]."""
-    return F.linear(swiglu(*F.linear(x, w_gate_up).chunk(2, dim=-1)), w_down)
-
-
 def _reduce(loss_rows: torch.Tensor, valid: torch.Tensor, reduction: str, num_targets) -> torch.Tensor:
     if reduction == "none":
         return loss_rows

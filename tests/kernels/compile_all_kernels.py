@@ -16,7 +16,6 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from galaxy.kernels import triton_cross_entropy as ce  # noqa: E402
-from galaxy.kernels import triton_mlp as mlp  # noqa: E402
 from galaxy.kernels import triton_norms as norms  # noqa: E402
 from galaxy.kernels import triton_rope as rope  # noqa: E402
 from galaxy.kernels import triton_swiglu as swiglu  # noqa: E402
@@ -58,21 +57,6 @@ def cases():
                    dict(LOGITS=p, GRAD=p, TARGETS="*i64", LOSS=f32, DENOM=f32),
                    {"WRITE_GRAD": write_grad, "BLOCK_V": 16384}, 16)
         yield f"scale_rows_{dt}", ce._scale_rows_kernel, dict(X=p, G=f32), {"BLOCK": 4096}, 4
-        tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, ACC=mlp._accumulator(mlp.torch.float32),
-                     UPCAST=False, PRECISION="ieee" if dt == "fp32" else "tf32")
-        for even_k in (True, False):
-            yield (f"mlp_gate_up_swiglu{'_even_k' if even_k else ''}_{dt}", mlp._gate_up_swiglu_kernel,
-                   dict(X=p, W=p, GU=p, H=p), dict(tiles, EVEN_K=even_k), 8)
-            yield (f"mlp_down_dgrad_swiglu{'_even_k' if even_k else ''}_{dt}", mlp._down_dgrad_swiglu_kernel,
-                   dict(DY=p, WD=p, GU=p, DGU=p), dict(tiles, EVEN_K=even_k), 8)
-        if dt == "bf16":  # the descriptor kernels run 16-bit operands only
-            tma = {k: v for k, v in tiles.items() if k != "PRECISION"} | {"PROGRAMS": 132, "WARP_SPECIALIZE": False}
-            mk, nk, mn = (f"tensordesc<{dt}[{r}, {c}]>" for r, c in ((128, 64), (128, 64), (128, 128)))
-            kn = f"tensordesc<{dt}[64, 128]>"
-            yield ("mlp_gate_up_swiglu_tma_bf16", mlp._gate_up_swiglu_tma_kernel,
-                   dict(X=mk, WG=nk, WU=nk, G=mn, U=mn, H=mn), tma, 8)
-            yield ("mlp_down_dgrad_swiglu_tma_bf16", mlp._down_dgrad_swiglu_tma_kernel,
-                   dict(DY=mk, WD=kn, G=mn, U=mn, DG=mn, DU=mn), tma, 8)
 
 
 def main(arch: int = 90) -> int:
