@@ -617,11 +617,12 @@ def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool, kernels: list[str]
         rstd = torch.rand(n, device=device) + 0.5
         xdys = [(randn(n, h), randn(n, h)) for _ in range(1 + min(7, ROTATE_BYTES // (2 * n * h * dtype.itemsize)))]
         for per_sm in (1, 2, 4, 8):
-            def bwd(x, dy, per_sm=per_sm):
-                _, partial = norms.rms_norm_backward(dy, x, w, rstd, per_sm)
-                return norms.sum_partials(partial, (w.dtype,))
-            timed(f"rms_norm bwd + dw sum [{n},{h}]", f"programs_per_sm={per_sm}",
-                  [lambda x=x, dy=dy, bwd=bwd: bwd(x, dy) for x, dy in xdys])
+            for stages in (None, 1, 2, 3):  # None: Triton's default for the row loop
+                def bwd(x, dy, per_sm=per_sm, stages=stages):
+                    _, partial = norms.rms_norm_backward(dy, x, w, rstd, per_sm, stages)
+                    return norms.sum_partials(partial, (w.dtype,))
+                timed(f"rms_norm bwd + dw sum [{n},{h}]", f"programs_per_sm={per_sm} stages={stages}",
+                      [lambda x=x, dy=dy, bwd=bwd: bwd(x, dy) for x, dy in xdys])
         _, partial = norms.rms_norm_backward(xdys[0][1], xdys[0][0], w, rstd)
         del xdys
         timed(f"rms_norm dw sum [{partial.shape[0]},{h}]", "torch sum(0).to", lambda: partial.sum(0).to(w.dtype))

@@ -85,7 +85,7 @@ def _rms_norm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, n_cols, eps, BLOCK_N
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PARTIAL,
     stride_dy, stride_x, stride_dx, n_rows, n_cols, rows_per_program,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, STAGES: tl.constexpr = None,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -94,7 +94,7 @@ def _rms_norm_bwd_kernel(
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     # Each program owns a contiguous run of rows; the loop bound does not depend on
     # program_id (keeps it a plain int for the interpreter too), the tail is masked.
-    for i in range(0, rows_per_program):
+    for i in tl.range(0, rows_per_program, num_stages=STAGES):
         row64 = pid.to(tl.int64) * rows_per_program + i
         row_ok = row64 < n_rows
         # Row bound folded into the column limit (a block & scalar mask trips the interpreter).
@@ -142,7 +142,7 @@ class TritonRMSNorm(torch.autograd.Function):
         return dx.view(ctx.shape), dw, None
 
 
-def rms_norm_backward(dy2, x2, weight, rstd, programs_per_sm: int | None = None):
+def rms_norm_backward(dy2, x2, weight, rstd, programs_per_sm: int | None = None, stages: int | None = None):
     """dx and the per-program fp32 partial sums of dweight ([programs, n_cols])."""
     n_rows, n_cols = x2.shape
     dx = torch.empty_like(x2)
@@ -154,7 +154,7 @@ def rms_norm_backward(dy2, x2, weight, rstd, programs_per_sm: int | None = None)
         _rms_norm_bwd_kernel[(programs,)](
             dy2, x2, weight, rstd, dx, dw_partial,
             dy2.stride(0), x2.stride(0), dx.stride(0), n_rows, n_cols, triton.cdiv(n_rows, programs),
-            BLOCK_N=block, num_warps=warps,
+            BLOCK_N=block, STAGES=stages, num_warps=warps,
         )
     return dx, dw_partial
 
