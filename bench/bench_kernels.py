@@ -617,13 +617,24 @@ def variant_sweeps(dtype, device, on_cuda: bool, smoke: bool, kernels: list[str]
         rstd = torch.rand(n, device=device) + 0.5
         xdys = [(randn(n, h), randn(n, h)) for _ in range(1 + min(7, ROTATE_BYTES // (2 * n * h * dtype.itemsize)))]
         for per_sm in (1, 2, 4, 8):
-            for stages in (None, 1, 2, 3):  # None: Triton's default for the row loop
+            for stages in (None, 3, 4, 5):  # None: Triton's default for the row loop
                 def bwd(x, dy, per_sm=per_sm, stages=stages):
                     _, partial = norms.rms_norm_backward(dy, x, w, rstd, per_sm, stages)
                     return norms.sum_partials(partial, (w.dtype,))
                 timed(f"rms_norm bwd + dw sum [{n},{h}]", f"programs_per_sm={per_sm} stages={stages}",
                       [lambda x=x, dy=dy, bwd=bwd: bwd(x, dy) for x, dy in xdys])
         _, partial = norms.rms_norm_backward(xdys[0][1], xdys[0][0], w, rstd)
+        if h == hidden[-1]:  # LayerNorm at BERT-large's hidden size
+            lh = min(h, 1024)
+            lw, mean = w[:lh], torch.randn(n, device=device)
+            xdys_ln = [(x[:, :lh].contiguous(), dy[:, :lh].contiguous()) for x, dy in xdys]
+            for per_sm in (2, 4, 8):
+                for stages in (None, 3, 4, 5):
+                    def ln_bwd(x, dy, per_sm=per_sm, stages=stages):
+                        _, partials = norms.layer_norm_backward(dy, x, lw, mean, rstd, per_sm, stages)
+                        return norms.sum_partials(partials, (lw.dtype, lw.dtype))
+                    timed(f"layer_norm bwd + dw, db sum [{n},{lh}]", f"programs_per_sm={per_sm} stages={stages}",
+                          [lambda x=x, dy=dy, f=ln_bwd: f(x, dy) for x, dy in xdys_ln])
         del xdys
         timed(f"rms_norm dw sum [{partial.shape[0]},{h}]", "torch sum(0).to", lambda: partial.sum(0).to(w.dtype))
         for block_c in (8, 16, 32):

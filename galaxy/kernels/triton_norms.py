@@ -184,7 +184,7 @@ def _layer_norm_fwd_kernel(
 def _layer_norm_bwd_kernel(
     DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL,
     stride_dy, stride_x, stride_dx, stride_partial, n_rows, n_cols, rows_per_program,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, STAGES: tl.constexpr = None,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -194,7 +194,7 @@ def _layer_norm_bwd_kernel(
     db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     # Each program owns a contiguous run of rows; the loop bound does not depend on
     # program_id (keeps it a plain int for the interpreter too), the tail is masked.
-    for i in range(0, rows_per_program):
+    for i in tl.range(0, rows_per_program, num_stages=STAGES):
         row64 = pid.to(tl.int64) * rows_per_program + i
         row_ok = row64 < n_rows
         # Row bound folded into the column limit (a block & scalar mask trips the interpreter).
@@ -245,21 +245,9 @@ class TritonLayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x2, weight, mean, rstd = ctx.saved_tensors
-        n_rows, n_cols = x2.shape
-        dy2 = as_rows(dy)
-        dx = torch.empty_like(x2)
-        programs = persistent_programs(x2.device, n_rows, bwd_programs_per_sm(n_cols))
-        # Every program writes its partial rows, so only an empty input needs zeros. dweight's partial
-        # row and dbias's side by side: one ``sum_partials`` launch adds up both.
-        partials = (torch.empty if n_rows else torch.zeros)((programs, 2 * n_cols), dtype=torch.float32, device=x2.device)
+        n_cols = x2.shape[1]
+        dx, partials = layer_norm_backward(as_rows(dy), x2, weight, mean, rstd)
         dw_partial, db_partial = partials[:, :n_cols], partials[:, n_cols:]
-        block, warps = row_block(n_cols)
-        if n_rows > 0:
-            _layer_norm_bwd_kernel[(programs,)](
-                dy2, x2, weight, mean, rstd, dx, dw_partial, db_partial,
-                dy2.stride(0), x2.stride(0), dx.stride(0), partials.stride(0), n_rows, n_cols,
-                triton.cdiv(n_rows, programs), BLOCK_N=block, num_warps=warps,
-            )
         want_w, want_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if want_w and want_b:
             dw, db = sum_partials(partials, (weight.dtype, ctx.bias_dtype))
@@ -267,3 +255,22 @@ class TritonLayerNorm(torch.autograd.Function):
             dw = sum_partials(dw_partial, (weight.dtype,))[0] if want_w else None
             db = sum_partials(db_partial, (ctx.bias_dtype,))[0] if want_b else None
         return dx.view(ctx.shape), dw, db, None
+
+
+def layer_norm_backward(dy2, x2, weight, mean, rstd, programs_per_sm: int | None = None,
+                        stages: int | None = None):
+    """dx and the per-program fp32 partial sums ``[programs, 2 * n_cols]``: dweight's partial row and
+    dbias's side by side, so one ``sum_partials`` launch adds up both."""
+    n_rows, n_cols = x2.shape
+    dx = torch.empty_like(x2)
+    programs = persistent_programs(x2.device, n_rows, programs_per_sm or bwd_programs_per_sm(n_cols))
+    # Every program writes its partial rows, so only an empty input needs zeros.
+    partials = (torch.empty if n_rows else torch.zeros)((programs, 2 * n_cols), dtype=torch.float32, device=x2.device)
+    block, warps = row_block(n_cols)
+    if n_rows > 0:
+        _layer_norm_bwd_kernel[(programs,)](
+            dy2, x2, weight, mean, rstd, dx, partials[:, :n_cols], partials[:, n_cols:],
+            dy2.stride(0), x2.stride(0), dx.stride(0), partials.stride(0), n_rows, n_cols,
+            triton.cdiv(n_rows, programs), BLOCK_N=block, STAGES=stages, num_warps=warps,
+        )
+    return dx, partials

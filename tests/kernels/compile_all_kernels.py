@@ -38,7 +38,8 @@ def cases():
         yield (f"ln_fwd_{dt}", norms._layer_norm_fwd_kernel,
                dict(X=p, W=p, B=p, Y=p, MEAN=f32, RSTD=f32, eps="fp32"), {"BLOCK_N": 1024}, 4)
         yield (f"ln_bwd_{dt}", norms._layer_norm_bwd_kernel,
-               dict(DY=p, X=p, W=p, MEAN=f32, RSTD=f32, DX=p, DW_PARTIAL=f32, DB_PARTIAL=f32), {"BLOCK_N": 1024}, 4)
+               dict(DY=p, X=p, W=p, MEAN=f32, RSTD=f32, DX=p, DW_PARTIAL=f32, DB_PARTIAL=f32),
+               {"BLOCK_N": 1024, "STAGES": None}, 4)
         yield (f"sum_partials_{dt}", norms._sum_partials_kernel, dict(P=f32, OUT=p, OUT2=f32),
                {"BLOCK_P": 64, "BLOCK_C": 32}, 4)
         for inverse in (False, True):
