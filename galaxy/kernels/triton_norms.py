@@ -17,10 +17,21 @@ from galaxy.kernels._triton_utils import as_rows, persistent_programs, row_block
 
 def bwd_programs_per_sm(n_cols: int) -> int:
     """Programs per SM of the backward kernels (each loops over its rows; more programs keep more
-    rows in flight, at the cost of more partial rows to sum). From bench/bench_kernels.py --variants
-    (rms_norm rows, H100, backward + dweight sum, docs/results/kernels_2026-11-26_0643a1f_h100_variants.json):
-    4096 columns 0.048 ms with 2 per SM against 0.054 with 4; 2048 columns 0.030 with 4 against 0.032."""
-    return 2 if n_cols >= 4096 else 4
+    rows in flight, at the cost of more partial rows to sum). With the row loop pipelined
+    ``BWD_STAGES`` deep (bench/bench_kernels.py --variants rms_norm, backward + dweight sum,
+    docs/results/kernels_2026-11-26_aace385_{h100,h200}_norms_stages_variants.json, GPU ms): 4096
+    columns 1 per SM 0.0432 (H100) / 0.0348 (H200) against 2 per SM 0.0455 / 0.0349; 2048 columns
+    2 per SM 0.0253 / 0.0209 against 1 per SM 0.0287 / 0.0247 and 4 per SM 0.0275 / 0.0230; LayerNorm
+    at 1024 columns 2 per SM 0.0183 / 0.0174 against 4 per SM 0.0181 / 0.0176."""
+    return 1 if n_cols >= 4096 else 2
+
+
+# Software-pipelining depth of the backward kernels' row loop: the next rows' loads are issued
+# while this row computes. Triton's default left the loop unpipelined: the same sweep, 2048 columns
+# at 2 per SM, 0.0325 (H100) / 0.0289 ms (H200) unpipelined, 0.0271 / 0.0229 with 3 stages, 0.0253 /
+# 0.0209 with 4, 0.0252 / 0.0205 with 5 (4096 columns at 1 per SM: 0.0597 / 0.0550, 0.0460 / 0.0391,
+# 0.0432 / 0.0348, 0.0440 / 0.0335).
+BWD_STAGES = 4
 
 
 # Tiles of ``sum_partials``: narrow column tiles give enough programs at hidden sizes of 1-4k. From
@@ -85,7 +96,7 @@ def _rms_norm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, n_cols, eps, BLOCK_N
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PARTIAL,
     stride_dy, stride_x, stride_dx, n_rows, n_cols, rows_per_program,
-    BLOCK_N: tl.constexpr, STAGES: tl.constexpr = None,
+    BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -142,7 +153,7 @@ class TritonRMSNorm(torch.autograd.Function):
         return dx.view(ctx.shape), dw, None
 
 
-def rms_norm_backward(dy2, x2, weight, rstd, programs_per_sm: int | None = None, stages: int | None = None):
+def rms_norm_backward(dy2, x2, weight, rstd, programs_per_sm: int | None = None, stages: int | None = BWD_STAGES):
     """dx and the per-program fp32 partial sums of dweight ([programs, n_cols])."""
     n_rows, n_cols = x2.shape
     dx = torch.empty_like(x2)
@@ -184,7 +195,7 @@ def _layer_norm_fwd_kernel(
 def _layer_norm_bwd_kernel(
     DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL,
     stride_dy, stride_x, stride_dx, stride_partial, n_rows, n_cols, rows_per_program,
-    BLOCK_N: tl.constexpr, STAGES: tl.constexpr = None,
+    BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -258,7 +269,7 @@ class TritonLayerNorm(torch.autograd.Function):
 
 
 def layer_norm_backward(dy2, x2, weight, mean, rstd, programs_per_sm: int | None = None,
-                        stages: int | None = None):
+                        stages: int | None = BWD_STAGES):
     """dx and the per-program fp32 partial sums ``[programs, 2 * n_cols]``: dweight's partial row and
     dbias's side by side, so one ``sum_partials`` launch adds up both."""
     n_rows, n_cols = x2.shape
