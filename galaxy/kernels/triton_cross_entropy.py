@@ -51,7 +51,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 @triton.jit
 def _ce_fwd_kernel(
     LOGITS, stride_l, GRAD, stride_g, TARGETS, LOSS, DENOM, n_cols, ignore_index,
-    WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, STAGES: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = LOGITS + row * stride_l
@@ -75,7 +75,7 @@ def _ce_fwd_kernel(
     # what is read the second time and the gradient written (evict_first), which would otherwise push
     # the rows still to be re-read out of L2.
     keep: tl.constexpr = "evict_last" if WRITE_GRAD else ""
-    for start in tl.range(0, last, BLOCK_V, num_stages=STAGES):
+    for start in range(0, last, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + cols, eviction_policy=keep).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
@@ -107,7 +107,7 @@ def _ce_fwd_kernel(
         grad = e_last * (inv_denom / d)
         tl.store(grad_ptr + last_cols, grad.to(GRAD.dtype.element_ty), mask=last_mask, eviction_policy="evict_first")
         lse2 = lse * LOG2E
-        for i in tl.range(BLOCK_V, last + BLOCK_V, BLOCK_V, num_stages=STAGES):
+        for i in range(BLOCK_V, last + BLOCK_V, BLOCK_V):
             cols = (last - i) + tl.arange(0, BLOCK_V)
             x = tl.load(row_ptr + cols, eviction_policy="evict_first").to(tl.float32)
             grad = tl.exp2(x * LOG2E - lse2) * inv_denom
@@ -150,11 +150,11 @@ def scale_rows_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def ce_forward_rows(logits, targets, ignore_index, grad=None, denom=None, block_v=None, warps=None, stages=None):
+def ce_forward_rows(logits, targets, ignore_index, grad=None, denom=None, block_v=None, warps=None):
     """Per-row loss (fp32) of ``logits [N, V]``. With ``grad`` (a [N, V] tensor, which may be
     ``logits`` itself), also writes ``(softmax - onehot) / denom`` into it (``denom``: an fp32
-    device scalar, default 1; ignored rows get zeros). ``block_v`` (a power of 2), ``warps`` and
-    ``stages`` (the block loops' pipelining depth; None: Triton's default) override the launch settings."""
+    device scalar, default 1; ignored rows get zeros). ``block_v`` (a power of 2) and ``warps``
+    override the launch settings."""
     n_rows, n_cols = logits.shape
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     if not n_rows:
@@ -175,7 +175,7 @@ def ce_forward_rows(logits, targets, ignore_index, grad=None, denom=None, block_
     _ce_fwd_kernel[(n_rows,)](
         logits, logits.stride(0), grad if write_grad else logits, grad.stride(0) if write_grad else 0,
         targets, loss, denom if write_grad else loss, n_cols, ignore_index,
-        WRITE_GRAD=write_grad, BLOCK_V=block, STAGES=stages,
+        WRITE_GRAD=write_grad, BLOCK_V=block,
         # Fewer warps for a small block: at least 4 elements per thread.
         num_warps=min(warps or default_warps, max(1, block // 128)),
     )
