@@ -34,7 +34,8 @@ def cases():
         p = f"*{dt}"
         f32 = "*fp32"
         yield f"rms_fwd_{dt}", norms._rms_norm_fwd_kernel, dict(X=p, W=p, Y=p, RSTD=f32, eps="fp32"), {"BLOCK_N": 4096}, 8
-        yield f"rms_bwd_{dt}", norms._rms_norm_bwd_kernel, dict(DY=p, X=p, W=p, RSTD=f32, DX=p, DW_PARTIAL=f32), {"BLOCK_N": 4096, "STAGES": norms.BWD_STAGES}, 8
+        yield (f"rms_bwd_{dt}", norms._rms_norm_bwd_kernel, dict(DY=p, X=p, W=p, RSTD=f32, DX=p, DW_PARTIAL=f32),
+               {"BLOCK_N": 4096, "STAGES": norms.BWD_STAGES}, 8)
         yield (f"ln_fwd_{dt}", norms._layer_norm_fwd_kernel,
                dict(X=p, W=p, B=p, Y=p, MEAN=f32, RSTD=f32, eps="fp32"), {"BLOCK_N": 1024}, 4)
         yield (f"ln_bwd_{dt}", norms._layer_norm_bwd_kernel,
