@@ -14,6 +14,7 @@ setup(
         "tokenizers",
         "tqdm",
     ],
+    entry_points={"console_scripts": ["galaxy = galaxy.cli.main:main"]},
     extras_require={
         "test": ["pytest", "transformers>=4.44", "peft", "deepspeed", "matplotlib",
                  "triton>=3.7; platform_system=='Linux'"],

@@ -52,7 +52,7 @@ from bench.bench_coc import (DTYPES, GalaxyStack, galaxy_model, init, launch, me
                              reduce_over_ranks, rel_diff, release, run_facts)
 from galaxy.config import Method  # noqa: E402
 from galaxy.core.context import ParallelContext  # noqa: E402
-from galaxy.kernels.cclora import merges  # noqa: E402
+from galaxy.core.overlap.cclora import merges  # noqa: E402
 from galaxy.loralib import inject_lora, lora_modules, mark_only_lora_as_trainable, set_lora_fusion  # noqa: E402
 
 FULL = dict(hidden=4096, ffn=11008, heads=32, seq=4096, batch=1, layers=4, dtype="bf16", rank=16, alpha=32.0)
@@ -126,12 +126,12 @@ def run_plan(args, shape: dict, ctx: ParallelContext, plan: str, log) -> list[di
     g = model.model.edges.to_stream(grad).to(ctx.device, dtype).contiguous()
     low = dtype not in (torch.float32, torch.float64)
     ref = fp32_reference(shape, plan, ctx, model, args.targets, x, g) if low and not args.dropout else None
-    streams = {key: gen.get_state() for key, gen in ctx._generators.items()}  # LoRA dropout's masks
+    streams = {key: gen.get_state() for key, gen in ctx.generators.items()}  # LoRA dropout's masks
     rows, results = [], {}
     for fusion in (False, True):
         set_lora_fusion(model, fusion)
         for key, state in streams.items():
-            ctx._generators[key].set_state(state)
+            ctx.generators[key].set_state(state)
         results[fusion] = one_step(stack, x, g, lora_params)
         before = ctx.mp.bytes_sent
         one_step(stack, x, g, lora_params)

@@ -13,7 +13,7 @@ requires grad, the backward a random output gradient. Contenders:
     galaxy-<plan>        Galaxy's LlamaForCausalLM layers on N GPUs: tp, sp, galaxy, galaxy2
     galaxy-<plan>+coc<k> CoC at k chunks (tp, galaxy, galaxy2). Galaxy's model has no CoC hook yet,
                          so these run a STANDALONE layer loop over the same model's modules and
-                         weights whose TP block edges call galaxy.kernels.coc (CocBoundaries) --
+                         weights whose TP block edges call galaxy.core.overlap.coc (CocBoundaries) --
                          the integration proposed for the model. k=1 is the model's own path and
                          should time like galaxy-<plan>. Outputs and input gradients are checked
                          against the model's own forward/backward ("check" column).
@@ -69,7 +69,7 @@ from galaxy.config import ConfigError, GalaxyConfig, ParallelConfig  # noqa: E40
 from galaxy.core.blocks import self_attention  # noqa: E402
 from galaxy.core.comm import Communicator  # noqa: E402
 from galaxy.core.context import ParallelContext  # noqa: E402
-from galaxy.kernels.coc import CocBoundaries  # noqa: E402
+from galaxy.core.overlap.coc import CocBoundaries  # noqa: E402
 from galaxy.models.llama import LlamaForCausalLM, RopeAt  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
@@ -528,7 +528,7 @@ def print_table(report: dict) -> None:
     if report["world"] > 1 and report["rows"] and report["rows"][0].get("name") == "serial-pytorch":
         print(f"limit (serial / {report['world']}, all communication hidden): "
               f"{report['rows'][0]['median_ms'] / report['world']:.2f} ms")
-    print("+coc<k> rows: STANDALONE layer loop over the Galaxy model's weights calling galaxy.kernels.coc"
+    print("+coc<k> rows: STANDALONE layer loop over the Galaxy model's weights calling galaxy.core.overlap.coc"
           + ("; @coc<k> rows: the model's own coc_parallel_num" if model_has_coc() else " (the model has no CoC hook)")
           + "; @async_tp rows: the model's tp_overlap=async_tp ('vs k1': vs the model's plan without overlap)"
           + ". 'check' = max relative difference of output and input gradient vs the model's own forward/backward "

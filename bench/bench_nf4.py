@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from galaxy.kernels.nf4 import dequantize_nf4, nf4_linear, quantize_nf4  # noqa: E402
+from galaxy.loralib.nf4 import dequantize_nf4, nf4_linear, quantize_nf4  # noqa: E402
 
 # name: (out, in, stored transposed) as Galaxy stores them (row-parallel linears as W^T).
 SHAPES = {"q_proj": (4096, 4096, False), "o_proj": (4096, 4096, True), "gate_proj": (11008, 4096, False),
@@ -41,8 +41,8 @@ def dequantize_rows(dev) -> list[dict]:
     """The dequantization alone (what each backend adds before cuBLAS), per stored matrix."""
     import bitsandbytes.functional as bnbf
 
-    from galaxy.kernels.nf4 import _bnb_dequantize
-    from galaxy.kernels.triton_nf4 import nf4_dequantize
+    from galaxy.loralib.nf4 import _bnb_dequantize
+    from galaxy.loralib.nf4 import triton_dequantize
 
     rows = []
     for name, (out_f, in_f, transposed) in SHAPES.items():
@@ -51,7 +51,7 @@ def dequantize_rows(dev) -> list[dict]:
         packed, state = bnbf.quantize_4bit(w.bfloat16(), blocksize=64, compress_statistics=True, quant_type="nf4")
         want = dequantize_nf4(q, torch.bfloat16)
         for label, fn in {"torch": lambda: dequantize_nf4(q, torch.bfloat16),
-                          "triton": lambda: nf4_dequantize(q, torch.bfloat16),
+                          "triton": lambda: triton_dequantize(q, torch.bfloat16),
                           "bnb": lambda: _bnb_dequantize(q, torch.bfloat16),
                           "bnb.dequantize_4bit (own state)": lambda: bnbf.dequantize_4bit(packed, state)}.items():
             same = None if "own" in label else bool(torch.equal(fn(), want))

@@ -171,7 +171,7 @@ class PeftConfig:
     lora_target_modules: Optional[list[str]] = None  # None: BERT query/value, LLaMA q_proj/v_proj; any module name
     lora_bias: str = "none"  # none | all | lora_only
     use_rslora: bool = False  # scale alpha / sqrt(r) instead of alpha / r
-    # CCLoRA (galaxy.kernels.cclora): scale folded into A, W + B(sA) merged when tokens >= hidden (not
+    # CCLoRA (galaxy.core.overlap.cclora): scale folded into A, W + B(sA) merged when tokens >= hidden (not
     # while LoRA dropout is active), and the branch overlapped with the TP collectives; same math, same
     # dropout masks and same saved factors as plain LoRA.
     lora_fusion: bool = False
@@ -185,8 +185,8 @@ class PeftConfig:
     # that dtype (no fp32 copy, no per-step cast); 'float32' keeps fp32 copies. Trainable weights stay fp32.
     frozen_dtype: str = "compute"
     # QLoRA: frozen linear weights (all but the LM head and modules_to_save) in 4-bit NF4, blocks of 64 with
-    # double-quantized absmax (galaxy.kernels.nf4), or 'int8' (row-wise absmax, LLM.int8 weights,
-    # galaxy.kernels.int8); 'none' keeps them in frozen_dtype.
+    # double-quantized absmax (galaxy.loralib.nf4), or 'int8' (row-wise absmax, LLM.int8 weights,
+    # galaxy.loralib.int8); 'none' keeps them in frozen_dtype.
     quantize_base: str = "none"
 
 
@@ -337,8 +337,8 @@ class Plan:
     heads_split: tuple[int, ...]
     ffn_split: tuple[int, ...]
     seq_split: tuple[int, ...]
-    coc_parallel_num: Optional[int] = None  # as configured; galaxy.kernels.coc.coc_chunks resolves it
-    tp_overlap: Optional[str] = None  # "async_tp" selects galaxy.kernels.async_tp at the TP edges
+    coc_parallel_num: Optional[int] = None  # as configured; galaxy.core.overlap.coc.coc_chunks resolves it
+    tp_overlap: Optional[str] = None  # "async_tp" selects galaxy.core.overlap.async_tp at the TP edges
 
     @property
     def size(self) -> int:
@@ -512,7 +512,7 @@ class GalaxyConfig:
 
     def _validate_tp_overlap(self) -> None:
         """What can be checked before the world size is known (resolve_plan checks the splits and
-        galaxy.kernels.async_tp the device, backend and torch build)."""
+        galaxy.core.overlap.async_tp the device, backend and torch build)."""
         p = self.parallel
         if p.tp_overlap is None:
             return

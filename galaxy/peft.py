@@ -55,7 +55,7 @@ class TuningOptions:
     fan_in_fan_out: bool = False
     merge_weights: bool = False
     use_rslora: bool = False
-    lora_fusion: bool = False  # CCLoRA (galaxy.kernels.cclora); the saved factors do not change
+    lora_fusion: bool = False  # CCLoRA (galaxy.core.overlap.cclora); the saved factors do not change
     lora_target_modules: Optional[Union[str, list[str]]] = None  # None: DEFAULT_TARGETS[model_type]
     lora_bias: str = "none"
     adapter_type: str = "houlsby"

@@ -4,7 +4,7 @@ it equal the unfused path? Runs at any world size (one GPU is a group of one).
     python3 bench/device/asynctp_check.py --world 1 --json out.json   # self-spawned, one GPU each
     torchrun --nproc_per_node 2 bench/device/asynctp_check.py          # the same under torchrun
 
-1. symmetric-memory set-up on the mp group (galaxy.kernels.async_tp.symm_mem_ops);
+1. symmetric-memory set-up on the mp group (galaxy.core.overlap.async_tp.symm_mem_ops);
 2. the two edges (S -> T + q/k/v-like column linears with biases; row linear + P -> S), forward
    and backward, fp32 and bf16, against ``transition`` + ``F.linear`` and against torch's own
    unfused definition of the ops (``reference_ops``): ||a - b|| / ||b|| of outputs and gradients;
@@ -38,7 +38,7 @@ from bench.bench_coc import (GalaxyStack, fwd_bwd_step, galaxy_model, init, inpu
                              publish, release, run_facts)
 from galaxy.config import GalaxyConfig  # noqa: E402
 from galaxy.core.transitions import Layout, transition  # noqa: E402
-from galaxy.kernels.async_tp import AsyncTpEdges, reference_ops  # noqa: E402
+from galaxy.core.overlap.async_tp import AsyncTpEdges, reference_ops  # noqa: E402
 from galaxy.models.llama import LlamaForCausalLM  # noqa: E402
 
 TOL = {"fp32": 1e-5, "bf16": 2e-2}
@@ -88,7 +88,7 @@ def edge_checks(ctx, dtype_name: str, seed: int) -> list[dict]:
                                                comm, split), [x, w, bias], grad)
     for t in (got[-1], want[-1] if want[-1] is not None else None):
         if t is not None and world > 1:
-            dist.all_reduce(t, group=comm._process_group)
+            dist.all_reduce(t, group=comm.process_group)
     if want[-1] is None:
         want[-1] = torch.zeros_like(got[-1])
     rows.append({"check": "row edge vs unfused", "dtype": dtype_name, "rel": max(rel(a, c) for a, c in zip(got, want))})

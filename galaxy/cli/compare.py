@@ -259,7 +259,7 @@ def compare_rank(rank: int, launch: Launch, payload) -> None:
     try:
         for cfg, method, result_file in jobs:
             # Fresh dropout streams per method (same groups): every method sees the same randomness.
-            ctx = replace(base, _generators={})
+            ctx = base.with_fresh_streams()
             row = run_one(cfg, method, files, ctx, launch.world)
             if rank == 0:
                 with open(result_file, "w") as f:

@@ -23,8 +23,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 # torch 2.13 renamed the single-tensor collectives; 2.11 only has the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _functional_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _functional_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
@@ -95,7 +95,7 @@ class Communicator:
 
     # -- bookkeeping
 
-    def _timed(self, op: str, nbytes: int, phase: str, fn: Callable[[], Optional[torch.Tensor]],
+    def timed(self, op: str, nbytes: int, phase: str, fn: Callable[[], Optional[torch.Tensor]],
                device: torch.device) -> Optional[torch.Tensor]:
         """Run the collective ``fn`` (which waits for its result), counting its bytes and, for
         observers, timing it; returns what ``fn`` returns."""
@@ -113,7 +113,7 @@ class Communicator:
         return out
 
     @property
-    def _process_group(self) -> dist.ProcessGroup:
+    def process_group(self) -> dist.ProcessGroup:
         return self.group if self.group is not None else dist.group.WORLD
 
     # -- collectives (each returns a new tensor; inputs are never modified)
@@ -122,8 +122,8 @@ class Communicator:
         if self.size == 1:
             return x
         x = x.contiguous()
-        return self._timed("all_reduce", x.numel() * x.element_size(), phase,
-                           lambda: _summed(x, self._process_group), x.device)
+        return self.timed("all_reduce", x.numel() * x.element_size(), phase,
+                           lambda: _summed(x, self.process_group), x.device)
 
     def all_gather(self, x: torch.Tensor, dim: int, sizes: Sequence[int], phase: str = "other") -> torch.Tensor:
         """Concatenate every rank's ``x`` along ``dim``; rank i contributes ``sizes[i]`` slices."""
@@ -136,8 +136,8 @@ class Communicator:
             local = F.pad(local, (0, 0) * (local.dim() - 1) + (0, piece - local.shape[0]))
         local = local.contiguous()
         nbytes = sum(sizes) * local[0].numel() * x.element_size()
-        out = self._timed("all_gather", nbytes, phase,
-                          lambda: _gathered(local, self._process_group), x.device)
+        out = self.timed("all_gather", nbytes, phase,
+                          lambda: _gathered(local, self.process_group), x.device)
         if any(s != piece for s in sizes):
             out = torch.cat([out[i * piece: i * piece + s] for i, s in enumerate(sizes)])
         return out.movedim(0, dim).contiguous()
@@ -153,8 +153,8 @@ class Communicator:
             pad = (0, 0) * (full.dim() - 1)
             full = torch.cat([F.pad(c, pad + (0, piece - c.shape[0])) for c in full.split(list(sizes))])
         full = full.contiguous()
-        out = self._timed("reduce_scatter", x.numel() * x.element_size(), phase,
-                          lambda: _scattered(full, self._process_group), x.device)
+        out = self.timed("reduce_scatter", x.numel() * x.element_size(), phase,
+                          lambda: _scattered(full, self.process_group), x.device)
         return out[: sizes[self.rank]].movedim(0, dim).contiguous()
 
     def split(self, x: torch.Tensor, dim: int, sizes: Sequence[int]) -> torch.Tensor:
@@ -174,4 +174,4 @@ class Communicator:
             dist.broadcast(out, global_src, group=self.group)
             return out
 
-        return self._timed("broadcast", out.numel() * out.element_size(), phase, run, out.device)
+        return self.timed("broadcast", out.numel() * out.element_size(), phase, run, out.device)

@@ -12,7 +12,7 @@ What runs eagerly instead, by rule:
   honour (inductor draws its own random numbers). Evaluation of such a model is compiled.
 * a call with a KV cache (generation): its sequence grows every step, a new shape each time.
 * CoC and CCLoRA edges (``coc_parallel_num`` > 1, ``lora_fusion``): they schedule their own async
-  collectives, so they run eagerly between the compiled parts of the layer (``galaxy.kernels.coc``).
+  collectives, so they run eagerly between the compiled parts of the layer (``galaxy.core.overlap.coc``).
 * Triton kernels (``kernels``) are not called inside a graph: there the torch references are traced
   and inductor generates the fused kernels; outside the layers (the head and its loss) the kernels
   run as configured.

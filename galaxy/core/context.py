@@ -18,6 +18,8 @@ error of a failed collective into that message) and exit within the collective t
 
 from __future__ import annotations
 
+import dataclasses
+
 import datetime
 import logging
 import os
@@ -129,6 +131,16 @@ class ParallelContext:
     def coords(self) -> tuple[int, int, int]:
         """(dp_rank, pp_rank, mp_rank) of this process."""
         return self.dp.rank, self.pp.rank, self.mp.rank
+
+    @property
+    def generators(self) -> dict[str, torch.Generator]:
+        """The dropout streams made so far, by key ("replicated", "sharded"): the live generators, in a new
+        dict (checkpoints save and restore their states)."""
+        return dict(self._generators)
+
+    def with_fresh_streams(self) -> "ParallelContext":
+        """This context with no dropout stream drawn yet: a second model built on it draws the same masks."""
+        return dataclasses.replace(self, _generators={})
 
     def generator(self, sharded: bool) -> torch.Generator:
         """Dropout stream: the same on every mp rank for replicated regions, per-rank for sharded ones."""

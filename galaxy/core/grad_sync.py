@@ -60,14 +60,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from galaxy.config import MP_GRAD_REDUCE, ConfigError
-from galaxy.core.comm import Communicator
+from galaxy.core.comm import Communicator, all_gather_single, reduce_scatter_single
 from galaxy.core.layers import GradRule, grad_rule, set_param_meta, shard_spec
 
 logger = logging.getLogger(__name__)
-
-# torch 2.13 renamed the single-tensor collectives; 2.11 only has the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _DECAY_ATTR = "_galaxy_weight_decay"
 
@@ -230,7 +226,7 @@ class GradReducer:
             piece = b.shard.detach().to(b.params[0].dtype)  # the model's dtype for these weights
             flat = torch.empty(self._piece(b.numel) * self.mp.size, dtype=piece.dtype, device=piece.device)
             self.mp_grad.bytes_sent += b.numel * piece.element_size()
-            pending.append((b, flat, _all_gather_single(flat, piece, group=self.mp_grad.group, async_op=True)))
+            pending.append((b, flat, all_gather_single(flat, piece, group=self.mp_grad.group, async_op=True)))
         for b, flat, work in pending:
             work.wait()
             for p, w in zip(b.params, flat[:b.numel].split([p.numel() for p in b.params])):
@@ -290,7 +286,7 @@ class GradReducer:
             self.mp_grad.bytes_sent += _nbytes(flat)
             padded = torch.nn.functional.pad(flat, (0, piece * self.mp.size - flat.numel()))
             out = torch.empty(piece, dtype=flat.dtype, device=flat.device)
-            work = _reduce_scatter_single(out, padded, group=self.mp_grad.group, async_op=True)
+            work = reduce_scatter_single(out, padded, group=self.mp_grad.group, async_op=True)
             flat = out
         self._pending.append((bucket, params, flat, work))
 

@@ -1,7 +1,7 @@
 """Parallel building blocks: linears that are whole or sharded, dropout with an explicit stream,
 and the per-parameter metadata (gradient rule, shard spec) that gradient sync and checkpoints read.
 
-Gradient rules (DESIGN.md section 1):
+Gradient rules (docs/design.md section 1):
   SHARDED     a TP shard; its gradient is complete on its rank, no sync.
   PARTIAL     replicated value, but each rank saw only part of the work (weights used on sequence
               shards, a row-parallel bias added on one rank): gradients are summed over the group.

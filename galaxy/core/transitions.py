@@ -1,7 +1,7 @@
 """Layouts of an activation over the model-parallel group, and the transitions between them.
 
 Each transition is a small autograd pair whose backward is the adjoint of its forward
-(DESIGN.md section 1). Activations are ``[batch, seq, ...]``; sequence shards are along dim 1.
+(docs/design.md section 1). Activations are ``[batch, seq, ...]``; sequence shards are along dim 1.
 
     from \\ to |  T                           R                          S
     P         |  all-reduce / all-reduce     all-reduce / identity      reduce-scatter / all-gather
@@ -28,7 +28,7 @@ class Layout(str, enum.Enum):
     T = "T"  # replicated input to sharded weights: its gradient comes back partial
 
 
-# DESIGN.md section 1: (forward op, backward op) of each transition; None = no communication
+# docs/design.md section 1: (forward op, backward op) of each transition; None = no communication
 # (identity or a local split).
 TRANSITION_OPS: dict[tuple[str, str], tuple[Optional[str], Optional[str]]] = {
     ("P", "T"): ("all_reduce", "all_reduce"),

@@ -5,7 +5,7 @@ Measured on an H100 (bench/bench_nf4.py), a kernel that dequantized W tiles insi
 was 10-50x slower than this plus cuBLAS at 4096 tokens (every row tile dequantizes the same
 weight tile again) and no faster at 16; training runs thousands of tokens, so the weight is
 dequantized once per matmul instead (0.5 + 2 bytes a weight moved, a few microseconds).
-The arithmetic is the torch reference's (``galaxy.kernels.nf4.dequantize_nf4``) and bitsandbytes':
+The arithmetic is the torch reference's (``galaxy.loralib.nf4.dequantize_nf4``) and bitsandbytes':
 absmax = code8 * scale + offset and value = nf4 * absmax in fp32, rounded to the output dtype."""
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from galaxy.kernels.nf4_format import BLOCK, SCALE_BLOCK, NF4Rows, _nf4_code, dynamic_code
 
 
 @triton.jit
@@ -39,18 +37,22 @@ def _nf4_dequantize_kernel(packed_ptr, code8_ptr, scale_ptr, offset_ptr, nf4_ptr
     tl.store(out_ptr + row * stride_o + c, values, mask=c < cols)
 
 
-def nf4_dequantize(q: NF4Rows, dtype: torch.dtype) -> torch.Tensor:
-    """``[rows, cols]`` in ``dtype`` (fp32/bf16/fp16)."""
+def nf4_dequantize(packed: torch.Tensor, absmax_code: torch.Tensor, absmax_scale: torch.Tensor,
+                   absmax_offset: torch.Tensor, cols: int, nf4_values: torch.Tensor, absmax_values: torch.Tensor,
+                   block: int, scale_block: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[rows, cols]`` in ``dtype`` (fp32/bf16/fp16) from the stored codes of an NF4 matrix stored row by
+    row (``galaxy.loralib.nf4_format.NF4Rows``): ``packed`` uint8 ``[rows, bytes]``, ``absmax_code`` uint8
+    ``[rows, blocks]``, ``absmax_scale`` ``[rows, ceil(blocks / scale_block)]``, ``absmax_offset`` ``[rows]``,
+    and the two code books (16 NF4 values, 256 absmax values, fp32 on the device)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"the Triton NF4 dequantization writes fp32/bf16/fp16, not {dtype}")
-    out = torch.empty(q.rows, q.cols, dtype=dtype, device=q.packed.device)
-    row_bytes = q.packed.shape[1]
+    rows, row_bytes = packed.shape
+    out = torch.empty(rows, cols, dtype=dtype, device=packed.device)
     per_program = min(1024, triton.next_power_of_2(row_bytes))
-    grid = (q.rows, triton.cdiv(row_bytes, per_program))
-    offset = q.absmax_offset.float().contiguous()
-    scale = q.absmax_scale.float()
-    _nf4_dequantize_kernel[grid](q.packed, q.absmax_code, scale, offset, _nf4_code(out.device),
-                                 dynamic_code(out.device), out, q.cols, row_bytes, q.packed.stride(0),
-                                 q.absmax_code.stride(0), scale.stride(0), out.stride(0),
-                                 QBLOCK=BLOCK, SBLOCK=SCALE_BLOCK, BYTES=per_program, num_warps=4)
+    grid = (rows, triton.cdiv(row_bytes, per_program))
+    offset = absmax_offset.float().contiguous()
+    scale = absmax_scale.float()
+    _nf4_dequantize_kernel[grid](packed, absmax_code, scale, offset, nf4_values, absmax_values, out, cols, row_bytes,
+                                 packed.stride(0), absmax_code.stride(0), scale.stride(0), out.stride(0),
+                                 QBLOCK=block, SBLOCK=scale_block, BYTES=per_program, num_warps=4)
     return out

@@ -1,7 +1,7 @@
 """LoRA layers over Galaxy's parallel linears, so every plan computes exactly the serial LoRA.
 
 ``y = x W^T + b + s * B(A(dropout(x)))`` with ``s = lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA).
-Which factor is sharded follows the base linear's style (DESIGN.md section 3):
+Which factor is sharded follows the base linear's style (docs/design.md section 3):
 
   base style   A                                   B                                  why
   whole        whole, base rule                    whole, base rule                   same work as the base weight
@@ -21,7 +21,7 @@ of the model do not change (``...query.weight``) and the new ones read like HF P
 row ``W_i += s B A_i``.
 
 ``fusion`` (config key ``lora_fusion``, set by ``set_lora_fusion``) runs the layer through CCLoRA
-(``galaxy.kernels.cclora``: scale folded into A, merged weight when the rows reach the input width
+(``galaxy.core.overlap.cclora``: scale folded into A, merged weight when the rows reach the input width
 and no LoRA dropout is active, LoRA's exact gradients); ``cclora_operands()`` hands the same pieces
 to the fused TP block edges.
 """
@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from galaxy.core.layers import Dropout, GradRule, ParallelLinear, ShardSpec, grad_rule, set_param_meta, shard_spec
-from galaxy.kernels.cclora import LinearOperands, cclora_linear
+from galaxy.core.overlap.cclora import LinearOperands, cclora_linear
 from galaxy.loralib.quantized_layers import QuantLinear
 from galaxy.loralib.utils import to_trainable_dtype
 

@@ -11,8 +11,8 @@ import torch.nn as nn
 
 from galaxy.core.grad_sync import gather_full
 from galaxy.core.layers import GradRule, ParallelLinear, grad_rule
-from galaxy.kernels.cclora import CcloraBoundaries
-from galaxy.kernels.coc import CocBoundaries
+from galaxy.core.overlap.cclora import CcloraBoundaries
+from galaxy.core.overlap.coc import CocBoundaries
 from galaxy.loralib.layers import LORA_TYPES, LoRAEmbedding, LoRALayer, LoRALinear, MergedLoRALinear
 from galaxy.loralib.quantized_layers import QuantLinear
 from galaxy.loralib.utils import (Targets, freeze_all_but, in_modules, kaiming_uniform_full, matches, parent_of,
@@ -84,7 +84,7 @@ def inject_lora(model: nn.Module, targets: Targets, r: int = 8, lora_alpha: floa
 
 
 def set_lora_fusion(model: nn.Module, enabled: bool = True) -> list[str]:
-    """CCLoRA (``galaxy.kernels.cclora``, config key ``lora_fusion``) on or off for every LoRA
+    """CCLoRA (``galaxy.core.overlap.cclora``, config key ``lora_fusion``) on or off for every LoRA
     linear of ``model``; returns their names. The parameters are untouched (A stays HF PEFT's
     unscaled A), so it can be switched at any time and saved files do not change.
 

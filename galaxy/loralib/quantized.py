@@ -7,7 +7,7 @@ replaces the frozen linears by ``QuantLinear``s whose weight is a ``QuantizedWei
 Parameter), quantized from this rank's shard alone.
 
 Why every plan equals serial QLoRA: both formats quantize one row of the stored matrix at a time
-(``galaxy.kernels.nf4``, ``galaxy.kernels.int8``), and a linear is stored so that tensor parallelism splits whole rows:
+(``galaxy.loralib.nf4``, ``galaxy.loralib.int8``), and a linear is stored so that tensor parallelism splits whole rows:
 a column-parallel linear (q/k/v, gate/up, BERT query/key/value/intermediate) as ``W [out, in]``
 (TP splits ``out``), a row-parallel one (o_proj, down_proj, BERT ``output.dense``) as
 ``W^T [in, out]`` (TP splits ``in``). The orientation belongs to the linear's TP form, not to the

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 from galaxy.core.layers import GradRule, ParallelLinear, ShardSpec, grad_rule, set_param_meta, shard_spec
-from galaxy.kernels.int8 import Int8Rows, dequantize_int8, int8_linear, quantize_int8
-from galaxy.kernels.nf4 import NF4Rows, dequantize_nf4, nf4_linear, quantize_nf4
+from galaxy.loralib.int8 import Int8Rows, dequantize_int8, int8_linear, quantize_int8
+from galaxy.loralib.nf4 import NF4Rows, dequantize_nf4, nf4_linear, quantize_nf4
 
 # Linears whose TP form is row-parallel (the input dim is split): stored transposed.
 ROW_PARALLEL_SUFFIXES = ("o_proj", "down_proj", "output.dense")
@@ -93,7 +93,7 @@ class QuantizedWeight(nn.Module):
 
 
 class NF4Weight(QuantizedWeight):
-    """NF4 (``galaxy.kernels.nf4``): ``packed`` uint8, ``absmax_code`` uint8, ``absmax_scale`` fp32,
+    """NF4 (``galaxy.loralib.nf4``): ``packed`` uint8, ``absmax_code`` uint8, ``absmax_scale`` fp32,
     ``absmax_offset`` fp32; ``backend``: the dequantization (``nf4_linear``)."""
 
     FORMAT = "nf4"
@@ -112,7 +112,7 @@ class NF4Weight(QuantizedWeight):
 
 
 class Int8Weight(QuantizedWeight):
-    """Row-wise int8 (``galaxy.kernels.int8``, bitsandbytes' LLM.int8 weights): ``codes`` int8, ``absmax`` fp32."""
+    """Row-wise int8 (``galaxy.loralib.int8``, bitsandbytes' LLM.int8 weights): ``codes`` int8, ``absmax`` fp32."""
 
     FORMAT = "int8"
     BUFFERS = ("codes", "absmax")

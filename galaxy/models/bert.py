@@ -35,7 +35,7 @@ from galaxy.core.pipeline import StageSpec, layer_stack
 from galaxy.core.recompute import generators_of, layer_modes, recompute
 from galaxy.core.transitions import Layout, reduce_to_replicated
 from galaxy.kernels import fused_linear_cross_entropy, layer_norm
-from galaxy.kernels.coc import CocBoundaries, coc_chunks
+from galaxy.core.overlap.coc import CocBoundaries, coc_chunks
 from galaxy.models.base import (GalaxyModel, ModelOutput, activation, at_least_fp32, default_plan_and_context,
                                 plain, token_loss_sum, use_triton)
 

@@ -58,7 +58,7 @@ from galaxy.core.layers import (Dropout, GradRule, ParallelLinear, ShardSpec, ma
 from galaxy.core.recompute import generators_of, layer_modes, recompute
 from galaxy.core.transitions import Layout, reduce_to_replicated, transition
 from galaxy.kernels import apply_rope, fused_linear_cross_entropy, rms_norm, swiglu, swiglu_packed
-from galaxy.kernels.coc import CocBoundaries, coc_chunks
+from galaxy.core.overlap.coc import CocBoundaries, coc_chunks
 from galaxy.models.generation import generate
 from galaxy.models.base import (GalaxyModel, ModelOutput, activation, at_least_fp32, default_plan_and_context,
                                 plain, token_loss_sum, use_triton)

@@ -1,5 +1,5 @@
 """What a plan moves and holds, from the model's shapes alone: the collectives of each layout
-transition (DESIGN.md's table) and each rank's parameters by gradient rule.
+transition (docs/design.md's table) and each rank's parameters by gradient rule.
 
 Arrays broadcast: a split may be a number or an array of candidate splits ``[candidates, ranks]``.
 """

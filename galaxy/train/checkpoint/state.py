@@ -191,7 +191,7 @@ def rng_record(ctx: ParallelContext) -> dict:
     version, internal, gauss = random.getstate()
     rec = {"rank": ctx.rank, "coords": list(ctx.coords), "torch_cpu": _b64(torch.get_rng_state()),
            "cuda": None, "python_random": [version, list(internal), gauss],
-           "generators": {key: _b64(g.get_state()) for key, g in sorted(ctx._generators.items())}}
+           "generators": {key: _b64(g.get_state()) for key, g in sorted(ctx.generators.items())}}
     if ctx.device.type == "cuda":
         rec["cuda"] = _b64(torch.cuda.get_rng_state(ctx.device))
     return rec
@@ -218,7 +218,7 @@ def restore_rng(path: str, manifest: dict, ctx: ParallelContext, step: int) -> N
             torch.cuda.set_rng_state(_unb64(first["cuda"]), ctx.device)
         if "replicated" in first["generators"]:
             ctx.generator(sharded=False).set_state(_unb64(first["generators"]["replicated"]))
-        if "sharded" in ctx._generators or "sharded" in first["generators"]:
+        if "sharded" in ctx.generators or "sharded" in first["generators"]:
             ctx.generator(sharded=True).manual_seed((ctx.seed * 1_000_003 + ctx.mp.rank + 1 + step * 7_919) % 2**63)
         if ctx.rank == 0:
             logger.warning("checkpoint '%s' was saved with layout %s, this run is %s: the replicated RNG streams "

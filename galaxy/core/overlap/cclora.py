@@ -39,7 +39,7 @@ the model's ``CocBoundaries``) the branch runs while the base linear's collectiv
 
 Edges without a LoRA linear keep CoC's behaviour, chunked when ``coc_parallel_num`` > 1; an edge
 with one runs CCLoRA unchunked (CoC's chunked functions never took LoRA-wrapped linears).
-The async collectives are CoC's (``galaxy.kernels.coc``): launched with ``async_op=True``,
+The async collectives are CoC's (``galaxy.core.overlap.coc``): launched with ``async_op=True``,
 ``work.wait()`` right before the result is used, bytes and observers through the Communicator.
 """
 
@@ -56,8 +56,9 @@ from galaxy.config import Method
 from galaxy.core.comm import Communicator
 from galaxy.core.layers import Dropout, ParallelLinear
 from galaxy.core.transitions import Layout
-from galaxy.kernels.coc import (CocBoundaries, _batch_major, _finish_into, _run, _seq_major, _start_all_gather,
-                                _start_all_reduce, _start_reduce_scatter)
+from galaxy.core.overlap.coc import CocBoundaries
+from galaxy.core.overlap.common import (apply_as_autocast, batch_major, finish_into, seq_major, start_all_gather,
+                                        start_all_reduce, start_reduce_scatter)
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class _Gather:
 
     def __init__(self, comm: Communicator, local: torch.Tensor, sizes: Sequence[int], phase: str):
         self.sizes = tuple(sizes)
-        self.flight = _start_all_gather(comm, local, self.sizes, phase)
+        self.flight = start_all_gather(comm, local, self.sizes, phase)
 
     def wait(self) -> torch.Tensor:
         recv = self.flight.wait()  # [world, max(sizes), ...]
@@ -132,10 +133,10 @@ class _Scatter:
         else:
             send = full.contiguous()
         self.dest = full.new_empty((sizes[comm.rank],) + rest)
-        self.flight = _start_reduce_scatter(comm, send, tuple(sizes), self.dest, phase)
+        self.flight = start_reduce_scatter(comm, send, tuple(sizes), self.dest, phase)
 
     def wait(self) -> torch.Tensor:
-        _finish_into(self.dest, self.flight)
+        finish_into(self.dest, self.flight)
         return self.dest
 
 
@@ -143,7 +144,7 @@ class _AllReduce:
     """An in-place all-reduce in flight."""
 
     def __init__(self, comm: Communicator, t: torch.Tensor, phase: str):
-        self.flight = _start_all_reduce(comm, t, phase)
+        self.flight = start_all_reduce(comm, t, phase)
 
     def wait(self) -> torch.Tensor:
         return self.flight.wait()
@@ -165,12 +166,12 @@ def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     torch.addmm(acc, a, b, out=acc)  # not addmm_: FLOP counters price aten.addmm
 
 
-def _dropout_mask(dropout: Dropout, batch_major_shape, like: torch.Tensor, seq_major: bool) -> torch.Tensor:
+def _dropout_mask(dropout: Dropout, batch_major_shape, like: torch.Tensor, sequence_major: bool) -> torch.Tensor:
     """The scaled mask (0 or 1 / (1 - p)) that ``dropout`` applies to an input of this shape: the
     same draw as plain LoRA's ``dropout(x)``, which depends on the shape, dtype and device only.
-    Returned in ``like``'s layout (sequence-major when ``seq_major``)."""
+    Returned in ``like``'s layout (sequence-major when ``sequence_major``)."""
     mask = dropout(torch.ones(batch_major_shape, dtype=like.dtype, device=like.device))
-    return _seq_major(mask) if seq_major else mask
+    return seq_major(mask) if sequence_major else mask
 
 
 def _offsets(ranks: Sequence[int]) -> list[slice]:
@@ -200,7 +201,7 @@ class _ColumnCCLoRA(torch.autograd.Function):
         a_s = [lora_a[i] * scales[i] for i in lora]  # the scale folded into A
         gather = mode == "gather"
         if gather:
-            xs = _seq_major(x)  # [s_local, b, in]: a rank's tokens are one block of rows
+            xs = seq_major(x)  # [s_local, b, in]: a rank's tokens are one block of rows
             pending = _Gather(comm, xs, seq_split, "fwd")  # the large collective goes first
             rows = sum(seq_split) * xs.shape[1]
         else:
@@ -241,7 +242,7 @@ class _ColumnCCLoRA(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused output gets no backward work, as in F.linear
         shape = tuple(full.shape[:-1])
         outs = [o.view(shape + (o.shape[-1],)) for o in outs]
-        return tuple(_batch_major(o) for o in outs) if gather else tuple(outs)
+        return tuple(batch_major(o) for o in outs) if gather else tuple(outs)
 
     @staticmethod
     @once_differentiable
@@ -255,7 +256,7 @@ class _ColumnCCLoRA(torch.autograd.Function):
         need_a, need_b = need[_LEAD + 2 * n:_LEAD + 3 * n], need[_LEAD + 3 * n:]
         gather = ctx.mode == "gather"
         x2 = full.reshape(-1, full.shape[-1])
-        d2 = [None if g is None else (_seq_major(g) if gather else g).reshape(-1, g.shape[-1]) for g in grads]
+        d2 = [None if g is None else (seq_major(g) if gather else g).reshape(-1, g.shape[-1]) for g in grads]
         a_s = {i: lora_a[i] * scales[i] for i in lora}
         cols = dict(zip(lora, _offsets([a_s[i].shape[0] for i in lora])))
         live = [i for i in lora if d2[i] is not None]
@@ -313,7 +314,7 @@ class _ColumnCCLoRA(torch.autograd.Function):
         if grad_x is not None:
             if pending is not None:
                 grad_x = pending.wait()
-            grad_x = _batch_major(grad_x) if gather else grad_x.view(ctx.x_shape)
+            grad_x = batch_major(grad_x) if gather else grad_x.view(ctx.x_shape)
         return (grad_x, None, None, None, None, None, *grad_w, *grad_bias, *grad_a, *grad_b)
 
 
@@ -326,7 +327,7 @@ class _RowCCLoRA(torch.autograd.Function):
     def forward(ctx, x, weight, bias, lora_a, lora_b, comm: Communicator, seq_split, scale: float, mode: str,
                 dropout: Optional[Dropout]):
         scatter = mode == "scatter"
-        xs = _seq_major(x) if scatter else x
+        xs = seq_major(x) if scatter else x
         x2 = xs.reshape(-1, xs.shape[-1])
         merged = merges(x2.shape[0], weight.shape[1]) and dropout is None
         a_s = lora_a * scale
@@ -339,7 +340,7 @@ class _RowCCLoRA(torch.autograd.Function):
             _add_mm(y2, xa, lora_b.t())  # the branch joins the partial sum before the collective
         y = y2.view(tuple(xs.shape[:-1]) + (weight.shape[0],))
         if scatter:
-            y = _batch_major(_Scatter(comm, y, seq_split, "fwd").wait())
+            y = batch_major(_Scatter(comm, y, seq_split, "fwd").wait())
         else:
             y = _AllReduce(comm, y, "fwd").wait()
         ctx.comm, ctx.seq_split, ctx.scale, ctx.mode, ctx.merged = comm, seq_split, scale, mode, merged
@@ -353,11 +354,11 @@ class _RowCCLoRA(torch.autograd.Function):
         x, xa, weight, lora_a, lora_b, mask = ctx.saved_tensors
         need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
         scatter, merged, scale = ctx.mode == "scatter", ctx.merged, ctx.scale
-        pending = _Gather(ctx.comm, _seq_major(grad), ctx.seq_split, "bwd") if scatter else None
+        pending = _Gather(ctx.comm, seq_major(grad), ctx.seq_split, "bwd") if scatter else None
         a_s = lora_a * scale
         w_m = _merged(weight, lora_b, a_s) if (merged and need_x) else None  # under the gather of dY
         dy = pending.wait() if scatter else grad
-        xs = _seq_major(x) if scatter else x
+        xs = seq_major(x) if scatter else x
         x2, d2 = xs.reshape(-1, xs.shape[-1]), dy.reshape(-1, dy.shape[-1])
         # The gathered dY serves everything: dx, dA (through dY B) and dB; nothing is gathered twice.
         dyb = torch.mm(d2, lora_b) if (need_a or (need_x and not merged)) else None
@@ -369,7 +370,7 @@ class _RowCCLoRA(torch.autograd.Function):
             elif not merged:
                 _add_mm(grad_x, dyb, a_s)
             grad_x = grad_x.view(xs.shape)
-            grad_x = _batch_major(grad_x) if scatter else grad_x.view(x.shape)
+            grad_x = batch_major(grad_x) if scatter else grad_x.view(x.shape)
         if need_a:
             grad_a = torch.mm(dyb.t(), x2 if mask is None else x2 * mask).mul_(scale)
         if need_b:
@@ -391,7 +392,7 @@ def _column(x: torch.Tensor, ops: Sequence[LinearOperands], comm, seq_split, mod
     dropouts = tuple(op.lora_dropout if op.has_lora else None for op in ops)
     params = ([op.weight for op in ops] + [op.bias for op in ops] + [op.lora_a for op in ops]
               + [op.lora_b for op in ops])
-    return list(_run(_ColumnCCLoRA, x, comm, tuple(seq_split) if seq_split is not None else None, mode, scales,
+    return list(apply_as_autocast(_ColumnCCLoRA, x, comm, tuple(seq_split) if seq_split is not None else None, mode, scales,
                      dropouts, *params))
 
 
@@ -422,7 +423,7 @@ def _row(x: torch.Tensor, op: LinearOperands, comm: Communicator, seq_split, mod
         raise ValueError("the row-parallel CCLoRA functions take a LoRA linear (plain ones take CoC's)")
     if comm.size == 1:
         return cclora_linear(x, op)
-    return _run(_RowCCLoRA, x, op.weight, op.bias, op.lora_a, op.lora_b, comm, seq_split, op.scale, mode,
+    return apply_as_autocast(_RowCCLoRA, x, op.weight, op.bias, op.lora_a, op.lora_b, comm, seq_split, op.scale, mode,
                 op.lora_dropout)
 
 

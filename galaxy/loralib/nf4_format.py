@@ -1,6 +1,6 @@
 """The NF4 storage format: its block sizes, the two code books (QLoRA's NF4 values, bitsandbytes'
 signed 8-bit dynamic type for the absmax) and the row-by-row container. Shared by the torch reference
-(``galaxy.kernels.nf4``) and the Triton kernel (``galaxy.kernels.triton_nf4``)."""
+(``galaxy.loralib.nf4``) and the Triton kernel (``galaxy.kernels.triton_nf4``, which takes the fields)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ NF4_VALUES = (
 )
 
 @functools.lru_cache(maxsize=None)
-def _nf4_code(device: torch.device) -> torch.Tensor:
+def nf4_code(device: torch.device) -> torch.Tensor:
     return torch.tensor(NF4_VALUES, dtype=torch.float32, device=device)
 
 

@@ -1,7 +1,7 @@
 """``x W^T + b`` over a frozen weight kept quantized: the weight is dequantized to the compute dtype
 for each matmul (forward, and again in backward, so nothing but the quantized storage is kept)
 and multiplied by cuBLAS; only the input (and a trainable bias) get gradients. Shared by the
-storage formats (``galaxy.kernels.nf4``, ``galaxy.kernels.int8``)."""
+storage formats (``galaxy.loralib.nf4``, ``galaxy.loralib.int8``)."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ from torch.autograd.function import once_differentiable
 
 from galaxy.config import ConfigError
 from galaxy.core.comm import Communicator
-from galaxy.kernels.coc import _run  # autocast's casts, applied as CoC applies them
+from galaxy.core.overlap.common import apply_as_autocast
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def symm_mem_ops(comm: Communicator) -> FusedOps:
     if not dist.is_initialized():
         raise ConfigError("config key 'tp_overlap' async_tp needs an NCCL process group, but this run has none "
                           "(one process); launch with torch distributed or set tp_overlap none")
-    group = comm._process_group
+    group = comm.process_group
     if group.size() != comm.size:
         raise ValueError(f"communicator {comm.name} has {comm.size} ranks but its process group {group.size()}")
     backend = str(dist.get_backend(group)).lower()
@@ -109,7 +109,7 @@ def reference_ops() -> FusedOps:
 
 
 def _group_name(comm: Communicator) -> str:
-    return comm._process_group.group_name
+    return comm.process_group.group_name
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -129,7 +129,7 @@ class _AllGatherMatmul(torch.autograd.Function):
     def forward(ctx, x, comm: Communicator, ops: FusedOps, n: int, *params):
         weights, biases = params[:n], params[n:]
         name = _group_name(comm)
-        gathered, outs = comm._timed(
+        gathered, outs = comm.timed(
             "all_gather", _nbytes(x) * comm.size, "fwd",
             lambda: ops.all_gather_matmul(x, [w.t() for w in weights], SEQ, name, return_A=True), x.device)
         for out, b in zip(outs, biases):
@@ -148,7 +148,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         if need[0]:
             dy = grads[0] if n == 1 else torch.cat(grads, dim=-1)
             w = weights[0] if n == 1 else torch.cat(weights, dim=0)
-            grad_x = comm._timed(
+            grad_x = comm.timed(
                 "reduce_scatter", _nbytes(gathered), "bwd",
                 lambda: ctx.ops.matmul_reduce_scatter(dy, w, "sum", SEQ, _group_name(comm)), dy.device)
         x2 = _flat(gathered)
@@ -164,7 +164,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, comm: Communicator, ops: FusedOps):
         name = _group_name(comm)
-        y = comm._timed("reduce_scatter", math.prod(x.shape[:-1]) * weight.shape[0] * x.element_size(), "fwd",
+        y = comm.timed("reduce_scatter", math.prod(x.shape[:-1]) * weight.shape[0] * x.element_size(), "fwd",
                         lambda: ops.matmul_reduce_scatter(x, weight.t(), "sum", SEQ, name), x.device)
         if bias is not None:
             y.add_(bias)  # on each rank's own tokens: once per token
@@ -179,7 +179,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         comm, (need_x, need_w, need_b) = ctx.comm, ctx.needs_input_grad[:3]
         grad_x = grad_w = None
         if need_x or need_w:
-            dy_full, (grad_x,) = comm._timed(
+            dy_full, (grad_x,) = comm.timed(
                 "all_gather", _nbytes(grad) * comm.size, "bwd",
                 lambda: ctx.ops.all_gather_matmul(grad, [weight], SEQ, _group_name(comm), return_A=True),
                 grad.device)
@@ -201,7 +201,7 @@ def all_gather_matmul(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
     """S -> T, then the column-parallel ``F.linear(x_full, W_i, b_i)``: ``x_local`` is
     ``[b, s / N, h]``, each result ``[b, s, out_i]``; the input gradient comes back reduce-scattered."""
     weights, biases = list(weights), list(biases)
-    return list(_run(_AllGatherMatmul, x_local, comm, ops, len(weights), *weights, *biases))
+    return list(apply_as_autocast(_AllGatherMatmul, x_local, comm, ops, len(weights), *weights, *biases))
 
 
 def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], comm: Communicator,
@@ -209,7 +209,7 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     """Row-parallel ``F.linear`` then P -> S: ``[b, s, in / N]`` -> ``[b, s / N, out]``; the bias is
     added once per token (after the reduce-scatter)."""
     _check_even(x.shape[SEQ], comm, "the row-parallel input")
-    return _run(_MatmulReduceScatter, x, weight, bias, comm, ops)
+    return apply_as_autocast(_MatmulReduceScatter, x, weight, bias, comm, ops)
 
 
 def edges_for(comm: Communicator) -> Optional["AsyncTpEdges"]:
@@ -217,7 +217,7 @@ def edges_for(comm: Communicator) -> Optional["AsyncTpEdges"]:
     or a single process: nothing to overlap, so the edges stay unfused (as CoC leaves them). A run
     of one process in a process group of one (one GPU) does take the ops, which is how one GPU
     checks the path."""
-    if comm.size == 1 and (not dist.is_initialized() or comm._process_group.size() != 1):
+    if comm.size == 1 and (not dist.is_initialized() or comm.process_group.size() != 1):
         logger.info("tp_overlap async_tp: the model-parallel group has one rank; its edges run unfused")
         return None
     return AsyncTpEdges(comm)

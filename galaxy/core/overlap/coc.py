@@ -2,7 +2,7 @@
 
 A TP block meets the residual stream through a transition and a linear. CoC fuses the pair and
 cuts the tokens into ``chunks`` pieces, so the collective of one piece runs while the matmul of
-another computes (DESIGN.md section 3; the Galaxy paper's tile-based overlap):
+another computes (docs/design.md section 3; the Galaxy paper's tile-based overlap):
 
     all_gather_linear      S -> T, then column-parallel linears sharing the input (q/k/v, gate/up)
     copy_linear            R -> T, then column-parallel linears (the input gradient is all-reduced)
@@ -49,21 +49,20 @@ time, the benchmark measures overlap.
 from __future__ import annotations
 
 import logging
-import math
 import os
-from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from galaxy.config import ConfigError, Method, Plan, balanced_split
 from galaxy.core.blocks import LAYOUTS
-from galaxy.core.comm import Communicator, _all_gather_single, _reduce_scatter_single
+from galaxy.core.comm import Communicator
 from galaxy.core.layers import ParallelLinear
+from galaxy.core.overlap.common import (apply_as_autocast, batch_major, finish_into, seq_major, start_all_gather,
+                                        start_all_reduce, start_reduce_scatter)
 from galaxy.core.transitions import Layout, transition
 
 logger = logging.getLogger(__name__)
@@ -169,16 +168,6 @@ def _token_chunks(tokens: int, chunks: int) -> list[slice]:
 # ----------------------------------------------------------------------------- tensors and matmuls
 
 
-def _seq_major(x: torch.Tensor) -> torch.Tensor:
-    """``[b, s, f]`` -> contiguous ``[s, b, f]`` (a free view when b == 1)."""
-    return x.transpose(0, 1).contiguous()
-
-
-def _batch_major(y: torch.Tensor) -> torch.Tensor:
-    """``[s, b, f]`` -> contiguous ``[b, s, f]`` (a free view when b == 1)."""
-    return y.transpose(0, 1).contiguous()
-
-
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """A contiguous ``[n, b, f]`` block as ``[n * b, f]`` matmul rows (a view)."""
     return t.view(-1, t.shape[-1])
@@ -222,77 +211,6 @@ def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- async collectives
 
 
-class _InFlight:
-    """A launched collective and the tensor its result lands in."""
-
-    def __init__(self, work: Optional[dist.Work], result: torch.Tensor, keep: tuple = ()):
-        self.work, self.result, self._keep = work, result, keep  # keep: buffers the collective reads
-
-    def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()  # NCCL: the compute stream waits, not the CPU
-            self.work, self._keep = None, ()
-        return self.result
-
-
-def _launch(comm: Communicator, op: str, nbytes: int, phase: str, device: torch.device,
-            start: Callable[[], dist.Work]) -> Optional[dist.Work]:
-    """Start an async collective through the Communicator's bookkeeping (bytes, observers)."""
-    works = []
-
-    def run() -> None:
-        work = start()
-        if comm.observers:
-            work.wait()  # an observed collective is timed, so it must finish inside the window
-        else:
-            works.append(work)
-
-    comm._timed(op, nbytes, phase, run, device)
-    return works[0] if works else None
-
-
-def _row_bytes(t: torch.Tensor) -> int:
-    return math.prod(t.shape[1:]) * t.element_size()
-
-
-def _start_all_gather(comm: Communicator, local: torch.Tensor, sizes: Sequence[int], phase: str) -> _InFlight:
-    """All-gather rank r's ``sizes[r]`` rows; the result is ``[world, max(sizes), ...]``, rank r's
-    rows first in its slot (the rest is padding)."""
-    width = max(sizes)
-    send = local
-    if local.shape[0] != width:  # uneven pieces: pad to the common width
-        send = local.new_zeros((width,) + tuple(local.shape[1:]))
-        send[: local.shape[0]].copy_(local)
-    recv = local.new_empty((comm.size * width,) + tuple(local.shape[1:]))
-    work = _launch(comm, "all_gather", sum(sizes) * _row_bytes(local), phase, local.device,
-                   lambda: _all_gather_single(recv, send, group=comm.group, async_op=True))
-    return _InFlight(work, recv.view((comm.size, width) + tuple(local.shape[1:])), (send,))
-
-
-def _start_reduce_scatter(comm: Communicator, send: torch.Tensor, sizes: Sequence[int], dest: torch.Tensor,
-                          phase: str) -> _InFlight:
-    """Reduce-scatter ``send`` (``[world * width, ...]``, rank r's rows in slot r) into ``dest``
-    (this rank's ``sizes[rank]`` rows): directly when no padding is involved, else via a buffer."""
-    width = max(sizes)
-    out = dest if dest.shape[0] == width else send.new_empty((width,) + tuple(send.shape[1:]))
-    work = _launch(comm, "reduce_scatter", sum(sizes) * _row_bytes(send), phase, send.device,
-                   lambda: _reduce_scatter_single(out, send, group=comm.group, async_op=True))
-    return _InFlight(work, out, (send,))
-
-
-def _finish_into(dest: torch.Tensor, flight: _InFlight) -> None:
-    out = flight.wait()
-    if out is not dest:
-        dest.copy_(out[: dest.shape[0]])
-
-
-def _start_all_reduce(comm: Communicator, t: torch.Tensor, phase: str) -> _InFlight:
-    """All-reduce a contiguous block in place."""
-    work = _launch(comm, "all_reduce", t.numel() * t.element_size(), phase, t.device,
-                   lambda: dist.all_reduce(t, group=comm.group, async_op=True))
-    return _InFlight(work, t)
-
-
 def _send_buffer(like: torch.Tensor, sched: ChunkSchedule, c: int, world: int, features: int) -> torch.Tensor:
     """Chunk c's reduce-scatter input ``[world * width, b, features]``; padding rows zeroed."""
     width, sizes = sched.width(c), sched.pieces[c]
@@ -313,12 +231,12 @@ class _AllGatherLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm: Communicator, sched: ChunkSchedule, n: int, *params):
         weights, biases = params[:n], params[n:]
-        xs = _seq_major(x)  # [s_local, b, h]
+        xs = seq_major(x)  # [s_local, b, h]
         me, total = comm.rank, sum(sched.seq_split)
         gathered = xs.new_empty((total,) + tuple(xs.shape[1:]))
         outs = [xs.new_empty(total, xs.shape[1], w.shape[0]) for w in weights]
         # Every chunk's input is local already: launch all all-gathers now, back to back.
-        flights = [_start_all_gather(comm, xs[sched.local(c, me)], sched.pieces[c], "fwd")
+        flights = [start_all_gather(comm, xs[sched.local(c, me)], sched.pieces[c], "fwd")
                    for c in range(sched.count)]
 
         def compute(rows: slice) -> None:
@@ -340,7 +258,7 @@ class _AllGatherLinear(torch.autograd.Function):
         ctx.has_bias = tuple(b is not None for b in biases)
         ctx.save_for_backward(gathered, *weights)
         ctx.set_materialize_grads(False)  # an unused output gets no backward work, as in F.linear
-        return tuple(_batch_major(o) for o in outs)
+        return tuple(batch_major(o) for o in outs)
 
     @staticmethod
     @once_differentiable
@@ -348,7 +266,7 @@ class _AllGatherLinear(torch.autograd.Function):
         gathered, *weights = ctx.saved_tensors
         comm, sched, n = ctx.comm, ctx.sched, ctx.n
         need = ctx.needs_input_grad
-        dys = [None if g is None else _seq_major(g) for g in grads]  # [S, b, out_i]
+        dys = [None if g is None else seq_major(g) for g in grads]  # [S, b, out_i]
         grad_x, flights = None, []
         if need[0]:
             me, h = comm.rank, gathered.shape[-1]
@@ -360,14 +278,14 @@ class _AllGatherLinear(torch.autograd.Function):
                     _input_grad_into(send[r * width: r * width + m], [_rows(d, rows) for d in dys], weights)
                 dest = grad_x[sched.local(c, me)]
                 # Chunk c's reduce-scatter runs while chunk c+1's input gradient computes.
-                flights.append((dest, _start_reduce_scatter(comm, send, sched.pieces[c], dest, "bwd")))
+                flights.append((dest, start_reduce_scatter(comm, send, sched.pieces[c], dest, "bwd")))
         # The weight gradients need no communication: they run while the last chunks are in flight.
         grad_w = [_weight_grad(d, gathered) if d is not None and need[4 + i] else None for i, d in enumerate(dys)]
         grad_b = [_flat(d).sum(0) if d is not None and ctx.has_bias[i] and need[4 + n + i] else None
                   for i, d in enumerate(dys)]
         for dest, flight in flights:
-            _finish_into(dest, flight)
-        return (None if grad_x is None else _batch_major(grad_x), None, None, None, *grad_w, *grad_b)
+            finish_into(dest, flight)
+        return (None if grad_x is None else batch_major(grad_x), None, None, None, *grad_w, *grad_b)
 
 
 class _CopyLinear(torch.autograd.Function):
@@ -396,7 +314,7 @@ class _CopyLinear(torch.autograd.Function):
             grad_x = torch.empty_like(x2)
             for rows in _token_chunks(x2.shape[0], ctx.chunks):
                 _input_grad_into(grad_x[rows], [_rows(d, rows) for d in dys], weights)
-                flights.append(_start_all_reduce(comm, grad_x[rows], "bwd"))  # overlaps the next chunk
+                flights.append(start_all_reduce(comm, grad_x[rows], "bwd"))  # overlaps the next chunk
         grad_w = [torch.mm(d.t(), x2) if d is not None and need[4 + i] else None for i, d in enumerate(dys)]
         grad_b = [d.sum(0) if d is not None and ctx.has_bias[i] and need[4 + n + i] else None
                   for i, d in enumerate(dys)]
@@ -412,7 +330,7 @@ class _LinearReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, comm: Communicator, sched: ChunkSchedule):
-        xs = _seq_major(x)  # [S, b, in_local]
+        xs = seq_major(x)  # [S, b, in_local]
         me = comm.rank  # bias: rank 0's only (added once, as ParallelLinear(style="row") does)
         out = xs.new_empty(sched.seq_split[me], xs.shape[1], weight.shape[0])
         flights = []
@@ -425,17 +343,17 @@ class _LinearReduceScatter(torch.autograd.Function):
                     _linear_into(send[r * width: r * width + m], xs[sched.rows(c, r)], weight, bias)
             dest = out[sched.local(c, me)]
             # Chunk c's reduce-scatter runs while chunk c+1's matmuls compute.
-            flights.append((dest, _start_reduce_scatter(comm, send, sched.pieces[c], dest, "fwd")))
+            flights.append((dest, start_reduce_scatter(comm, send, sched.pieces[c], dest, "fwd")))
         # This rank's partial sums for its own tokens need no communication: computing them last
         # hides the final chunk's reduce-scatter.
         own = torch.empty_like(out)
         _linear_into(own, xs[sched.shard(me)], weight, bias)
         for dest, flight in flights:
-            _finish_into(dest, flight)
+            finish_into(dest, flight)
         out.add_(own)
         ctx.comm, ctx.sched, ctx.bias_used = comm, sched, bias is not None
         ctx.save_for_backward(x, weight)
-        return _batch_major(out)
+        return batch_major(out)
 
     @staticmethod
     @once_differentiable
@@ -445,9 +363,9 @@ class _LinearReduceScatter(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if not (need_x or need_w or need_b):
             return None, None, None, None, None
-        dys, xs = _seq_major(grad), _seq_major(x)
+        dys, xs = seq_major(grad), seq_major(x)
         dy_full = dys.new_empty((sum(sched.seq_split),) + tuple(dys.shape[1:]))
-        flights = [_start_all_gather(comm, dys[sched.local(c, me)], sched.pieces[c], "bwd")
+        flights = [start_all_gather(comm, dys[sched.local(c, me)], sched.pieces[c], "bwd")
                    for c in range(sched.count)]
         grad_x = torch.empty_like(xs) if need_x else None
 
@@ -469,7 +387,7 @@ class _LinearReduceScatter(torch.autograd.Function):
         # all of dW once per chunk and round bf16 partials, while dX alone covers the gathers.
         grad_w = _weight_grad(dy_full, xs) if need_w else None
         grad_b = _flat(dy_full).sum(0) if need_b and ctx.bias_used else None
-        return (None if grad_x is None else _batch_major(grad_x)), grad_w, grad_b, None, None
+        return (None if grad_x is None else batch_major(grad_x)), grad_w, grad_b, None, None
 
 
 class _LinearAllReduce(torch.autograd.Function):
@@ -484,7 +402,7 @@ class _LinearAllReduce(torch.autograd.Function):
         flights = []
         for rows in _token_chunks(x2.shape[0], chunks):
             _linear_into(out[rows], x2[rows], weight, bias)
-            flights.append(_start_all_reduce(comm, out[rows], "fwd"))
+            flights.append(start_all_reduce(comm, out[rows], "fwd"))
         for flight in flights:
             flight.wait()
         ctx.comm, ctx.chunks, ctx.dst, ctx.bias_used = comm, chunks, dst, bias is not None
@@ -500,7 +418,7 @@ class _LinearAllReduce(torch.autograd.Function):
         grad_x = torch.empty_like(x2) if need_x else None
         if ctx.dst == "T" and (need_x or need_w or need_b):
             g2 = g2.clone()  # summed in place; the incoming gradient is not ours to modify
-            flights = [(rows, _start_all_reduce(ctx.comm, g2[rows], "bwd"))
+            flights = [(rows, start_all_reduce(ctx.comm, g2[rows], "bwd"))
                        for rows in _token_chunks(g2.shape[0], ctx.chunks)]
             for rows, flight in flights:
                 flight.wait()  # chunk c summed; later chunks still in flight under this matmul
@@ -514,28 +432,6 @@ class _LinearAllReduce(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- public API
-
-
-def _autocast_state(x: torch.Tensor) -> Optional[torch.dtype]:
-    kind = x.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-
-
-def _cast(t: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
-    """What autocast does to a linear's operands: floating tensors below fp64 go to ``dtype``."""
-    if t is None or dtype is None or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
-        return t
-    return t.to(dtype)
-
-
-def _run(fn: type[torch.autograd.Function], x: torch.Tensor, *args):
-    """Apply ``fn`` with its operands cast as autocast would, autocast off inside (it does not
-    handle the ``out=`` matmuls, and the backward needs the forward's dtypes)."""
-    dtype = _autocast_state(x)
-    args = [_cast(a, dtype) if isinstance(a, torch.Tensor) else a for a in args]
-    guard = torch.autocast(x.device.type, enabled=False) if dtype is not None else nullcontext()
-    with guard:
-        return fn.apply(_cast(x, dtype), *args)
 
 
 def _check(chunks: int, comm: Communicator, seq_split: Optional[Sequence[int]] = None) -> None:
@@ -570,7 +466,7 @@ def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
         full = transition(x_local, Layout.S, Layout.T, comm, seq_split)
         return [F.linear(full, w, b) for w, b in zip(weights, biases)]
     sched = ChunkSchedule.build(seq_split, chunks)
-    return list(_run(_AllGatherLinear, x_local, comm, sched, len(weights), *weights, *biases))
+    return list(apply_as_autocast(_AllGatherLinear, x_local, comm, sched, len(weights), *weights, *biases))
 
 
 def copy_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Optional[Sequence[Optional[torch.Tensor]]],
@@ -582,7 +478,7 @@ def copy_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Option
     if comm.size == 1 or chunks == 1:
         full = transition(x, Layout.R, Layout.T, comm, ())
         return [F.linear(full, w, b) for w, b in zip(weights, biases)]
-    return list(_run(_CopyLinear, x, comm, chunks, len(weights), *weights, *biases))
+    return list(apply_as_autocast(_CopyLinear, x, comm, chunks, len(weights), *weights, *biases))
 
 
 def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias_on_rank0: Optional[torch.Tensor],
@@ -598,7 +494,7 @@ def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias_on_rank0: 
     sched = ChunkSchedule.build(seq_split, chunks)
     # Off rank 0 the bias must not enter the graph at all: a None gradient returned for an input
     # still fires its post-accumulate-grad hooks (which data-parallel bucketing counts).
-    return _run(_LinearReduceScatter, x, weight, bias_on_rank0 if comm.rank == 0 else None, comm, sched)
+    return apply_as_autocast(_LinearReduceScatter, x, weight, bias_on_rank0 if comm.rank == 0 else None, comm, sched)
 
 
 def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias_on_rank0: Optional[torch.Tensor],
@@ -611,7 +507,7 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias_on_rank0: Opti
     if comm.size == 1 or chunks == 1:
         y = F.linear(x, weight, bias_on_rank0 if comm.rank == 0 else None)
         return transition(y, Layout.P, Layout(dst), comm, ())
-    return _run(_LinearAllReduce, x, weight, bias_on_rank0 if comm.rank == 0 else None, comm, chunks, dst)
+    return apply_as_autocast(_LinearAllReduce, x, weight, bias_on_rank0 if comm.rank == 0 else None, comm, chunks, dst)
 
 
 # ----------------------------------------------------------------------------- block boundaries
@@ -622,7 +518,7 @@ class CocBoundaries:
     linears, and its last linear + ``Boundaries.leave``, each fused into one overlapped call.
 
     With ``plan.tp_overlap == "async_tp"`` the same edges run torch's symmetric-memory fused ops
-    instead (``galaxy.kernels.async_tp``), chunks ignored.
+    instead (``galaxy.core.overlap.async_tp``), chunks ignored.
 
     It fuses only where the fusion is exact: a TP block, a group of more than one rank, more than
     one chunk (or async TP), and plain ``ParallelLinear`` modules without forward hooks (a wrapped or hooked
@@ -634,10 +530,10 @@ class CocBoundaries:
         self.comm, self.plan, self.chunks = comm, plan, chunks
         self.stream = LAYOUTS[plan.con][1]
         # tp_overlap async_tp: the same edges on torch's symmetric-memory fused ops instead of chunks
-        # (galaxy.kernels.async_tp; the config has checked the plan has S <-> T edges, evenly split).
+        # (galaxy.core.overlap.async_tp; the config has checked the plan has S <-> T edges, evenly split).
         self.async_tp = None
         if plan.tp_overlap == "async_tp":
-            from galaxy.kernels import async_tp  # it builds on this module's helpers
+            from galaxy.core.overlap import async_tp  # it builds on this module's helpers
 
             if type(self) is not CocBoundaries:
                 raise ConfigError("config key 'tp_overlap' async_tp does not combine with lora_fusion (CCLoRA); "

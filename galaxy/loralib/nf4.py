@@ -31,9 +31,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from galaxy.kernels._backend import resolve_backend_for
-from galaxy.kernels.nf4_format import BLOCK, NF4_VALUES, SCALE_BLOCK, NF4Rows, _nf4_code, dynamic_code
-from galaxy.kernels.quantized_linear import dequantized_linear
+from galaxy.kernels import resolve_backend_for
+from galaxy.loralib.nf4_format import BLOCK, NF4_VALUES, SCALE_BLOCK, NF4Rows, nf4_code, dynamic_code
+from galaxy.loralib.quantized_linear import dequantized_linear
 
 NF4_BACKENDS = ("auto", "torch", "triton", "bnb")
 
@@ -53,7 +53,7 @@ def quantize_nf4(w: torch.Tensor) -> NF4Rows:
     x = F.pad(w.float(), (0, blocks * BLOCK - cols)).view(rows, blocks, BLOCK)
     absmax = x.abs().amax(dim=-1)
     scaled = (x * (1.0 / absmax.clamp(min=1e-38)).unsqueeze(-1)).clamp(-1, 1)
-    q = _nearest(scaled.reshape(rows, -1), _nf4_code(w.device))
+    q = _nearest(scaled.reshape(rows, -1), nf4_code(w.device))
     packed = (q[:, 0::2] << 4) | q[:, 1::2]
     # Double quantization of the absmax, per row: offset = mean, blocks of 256 of (absmax - offset).
     offset = absmax.mean(dim=1)
@@ -79,7 +79,7 @@ def dequantize_nf4(q: NF4Rows, dtype: torch.dtype = torch.float32) -> torch.Tens
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     rows, blocks = q.absmax_code.shape
     codes = torch.stack([q.packed >> 4, q.packed & 0xF], dim=-1).view(rows, blocks, BLOCK).long()
-    values = _nf4_code(q.packed.device).to(compute)[codes]
+    values = nf4_code(q.packed.device).to(compute)[codes]
     w = values * dequantize_absmax(q).to(compute).unsqueeze(-1)
     return w.view(rows, blocks * BLOCK)[:, : q.cols].to(dtype)
 
@@ -119,11 +119,18 @@ def resolve_nf4_backend(backend: str, device: torch.device, dtype: torch.dtype, 
     return resolve_backend_for(backend, device, dtype)
 
 
+def triton_dequantize(q: NF4Rows, dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize_nf4`` in one Triton launch (``galaxy.kernels.triton_nf4``)."""
+    from galaxy.kernels.triton_nf4 import nf4_dequantize
+
+    device = q.packed.device
+    return nf4_dequantize(q.packed, q.absmax_code, q.absmax_scale, q.absmax_offset, q.cols, nf4_code(device),
+                          dynamic_code(device), BLOCK, SCALE_BLOCK, dtype)
+
+
 def _dequantize(q: NF4Rows, dtype: torch.dtype, backend: str) -> torch.Tensor:
     if backend == "triton":
-        from galaxy.kernels.triton_nf4 import nf4_dequantize
-
-        return nf4_dequantize(q, dtype)
+        return triton_dequantize(q, dtype)
     return _bnb_dequantize(q, dtype) if backend == "bnb" else dequantize_nf4(q, dtype)
 
 

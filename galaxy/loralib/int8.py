@@ -2,7 +2,7 @@
 (``int8_vectorwise_quant`` without outlier columns): each row keeps its absmax (fp32) and
 ``round(w * 127 / absmax)`` as int8; dequantized as ``code * absmax / 127`` (bitsandbytes multiplies
 by the fp32 reciprocal 1/127). A row is quantized on its own, so a shard of whole rows holds the
-serial quantization of those rows, as with NF4 (``galaxy.kernels.nf4``). 1 byte a weight + 4 a row."""
+serial quantization of those rows, as with NF4 (``galaxy.loralib.nf4``). 1 byte a weight + 4 a row."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from galaxy.kernels.quantized_linear import dequantized_linear
+from galaxy.loralib.quantized_linear import dequantized_linear
 
 INV_127 = 7.874015718698502e-3  # bitsandbytes' 1 / 127
 
