@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import galaxy.kernels as K  # noqa: E402
 from galaxy.kernels import reference as R  # noqa: E402
+from tests import REPO  # noqa: E402
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 BF16 = dict(rtol=2e-2, atol=2e-2)
@@ -193,7 +194,7 @@ def test_kernels_compile_for_cuda_without_gpu(tmp_path):
 
 
 def _subprocess_env(**extra):
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = REPO
     return dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
 
 
@@ -696,7 +697,7 @@ def test_bench_script_smoke(triton_cpu, tmp_path, monkeypatch):
     import importlib.util
     import json
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = REPO
     spec = importlib.util.spec_from_file_location("bench_kernels", os.path.join(root, "bench", "bench_kernels.py"))
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_kernels", bench)  # dataclasses look their module up

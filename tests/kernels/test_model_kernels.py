@@ -19,7 +19,7 @@ from galaxy.core.context import ParallelContext  # noqa: E402
 from galaxy.core.grad_sync import GradientSync, gather_full  # noqa: E402
 from galaxy.models.bert import BertForMaskedLM  # noqa: E402
 from galaxy.models.llama import LlamaForCausalLM  # noqa: E402
-from tests.test_recompute import make_batch as padded_batch  # noqa: E402
+from tests.core.test_recompute import make_batch as padded_batch  # noqa: E402
 
 SEQ, BATCH = 9, 2
 LLAMA = dict(model_type="llama", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

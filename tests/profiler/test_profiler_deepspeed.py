@@ -5,7 +5,7 @@ import torch
 
 from galaxy.profiler import get_model_profile
 
-from conftest import tiny_bert_config
+from tests.profiler.conftest import tiny_bert_config
 
 
 def _deepspeed_get_model_profile():

@@ -21,7 +21,7 @@ from galaxy.profiler import (
     lookup_peak_tflops,
 )
 
-from conftest import BATCH, SEQ, VOCAB
+from tests.profiler.conftest import BATCH, SEQ, VOCAB
 
 aten = torch.ops.aten
 

@@ -28,8 +28,9 @@ from galaxy.profiler import (
     transition_label,
 )
 from galaxy.profiler.parallel import partial_grad_bytes
+from tests import REPO  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = REPO
 
 B, S, H, V, FFN = 4, 24, 32, 300, 64
 FP32 = 4

@@ -1,0 +1,70 @@
+"""``bench/bench_edge.py --quick``: one tiny scenario on an emulated cluster, end to end (profile under
+the emulator, search, every contender measured, JSON, PNG and the markdown table). Skips where
+emulation is unavailable (root, iproute2, cgroup v1 cpu)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from galaxy.emulate import missing_prerequisite
+from tests import REPO  # noqa: E402
+
+ROOT = REPO
+MISSING = missing_prerequisite()
+
+
+@pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+def test_quick_scenario_end_to_end(tmp_path):
+    out = subprocess.run([sys.executable, "bench/bench_edge.py", "--quick", "--out", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "edge_bert.png").stat().st_size > 0
+    (scenario,) = json.loads((tmp_path / "edge_bert.json").read_text())["scenarios"]
+    rows = scenario["latency"]["contenders"]
+    assert set(rows) == {"alone", "tp", "planned"}
+    for name, row in rows.items():
+        assert row["measured"]["forward"]["median_ms"] > 0 and row["predicted_ms"] > 0, name
+        if name != "planned":
+            assert row["measured"]["forward"]["reps"] == 2, name
+    assert rows["alone"]["measured"]["world"] == 1 and rows["tp"]["measured"]["plan"] == "tp"
+    # the planned contender is the planner's top plan as its validation run (on the cluster) measured it
+    top = scenario["latency"]["planner_table"][0]
+    assert rows["planned"]["plan"] == top["plan"] and rows["planned"]["measured"]["forward"]["median_ms"] == \
+        top["measured_ms"] > 0
+    verdict = scenario["latency"]["verdict"]
+    assert verdict["fastest"] in rows and len(verdict["validation_error"]) == 1
+    assert scenario["cpu_emulation"] == "dilate" and "| bert | 1:2 | dilate | 1000 | latency |" in out.stdout and "prediction error, validated plans" in out.stdout
+
+    # bench/edge_breakdown.py on this result: the TP contender again, per rank, next to the same prediction
+    out = subprocess.run([sys.executable, "bench/edge_breakdown.py", str(tmp_path / "edge_bert.json"), "--methods",
+                          "TP/None/TP", "--warmup", "1", "--reps", "2"], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    breakdown = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["rank"] for r in breakdown["measured"]] == [0, 1] == [r["rank"] for r in breakdown["predicted"]]
+    for r in breakdown["measured"]:
+        assert r["total_ms"] > 0 and r["compute_ms"] > 0 and r["collectives_ms"] > 0, r
+    for r in breakdown["predicted"]:
+        assert r["total_ms"] == pytest.approx(rows["tp"]["predicted_ms"], rel=1e-3), r
+        assert 0 < r["compute_ms"] < r["total_ms"], r
+
+
+@pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+def test_share_bench_measures_a_half_core_as_about_twice_as_slow(tmp_path):
+    """``bench/bench_share.py``: at half a core, pieces of 20 ms take about twice a free core's time
+    under both modes; pieces of 2 ms right after a 5 ms wait too, under "dilate" (under "cores" the
+    scheduler's slice lets them run faster, which is why "dilate" exists)."""
+    path = tmp_path / "share.json"
+    out = subprocess.run([sys.executable, "bench/bench_share.py", "--modes", "cores,dilate", "--pieces", "2,20",
+                          "--waits", "0,5", "--seconds", "0.4", "--out", str(path)], cwd=ROOT, capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    modes = json.loads(path.read_text())["modes"]
+    for mode, rows in modes.items():
+        assert [(r["piece_ms"], r["wait_ms"]) for r in rows] == [(2, 0), (2, 5), (20, 0), (20, 5)]
+        for r in rows:  # dilate: 2x plus the dispatch mode's own ~10 us per op (ops of ~50 us here)
+            if mode == "dilate" or r["piece_ms"] == 20:
+                assert 1.6 < r["ratio"] < (3.2 if mode == "dilate" else 2.7), (mode, r)

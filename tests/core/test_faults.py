@@ -1,0 +1,109 @@
+"""A rank killed (SIGKILL) or frozen (SIGSTOP) mid-training is named by the survivors, which exit
+within the collective timeout instead of hanging (galaxy.core.heartbeat): ranks started as separate
+processes, one shell each, and ranks started by the local launcher, which names the killed one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from galaxy.cli.args import build_parser, load_config
+from galaxy.cli.launch import Launch, free_port, launch_ranks
+from galaxy.cli.pretrain import DEFAULT_BERT
+from tests import REPO  # noqa: E402
+
+ROOT = REPO
+TIMEOUT_S = 15  # the collective timeout the runs get; survivors must be gone within it
+# A tiny data-parallel run (every rank a dp rank) that would train for hours if the survivors did not stop.
+ARGS = ["pretrain_dp_bert.py", "--no_progress", "--max_steps", "100000",
+        "--override", f"timeout_s={TIMEOUT_S}", "--override", "global_batch_size=12", "--override", "seq_length=16",
+        "--override", "hidden_size=32", "--override", "intermediate_size=64", "--override", "num_hidden_layers=1",
+        "--override", "vocab_size=128", "--override", "warmup_steps=0"]
+
+
+def kill_all(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+@pytest.mark.parametrize("world,victim,sig", [
+    (3, 2, signal.SIGKILL),
+    (2, 0, signal.SIGKILL),  # rank 0 also hosts the rendezvous store
+    (2, 1, signal.SIGSTOP),  # frozen with its sockets open: no collective fails, the watchdog ends the survivor
+])
+def test_survivors_name_a_dead_rank_and_exit(tmp_path, world, victim, sig):
+    """Ranks started one per shell (``--rank r``); one is killed (or frozen) after a few steps."""
+    metrics = tmp_path / "m.jsonl"
+    env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               OMP_NUM_THREADS="1")
+    logs = [open(tmp_path / f"rank{r}.err", "w+") for r in range(world)]
+    procs = [subprocess.Popen([sys.executable] + ARGS + ["--world", str(world), "--rank", str(r), "--metrics_file",
+                                                         str(metrics)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                              stderr=logs[r]) for r in range(world)]
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):  # mid-training
+            assert all(p.poll() is None for p in procs), "a rank ended before the kill"
+            assert time.monotonic() < deadline, "training never got going"
+            time.sleep(0.05)
+        procs[victim].send_signal(sig)
+        killed_at = time.monotonic()
+        survivors = [r for r in range(world) if r != victim]
+        for r in survivors:
+            try:
+                procs[r].wait(timeout=max(0.1, killed_at + TIMEOUT_S - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"rank {r} still runs {TIMEOUT_S} s after rank {victim} was killed")
+        elapsed = time.monotonic() - killed_at
+    finally:
+        kill_all(procs)
+    errs = []
+    for log in logs:
+        log.seek(0)
+        errs.append(log.read())
+        log.close()
+    for r in survivors:
+        err = errs[r]
+        assert procs[r].returncode == 1, err[-2000:]
+        if sig == signal.SIGKILL:  # a collective failed: the CLI's one line names the rank
+            last = [l for l in err.splitlines() if l.startswith(f"error (rank {r}): ")]
+            assert last and f"rank {victim} stopped responding" in last[-1], err[-2000:]
+        else:
+            assert f"rank {victim} stopped responding (no heartbeat for" in err and "so it exits now" in err, \
+                err[-2000:]
+    assert elapsed < TIMEOUT_S
+
+
+def train_then_die(rank: int, launch: Launch, payload) -> None:
+    """A launcher child: trains; rank 1 kills itself (SIGKILL) after step 3."""
+    from galaxy.models import build_model
+    from galaxy.cli.launch import rank_context
+    from galaxy.train.loop import train
+    from galaxy.data.pretraining import mlm_data
+
+    cfg = payload
+    ctx = rank_context(rank, launch, cfg, "WARNING")
+
+    def on_step(step: int, loss: float) -> None:
+        if rank == 1 and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    model = build_model(cfg, cfg.resolve_plan(ctx.mp.size), ctx)
+    train(model, mlm_data(cfg)[0], cfg, ctx, progress=False, on_step=on_step)
+
+
+def test_launcher_names_the_killed_rank_and_stops_the_others(capfd):
+    cfg = load_config(build_parser("").parse_args(ARGS[1:] + ["--override", "dp_size=2"]), DEFAULT_BERT)
+    start = time.monotonic()
+    code = launch_ranks(train_then_die, Launch(2, None, None, None), cfg, cfg)
+    assert code == 1
+    assert time.monotonic() - start < 120
+    err = capfd.readouterr().err
+    assert "error: rank 1 was killed by SIGKILL; the other ranks were stopped" in err, err[-2000:]
