@@ -16,10 +16,11 @@ setup(
     ],
     entry_points={"console_scripts": ["galaxy = galaxy.cli.main:main"]},
     extras_require={
-        "test": ["pytest", "transformers>=4.44", "peft", "deepspeed", "matplotlib",
+        "test": ["pytest", "transformers>=4.44", "peft", "deepspeed", "matplotlib", "tensorboard",
                  "triton>=3.7; platform_system=='Linux'"],
         "plot": ["matplotlib"],
         "gpu": ["triton>=3.2"],
         "profile": ["deepspeed"],
+        "tensorboard": ["tensorboard"],
     },
 )

@@ -141,6 +141,9 @@ class TrainConfig:
     # next step) | 'async' (the tensors are copied to CPU, written while training goes on; the next save
     # and the end of training wait for it).
     checkpoint_async_mode: str = "disabled"
+    # Peak dense TFLOP/s of one device, for MFU (also --peak_tflops); None: looked up for known GPUs
+    # (galaxy/profiler/devices.py), none on CPU, where MFU is then not reported.
+    peak_tflops: Optional[float] = None
 
 
 @dataclass
@@ -583,6 +586,9 @@ class GalaxyConfig:
         if not t.min_loss_scale > 0 or t.initial_loss_scale < t.min_loss_scale:
             raise ConfigError(f"config keys 'initial_loss_scale' ({t.initial_loss_scale}) and 'min_loss_scale' "
                               f"({t.min_loss_scale}) must be positive with initial >= min")
+        if t.peak_tflops is not None and not t.peak_tflops > 0:
+            raise ConfigError(f"config key 'peak_tflops' must be positive (dense TFLOP/s of one device), got "
+                              f"{t.peak_tflops}; leave it unset to look it up for known GPUs")
         for key, least in (("loss_scale_window", 1), ("eval_every", 0), ("eval_iters", 1)):
             if getattr(t, key) < least:
                 raise ConfigError(f"config key '{key}' must be at least {least}, got {getattr(t, key)}")

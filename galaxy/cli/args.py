@@ -30,6 +30,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="set any config key, flat names included (repeatable), e.g. hidden_dropout_prob=0")
     p.add_argument("--summary_json", default=None, help="write the final summary as JSON here (rank 0)")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="write TensorBoard event files here (rank 0): loss, lr, grad norm, tokens/s, tokens/s per "
+                        "GPU, MFU, peak memory (needs the tensorboard package)")
+    p.add_argument("--peak_tflops", type=float, default=None,
+                   help="peak dense TFLOP/s of one device, for MFU (default: config key peak_tflops, else looked up "
+                        "for known GPUs; on CPU MFU is not reported without it)")
     p.add_argument("--profile_step", type=int, default=None, metavar="K",
                    help="profile training step K (1-based): rank 0 prints its FLOPs/communication report")
     p.add_argument("--profile_json", default=None, help="with --profile_step: write the profile as JSON here (rank 0)")

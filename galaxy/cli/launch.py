@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from galaxy.cli.args import check_checkpoint_flags, check_profile_step, resume_path
-from galaxy.cli.output import setup_logging
+from galaxy.cli.output import check_metrics_flags, setup_logging
 from galaxy.config import PLAN_PRESETS, ConfigError, GalaxyConfig
 from galaxy.emulate import Cluster, cgroups, run_emulated
 from galaxy.emulate.launch import describe_exit
@@ -252,6 +252,7 @@ def plan_launch(args: argparse.Namespace, cfg: GalaxyConfig, plan: str, strict: 
     cfg.resolve_plan(cfg.mp_size(launch.world))
     check_profile_step(args, cfg)
     check_checkpoint_flags(args)
+    check_metrics_flags(args)
     check_engine(cfg)
     return launch
 
@@ -265,7 +266,8 @@ def train_from_args(model, batch_at, cfg: GalaxyConfig, ctx, args: argparse.Name
 
     result = train(model, batch_at, cfg, ctx, metrics_file=args.metrics_file, progress=not args.no_progress,
                    profile_step=args.profile_step, profile_json=args.profile_json, save_dir=args.save_dir,
-                   save_every=args.save_every, resume=resume_path(args), keep_last=args.keep_last, eval_at=eval_at)
+                   save_every=args.save_every, resume=resume_path(args), keep_last=args.keep_last, eval_at=eval_at,
+                   tensorboard_dir=args.tensorboard, peak_tflops=args.peak_tflops)
     if ctx.rank == 0 and result.profile_report is not None:
         print(result.profile_report, flush=True)
     return result

@@ -21,6 +21,19 @@ def bad_input(error: Exception) -> int:
 
 
 
+def check_metrics_flags(args) -> None:
+    """``--tensorboard`` needs the tensorboard package; ``--peak_tflops`` must be positive (ConfigError)."""
+    from galaxy.config import ConfigError
+    from galaxy.train.metrics import check_tensorboard_installed
+
+    if getattr(args, "tensorboard", None):
+        check_tensorboard_installed()
+    peak = getattr(args, "peak_tflops", None)
+    if peak is not None and not peak > 0:
+        raise ConfigError(f"--peak_tflops must be positive (dense TFLOP/s of one device), got {peak}")
+
+
+
 def print_summary(title: str, fields: dict, path: Optional[str]) -> None:
     width = max(len(k) for k in fields)
     print(f"\n== {title} ==")

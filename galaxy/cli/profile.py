@@ -57,8 +57,6 @@ def parser():
     p.add_argument("--meta", action="store_true",
                    help="shapes only: build and run on meta-backed fake tensors, no memory or compute (one rank)")
     p.add_argument("--json", default=None, help="write every number as JSON here (rank 0)")
-    p.add_argument("--peak_tflops", type=float, default=None,
-                   help="peak dense TFLOP/s per rank for MFU (default: looked up for known GPUs)")
     p.add_argument("--warm_up", type=int, default=None, help="unprofiled steps first (default 1; 0 with --meta)")
     p.add_argument("--module_depth", type=int, default=-1, help="deepest module level in the report (-1: all)")
     p.add_argument("--top_modules", type=int, default=1, help="modules per depth in the aggregated view")

@@ -34,6 +34,7 @@ from galaxy.core.grad_sync import GradReducer, check_replicated, global_grad_nor
     takes_weight_decay
 from galaxy.core.pipeline import PipelineRunner, PipelineStepResult, StageSpec, analytic_bubble
 from galaxy.train.evaluate import evaluate
+from galaxy.train.metrics import PeakFlops, TensorBoardWriter, peak_flops_per_device, step_model_flops, throughput
 from galaxy.train.microbatch import split_rows
 from galaxy.train.precision import LossScaler, first_nonfinite_module, first_nonfinite_parameter
 
@@ -47,6 +48,9 @@ class TrainResult:
     steps: int = 0
     losses: list[float] = field(default_factory=list)
     tokens_per_s: float = 0.0
+    tokens_per_s_per_gpu: float = 0.0  # tokens_per_s over the world size (galaxy.train.metrics)
+    mfu: Optional[float] = None  # model FLOPs utilisation; None without a known peak (then ``peak`` says why)
+    peak: Optional[PeakFlops] = None
     step_time_s: float = 0.0
     peak_mem_mb: float = 0.0
     comm_bytes_per_step: float = 0.0
@@ -65,10 +69,17 @@ class TrainResult:
             "first_loss": self.losses[0] if self.losses else None,
             "final_loss": self.losses[-1] if self.losses else None,
             "tokens_per_s": round(self.tokens_per_s, 1),
+            "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 1),
+            "mfu": None if self.mfu is None else round(self.mfu, 4),
+        }
+        if self.mfu is None and self.peak is not None:
+            fields["mfu_note"] = self.peak.source  # why there is none
+        fields.update({
+            "peak_tflops": self.peak.tflops if self.peak else None,
             "step_time_s": round(self.step_time_s, 4),
             "peak_mem_mb": round(self.peak_mem_mb, 1),
             "comm_mb_per_step": round(self.comm_bytes_per_step / 2**20, 3),
-        }
+        })
         if self.skipped_steps:
             fields["skipped_steps"] = self.skipped_steps
         if self.eval:
@@ -453,7 +464,8 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
           on_step: Optional[Callable[[int, float], None]] = None, profile_step: Optional[int] = None,
           profile_json: Optional[str] = None, save_dir: Optional[str] = None, save_every: int = 0,
           resume: Optional[str] = None, keep_last: Optional[int] = None,
-          eval_at: Optional[Callable[..., dict]] = None) -> TrainResult:
+          eval_at: Optional[Callable[..., dict]] = None, tensorboard_dir: Optional[str] = None,
+          peak_tflops: Optional[float] = None) -> TrainResult:
     """Run ``cfg.train.max_steps`` optimizer steps; ``batch_at(step)`` returns the step's global batch
     (a batcher that also takes ``shard=(dp_rank, dp_size)`` is asked for this dp rank's rows only).
     ``model`` is this rank's pipeline stage when ``ctx.pp.size > 1``. ``profile_step`` K (1-based):
@@ -465,7 +477,11 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
     (``checkpoint_async_mode: async``: written while the next steps run; the next save and the end of
     training wait for it, and a failed write stops the run with one line).
     ``eval_at(i)``: the held-out split's i-th global batch; with ``eval_every`` N, ``eval_iters`` of
-    them are evaluated after every N-th step and the last (``galaxy.train.evaluate``)."""
+    them are evaluated after every N-th step and the last (``galaxy.train.evaluate``).
+    Every step's tokens/s, tokens/s per device and MFU (``galaxy.train.metrics``; MFU against
+    ``peak_tflops``, else the config's, else the table's peak for the GPU, None on CPU) go into the
+    metrics and the progress bar, their means over the timed steps into the result; rank 0 writes
+    every metric to TensorBoard event files in ``tensorboard_dir``."""
     t = cfg.train
     if (save_dir or resume) and cfg.parallel.dp_engine == "deepspeed":
         raise ConfigError("config key 'dp_engine' is 'deepspeed', whose engine keeps the optimizer state in its own "
@@ -492,13 +508,15 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
     amp()  # refuse an unsupported dtype before the first step
     is_main = ctx.rank == 0
     metrics = open(metrics_file, "a") if (metrics_file and is_main) else None
+    peak = peak_flops_per_device(ctx.device, t.dtype, peak_tflops if peak_tflops is not None else t.peak_tflops)
+    tensorboard = TensorBoardWriter(tensorboard_dir) if (tensorboard_dir and is_main) else None
     bar = None
     if progress and is_main:
         from tqdm import tqdm
 
         bar = tqdm(total=t.max_steps, desc="train", unit="step", dynamic_ncols=True)
     result = TrainResult()
-    timed_steps, timed_seconds, timed_tokens = 0, 0.0, 0
+    timed_steps, timed_seconds, timed_tokens, timed_flops = 0, 0.0, 0, 0.0
     bubble_sum = 0.0
     pending = None  # checkpoint_async_mode 'async': the save still being written
     model.train()
@@ -516,16 +534,19 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
             if profiler is not None and profiler.after_step(step + 1) is not None:  # a collective at step K
                 result.profile, result.profile_report = profiler.result, profiler.report
             tokens = batch["input_ids"].numel() * ctx.dp.size
+            flops = step_model_flops(cfg, tokens, batch["input_ids"].shape[-1])
+            rates = throughput(tokens, flops, elapsed, ctx.world_size, peak)
             profiled = step + 1 == profile_step and t.max_steps > 1  # its hooks slow it down
             if (step > start_step or t.max_steps == 1) and not profiled:  # the first step pays for warm-up
                 timed_steps, timed_seconds, timed_tokens = timed_steps + 1, timed_seconds + elapsed, timed_tokens + tokens
+                timed_flops += flops
                 bubble_sum += trainer.last_step.bubble
             result.losses.append(loss)
             comm_bytes = trainer.comm_bytes() - bytes_before
             grad_norm = outcome.grad_norm.item()
             record = {"step": step + 1, "loss": loss, "lr": trainer.schedule.get_last_lr()[0],
                       "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no NaN
-                      "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
+                      **rates, "step_time_s": elapsed,
                       "peak_mem_mb": peak_memory_mb(ctx.device), "comm_bytes": comm_bytes}
             if ctx.pp.size > 1:
                 record["bubble"] = trainer.last_step.bubble  # this rank's stage (rank 0: the first)
@@ -541,10 +562,16 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
             if metrics:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
+            if tensorboard is not None:
+                tensorboard.write(record)
             if bar is not None:
                 bar.update(1)
                 if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
-                    bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / elapsed:.0f}")
+                    shown = {"loss": f"{loss:.4f}", "tok_s": f"{rates['tokens_per_s']:.0f}",
+                             "tok_s_gpu": f"{rates['tokens_per_s_per_gpu']:.0f}"}
+                    if rates["mfu"] is not None:
+                        shown["mfu"] = f"{rates['mfu']:.1%}"
+                    bar.set_postfix(shown)
             if on_step:
                 on_step(step + 1, loss)
             if save_dir and ((save_every and (step + 1) % save_every == 0) or step + 1 == t.max_steps):
@@ -575,10 +602,15 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
             bar.close()
         if metrics:
             metrics.close()
+        if tensorboard is not None:
+            tensorboard.close()
         trainer.grad_sync.remove()
     result.steps = t.max_steps
     result.step_time_s = timed_seconds / max(timed_steps, 1)
-    result.tokens_per_s = timed_tokens / timed_seconds if timed_seconds else 0.0
+    totals = throughput(timed_tokens, timed_flops, timed_seconds, ctx.world_size, peak)
+    result.tokens_per_s, result.tokens_per_s_per_gpu, result.mfu = (totals["tokens_per_s"],
+                                                                    totals["tokens_per_s_per_gpu"], totals["mfu"])
+    result.peak = peak
     result.peak_mem_mb = peak_memory_mb(ctx.device)
     if ctx.pp.size > 1:
         result.bubble_measured = trainer.gather_over_stages(bubble_sum / max(timed_steps, 1))

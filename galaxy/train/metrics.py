@@ -1,0 +1,133 @@
+"""What a run reports about its speed and where it writes it: tokens/s, tokens/s per device, MFU,
+and the TensorBoard event files of ``--tensorboard``.
+
+* tokens/s: the tokens of the step's global batch (padding included) over the step's wall time;
+  per device: that over the world size (every rank of dp x pp x mp), as torchtitan's logs report.
+* MFU, model FLOPs utilisation, as torchtitan and PaLM define it: the model FLOPs a device achieves
+  per second over its peak,
+
+      mfu = model_flops_of_the_step / step_time_s / world_size / peak_flops_per_device
+
+  with the model FLOPs of ``galaxy.profiler.model_flops`` (full training: ``6 * N + 12 * L * H * S``
+  per token, N the matmul weights, L layers, H hidden size, S the batch's sequence length) and the
+  peak from ``peak_tflops`` (``--peak_tflops`` or the config key), else from
+  ``galaxy.profiler.devices.PEAK_TFLOPS`` for rank 0's GPU and the run's dtype (bfloat16 / float16:
+  the tensor-core peak; float32: TF32's where torch lets matmuls use TF32, else plain FP32). A CPU,
+  an unknown accelerator or float64 has no peak to divide by: MFU is then None, never a guess.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from galaxy.config import ConfigError, GalaxyConfig
+from galaxy.profiler.devices import lookup_peak_tflops
+from galaxy.profiler.model_flops import training_flops_per_token
+
+logger = logging.getLogger(__name__)
+
+TENSORBOARD_MISSING = "--tensorboard needs the tensorboard package, which is not installed: pip install tensorboard"
+
+# The run's dtype -> the key of galaxy.profiler.devices.PEAK_TFLOPS (float32 is decided at run time: TF32 or not).
+PEAK_KEYS = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+@dataclass(frozen=True)
+class PeakFlops:
+    """The peak FLOP/s of one device that MFU divides by, and where it came from (or why there is none)."""
+
+    flops_per_s: Optional[float]
+    source: str
+
+    @property
+    def tflops(self) -> Optional[float]:
+        return None if self.flops_per_s is None else self.flops_per_s / 1e12
+
+
+def peak_flops_per_device(device: torch.device, dtype: str, peak_tflops: Optional[float] = None) -> PeakFlops:
+    """``peak_tflops`` (dense TFLOP/s) when given, else the table's peak for ``device`` (a CUDA GPU
+    named in ``PEAK_TFLOPS``) and the run's ``dtype`` name (``train.dtype``), else none."""
+    if peak_tflops is not None:
+        return PeakFlops(peak_tflops * 1e12, "peak_tflops")
+    if device.type != "cuda":
+        return PeakFlops(None, f"no peak FLOP/s is known for a {device.type} device; pass --peak_tflops")
+    name = torch.cuda.get_device_name(device)
+    if dtype == "float32":
+        key = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+    else:
+        key = PEAK_KEYS.get(dtype)
+    peak = lookup_peak_tflops(name, key) if key else None
+    if peak is None:
+        return PeakFlops(None, f"no peak FLOP/s is known for {name} in {dtype}; pass --peak_tflops")
+    return PeakFlops(peak * 1e12, f"{name}, {key} dense")
+
+
+def step_model_flops(cfg: GalaxyConfig, tokens: int, seq_length: int) -> float:
+    """Model FLOPs of a training step over ``tokens`` tokens in sequences of ``seq_length``."""
+    return tokens * training_flops_per_token(cfg.model, seq_length, cfg.peft.tuning, cfg.train.task)
+
+
+def throughput(tokens: float, model_flops: float, seconds: float, world_size: int, peak: PeakFlops) -> dict:
+    """``tokens_per_s``, ``tokens_per_s_per_gpu`` and ``mfu`` (None without a peak) of ``tokens``
+    tokens and ``model_flops`` FLOPs computed by ``world_size`` devices in ``seconds``."""
+    if seconds <= 0:
+        return {"tokens_per_s": 0.0, "tokens_per_s_per_gpu": 0.0, "mfu": None}
+    tokens_per_s = tokens / seconds
+    mfu = model_flops / seconds / world_size / peak.flops_per_s if peak.flops_per_s else None
+    return {"tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / world_size, "mfu": mfu}
+
+
+def check_tensorboard_installed() -> None:
+    """Raise the one-line ``ConfigError`` of a missing tensorboard package (before any rank starts)."""
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise ConfigError(TENSORBOARD_MISSING) from None
+
+
+class TensorBoardWriter:
+    """Rank 0's TensorBoard event files: one scalar per metric and step, from the metrics record."""
+
+    # metrics record key -> TensorBoard tag; eval_* keys go under eval/.
+    TAGS = {
+        "loss": "train/loss",
+        "lr": "train/lr",
+        "grad_norm": "train/grad_norm",
+        "loss_scale": "train/loss_scale",
+        "tokens_per_s": "throughput/tokens_per_s",
+        "tokens_per_s_per_gpu": "throughput/tokens_per_s_per_gpu",
+        "mfu": "throughput/mfu",
+        "step_time_s": "throughput/step_time_s",
+        "peak_mem_mb": "memory/peak_mem_mb",
+        "comm_bytes": "comm/bytes",
+    }
+
+    def __init__(self, log_dir: str):
+        check_tensorboard_installed()
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = log_dir
+        self.writer = SummaryWriter(log_dir=log_dir)
+        logger.info("TensorBoard event files in %s", log_dir)
+
+    @classmethod
+    def tag(cls, key: str) -> Optional[str]:
+        if key.startswith("eval_"):
+            return "eval/" + key[len("eval_"):]
+        return cls.TAGS.get(key)
+
+    def write(self, record: dict) -> None:
+        """Every numeric value of a metrics record (``step`` is the x axis; None is skipped)."""
+        step = record["step"]
+        for key, value in record.items():
+            tag = self.tag(key)
+            if tag is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        self.writer.flush()
+        self.writer.close()
