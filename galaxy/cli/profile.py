@@ -7,8 +7,8 @@ replicated compute and communication, per rank and summed over the model-paralle
     python profile_flops.py --preset llama-7b --meta
 
 ``--preset`` names a model preset (bert-tiny, bert-base, llama-7b, ...: the configs' ``preset`` key);
-``--config`` takes a JSON file (or, as before, a preset name); omitted, the model's tiny preset is used. ``--world N`` starts N local CPU/Gloo (or GPU/NCCL)
-processes, or runs one rank with ``--rank`` / under torchrun; rank 0 prints the report (its own
+``--config`` takes a JSON file (or, as before, a preset name); omitted, the model's tiny preset is
+used. ``--world N`` starts N local CPU/Gloo (or GPU/NCCL) processes, or runs one rank with ``--rank`` / under torchrun; rank 0 prints the report (its own
 module tree, then the per-rank table, the sums, the replicated compute and the bytes per
 transition and per layer) and writes ``--json``. ``--meta`` builds and runs the model on meta-backed fake tensors
 (shapes only: fake tensors, no memory, no compute; one rank), so a LLaMA-7B-shaped model

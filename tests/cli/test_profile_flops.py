@@ -61,8 +61,10 @@ def test_forward_only(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,says", [
-    (["--preset", "bert-tny"], "error: --preset 'bert-tny' is not a model preset (did you mean 'bert-tiny'?); use one of"),
-    (["--preset", "bert-tiny", "--config", "llama-tiny"], "error: --config llama-tiny and --preset bert-tiny both name"),
+    (["--preset", "bert-tny"],
+     "error: --preset 'bert-tny' is not a model preset (did you mean 'bert-tiny'?); use one of"),
+    (["--preset", "bert-tiny", "--config", "llama-tiny"],
+     "error: --config llama-tiny and --preset bert-tiny both name"),
     (["--forward_only", "--optimizer"], "error: --forward_only profiles no backward but --optimizer asks for one"),
     (["--model", "bert", "--preset", "llama-tiny"], "error: --model bert but the config describes a llama model"),
 ])
