@@ -21,10 +21,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, get_args, get_origin, get_type_hints
 
+from galaxy.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A problem with the user's configuration; the message names the key and the fix."""
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Optional
 
 from galaxy.config import ConfigError, GalaxyConfig, parse_override
@@ -90,6 +91,62 @@ def check_checkpoint_flags(args: argparse.Namespace) -> None:
         raise ConfigError("--save_every and --keep_last need --save_dir DIR")
     if getattr(args, "resume", None) == "latest" and not save_dir:
         raise ConfigError("--resume without a PATH resumes from --save_dir; pass --save_dir DIR or --resume PATH")
+    check_resume(args)
+
+
+
+def check_resume(args: argparse.Namespace) -> None:
+    """What ``--resume`` names exists and holds a checkpoint that looks whole: its manifest, every file's
+    size and the checksums of its small JSON files (cheap; the ranks check the checksums of the tensor
+    files they read). Under a save directory one such checkpoint is enough: the ranks skip damaged newer
+    ones. A bare ``--resume`` with no checkpoint in ``--save_dir`` yet starts afresh (``resume_path``)."""
+    resume = getattr(args, "resume", None)
+    if resume is None:
+        return
+    from galaxy.train.checkpoint.files import (CheckpointError, checkpoint_candidates, check_manifest_files,
+                                               has_checkpoint)
+
+    path = args.save_dir if resume == "latest" else resume
+    flag = "--resume" if resume != "latest" else f"--resume (from --save_dir '{path}')"
+    if resume == "latest" and not has_checkpoint(path):
+        return
+    if not os.path.exists(path):
+        raise ConfigError(f"--resume '{path}' does not exist; pass a step_N checkpoint directory or the --save_dir "
+                          "of an earlier run")
+    if not os.path.isdir(path):
+        raise ConfigError(f"--resume '{path}' is a file; pass a step_N checkpoint directory or the --save_dir of "
+                          "an earlier run")
+    candidates = checkpoint_candidates(path)
+    if not candidates:
+        raise ConfigError(f"--resume '{path}' holds no checkpoint (no step_N directory); pass a step_N checkpoint "
+                          "directory or the --save_dir of an earlier run")
+    problems = []
+    for candidate in candidates:
+        try:
+            check_manifest_files(candidate)
+            return
+        except CheckpointError as e:
+            problems.append(str(e))
+    if len(candidates) == 1:
+        raise ConfigError(f"{flag}: {problems[0]}")
+    raise ConfigError(f"{flag}: none of its {len(candidates)} checkpoints is whole; the newest: {problems[0]}")
+
+
+
+def check_input_files(cfg: GalaxyConfig) -> None:
+    """The files and directories the config names, checked before any rank starts: the data files exist,
+    hold text and are UTF-8 (``galaxy.data.files``), the tokenizer and model directories exist."""
+    from galaxy.data.files import check_text_file
+
+    d = cfg.data
+    for key, path in (("data", d.data), ("eval_data", d.eval_data)):
+        if path:
+            check_text_file(path, f"config key '{key}'" + (" (--data)" if key == "data" else ""))
+    for key, path, flag in (("tokenizer", d.tokenizer, "--tokenizer"), ("model_path", d.model_path, "--model_path")):
+        if path and not os.path.isdir(path):
+            raise ConfigError(f"config key '{key}' ({flag}): '{path}' "
+                              f"{'is not a directory' if os.path.exists(path) else 'does not exist'}; pass a local "
+                              f"HF {'tokenizer' if key == 'tokenizer' else 'model'} directory")
 
 
 

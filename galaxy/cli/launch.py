@@ -16,13 +16,14 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
-from galaxy.cli.args import check_checkpoint_flags, check_profile_step, resume_path
+from galaxy.cli.args import check_checkpoint_flags, check_input_files, check_profile_step, resume_path
 from galaxy.cli.output import check_metrics_flags, setup_logging
 from galaxy.config import PLAN_PRESETS, ConfigError, GalaxyConfig
 from galaxy.emulate import Cluster, cgroups, run_emulated
 from galaxy.emulate.launch import describe_exit
+from galaxy.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,9 @@ class Launch:
     local_rank: Optional[int]
     init_method: Optional[str]  # set when the launch mode decides it (torchrun, local processes)
     emulate: Optional[Cluster] = None  # start every rank inside this emulated cluster (--emulate)
+    # Local processes (--world N): where each rank sends the one line of its failure, for the launcher
+    # to print once (a multiprocessing SimpleQueue); None: a rank prints its own.
+    failures: Any = None
 
 
 def decide_launch(args: argparse.Namespace) -> Launch:
@@ -104,7 +108,8 @@ def _child(fn, rank: int, launch: Launch, payload) -> None:
 
 
 def run_rank(fn, rank: int, launch: Launch, payload) -> int:
-    """Run one rank, turning expected failures into one clear line on stderr and exit code 1. On an
+    """Run one rank, turning expected failures into one line: bad input (``UserError``, a missing
+    file) exits with code 2, another expected failure with 1 (see ``report_failure``). On an
     emulated cluster under ``cpu_emulation`` "dilate" its ops are stretched to the rank's share."""
     try:
         from galaxy.emulate.slowdown import slowdown_from_env, slowed_compute  # imports torch: ranks only
@@ -112,9 +117,31 @@ def run_rank(fn, rank: int, launch: Launch, payload) -> int:
         with slowed_compute(slowdown_from_env()):
             fn(rank, launch, payload)
         return 0
-    except (ConfigError, ValueError, FileNotFoundError, RuntimeError, FloatingPointError) as e:
-        print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
-        return 1
+    except (UserError, FileNotFoundError) as e:
+        return report_failure(rank, launch, e, user=True)
+    except (ValueError, RuntimeError, FloatingPointError) as e:
+        return report_failure(rank, launch, e, user=False)
+
+
+
+# The longest failure line sent to the launcher: a pipe write up to PIPE_BUF (4096 bytes) is atomic.
+_REPORT_CHARS = 1000
+
+
+def report_failure(rank: int, launch: Launch, error: BaseException, user: bool) -> int:
+    """The exit code of a rank that failed with ``error`` (2 for bad input, else 1), after its one
+    line: sent to the local launcher that started it, which prints one line for the whole run, or
+    printed here (``error: ...`` when this process is the whole run, else naming the rank)."""
+    text = str(error) or type(error).__name__
+    if user:  # bad input is one line by contract
+        text = " ".join(text.split("\n"))
+    if launch.failures is not None:
+        launch.failures.put((rank, user, text[:_REPORT_CHARS]))
+    elif user and launch.rank is None:
+        print(f"error: {text}", file=sys.stderr, flush=True)
+    else:
+        print(f"error (rank {rank}): {text}", file=sys.stderr, flush=True)
+    return 2 if user else 1
 
 
 
@@ -129,6 +156,7 @@ def launch_ranks(fn: Callable, launch: Launch, payload, cfg: GalaxyConfig) -> in
     init = cfg.distributed.init_method
     launch.init_method = init if init.startswith("tcp://") else f"tcp://127.0.0.1:{free_port()}"
     spawn = multiprocessing.get_context("spawn")
+    launch.failures = spawn.SimpleQueue()
     procs = [spawn.Process(target=_child, args=(fn, r, launch, payload), name=f"rank{r}")
              for r in range(launch.world)]
     for p in procs:
@@ -144,6 +172,16 @@ def launch_ranks(fn: Callable, launch: Launch, payload, cfg: GalaxyConfig) -> in
             p.terminate()
         for p in procs:
             p.join()
+        reports = []  # (rank, bad input?, line), in the order the ranks sent them
+        while not launch.failures.empty():
+            reports.append(launch.failures.get())
+        bad = [text for _, user, text in reports if user]
+        if bad:  # bad input: the same line whichever rank found it, once, as before any rank starts
+            print(f"error: {bad[0]}", file=sys.stderr)
+            return 2
+        for rank, _, text in reports:
+            if rank == failed:
+                print(f"error (rank {rank}): {text}", file=sys.stderr)
         print(f"error: rank {failed} {describe_exit(code)}; "
               f"{'the other ranks were stopped' if running else 'the other ranks have ended'}", file=sys.stderr)
         return 1
@@ -243,9 +281,28 @@ def check_engine(cfg: GalaxyConfig) -> None:
 
 
 
+def check_tp_overlap(cfg: GalaxyConfig, world: int) -> None:
+    """``tp_overlap: async_tp`` runs torch's symmetric-memory ops, CUDA + NCCL only: refuse it before any
+    process starts where the model-parallel group would use another device (a group of one rank has
+    nothing to overlap and runs unfused anywhere)."""
+    if cfg.parallel.tp_overlap != "async_tp" or cfg.mp_size(world) == 1:
+        return
+    device, backend = cfg.train.device, cfg.distributed.distributed_backend
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu (no CUDA GPU is visible)"
+    if device != "cuda" or backend not in ("auto", "nccl"):
+        where = f"backend {backend}" if device == "cuda" else f"device {device}"
+        raise ConfigError(f"config key 'tp_overlap' is 'async_tp', which runs on CUDA GPUs over NCCL (symmetric "
+                          f"memory), but this run uses {where}; use tp_overlap coc or none")
+
+
+
 def plan_launch(args: argparse.Namespace, cfg: GalaxyConfig, plan: str, strict: bool, fill: Optional[str]) -> Launch:
     """Decide the launch and check everything about it before any process starts: the plan for this
-    CLI, the world split into dp x pp x mp, every split, and the profile and checkpoint flags."""
+    CLI, the world split into dp x pp x mp, every split, the profile and checkpoint flags (what --resume
+    names), the files the config names, and the settings the device decides (dp_engine, tp_overlap)."""
     launch = on_devices(decide_launch(args), cfg.distributed.devices)
     check_plan_for_cli(cfg, plan, launch.world, strict)
     fill_world(cfg, launch.world, fill)
@@ -253,7 +310,9 @@ def plan_launch(args: argparse.Namespace, cfg: GalaxyConfig, plan: str, strict: 
     check_profile_step(args, cfg)
     check_checkpoint_flags(args)
     check_metrics_flags(args)
+    check_input_files(cfg)
     check_engine(cfg)
+    check_tp_overlap(cfg, launch.world)
     return launch
 
 
@@ -264,10 +323,14 @@ def train_from_args(model, batch_at, cfg: GalaxyConfig, ctx, args: argparse.Name
     failure caused by a dead peer rank comes back from ``train`` as a ``RankFailure`` that names it."""
     from galaxy.train.loop import train
 
+    def resumed(path: str, step: int) -> None:
+        if ctx.rank == 0:
+            print(f"resuming from checkpoint '{path}' at step {step} of {cfg.train.max_steps}", flush=True)
+
     result = train(model, batch_at, cfg, ctx, metrics_file=args.metrics_file, progress=not args.no_progress,
                    profile_step=args.profile_step, profile_json=args.profile_json, save_dir=args.save_dir,
                    save_every=args.save_every, resume=resume_path(args), keep_last=args.keep_last, eval_at=eval_at,
-                   tensorboard_dir=args.tensorboard, peak_tflops=args.peak_tflops)
+                   tensorboard_dir=args.tensorboard, peak_tflops=args.peak_tflops, on_resume=resumed)
     if ctx.rank == 0 and result.profile_report is not None:
         print(result.profile_report, flush=True)
     return result

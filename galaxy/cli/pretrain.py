@@ -11,6 +11,7 @@ from galaxy.cli.launch import launch_ranks, plan_launch, rank_context, train_fro
 from galaxy.cli.output import bad_input, print_summary, setup_logging
 from galaxy.config import ConfigError
 from galaxy.data.pretraining import classification_data, mlm_corpus, mlm_data, mlm_eval_data
+from galaxy.errors import UserError
 from galaxy.peft import apply_tuning, build_base
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,6 @@ def main(argv: Optional[list[str]] = None, plan: str = "galaxy", strict: bool = 
             raise ConfigError(f"config key 'model_type' is '{cfg.model.model_type}' but this CLI pretrains BERT; "
                               "use finetune_llama.py for LLaMA")
         launch = plan_launch(args, cfg, plan, strict, fill)
-    except (ConfigError, FileNotFoundError) as e:
+    except (UserError, FileNotFoundError) as e:
         return bad_input(e)
     return launch_ranks(pretrain_rank, launch, (cfg, args), cfg)

@@ -1,26 +1,28 @@
 """Profile one step of a Galaxy BERT or LLaMA: FLOPs (forward and backward measured), parameters,
 replicated compute and communication, per rank and summed over the model-parallel group.
 
-    python profile_flops.py --model bert --config train_config/bert/full.json --backward
-    python profile_flops.py --model bert --world 2 --plan galaxy --backward --json out.json
-    python profile_flops.py --model llama --config llama-7b --meta --batch 1 --seq_len 128
-    python profile_flops.py --model llama --override preset=llama-7b --meta --backward
+    python profile_flops.py --model bert --config train_config/bert/full.json
+    python profile_flops.py --model bert --world 2 --plan galaxy --json out.json
+    python profile_flops.py --preset llama-7b --meta --batch 1 --seq_len 128 --forward_only
+    python profile_flops.py --preset llama-7b --meta
 
-``--config`` takes a JSON file or a model preset name (bert-tiny, bert-base, llama-7b, ...);
-omitted, the model's tiny preset is used. ``--world N`` starts N local CPU/Gloo (or GPU/NCCL)
-processes, or runs one rank with ``--rank`` / under torchrun; rank 0 prints the report (its own
+``--preset`` names a model preset (bert-tiny, bert-base, llama-7b, ...: the configs' ``preset`` key);
+``--config`` takes a JSON file (or, as before, a preset name); omitted, the model's tiny preset is
+used. ``--world N`` starts N local CPU/Gloo (or GPU/NCCL) processes, or runs one rank with ``--rank`` / under torchrun; rank 0 prints the report (its own
 module tree, then the per-rank table, the sums, the replicated compute and the bytes per
 transition and per layer) and writes ``--json``. ``--meta`` builds and runs the model on meta-backed fake tensors
 (shapes only: fake tensors, no memory, no compute; one rank), so a LLaMA-7B-shaped model
 profiles anywhere.
 
-A step is the forward with labels (the loss included); ``--backward`` adds the backward and the
-gradient sync, ``--optimizer`` also the clipping and the AdamW step. Forward-only steps run in
-eval mode without autograd; steps with a backward run in train mode (dropout on, as configured).
+A step is a training step: the forward with labels (the loss included), the backward and the
+gradient sync; ``--optimizer`` adds the clipping and the AdamW step, ``--forward_only`` profiles the
+forward alone. Forward-only steps run in eval mode without autograd; steps with a backward run in
+train mode (dropout on, as configured).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -48,12 +50,16 @@ def parser():
     p = build_parser(DESCRIPTION)
     p.add_argument("--model", choices=("bert", "llama"), default=None,
                    help="model family; omitted: the config's model_type (bert without a config)")
+    p.add_argument("--preset", default=None, metavar="NAME",
+                   help=f"model preset (the configs' 'preset' key): {', '.join(MODEL_PRESETS)}")
     p.add_argument("--batch", type=int, default=None, help="batch size (default: the config's global_batch_size)")
     p.add_argument("--seq_len", type=int, default=None, help="sequence length (default: the config's seq_length)")
     p.add_argument("--plan", choices=sorted(PLAN_PRESETS), default=None,
                    help="parallel plan; omitted: the config's, else galaxy on several ranks and none on one")
-    p.add_argument("--backward", action="store_true", help="profile forward + backward + gradient sync")
-    p.add_argument("--optimizer", action="store_true", help="with --backward: also clip and step AdamW")
+    p.add_argument("--forward_only", action="store_true",
+                   help="profile the forward alone (default: a training step, forward + backward + gradient sync)")
+    p.add_argument("--backward", action="store_true", help="forward + backward + gradient sync: the default")
+    p.add_argument("--optimizer", action="store_true", help="also clip and step AdamW")
     p.add_argument("--meta", action="store_true",
                    help="shapes only: build and run on meta-backed fake tensors, no memory or compute (one rank)")
     p.add_argument("--json", default=None, help="write every number as JSON here (rank 0)")
@@ -72,9 +78,26 @@ def parser():
 
 
 def resolve_config(args) -> GalaxyConfig:
+    if args.forward_only and (args.backward or args.optimizer):
+        other = "--backward" if args.backward else "--optimizer"
+        raise ConfigError(f"--forward_only profiles no backward but {other} asks for one; drop one of the two")
+    args.backward = not args.forward_only
     default = {"model": {"preset": f"{args.model or 'bert'}-tiny"}}
     if args.config_file and not os.path.isfile(args.config_file) and args.config_file in MODEL_PRESETS:
+        if args.preset is not None:
+            raise ConfigError(f"--config {args.config_file} and --preset {args.preset} both name a preset; "
+                              "keep --preset")
         default, args.config_file = {"model": {"preset": args.config_file}}, None
+    if args.preset is not None:
+        if args.preset not in MODEL_PRESETS:
+            close = difflib.get_close_matches(args.preset, MODEL_PRESETS, n=1)
+            raise ConfigError(f"--preset '{args.preset}' is not a model preset"
+                              + (f" (did you mean '{close[0]}'?)" if close else "")
+                              + f"; use one of {', '.join(MODEL_PRESETS)}")
+        if args.config_file is None:
+            default = {"model": {"preset": args.preset}}
+        else:  # the file's own size keys still win over the preset, as in a config
+            args.override = [f"preset={args.preset}"] + list(args.override)
     for flag, key in (("seq_len", "seq_length"), ("batch", "global_batch_size"), ("plan", "plan")):
         if getattr(args, flag) is not None:
             args.override = list(args.override) + [f"{key}={getattr(args, flag)}"]
@@ -87,8 +110,6 @@ def resolve_config(args) -> GalaxyConfig:
     if getattr(cfg.parallel, "dp_size", 1) != 1 or getattr(cfg.parallel, "pp_size", 1) != 1:
         raise ConfigError("profile_flops.py profiles one model-parallel group: set dp_size and pp_size to 1 "
                           "(use --profile_step K of the training CLIs to profile a dp/pp run)")
-    if args.optimizer and not args.backward:
-        raise ConfigError("--optimizer needs --backward (the optimizer steps on gradients)")
     return cfg
 
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from galaxy.config import ConfigError, DistributedConfig
 from galaxy.core.comm import Communicator
 from galaxy.core.heartbeat import ALIVE_KEY, DONE, FAILED, Heartbeat, RankFailure
+from galaxy.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +155,8 @@ class ParallelContext:
     def from_rank0(self, make: Callable[[], str]) -> str:
         """``make()`` run on global rank 0 only, its string returned on every rank (work done once
         per run, such as training the tokenizer). An exception on rank 0 is raised on every rank
-        (as ValueError with rank 0's message) instead of leaving the others waiting."""
+        (as ValueError with rank 0's message) instead of leaving the others waiting; bad input
+        (``UserError``) as ``ConfigError`` with the same message, so every rank reports the same line."""
         if self.world_size == 1 or not dist.is_initialized():
             return make()
         if dist.get_world_size() != self.world_size:
@@ -164,7 +166,9 @@ class ParallelContext:
         if self.rank == 0:
             try:
                 payload = b"\x00" + make().encode("utf-8")
-            except Exception as e:  # every rank must leave the broadcast, then all raise
+            except UserError as e:  # every rank must leave the broadcast, then all raise
+                payload = b"\x02" + str(e).encode("utf-8")
+            except Exception as e:
                 payload = b"\x01" + f"rank 0: {e}".encode("utf-8")
         size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
         dist.broadcast(size, src=0)
@@ -173,6 +177,8 @@ class ParallelContext:
             data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         dist.broadcast(data, src=0)
         raw = data.cpu().numpy().tobytes() if self.rank != 0 else payload
+        if raw[:1] == b"\x02":
+            raise ConfigError(raw[1:].decode("utf-8"))
         if raw[:1] == b"\x01":
             raise ValueError(raw[1:].decode("utf-8"))
         return raw[1:].decode("utf-8")

@@ -9,14 +9,15 @@ from typing import Callable, Sequence
 import torch
 
 from galaxy.data.batching import EpochPermutation, check_int, shard_bounds
+from galaxy.errors import DataError
 
 
 def load_labelled_data(path: str | os.PathLike) -> list[tuple[str, int]]:
     """``(text, label)`` pairs from a JSONL file of ``{"text": str, "label": int >= 0}`` objects."""
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise ValueError(f"labelled data file {path!r} does not exist; give a .jsonl file of "
-                         '{"text": ..., "label": ...} lines')
+        raise DataError(f"labelled data file {path!r} does not exist; give a .jsonl file of "
+                        '{"text": ..., "label": ...} lines')
     pairs = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -25,15 +26,15 @@ def load_labelled_data(path: str | os.PathLike) -> list[tuple[str, int]]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+                raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise ValueError(f'{path}:{n}: each line must be an object with a string "text" field')
+                raise DataError(f'{path}:{n}: each line must be an object with a string "text" field')
             label = obj.get("label")
             if not isinstance(label, int) or isinstance(label, bool) or label < 0:
-                raise ValueError(f'{path}:{n}: "label" must be a non-negative integer class id, got {label!r}')
+                raise DataError(f'{path}:{n}: "label" must be a non-negative integer class id, got {label!r}')
             pairs.append((obj["text"], label))
     if not pairs:
-        raise ValueError(f"labelled data file {path!r} holds no examples")
+        raise DataError(f"labelled data file {path!r} holds no examples")
     return pairs
 
 

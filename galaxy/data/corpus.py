@@ -20,6 +20,7 @@ import torch
 from galaxy.data.batching import check_int, check_split, seeded_generator
 from galaxy.data.tokenizer import (SPECIAL_TOKENS, check_wordpiece, load_hf_tokenizer, save_wordpiece,
                                    train_wordpiece)
+from galaxy.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -111,13 +112,13 @@ class SyntheticCorpus:
 
 def read_documents(path: str) -> list[str]:
     if not os.path.isfile(path):
-        raise ValueError(
+        raise DataError(
             f"text corpus file not found: {path!r}; pass an existing .txt (one document per line) "
             f"or .jsonl (one {{\"text\": ...}} object per line) file"
         )
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".txt", ".jsonl"):
-        raise ValueError(
+        raise DataError(
             f"text corpus file {path!r} has unsupported extension {ext!r}; use .txt (one document "
             f"per line) or .jsonl (one {{\"text\": ...}} object per line)"
         )
@@ -125,7 +126,7 @@ def read_documents(path: str) -> list[str]:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
     except UnicodeDecodeError as e:
-        raise ValueError(f"text corpus file {path!r} is not valid UTF-8 ({e}); re-encode it as UTF-8") from None
+        raise DataError(f"text corpus file {path!r} is not valid UTF-8 ({e}); re-encode it as UTF-8") from None
     docs: list[str] = []
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
@@ -136,19 +137,19 @@ def read_documents(path: str) -> list[str]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg}); each .jsonl line must be "
-                             f"an object like {{\"text\": \"...\"}}") from None
+            raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg}); each .jsonl line must be "
+                            f"an object like {{\"text\": \"...\"}}") from None
         if not isinstance(obj, dict) or "text" not in obj:
-            raise ValueError(f"{path}:{lineno}: JSON line has no 'text' field; each .jsonl line must "
-                             f"be an object like {{\"text\": \"...\"}}")
+            raise DataError(f"{path}:{lineno}: JSON line has no 'text' field; each .jsonl line must "
+                            f"be an object like {{\"text\": \"...\"}}")
         if not isinstance(obj["text"], str):
-            raise ValueError(f"{path}:{lineno}: field 'text' must be a string, got "
-                             f"{type(obj['text']).__name__}")
+            raise DataError(f"{path}:{lineno}: field 'text' must be a string, got "
+                            f"{type(obj['text']).__name__}")
         if obj["text"].strip():
             docs.append(obj["text"].strip())
     if not docs:
-        raise ValueError(f"text corpus file {path!r} contains no documents (it is empty or every "
-                         f"line is blank); add at least one non-empty document")
+        raise DataError(f"text corpus file {path!r} contains no documents (it is empty or every "
+                        f"line is blank); add at least one non-empty document")
     return docs
 
 
@@ -259,7 +260,7 @@ class TextCorpus:
             for name in ("pad", "cls", "sep", "mask"):
                 tid = getattr(tok, f"{name}_token_id", None)
                 if tid is None:
-                    raise ValueError(
+                    raise DataError(
                         f"tokenizer in {os.fspath(tokenizer_dir)!r} has no {name} token; masked-LM "
                         f"data needs pad, cls, sep and mask tokens (use a BERT-style tokenizer)"
                     )
@@ -285,8 +286,8 @@ class TextCorpus:
         train = pack_documents(train_docs, seq_len, ids["cls"], ids["sep"], special_f)
         evals = pack_documents(eval_docs, seq_len, ids["cls"], ids["sep"], special_f)
         if not train:
-            raise ValueError(f"TextCorpus {source}: no document has a non-special token after "
-                             f"tokenisation; check the file's text and the tokenizer")
+            raise DataError(f"TextCorpus {source}: no document has a non-special token after "
+                            f"tokenisation; check the file's text and the tokenizer")
         logger.info("TextCorpus %s: %d documents -> %d train / %d eval sequences (seq_len=%d, vocab=%d)",
                     source, len(encoded), len(train), len(evals), seq_len, vocab)
         return cls(train, evals, seq_len=seq_len, vocab_size=vocab, pad_id=ids["pad"], unk_id=unk,

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 import torch
 
 from galaxy.data.batching import IGNORE_INDEX, EpochPermutation, check_int, seeded_generator, shard_bounds
+from galaxy.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -35,19 +36,19 @@ def format_prompt(instruction: str, input: str = "") -> str:  # noqa: A002 (Alpa
 def validate_example(obj: Any, where: str) -> dict[str, str]:
     hint = "each example needs string fields 'instruction' and 'output' (and optionally 'input')"
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}; {hint}")
+        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}; {hint}")
     for key in ("instruction", "output"):
         if key not in obj:
-            raise ValueError(f"{where}: missing field {key!r}; {hint}")
+            raise DataError(f"{where}: missing field {key!r}; {hint}")
         if not isinstance(obj[key], str):
-            raise ValueError(f"{where}: field {key!r} must be a string, got {type(obj[key]).__name__}")
+            raise DataError(f"{where}: field {key!r} must be a string, got {type(obj[key]).__name__}")
     if not obj["instruction"].strip():
-        raise ValueError(f"{where}: field 'instruction' is empty; {hint}")
+        raise DataError(f"{where}: field 'instruction' is empty; {hint}")
     inp = obj.get("input")
     if inp is None:
         inp = ""
     if not isinstance(inp, str):
-        raise ValueError(f"{where}: field 'input' must be a string, got {type(inp).__name__}")
+        raise DataError(f"{where}: field 'input' must be a string, got {type(inp).__name__}")
     return {"instruction": obj["instruction"], "input": inp, "output": obj["output"]}
 
 
@@ -56,27 +57,27 @@ def load_instruction_data(path: str | os.PathLike) -> list[dict[str, str]]:
     ``instruction``, ``input`` ('' when absent) and ``output``."""
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise ValueError(f"instruction data file not found: {path!r}; pass an Alpaca-style .json "
-                         f"(list of objects) or .jsonl file")
+        raise DataError(f"instruction data file not found: {path!r}; pass an Alpaca-style .json "
+                        f"(list of objects) or .jsonl file")
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".json", ".jsonl"):
-        raise ValueError(f"instruction data file {path!r} has unsupported extension {ext!r}; use "
-                         f".json (a list of objects) or .jsonl (one object per line)")
+        raise DataError(f"instruction data file {path!r} has unsupported extension {ext!r}; use "
+                        f".json (a list of objects) or .jsonl (one object per line)")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except UnicodeDecodeError as e:
-        raise ValueError(f"instruction data file {path!r} is not valid UTF-8 ({e}); re-encode it") from None
+        raise DataError(f"instruction data file {path!r} is not valid UTF-8 ({e}); re-encode it") from None
     examples: list[dict[str, str]] = []
     if ext == ".json":
         try:
             data = json.loads(text) if text.strip() else []
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: invalid JSON at line {e.lineno} ({e.msg}); a .json file must "
-                             f"hold a list of objects (use .jsonl for one object per line)") from None
+            raise DataError(f"{path}: invalid JSON at line {e.lineno} ({e.msg}); a .json file must "
+                            f"hold a list of objects (use .jsonl for one object per line)") from None
         if not isinstance(data, list):
-            raise ValueError(f"{path}: top-level JSON must be a list of examples, got "
-                             f"{type(data).__name__}")
+            raise DataError(f"{path}: top-level JSON must be a list of examples, got "
+                            f"{type(data).__name__}")
         examples = [validate_example(obj, f"{path}: example {i}") for i, obj in enumerate(data)]
     else:
         for lineno, line in enumerate(text.splitlines(), start=1):
@@ -85,11 +86,11 @@ def load_instruction_data(path: str | os.PathLike) -> list[dict[str, str]]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg}); each .jsonl line must be "
-                                 f"one example object") from None
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg}); each .jsonl line must be "
+                                f"one example object") from None
             examples.append(validate_example(obj, f"{path}:{lineno}"))
     if not examples:
-        raise ValueError(f"instruction data file {path!r} contains no examples; add at least one")
+        raise DataError(f"instruction data file {path!r} contains no examples; add at least one")
     logger.info("loaded %d instruction examples from %s", len(examples), path)
     return examples
 

@@ -9,6 +9,8 @@ import logging
 import os
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+from galaxy.errors import DataError
+
 logger = logging.getLogger(__name__)
 
 #: Compact special-token layout shared by SyntheticCorpus and the trained WordPiece.
@@ -114,16 +116,16 @@ def save_wordpiece(tok, directory: str | os.PathLike) -> None:
 def load_hf_tokenizer(tokenizer_dir: str | os.PathLike):
     directory = os.fspath(tokenizer_dir)
     if not os.path.isdir(directory):
-        raise ValueError(f"tokenizer_dir {directory!r} does not exist or is not a directory; pass a "
-                         f"local HF tokenizer directory (tokenizer.json / vocab files)")
+        raise DataError(f"tokenizer_dir {directory!r} does not exist or is not a directory; pass a "
+                        f"local HF tokenizer directory (tokenizer.json / vocab files)")
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except Exception as e:  # transformers raises many types (OSError, ValueError, KeyError, ...)
-        raise ValueError(f"could not load a tokenizer from tokenizer_dir {directory!r} "
-                         f"({type(e).__name__}: {e}); it must hold a HF tokenizer "
-                         f"saved with save_pretrained") from None
+        raise DataError(f"could not load a tokenizer from tokenizer_dir {directory!r} "
+                        f"({type(e).__name__}: {e}); it must hold a HF tokenizer "
+                        f"saved with save_pretrained") from None
 
 
 class ByteTokenizer:
@@ -149,8 +151,8 @@ class HFTokenizer:
 
     def __init__(self, tokenizer: Any, name: str = "<hf>") -> None:
         if tokenizer.eos_token_id is None:
-            raise ValueError(f"tokenizer {name!r} has no eos token; instruction tuning needs one to "
-                             f"end each response")
+            raise DataError(f"tokenizer {name!r} has no eos token; instruction tuning needs one to "
+                            f"end each response")
         self.tokenizer = tokenizer
         self.name = name
         self.bos_id = tokenizer.bos_token_id

@@ -465,14 +465,16 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
           profile_json: Optional[str] = None, save_dir: Optional[str] = None, save_every: int = 0,
           resume: Optional[str] = None, keep_last: Optional[int] = None,
           eval_at: Optional[Callable[..., dict]] = None, tensorboard_dir: Optional[str] = None,
-          peak_tflops: Optional[float] = None) -> TrainResult:
+          peak_tflops: Optional[float] = None,
+          on_resume: Optional[Callable[[str, int], None]] = None) -> TrainResult:
     """Run ``cfg.train.max_steps`` optimizer steps; ``batch_at(step)`` returns the step's global batch
     (a batcher that also takes ``shard=(dp_rank, dp_size)`` is asked for this dp rank's rows only).
     ``model`` is this rank's pipeline stage when ``ctx.pp.size > 1``. ``profile_step`` K (1-based):
     profile step K (FLOPs, communication; ``result.profile`` / ``result.profile_report``), JSON to
     ``profile_json`` from rank 0; step K is left out of the throughput numbers.
     Checkpoints (``galaxy.train.checkpoint``): ``resume`` (a step directory, or a save directory for
-    its newest valid checkpoint) restores everything and continues after its step; with ``save_dir``
+    its newest valid checkpoint) restores everything and continues after its step (``on_resume(path,
+    step)`` is told which checkpoint, on every rank); with ``save_dir``
     and ``save_every`` N, a checkpoint after every N-th step and the last, keeping ``keep_last``
     (``checkpoint_async_mode: async``: written while the next steps run; the next save and the end of
     training wait for it, and a failed write stops the run with one line).
@@ -494,6 +496,8 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
         state = load_checkpoint(resume, model, trainer.optimizer, trainer.schedule, ctx, cfg,
                                 grad_reducer=trainer.grad_sync)
         start_step = state.step
+        if on_resume is not None:
+            on_resume(state.path, state.step)
         if trainer.scaler is not None and "loss_scaler" in state.extra:
             trainer.scaler.load_state_dict(state.extra["loss_scaler"])
         if start_step >= t.max_steps:
@@ -514,7 +518,7 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
     if progress and is_main:
         from tqdm import tqdm
 
-        bar = tqdm(total=t.max_steps, desc="train", unit="step", dynamic_ncols=True)
+        bar = tqdm(total=t.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
     result = TrainResult()
     timed_steps, timed_seconds, timed_tokens, timed_flops = 0, 0.0, 0, 0.0
     bubble_sum = 0.0

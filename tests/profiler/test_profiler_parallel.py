@@ -341,7 +341,7 @@ def test_meta_llama_7b_forward_via_cli(tmp_path, capsys):
 
     path = tmp_path / "llama7b.json"
     rc = main(["--model", "llama", "--override", "preset=llama-7b", "--meta", "--batch", "1", "--seq_len", "128",
-               "--json", str(path), "--no_detailed"])
+               "--json", str(path), "--no_detailed", "--forward_only"])
     assert rc == 0, capsys.readouterr().err
     data = json.loads(path.read_text())
     fwd = data["local"]["flops"]["fwd"]

@@ -42,9 +42,9 @@ import torch.nn as nn
 from galaxy.core.context import ParallelContext
 from galaxy.train.checkpoint import legacy
 from galaxy.train.checkpoint.files import (RNG_FILE, STATE_FILE, CheckpointError, InvalidCheckpointError,
-                                           check_sizes, checkpoint_candidates, has_checkpoint, json_bytes,
-                                           latest_valid_checkpoint, prune, publish, read_json, resolve_checkpoint,
-                                           step_dir_name, verify_checkpoint, write_bytes)
+                                           ResumeError, check_sizes, checkpoint_candidates, has_checkpoint,
+                                           json_bytes, latest_valid_checkpoint, prune, publish, read_json,
+                                           resolve_checkpoint, step_dir_name, verify_checkpoint, write_bytes)
 from galaxy.train.checkpoint.hf_export import export_hf
 from galaxy.train.checkpoint.regions import load_model, model_chunks, optimizer_chunks, read_optimizer_state
 from galaxy.train.checkpoint.shards import (DCP_METADATA_FILE, ShardReader, WritePlan, dcp_metadata_bytes,
@@ -53,9 +53,9 @@ from galaxy.train.checkpoint.state import (check_optimizer, gather_world_json, i
                                            layout, param_groups, restore_rng, rng_record, run_record, state_record,
                                            world_sum)
 
-__all__ = ["CheckpointError", "CheckpointState", "PendingCheckpoint", "export_hf", "has_checkpoint",
-           "latest_valid_checkpoint", "load_checkpoint", "prune", "resolve_checkpoint", "save_checkpoint",
-           "step_dir_name", "verify_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointState", "PendingCheckpoint", "ResumeError", "export_hf",
+           "has_checkpoint", "latest_valid_checkpoint", "load_checkpoint", "prune", "resolve_checkpoint",
+           "save_checkpoint", "step_dir_name", "verify_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -221,6 +221,7 @@ def load_checkpoint(path_or_dir: str, model: nn.Module, optimizer: Optional[torc
     ``cfg`` is only compared: a different model section is logged."""
     pieces = grad_reducer.shard_layout() if grad_reducer is not None else []
     candidates = checkpoint_candidates(path_or_dir)
+    first_error = ""
     for path in candidates:
         error, invalid, step, state_json, manifest = _load_one(path, model, optimizer, scheduler, ctx, pieces)
         results = gather_world_json(ctx, [error, invalid, step])
@@ -228,15 +229,19 @@ def load_checkpoint(path_or_dir: str, model: nn.Module, optimizer: Optional[torc
         if not errors:
             break
         if path == path_or_dir or not all(bad for _, bad in errors):
-            raise CheckpointError(errors[0][0])
-        if ctx.rank == 0:
+            raise ResumeError(errors[0][0])
+        if ctx.rank == 0 and path != candidates[-1]:  # after the last, the error says it
             logger.warning("skipping invalid checkpoint: %s", errors[0][0])
+        first_error = first_error or errors[0][0]
     else:
-        raise CheckpointError(f"no valid checkpoint under '{path_or_dir}' (looked for step_N/ directories "
-                              "with a matching manifest)")
+        if not first_error:
+            raise ResumeError(f"no valid checkpoint under '{path_or_dir}' (it holds no step_N/ directory); pass a "
+                              "step_N checkpoint directory or a save directory holding one")
+        raise ResumeError(f"no valid checkpoint under '{path_or_dir}', the newest is damaged ({first_error}); pass "
+                          "another checkpoint or start without resuming")
     if any(s != step for _, _, s in results):
-        raise CheckpointError(f"ranks loaded different checkpoints (this rank: '{path}'); pass --resume PATH "
-                              "or make the save directory the same on every rank")
+        raise ResumeError(f"ranks loaded different checkpoints (this rank: '{path}'); pass --resume PATH "
+                          "or make the save directory the same on every rank")
     saved_cfg = state_json.get("config") or {}
     if cfg is not None and saved_cfg.get("model") and saved_cfg["model"] != jsonable(cfg.to_dict()["model"]) \
             and ctx.rank == 0:

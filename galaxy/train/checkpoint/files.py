@@ -12,6 +12,8 @@ import shutil
 import uuid
 from typing import Any, Optional
 
+from galaxy.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 MANIFEST_FILE = "manifest.json"
@@ -26,7 +28,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be saved or loaded; the message names the file and the fix."""
 
 
-class InvalidCheckpointError(CheckpointError):
+class ResumeError(CheckpointError, UserError):
+    """A checkpoint that cannot be resumed from: the path does not exist or holds none, its files are
+    damaged, or they do not fit the model. Bad input: the CLI prints it as one line, exit code 2."""
+
+
+class InvalidCheckpointError(ResumeError):
     """A checkpoint whose files do not match its manifest (or that has none): an incomplete or damaged
     save, which resuming from a save directory skips for the next older one."""
 
@@ -177,6 +184,15 @@ def check_sizes(path: str) -> dict:
     return manifest
 
 
+def check_manifest_files(path: str) -> dict:
+    """``check_sizes``, and the checksums of the small JSON files (step, schedule, RNG states): what can
+    be checked of a checkpoint before a run starts without reading its tensors."""
+    manifest = check_sizes(path)
+    for name in (STATE_FILE, RNG_FILE):
+        read_json(path, name, manifest)
+    return manifest
+
+
 def is_step_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MANIFEST_FILE)) or bool(STEP_DIR.match(os.path.basename(
         os.path.normpath(path))))
@@ -184,7 +200,14 @@ def is_step_dir(path: str) -> bool:
 
 def checkpoint_candidates(path_or_dir: str) -> list[str]:
     """A step directory as it is; for a save directory its ``step_N`` directories, newest first."""
+    _check_exists(path_or_dir)
     return [path_or_dir] if is_step_dir(path_or_dir) else [path for _, path in _step_dirs(path_or_dir)]
+
+
+def _check_exists(path: str) -> None:
+    if not os.path.exists(path):
+        raise ResumeError(f"checkpoint path '{path}' does not exist; pass a step_N checkpoint directory or a save "
+                          "directory holding one")
 
 
 def has_checkpoint(directory: str) -> bool:
@@ -221,10 +244,11 @@ def resolve_checkpoint(path_or_dir: str) -> str:
     """A step directory as it is, or the newest valid checkpoint under a save directory."""
     if is_step_dir(path_or_dir):
         return path_or_dir
+    _check_exists(path_or_dir)
     found = latest_valid_checkpoint(path_or_dir)
     if found is None:
-        raise CheckpointError(f"no valid checkpoint under '{path_or_dir}' (looked for step_N/ directories "
-                              "with a matching manifest)")
+        raise ResumeError(f"no valid checkpoint under '{path_or_dir}' (looked for step_N/ directories "
+                          "with a matching manifest)")
     return found
 
 
