@@ -53,11 +53,12 @@ class ModelConfig:
     # BERT classification: the pooler reads the [CLS] state (HF's BertForSequenceClassification) or the mean
     # over the real tokens (ModernBERT's 'mean'), for bases whose [CLS] was never trained (MLM-only).
     classifier_pooling: str = "cls"
-    # LLaMA-only fields (ignored by BERT)
+    # LLaMA-family fields (ignored by BERT)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: Optional[dict] = None
     tie_word_embeddings: bool = False
+    qkv_bias: Optional[bool] = None  # LLaMA family: q/k/v projection biases; None: the architecture's
     # How the model computes, not what it is (never written to HF configs):
     recompute: str = "none"  # none | full (each layer's forward again in backward) | selective (attention core)
     recompute_num_layers: Optional[int] = None  # recompute only the first K layers of the model or stage; None: all
@@ -231,30 +232,19 @@ IGNORED_LEGACY_KEYS = {
 # Seed-style tuning flags, mapped onto peft.tuning.
 TUNING_FLAGS = {"full_model": "full", "use_lora": "lora", "use_adapter": "adapter", "use_side": "side"}
 
-MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "bert-tiny": dict(model_type="bert", hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                      intermediate_size=512),
-    "bert-mini": dict(model_type="bert", hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                      intermediate_size=1024),
-    "bert-base": dict(model_type="bert", hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                      intermediate_size=3072),
-    "bert-large": dict(model_type="bert", hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                       intermediate_size=4096),
-    "llama-tiny": dict(model_type="llama", vocab_size=512, hidden_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=176,
-                       max_position_embeddings=512, hidden_act="silu", tie_word_embeddings=False, pad_token_id=None,
-                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
-    # Llama-3.2-1B shapes: about 1.24B parameters with the 128k vocabulary, tied embeddings.
-    "llama-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192,
-                     max_position_embeddings=131072, hidden_act="silu", tie_word_embeddings=True,
-                     rope_theta=500000.0, rms_norm_eps=1e-5, pad_token_id=None,
-                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
-    "llama-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
-                     num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
-                     max_position_embeddings=4096, hidden_act="silu", tie_word_embeddings=False,
-                     rms_norm_eps=1e-5, pad_token_id=None, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
-}
+def model_families() -> dict:
+    """``galaxy.models``' registry (model_type -> the family's class): the model types, presets and
+    options a config is checked against, each declared in its model's file. Imported when a config
+    is loaded, never when this module is: the models import this module, not the other way round."""
+    from galaxy.models import MODEL_FAMILIES
+
+    return MODEL_FAMILIES
+
+
+def model_presets() -> dict[str, dict[str, Any]]:
+    """Every family's model presets by name (bert-tiny, llama-7b, ...)."""
+    return {name: keys for family in model_families().values() for name, keys in family.presets.items()}
+
 
 
 def _key_index() -> dict[str, str]:
@@ -409,11 +399,12 @@ class GalaxyConfig:
         cfg = cls()
         preset = flat.pop("preset", None)
         if preset is not None:
-            if preset not in MODEL_PRESETS:
+            presets = model_presets()
+            if preset not in presets:
                 raise ConfigError(f"config key 'preset': unknown model preset '{preset}'; "
-                                  f"use one of {', '.join(MODEL_PRESETS)}")
+                                  f"use one of {', '.join(presets)}")
             cfg.model.preset = preset
-            for key, value in MODEL_PRESETS[preset].items():
+            for key, value in presets[preset].items():
                 setattr(cfg.model, key, value)
         for key, value in flat.items():
             section = getattr(cfg, KEY_SECTION[key])
@@ -442,8 +433,10 @@ class GalaxyConfig:
 
     def validate(self) -> None:
         m, t = self.model, self.train
-        if m.model_type not in ("bert", "llama"):
-            raise ConfigError(f"config key 'model_type': unknown model '{m.model_type}'; use bert or llama")
+        families = model_families()
+        if m.model_type not in families:
+            raise ConfigError(f"config key 'model_type': unknown model '{m.model_type}'; use one of "
+                              f"{', '.join(families)}")
         for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                     "max_position_embeddings"):
             if getattr(m, key) <= 0:
@@ -539,8 +532,8 @@ class GalaxyConfig:
             if m.recompute == "none":
                 raise ConfigError("config key 'recompute_num_layers' is set but 'recompute' is 'none'; "
                                   "set recompute to full or selective, or drop recompute_num_layers")
-        if m.fused_gate_up and m.model_type != "llama":
-            raise ConfigError(f"config key 'fused_gate_up' fuses LLaMA's gate_proj/up_proj, but model_type is "
+        if m.fused_gate_up and not model_families()[m.model_type].gate_up_fusable:
+            raise ConfigError(f"config key 'fused_gate_up' fuses a gated MLP's gate_proj/up_proj, but model_type is "
                               f"'{m.model_type}'; set it to false")
         q = self.peft
         if q.quantize_base != "none" and q.tuning == "full":

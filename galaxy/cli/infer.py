@@ -24,7 +24,8 @@ from typing import Callable, Optional
 
 from galaxy.cli.launch import check_plan_for_cli, decide_launch, launch_ranks, on_devices, rank_context
 from galaxy.cli.output import bad_input, print_summary, setup_logging
-from galaxy.config import MODEL_PRESETS, PLAN_PRESETS, ConfigError, GalaxyConfig, parse_override
+from galaxy.config import PLAN_PRESETS, ConfigError, GalaxyConfig, model_presets, parse_override
+from galaxy.models import family, model_types
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="infer_galaxy.py", description="single-request latency on any plan",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None,
-                   help=f"a model preset ({', '.join(MODEL_PRESETS)}) or a JSON config file (--config_file too)")
+                   help=f"a model preset ({', '.join(model_presets())}) or a JSON config file (--config_file too)")
     p.add_argument("--config_file", "--config", dest="config_file", default=None, help="JSON config")
     p.add_argument("--model_path", default=None, help="a local HF checkpoint directory")
     p.add_argument("--plan", choices=sorted(PLAN_PRESETS), default=None,
@@ -67,10 +68,10 @@ def load(args: argparse.Namespace) -> GalaxyConfig:
         if getattr(args, flag) is not None:
             overrides[key] = getattr(args, flag)
     overrides["global_batch_size"] = 1
-    if source is None or source in MODEL_PRESETS:
+    if source is None or source in model_presets():
         return GalaxyConfig.from_dict({"model": {"preset": source or "bert-tiny"}}, overrides)
     if not os.path.isfile(source):
-        raise ConfigError(f"--model '{source}' is neither a preset ({', '.join(MODEL_PRESETS)}) nor a config file")
+        raise ConfigError(f"--model '{source}' is neither a preset ({', '.join(model_presets())}) nor a config file")
     return GalaxyConfig.from_file(source, overrides)
 
 
@@ -100,8 +101,9 @@ def check(args: argparse.Namespace, cfg: GalaxyConfig, world: int) -> None:
     if cfg.parallel.dp_size != 1 or cfg.parallel.pp_size != 1:
         raise ConfigError("inference latency runs one request on one model-parallel group: set dp_size and pp_size "
                           "to 1")
-    if args.generate and cfg.model.model_type != "llama":
-        raise ConfigError(f"--generate needs a causal LM (LLaMA); the model is {cfg.model.model_type}")
+    if args.generate and not family(cfg.model.model_type).causal:
+        raise ConfigError(f"--generate needs a causal LM ({', '.join(model_types(causal=True))}); the model is "
+                          f"{cfg.model.model_type}")
     total = cfg.train.seq_length + args.generate
     if total > cfg.model.max_position_embeddings:
         raise ConfigError(f"the prompt ({cfg.train.seq_length}) and --generate ({args.generate}) need {total} "

@@ -31,9 +31,9 @@ from typing import Any, Optional
 
 import torch
 
-from galaxy.config import MODEL_PRESETS, PLAN_PRESETS, ConfigError, GalaxyConfig
+from galaxy.config import PLAN_PRESETS, ConfigError, GalaxyConfig, model_presets
 from galaxy.core.context import ParallelContext
-from galaxy.models import build_model
+from galaxy.models import build_model, family, model_types
 from galaxy.profiler import FlopsProfiler, ParallelProfiler
 from galaxy.cli.args import build_parser, load_config
 from galaxy.cli.launch import check_plan_for_cli, decide_launch, launch_ranks
@@ -41,13 +41,14 @@ from galaxy.cli.output import setup_logging
 
 logger = logging.getLogger(__name__)
 
-DESCRIPTION = "Profile FLOPs, parameters and communication of one step of a Galaxy BERT or LLaMA"
+DESCRIPTION = "Profile FLOPs, parameters and communication of one step of a Galaxy model"
+DEFAULT_MODEL = "bert"  # the family profiled when neither --model nor a config names one
 
 
 def parser():
     p = build_parser(DESCRIPTION)
-    p.add_argument("--model", choices=("bert", "llama"), default=None,
-                   help="model family; omitted: the config's model_type (bert without a config)")
+    p.add_argument("--model", choices=model_types(), default=None,
+                   help=f"model family; omitted: the config's model_type ({DEFAULT_MODEL} without a config)")
     p.add_argument("--batch", type=int, default=None, help="batch size (default: the config's global_batch_size)")
     p.add_argument("--seq_len", type=int, default=None, help="sequence length (default: the config's seq_length)")
     p.add_argument("--plan", choices=sorted(PLAN_PRESETS), default=None,
@@ -74,8 +75,8 @@ def parser():
 
 
 def resolve_config(args) -> GalaxyConfig:
-    default = {"model": {"preset": f"{args.model or 'bert'}-tiny"}}
-    if args.config_file and not os.path.isfile(args.config_file) and args.config_file in MODEL_PRESETS:
+    default = {"model": {"preset": family(args.model or DEFAULT_MODEL).default_preset}}
+    if args.config_file and not os.path.isfile(args.config_file) and args.config_file in model_presets():
         default, args.config_file = {"model": {"preset": args.config_file}}, None
     for flag, key in (("seq_len", "seq_length"), ("batch", "global_batch_size"), ("plan", "plan")):
         if getattr(args, flag) is not None:
@@ -117,12 +118,12 @@ def build(cfg: GalaxyConfig, ctx: ParallelContext, serial: bool = False) -> torc
 
 
 def random_batch(cfg: GalaxyConfig, device: torch.device) -> dict[str, torch.Tensor]:
-    """Token ids and labels, the same on every rank. BERT: MLM labels on ``mlm_probability`` of
-    the tokens (at least one); LLaMA: the ids themselves (the model shifts them)."""
+    """Token ids and labels, the same on every rank. A masked LM: MLM labels on ``mlm_probability``
+    of the tokens (at least one); a causal LM: the ids themselves (the model shifts them)."""
     b, s = cfg.train.global_batch_size, cfg.train.seq_length
     g = torch.Generator().manual_seed(cfg.train.seed)
     ids = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
-    if cfg.model.model_type == "bert":
+    if not family(cfg.model.model_type).causal:
         chosen = torch.rand(b, s, generator=g) < cfg.train.mlm_probability
         chosen[:, 0] = True
         labels = torch.where(chosen, ids, torch.full_like(ids, -100))
