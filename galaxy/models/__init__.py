@@ -14,10 +14,12 @@ from galaxy.core.context import ParallelContext
 from galaxy.models.base import GalaxyModel
 from galaxy.models.bert import BertPreTrainedModel
 from galaxy.models.llama import LlamaForCausalLM
+from galaxy.models.qwen2 import Qwen2ForCausalLM
 
 MODEL_FAMILIES: dict[str, type[GalaxyModel]] = {
     "bert": BertPreTrainedModel,
     "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
 }
 
 
