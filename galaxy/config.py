@@ -55,11 +55,12 @@ class ModelConfig:
     # BERT classification: the pooler reads the [CLS] state (HF's BertForSequenceClassification) or the mean
     # over the real tokens (ModernBERT's 'mean'), for bases whose [CLS] was never trained (MLM-only).
     classifier_pooling: str = "cls"
-    # LLaMA-only fields (ignored by BERT)
+    # LLaMA-family fields (ignored by BERT)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: Optional[dict] = None
     tie_word_embeddings: bool = False
+    qkv_bias: Optional[bool] = None  # LLaMA family: q/k/v projection biases; None: the architecture's
     # How the model computes, not what it is (never written to HF configs):
     recompute: str = "none"  # none | full (each layer's forward again in backward) | selective (attention core)
     recompute_num_layers: Optional[int] = None  # recompute only the first K layers of the model or stage; None: all
@@ -236,6 +237,7 @@ IGNORED_LEGACY_KEYS = {
 # Seed-style tuning flags, mapped onto peft.tuning.
 TUNING_FLAGS = {"full_model": "full", "use_lora": "lora", "use_adapter": "adapter", "use_side": "side"}
 
+# Named model sizes (config keys); a family needs none. galaxy.models checks the model_type itself.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "bert-tiny": dict(model_type="bert", hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
                       intermediate_size=512),
@@ -447,8 +449,8 @@ class GalaxyConfig:
 
     def validate(self) -> None:
         m, t = self.model, self.train
-        if m.model_type not in ("bert", "llama"):
-            raise ConfigError(f"config key 'model_type': unknown model '{m.model_type}'; use bert or llama")
+        if not isinstance(m.model_type, str) or not m.model_type:  # which types exist: galaxy.models.check_config
+            raise ConfigError(f"config key 'model_type' must name a model family, got {m.model_type!r}")
         for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                     "max_position_embeddings"):
             if getattr(m, key) <= 0:
@@ -544,9 +546,6 @@ class GalaxyConfig:
             if m.recompute == "none":
                 raise ConfigError("config key 'recompute_num_layers' is set but 'recompute' is 'none'; "
                                   "set recompute to full or selective, or drop recompute_num_layers")
-        if m.fused_gate_up and m.model_type != "llama":
-            raise ConfigError(f"config key 'fused_gate_up' fuses LLaMA's gate_proj/up_proj, but model_type is "
-                              f"'{m.model_type}'; set it to false")
         q = self.peft
         if q.quantize_base != "none" and q.tuning == "full":
             raise ConfigError(f"config key 'quantize_base' is '{q.quantize_base}' but tuning is 'full', which trains "

@@ -28,8 +28,8 @@ from galaxy.adapters.side import SideSpec
 from galaxy.config import ConfigError, GalaxyConfig, Method, ModelConfig, Plan, fused_gate_up_targets
 from galaxy.core.grad_sync import gather_full
 from galaxy.core.layers import region_rule
-from galaxy.loralib import (DEFAULT_TARGETS, inject_lora, load_lora_pretrained, mark_only_lora_as_trainable,
-                            merge_and_unload, save_lora_pretrained)
+from galaxy.loralib import (inject_lora, load_lora_pretrained, mark_only_lora_as_trainable, merge_and_unload,
+                            save_lora_pretrained)
 from galaxy.loralib.hf import CONFIG_FILE, WEIGHTS_FILE, load_full_tensors, read_adapter
 from galaxy.loralib.quantized_layers import FORMATS
 from galaxy.loralib.quantized import (cast_frozen_, dequantize_linears, frozen_bytes,  # noqa: F401
@@ -56,7 +56,7 @@ class TuningOptions:
     merge_weights: bool = False
     use_rslora: bool = False
     lora_fusion: bool = False  # CCLoRA (galaxy.core.overlap.cclora); the saved factors do not change
-    lora_target_modules: Optional[Union[str, list[str]]] = None  # None: DEFAULT_TARGETS[model_type]
+    lora_target_modules: Optional[Union[str, list[str]]] = None  # None: the model's lora_targets
     lora_bias: str = "none"
     adapter_type: str = "houlsby"
     adapter_reduction_factor: int = 16
@@ -126,7 +126,7 @@ def apply_options(model: nn.Module, opts: TuningOptions) -> nn.Module:
         for p in model.parameters():
             p.requires_grad_(True)
     elif opts.method == "lora":
-        targets = opts.lora_target_modules or DEFAULT_TARGETS.get(model.config.model_type)
+        targets = opts.lora_target_modules or list(getattr(model, "lora_targets", ()))
         if not targets:
             raise ValueError(f"no default LoRA targets for model type '{model.config.model_type}'; "
                              "set lora_target_modules")
@@ -166,20 +166,22 @@ def _task_heads(model: nn.Module) -> list[str]:
 
 def side_config(cfg: ModelConfig, reduction_factor: int) -> ModelConfig:
     """The side network's layer config: width ``hidden // r``, intermediate ``intermediate // r``,
-    the most heads (at most the backbone's) that divide the width (LLaMA: with an even head size for
-    RoPE, and key/value heads that divide the query heads)."""
+    the most heads (at most the backbone's) that divide the width (with RoPE, into heads of even
+    size), and key/value heads that divide the query heads."""
+    from galaxy.models import family
+
     if reduction_factor <= 0:
         raise ValueError(f"side_reduction_factor must be positive, got {reduction_factor}")
     width = cfg.hidden_size // reduction_factor
-    llama = cfg.model_type == "llama"
+    rotary = family(cfg.model_type).rotary
     heads = [h for h in range(min(cfg.num_attention_heads, max(width, 1)), 0, -1)
-             if width % h == 0 and (not llama or (width // h) % 2 == 0)]
+             if width % h == 0 and (not rotary or (width // h) % 2 == 0)]
     if width < 1 or not heads:
+        even = " into even heads (RoPE)" if rotary else ""
         raise ValueError(f"side_reduction_factor {reduction_factor} leaves a side width of {width} for hidden size "
-                         f"{cfg.hidden_size}, which no head count divides{' into even heads (RoPE)' if llama else ''}; "
-                         "use a smaller factor")
+                         f"{cfg.hidden_size}, which no head count divides{even}; use a smaller factor")
     h = heads[0]
-    kv = next(k for k in range(min(cfg.kv_heads, h), 0, -1) if h % k == 0) if llama else None
+    kv = None if cfg.num_key_value_heads is None else next(k for k in range(min(cfg.kv_heads, h), 0, -1) if h % k == 0)
     return dataclasses.replace(cfg, hidden_size=width, num_attention_heads=h, num_key_value_heads=kv,
                                intermediate_size=max(1, cfg.intermediate_size // reduction_factor))
 
@@ -197,52 +199,15 @@ def side_spec(model: nn.Module, reduction_factor: int) -> SideSpec:
     if stage is not None and not stage.is_whole:
         raise ValueError("side-tuning under pipeline parallelism is not supported: the side network runs beside "
                          "every layer; use pp_size 1")
-    from galaxy.core.blocks import Boundaries
-
-    cfg, plan, ctx = model.config, model.plan, model.ctx
-    scfg = side_config(cfg, reduction_factor)
-    splan = side_plan(plan, scfg)
-    edges = Boundaries(ctx.mp, splan)
-    dtype = next(model.parameters()).dtype
-    if cfg.model_type == "bert":
-        backbone = model.bert
-        layers = list(backbone.encoder.layer)
-        with torch.device(ctx.device):
-            side_layers = [type(layers[0])(scfg, splan, ctx, edges).to(dtype) for _ in layers]
-        return SideSpec(backbone, layers, side_layers, cfg.hidden_size, scfg.hidden_size,
-                        run_layer=lambda layer, s, call: layer(s, call["attention_mask"]),
-                        init_full=model._init_full)
-    if cfg.model_type == "llama":
-        from galaxy.models.llama import LlamaRMSNorm, LlamaRotaryEmbedding, RopeAt
-
-        backbone = model.model
-        layers = list(backbone.layers)
-        with torch.device(ctx.device):
-            side_layers = [type(layers[0])(scfg, splan, ctx, edges, i).to(dtype) for i in range(len(layers))]
-            final_norm = LlamaRMSNorm(scfg.hidden_size, cfg.rms_norm_eps).to(dtype)
-        rotary = LlamaRotaryEmbedding(scfg)  # the side heads are narrower: their own RoPE tables
-
-        def prepare(call: dict, s: torch.Tensor) -> dict:
-            if call.get("cache") is not None:
-                raise ValueError("side-tuning keeps no KV cache for its side network; generate with use_cache=False")
-            positions = call.get("position_ids")
-            if positions is None:
-                positions = torch.arange(call["input_ids"].shape[1], device=s.device)
-            if positions.dim() == 1:
-                positions = positions[None]
-            return {"side_rope": RopeAt(*rotary(positions, s.dtype))}
-
-        return SideSpec(backbone, layers, side_layers, cfg.hidden_size, scfg.hidden_size,
-                        run_layer=lambda layer, s, call: layer(s, call["attention_mask"], call["side_rope"]),
-                        prepare=prepare, final_norm=final_norm, init_full=model._init_full)
-    raise ValueError(f"side-tuning does not know model type '{cfg.model_type}'")
+    scfg = side_config(model.config, reduction_factor)
+    return model.side_spec(scfg, side_plan(model.plan, scfg))
 
 
 # ----------------------------------------------------------------------------- checkpoints
 
 
 def _task_type(model: nn.Module) -> Optional[str]:
-    if model.config.model_type == "llama":
+    if getattr(model, "causal", False):
         return "CAUSAL_LM"
     return "SEQ_CLS" if "classifier" in {n for n, _ in model.named_modules()} else None
 

@@ -6,12 +6,10 @@ otherwise), where a whole weight sees whole feature vectors, so the adapter is e
 plan: its weights are whole with rule ``region_rule(plan.con)`` (PARTIAL when each rank holds a
 sequence shard, REPLICATED otherwise).
 
-Injection points, by module name (the modules are wrapped, as HF PEFT wraps its targets):
-
-  BERT   'attn': ``encoder.layer.N.attention.output.dropout``   'mlp': ``encoder.layer.N.output.dropout``
-         (the outputs of ATT and MLP after their dropout, before ``LayerNorm(. + h)``)
-  LLaMA  'attn': ``layers.N.attn_dropout``   'mlp': ``layers.N.mlp_dropout``
-         (the block outputs before ``h + .``)
+Injection points are module names (the modules are wrapped, as HF PEFT wraps its targets), which
+each model states as ``adapter_points`` (site -> regex): the outputs of ATT ('attn') and MLP ('mlp')
+before their residual add, e.g. BERT's ``encoder.layer.N.attention.output.dropout`` and LLaMA's
+``layers.N.mlp_dropout``.
 
 Houlsby puts an adapter at both sites, Pfeiffer at 'mlp' only.
 """
@@ -35,10 +33,6 @@ logger = logging.getLogger(__name__)
 NON_LINEARITIES = {"relu": F.relu, "gelu": F.gelu, "gelu_new": partial(F.gelu, approximate="tanh"),
                    "silu": F.silu, "swish": F.silu, "tanh": torch.tanh}
 ADAPTER_SITES = {"houlsby": ("attn", "mlp"), "pfeiffer": ("mlp",)}
-INJECTION_POINTS = {
-    "bert": {"attn": r"(.+\.)?layer\.\d+\.attention\.output\.dropout", "mlp": r"(.+\.)?layer\.\d+\.output\.dropout"},
-    "llama": {"attn": r"(.+\.)?layers\.\d+\.attn_dropout", "mlp": r"(.+\.)?layers\.\d+\.mlp_dropout"},
-}
 
 
 class BottleneckAdapter(nn.Module):
@@ -87,14 +81,14 @@ def add_adapters(model: nn.Module, kind: str = "houlsby", reduction_factor: int 
                  points: Optional[dict[str, str]] = None) -> list[str]:
     """Insert bottleneck adapters into a Galaxy model (``model.config``, ``model.plan`` read);
     returns the adapter module names. ``points``: {site: module-name regex} to override the
-    model type's injection points. Weights are seeded from (seed, name): down N(0, 0.02), up and
+    model's own ``adapter_points``. Weights are seeded from (seed, name): down N(0, 0.02), up and
     biases zero (``init_up_std > 0``: up N(0, std), for tests that need a non-trivial adapter)."""
     if kind not in ADAPTER_SITES:
         raise ValueError(f"adapter kind '{kind}' is not one of {', '.join(ADAPTER_SITES)}")
     model_type = model.config.model_type
-    if points is None and model_type not in INJECTION_POINTS:
+    points = points or getattr(model, "adapter_points", None)
+    if not points:
         raise ValueError(f"no adapter injection points known for model type '{model_type}'; pass points=")
-    points = points or INJECTION_POINTS[model_type]
     sites = ADAPTER_SITES[kind]
     rule = region_rule(model.plan.con)
     hidden = model.config.hidden_size

@@ -8,6 +8,7 @@ import os
 from typing import Optional
 
 from galaxy.config import ConfigError, GalaxyConfig, parse_override
+from galaxy.models import check_config
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +64,10 @@ def load_config(args: argparse.Namespace, default: dict) -> GalaxyConfig:
                       ("model_path", "model_path")):
         if getattr(args, flag, None) is not None:  # a CLI may leave some of these flags out
             overrides[key] = getattr(args, flag)
-    if args.config_file:
-        return GalaxyConfig.from_file(args.config_file, overrides)
-    return GalaxyConfig.from_dict(default, overrides)
+    cfg = (GalaxyConfig.from_file(args.config_file, overrides) if args.config_file
+           else GalaxyConfig.from_dict(default, overrides))
+    check_config(cfg.model)
+    return cfg
 
 
 

@@ -37,29 +37,32 @@ from galaxy.cli.launch import Launch, check_plan_for_cli, launch_ranks, run_rank
 from galaxy.cli.output import setup_logging
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.context import ParallelContext
-from galaxy.models import build_model
+from galaxy.models import build_model, family, model_types
 from galaxy.peft import METHODS, apply_tuning, trainable_parameters
 from galaxy.train.evaluate import evaluate
 from galaxy.train.loop import autocast_context, make_trainer, train
 
 logger = logging.getLogger(__name__)
 
-# The defaults: small enough that pretraining the base once and tuning every method takes a few minutes
-# on two CPU cores, large enough that every method's held-out metric moves clearly.
+# The task a family is tuned on: instruction tuning for a causal LM, sequence classification otherwise.
+TASKS = {True: "instruction", False: "classification"}
+# The defaults per task (the model is the family's default preset): small enough that pretraining the
+# base once and tuning every method takes a few minutes on two CPU cores, large enough that every
+# method's held-out metric moves clearly.
 DEFAULTS = {
     # Mean pooling: a base pretrained on masked LM alone never trains its [CLS] state, and methods that
     # leave attention frozen (adapters, side networks) cannot make it carry the sequence.
-    "bert": {"model": {"preset": "bert-tiny", "vocab_size": 400, "max_position_embeddings": 64, "num_labels": 4,
+    "classification": {"model": {"vocab_size": 400, "max_position_embeddings": 64, "num_labels": 4,
                        "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "classifier_pooling": "mean"},
              "train": {"global_batch_size": 16, "seq_length": 32, "max_steps": 80, "lr": 1e-3, "warmup_steps": 5,
                        "weight_decay": 0.0, "eval_iters": 8},
              "peft": {"lora_dim": 8, "lora_alpha": 16, "lora_dropout": 0.0}},
-    "llama": {"model": {"preset": "llama-tiny", "vocab_size": 259},
+    "instruction": {"model": {"vocab_size": 259},
               "train": {"global_batch_size": 8, "seq_length": 320, "max_steps": 60, "lr": 1e-3, "warmup_steps": 5,
                         "weight_decay": 0.0, "eval_iters": 1},
               "peft": {"lora_dim": 8, "lora_alpha": 16, "lora_dropout": 0.0}},
 }
-PRETRAIN_STEPS = {"bert": 300, "llama": 200}
+PRETRAIN_STEPS = {"classification": 300, "instruction": 200}
 # Learning rates as researchers set them: PEFT methods train few parameters from zero and take a larger
 # one than full fine-tuning (used unless a config file or --override sets lr).
 METHOD_LR = {"full": 1e-3, "lora": 5e-3, "adapter": 5e-3, "side": 5e-3}
@@ -67,7 +70,8 @@ METHOD_LR = {"full": 1e-3, "lora": 5e-3, "adapter": 5e-3, "side": 5e-3}
 VARIANTS = {"lora-bf16": ("lora", {"dtype": "bfloat16"}, {}),
             "qlora": ("lora", {"dtype": "bfloat16"}, {"quantize_base": "nf4"})}
 COMPARED = METHODS + tuple(VARIANTS)
-METRIC = {"bert": ("eval_accuracy", "held-out accuracy"), "llama": ("eval_perplexity", "held-out perplexity")}
+METRIC = {"classification": ("eval_accuracy", "held-out accuracy"),
+          "instruction": ("eval_perplexity", "held-out perplexity")}
 
 COLUMNS = [("method", "method", "{}"), ("metric_before", "base metric", "{:.4f}"),
            ("metric_after", "tuned metric", "{:.4f}"), ("eval_loss_after", "held-out loss", "{:.4f}"),
@@ -76,10 +80,20 @@ COLUMNS = [("method", "method", "{}"), ("metric_before", "base metric", "{:.4f}"
            ("step_time_s", "step s", "{:.4f}"), ("tokens_per_s", "tokens/s", "{:,.0f}")]
 
 
+def task_of(model_type: str) -> str:
+    return TASKS[family(model_type).causal]
+
+
+def defaults(model_type: str) -> dict:
+    """The embedded config of ``model_type``: its task's defaults on the family's default preset."""
+    task = DEFAULTS[task_of(model_type)]
+    return dict(task, model=dict(task["model"], **family(model_type).tiny_config))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=("bert", "llama"), default="bert")
+    p.add_argument("--model", choices=model_types(), default=model_types(causal=False)[0])
     p.add_argument("--plan", default="none", help="parallel plan preset when the config names none")
     p.add_argument("--world", type=int, default=1, help="model-parallel ranks (local processes)")
     p.add_argument("--max_steps", type=int, default=None, help="tuning steps per method (default: the model's)")
@@ -109,7 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def method_config(args: argparse.Namespace, method: str, base: str) -> GalaxyConfig:
-    cfg = with_base(load_config(args, DEFAULTS[args.model]), base)
+    cfg = with_base(load_config(args, defaults(args.model)), base)
     if cfg.model.model_type != args.model:
         raise ConfigError(f"config key 'model_type' is '{cfg.model.model_type}' but --model is {args.model}")
     if cfg.parallel.dp_size > 1 or cfg.parallel.pp_size > 1:
@@ -133,7 +147,7 @@ def task_files(args: argparse.Namespace) -> tuple[str, str | None]:
     """(training file, held-out file or None) of the task."""
     if args.task_data:
         return args.task_data, args.eval_data
-    if args.model == "bert":
+    if task_of(args.model) == "classification":
         return write_topic_task(os.path.join(args.out_dir, "task"))
     from galaxy.train.finetune import DEFAULT_DATA
 
@@ -143,7 +157,7 @@ def task_files(args: argparse.Namespace) -> tuple[str, str | None]:
 def pretraining_texts(args: argparse.Namespace, train_file: str) -> list[str]:
     """What a base pretrained here learns from: unlabelled documents of the generated topics (a set
     apart from the task's examples), else the training file's own texts."""
-    if args.model == "bert":
+    if task_of(args.model) == "classification":
         if not args.task_data:
             return [text for text, _ in topic_documents(2048, seed=99)]
         from galaxy.data.classification import load_labelled_data
@@ -168,7 +182,7 @@ def held_apart(examples: list, eval_file):
 def task_batches(cfg: GalaxyConfig, plan, files: tuple[str, str | None]):
     """(batch_at, eval_at, eval_iters) of the task for this config."""
     t = cfg.train
-    if cfg.model.model_type == "bert":
+    if task_of(cfg.model.model_type) == "classification":
         from galaxy.data.classification import ClassificationBatcher, load_labelled_data
         from galaxy.data.corpus import TextCorpus
 
@@ -224,7 +238,7 @@ def run_one(cfg: GalaxyConfig, method: str, files, ctx: ParallelContext, world: 
         torch.cuda.reset_peak_memory_stats(ctx.device)
     plan = cfg.resolve_plan(ctx.mp.size)
     batch_at, eval_at, eval_iters = task_batches(cfg, plan, files)
-    task = "classify" if cfg.model.model_type == "bert" else "lm"
+    task = "classify" if task_of(cfg.model.model_type) == "classification" else "lm"  # the model's head
     model = build_model(replace(cfg, data=replace(cfg.data, model_path=None)), plan, ctx, task=task)
     fresh = load_base(model, cfg.data.model_path)
     model = apply_tuning(model, cfg)
@@ -237,7 +251,7 @@ def run_one(cfg: GalaxyConfig, method: str, files, ctx: ParallelContext, world: 
     saved_mb = saved_activation_mb(model, {k: v.to(ctx.device) for k, v in batch_at(0).items()}, amp)
     tuned = replace(cfg, train=replace(cfg.train, eval_every=cfg.train.max_steps, eval_iters=eval_iters))
     result = train(model, batch_at, tuned, ctx, progress=False, eval_at=eval_at)
-    key = METRIC[cfg.model.model_type][0]
+    key = METRIC[task_of(cfg.model.model_type)][0]
     row = dict(method=method, metric=key, metric_before=before[key], metric_after=result.eval[key],
                eval_loss_before=before["eval_loss"], eval_loss_after=result.eval["eval_loss"],
                fresh_from_base=fresh, trainable_params=trainable, total_params=total,
@@ -344,8 +358,8 @@ def main(argv=None) -> int:
         files = task_files(args)
         base = args.base_path
         if base is None:
-            steps = args.pretrain_steps or PRETRAIN_STEPS[args.model]
-            base, trained = pretrained_base(load_config(args, DEFAULTS[args.model]), pretraining_texts(args, files[0]),
+            steps = args.pretrain_steps or PRETRAIN_STEPS[task_of(args.model)]
+            base, trained = pretrained_base(load_config(args, defaults(args.model)), pretraining_texts(args, files[0]),
                                             steps, args.cache_dir)
             print(f"-- base: {base} ({f'pretrained here, {steps} steps' if trained else 'an earlier run pretrained it'})",
                   flush=True)
@@ -376,14 +390,14 @@ def main(argv=None) -> int:
         with open(result_file) as f:
             rows.append(json.load(f))
     first = configs[methods[0]]
-    metric = METRIC[args.model][1]
+    metric = METRIC[task_of(args.model)][1]
     title = (f"{args.model} from {'its pretrained base' if args.base_path is None else args.base_path}, "
              f"plan {rows[0]['plan']}, world {args.world}, {first.train.max_steps} steps, "
              f"batch {first.train.global_batch_size} x {first.train.seq_length}, {rows[0]['device']}; {metric}")
     table = format_table(rows)
     print(f"\n== tuning comparison: {title} ==\n{table}")
     report = {"model": args.model, "plan": rows[0]["plan"], "world": args.world, "title": title, "base": base,
-              "task": {"train": files[0], "held_out": files[1]}, "metric": METRIC[args.model][0],
+              "task": {"train": files[0], "held_out": files[1]}, "metric": METRIC[task_of(args.model)][0],
               "config": first.to_dict(), "results": rows}
     json_path = os.path.join(args.out_dir, "compare_tuning.json")
     png_path = os.path.join(args.out_dir, "compare_tuning.png")

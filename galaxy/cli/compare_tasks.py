@@ -1,10 +1,10 @@
 """What ``compare_tuning.py`` fine-tunes on: a pretrained base (given, or pretrained once and cached)
 and a downstream task with held-out data.
 
-BERT: the base is a masked-LM pretrained on unlabelled text; the task is sequence classification
+A masked LM (BERT): the base is pretrained on unlabelled text; the task is sequence classification
 (``--data``: a JSONL of ``{"text", "label"}`` lines, else a generated topic-classification set whose
-unlabelled documents the base was pretrained on), measured by held-out accuracy. LLaMA: the base is a
-causal LM pretrained on the training examples' text; the task is instruction tuning on the Alpaca-style
+unlabelled documents the base was pretrained on), measured by held-out accuracy. A causal LM (LLaMA):
+the base is pretrained on the training examples' text; the task is instruction tuning on the Alpaca-style
 data (``--data``, else the shipped sample), measured by held-out loss and perplexity.
 """
 
@@ -97,7 +97,7 @@ def pretrained_base(cfg: GalaxyConfig, texts: list[str], steps: int, cache_dir: 
     from galaxy.data.corpus import TextCorpus
     from galaxy.data.mlm import MLMBatcher
     from galaxy.data.tokenizer import save_wordpiece, train_wordpiece
-    from galaxy.models import build_model
+    from galaxy.models import build_model, family
     from galaxy.train.loop import train
 
     directory = os.path.join(cache_dir or default_cache(), _fingerprint(cfg, steps, texts))
@@ -107,7 +107,7 @@ def pretrained_base(cfg: GalaxyConfig, texts: list[str], steps: int, cache_dir: 
     base.parallel.plan, base.peft.tuning, base.data.model_path = "none", "full", None
     base.train.max_steps, base.train.eval_every = steps, 0
     ctx = ParallelContext.serial(seed=base.train.seed)
-    if base.model.model_type == "bert":
+    if not family(base.model.model_type).causal:  # a masked LM, with a WordPiece trained on the texts
         tok = train_wordpiece(texts, base.model.vocab_size)
         base.model.vocab_size = tok.get_vocab_size()
         corpus = TextCorpus.from_texts(texts, base.train.seq_length, tokenizer=tok, eval_fraction=0.0)
@@ -157,7 +157,7 @@ def load_base(model: torch.nn.Module, directory: str) -> list[str]:
 
     own = {name for name, _ in model.named_parameters()}
     state = {k: v for k, v in model.state_from_hf(load_weights(directory)).items() if k in own}
-    return model.load_full_state_dict(state, source=f"base '{directory}'", keep_fresh=("classifier.", "bert.pooler."))
+    return model.load_full_state_dict(state, source=f"base '{directory}'", keep_fresh=model.fresh_for_task)
 
 
 def with_base(cfg: GalaxyConfig, directory: str) -> GalaxyConfig:

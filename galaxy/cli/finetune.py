@@ -12,6 +12,7 @@ from galaxy.cli.launch import launch_ranks, plan_launch, rank_context, train_fro
 from galaxy.cli.output import bad_input, print_summary, setup_logging
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.data.instruction import InstructionBatcher, load_instruction_data
+from galaxy.models import family, model_types
 from galaxy.peft import apply_tuning, build_base
 from galaxy.train.finetune import (DEFAULT_DATA, check_prompt_length, encode_prompt, finetune_tokenizer,
                                    greedy_answer, instruction_batches, match_vocab, shards_sequence)
@@ -46,9 +47,10 @@ def prepare(args: argparse.Namespace) -> tuple[GalaxyConfig, InstructionBatcher,
     the held-out examples are ``eval_data``, else the last tenth of the data. Raises ConfigError /
     ValueError / FileNotFoundError with a one-line message for any bad input."""
     cfg = load_config(args, DEFAULT_LLAMA)
-    if cfg.model.model_type != "llama":
-        raise ConfigError(f"config key 'model_type' is '{cfg.model.model_type}' but this CLI fine-tunes LLaMA; "
-                          "use the pretrain_*.py CLIs for BERT")
+    if not family(cfg.model.model_type).causal:
+        raise ConfigError(f"config key 'model_type' is '{cfg.model.model_type}' but this CLI fine-tunes causal LMs; "
+                          f"use one of {', '.join(model_types(causal=True))} (the pretrain_*.py CLIs train "
+                          f"{', '.join(model_types(causal=False))})")
     if cfg.parallel.pp_size > 1 and args.prompt is not None:
         raise ConfigError(f"--prompt needs the whole model on one rank but pp_size is {cfg.parallel.pp_size}; "
                           "drop --prompt, or generate from a checkpoint saved by this run")

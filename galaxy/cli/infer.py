@@ -25,6 +25,7 @@ from typing import Callable, Optional
 from galaxy.cli.launch import check_plan_for_cli, decide_launch, launch_ranks, on_devices, rank_context
 from galaxy.cli.output import bad_input, print_summary, setup_logging
 from galaxy.config import MODEL_PRESETS, PLAN_PRESETS, ConfigError, GalaxyConfig, parse_override
+from galaxy.models import family, model_types
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +101,9 @@ def check(args: argparse.Namespace, cfg: GalaxyConfig, world: int) -> None:
     if cfg.parallel.dp_size != 1 or cfg.parallel.pp_size != 1:
         raise ConfigError("inference latency runs one request on one model-parallel group: set dp_size and pp_size "
                           "to 1")
-    if args.generate and cfg.model.model_type != "llama":
-        raise ConfigError(f"--generate needs a causal LM (LLaMA); the model is {cfg.model.model_type}")
+    if args.generate and not family(cfg.model.model_type).causal:
+        raise ConfigError(f"--generate needs a causal LM ({', '.join(model_types(causal=True))}); the model is "
+                          f"{cfg.model.model_type}")
     total = cfg.train.seq_length + args.generate
     if total > cfg.model.max_position_embeddings:
         raise ConfigError(f"the prompt ({cfg.train.seq_length}) and --generate ({args.generate}) need {total} "

@@ -3,7 +3,7 @@
     plan_galaxy.py profile --model bert-base --world 4 --out cluster.json
     plan_galaxy.py --model bert-base --cluster cluster.json --objective train --out plan.json [--validate 3]
 
-``--model`` is a preset name (``galaxy.config.MODEL_PRESETS``) or a config file, whose model and
+``--model`` is a preset name (each model family's ``presets``) or a config file, whose model and
 train sections (seq_length, global_batch_size, dtype) set the workload; ``--override KEY=VALUE``
 changes any key. The plan is written as a config the training CLIs take (``--config plan.json``),
 the top plans as a table (printed, and as JSON beside it).
@@ -23,6 +23,7 @@ import time
 from typing import Optional
 
 from galaxy.config import MODEL_PRESETS, ConfigError, GalaxyConfig, parse_override
+from galaxy.models import family, model_types
 from galaxy.planner.cluster import ClusterProfile, load_cluster
 from galaxy.planner.cost import Workload
 from galaxy.planner.search import DEVICE_MARGIN, SPLIT_MARGIN, Choice, search
@@ -49,7 +50,8 @@ def workload_config(args: argparse.Namespace) -> GalaxyConfig:
     if args.model in MODEL_PRESETS:
         return GalaxyConfig.from_dict({"model": {"preset": args.model}}, overrides)
     if not os.path.isfile(args.model):
-        raise ConfigError(f"--model '{args.model}' is neither a preset ({', '.join(MODEL_PRESETS)}) nor a config file")
+        raise ConfigError(f"--model '{args.model}' is neither a preset ({', '.join(MODEL_PRESETS)}) nor a config "
+                          "file")
     return GalaxyConfig.from_file(args.model, overrides)
 
 
@@ -223,9 +225,10 @@ def plan_main(argv: list[str]) -> int:
                 raise ConfigError(f"--emulate '{args.emulate}' has {emulated.world_size} ranks but the cluster file "
                                   f"'{args.cluster}' was profiled on {cluster.world}; pass the cluster it measured")
             cgroups.placement(emulated, cgroups.host_cpus())
-        if args.validate and args.objective == "train" and cfg.model.model_type != "bert":
-            raise ConfigError("--validate trains BERT plans only (LLaMA's training CLI needs instruction data); "
-                              "validate LLaMA with --objective latency")
+        if args.validate and args.objective == "train" and family(cfg.model.model_type).causal:
+            raise ConfigError(f"--validate trains masked-LM plans only ({', '.join(model_types(causal=False))}; the "
+                              f"causal LMs' training CLI needs instruction data); validate a {cfg.model.model_type} "
+                              "with --objective latency")
         work = Workload(cfg.model, args.objective, cfg.train.global_batch_size, cfg.train.seq_length,
                         cfg.train.dtype, cfg.train.optimizer, cfg.parallel.mp_grad_reduce, cfg.parallel.dp_engine)
         started = time.perf_counter()

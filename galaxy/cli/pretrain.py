@@ -12,6 +12,7 @@ from galaxy.cli.output import bad_input, print_summary, setup_logging
 from galaxy.config import ConfigError
 from galaxy.data.pretraining import classification_data, mlm_corpus, mlm_data, mlm_eval_data
 from galaxy.errors import UserError
+from galaxy.models import family, model_types
 from galaxy.peft import apply_tuning, build_base
 
 logger = logging.getLogger(__name__)
@@ -73,9 +74,9 @@ def main(argv: Optional[list[str]] = None, plan: str = "galaxy", strict: bool = 
     setup_logging(args.log_level)
     try:
         cfg = load_config(args, DEFAULT_BERT)
-        if cfg.model.model_type != "bert":
-            raise ConfigError(f"config key 'model_type' is '{cfg.model.model_type}' but this CLI pretrains BERT; "
-                              "use finetune_llama.py for LLaMA")
+        if family(cfg.model.model_type).causal:
+            raise ConfigError(f"config key 'model_type' is '{cfg.model.model_type}' but this CLI pretrains masked LMs "
+                              f"({', '.join(model_types(causal=False))}); use finetune_llama.py for causal LMs")
         launch = plan_launch(args, cfg, plan, strict, fill)
     except (UserError, FileNotFoundError) as e:
         return bad_input(e)

@@ -35,7 +35,7 @@ import torch
 
 from galaxy.config import MODEL_PRESETS, PLAN_PRESETS, ConfigError, GalaxyConfig
 from galaxy.core.context import ParallelContext
-from galaxy.models import build_model
+from galaxy.models import build_model, family, model_types
 from galaxy.profiler import FlopsProfiler, ParallelProfiler
 from galaxy.cli.args import build_parser, load_config
 from galaxy.cli.launch import check_plan_for_cli, decide_launch, launch_ranks
@@ -43,13 +43,14 @@ from galaxy.cli.output import setup_logging
 
 logger = logging.getLogger(__name__)
 
-DESCRIPTION = "Profile FLOPs, parameters and communication of one step of a Galaxy BERT or LLaMA"
+DESCRIPTION = "Profile FLOPs, parameters and communication of one step of a Galaxy model"
+DEFAULT_MODEL = "bert"  # the family profiled when neither --model nor a config names one
 
 
 def parser():
     p = build_parser(DESCRIPTION)
-    p.add_argument("--model", choices=("bert", "llama"), default=None,
-                   help="model family; omitted: the config's model_type (bert without a config)")
+    p.add_argument("--model", choices=model_types(), default=None,
+                   help=f"model family; omitted: the config's model_type ({DEFAULT_MODEL} without a config)")
     p.add_argument("--preset", default=None, metavar="NAME",
                    help=f"model preset (the configs' 'preset' key): {', '.join(MODEL_PRESETS)}")
     p.add_argument("--batch", type=int, default=None, help="batch size (default: the config's global_batch_size)")
@@ -82,7 +83,7 @@ def resolve_config(args) -> GalaxyConfig:
         other = "--backward" if args.backward else "--optimizer"
         raise ConfigError(f"--forward_only profiles no backward but {other} asks for one; drop one of the two")
     args.backward = not args.forward_only
-    default = {"model": {"preset": f"{args.model or 'bert'}-tiny"}}
+    default = {"model": dict(family(args.model or DEFAULT_MODEL).tiny_config)}
     if args.config_file and not os.path.isfile(args.config_file) and args.config_file in MODEL_PRESETS:
         if args.preset is not None:
             raise ConfigError(f"--config {args.config_file} and --preset {args.preset} both name a preset; "
@@ -136,12 +137,12 @@ def build(cfg: GalaxyConfig, ctx: ParallelContext, serial: bool = False) -> torc
 
 
 def random_batch(cfg: GalaxyConfig, device: torch.device) -> dict[str, torch.Tensor]:
-    """Token ids and labels, the same on every rank. BERT: MLM labels on ``mlm_probability`` of
-    the tokens (at least one); LLaMA: the ids themselves (the model shifts them)."""
+    """Token ids and labels, the same on every rank. A masked LM: MLM labels on ``mlm_probability``
+    of the tokens (at least one); a causal LM: the ids themselves (the model shifts them)."""
     b, s = cfg.train.global_batch_size, cfg.train.seq_length
     g = torch.Generator().manual_seed(cfg.train.seed)
     ids = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
-    if cfg.model.model_type == "bert":
+    if not family(cfg.model.model_type).causal:
         chosen = torch.rand(b, s, generator=g) < cfg.train.mlm_probability
         chosen[:, 0] = True
         labels = torch.where(chosen, ids, torch.full_like(ids, -100))

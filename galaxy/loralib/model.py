@@ -20,8 +20,6 @@ from galaxy.loralib.utils import (Targets, freeze_all_but, in_modules, kaiming_u
 
 logger = logging.getLogger(__name__)
 
-# HF PEFT's defaults for these architectures (peft.utils.constants).
-DEFAULT_TARGETS = {"bert": ["query", "value"], "llama": ["q_proj", "v_proj"]}
 BIAS_MODES = ("none", "all", "lora_only")
 
 
@@ -206,6 +204,6 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
     return model
 
 
-__all__ = ["DEFAULT_TARGETS", "inject_lora", "init_lora_weights", "lora_modules", "mark_only_lora_as_trainable",
+__all__ = ["inject_lora", "init_lora_weights", "lora_modules", "mark_only_lora_as_trainable",
            "lora_state_dict", "merge_lora", "unmerge_lora", "merge_and_unload", "set_lora_fusion", "LoRALinear",
            "MergedLoRALinear", "LoRAEmbedding"]

@@ -1,30 +1,74 @@
-"""Model definitions (one per architecture) and the factory the CLIs use."""
+"""Model definitions (one per architecture), the registry of model families, and the factory the CLIs use.
+
+``MODEL_FAMILIES`` maps each ``model_type`` to its family's class. Code outside this package asks
+the family (``family(model_type)``: its tasks, whether it is causal, its probes, parameter counts,
+PEFT targets, HF conversion; see ``GalaxyModel``) instead of asking which model it is. ``check_config``
+checks what only the families know (``galaxy.config`` stays beneath them and checks the rest).
+"""
 
 from __future__ import annotations
 
 from typing import Optional
 
-from galaxy.config import COMPUTE_KEYS, GalaxyConfig, Plan
+from galaxy.config import COMPUTE_KEYS, ConfigError, GalaxyConfig, ModelConfig, Plan
 from galaxy.core.context import ParallelContext
+from galaxy.models.base import GalaxyModel
+from galaxy.models.bert import BertPreTrainedModel
+from galaxy.models.llama import LlamaForCausalLM
+from galaxy.models.qwen2 import Qwen2ForCausalLM
+
+MODEL_FAMILIES: dict[str, type[GalaxyModel]] = {
+    "bert": BertPreTrainedModel,
+    "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+}
 
 
-def model_class(model_type: str, task: str = "lm"):
-    """``task``: 'lm' (masked LM for BERT, causal LM for LLaMA) or 'classify' (BERT)."""
-    if model_type == "bert":
-        from galaxy.models.bert import BertForMaskedLM, BertForSequenceClassification
+def family(model_type: str) -> type[GalaxyModel]:
+    """The family's class of ``model_type`` (the one that states what the family is)."""
+    if model_type not in MODEL_FAMILIES:
+        raise ConfigError(f"config key 'model_type': unknown model '{model_type}'; use one of "
+                          f"{', '.join(MODEL_FAMILIES)}")
+    return MODEL_FAMILIES[model_type]
 
-        return BertForSequenceClassification if task == "classify" else BertForMaskedLM
-    if model_type == "llama":
-        if task != "lm":
-            raise ValueError(f"LLaMA has no '{task}' head; use task 'lm'")
-        from galaxy.models.llama import LlamaForCausalLM
 
-        return LlamaForCausalLM
-    raise ValueError(f"unknown model_type '{model_type}'; use bert or llama")
+def check_config(cfg: ModelConfig) -> None:
+    """The model keys only the families can check: a known ``model_type``, and options its architecture has."""
+    if cfg.fused_gate_up and not family(cfg.model_type).gate_up_fusable:
+        raise ConfigError(f"config key 'fused_gate_up' fuses a gated MLP's gate_proj/up_proj, but model_type is "
+                          f"'{cfg.model_type}'; set it to false")
+
+
+def model_types(causal: Optional[bool] = None) -> list[str]:
+    """Every known model_type (``causal``: only those whose LM is / is not causal)."""
+    return [t for t, f in MODEL_FAMILIES.items() if causal is None or f.causal == causal]
+
+
+def model_class(model_type: str, task: str = "lm") -> type[GalaxyModel]:
+    """``task``: 'lm' (the family's language model, masked or causal) or 'classify'."""
+    return family(model_type).for_task(task)
+
+
+def model_class_named(name: str) -> type[GalaxyModel]:
+    """The model class called ``name`` (as a checkpoint records it), of any family and task."""
+    classes = {c.__name__: c for f in MODEL_FAMILIES.values() for c in map(f.for_task, f.tasks)}
+    if name not in classes:
+        raise ValueError(f"unknown model class '{name}'; known: {', '.join(classes)}")
+    return classes[name]
+
+
+def hf_model_class(hf: dict, source: str) -> type[GalaxyModel]:
+    """The causal-or-masked LM class that reads a HF ``config.json`` (``hf``) from ``source``."""
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_FAMILIES:
+        raise ConfigError(f"{source} holds a '{model_type}' model; supported model types: "
+                          f"{', '.join(MODEL_FAMILIES)}")
+    return MODEL_FAMILIES[model_type].for_task("lm")
 
 
 def build_model(cfg: GalaxyConfig, plan: Optional[Plan], ctx: ParallelContext, task: str = "lm"):
     """A fresh seeded model, or the local checkpoint ``data.model_path``, laid out by ``plan``."""
+    check_config(cfg.model)
     cls = model_class(cfg.model.model_type, task)
     if cfg.data.model_path:
         # The checkpoint fixes the architecture; how it computes is still this config's choice.

@@ -1,5 +1,8 @@
 """What every Galaxy model shares: seeded plan-independent init, full <-> sharded state dicts,
-and the HF-style ``from_pretrained`` / ``save_pretrained`` over local directories."""
+the HF-style ``from_pretrained`` / ``save_pretrained`` over local directories, and the facts a
+family states about itself (``GalaxyModel``'s class attributes and classmethods), which the
+planner, PEFT, training and the CLIs read through ``galaxy.models``' registry instead of asking
+which model it is."""
 
 from __future__ import annotations
 
@@ -8,8 +11,9 @@ import logging
 import os
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
+from typing import Mapping, NamedTuple, Optional
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -79,6 +83,18 @@ def default_plan_and_context(config: ModelConfig, plan: Optional[Plan], ctx: Opt
     return plan, ctx
 
 
+class LayerParameters(NamedTuple):
+    """Parameters of one transformer layer on a rank, by where their gradients go. Numbers or numpy
+    arrays (the planner broadcasts over candidate splits). ``*_sharded``: the block's weights that
+    TP shards (SP replicates them); ``*_row_bias``: a row-parallel output bias, whole on every rank."""
+
+    att_sharded: np.ndarray
+    att_row_bias: int
+    mlp_sharded: np.ndarray
+    mlp_row_bias: int
+    con: int  # the norms, in CON's layout
+
+
 @dataclass
 class ModelOutput:
     loss: Optional[torch.Tensor] = None
@@ -99,10 +115,84 @@ class GalaxyModel(nn.Module):
     hf_architecture = ""
     tied_keys: dict[str, str] = {}  # HF key -> the key it is tied to (not stored twice)
 
+    # -- what the family is: class attributes read through galaxy.models' registry by ``model_type``
+    model_type = ""  # the registry key, and HF's model_type
+    tasks: tuple[str, ...] = ("lm",)  # heads the family has ('lm', 'classify'); ``for_task`` picks the class
+    causal = False  # its LM predicts the next token (else masked tokens): evaluation, generation, data
+    rotary = False  # attention heads rotate by RoPE, so a head's size must be even
+    tiny_config: Mapping = {}  # model keys of a small model of the family, where CLIs start without a config
+    lora_targets: tuple[str, ...] = ()  # HF PEFT's default LoRA target modules for the architecture
+    adapter_points: Mapping[str, str] = {}  # adapter site ('attn', 'mlp') -> module-name regex
+    gate_up_fusable = False  # ``fused_gate_up`` applies (a gated MLP)
+    fresh_for_task: tuple[str, ...] = ()  # parameter prefixes a pretraining checkpoint lacks (task heads)
+
+    @classmethod
+    def for_task(cls, task: str) -> type["GalaxyModel"]:
+        """The class of this family with the head of ``task`` (one of ``tasks``)."""
+        if task not in cls.tasks:
+            raise ConfigError(f"{cls.model_type} has no '{task}' head; its tasks are {', '.join(cls.tasks)}")
+        return cls
+
+    # -- shapes the planner's cost model reads (no model is built)
+
+    @classmethod
+    def layer_parameters(cls, cfg: ModelConfig, heads, ffn) -> LayerParameters:
+        """One layer on a rank that holds ``heads`` query heads and ``ffn`` intermediate columns."""
+        raise NotImplementedError
+
+    @classmethod
+    def edge_parameters(cls, cfg: ModelConfig) -> tuple[int, int]:
+        """(first stage's embeddings, last stage's head) parameters, without a tied head weight."""
+        raise NotImplementedError
+
+    @classmethod
+    def ties_embeddings(cls, cfg: ModelConfig) -> bool:
+        """The head reads the input embedding matrix (two pipeline stages then sum its gradient)."""
+        return cfg.tie_word_embeddings
+
+    # -- block probes the planner times: the family's own modules for a one-rank ``plan`` whose TP
+    # shard is the size under test. Each is an nn.Module; the planner sets its weights and dtype.
+
+    @classmethod
+    def att_proj_probe(cls, cfg: ModelConfig, plan: Plan, ctx: ParallelContext, seq: int) -> nn.Module:
+        """``forward(x [b, s, hidden]) -> (q, k, v)`` as the attention core takes them (``seq``: the
+        longest sequence, for position tables)."""
+        raise NotImplementedError
+
+    @classmethod
+    def att_out_probe(cls, cfg: ModelConfig, plan: Plan, ctx: ParallelContext) -> nn.Module:
+        """The attention output projection: ``forward(o [b, s, heads * head_dim]) -> [b, s, hidden]``."""
+        raise NotImplementedError
+
+    @classmethod
+    def mlp_probe(cls, cfg: ModelConfig, plan: Plan, ctx: ParallelContext) -> nn.Module:
+        """``forward(x) -> the MLP block's output`` (before its exit transition)."""
+        raise NotImplementedError
+
+    @classmethod
+    def con_probe(cls, cfg: ModelConfig, plan: Plan, ctx: ParallelContext) -> nn.Module:
+        """``forward(a, h)``: the CON block on a block output ``a`` and the residual stream ``h``."""
+        raise NotImplementedError
+
+    @classmethod
+    def head_probe(cls, cfg: ModelConfig, plan: Plan, ctx: ParallelContext) -> nn.Module:
+        """``forward(ids [b, s]) -> logits [b, s, vocab]``: embeddings, the final norm and the LM head."""
+        raise NotImplementedError
+
+    # -- side-tuning
+
+    def side_spec(self, side_cfg: ModelConfig, side_plan: Plan):
+        """The ``galaxy.adapters.side.SideSpec`` of a side network of ``side_cfg``-sized layers on
+        ``side_plan`` beside this model's layers."""
+        raise ValueError(f"side-tuning is not supported for {self.model_type}")
+
     def __init__(self, config: ModelConfig, plan: Plan, ctx: ParallelContext):
         super().__init__()
         self.config, self.plan, self.ctx = config, plan, ctx
         self.stage = stage_of(config.num_hidden_layers, ctx)  # the whole model unless ctx.pp has stages
+        if config.fused_gate_up and not self.gate_up_fusable:
+            raise ConfigError(f"config key 'fused_gate_up' fuses a gated MLP's gate_proj/up_proj, but "
+                              f"{type(self).__name__} has none; set it to false")
         try:  # 'triton' that cannot run here fails now, not at the first forward
             resolve_backend_for(config.kernels, ctx.device)
         except (ImportError, ValueError) as e:

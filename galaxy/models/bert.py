@@ -36,8 +36,8 @@ from galaxy.core.recompute import generators_of, layer_modes, recompute
 from galaxy.core.transitions import Layout, reduce_to_replicated
 from galaxy.kernels import fused_linear_cross_entropy, layer_norm
 from galaxy.core.overlap.coc import CocBoundaries, coc_chunks
-from galaxy.models.base import (GalaxyModel, ModelOutput, activation, at_least_fp32, default_plan_and_context,
-                                plain, token_loss_sum, use_triton)
+from galaxy.models.base import (GalaxyModel, LayerParameters, ModelOutput, activation, at_least_fp32,
+                                default_plan_and_context, plain, token_loss_sum, use_triton)
 
 HF_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
            "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "hidden_dropout_prob",
@@ -307,7 +307,124 @@ class BertOnlyMLMHead(nn.Module):
         return self.predictions(h)
 
 
+# ----------------------------------------------------------------------------- planner probes
+
+
+class BertQKV(nn.Module):
+    """ATT's q/k/v projections (the planner's ``att_proj`` piece)."""
+
+    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
+        super().__init__()
+        self.attn = BertSelfAttention(cfg, plan, ctx)
+
+    def forward(self, x):
+        return self.attn.query(x), self.attn.key(x), self.attn.value(x)
+
+
+class BertMLP(nn.Module):
+    """MLP's two linears and the activation (the planner's ``mlp`` piece)."""
+
+    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
+        super().__init__()
+        self.intermediate, self.output = BertIntermediate(cfg, plan, ctx), BertOutput(cfg, plan, ctx)
+
+    def forward(self, x):
+        return self.output.dense(self.intermediate(x))
+
+
+class BertCon(nn.Module):
+    """CON: dropout, residual add, LayerNorm (post-LN)."""
+
+    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
+        super().__init__()
+        self.norm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, cfg.kernels)
+        self.dropout = Dropout(cfg.hidden_dropout_prob, ctx.generator(sharded=plan.con == Method.SP))
+
+    def forward(self, a, h):
+        return self.norm(self.dropout(a) + h)
+
+
+class BertEmbeddingsAndHead(nn.Module):
+    """The embeddings and the MLM head with its tied decoder."""
+
+    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
+        super().__init__()
+        self.embeddings = BertEmbeddings(cfg, plan, ctx)
+        self.head = BertOnlyMLMHead(cfg, plan, self.embeddings.word_embeddings)
+
+    def forward(self, ids):
+        return self.head(self.embeddings(ids, torch.zeros_like(ids), 0))
+
+
+# ----------------------------------------------------------------------------- the models
+
+
 class BertPreTrainedModel(GalaxyModel):
+    """The BERT family: what it is (registry facts), init and HF conversion shared by its heads."""
+
+    model_type = "bert"
+    tasks = ("lm", "classify")
+    tiny_config = dict(preset="bert-tiny")
+    lora_targets = ("query", "value")
+    # The outputs of ATT and MLP after their dropout, before ``LayerNorm(. + h)``.
+    adapter_points = {"attn": r"(.+\.)?layer\.\d+\.attention\.output\.dropout",
+                      "mlp": r"(.+\.)?layer\.\d+\.output\.dropout"}
+
+    @classmethod
+    def for_task(cls, task: str) -> type[GalaxyModel]:
+        super().for_task(task)
+        return BertForSequenceClassification if task == "classify" else BertForMaskedLM
+
+    @classmethod
+    def layer_parameters(cls, cfg: ModelConfig, heads, ffn) -> LayerParameters:
+        h, d = cfg.hidden_size, cfg.head_dim
+        return LayerParameters(att_sharded=3 * (heads * d * h + heads * d) + h * heads * d,  # q, k, v + biases; dense
+                               att_row_bias=h, mlp_sharded=ffn * h + ffn + h * ffn, mlp_row_bias=h,
+                               con=2 * 2 * h)  # two LayerNorms
+
+    @classmethod
+    def edge_parameters(cls, cfg: ModelConfig) -> tuple[int, int]:
+        h, v = cfg.hidden_size, cfg.vocab_size
+        emb = v * h + cfg.max_position_embeddings * h + cfg.type_vocab_size * h + 2 * h
+        head = h * h + h + 2 * h + v  # transform dense, its LayerNorm, the decoder bias (weight tied)
+        return emb, head
+
+    @classmethod
+    def ties_embeddings(cls, cfg: ModelConfig) -> bool:
+        return True  # the MLM decoder is the word embeddings
+
+    @classmethod
+    def att_proj_probe(cls, cfg, plan, ctx, seq):
+        return BertQKV(cfg, plan, ctx)
+
+    @classmethod
+    def att_out_probe(cls, cfg, plan, ctx):
+        return BertSelfOutput(cfg, plan, ctx).dense
+
+    @classmethod
+    def mlp_probe(cls, cfg, plan, ctx):
+        return BertMLP(cfg, plan, ctx)
+
+    @classmethod
+    def con_probe(cls, cfg, plan, ctx):
+        return BertCon(cfg, plan, ctx)
+
+    @classmethod
+    def head_probe(cls, cfg, plan, ctx):
+        return BertEmbeddingsAndHead(cfg, plan, ctx)
+
+    def side_spec(self, side_cfg: ModelConfig, side_plan: Plan):
+        from galaxy.adapters.side import SideSpec
+
+        layers = list(self.bert.encoder.layer)
+        edges = Boundaries(self.ctx.mp, side_plan)
+        dtype = next(self.parameters()).dtype
+        with torch.device(self.ctx.device):
+            side_layers = [BertLayer(side_cfg, side_plan, self.ctx, edges).to(dtype) for _ in layers]
+        return SideSpec(self.bert, layers, side_layers, self.config.hidden_size, side_cfg.hidden_size,
+                        run_layer=lambda layer, s, call: layer(s, call["attention_mask"]),
+                        init_full=self._init_full)
+
     def _init_full(self, name: str, shape, gen: torch.Generator) -> torch.Tensor:
         # HF BertPreTrainedModel._init_weights: N(0, initializer_range) matrices and embeddings,
         # zero biases, unit LayerNorm scales, a zero padding row.
@@ -396,6 +513,7 @@ class BertForMaskedLM(BertPreTrainedModel):
 
 class BertForSequenceClassification(BertPreTrainedModel):
     hf_architecture = "BertForSequenceClassification"
+    fresh_for_task = ("classifier.", "bert.pooler.")
 
     def __init__(self, config: ModelConfig, plan: Optional[Plan] = None, ctx: Optional[ParallelContext] = None,
                  seed: int = 0, meta: bool = False):

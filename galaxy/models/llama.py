@@ -60,8 +60,8 @@ from galaxy.core.transitions import Layout, reduce_to_replicated, transition
 from galaxy.kernels import apply_rope, fused_linear_cross_entropy, rms_norm, swiglu, swiglu_packed
 from galaxy.core.overlap.coc import CocBoundaries, coc_chunks
 from galaxy.models.generation import generate
-from galaxy.models.base import (GalaxyModel, ModelOutput, activation, at_least_fp32, default_plan_and_context,
-                                plain, token_loss_sum, use_triton)
+from galaxy.models.base import (GalaxyModel, LayerParameters, ModelOutput, activation, at_least_fp32,
+                                default_plan_and_context, plain, token_loss_sum, use_triton)
 
 logger = logging.getLogger(__name__)
 
@@ -216,9 +216,10 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.num_heads // group
         q_split = [n * d for n in plan.heads_split]
         kv_split = [n // group * d for n in plan.heads_split]
-        self.q_proj = ParallelLinear.for_method(plan.att, h, cfg.num_attention_heads * d, False, "column", q_split, rank)
-        self.k_proj = ParallelLinear.for_method(plan.att, h, cfg.kv_heads * d, False, "column", kv_split, rank)
-        self.v_proj = ParallelLinear.for_method(plan.att, h, cfg.kv_heads * d, False, "column", kv_split, rank)
+        bias = bool(cfg.qkv_bias)  # column-parallel biases are sharded with their columns
+        self.q_proj = ParallelLinear.for_method(plan.att, h, cfg.num_attention_heads * d, bias, "column", q_split, rank)
+        self.k_proj = ParallelLinear.for_method(plan.att, h, cfg.kv_heads * d, bias, "column", kv_split, rank)
+        self.v_proj = ParallelLinear.for_method(plan.att, h, cfg.kv_heads * d, bias, "column", kv_split, rank)
         self.o_proj = ParallelLinear.for_method(plan.att, cfg.num_attention_heads * d, h, False, "row", q_split, rank)
         self.dropout = Dropout(cfg.attention_probs_dropout_prob, ctx.generator(sharded=plan.att != Method.NONE))
 
@@ -481,14 +482,138 @@ class TiedLMHead(nn.Module):
         return F.linear(h, self.weight)
 
 
+# ----------------------------------------------------------------------------- planner probes
+
+
+class LlamaQKV(nn.Module):
+    """ATT's q/k/v projections with RoPE on q and k (the planner's ``att_proj`` piece): q, k
+    ``[b, heads, s, d]`` rotated at positions 0..s-1, v ``[b, s, kv_heads * d]``."""
+
+    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext, seq: int):
+        super().__init__()
+        self.attn = LlamaAttention(cfg, plan, ctx, 0)
+        cos, sin = LlamaRotaryEmbedding(cfg, ctx.device)(torch.arange(seq, device=ctx.device)[None], torch.float32)
+        self.rope = RopeAt(cos, sin, cfg.kernels)
+
+    def forward(self, x):
+        a, (b, s, _) = self.attn, x.shape
+        q = a.q_proj(x).view(b, s, a.num_heads, a.head_dim).transpose(1, 2)
+        k = a.k_proj(x).view(b, s, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        q, k = self.rope(q, k, torch.arange(s, device=x.device))
+        return q, k, a.v_proj(x)
+
+
+class LlamaCon(nn.Module):
+    """CON: the residual add (after the optional dropout), then the next block's RMSNorm (pre-norm)."""
+
+    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
+        super().__init__()
+        self.norm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.kernels)
+        self.dropout = Dropout(cfg.hidden_dropout_prob, ctx.generator(sharded=plan.con == Method.SP))
+
+    def forward(self, a, h):
+        h = h + self.dropout(a)
+        return h, self.norm(h)
+
+
+class LlamaEmbeddingsAndHead(nn.Module):
+    """The token embeddings, the final norm and ``lm_head`` (the embedding matrix when tied)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.norm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.kernels)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, ids):
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(self.norm(self.embed_tokens(ids)), head.weight)
+
+
 # ----------------------------------------------------------------------------- the model
 
 
 class LlamaForCausalLM(GalaxyModel):
     hf_architecture = "LlamaForCausalLM"
+    model_type = "llama"
+    causal = True
+    rotary = True
+    tiny_config = dict(preset="llama-tiny")
+    lora_targets = ("q_proj", "v_proj")
+    # The block outputs before ``h + .``.
+    adapter_points = {"attn": r"(.+\.)?layers\.\d+\.attn_dropout", "mlp": r"(.+\.)?layers\.\d+\.mlp_dropout"}
+    gate_up_fusable = True
+    qkv_bias = False  # HF's architecture has q/k/v biases (a config's qkv_bias None takes this)
+    hf_defaults = HF_DEFAULTS
+
+    @classmethod
+    def own_config(cls, config: ModelConfig) -> ModelConfig:
+        """``config`` with what it leaves to the architecture filled in (``qkv_bias``)."""
+        return config if config.qkv_bias is not None else replace(config, qkv_bias=cls.qkv_bias)
+
+    @classmethod
+    def layer_parameters(cls, cfg: ModelConfig, heads, ffn) -> LayerParameters:
+        cfg = cls.own_config(cfg)
+        h, d = cfg.hidden_size, cfg.head_dim
+        kv = heads // (cfg.num_attention_heads // cfg.kv_heads)
+        qkv = (heads + 2 * kv) * d
+        return LayerParameters(att_sharded=qkv * h + (qkv if cfg.qkv_bias else 0) + h * heads * d, att_row_bias=0,
+                               mlp_sharded=3 * ffn * h, mlp_row_bias=0, con=2 * h)  # two RMSNorms
+
+    @classmethod
+    def edge_parameters(cls, cfg: ModelConfig) -> tuple[int, int]:
+        h, v = cfg.hidden_size, cfg.vocab_size
+        return v * h, h + (0 if cfg.tie_word_embeddings else v * h)  # embeddings; final norm + lm_head
+
+    @classmethod
+    def att_proj_probe(cls, cfg, plan, ctx, seq):
+        return LlamaQKV(cls.own_config(cfg), plan, ctx, seq)
+
+    @classmethod
+    def att_out_probe(cls, cfg, plan, ctx):
+        return LlamaAttention(cls.own_config(cfg), plan, ctx, 0).o_proj
+
+    @classmethod
+    def mlp_probe(cls, cfg, plan, ctx):
+        return LlamaMLP(cfg, plan, ctx)
+
+    @classmethod
+    def con_probe(cls, cfg, plan, ctx):
+        return LlamaCon(cfg, plan, ctx)
+
+    @classmethod
+    def head_probe(cls, cfg, plan, ctx):
+        return LlamaEmbeddingsAndHead(cfg)
+
+    def side_spec(self, side_cfg: ModelConfig, side_plan: Plan):
+        from galaxy.adapters.side import SideSpec
+
+        layers = list(self.model.layers)
+        edges = Boundaries(self.ctx.mp, side_plan)
+        dtype = next(self.parameters()).dtype
+        with torch.device(self.ctx.device):
+            side_layers = [LlamaDecoderLayer(side_cfg, side_plan, self.ctx, edges, i).to(dtype)
+                           for i in range(len(layers))]
+            final_norm = LlamaRMSNorm(side_cfg.hidden_size, self.config.rms_norm_eps).to(dtype)
+        rotary = LlamaRotaryEmbedding(side_cfg)  # the side heads are narrower: their own RoPE tables
+
+        def prepare(call: dict, s: torch.Tensor) -> dict:
+            if call.get("cache") is not None:
+                raise ValueError("side-tuning keeps no KV cache for its side network; generate with use_cache=False")
+            positions = call.get("position_ids")
+            if positions is None:
+                positions = torch.arange(call["input_ids"].shape[1], device=s.device)
+            if positions.dim() == 1:
+                positions = positions[None]
+            return {"side_rope": RopeAt(*rotary(positions, s.dtype))}
+
+        return SideSpec(self.model, layers, side_layers, self.config.hidden_size, side_cfg.hidden_size,
+                        run_layer=lambda layer, s, call: layer(s, call["attention_mask"], call["side_rope"]),
+                        prepare=prepare, final_norm=final_norm, init_full=self._init_full)
 
     def __init__(self, config: ModelConfig, plan: Optional[Plan] = None, ctx: Optional[ParallelContext] = None,
                  seed: int = 0, meta: bool = False):
+        config = self.own_config(config)
         plan, ctx = default_plan_and_context(config, plan, ctx)
         super().__init__(config, plan, ctx)
         # Instance attribute: only a tied model drops lm_head.weight from checkpoints.
@@ -574,6 +699,8 @@ class LlamaForCausalLM(GalaxyModel):
         # unit RMSNorm scales, a zero padding row when a pad token is set.
         if name.endswith("layernorm.weight") or name == "model.norm.weight":
             return torch.ones(shape)
+        if name.endswith(".bias"):  # HF inits linear biases to zero
+            return torch.zeros(shape)
         full = torch.empty(shape).normal_(0.0, self.config.initializer_range, generator=gen)
         if name == "model.embed_tokens.weight" and self.config.pad_token_id is not None:
             full[self.config.pad_token_id] = 0
@@ -581,12 +708,12 @@ class LlamaForCausalLM(GalaxyModel):
 
     @classmethod
     def config_from_hf(cls, hf: dict) -> ModelConfig:
-        if hf.get("model_type", "llama") != "llama":
-            raise ValueError(f"model_path holds a '{hf.get('model_type')}' model, not LLaMA")
+        if hf.get("model_type", cls.model_type) != cls.model_type:
+            raise ValueError(f"model_path holds a '{hf.get('model_type')}' model, not {cls.model_type}")
         for key in ("attention_bias", "mlp_bias"):
             if hf.get(key):
-                raise ValueError(f"HF config has {key}=true; Galaxy's LLaMA has no biases")
-        hf = dict(HF_DEFAULTS, **hf)
+                raise ValueError(f"HF config has {key}=true; Galaxy's {cls.hf_architecture} has no such biases")
+        hf = dict(cls.hf_defaults, **hf)
         if hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
             raise ValueError(f"HF config has head_dim={hf['head_dim']} but Galaxy derives it as "
                              "hidden_size / num_attention_heads")
@@ -596,7 +723,7 @@ class LlamaForCausalLM(GalaxyModel):
         kind = rope.pop("rope_type", rope.pop("type", "default"))
         if kind not in ROPE_TYPES:
             raise ValueError(f"HF config uses rope type '{kind}'; supported: {', '.join(ROPE_TYPES)}")
-        cfg = ModelConfig(model_type="llama", **{k: hf[k] for k in HF_KEYS if k in hf})
+        cfg = ModelConfig(model_type=cls.model_type, qkv_bias=cls.qkv_bias, **{k: hf[k] for k in HF_KEYS if k in hf})
         cfg.num_key_value_heads = hf.get("num_key_value_heads") or cfg.num_attention_heads
         cfg.rope_theta = float(theta)
         cfg.rope_scaling = None if kind == "default" else dict(rope, rope_type=kind)
@@ -607,11 +734,14 @@ class LlamaForCausalLM(GalaxyModel):
 
     @classmethod
     def hf_config(cls, config: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict:
-        c = config
+        c = cls.own_config(config)
+        if c.qkv_bias != cls.qkv_bias:
+            raise ConfigError(f"config key 'qkv_bias' is {c.qkv_bias}, but HF's {cls.hf_architecture} "
+                              f"{'always' if cls.qkv_bias else 'never'} has q/k/v biases; it has no HF form")
         hf = {k: getattr(c, k) for k in HF_KEYS}
         rope_parameters = dict(c.rope_scaling or {}, rope_theta=c.rope_theta)
         rope_parameters["rope_type"] = rope_parameters.pop("type", rope_parameters.get("rope_type", "default"))
-        hf.update(model_type="llama", architectures=[cls.hf_architecture], num_key_value_heads=c.kv_heads,
+        hf.update(model_type=cls.model_type, architectures=[cls.hf_architecture], num_key_value_heads=c.kv_heads,
                   head_dim=c.head_dim, attention_bias=False, mlp_bias=False,
                   attention_dropout=c.attention_probs_dropout_prob, pad_token_id=c.pad_token_id,
                   # Both spellings: transformers 5 reads rope_parameters, 4.x rope_theta/rope_scaling.
@@ -632,7 +762,7 @@ class LlamaForCausalLM(GalaxyModel):
             hf = json.load(f)
         model.special_token_ids = {k: hf[k] for k in SPECIAL_TOKEN_KEYS if k in hf}
         c = model.config
-        logger.info("loaded LLaMA from %s: %d layers, %d query / %d key-value heads, rope %s, plan %s", path,
-                    c.num_hidden_layers, c.num_attention_heads, c.kv_heads,
+        logger.info("loaded %s from %s: %d layers, %d query / %d key-value heads, rope %s, plan %s", cls.model_type,
+                    path, c.num_hidden_layers, c.num_attention_heads, c.kv_heads,
                     (c.rope_scaling or {}).get("rope_type", "default"), model.plan.name)
         return model

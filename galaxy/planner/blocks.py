@@ -16,6 +16,7 @@ from galaxy.config import Method, ModelConfig, Plan
 from galaxy.core.attention import attention
 from galaxy.core.context import ParallelContext
 from galaxy.core.layers import Dropout
+from galaxy.models import family
 from galaxy.planner.cluster import Curve, Piece
 
 logger = logging.getLogger(__name__)
@@ -36,14 +37,15 @@ def grid(total: int, unit: int = 1, most: int = 16) -> list[int]:
 
 
 class BlockBench:
-    """The model's own block modules on one rank, built with a one-rank plan whose TP shard is the
-    size under test (the rank holds ``heads`` heads / ``ffn`` columns as rank 0 of a wider split)."""
+    """The model's own block modules on one rank (its family's probes, ``GalaxyModel.*_probe``),
+    built with a one-rank plan whose TP shard is the size under test (the rank holds ``heads``
+    heads / ``ffn`` columns as rank 0 of a wider split)."""
 
     def __init__(self, m: ModelConfig, rows: int, seq: int, device: torch.device, dtype: str):
         self.m, self.rows, self.seq, self.device = m, rows, seq, device
         self.dtype = TORCH_DTYPES[dtype]
         self.ctx = ParallelContext.serial(device)
-        self.bert = m.model_type == "bert"
+        self.family = family(m.model_type)
 
     def plan(self, heads: int, ffn: int) -> Plan:
         m = self.m
@@ -65,103 +67,39 @@ class BlockBench:
                            requires_grad=True)
 
     def att_proj(self, heads: int, tokens: int):
-        m = self.m
-        plan = self.plan(heads, m.intermediate_size)
-        x = self._x(tokens)
-        if self.bert:
-            from galaxy.models.bert import BertSelfAttention
-
-            a = self._ready(BertSelfAttention(m, plan, self.ctx))
-            return [x], lambda x: (a.query(x), a.key(x), a.value(x))
-        from galaxy.models.llama import LlamaAttention, LlamaRotaryEmbedding, RopeAt
-
-        a = self._ready(LlamaAttention(m, plan, self.ctx, 0))
-        cos, sin = LlamaRotaryEmbedding(m)(torch.arange(self.seq, device=self.device)[None], torch.float32)
-        rope, idx = RopeAt(cos, sin, m.kernels), torch.arange(tokens, device=self.device)
-
-        def run(x):
-            b, s, _ = x.shape
-            q = a.q_proj(x).view(b, s, a.num_heads, a.head_dim).transpose(1, 2)
-            k = a.k_proj(x).view(b, s, a.num_kv_heads, a.head_dim).transpose(1, 2)
-            q, k = rope(q, k, idx)
-            return q, k, a.v_proj(x)
-        return [x], run
+        plan = self.plan(heads, self.m.intermediate_size)
+        return [self._x(tokens)], self._ready(self.family.att_proj_probe(self.m, plan, self.ctx, self.seq))
 
     def att_core(self, heads: int, q_tokens: int, kv_tokens: int):
         m = self.m
         plan = self.plan(heads, m.intermediate_size)
         d, kv_heads = m.head_dim, heads // (m.num_attention_heads // m.kv_heads)
-        if self.bert:
-            from galaxy.models.bert import BertSelfOutput
-
-            out = self._ready(BertSelfOutput(m, plan, self.ctx)).dense
-        else:
-            from galaxy.models.llama import LlamaAttention
-
-            out = self._ready(LlamaAttention(m, plan, self.ctx, 0)).o_proj
+        out = self._ready(self.family.att_out_probe(m, plan, self.ctx))
         dropout = Dropout(m.attention_probs_dropout_prob, self.ctx.generator(sharded=True))
         q = torch.randn(self.rows, heads, q_tokens, d, device=self.device, requires_grad=True)
         k, v = (torch.randn(self.rows, kv_heads, kv_tokens, d, device=self.device, requires_grad=True)
                 for _ in range(2))
 
         def run(q, k, v):
-            o = attention(q, k, v, causal=not self.bert, q_offset=kv_tokens - q_tokens, dropout=dropout)
+            o = attention(q, k, v, causal=self.family.causal, q_offset=kv_tokens - q_tokens, dropout=dropout)
             return out(o.transpose(1, 2).reshape(self.rows, q_tokens, heads * d))
         return [q, k, v], run
 
     def mlp(self, ffn: int, tokens: int):
-        m = self.m
-        plan = self.plan(m.num_attention_heads, ffn)
-        x = self._x(tokens)
-        if self.bert:
-            from galaxy.models.bert import BertIntermediate, BertOutput
-
-            inter, out = self._ready(BertIntermediate(m, plan, self.ctx)), self._ready(BertOutput(m, plan, self.ctx))
-            return [x], lambda x: out.dense(inter(x))
-        from galaxy.models.llama import LlamaMLP
-
-        mlp = self._ready(LlamaMLP(m, plan, self.ctx))
-        return [x], mlp
+        plan = self.plan(self.m.num_attention_heads, ffn)
+        return [self._x(tokens)], self._ready(self.family.mlp_probe(self.m, plan, self.ctx))
 
     def con(self, tokens: int):
-        m = self.m
-        a, h = self._x(tokens), self._x(tokens)
-        dropout = Dropout(m.hidden_dropout_prob, self.ctx.generator(sharded=True))
-        if self.bert:
-            from galaxy.models.bert import LayerNorm
-
-            norm = self._ready(LayerNorm(m.hidden_size, m.layer_norm_eps, m.kernels))
-            return [a, h], lambda a, h: norm(dropout(a) + h)
-        from galaxy.models.llama import LlamaRMSNorm
-
-        norm = self._ready(LlamaRMSNorm(m.hidden_size, m.rms_norm_eps, m.kernels))
-
-        def run(a, h):
-            h = h + dropout(a)
-            return h, norm(h)
-        return [a, h], run
+        plan = self.plan(self.m.num_attention_heads, self.m.intermediate_size)
+        return [self._x(tokens), self._x(tokens)], self._ready(self.family.con_probe(self.m, plan, self.ctx))
 
     def head(self, tokens: int):
         """Embeddings, output head and the loss of ``tokens`` tokens."""
         m = self.m
         ids = torch.randint(0, m.vocab_size, (self.rows, tokens), device=self.device)
         plan = self.plan(m.num_attention_heads, m.intermediate_size)
-        if self.bert:
-            from galaxy.models.bert import BertEmbeddings, BertOnlyMLMHead
-
-            emb = self._ready(BertEmbeddings(m, plan, self.ctx))
-            head = self._ready(BertOnlyMLMHead(m, plan, emb.word_embeddings))
-            types = torch.zeros_like(ids)
-            logits = lambda: head(emb(ids, types, 0))  # noqa: E731
-        else:
-            from galaxy.models.llama import LlamaRMSNorm
-
-            emb = self._ready(torch.nn.Embedding(m.vocab_size, m.hidden_size))
-            norm = self._ready(LlamaRMSNorm(m.hidden_size, m.rms_norm_eps, m.kernels))
-            lm_head = emb.weight if m.tie_word_embeddings else self._ready(
-                torch.nn.Linear(m.hidden_size, m.vocab_size, bias=False)).weight
-            logits = lambda: F.linear(norm(emb(ids)), lm_head)  # noqa: E731
-        return [], lambda: F.cross_entropy(logits().float().reshape(-1, m.vocab_size), ids.reshape(-1))
+        head = self._ready(self.family.head_probe(m, plan, self.ctx))
+        return [], lambda: F.cross_entropy(head(ids).float().reshape(-1, m.vocab_size), ids.reshape(-1))
 
 
 def synchronize(device: torch.device) -> None:

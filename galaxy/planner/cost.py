@@ -21,7 +21,7 @@ from galaxy.config import Method, ModelConfig, balanced_split
 from galaxy.core.context import rank_of
 from galaxy.core.transitions import TRANSITION_OPS
 from galaxy.planner.cluster import ClusterProfile
-from galaxy.planner.workload import LAYOUTS, edge_params, layer_params, stream_layout
+from galaxy.planner.workload import LAYOUTS, edge_params, layer_params, stream_layout, tied_params
 
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 GRAD_BUCKET_BYTES = 25 * 2**20  # GradientSync's bucket size
@@ -384,7 +384,7 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
     for (d, p) in groups:
         if mp > 1 and partial_bytes[p].max() > 0:
             sync(mp_keys(d, p), "reduce_scatter" if sharded else "all_reduce", partial_bytes[p], buckets[p])
-    tied = m.vocab_size * m.hidden_size if pp > 1 and (m.model_type == "bert" or m.tie_word_embeddings) else 0
+    tied = tied_params(m) if pp > 1 else 0
     for d in range(dp):
         for i in range(mp):
             if tied:

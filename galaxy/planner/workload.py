@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from galaxy.config import Method, ModelConfig
+from galaxy.models import family
 
 LAYOUTS = {Method.TP: ("T", "P"), Method.SP: ("S", "S"), Method.NONE: ("R", "R")}
 
@@ -30,43 +31,28 @@ class ParamCounts:
 
 def layer_params(m: ModelConfig, att: Method, mlp: Method, con: Method, heads, ffn) -> ParamCounts:
     """One transformer layer on a rank holding ``heads`` query heads (ATT.tp) and ``ffn`` columns (MLP.tp)."""
-    h, d, H, F = m.hidden_size, m.head_dim, m.num_attention_heads, m.intermediate_size
-    bert = m.model_type == "bert"
-    group = H // m.kv_heads
+    H, F = m.num_attention_heads, m.intermediate_size
     nh = np.asarray(heads, dtype=np.int64) if att == Method.TP else H
     nf = np.asarray(ffn, dtype=np.int64) if mlp == Method.TP else F
-    if bert:  # q, k, v with biases; dense (row) + its bias
-        att_sharded = 3 * (nh * d * h + nh * d) + h * nh * d
-        att_bias_row = h
-        mlp_sharded = nf * h + nf + h * nf
-        mlp_bias_row = h
-        con_params = 2 * 2 * h  # two LayerNorms
-    else:
-        att_sharded = nh * d * h + 2 * (nh // group) * d * h + h * nh * d
-        att_bias_row = 0
-        mlp_sharded = 3 * nf * h
-        mlp_bias_row = 0
-        con_params = 2 * h  # two RMSNorms
+    p = family(m.model_type).layer_parameters(m, nh, nf)
     zero = np.zeros_like(np.asarray(heads) + np.asarray(ffn), dtype=np.int64)
-    total = zero + att_sharded + att_bias_row + mlp_sharded + mlp_bias_row + con_params
+    total = zero + p.att_sharded + p.att_row_bias + p.mlp_sharded + p.mlp_row_bias + p.con
     partial = zero.copy()
-    for method, sharded, row_bias in ((att, att_sharded, att_bias_row), (mlp, mlp_sharded, mlp_bias_row)):
+    for method, sharded, row_bias in ((att, p.att_sharded, p.att_row_bias), (mlp, p.mlp_sharded, p.mlp_row_bias)):
         if method == Method.SP:
             partial = partial + sharded + row_bias
         elif method == Method.TP:
             partial = partial + row_bias  # a row-parallel bias is added on one rank only
     if con == Method.SP:
-        partial = partial + con_params
+        partial = partial + p.con
     return ParamCounts(total, partial)
 
 
 def edge_params(m: ModelConfig) -> tuple[int, int]:
     """(first stage's embeddings, last stage's head) parameters, without the tied decoder weight."""
-    h, v = m.hidden_size, m.vocab_size
-    if m.model_type == "bert":
-        emb = v * h + m.max_position_embeddings * h + m.type_vocab_size * h + 2 * h
-        head = h * h + h + 2 * h + v  # transform dense, its LayerNorm, the decoder bias (weight tied)
-    else:
-        emb = v * h
-        head = h + (0 if m.tie_word_embeddings else v * h)  # final norm + lm_head
-    return emb, head
+    return family(m.model_type).edge_parameters(m)
+
+
+def tied_params(m: ModelConfig) -> int:
+    """Parameters of the embedding matrix the head reads too (two pipeline stages sum its gradient)."""
+    return m.vocab_size * m.hidden_size if family(m.model_type).ties_embeddings(m) else 0

@@ -298,7 +298,7 @@ def test_config_scales_to_llama_1b_by_override():
 
 @pytest.mark.parametrize("argv,needle", [
     (["--data", "missing.jsonl"], "instruction data file not found"),
-    (["--override", "model_type=bert"], "this CLI fine-tunes LLaMA"),
+    (["--override", "model_type=bert"], "this CLI fine-tunes causal LMs"),
     (["--config", "train_config/llama/tp/full.json", "--world", "3"], "splits a group of 2 query heads"),
     (["--model_path", "no/such/dir"], "has no config.json"),
     (["--tokenizer", "no/such/dir"], "does not exist or is not a directory"),

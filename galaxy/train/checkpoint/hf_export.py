@@ -35,17 +35,19 @@ def _model_tensors(path: str, manifest: dict):
 
 
 def _model_class(state_json: dict, path: str):
-    """The class of the checkpoint's model: its HF config (``hf_config``) and layout conversion
-    (``state_to_hf``) are the class's, from the typed config; no model is built."""
-    from galaxy.models.bert import BertForMaskedLM, BertForSequenceClassification
-    from galaxy.models.llama import LlamaForCausalLM
+    """The class of the checkpoint's model (from the registry, by the name the checkpoint records):
+    its HF config (``hf_config``) and layout conversion (``state_to_hf``) are the class's, from the
+    typed config; no model is built."""
+    from galaxy.models import model_class_named
 
-    classes = {c.__name__: c for c in (BertForMaskedLM, BertForSequenceClassification, LlamaForCausalLM)}
-    cls = classes.get(state_json.get("model_class"))
-    if cls is None or not state_json.get("config"):
-        raise CheckpointError(f"checkpoint file '{os.path.join(path, STATE_FILE)}' names model class "
-                              f"'{state_json.get('model_class')}', which cannot be exported to HF; use one of "
-                              f"{', '.join(classes)}")
+    try:
+        cls = model_class_named(state_json.get("model_class"))
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint file '{os.path.join(path, STATE_FILE)}' cannot be exported to HF: {e}") \
+            from None
+    if not state_json.get("config"):
+        raise CheckpointError(f"checkpoint file '{os.path.join(path, STATE_FILE)}' records no model config, which "
+                              "the export to HF needs")
     return cls
 
 
