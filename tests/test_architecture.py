@@ -40,3 +40,46 @@ def test_the_checks_see_a_cycle_and_a_private_import(tmp_path):
     m = import_map()
     assert m.cycles(str(tmp_path)) == [["galaxy.a.one", "galaxy.b.two"]]
     assert m.private_imports(str(tmp_path)) == ["galaxy.a.one imports galaxy.b.two._hidden"]
+
+
+def model_type_branches(root: str) -> list[str]:
+    """Places outside galaxy/models and galaxy/config.py that branch on a model family by name (a
+    comparison with, or a dict keyed by, a registered model_type) or import a family's module."""
+    import ast
+
+    from galaxy.models import MODEL_FAMILIES
+
+    names = set(MODEL_FAMILIES)
+    family_modules = {type_.__module__ for type_ in MODEL_FAMILIES.values()}
+    found = []
+    for folder, _, files in os.walk(os.path.join(root, "galaxy")):
+        for name in files:
+            path = os.path.join(folder, name)
+            rel = os.path.relpath(path, root)
+            if not name.endswith(".py") or rel.startswith(os.path.join("galaxy", "models")) or \
+                    rel == os.path.join("galaxy", "config.py"):
+                continue
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                named = lambda n: isinstance(n, ast.Constant) and n.value in names  # noqa: E731
+                if isinstance(node, ast.Compare) and any(named(n) for n in [node.left, *node.comparators]):
+                    found.append(f"{rel}:{node.lineno} compares with a model_type")
+                elif isinstance(node, ast.Dict) and any(named(k) for k in node.keys if k is not None):
+                    found.append(f"{rel}:{node.lineno} keys a dict by model_type")
+                elif isinstance(node, ast.ImportFrom) and node.module in family_modules:
+                    found.append(f"{rel}:{node.lineno} imports {node.module}")
+    return found
+
+
+def test_no_file_outside_models_branches_on_the_model_type():
+    assert model_type_branches(REPO) == []
+
+
+def test_the_branch_check_sees_a_branch(tmp_path):
+    (tmp_path / "galaxy" / "planner").mkdir(parents=True)
+    (tmp_path / "galaxy" / "planner" / "x.py").write_text(
+        "from galaxy.models.llama import LlamaMLP\nif cfg.model_type == 'bert':\n    pass\nT = {'llama': 1}\n")
+    assert model_type_branches(str(tmp_path)) == [
+        "galaxy/planner/x.py:1 imports galaxy.models.llama", "galaxy/planner/x.py:2 compares with a model_type",
+        "galaxy/planner/x.py:4 keys a dict by model_type"]

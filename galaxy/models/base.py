@@ -127,6 +127,13 @@ class GalaxyModel(nn.Module):
     fresh_for_task: tuple[str, ...] = ()  # parameter prefixes a pretraining checkpoint lacks (task heads)
 
     @classmethod
+    def matmul_weights(cls, cfg: ModelConfig, task: str = "lm") -> tuple[int, int]:
+        """(per layer, head): the weights of the matmuls every token goes through, in elements, of the whole
+        model -- N of MFU's ``6 N`` (``galaxy.profiler.model_flops``). Embedding lookups, biases and norms are
+        no matmul work; a head that acts once per row (``classify``) is left out."""
+        raise NotImplementedError
+
+    @classmethod
     def for_task(cls, task: str) -> type["GalaxyModel"]:
         """The class of this family with the head of ``task`` (one of ``tasks``)."""
         if task not in cls.tasks:

@@ -371,6 +371,11 @@ class BertPreTrainedModel(GalaxyModel):
                       "mlp": r"(.+\.)?layer\.\d+\.output\.dropout"}
 
     @classmethod
+    def matmul_weights(cls, cfg: ModelConfig, task: str = "lm") -> tuple[int, int]:
+        h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+        return 4 * h * h + 2 * h * i, 0 if task == "classify" else h * h + h * v  # MLM transform + decoder
+
+    @classmethod
     def for_task(cls, task: str) -> type[GalaxyModel]:
         super().for_task(task)
         return BertForSequenceClassification if task == "classify" else BertForMaskedLM

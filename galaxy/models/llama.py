@@ -552,6 +552,11 @@ class LlamaForCausalLM(GalaxyModel):
         return config if config.qkv_bias is not None else replace(config, qkv_bias=cls.qkv_bias)
 
     @classmethod
+    def matmul_weights(cls, cfg: ModelConfig, task: str = "lm") -> tuple[int, int]:
+        h, kv = cfg.hidden_size, cfg.kv_heads * cfg.head_dim
+        return 2 * h * h + 2 * h * kv + 3 * h * cfg.intermediate_size, h * cfg.vocab_size  # q, o, k, v, MLP; lm_head
+
+    @classmethod
     def layer_parameters(cls, cfg: ModelConfig, heads, ffn) -> LayerParameters:
         cfg = cls.own_config(cfg)
         h, d = cfg.hidden_size, cfg.head_dim

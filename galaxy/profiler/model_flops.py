@@ -5,7 +5,8 @@ For full training, per token of a batch of sequences of length S:
 
     model_flops_per_token = 6 * N + 12 * L * H * S
 
-* N: the weights of the matmuls every token goes through (``matmul_weights``): in each of the L
+* N: the weights of the matmuls every token goes through (each model family counts its own:
+  ``GalaxyModel.matmul_weights``): in each of the L
   layers the attention projections (q, k, v, o; LLaMA's k and v at ``num_key_value_heads``) and
   the MLP's (BERT: 2 x H x I; LLaMA: gate, up and down, 3 x H x I), plus the output head: BERT's
   MLM transform (H x H) and decoder (H x V), LLaMA's ``lm_head`` (H x V). The H x V head counts
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MatmulWeights", "matmul_weights", "training_flops_per_token"]
+__all__ = ["MatmulWeights", "training_flops_per_token"]
 
 # FLOPs per matmul weight and token: forward, + input gradient, + weight gradient.
 FORWARD, FORWARD_AND_INPUT_GRAD, TRAINED = 2, 4, 6
@@ -56,28 +57,12 @@ class MatmulWeights:
         return self.per_layer * self.num_layers + self.head
 
 
-def matmul_weights(model_cfg, task: str = "lm") -> MatmulWeights:
-    """N of the module doc for ``model_cfg`` (a ``galaxy.config.ModelConfig``); ``task``
-    ``classify``: BERT sequence classification, whose head acts once per row and is left out."""
-    h, i, v = model_cfg.hidden_size, model_cfg.intermediate_size, model_cfg.vocab_size
-    if model_cfg.model_type == "llama":
-        kv = model_cfg.kv_heads * model_cfg.head_dim
-        attention = h * h + 2 * h * kv + h * h  # q, k, v, o
-        per_layer, head = attention + 3 * h * i, h * v
-    elif model_cfg.model_type == "bert":
-        per_layer = 4 * h * h + 2 * h * i
-        head = 0 if task == "classify" else h * h + h * v
-    else:
-        raise ValueError(f"no FLOP formula for model type '{model_cfg.model_type}'")
-    return MatmulWeights(per_layer, head, model_cfg.num_hidden_layers)
-
-
-def training_flops_per_token(model_cfg, seq_length: int, tuning: str = "full", task: str = "lm") -> float:
-    """Model FLOPs per token of one training step (forward and backward) on sequences of
-    ``seq_length`` tokens: ``6 * N + 12 * L * H * S`` for full training; the module doc gives the
-    counts for ``tuning`` lora, adapter and side."""
-    weights = matmul_weights(model_cfg, task)
-    attention = model_cfg.num_hidden_layers * model_cfg.hidden_size * seq_length
+def training_flops_per_token(weights: MatmulWeights, hidden_size: int, seq_length: int, tuning: str = "full") -> float:
+    """Model FLOPs per token of one training step (forward and backward) of a model with these matmul
+    ``weights`` (its family's count: ``GalaxyModel.matmul_weights``) and ``hidden_size``, on sequences of
+    ``seq_length`` tokens: ``6 * N + 12 * L * H * S`` for full training; the module doc gives the counts
+    for ``tuning`` lora, adapter and side."""
+    attention = weights.num_layers * hidden_size * seq_length
     if tuning == "full":
         return TRAINED * weights.total + ATTENTION_TRAINED * attention
     if tuning in ("lora", "adapter"):

@@ -26,7 +26,8 @@ import torch
 
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.profiler.devices import lookup_peak_tflops
-from galaxy.profiler.model_flops import training_flops_per_token
+from galaxy.models import family
+from galaxy.profiler.model_flops import MatmulWeights, training_flops_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +67,20 @@ def peak_flops_per_device(device: torch.device, dtype: str, peak_tflops: Optiona
     return PeakFlops(peak * 1e12, f"{name}, {key} dense")
 
 
+def model_matmul_weights(cfg: GalaxyConfig) -> MatmulWeights:
+    """N of ``6 N``: the matmul weights a token of this run's model and task goes through."""
+    m = cfg.model
+    return MatmulWeights(*family(m.model_type).matmul_weights(m, cfg.train.task), m.num_hidden_layers)
+
+
+def model_flops_per_token(cfg: GalaxyConfig, seq_length: int) -> float:
+    """Model FLOPs per token of this run's training step (its tuning method) on sequences of ``seq_length``."""
+    return training_flops_per_token(model_matmul_weights(cfg), cfg.model.hidden_size, seq_length, cfg.peft.tuning)
+
+
 def step_model_flops(cfg: GalaxyConfig, tokens: int, seq_length: int) -> float:
     """Model FLOPs of a training step over ``tokens`` tokens in sequences of ``seq_length``."""
-    return tokens * training_flops_per_token(cfg.model, seq_length, cfg.peft.tuning, cfg.train.task)
+    return tokens * model_flops_per_token(cfg, seq_length)
 
 
 def throughput(tokens: float, model_flops: float, seconds: float, world_size: int, peak: PeakFlops) -> dict:

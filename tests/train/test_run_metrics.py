@@ -19,7 +19,8 @@ from galaxy.data.instruction import InstructionBatcher, load_instruction_data
 from galaxy.data.tokenizer import ByteTokenizer
 from galaxy.peft import apply_tuning, build_base
 from galaxy.profiler import ATTENTION_OPS, extra_flop_formulas
-from galaxy.profiler.model_flops import matmul_weights, training_flops_per_token
+from galaxy.profiler.model_flops import training_flops_per_token
+from galaxy.train.metrics import model_flops_per_token, model_matmul_weights
 from galaxy.train.finetune import DEFAULT_DATA, instruction_batches, match_vocab
 from galaxy.train.loop import train
 from galaxy.train.metrics import TENSORBOARD_MISSING, peak_flops_per_device
@@ -46,7 +47,7 @@ def test_training_flops_equal_the_flop_counter_on_a_real_step(model_type):
     rows, seq = 3, 40  # S != H, rows != layers: a swapped factor shows
     counted, fused_forward = counted_step(cfg, rows, seq)
     # Fused attention backward recomputes Q K^T (half of its forward), hardware FLOPs that model FLOPs leave out.
-    assert counted - fused_forward // 2 == training_flops_per_token(cfg.model, seq) * rows * seq
+    assert counted - fused_forward // 2 == model_flops_per_token(cfg, seq) * rows * seq
 
 
 @pytest.mark.parametrize("model_type", ["bert", "llama"])
@@ -57,7 +58,7 @@ def test_matmul_weights_are_the_models_own_matrices(model_type):
     # are its tied MLM decoder; LLaMA-tiny's lm_head is its own matrix
     matrices = sum(p.numel() for name, p in model.named_parameters()
                    if p.dim() == 2 and not any(k in name for k in lookups_only))
-    assert matmul_weights(cfg.model).total == matrices
+    assert model_matmul_weights(cfg).total == matrices
 
 
 @pytest.mark.parametrize("model_type", ["bert", "llama"])
@@ -65,9 +66,10 @@ def test_lora_flops_are_close_to_the_flop_counter(model_type):
     cfg = GalaxyConfig.from_dict(DEFAULTS[model_type], {"plan": "none", "tuning": "lora"})
     rows, seq = 2, 48
     counted, fused_forward = counted_step(cfg, rows, seq)
-    formula = training_flops_per_token(cfg.model, seq, "lora") * rows * seq
+    formula = model_flops_per_token(cfg, seq) * rows * seq
     assert formula == pytest.approx(counted - fused_forward // 2, rel=0.05)
-    assert formula < 0.75 * training_flops_per_token(cfg.model, seq) * rows * seq  # no weight gradients of the base
+    full = training_flops_per_token(model_matmul_weights(cfg), cfg.model.hidden_size, seq, "full")
+    assert formula < 0.75 * full * rows * seq  # no weight gradients of the base
 
 
 def test_peak_flops_come_from_the_flag_the_table_or_nowhere(monkeypatch):
@@ -106,7 +108,7 @@ def test_mfu_follows_each_steps_own_sequence_length(tmp_path):
     for record, seq in zip(records, lengths):
         assert record["tokens_per_s_per_gpu"] == record["tokens_per_s"]  # one rank
         achieved = record["mfu"] * 0.25e12 / record["tokens_per_s_per_gpu"]
-        assert achieved == pytest.approx(training_flops_per_token(cfg.model, seq))
+        assert achieved == pytest.approx(model_flops_per_token(cfg, seq))
     fields = result.summary()
     assert fields["peak_tflops"] == 0.25 and fields["mfu"] > 0 and "mfu_note" not in fields
 
