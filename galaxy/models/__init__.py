@@ -34,7 +34,8 @@ def family(model_type: str) -> type[GalaxyModel]:
 
 def check_config(cfg: ModelConfig) -> None:
     """The model keys only the families can check: a known ``model_type``, and options its architecture has."""
-    if cfg.fused_gate_up and not family(cfg.model_type).gate_up_fusable:
+    known = family(cfg.model_type)
+    if cfg.fused_gate_up and not known.gate_up_fusable:
         raise ConfigError(f"config key 'fused_gate_up' fuses a gated MLP's gate_proj/up_proj, but model_type is "
                           f"'{cfg.model_type}'; set it to false")
 

@@ -10,6 +10,8 @@ import torch
 
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.grad_sync import GradientSync, gather_full
+from galaxy.models import check_config
+from galaxy.models.bert import BertForMaskedLM
 from galaxy.models.llama import LlamaForCausalLM
 from galaxy.peft import apply_tuning
 from tests.core.test_llama_equivalence import RTOL, UNEVEN, backward_both, make_batch, rel_err
@@ -158,8 +160,11 @@ def test_gate_up_checkpoint_moves_across_plans_and_layouts(dist_pool, tmp_path, 
 def test_lora_on_fused_gate_up_is_a_config_error():
     with pytest.raises(ConfigError, match="lora_target_modules.*fused_gate_up"):
         GalaxyConfig.from_dict(dict(TINY, fused_gate_up=True, tuning="lora", lora_target_modules=["q_proj", "up_proj"]))
+    bert = GalaxyConfig.from_dict(dict(fused_gate_up=True))  # the family knows it has no gated MLP
     with pytest.raises(ConfigError, match="fused_gate_up.*model_type is 'bert'"):
-        GalaxyConfig.from_dict(dict(fused_gate_up=True))
+        check_config(bert.model)
+    with pytest.raises(ConfigError, match="fused_gate_up.*BertForMaskedLM has none"):
+        BertForMaskedLM(bert.model)
     # Targets given in Python (a regex, or names) meet the same check on the built model.
     cfg = GalaxyConfig.from_dict(dict(TINY, fused_gate_up=True, tuning="lora"))
     for targets in (r".*\.(q_proj|gate_proj)", ["v_proj", "gate_up_proj"]):

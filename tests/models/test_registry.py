@@ -1,0 +1,56 @@
+"""The registry of model families (``galaxy.models``): every family builds from its tiny config, its
+facts match the model it builds (LoRA targets and adapter sites are module names of it, the planner's
+parameter counts and MFU's matmul weights are its own tensors), and a model_type nobody registered is one
+line naming the key, also from the CLI before any rank starts."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from galaxy.config import ConfigError, GalaxyConfig
+from galaxy.core.context import ParallelContext
+from galaxy.models import MODEL_FAMILIES, build_model, check_config, family
+from tests import REPO
+
+
+@pytest.fixture(params=sorted(MODEL_FAMILIES))
+def built(request):
+    cfg = GalaxyConfig.from_dict(dict(family(request.param).tiny_config, num_hidden_layers=2))
+    return cfg, build_model(cfg, cfg.resolve_plan(1), ParallelContext.serial())
+
+
+def test_the_tiny_config_builds_the_family(built):
+    cfg, model = built
+    assert isinstance(model, family(cfg.model.model_type))
+
+
+def test_lora_targets_and_adapter_sites_name_modules_of_the_model(built):
+    cfg, model = built
+    fam = family(cfg.model.model_type)
+    names = [n for n, _ in model.named_modules()]
+    for target in fam.lora_targets:
+        assert any(n.split(".")[-1] == target for n in names), target
+    for site, pattern in fam.adapter_points.items():
+        assert sum(bool(re.fullmatch(pattern, n)) for n in names) == cfg.model.num_hidden_layers, site
+
+
+def test_layer_counts_are_the_models_own_tensors(built):
+    cfg, model = built
+    m, fam = cfg.model, family(cfg.model.model_type)
+    counts = fam.layer_parameters(m, m.num_attention_heads, m.intermediate_size)
+    per_layer = sum(p.numel() for n, p in model.named_parameters() if re.search(r"\.0\.", n))
+    assert counts.att_sharded + counts.att_row_bias + counts.mlp_sharded + counts.mlp_row_bias + counts.con == per_layer
+    per_layer_matrices = sum(p.numel() for n, p in model.named_parameters() if re.search(r"\.0\.", n) and p.dim() == 2)
+    assert fam.matmul_weights(m)[0] == per_layer_matrices
+
+
+def test_an_unknown_model_type_is_one_line_naming_the_key():
+    cfg = GalaxyConfig.from_dict(dict(model_type="gpt9"))
+    with pytest.raises(ConfigError, match=r"config key 'model_type': unknown model 'gpt9'; use one of bert, llama"):
+        check_config(cfg.model)
+    out = subprocess.run([sys.executable, "pretrain_galaxy.py", "--world", "2", "--override", "model_type=gpt9"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
+    assert "config key 'model_type': unknown model 'gpt9'" in out.stderr
