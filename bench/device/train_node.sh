@@ -23,9 +23,12 @@
 # previous call returns: an idle machine goes back soon, the launch with it. Each call copies the JSON (when
 # done), the log so far (one ROW line per finished contender) and the console to $OUT; `collect` only copies.
 #
-# Time: warmup 2 steps (the first compiles the block: ~1 min per compiled contender) + 3 timed steps + 1 eager
-# step (bytes and tokens counted) per contender, each step ~2 s at 4 GPUs; Galaxy builds a 7B on the host
-# (~50 s). Expected wall time at 4 GPUs (estimate, not yet measured): part a ~4 min, part b ~5 min, ~9 in all.
+# Time: warmup 2 steps (the first compiles the block: ~1 min per compiled contender, less where inductor's cache
+# already holds the graph, as for fsdp2-compile-noreshard after fsdp2-compile) + 3 timed steps + 1 eager step
+# (bytes and tokens counted; Galaxy rows one more for their metrics) per contender, each step ~2 s at 4 GPUs
+# (16 x 4096 tokens at ~40% MFU); Galaxy builds a 7B on the host (~50 s each). Expected wall time at 4 GPUs
+# (an estimate, not measured yet): part a ~4 min, part b ~5-6 min. WARMUP=1 ITERS=3 saves ~15 s a part.
+# At 2 GPUs the steps take twice as long: parts, not one launch.
 set -o pipefail
 mode=${1:?start|wait|collect}; nproc=${2:?NPROC (2 or 4)}; part=${3:-all}; polls=${POLLS:-55}  # 10 s polls
 dir=/root/bench_train_node; mkdir -p "$dir"
