@@ -588,7 +588,8 @@ def fsdp2_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepa
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return Prepared(step, batching, entry=model, layout={"tp": tp, "reshard_after_forward": reshard})
+    return Prepared(step, batching, entry=model, layout={"tp": tp, "reshard_after_forward": reshard},
+                    note="gradients reduce-scattered (fp32) at every micro-batch's backward, as torchtitan accumulates")
 
 
 def torchtitan_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
