@@ -847,8 +847,9 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: Peak
     row = {"name": name, "ranks": ranks, "gpus": ranks}
     if alone and ctx.rank != 0:
         return row
-    release(ctx.device)
-    if ctx.device.type == "cuda":
+    cuda = ctx.device.type == "cuda"
+    if cuda:  # the previous contender's memory back (a full gc costs ~0.5 s: skipped for CPU's tiny shapes)
+        release(ctx.device)
         torch.cuda.reset_peak_memory_stats(ctx.device)
     prepared, ledger, error, t0 = None, None, None, time.time()
     run_ctx = ParallelContext.serial(ctx.device, seed=1234) if alone else ctx
@@ -857,7 +858,7 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: Peak
         row["build_s"] = round(time.time() - t0, 1)
         row.update(global_batch=shape["global_batch"], **prepared.batching.as_row(), **prepared.layout)
         times = timed_steps(prepared.step, ctx.device, args.warmup, args.iters)
-        peak_mib = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if ctx.device.type == "cuda" else None
+        peak_mib = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if cuda else None
         row.update(spread(times), peak_mib=peak_mib)
         with TokenLedger(prepared.entry) as ledger:  # the sequences the step feeds, counted where they enter
             row["comm_bytes"] = eager_comm_bytes(prepared.step)
@@ -872,7 +873,8 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: Peak
             undo()
         torch._dynamo.reset()
         del prepared
-        release(ctx.device)
+        if cuda:
+            release(ctx.device)
     error = first_error(error, ctx, alone)
     if error:  # how far it got: build_s is there when the build succeeded
         return {"name": name, "ranks": ranks, "gpus": ranks, "error": error,
