@@ -167,14 +167,16 @@ def init_plain(module: nn.Module, seed: int) -> nn.Module:
     return module
 
 
-def pytorch_tp_sp(stack: PlainStack, world: int, device: torch.device) -> PlainStack:
-    """torchtitan's LLaMA TP plan: SP norms, colwise q/k/v/w1/w3, rowwise wo/w2 to Shard(1)."""
+def pytorch_tp_sp(stack: PlainStack, world: int, device: torch.device, mesh=None) -> PlainStack:
+    """torchtitan's LLaMA TP plan: SP norms, colwise q/k/v/w1/w3, rowwise wo/w2 to Shard(1); on ``mesh``
+    (a 1-D mesh, e.g. the tp dim of a 2-D one) or a new mesh over ``world`` ranks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
-    mesh = init_device_mesh(device.type, (world,))
+    if mesh is None:
+        mesh = init_device_mesh(torch.device(device).type, (world,))
     plan = {
         "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),

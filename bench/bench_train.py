@@ -1,38 +1,87 @@
-"""Whole training steps of every contender, in one launch: Galaxy's plans beside what a user runs instead.
+"""Whole training steps of every contender, in one launch, on the same work: Galaxy's plans beside what a
+user runs instead.
 
-    torchrun --nproc_per_node 2 bench/bench_train.py --scenario stack4 --json stack4.json
-    torchrun --nproc_per_node 2 bench/bench_train.py --scenario llama7b --contenders 'galaxy-*,torchtitan*,megatron*'
+    torchrun --nproc_per_node 4 bench/bench_train.py --scenario llama7b --global_batch 16 --json llama7b_4.json
+    torchrun --nproc_per_node 2 bench/bench_train.py --scenario stack4 --contenders '*' --json stack4.json
     python bench/bench_train.py --cpu --world 2 --scenario smoke --json smoke.json     # CPU + Gloo, tiny shapes
 
-A timed step is one optimizer step of a causal LM on random tokens (batch x seq): embedding, every
-decoder layer, final norm, head and cross-entropy forward, backward, every gradient reduction the
-recipe needs, gradient clipping (1.0) and AdamW. Trainable weights are fp32 masters; the compute is
-bf16 (``--dtype``) the way each recipe does it: Galaxy and plain PyTorch under autocast,
-torchtitan through FSDP2's mixed-precision policy (bf16 params, fp32 reductions), megatron-core
-with bf16 weights and its distributed optimizer's fp32 main params.
+The same work for every contender: one timed step is one optimizer step over the global batch,
+``--global_batch`` sequences of the scenario's length (the same tokens per optimizer step for all), and
+each recipe reaches it its own way: D data-parallel ranks (a replica, or a dp shard) each run
+``global_batch / D`` sequences as micro-batches of ``--micro_batch`` with gradient accumulation. A pure-TP
+recipe on all ranks has D = 1 (it accumulates global_batch / micro_batch micro-batches); FSDP2 on W ranks
+has D = W; the 2D recipes D = W / TP. Each row states ``dp``, ``micro_batch`` and ``accumulation``
+(dp x micro_batch x accumulation = global batch), and a global batch a recipe cannot reach exactly is
+refused (one line in the row's ``error``). The step's tokens are also counted where they enter the
+model (a forward pre-hook on the module that takes the token ids, every rank, every micro-batch, in one
+extra eager step; distinct sequences over all ranks): ``sequences_per_step`` and ``tokens_per_step``
+are what the recipe consumed, and a row whose count is not the global batch's is an error.
 
-Scenarios: ``stack4`` (LLaMA-7B shapes with 4 layers: hidden 4096, ffn 11008, 32 heads, seq 4096),
-``llama7b`` (all 32 layers), ``smoke`` (tiny, for CPU and one-GPU checks). Contenders (``--list``):
+A timed step is the whole optimizer step of a causal LM on random tokens: embedding, every decoder
+layer, final norm, head and cross-entropy forward and backward for every micro-batch, every gradient
+reduction the recipe needs, gradient clipping (1.0) and AdamW; nothing the recipe pays per step is left
+outside the timer. Trainable weights are fp32 masters; the compute is bf16 (``--dtype``) the way each
+recipe does it: Galaxy and plain PyTorch under autocast, FSDP2 (and torchtitan) through the
+mixed-precision policy (bf16 params, fp32 reductions), megatron-core with bf16 weights and its
+distributed optimizer's fp32 main params.
 
-    serial-eager, serial-compiled       plain PyTorch LLaMA (bench_coc's layers), rank 0 alone
-    galaxy-none                         Galaxy's model, plan none, rank 0 alone
-    galaxy-<plan>[-<reduce>][+compile]  Galaxy's Trainer on all ranks: plan tp|galaxy|galaxy2|sp,
-                                        mp_grad_reduce after_backward (default)|overlap|sharded
+Throughput: ``tokens_per_s`` = tokens_per_step / median step time, ``tokens_per_s_per_gpu`` = that over
+the row's GPUs (``gpus``), and ``mfu`` = model FLOPs per second per GPU over the GPU's dense peak:
+
+    mfu = (6 N + 12 L H S) x tokens_per_step / step_s / gpus / peak_flops
+
+N: the matmul weights a token passes through (q, k, v, o and the three MLP projections of every layer,
+plus the H x V output head; galaxy.profiler.model_flops.training_flops_per_token on the Galaxy LLaMA
+config of the scenario's shapes, which every contender's model has), L layers, H hidden, S sequence
+length; peak: galaxy.train.metrics.peak_flops_per_device (galaxy.profiler.devices.PEAK_TFLOPS, dense
+bf16 tensor-core peak of the GPU; H100 SXM / H200: 989.4 TFLOP/s) or ``--peak_tflops``. A CPU has no
+peak: ``mfu`` is null and ``mfu_reason`` says why. The JSON header's ``facts`` states both.
+
+Scenarios (``--global_batch`` overrides the default): ``stack4`` (LLaMA-7B shapes with 4 layers: hidden
+4096, ffn 11008, 32 heads, seq 4096, vocab 32000; global batch 4), ``llama7b`` (all 32 layers; global batch
+16), ``smoke`` (tiny, for CPU and one-GPU checks; global batch 4). Contenders (``--list``; the default
+``--contenders`` is the 4-GPU 7B comparison, DEFAULT_CONTENDERS):
+
+    serial-eager, serial-compiled       plain PyTorch LLaMA (bench_coc's layers), rank 0 alone (dp 1)
+    galaxy-none                         Galaxy's model, plan none, rank 0 alone (dp 1)
+    galaxy-<plan>[-<reduce>][+compile][@dp<D>[-<engine>]]
+                                        Galaxy's Trainer on all ranks: plan tp|galaxy|galaxy2|sp over
+                                        mp = world / D, mp_grad_reduce after_backward (default)|overlap|
+                                        sharded; @dp<D>: D Galaxy dp ranks with dp_engine <engine>
+                                        (config's DP_ENGINES: ddp (default)|zero1|deepspeed; the hook for a
+                                        per-row dp engine). Without @dp, dp 1: micro-batches + accumulation
     native-tp-sp-eager|-compiled|-asynctp
                                         the plain model under parallelize_module (torchtitan's plan:
-                                        Colwise/Rowwise + SequenceParallel, loss parallel); compiled per
-                                        block; + inductor micro-pipeline TP over symmetric memory
-    torchtitan-compile-asynctp          torchtitan's llama3 model and parallelize_llama, compile + async TP
+                                        Colwise/Rowwise + SequenceParallel, loss parallel) on all ranks (dp 1);
+                                        compiled per block; + inductor micro-pipeline TP over symmetric memory
+    fsdp2-compile, fsdp2-compile-noreshard
+                                        the anchor recipe (../shared/anchors/anchor_fsdp2.py, torchtitan's
+                                        default for a 7B on one node): the plain model, fully_shard per block
+                                        over all ranks (dp = world), MixedPrecisionPolicy bf16 params / fp32
+                                        reduce, torch.compile per block, fused AdamW, clip 1.0,
+                                        reshard_after_forward True (-noreshard: False, no backward all-gather)
+    fsdp2-tp[@tp<T>]                    torchtitan's 2D recipe with torch's APIs: DeviceMesh dp x tp (T = 2
+                                        unless given), the native-tp-sp plan on tp, compile per block,
+                                        fully_shard over dp, loss parallel
+    torchtitan-compile-asynctp          torchtitan's llama3 model and parallelize_llama, compile + async TP (dp 1)
     megatron-tp, megatron-tp-sp, megatron-tp-sp-overlap
-                                        megatron-core GPTModel, local (non-TE) layer spec, TP (+ sequence
-                                        parallel, + tp_comm_overlap)
+                                        megatron-core GPTModel, local (non-TE) layer spec, TP = world (dp 1)
+                                        (+ sequence parallel, + tp_comm_overlap)
+    megatron-dp[@tp<T>]                 megatron-core GPTModel with data parallel over world / T and its
+                                        distributed optimizer, overlap_grad_reduce and overlap_param_gather,
+                                        bf16; T: the smallest TP whose weights, gradients, optimizer state and
+                                        activations fit the GPU (1 where they do), unless given
+    megatron-*                          all: grads reduced in fp32 (what Megatron-LM forces for bf16),
+                                        selective recompute of the attention core (Megatron's
+                                        --recompute-activations: its local attention is unfused), the
+                                        micro-batches through its own forward_backward_func
 
 A contender that cannot run here gets one line saying why in its JSON row (``error``), and the launch
 goes on. Per contender: median step ms with min / quartiles / max over ``--iters`` steps after
 ``--warmup`` (CUDA events; the slowest rank counts), peak memory (max over ranks, weights and
-optimizer state included), and comm bytes per step: ``comm_bytes`` counts every collective payload
-a rank issues in one step (all-reduce: the tensor; all-gather: the gathered result; reduce-scatter:
-the input), read from the dispatcher in one eager step; Galaxy rows also carry
+optimizer state included), tokens/s (per GPU) and MFU, and comm bytes per step: ``comm_bytes`` counts
+every collective payload a rank issues in one step (all-reduce: the tensor; all-gather: the gathered
+result; reduce-scatter: the input), read from the dispatcher in one eager step; Galaxy rows also carry
 ``comm_bytes_metrics``, what Galaxy's own metrics report for the same step.
 Multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
 """
@@ -43,8 +92,11 @@ import argparse
 import contextlib
 import datetime
 import fnmatch
+import hashlib
 import json
+import logging
 import os
+import re
 import statistics
 import sys
 import time
@@ -65,20 +117,31 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from bench.bench_coc import PlainStack, RMSNorm, launch, publish, pytorch_tp_sp, release, run_facts  # noqa: E402
-from bench.bench_plans import causal_lm_data  # noqa: E402
-from galaxy.config import GalaxyConfig  # noqa: E402
+from galaxy.config import DP_ENGINES, GalaxyConfig  # noqa: E402
 from galaxy.core.context import ParallelContext, build_groups  # noqa: E402
 from galaxy.models import build_model  # noqa: E402
-from galaxy.train.loop import Trainer, autocast_context  # noqa: E402
+from galaxy.profiler.model_flops import matmul_weights, training_flops_per_token  # noqa: E402
+from galaxy.train.loop import autocast_context, make_trainer  # noqa: E402
+from galaxy.train.metrics import PeakFlops, peak_flops_per_device, throughput  # noqa: E402
 
+# global_batch: sequences per optimizer step (every contender); batch: sequences per rank of the anchor
+# scripts (../shared/anchors/anchor_fsdp2.py reads it), not used here.
 SCENARIOS = {
-    "stack4": dict(hidden=4096, ffn=11008, heads=32, layers=4, seq=4096, batch=1, vocab=32000),
-    "llama7b": dict(hidden=4096, ffn=11008, heads=32, layers=32, seq=4096, batch=1, vocab=32000),
-    "smoke": dict(hidden=64, ffn=176, heads=4, layers=2, seq=32, batch=2, vocab=256),
+    "stack4": dict(hidden=4096, ffn=11008, heads=32, layers=4, seq=4096, global_batch=4, vocab=32000, batch=1),
+    "llama7b": dict(hidden=4096, ffn=11008, heads=32, layers=32, seq=4096, global_batch=16, vocab=32000, batch=1),
+    "smoke": dict(hidden=64, ffn=176, heads=4, layers=2, seq=32, global_batch=4, vocab=256, batch=2),
 }
 PLANS = ("tp", "galaxy", "galaxy2", "sp")
 REDUCES = ("after_backward", "overlap", "sharded")
 LR, WEIGHT_DECAY, CLIP = 1e-4, 0.01, 1.0
+# The 4-GPU 7B comparison: Galaxy's fastest plans beside the recipes people run instead. (tp has no
+# PARTIAL gradients, so its fastest reduction is the default: galaxy-tp+compile.)
+DEFAULT_CONTENDERS = ("galaxy-galaxy-sharded+compile,galaxy-tp+compile,galaxy-galaxy2-sharded+compile,"
+                      "fsdp2-compile,fsdp2-compile-noreshard,fsdp2-tp,megatron-dp")
+MFU_FORMULA = ("mfu = (6*N + 12*L*H*S) * tokens_per_step / step_s / gpus / peak_flops; N = matmul weights a token "
+               "passes through (q,k,v,o + 3 MLP projections per layer, + H x V head), L layers, H hidden, S seq "
+               "(galaxy.profiler.model_flops.training_flops_per_token); peak_flops: dense peak of one GPU in the "
+               "run's dtype (galaxy.train.metrics.peak_flops_per_device, galaxy.profiler.devices.PEAK_TFLOPS)")
 
 
 def contender_names() -> list[str]:
@@ -88,8 +151,28 @@ def contender_names() -> list[str]:
             for reduce in (("after_backward",) if plan == "tp" else REDUCES):  # tp has no PARTIAL gradients
                 names.append(f"galaxy-{plan}" + ("" if reduce == "after_backward" else f"-{reduce}") + compiled)
     names += ["native-tp-sp-eager", "native-tp-sp-compiled", "native-tp-sp-asynctp",
-              "torchtitan-compile-asynctp", "megatron-tp", "megatron-tp-sp", "megatron-tp-sp-overlap"]
+              "fsdp2-compile", "fsdp2-compile-noreshard", "fsdp2-tp",
+              "torchtitan-compile-asynctp", "megatron-tp", "megatron-tp-sp", "megatron-tp-sp-overlap", "megatron-dp"]
     return names
+
+
+# A listed name with a layout suffix: galaxy-...@dp<D>[-<engine>], fsdp2-tp@tp<T>, megatron-dp@tp<T>.
+SUFFIXES = {"galaxy-": re.compile(r"@dp(\d+)(?:-(\w+))?$"), "fsdp2-tp": re.compile(r"@tp(\d+)$"),
+            "megatron-dp": re.compile(r"@tp(\d+)$")}
+
+
+def split_suffix(name: str) -> tuple[str, Optional[re.Match]]:
+    """``name`` without its ``@...`` layout suffix, and the suffix's match (None: no suffix)."""
+    base, at, _ = name.partition("@")
+    if not at:
+        return name, None
+    for prefix, pattern in SUFFIXES.items():
+        if base.startswith(prefix) and base != "galaxy-none":
+            match = pattern.search(name)
+            if match and match.start() == len(base):
+                return base, match
+    raise ValueError(f"contender '{name}': unknown layout suffix (galaxy-...@dp<D>[-<engine>], fsdp2-tp@tp<T>, "
+                     "megatron-dp@tp<T>)")
 
 
 class Unavailable(Exception):
@@ -161,23 +244,118 @@ def eager_comm_bytes(step: Callable[[], None]) -> int:
     return counter.bytes
 
 
+# ----------------------------------------------------------------------------- the global batch
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a recipe reaches the global batch: ``dp`` ranks with their own sequences, each running
+    ``micro_batch`` sequences at a time, ``accumulation`` times per optimizer step."""
+    global_batch: int
+    dp: int
+    micro_batch: int
+    accumulation: int
+
+    @classmethod
+    def reach(cls, global_batch: int, dp: int, micro_batch: int) -> "Batching":
+        """The layout for ``dp`` data-parallel ranks, or Unavailable when it cannot be reached exactly."""
+        if global_batch % dp:
+            raise Unavailable(f"global batch {global_batch} cannot be split evenly over {dp} data-parallel ranks")
+        per_rank = global_batch // dp
+        if per_rank % micro_batch:
+            raise Unavailable(f"global batch {global_batch} over {dp} data-parallel rank(s) is {per_rank} sequences "
+                              f"per rank, not a multiple of --micro_batch {micro_batch}")
+        return cls(global_batch, dp, micro_batch, per_rank // micro_batch)
+
+    def as_row(self) -> dict:
+        return {"dp": self.dp, "micro_batch": self.micro_batch, "accumulation": self.accumulation}
+
+
+class GlobalBatches:
+    """A few fixed global batches of (input ids, labels), the same on every rank, rotated through the
+    steps; ``micro_batches(step, dp_rank)`` are a dp rank's rows of the step's batch, in micro-batches."""
+
+    def __init__(self, shape: dict, batching: Batching, device: torch.device, count: int = 2):
+        gen = torch.Generator().manual_seed(7)
+        size = (shape["global_batch"], shape["seq"])
+        self.cpu = [tuple(torch.randint(0, shape["vocab"], size, generator=gen) for _ in range(2))
+                    for _ in range(count)]
+        self.batching, self.device = batching, device
+        self._staged: dict = {}
+
+    def micro_batches(self, step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        key = (step % len(self.cpu), dp_rank)
+        if key not in self._staged:  # staged on the device once: no host work inside the timer
+            b = self.batching
+            ids, labels = self.cpu[key[0]]
+            first = dp_rank * b.micro_batch * b.accumulation
+            self._staged[key] = [(ids[lo:lo + b.micro_batch].to(self.device), labels[lo:lo + b.micro_batch]
+                                  .to(self.device)) for lo in range(first, first + b.micro_batch * b.accumulation,
+                                                                    b.micro_batch)]
+        return self._staged[key]
+
+    def galaxy_batch_at(self):
+        """Galaxy's batcher: the step's global batch on the host (its Trainer takes this dp rank's rows)."""
+        return lambda step: {"input_ids": self.cpu[step % len(self.cpu)][0],
+                             "labels": self.cpu[step % len(self.cpu)][1]}
+
+
+class TokenLedger:
+    """Counts the sequences a recipe actually feeds its model: a forward pre-hook on the module that takes
+    the token ids records a fingerprint and the length of every row it sees; ``distinct`` merges the
+    records of every rank (a TP group's ranks see the same rows, dp ranks different ones)."""
+
+    def __init__(self, module: Optional[nn.Module]):
+        self.module, self.rows, self.handle = module, {}, None
+
+    @staticmethod
+    def _ids(args, kwargs) -> Optional[torch.Tensor]:
+        candidates = [kwargs.get("input_ids")] + list(args) + list(kwargs.values())
+        for t in candidates:
+            if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() == 2:
+                return t.full_tensor() if hasattr(t, "full_tensor") else t
+        return None
+
+    def _hook(self, module, args, kwargs):
+        ids = self._ids(args, kwargs)
+        if ids is not None:
+            for row in ids.detach().cpu():
+                self.rows[hashlib.blake2b(row.numpy().tobytes(), digest_size=16).hexdigest()] = row.numel()
+        return None
+
+    def __enter__(self):
+        if self.module is not None:
+            self.handle = self.module.register_forward_pre_hook(self._hook, with_kwargs=True, prepend=True)
+        return self
+
+    def __exit__(self, *exc):
+        if self.handle is not None:
+            self.handle.remove()
+
+    def distinct(self, gather: bool) -> tuple[int, int]:
+        """(sequences, tokens) fed in the step by all ranks (``gather``) or this rank alone."""
+        merged = dict(self.rows)
+        if gather:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, self.rows)
+            for rows in every:
+                merged.update(rows)
+        return len(merged), sum(merged.values())
+
+
 # ----------------------------------------------------------------------------- contenders
 
 
 @dataclass
 class Prepared:
-    """A contender built and ready: ``step()`` runs one whole training step."""
+    """A contender built and ready: ``step()`` runs one whole training step over the global batch."""
     step: Callable[[], None]
+    batching: Batching
+    entry: Optional[nn.Module] = None  # the module whose forward takes the token ids (TokenLedger's hook)
     note: str = ""
+    layout: dict = field(default_factory=dict)  # e.g. tp degree, dp engine: stated in the row
     comm_bytes_metrics: Optional[Callable[[Callable[[], None]], int]] = None  # Galaxy: its own count of a step
     teardown: list = field(default_factory=list)
-
-
-def token_batches(shape: dict, device: torch.device, count: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A few fixed (input ids, labels) pairs, identical on every rank, rotated through the steps."""
-    gen = torch.Generator().manual_seed(7)
-    return [tuple(torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=gen).to(device)
-                  for _ in range(2)) for _ in range(count)]
 
 
 def adamw(params: list, device: torch.device) -> torch.optim.Optimizer:
@@ -189,29 +367,50 @@ def adamw(params: list, device: torch.device) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=LR, **({"fused": True} if device.type == "cuda" else {}))
 
 
-def galaxy_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
-    """Galaxy's own Trainer: forward_backward + optimizer_step, exactly what ``train()`` runs per step."""
-    body, compiled = name.removeprefix("galaxy-").partition("+")[::2]
-    plan, _, reduce = body.partition("-")
-    cfg = GalaxyConfig.from_dict({
+def galaxy_config(shape: dict, args, plan: str = "none", reduce: str = "after_backward", compiled: bool = False,
+                  dp: int = 1, engine: str = "ddp", micro_batch: int = 1) -> GalaxyConfig:
+    """Galaxy's LLaMA at the scenario's shapes (also the model-FLOPs formula's config for every contender)."""
+    return GalaxyConfig.from_dict({
         "model": {"preset": "llama-7b", "num_hidden_layers": shape["layers"], "hidden_size": shape["hidden"],
                   "intermediate_size": shape["ffn"], "num_attention_heads": shape["heads"],
                   "num_key_value_heads": shape["heads"], "vocab_size": shape["vocab"],
-                  "max_position_embeddings": max(4096, shape["seq"]), "compile": compiled == "compile"},
-        "parallel": {"plan": plan, "mp_grad_reduce": reduce or "after_backward"},
-        "train": {"global_batch_size": shape["batch"], "seq_length": shape["seq"], "dtype": args.dtype,
-                  "lr": LR, "weight_decay": WEIGHT_DECAY, "grad_clip": CLIP, "warmup_steps": 0,
-                  "lr_schedule": "constant", "max_steps": 10**6}})
-    model = build_model(cfg, cfg.resolve_plan(ctx.mp.size), ctx)
-    trainer = Trainer(model, cfg, ctx)
-    batch_at = causal_lm_data(cfg)
+                  "max_position_embeddings": max(4096, shape["seq"]), "compile": compiled},
+        "parallel": {"plan": plan, "mp_grad_reduce": reduce, "dp_size": dp, "dp_engine": engine},
+        "train": {"global_batch_size": shape["global_batch"], "micro_batch_size": micro_batch,
+                  "seq_length": shape["seq"], "dtype": args.dtype, "lr": LR, "weight_decay": WEIGHT_DECAY,
+                  "grad_clip": CLIP, "warmup_steps": 0, "lr_schedule": "constant", "max_steps": 10**6}})
+
+
+def galaxy_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
+    """Galaxy's own Trainer (``make_trainer``): forward_backward + optimizer_step, exactly what ``train()``
+    runs per step; the global batch through Galaxy's dp_size / micro_batch_size (its Trainer reads this dp
+    rank's rows and accumulates its micro-batches)."""
+    base, suffix = split_suffix(name)
+    body, compiled = base.removeprefix("galaxy-").partition("+")[::2]
+    plan, _, reduce = body.partition("-")
+    dp = int(suffix.group(1)) if suffix else 1
+    engine = (suffix.group(2) if suffix else None) or "ddp"
+    if engine not in DP_ENGINES:
+        raise Unavailable(f"dp engine '{engine}' is not one of Galaxy's ({', '.join(DP_ENGINES)})")
+    if ctx.world_size % dp:
+        raise Unavailable(f"@dp{dp} needs a world that is a multiple of {dp}, not {ctx.world_size}")
+    batching = Batching.reach(shape["global_batch"], dp, args.micro_batch)
+    run_ctx = ctx if dp == 1 else ParallelContext(rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
+                                                  seed=ctx.seed, backend=ctx.backend,
+                                                  **build_groups(ctx.rank, ctx.world_size, dp, 1))
+    cfg = galaxy_config(shape, args, plan, reduce or "after_backward", compiled == "compile", dp, engine,
+                        batching.micro_batch)
+    model = build_model(cfg, cfg.resolve_plan(run_ctx.mp.size), run_ctx)
+    trainer = make_trainer(model, cfg, run_ctx)
+    assert trainer.num_microbatches == batching.accumulation, (trainer.num_microbatches, batching)
+    batch_at = GlobalBatches(shape, batching, torch.device("cpu")).galaxy_batch_at()
     amp = lambda: autocast_context(cfg, ctx.device)  # noqa: E731
     count = [0]
     model.train()
 
     def step():
         count[0] += 1
-        loss = trainer.forward_backward(trainer.read_batch(batch_at, count[0] % 4), amp)
+        loss = trainer.forward_backward(trainer.read_batch(batch_at, count[0]), amp)
         trainer.optimizer_step(loss, count[0])
 
     def metrics_bytes(run: Callable[[], None]) -> int:
@@ -219,7 +418,10 @@ def galaxy_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prep
         run()
         return trainer.comm_bytes() - before
 
-    return Prepared(step, comm_bytes_metrics=metrics_bytes, teardown=[trainer.grad_sync.remove])
+    grad_sync = getattr(trainer, "grad_sync", None)
+    return Prepared(step, batching, entry=model, layout={"mp": run_ctx.mp.size, "dp_engine": engine},
+                    comm_bytes_metrics=metrics_bytes if hasattr(trainer, "comm_bytes") else None,
+                    teardown=[grad_sync.remove] if grad_sync is not None else [])
 
 
 class PlainLM(nn.Module):
@@ -236,30 +438,65 @@ class PlainLM(nn.Module):
         return self.head(self.norm(self.stack(self.embed(ids))))
 
 
-def plain_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
-    """Plain PyTorch: serial (rank 0), or under torch's tensor parallel API (torchtitan's plan)."""
-    with torch.device(ctx.device):  # built and drawn on the device: a 7B init on the host takes minutes
-        model = PlainLM(shape)
-    gen = torch.Generator(ctx.device).manual_seed(0)  # the same draws on every rank
+def init_plain_weights(model: PlainLM, shape: dict, device: torch.device) -> None:
+    """N(0, 0.02) weights, unit norm scales, the rotary tables (a meta-built model's buffers are empty):
+    the same draws on every rank (a sharded weight draws its own piece)."""
+    gen = torch.Generator(device).manual_seed(0)
+    tables = PlainStack(dict(shape, layers=0))
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if not pname.endswith("norm.weight"):
-                p.normal_(0.0, 0.02, generator=gen)
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.fill_(1.0) if pname.endswith("norm.weight") else local.normal_(0.0, 0.02, generator=gen)
+        model.stack.cos.copy_(tables.cos)
+        model.stack.sin.copy_(tables.sin)
+
+
+def plain_tp_plan(model: PlainLM, mesh) -> None:
+    """torchtitan's TP + SP plan (bench_coc.pytorch_tp_sp's per block) with the embedding, final norm and
+    head: Rowwise embedding to Shard(1), SequenceParallel norm, Colwise head to vocab-sharded logits."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, \
+        parallelize_module
+
+    pytorch_tp_sp(model.stack, mesh.size(), mesh.device_type, mesh=mesh)
+    parallelize_module(model, mesh, {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
+
+
+def check_tp_shapes(shape: dict, tp: int) -> None:
+    if shape["seq"] % tp or shape["heads"] % tp or shape["ffn"] % tp or shape["vocab"] % tp:
+        raise Unavailable(f"TP {tp} needs seq, heads, ffn and vocab divisible by {tp}")
+
+
+def compile_block(layer: nn.Module, args) -> nn.Module:
+    return torch.compile(layer, dynamic=False, backend=args.compile_backend)
+
+
+def accumulate(micro: list, forward_loss: Callable, loss_context=contextlib.nullcontext) -> None:
+    """Forward and backward of every micro-batch, each loss over the accumulation count (the mean)."""
+    for ids, labels in micro:
+        with loss_context():
+            loss = forward_loss(ids, labels) / len(micro)
+            loss.backward()
+
+
+def plain_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
+    """Plain PyTorch: serial (rank 0), or under torch's tensor parallel API (torchtitan's plan); dp 1."""
+    batching = Batching.reach(shape["global_batch"], 1, args.micro_batch)
+    with torch.device(ctx.device):  # built and drawn on the device: a 7B init on the host takes minutes
+        model = PlainLM(shape)
+    init_plain_weights(model, shape, ctx.device)
     loss_context = contextlib.nullcontext
     teardown = []
     if name.startswith("native"):
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                                       loss_parallel, parallelize_module)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import loss_parallel
 
         world = ctx.mp.size
-        if shape["seq"] % world or shape["heads"] % world or shape["ffn"] % world or shape["vocab"] % world:
-            raise Unavailable("needs seq, heads, ffn and vocab divisible by the world size")
-        pytorch_tp_sp(model.stack, world, ctx.device)
-        parallelize_module(model, model.stack.layers[0].attention.wq.weight.device_mesh, {
-            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
+        check_tp_shapes(shape, world)
+        plain_tp_plan(model, init_device_mesh(ctx.device.type, (world,)))
         loss_context = loss_parallel
         if name == "native-tp-sp-asynctp":
             import torch._inductor.config as inductor_config
@@ -270,34 +507,96 @@ def plain_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepa
             teardown.append(lambda: setattr(inductor_config, "_micro_pipeline_tp", False))
     if name.endswith(("compiled", "asynctp")):
         for i, layer in enumerate(model.stack.layers):  # per block, as torchtitan compiles
-            model.stack.layers[i] = torch.compile(layer, dynamic=False)
+            model.stack.layers[i] = compile_block(layer, args)
     params = list(model.parameters())
     optimizer = adamw(params, ctx.device)
-    batches = token_batches(shape, ctx.device)
+    data = GlobalBatches(shape, batching, ctx.device)
     count = [0]
     dtype = getattr(torch, args.dtype)
     amp = (lambda: torch.autocast(ctx.device.type, dtype=dtype)) if dtype in (torch.bfloat16, torch.float16) \
         else contextlib.nullcontext
 
+    def forward_loss(ids, labels):
+        with amp():
+            logits = model(ids)
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
     def step():
-        ids, labels = batches[count[0] % len(batches)]
         count[0] += 1
-        with loss_context():
-            with amp():
-                logits = model(ids)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-            loss.backward()
+        accumulate(data.micro_batches(count[0], 0), forward_loss, loss_context)
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return Prepared(step, teardown=teardown)
+    return Prepared(step, batching, entry=model, teardown=teardown)
+
+
+def fsdp2_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
+    """FSDP2 as torchtitan applies it (the anchor's recipe): the plain LM built on meta, (``fsdp2-tp``: the
+    TP + SP plan on the mesh's tp dim, loss parallel), torch.compile per block, fully_shard per block and
+    at the root over the dp dim with bf16 params and fp32 gradient reductions, materialized and drawn
+    on the device; fused AdamW, clip 1.0. Gradient accumulation as torchtitan's: every micro-batch's
+    backward reduce-scatters into the sharded fp32 gradients (no unsharded gradient kept)."""
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.tensor.parallel import loss_parallel
+    except ImportError as e:
+        raise Unavailable(f"FSDP2 (torch.distributed.fsdp.fully_shard) does not import on torch "
+                          f"{torch.__version__}: {e}") from None
+    # torch's clip_grad_norm_ on the 2-D mesh all-reduces the norm over dp, then tp (two scalar collectives)
+    # and logs a warning about it at every step: silenced.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    base, suffix = split_suffix(name)
+    world = ctx.world_size
+    tp = (int(suffix.group(1)) if suffix else 2) if base == "fsdp2-tp" else 1
+    if world % tp:
+        raise Unavailable(f"TP {tp} does not divide the world of {world} ranks")
+    if tp > 1:
+        check_tp_shapes(shape, tp)
+    batching = Batching.reach(shape["global_batch"], world // tp, args.micro_batch)
+    mesh = init_device_mesh(ctx.device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model = PlainLM(shape)
+    loss_context = contextlib.nullcontext
+    if tp > 1:
+        plain_tp_plan(model, mesh["tp"])
+        loss_context = loss_parallel
+    dtype = getattr(torch, args.dtype)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    reshard = not base.endswith("noreshard")
+    for i, layer in enumerate(model.stack.layers):
+        block = compile_block(layer, args)
+        model.stack.layers[i] = block
+        fully_shard(block, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+    model.to_empty(device=ctx.device)
+    init_plain_weights(model, shape, ctx.device)
+    params = list(model.parameters())
+    optimizer = adamw(params, ctx.device)
+    data = GlobalBatches(shape, batching, ctx.device)
+    dp_rank = mesh["dp"].get_local_rank()
+    count = [0]
+
+    def forward_loss(ids, labels):
+        return F.cross_entropy(model(ids).flatten(0, 1).float(), labels.flatten())
+
+    def step():
+        count[0] += 1
+        accumulate(data.micro_batches(count[0], dp_rank), forward_loss, loss_context)
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return Prepared(step, batching, entry=model, layout={"tp": tp, "reshard_after_forward": reshard},
+                    note="gradients reduce-scattered (fp32) at every micro-batch's backward, as torchtitan accumulates")
 
 
 def torchtitan_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
     """torchtitan's llama3 model, built and parallelized as its Trainer does (meta init, parallelize_llama
     with compile + async TP, FSDP2 mixed precision at degree 1, init_weights), stepped with its loss,
-    mask and clipping and the AdamW every contender uses."""
+    mask and clipping and the AdamW every contender uses; dp 1, the global batch in micro-batches, each
+    loss over the step's tokens (its Trainer's gradient accumulation)."""
     try:
         import torchtitan
         from torchtitan.components.loss import CrossEntropyLoss
@@ -311,6 +610,7 @@ def torchtitan_contender(name: str, args, shape: dict, ctx: ParallelContext) -> 
     if ctx.device.type != "cuda":
         raise Unavailable("torchtitan's compile + async TP recipe needs CUDA (symmetric memory)")
     world = ctx.mp.size
+    batching = Batching.reach(shape["global_batch"], 1, args.micro_batch)
     parallelism = ParallelismConfig(tensor_parallel_degree=world, data_parallel_shard_degree=1)
     parallel_dims = ParallelDims.from_config(parallelism, world)
     parallel_dims.build_mesh()
@@ -330,7 +630,7 @@ def torchtitan_contender(name: str, args, shape: dict, ctx: ParallelContext) -> 
     with torch.device("meta"):
         model = model_cfg.build()
     compile_cfg = CompileConfig(enable=True, enable_async_tensor_parallel=world > 1)  # model and loss, its default
-    training = TrainingConfig(seq_len=shape["seq"], local_batch_size=shape["batch"],
+    training = TrainingConfig(seq_len=shape["seq"], local_batch_size=batching.micro_batch,
                               mixed_precision_param=args.dtype, mixed_precision_reduce="float32")
     model = llama3.parallelize_llama(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
                                      compile_config=compile_cfg, ac_config=None, dump_folder="/tmp/torchtitan")
@@ -342,32 +642,55 @@ def torchtitan_contender(name: str, args, shape: dict, ctx: ParallelContext) -> 
     params = list(model.parameters())
     optimizer = adamw(params, ctx.device)
     train_context = titan_dist.get_spmd_context(parallel_dims=parallel_dims)
-    batches = token_batches(shape, ctx.device)
-    tokens = torch.tensor(shape["batch"] * shape["seq"], device=ctx.device)
-    positions = torch.arange(shape["seq"], device=ctx.device)[None].expand(shape["batch"], -1)
+    data = GlobalBatches(shape, batching, ctx.device)
+    tokens = torch.tensor(shape["global_batch"] * shape["seq"], device=ctx.device)  # the step's, for the loss
+    positions = torch.arange(shape["seq"], device=ctx.device)[None].expand(batching.micro_batch, -1)
     count = [0]
     import torch._inductor.config as inductor_config
 
     def step():
-        ids, labels = batches[count[0] % len(batches)]
         count[0] += 1
-        with train_context():
-            # as its Trainer's post_dataloading_process: per-document positions give the (block-)causal mask
-            masks = model.get_attention_masks(positions=positions)
-            loss, _ = loss_fn(model(ids, positions=positions, attention_masks=masks), labels, tokens)
-            loss.backward()
+        for ids, labels in data.micro_batches(count[0], 0):
+            with train_context():
+                # as its Trainer's post_dataloading_process: per-document positions give the (block-)causal mask
+                masks = model.get_attention_masks(positions=positions)
+                loss, _ = loss_fn(model(ids, positions=positions, attention_masks=masks), labels, tokens)
+                loss.backward()
         titan_dist.clip_grad_norm_(params, CLIP, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return Prepared(step, note=f"torchtitan {getattr(torchtitan, '__version__', '?')}",
+    return Prepared(step, batching, entry=model, note=f"torchtitan {getattr(torchtitan, '__version__', '?')}",
                     teardown=[lambda: setattr(inductor_config, "_micro_pipeline_tp", False)])
+
+
+def megatron_tp_for(shape: dict, args, world: int, device: torch.device) -> tuple[int, str]:
+    """megatron-dp's TP: the smallest that divides the world and whose per-rank memory fits 90% of the GPU
+    (pure data parallel where the model fits): bf16 weights and fp32 gradient buffer over TP, fp32 main
+    params and Adam moments over TP x DP (distributed optimizer), activations with the attention core
+    recomputed, no SP: L x S x b x H x (10 + 24 / TP) bytes (Korthikanti et al. 2022) + fp32 logits."""
+    cfg = galaxy_config(shape, args).model
+    params = matmul_weights(cfg).total + shape["vocab"] * shape["hidden"] + (2 * shape["layers"] + 1) * shape["hidden"]
+    memory = torch.cuda.get_device_properties(device).total_memory
+    fits, tp = [], 1
+    for tp in (t for t in range(1, world + 1) if world % t == 0):
+        mb, s, h = args.micro_batch, shape["seq"], shape["hidden"]
+        est = (params / tp * (2 + 4) + params / world * 12 + shape["layers"] * s * mb * h * (10 + 24 / tp)
+               + s * mb * shape["vocab"] / tp * 8)
+        fits.append(f"TP {tp}: {est / 2**30:.0f} GiB")
+        if est <= 0.9 * memory:
+            break
+    return tp, f"TP {tp}, the smallest whose estimate fits 90% of {memory / 2**30:.0f} GiB ({'; '.join(fits)})"
 
 
 def megatron_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
     """megatron-core's GPTModel with the local (non-Transformer-Engine) layer spec, its DDP wrapper and
-    distributed optimizer (bf16 weights, fp32 main params and grads), finalize_model_grads (the
-    sequence-parallel norm all-reduce), as megatron's pretrain_gpt does per step."""
+    distributed optimizer (bf16 weights, fp32 main params and grads), stepped as Megatron-LM's train_step:
+    zero the grad buffers, its forward_backward_func over the rank's micro-batches (no grad sync but on
+    the last; finalize_model_grads: the dp reduce-scatter and the sequence-parallel norm all-reduce),
+    optimizer.step (clip 1.0, Adam, the param all-gather). ``megatron-tp*``: TP = world, dp 1;
+    ``megatron-dp``: dp = world / TP with overlap_grad_reduce and overlap_param_gather (the all-gather of a
+    step's new weights overlaps the next step's forward, inside the next timed step)."""
     try:
         import megatron.core
         from megatron.core import parallel_state, tensor_parallel
@@ -376,6 +699,7 @@ def megatron_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Pr
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.transformer.transformer_config import TransformerConfig
     except Exception as e:  # noqa: BLE001 -- any import failure is the reason
         raise Unavailable(f"megatron-core does not import on torch {torch.__version__}: {type(e).__name__}: {e}") \
@@ -389,8 +713,19 @@ def megatron_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Pr
             raise Unavailable("--tp-comm-overlap needs Transformer Engine (its userbuffers, set up by Megatron-LM's "
                               "initialize_tp_communicators); megatron-core's local linears never read tp_comm_overlap, "
                               "and transformer_engine does not import here") from None
-    world = ctx.mp.size
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    base, suffix = split_suffix(name)
+    world = ctx.world_size
+    data_parallel = base == "megatron-dp"
+    if data_parallel:
+        tp, why = (int(suffix.group(1)), f"TP {suffix.group(1)}, given") if suffix else \
+            megatron_tp_for(shape, args, world, ctx.device)
+    else:
+        tp, why = world, f"TP {world}"
+    if world % tp:
+        raise Unavailable(f"TP {tp} does not divide the world of {world} ranks")
+    check_tp_shapes(shape, tp)
+    batching = Batching.reach(shape["global_batch"], world // tp, args.micro_batch)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     teardown = [parallel_state.destroy_model_parallel]
     try:
         tensor_parallel.model_parallel_cuda_manual_seed(0)
@@ -400,34 +735,52 @@ def megatron_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Pr
             num_attention_heads=shape["heads"], normalization="RMSNorm", gated_linear_unit=True,
             activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
             bf16=args.dtype == "bfloat16", params_dtype=getattr(torch, args.dtype), pipeline_dtype=None,
-            tensor_model_parallel_size=world, sequence_parallel=sequence_parallel,
-            tp_comm_overlap=name.endswith("overlap"))
+            tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
+            tp_comm_overlap=name.endswith("overlap"), recompute_granularity="selective")
         model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
                          vocab_size=shape["vocab"], max_sequence_length=shape["seq"], position_embedding_type="rope",
                          share_embeddings_and_output_weights=False).to(ctx.device)
         ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True), model)
+            grad_reduce_in_fp32=True, overlap_grad_reduce=data_parallel, overlap_param_gather=data_parallel,
+            use_distributed_optimizer=True), model)
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, bf16=args.dtype == "bfloat16",
-            params_dtype=getattr(torch, args.dtype), use_distributed_optimizer=True, clip_grad=CLIP), [ddp])
+            params_dtype=getattr(torch, args.dtype), use_distributed_optimizer=True,
+            overlap_param_gather=data_parallel, clip_grad=CLIP), [ddp])
+        # as Megatron-LM's training.setup_model_and_optimizer / train wire the schedule
+        if data_parallel:
+            config.no_sync_func = ddp.no_sync
+        config.finalize_model_grads_func = finalize_model_grads
     except BaseException:
         parallel_state.destroy_model_parallel()
         raise
-    batches = token_batches(shape, ctx.device)
-    positions = torch.arange(shape["seq"], device=ctx.device)[None].expand(shape["batch"], -1)
+    forward_backward = get_forward_backward_func()
+    data = GlobalBatches(shape, batching, ctx.device)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    positions = torch.arange(shape["seq"], device=ctx.device)[None].expand(batching.micro_batch, -1)
     count = [0]
 
+    def forward_step(data_iterator, chunk):
+        ids, labels = next(data_iterator)
+        per_token = chunk(ids, positions, None, labels=labels)
+
+        def loss_func(output):  # the schedule divides by the micro-batch count
+            loss = output.float().mean()
+            return loss, {"lm loss": loss.detach()}
+        return per_token, loss_func
+
     def step():
-        ids, labels = batches[count[0] % len(batches)]
         count[0] += 1
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        loss = ddp(ids, positions, None, labels=labels).float().mean()
-        loss.backward()
-        finalize_model_grads([ddp])
+        forward_backward(forward_step_func=forward_step, data_iterator=iter(data.micro_batches(count[0], dp_rank)),
+                         model=[ddp], num_microbatches=batching.accumulation, seq_length=shape["seq"],
+                         micro_batch_size=batching.micro_batch, forward_only=False)
         optimizer.step()
 
-    return Prepared(step, note=f"megatron-core {getattr(megatron.core, '__version__', '?')}", teardown=teardown)
+    return Prepared(step, batching, entry=ddp.module, layout={"tp": tp},
+                    note=f"megatron-core {getattr(megatron.core, '__version__', '?')}; {why}; selective recompute "
+                         "(attention core)", teardown=teardown)
 
 
 def build(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
@@ -435,6 +788,8 @@ def build(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
         return galaxy_contender(name, args, shape, ctx)
     if name.startswith(("serial", "native")):
         return plain_contender(name, args, shape, ctx)
+    if name.startswith("fsdp2"):
+        return fsdp2_contender(name, args, shape, ctx)
     if name.startswith("torchtitan"):
         return torchtitan_contender(name, args, shape, ctx)
     return megatron_contender(name, args, shape, ctx)
@@ -484,25 +839,29 @@ def first_error(error: Optional[str], ctx: ParallelContext, alone: bool) -> Opti
     return error or next((f"rank {i}: {e}" for i, e in enumerate(errors) if e), None)
 
 
-def run_contender(name: str, args, shape: dict, ctx: ParallelContext) -> dict:
-    """Build, warm up, time, count bytes and peak memory; any failure becomes the row's ``error``."""
+def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: PeakFlops,
+                  flops_per_token: float) -> dict:
+    """Build, warm up, time, count tokens, bytes and peak memory; any failure becomes the row's ``error``."""
     alone = name.startswith(("serial", "galaxy-none"))
     ranks = 1 if alone else ctx.world_size
-    row = {"name": name, "ranks": ranks}
+    row = {"name": name, "ranks": ranks, "gpus": ranks}
     if alone and ctx.rank != 0:
         return row
-    release(ctx.device)
-    if ctx.device.type == "cuda":
+    cuda = ctx.device.type == "cuda"
+    if cuda:  # the previous contender's memory back (a full gc costs ~0.5 s: skipped for CPU's tiny shapes)
+        release(ctx.device)
         torch.cuda.reset_peak_memory_stats(ctx.device)
-    prepared, error, t0 = None, None, time.time()
+    prepared, ledger, error, t0 = None, None, None, time.time()
     run_ctx = ParallelContext.serial(ctx.device, seed=1234) if alone else ctx
     try:
         prepared = build(name, args, shape, run_ctx)
         row["build_s"] = round(time.time() - t0, 1)
+        row.update(global_batch=shape["global_batch"], **prepared.batching.as_row(), **prepared.layout)
         times = timed_steps(prepared.step, ctx.device, args.warmup, args.iters)
-        peak = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if ctx.device.type == "cuda" else None
-        row.update(spread(times), peak_mib=peak)
-        row["comm_bytes"] = eager_comm_bytes(prepared.step)
+        peak_mib = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if cuda else None
+        row.update(spread(times), peak_mib=peak_mib)
+        with TokenLedger(prepared.entry) as ledger:  # the sequences the step feeds, counted where they enter
+            row["comm_bytes"] = eager_comm_bytes(prepared.step)
         if prepared.comm_bytes_metrics is not None:
             row["comm_bytes_metrics"] = prepared.comm_bytes_metrics(prepared.step)
         if prepared.note:
@@ -514,10 +873,14 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext) -> dict:
             undo()
         torch._dynamo.reset()
         del prepared
-        release(ctx.device)
+        if cuda:
+            release(ctx.device)
     error = first_error(error, ctx, alone)
     if error:  # how far it got: build_s is there when the build succeeded
-        return {"name": name, "ranks": ranks, "error": error, **{k: row[k] for k in ("build_s",) if k in row}}
+        return {"name": name, "ranks": ranks, "gpus": ranks, "error": error,
+                **{k: row[k] for k in ("build_s",) if k in row}}
+    sequences, tokens = ledger.distinct(gather=not alone and ctx.world_size > 1)
+    row.update(sequences_per_step=sequences, tokens_per_step=tokens)
     if not alone and ctx.world_size > 1:
         gathered = [None] * ctx.world_size
         dist.all_gather_object(gathered, row)
@@ -525,6 +888,13 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext) -> dict:
         row["comm_bytes_per_rank"] = [g["comm_bytes"] for g in gathered]
         for key in ("median_ms", "min_ms", "q1_ms", "q3_ms", "max_ms", "peak_mib"):  # the slowest rank counts
             row[key] = max(g[key] for g in gathered) if row[key] is not None else None
+    row.update(throughput(tokens, flops_per_token * tokens, row["median_ms"] / 1e3, ranks, peak))
+    if row["mfu"] is None:
+        row["mfu_reason"] = peak.source
+    want = (shape["global_batch"], shape["global_batch"] * shape["seq"])
+    if (sequences, tokens) != want:
+        row["error"] = (f"consumed {sequences} sequences, {tokens} tokens per optimizer step; the global batch is "
+                        f"{want[0]} sequences, {want[1]} tokens")
     return row
 
 
@@ -532,8 +902,18 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext) -> dict:
 
 
 def select(patterns: str, skip: str) -> list[str]:
+    """The listed contenders matching ``patterns`` (names or globs, in the list's order), then the named
+    layout variants (``galaxy-...@dp2``, ``fsdp2-tp@tp4``, ``megatron-dp@tp1``) in the order given; less
+    ``skip``. Raises ValueError for a variant of no listed contender or with an unknown suffix."""
     names = contender_names()
-    chosen = [n for n in names if any(fnmatch.fnmatch(n, p) for p in patterns.split(","))]
+    asked = [p for p in patterns.split(",") if p]
+    variants = [p for p in asked if "@" in p and not any(c in p for c in "*?[")]
+    for v in variants:
+        base, _ = split_suffix(v)
+        if base not in names:
+            raise ValueError(f"contender '{v}': '{base}' is not a contender")
+    chosen = [n for n in names if any(fnmatch.fnmatch(n, p) for p in asked)]
+    chosen += [v for v in variants if v not in chosen]
     return [n for n in chosen if not any(fnmatch.fnmatch(n, p) for p in skip.split(",") if p)]
 
 
@@ -550,17 +930,32 @@ def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> No
     ctx = ParallelContext(rank=rank, world_size=world, device=device, seed=1234, backend=backend,
                           **build_groups(rank, world, 1, 1))
     shape = dict(SCENARIOS[args.scenario])
+    if args.global_batch is not None:
+        shape["global_batch"] = args.global_batch
+    model_cfg = galaxy_config(shape, args).model  # the plain LLaMA's shapes: the FLOP count of every contender
+    flops_per_token = training_flops_per_token(model_cfg, shape["seq"])
+    peak = peak_flops_per_device(device, args.dtype, args.peak_tflops)
     rows = []
     for name in args.contenders:
         torch.manual_seed(0)
-        row = run_contender(name, args, shape, ctx)
+        row = run_contender(name, args, shape, ctx, peak, flops_per_token)
         dist.barrier()
         if rank == 0:
             rows.append(row)
             print("ROW " + json.dumps(row), flush=True)  # each row as it lands: a killed launch keeps them
     if rank == 0:
+        facts = {
+            "global_batch": shape["global_batch"], "seq": shape["seq"],
+            "tokens_per_step": shape["global_batch"] * shape["seq"], "micro_batch": args.micro_batch,
+            "same_work": "every contender's optimizer step covers the global batch: dp x micro_batch x "
+                         "accumulation = global_batch sequences (rows: dp, micro_batch, accumulation; "
+                         "sequences_per_step and tokens_per_step as counted where the token ids enter the model)",
+            "timed_step": "forward and backward of every micro-batch, every gradient reduction, clip 1.0, AdamW",
+            "model_flops_per_token": flops_per_token, "matmul_weights": matmul_weights(model_cfg).total,
+            "mfu_formula": MFU_FORMULA, "peak_tflops": peak.tflops, "peak_source": peak.source,
+            "compile_backend": args.compile_backend}
         report = {"benchmark": "train", **run_facts(ctx), "world": world, "scenario": args.scenario, "shape": shape,
-                  "dtype": args.dtype, "warmup": args.warmup, "env": {k: os.environ.get(k) for k in (
+                  "dtype": args.dtype, "warmup": args.warmup, "facts": facts, "env": {k: os.environ.get(k) for k in (
                       "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")},
                   "rows": rows}
         publish(report, print_table, args.json)
@@ -569,42 +964,60 @@ def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> No
 
 
 def print_table(report: dict) -> None:
-    s = report["shape"]
+    s, f = report["shape"], report["facts"]
     print(f"\n{report['scenario']}: {s['layers']} layers, hidden {s['hidden']}, ffn {s['ffn']}, seq {s['seq']}, "
-          f"batch {s['batch']}, vocab {s['vocab']}, {report['dtype']}; whole training steps; "
-          f"{report['world']} x {report['device']}, torch {report['torch']}, {report['date']}, {report['commit']}")
-    head = f"{'contender':<34}{'ranks':>6}{'median ms':>11}{'q1-q3 ms':>16}{'peak MiB':>10}{'comm MiB':>10}"
+          f"vocab {s['vocab']}, {report['dtype']}; global batch {s['global_batch']} ({f['tokens_per_step']} tokens "
+          f"per optimizer step); whole training steps; {report['world']} x {report['device']}, torch "
+          f"{report['torch']}, {report['date']}, {report['commit']}; peak {f['peak_tflops']} TFLOP/s "
+          f"({f['peak_source']})")
+    head = (f"{'contender':<38}{'gpus':>5}{'dp x mb x acc':>15}{'median ms':>11}{'q1-q3 ms':>18}{'tok/s/GPU':>11}"
+            f"{'MFU':>7}{'peak MiB':>10}{'comm MiB':>10}")
     print(head + "\n" + "-" * len(head))
     for r in report["rows"]:
-        if "median_ms" not in r:
-            print(f"{r['name']:<34}{r['ranks']:>6}  not run: {r['error']}")
+        if "error" in r:
+            print(f"{r['name']:<38}{r['gpus']:>5}  not run: {r['error']}")
             continue
         peak = f"{r['peak_mib']:.0f}" if r["peak_mib"] is not None else "-"
-        print(f"{r['name']:<34}{r['ranks']:>6}{r['median_ms']:>11.2f}{r['q1_ms']:>8.2f}-{r['q3_ms']:<7.2f}"
-              f"{peak:>10}{r['comm_bytes'] / 2**20:>10.1f}")
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        layout = f"{r['dp']} x {r['micro_batch']} x {r['accumulation']}"
+        print(f"{r['name']:<38}{r['gpus']:>5}{layout:>15}{r['median_ms']:>11.2f}{r['q1_ms']:>9.2f}-{r['q3_ms']:<8.2f}"
+              f"{r['tokens_per_s_per_gpu']:>11.0f}{mfu:>7}{peak:>10}{r['comm_bytes'] / 2**20:>10.1f}")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="stack4")
-    p.add_argument("--contenders", default="*", help="comma-separated names or globs (see --list)")
+    p.add_argument("--contenders", default=DEFAULT_CONTENDERS,
+                   help="comma-separated names, globs or layout variants (see --list); default: the 4-GPU 7B "
+                        "comparison")
     p.add_argument("--skip", default="", help="comma-separated names or globs to leave out")
     p.add_argument("--list", action="store_true", help="print the contender names and exit")
+    p.add_argument("--global_batch", type=int, default=None,
+                   help="sequences per optimizer step, for every contender (default: the scenario's)")
+    p.add_argument("--micro_batch", type=int, default=1, help="sequences per micro-batch on each dp rank")
     p.add_argument("--world", type=int, default=None, help="self-spawn this many ranks (ignored under torchrun)")
     p.add_argument("--cpu", action="store_true", help="CPU + Gloo even where GPUs are present")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--peak_tflops", type=float, default=None, help="dense peak TFLOP/s of one device, for MFU "
+                   "(default: galaxy.profiler.devices.PEAK_TFLOPS for the GPU)")
+    p.add_argument("--compile_backend", default="inductor",
+                   help="torch.compile backend of the per-block compiled contenders (eager: CPU checks of the "
+                        "wiring without code generation; timings then are not the recipe's)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.list:
         print("\n".join(contender_names()))
         return
-    args.contenders = select(args.contenders, args.skip)
+    try:
+        args.contenders = select(args.contenders, args.skip)
+    except ValueError as e:
+        p.error(str(e))
     if not args.contenders:
         p.error(f"--contenders {args.contenders!r} matches none of: {', '.join(contender_names())}")
-    if args.iters < 1 or args.warmup < 0:
-        p.error("--iters must be at least 1 and --warmup at least 0")
+    if args.iters < 1 or args.warmup < 0 or args.micro_batch < 1 or (args.global_batch or 1) < 1:
+        p.error("--iters, --micro_batch and --global_batch must be at least 1, --warmup at least 0")
     launch(worker, args, p, on_cpu=args.cpu)
 
 

@@ -9,17 +9,20 @@
 #          cd .carry/harness && bash bench/device/train_2xh200.sh start llama7b ... wait llama7b
 # Call `wait` right after the previous call returns: an idle machine goes back after 30 s, the launch with it.
 # Each call copies the JSON (when done) and the log so far (one ROW line per finished contender) to $OUT.
-# Expected device time: stack4 about 11 minutes, llama7b about 15 (Galaxy builds a 7B model in ~50 s on the host).
+# Every contender ('*'; bench_train's own default is the 7B comparison of bench/device/train_node.sh, which is
+# the script for llama7b now). Expected device time: stack4 (global batch 4 since issue 31: 4 sequences per
+# optimizer step) well over the 11 minutes of batch 1; llama7b at global batch 16 with every contender: far
+# longer than one session's device time (use train_node.sh).
 set -o pipefail
 mode=${1:?start|wait}; scenario=${2:?stack4|llama7b}; polls=${3:-56}  # 10 s polls per call
 nproc=${NPROC:-2}  # NPROC=1 with the smoke scenario checks this flow on one GPU
 dir=/root/bench_train; mkdir -p "$dir"
 case $scenario in
-    stack4)  flags=(--warmup 2 --iters 10) ;;
+    stack4)  flags=(--warmup 2 --iters 10 --contenders '*') ;;
     # serial and galaxy-none: 6.7B fp32 masters + grads + AdamW are 108 GB before activations, more than
     # one H200 holds, so they would only report OOM; left out to save device time.
-    llama7b) flags=(--warmup 2 --iters 6 --skip 'serial-*,galaxy-none') ;;
-    smoke)   flags=(--warmup 2 --iters 5) ;;
+    llama7b) flags=(--warmup 2 --iters 6 --contenders '*' --skip 'serial-*,galaxy-none') ;;
+    smoke)   flags=(--warmup 2 --iters 5 --contenders '*') ;;
     *) echo "unknown scenario $scenario (stack4 | llama7b | smoke)"; exit 2 ;;
 esac
 if [ "$mode" = start ]; then

@@ -1,0 +1,63 @@
+#!/bin/bash
+# The 7B comparison of issue 31 on one node: bench/bench_train.py --scenario llama7b --global_batch 16 (seq 4096:
+# 65,536 tokens per optimizer step for every contender) on N GPUs, started detached (setsid + nohup, log and JSON
+# under /root/bench_train_node) so that later `run` calls wait for it and collect it.
+#
+# Carry megatron-core as a wheel (here, not on the GPU machine; the GPU machine has no pip index). The GPU
+# machine's python is 3.12 (cp312, manylinux x86_64); megatron-core 0.19.2 needs only torch, numpy and
+# packaging, which the image has. Checked to resolve (2026-11-27):
+#   megatron_core-0.19.2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl
+#       pip download --no-deps --only-binary=:all: --implementation cp --python-version 3.12 \
+#           --platform manylinux_2_28_x86_64 -d /work/main/.whl megatron-core==0.19.2
+#       WHEELS="megatron_core-0.19.2" bash bench/device/prepare_carry.sh /work/main node
+# (prepare_carry.sh copies this worktree and those wheels into /work/main/.carry/node; without WHEELS it also
+# carries torchtitan 0.3.0 and its imports, whose contender is not in this comparison. Wheels are never committed.)
+#
+# On nvidia-h100-x4 (N=4) or nvidia-h100-x2 (N=2), carry [".carry/node"]:
+#   cd .carry/node && bash bench/device/train_node.sh start 4 a     # fsdp2-compile(-noreshard), fsdp2-tp, megatron-dp
+#   cd .carry/node && bash bench/device/train_node.sh wait 4 a      # again, at once, until it prints "done"
+#   cd .carry/node && bash bench/device/train_node.sh start 4 b     # Galaxy: galaxy-sharded, tp, galaxy2-sharded
+#   cd .carry/node && bash bench/device/train_node.sh wait 4 b
+# or PART all: one launch of all seven (bench_train's default contenders). `start` returns at once (add a wait
+# in the same call: `... start 4 a && bash bench/device/train_node.sh wait 4 a`). Call `wait` right after the
+# previous call returns: an idle machine goes back soon, the launch with it. Each call copies the JSON (when
+# done), the log so far (one ROW line per finished contender) and the console to $OUT; `collect` only copies.
+#
+# Time: warmup 2 steps (the first compiles the block: ~1 min per compiled contender, less where inductor's cache
+# already holds the graph, as for fsdp2-compile-noreshard after fsdp2-compile) + 3 timed steps + 1 eager step
+# (bytes and tokens counted; Galaxy rows one more for their metrics) per contender, each step ~2 s at 4 GPUs
+# (16 x 4096 tokens at ~40% MFU); Galaxy builds a 7B on the host (~50 s each). Expected wall time at 4 GPUs
+# (an estimate, not measured yet): part a ~4 min, part b ~5-6 min. WARMUP=1 ITERS=3 saves ~15 s a part.
+# At 2 GPUs the steps take twice as long: parts, not one launch.
+set -o pipefail
+mode=${1:?start|wait|collect}; nproc=${2:?NPROC (2 or 4)}; part=${3:-all}; polls=${POLLS:-55}  # 10 s polls
+dir=/root/bench_train_node; mkdir -p "$dir"
+case $part in
+    a)   contenders='fsdp2-compile,fsdp2-compile-noreshard,fsdp2-tp,megatron-dp' ;;
+    b)   contenders='galaxy-galaxy-sharded+compile,galaxy-tp+compile,galaxy-galaxy2-sharded+compile' ;;
+    all) contenders='galaxy-galaxy-sharded+compile,galaxy-tp+compile,galaxy-galaxy2-sharded+compile,fsdp2-compile,fsdp2-compile-noreshard,fsdp2-tp,megatron-dp' ;;
+    *) echo "unknown part $part (a | b | all)"; exit 2 ;;
+esac
+tag=llama7b_${nproc}_${part}
+flags=(--global_batch "${GLOBAL_BATCH:-16}" --micro_batch 1 --warmup "${WARMUP:-2}" --iters "${ITERS:-3}"
+       --contenders "$contenders")
+if [ "$mode" = start ]; then
+    if [ -e "$dir/$tag.pid" ] && kill -0 "$(cat "$dir/$tag.pid")" 2>/dev/null; then
+        echo "already running: $tag (pid $(cat "$dir/$tag.pid")); call wait"; exit 1
+    fi
+    rm -f "$dir/$tag.done" "$dir"/train_"$tag".*
+    TAG=$part setsid nohup bash -c "OUT=$dir bash bench/device/train_harness.sh $nproc llama7b ${flags[*]@Q}; \
+        touch $dir/$tag.done" > "$dir/$tag.console" 2>&1 < /dev/null &
+    echo $! > "$dir/$tag.pid"
+    echo "started $tag (pid $!): ${flags[*]}"
+    exit 0
+fi
+if [ "$mode" = wait ]; then
+    for _ in $(seq 1 "$polls"); do  # up to ~9 minutes per call
+        [ -e "$dir/$tag.done" ] && break
+        sleep 10
+    done
+fi
+cp "$dir"/train_"$tag".* "$dir/$tag.console" "${OUT:-/tmp}/" 2>/dev/null
+grep -c '^ROW ' "$dir/train_$tag.log" 2>/dev/null | sed 's/^/rows so far: /'
+if [ -e "$dir/$tag.done" ]; then echo done; tail -20 "$dir/$tag.console"; else echo "still running: call wait again"; fi
