@@ -31,7 +31,7 @@ the row's GPUs (``gpus``), and ``mfu`` = model FLOPs per second per GPU over the
     mfu = (6 N + 12 L H S) x tokens_per_step / step_s / gpus / peak_flops
 
 N: the matmul weights a token passes through (q, k, v, o and the three MLP projections of every layer,
-plus the H x V output head; galaxy.profiler.model_flops.training_flops_per_token on the Galaxy LLaMA
+plus the H x V output head; galaxy.train.metrics.model_flops_per_token on the Galaxy LLaMA
 config of the scenario's shapes, which every contender's model has), L layers, H hidden, S sequence
 length; peak: galaxy.train.metrics.peak_flops_per_device (galaxy.profiler.devices.PEAK_TFLOPS, dense
 bf16 tensor-core peak of the GPU; H100 SXM / H200: 989.4 TFLOP/s) or ``--peak_tflops``. A CPU has no
@@ -120,7 +120,7 @@ from bench.bench_coc import PlainStack, RMSNorm, launch, publish, pytorch_tp_sp,
 from galaxy.config import DP_ENGINES, GalaxyConfig  # noqa: E402
 from galaxy.core.context import ParallelContext, build_groups  # noqa: E402
 from galaxy.models import build_model  # noqa: E402
-from galaxy.profiler.model_flops import matmul_weights, training_flops_per_token  # noqa: E402
+from galaxy.train.metrics import model_flops_per_token, model_matmul_weights  # noqa: E402
 from galaxy.train.loop import autocast_context, make_trainer  # noqa: E402
 from galaxy.train.metrics import PeakFlops, peak_flops_per_device, throughput  # noqa: E402
 
@@ -140,7 +140,7 @@ DEFAULT_CONTENDERS = ("galaxy-galaxy-sharded+compile,galaxy-tp+compile,galaxy-ga
                       "fsdp2-compile,fsdp2-compile-noreshard,fsdp2-tp,megatron-dp")
 MFU_FORMULA = ("mfu = (6*N + 12*L*H*S) * tokens_per_step / step_s / gpus / peak_flops; N = matmul weights a token "
                "passes through (q,k,v,o + 3 MLP projections per layer, + H x V head), L layers, H hidden, S seq "
-               "(galaxy.profiler.model_flops.training_flops_per_token); peak_flops: dense peak of one GPU in the "
+               "(galaxy.train.metrics.model_flops_per_token); peak_flops: dense peak of one GPU in the "
                "run's dtype (galaxy.train.metrics.peak_flops_per_device, galaxy.profiler.devices.PEAK_TFLOPS)")
 
 
@@ -669,8 +669,8 @@ def megatron_tp_for(shape: dict, args, world: int, device: torch.device) -> tupl
     (pure data parallel where the model fits): bf16 weights and fp32 gradient buffer over TP, fp32 main
     params and Adam moments over TP x DP (distributed optimizer), activations with the attention core
     recomputed, no SP: L x S x b x H x (10 + 24 / TP) bytes (Korthikanti et al. 2022) + fp32 logits."""
-    cfg = galaxy_config(shape, args).model
-    params = matmul_weights(cfg).total + shape["vocab"] * shape["hidden"] + (2 * shape["layers"] + 1) * shape["hidden"]
+    params = (model_matmul_weights(galaxy_config(shape, args)).total + shape["vocab"] * shape["hidden"]
+              + (2 * shape["layers"] + 1) * shape["hidden"])
     memory = torch.cuda.get_device_properties(device).total_memory
     fits, tp = [], 1
     for tp in (t for t in range(1, world + 1) if world % t == 0):
@@ -932,8 +932,8 @@ def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> No
     shape = dict(SCENARIOS[args.scenario])
     if args.global_batch is not None:
         shape["global_batch"] = args.global_batch
-    model_cfg = galaxy_config(shape, args).model  # the plain LLaMA's shapes: the FLOP count of every contender
-    flops_per_token = training_flops_per_token(model_cfg, shape["seq"])
+    model_cfg = galaxy_config(shape, args)  # the plain LLaMA's shapes: the FLOP count of every contender
+    flops_per_token = model_flops_per_token(model_cfg, shape["seq"])
     peak = peak_flops_per_device(device, args.dtype, args.peak_tflops)
     rows = []
     for name in args.contenders:
@@ -951,7 +951,7 @@ def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> No
                          "accumulation = global_batch sequences (rows: dp, micro_batch, accumulation; "
                          "sequences_per_step and tokens_per_step as counted where the token ids enter the model)",
             "timed_step": "forward and backward of every micro-batch, every gradient reduction, clip 1.0, AdamW",
-            "model_flops_per_token": flops_per_token, "matmul_weights": matmul_weights(model_cfg).total,
+            "model_flops_per_token": flops_per_token, "matmul_weights": model_matmul_weights(model_cfg).total,
             "mfu_formula": MFU_FORMULA, "peak_tflops": peak.tflops, "peak_source": peak.source,
             "compile_backend": args.compile_backend}
         report = {"benchmark": "train", **run_facts(ctx), "world": world, "scenario": args.scenario, "shape": shape,
