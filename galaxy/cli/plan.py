@@ -73,6 +73,9 @@ def profile_parser() -> argparse.ArgumentParser:
                    help="each timing averages repeated runs over at least this long (CPU-quota periods; 0: one run)")
     p.add_argument("--memory_gb", type=float, default=None, help="memory budget per rank (default: measured)")
     p.add_argument("--ffn_unit", type=int, default=1, help="FFN shard sizes are measured in multiples of this")
+    p.add_argument("--calibration_layers", type=int, default=None, metavar="N",
+                   help="the whole serial training steps that calibrate the profile run a model of only N layers "
+                        "(for a model whose serial step does not fit one device; the pieces are per layer)")
     p.add_argument("--out", required=True, help="cluster profile to write (JSON)")
     return p
 
@@ -84,7 +87,8 @@ def _profile_rank(rank: int, launch, payload) -> None:
     ctx = rank_context(rank, launch, cfg, args.log_level)
     try:
         cluster = profile_rank(ctx, cfg.model, args.rows, cfg.train.seq_length, cfg.train.dtype, args.reps,
-                               args.memory_gb, args.ffn_unit, window_s=args.window_ms / 1e3)
+                               args.memory_gb, args.ffn_unit, window_s=args.window_ms / 1e3,
+                               calibration_layers=args.calibration_layers)
         if cluster is not None:
             cluster.save(args.out)
             print(f"wrote {args.out}: {cluster.world} ranks, {len(cluster.groups)} groups", flush=True)
@@ -102,6 +106,8 @@ def profile_main(argv: list[str]) -> int:
         args.rows = args.rows or [1, cfg.train.global_batch_size]
         if min(args.rows) < 1 or args.reps < 1 or args.window_ms < 0:
             raise ConfigError("--rows and --reps must be at least 1, --window_ms at least 0")
+        if args.calibration_layers is not None and args.calibration_layers < 1:
+            raise ConfigError(f"--calibration_layers must be at least 1, got {args.calibration_layers}")
         if args.ffn_unit < 1 or cfg.model.intermediate_size % args.ffn_unit:
             raise ConfigError(f"--ffn_unit {args.ffn_unit} must be a positive divisor of intermediate_size "
                               f"{cfg.model.intermediate_size}")

@@ -141,3 +141,29 @@ def test_profile_search_and_validate_llama_tiny_end_to_end(tmp_path):
     rows = table["plans"]
     assert rows[0]["measured_ms"] > 0 and rows[0]["predicted_ms"] > 0 and rows[1].get("measured_ms") is None
     assert np.isfinite(rows[0]["measured_ms"])
+
+
+def test_calibration_runs_a_model_of_fewer_layers_and_the_profile_keeps_the_whole(monkeypatch):
+    """``--calibration_layers``: the serial steps (a 7B step does not fit one device) run a shorter model;
+    the profile describes the whole model and predicts its steps from the per-layer pieces."""
+    from galaxy.core.context import ParallelContext
+    from galaxy.planner import profile
+    from tests.planner.test_planner import model_config
+
+    m = model_config(LLAMA)
+    seen, real = [], profile.measure_serial
+
+    def spy(model, *args, **kwargs):
+        seen.append(model.num_hidden_layers)
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(profile, "measure_serial", spy)
+    # the pieces as a synthetic profile gives them (timing every block is profile_rank's slow part, tested elsewhere)
+    pieces = synthetic_cluster(LLAMA, 1, [1.0], seq=8, rows=1).ranks[0].pieces[1]
+    monkeypatch.setattr(profile, "measure_blocks", lambda *args, **kwargs: pieces)
+    cluster = profile.profile_rank(ParallelContext.serial(), m, rows=[1], seq=8, dtype="float32", reps=1,
+                                   calibration_layers=1)
+    assert seen == [1, 1] and cluster.model.num_hidden_layers == m.num_hidden_layers == 2
+    assert len(cluster.ranks[0].serial_steps_s) == 2
+    one = Splits.balanced(m, 8, 1)
+    assert predict(cluster, Workload(m, "train", 1, 8), (NONE,) * 3, one).time_s[0] > 0
