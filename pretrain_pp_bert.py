@@ -8,5 +8,5 @@ import sys
 from galaxy.cli.pretrain import main
 
 if __name__ == "__main__":
-    sys.exit(main(plan="none", strict=False, fill="pp",
+    sys.exit(main(masked_only=True, plan="none", strict=False, fill="pp",
                   description="BERT pretraining with pipeline parallelism (dp_size x pp_size x mp ranks)"))

@@ -5,4 +5,4 @@ import sys
 from galaxy.cli.pretrain import main
 
 if __name__ == "__main__":
-    sys.exit(main(plan="sp", strict=True, description="BERT pretraining with sequence parallelism (ATT SP, CON SP, MLP SP)"))
+    sys.exit(main(masked_only=True, plan="sp", strict=True, description="BERT pretraining with sequence parallelism (ATT SP, CON SP, MLP SP)"))

@@ -5,4 +5,4 @@ import sys
 from galaxy.cli.pretrain import main
 
 if __name__ == "__main__":
-    sys.exit(main(plan="tp", strict=True, description="BERT pretraining with tensor parallelism (ATT TP, CON None, MLP TP)"))
+    sys.exit(main(masked_only=True, plan="tp", strict=True, description="BERT pretraining with tensor parallelism (ATT TP, CON None, MLP TP)"))

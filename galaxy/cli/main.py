@@ -32,8 +32,8 @@ def _module_main(module: str) -> Callable[[list[str]], int]:
 
 # command -> (what it does, its runner, the script that runs it too)
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int], str]] = {
-    "pretrain": ("BERT pretraining on any plan (default galaxy: ATT TP, CON SP, MLP TP), with dp and pp",
-                 _pretrain, "pretrain_galaxy.py"),
+    "pretrain": ("masked- and causal-LM pretraining on any plan (default galaxy: ATT TP, CON SP, MLP TP), with dp "
+                 "and pp", _pretrain, "pretrain_galaxy.py"),
     "finetune": ("LLaMA instruction fine-tuning on any plan, full or PEFT (default galaxy)", _finetune,
                  "finetune_llama.py"),
     "plan": ("profile a cluster, then search the plans for it and write the config", _module_main("plan"),

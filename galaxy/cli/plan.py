@@ -6,7 +6,9 @@
 ``--model`` is a preset name (each model family's ``presets``) or a config file, whose model and
 train sections (seq_length, global_batch_size, dtype) set the workload; ``--override KEY=VALUE``
 changes any key. The plan is written as a config the training CLIs take (``--config plan.json``),
-the top plans as a table (printed, and as JSON beside it).
+the top plans as a table (printed, and as JSON beside it). ``--validate K`` runs the top K through
+``pretrain_galaxy.py`` (masked- or causal-LM pretraining, as the model family trains) or, for
+``--objective latency``, ``infer_galaxy.py``, and prints the measured times beside the predicted.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import time
 from typing import Optional
 
 from galaxy.config import MODEL_PRESETS, ConfigError, GalaxyConfig, parse_override
-from galaxy.models import family, model_types
 from galaxy.planner.cluster import ClusterProfile, load_cluster
 from galaxy.planner.cost import Workload
 from galaxy.planner.search import DEVICE_MARGIN, SPLIT_MARGIN, Choice, search
@@ -72,6 +73,9 @@ def profile_parser() -> argparse.ArgumentParser:
                    help="each timing averages repeated runs over at least this long (CPU-quota periods; 0: one run)")
     p.add_argument("--memory_gb", type=float, default=None, help="memory budget per rank (default: measured)")
     p.add_argument("--ffn_unit", type=int, default=1, help="FFN shard sizes are measured in multiples of this")
+    p.add_argument("--calibration_layers", type=int, default=None, metavar="N",
+                   help="the whole serial training steps that calibrate the profile run a model of only N layers "
+                        "(for a model whose serial step does not fit one device; the pieces are per layer)")
     p.add_argument("--out", required=True, help="cluster profile to write (JSON)")
     return p
 
@@ -83,7 +87,8 @@ def _profile_rank(rank: int, launch, payload) -> None:
     ctx = rank_context(rank, launch, cfg, args.log_level)
     try:
         cluster = profile_rank(ctx, cfg.model, args.rows, cfg.train.seq_length, cfg.train.dtype, args.reps,
-                               args.memory_gb, args.ffn_unit, window_s=args.window_ms / 1e3)
+                               args.memory_gb, args.ffn_unit, window_s=args.window_ms / 1e3,
+                               calibration_layers=args.calibration_layers)
         if cluster is not None:
             cluster.save(args.out)
             print(f"wrote {args.out}: {cluster.world} ranks, {len(cluster.groups)} groups", flush=True)
@@ -101,6 +106,8 @@ def profile_main(argv: list[str]) -> int:
         args.rows = args.rows or [1, cfg.train.global_batch_size]
         if min(args.rows) < 1 or args.reps < 1 or args.window_ms < 0:
             raise ConfigError("--rows and --reps must be at least 1, --window_ms at least 0")
+        if args.calibration_layers is not None and args.calibration_layers < 1:
+            raise ConfigError(f"--calibration_layers must be at least 1, got {args.calibration_layers}")
         if args.ffn_unit < 1 or cfg.model.intermediate_size % args.ffn_unit:
             raise ConfigError(f"--ffn_unit {args.ffn_unit} must be a positive divisor of intermediate_size "
                               f"{cfg.model.intermediate_size}")
@@ -164,6 +171,8 @@ def plan_config(cfg: GalaxyConfig, choice: Choice, world: int) -> dict:
                 "mlp_parallel_method": mlp.value, "dp_size": choice.layout.dp, "pp_size": choice.layout.pp,
                 "num_microbatches": choice.layout.microbatches, "pipeline_schedule": choice.layout.schedule,
                 "mp_grad_reduce": cfg.parallel.mp_grad_reduce, "dp_engine": cfg.parallel.dp_engine}
+    if cfg.parallel.dp_engine == "deepspeed":
+        parallel["zero_stage"] = cfg.parallel.zero_stage
     for var, key in (("heads", "tp_num_attention_heads_list"), ("ffn", "tp_intermediate_size_list"),
                      ("seq", "seq_scatter_list")):
         if var in choice.uses:
@@ -225,12 +234,9 @@ def plan_main(argv: list[str]) -> int:
                 raise ConfigError(f"--emulate '{args.emulate}' has {emulated.world_size} ranks but the cluster file "
                                   f"'{args.cluster}' was profiled on {cluster.world}; pass the cluster it measured")
             cgroups.placement(emulated, cgroups.host_cpus())
-        if args.validate and args.objective == "train" and family(cfg.model.model_type).causal:
-            raise ConfigError(f"--validate trains masked-LM plans only ({', '.join(model_types(causal=False))}; the "
-                              f"causal LMs' training CLI needs instruction data); validate a {cfg.model.model_type} "
-                              "with --objective latency")
         work = Workload(cfg.model, args.objective, cfg.train.global_batch_size, cfg.train.seq_length,
-                        cfg.train.dtype, cfg.train.optimizer, cfg.parallel.mp_grad_reduce, cfg.parallel.dp_engine)
+                        cfg.train.dtype, cfg.train.optimizer, cfg.parallel.mp_grad_reduce, cfg.parallel.dp_engine,
+                        cfg.parallel.zero_stage)
         started = time.perf_counter()
         choices = search(cluster, work, args.ffn_unit, args.seq_unit, top=max(args.top, args.validate),
                          split_margin=args.split_margin, device_margin=args.device_margin)

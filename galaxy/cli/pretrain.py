@@ -1,5 +1,7 @@
-"""``pretrain_*.py``: masked-LM pretraining of BERT on any plan, with data and pipeline parallelism
-around it (world = dp_size x pp_size x mp, mp being the plan's group)."""
+"""``pretrain_*.py``, ``galaxy pretrain``: language-model pretraining on any plan, with data and pipeline
+parallelism around it (world = dp_size x pp_size x mp, mp being the plan's group). The model family
+decides the objective: masked-LM batches for a masked LM (BERT), packed causal-LM windows for a
+causal one (LLaMA, Qwen2; ``galaxy.data.causal``). The BERT-named scripts train masked LMs only."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from galaxy.cli.args import build_parser, load_config
 from galaxy.cli.launch import launch_ranks, plan_launch, rank_context, train_from_args
 from galaxy.cli.output import bad_input, print_summary, setup_logging
 from galaxy.config import ConfigError
-from galaxy.data.pretraining import classification_data, mlm_corpus, mlm_data, mlm_eval_data
+from galaxy.data.pretraining import causal_lm_data, classification_data, mlm_corpus, mlm_data, mlm_eval_data
 from galaxy.errors import UserError
 from galaxy.models import family, model_types
 from galaxy.peft import apply_tuning, build_base
@@ -35,6 +37,8 @@ def pretrain_rank(rank: int, launch, payload) -> None:
         if task == "classify":
             batch_at, eval_at, vocab_size = classification_data(cfg, ctx.from_rank0, args.save_dir)
             eval_at = eval_at if cfg.train.eval_every else None
+        elif family(cfg.model.model_type).causal:
+            batch_at, eval_at, vocab_size = causal_lm_data(cfg, ctx.from_rank0, args.save_dir)
         else:
             corpus = mlm_corpus(cfg, ctx.from_rank0, args.save_dir)
             batch_at, vocab_size = mlm_data(cfg, corpus)
@@ -66,17 +70,30 @@ def pretrain_rank(rank: int, launch, payload) -> None:
     ctx.shutdown()
 
 
+def check_task(cfg, masked_only: bool) -> None:
+    """The family's LM is what this CLI pretrains (``masked_only``: the BERT-named scripts), and a
+    ``task`` other than the LM is one the family has."""
+    known = family(cfg.model.model_type)
+    if masked_only and known.causal:
+        raise ConfigError(f"config key 'model_type' is '{cfg.model.model_type}' but this CLI pretrains masked LMs "
+                          f"({', '.join(model_types(causal=False))}); use pretrain_galaxy.py (galaxy pretrain), which "
+                          "pretrains causal LMs too, with dp_size / pp_size in the config")
+    if cfg.train.task == "classify" and "classify" not in known.tasks:
+        raise ConfigError(f"config key 'task' is 'classify' but a {cfg.model.model_type} model has no classification "
+                          "head here; use task 'mlm' (the family's language model: next-token prediction for causal "
+                          "LMs)")
+
+
 def main(argv: Optional[list[str]] = None, plan: str = "galaxy", strict: bool = False, description: str = "",
-         fill: Optional[str] = None) -> int:
+         fill: Optional[str] = None, masked_only: bool = False) -> int:
     """``plan``: used when the config names none; ``strict``: the config may not name another;
-    ``fill``: 'dp' or 'pp', the dimension that takes the ranks a plain config leaves over."""
+    ``fill``: 'dp' or 'pp', the dimension that takes the ranks a plain config leaves over;
+    ``masked_only``: refuse causal LMs (the BERT-named scripts)."""
     args = build_parser(description).parse_args(argv)
     setup_logging(args.log_level)
     try:
         cfg = load_config(args, DEFAULT_BERT)
-        if family(cfg.model.model_type).causal:
-            raise ConfigError(f"config key 'model_type' is '{cfg.model.model_type}' but this CLI pretrains masked LMs "
-                              f"({', '.join(model_types(causal=False))}); use finetune_llama.py for causal LMs")
+        check_task(cfg, masked_only)
         launch = plan_launch(args, cfg, plan, strict, fill)
     except (UserError, FileNotFoundError) as e:
         return bad_input(e)

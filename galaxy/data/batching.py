@@ -8,9 +8,12 @@ of its step, the same in every process, and resuming from a step is exact.
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # labels the loss skips (torch's and transformers' convention)
 SPLITS = ("train", "eval")
@@ -81,3 +84,38 @@ class EpochPermutation:
                 self._cache.pop(min(self._cache))
             self._cache[epoch] = perm
         return perm[offset]
+
+
+class RowStream:
+    """Which item of a split fills global row ``row`` of step ``step``: position ``step*B + row`` of
+    the split's stream, B the global batch size. A finite split (``num_items``) is visited epoch by
+    epoch, each in a permutation seeded by ``(*tag, epoch)``; an unbounded one (``num_items`` None,
+    a generated stream) is read in order. ``rows(step, shard)`` gives a data-parallel shard's
+    contiguous slice of the global batch's rows, so the shards concatenate to exactly the global
+    batch. ``who`` names the batcher in errors."""
+
+    def __init__(self, num_items: int | None, global_batch_size: int, *tag: Any, who: str = "batcher") -> None:
+        check_int(f"{who} global_batch_size", global_batch_size, 1)
+        if num_items is not None and num_items < 1:
+            raise ValueError(f"{who}: the split has no items to batch; add documents or lower the held-out share")
+        if num_items is not None and num_items < global_batch_size:
+            logger.warning("%s: %d items < global_batch_size=%d; items repeat within a batch", who, num_items,
+                           global_batch_size)
+        self.num_items = num_items
+        self.global_batch_size = global_batch_size
+        self._order = EpochPermutation(num_items, *tag) if num_items is not None else None
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        """Full batches per pass over the split (None for an unbounded one)."""
+        return None if self.num_items is None else max(1, self.num_items // self.global_batch_size)
+
+    def __call__(self, step: int, row: int) -> int:
+        position = step * self.global_batch_size + row
+        return position if self._order is None else self._order(position)
+
+    def rows(self, step: int, shard: tuple[int, int] | None) -> tuple[int, int, list[int]]:
+        """``(lo, hi, items)``: this shard's global rows ``[lo, hi)`` of ``step`` and their items."""
+        check_int("step", step, 0)
+        lo, hi = shard_bounds(self.global_batch_size, shard)
+        return lo, hi, [self(step, r) for r in range(lo, hi)]

@@ -154,6 +154,14 @@ def read_documents(path: str) -> list[str]:
 
 
 
+def held_out_count(num_documents: int, eval_fraction: float) -> int:
+    """How many of the last documents form the held-out split: ``eval_fraction`` of them, rounded, at
+    least one when ``eval_fraction > 0`` and at most all but one (none of a single document)."""
+    if num_documents < 2 or eval_fraction <= 0:
+        return 0
+    return min(max(1, int(round(num_documents * eval_fraction))), num_documents - 1)
+
+
 def pack_documents(
     docs: list[list[int]], seq_len: int, cls_id: int, sep_id: int, special_ids: frozenset[int]
 ) -> list[list[int]]:
@@ -278,9 +286,7 @@ class TextCorpus:
             encoded = [e.ids for e in tok.encode_batch(list(texts), add_special_tokens=False)]
             vocab = tok.get_vocab_size()
 
-        n_eval = int(round(len(encoded) * eval_fraction)) if len(encoded) >= 2 else 0
-        if eval_fraction > 0 and len(encoded) >= 2:
-            n_eval = min(max(1, n_eval), len(encoded) - 1)
+        n_eval = held_out_count(len(encoded), eval_fraction)
         special_f = frozenset(special) | {unk}
         train_docs, eval_docs = encoded[:len(encoded) - n_eval], encoded[len(encoded) - n_eval:]
         train = pack_documents(train_docs, seq_len, ids["cls"], ids["sep"], special_f)

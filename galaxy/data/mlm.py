@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
-from galaxy.data.batching import (IGNORE_INDEX, EpochPermutation, check_int, check_split, seeded_generator,
-                                  shard_bounds)
-
-logger = logging.getLogger(__name__)
+from galaxy.data.batching import IGNORE_INDEX, RowStream, check_int, check_split, seeded_generator
 
 
 class MLMBatcher:
@@ -53,45 +49,38 @@ class MLMBatcher:
         if self.num_sequences is not None and self.num_sequences < 1:
             raise ValueError(f"MLMBatcher: the corpus has no {split!r} sequences; for TextCorpus add "
                              f"documents or raise eval_fraction")
-        if self.num_sequences is not None and self.num_sequences < global_batch_size:
-            logger.warning("MLMBatcher: %d %s sequences < global_batch_size=%d; sequences repeat "
-                           "within a batch", self.num_sequences, split, global_batch_size)
         self._special = torch.tensor(sorted(corpus.special_ids), dtype=torch.long)
         pool = [i for i in range(corpus.vocab_size) if i not in corpus.special_ids]
         if not pool:
             raise ValueError("MLMBatcher: the corpus vocabulary has no non-special token to sample")
         self._random_pool = torch.tensor(pool, dtype=torch.long)
-        self._order = (EpochPermutation(self.num_sequences, seed, "mlm-order", split)
-                       if self.num_sequences is not None else None)
+        self._rows = RowStream(self.num_sequences, global_batch_size, seed, "mlm-order", split,
+                               who=f"MLMBatcher ({split} sequences)")
 
     @property
     def steps_per_epoch(self) -> int | None:
         """Full batches per pass over the split (None for an unbounded corpus)."""
-        if self.num_sequences is None:
-            return None
-        return max(1, self.num_sequences // self.global_batch_size)
+        return self._rows.steps_per_epoch
 
     def sequence_index(self, step: int, row: int) -> int:
         """Index (within the split) of the sequence in global row ``row`` of ``step``."""
-        position = step * self.global_batch_size + row
-        return position if self._order is None else self._order(position)
+        return self._rows(step, row)
 
     def batch_at(self, step: int, shard: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
         """``input_ids``, ``attention_mask`` (1 real / 0 pad) and ``labels`` (-100 where not
         predicted), LongTensors ``[rows, seq_len]``; rows = the whole global batch, or the
         contiguous slice of data-parallel shard ``(dp_rank, dp_size)``."""
-        check_int("step", step, 0)
-        lo, hi = shard_bounds(self.global_batch_size, shard)
+        lo, hi, items = self._rows.rows(step, shard)
         B, S = self.global_batch_size, self.seq_len
 
         ids = torch.full((hi - lo, S), self.corpus.pad_id, dtype=torch.long)
         attention = torch.zeros((hi - lo, S), dtype=torch.long)
-        for r in range(lo, hi):
-            seq = self.corpus.get_sequence(self.sequence_index(step, r), self.split)
+        for out, index in enumerate(items):
+            seq = self.corpus.get_sequence(index, self.split)
             if len(seq) > S:
                 raise ValueError(f"corpus returned a sequence of {len(seq)} tokens > seq_len={S}")
-            ids[r - lo, :len(seq)] = torch.tensor(seq, dtype=torch.long)
-            attention[r - lo, :len(seq)] = 1
+            ids[out, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+            attention[out, :len(seq)] = 1
 
         gen = seeded_generator(self.seed, "mlm-mask", self.split, step)
         select_draw = torch.rand(B, S, generator=gen)[lo:hi]

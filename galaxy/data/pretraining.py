@@ -1,4 +1,5 @@
-"""The masked-LM and classification batches a config asks for (BERT pretraining and its tasks).
+"""The pretraining batches a config asks for: masked-LM and classification (BERT and its tasks), packed
+causal-LM windows (LLaMA-family pretraining); the caller says which LM its model family trains.
 
 A WordPiece learned from ``data`` is trained once per run, on global rank 0, and handed to every
 rank (``galaxy.data.tokenizer.shared_wordpiece``); a ``tokenizer`` directory in the config is used
@@ -11,6 +12,7 @@ import os
 from typing import Callable, Optional, Sequence
 
 from galaxy.config import ConfigError, GalaxyConfig
+from galaxy.data.causal import CausalLMBatcher, SyntheticWindows, TokenWindows
 from galaxy.data.classification import ClassificationBatcher, load_labelled_data
 from galaxy.data.corpus import SyntheticCorpus, TextCorpus, read_documents
 from galaxy.data.mlm import MLMBatcher
@@ -64,6 +66,40 @@ def mlm_eval_data(cfg: GalaxyConfig, corpus):
     held_out = TextCorpus.from_file(cfg.data.eval_data, cfg.train.seq_length, tokenizer_dir=cfg.data.tokenizer,
                                     tokenizer=None if cfg.data.tokenizer else corpus.tokenizer, eval_fraction=0.0)
     return mlm_data(cfg, held_out, "train")[0]
+
+
+def causal_lm_windows(cfg: GalaxyConfig, share: Optional[Callable] = None, save_dir: Optional[str] = None):
+    """The configured causal-LM window source: the synthetic documents, or a local text file
+    (``data``; its last tenth of documents held out), tokenized as the masked-LM path does."""
+    t = cfg.train
+    if not cfg.data.data:
+        return SyntheticWindows(cfg.model.vocab_size, t.seq_length, seed=t.seed)
+    docs = read_documents(cfg.data.data)
+    return TokenWindows.from_texts(docs, t.seq_length, tokenizer_dir=cfg.data.tokenizer, source=cfg.data.data,
+                                   tokenizer=run_wordpiece(cfg, docs, share, save_dir))
+
+
+def causal_lm_data(cfg: GalaxyConfig, share: Optional[Callable] = None, save_dir: Optional[str] = None):
+    """(batch_at, eval_at, vocab_size) of packed causal-LM windows; ``eval_at`` (None without
+    ``eval_every``) reads ``eval_data`` packed with the training data's tokenizer, else the held-out split."""
+    t, d = cfg.train, cfg.data
+    windows = causal_lm_windows(cfg, share, save_dir)
+    batch_at = CausalLMBatcher(windows, t.global_batch_size, seed=t.seed).batch_at
+    if not t.eval_every:
+        return batch_at, None, windows.vocab_size
+    if d.eval_data:
+        if not d.data:
+            raise ConfigError("config key 'eval_data' needs 'data' (the training file whose tokenizer it shares); "
+                              "the synthetic corpus has its own held-out split")
+        held_out = TokenWindows.from_texts(read_documents(d.eval_data), t.seq_length, tokenizer_dir=d.tokenizer,
+                                           tokenizer=None if d.tokenizer else windows.tokenizer, eval_fraction=0.0,
+                                           source=d.eval_data)
+        return batch_at, CausalLMBatcher(held_out, t.global_batch_size, seed=t.seed).batch_at, windows.vocab_size
+    if windows.num_windows("eval") == 0:
+        raise ConfigError(f"config key 'eval_every' needs held-out text but '{d.data}' has too few documents to hold "
+                          "one out; add documents or give 'eval_data'")
+    return batch_at, CausalLMBatcher(windows, t.global_batch_size, seed=t.seed, split="eval").batch_at, \
+        windows.vocab_size
 
 
 def classification_data(cfg: GalaxyConfig, share: Optional[Callable] = None, save_dir: Optional[str] = None):

@@ -25,7 +25,6 @@ from galaxy.planner.workload import LAYOUTS, edge_params, layer_params, stream_l
 
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 GRAD_BUCKET_BYTES = 25 * 2**20  # GradientSync's bucket size
-MASTER_BYTES = 4 + 4  # fp32 master weight and gradient
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd": 4}
 
 
@@ -49,11 +48,35 @@ class Workload:
     dtype: str = "float32"
     optimizer: str = "adamw"
     mp_grad_reduce: str = "after_backward"  # config key of the same name
-    dp_engine: str = "ddp"  # ddp | zero1
+    dp_engine: str = "ddp"  # ddp | zero1 | deepspeed (pure dp: the search keeps mp = pp = 1)
+    zero_stage: int = 1  # deepspeed: 1 shards the optimizer state over dp, 2 the gradients too
 
     @property
     def elem(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+
+def bytes_per_parameter(work: Workload, dp: int, mp: int, microbatches: int) -> tuple[float, float]:
+    """What a rank holds per trainable parameter it has, in bytes: (a parameter of any rule, a PARTIAL one
+    under ``mp_grad_reduce: sharded``), parameters, gradients and optimizer state (activations apart).
+
+    Weights, gradients and optimizer state are in the master precision (float32, float64 for float64
+    runs); under bfloat16/float16 autocast keeps a compute-dtype copy of every weight from its first use
+    in the forward to the end of the backward (its cache; the backward reads it). ``zero1`` (and
+    DeepSpeed) keep 1/dp of the optimizer state, DeepSpeed's ZeRO-2 1/dp of the gradients too.
+    ``sharded`` PARTIAL weights: the model holds them once (in the compute dtype under autocast, no
+    master there), their gradients only while micro-batches accumulate (the last backward buckets and
+    drops them), and 1/mp of them as pieces with master, gradient and optimizer state (ZeRO-2 over mp)."""
+    master = 8 if work.dtype == "float64" else 4
+    low = work.dtype in ("bfloat16", "float16")
+    state = OPTIMIZER_STATE_BYTES[work.optimizer] * master / 4
+    split_state = dp if dp > 1 and work.dp_engine in ("zero1", "deepspeed") else 1
+    split_grad = dp if dp > 1 and work.dp_engine == "deepspeed" and work.zero_stage == 2 else 1
+    whole = master + master / split_grad + state / split_state + (work.elem if low else 0)
+    if mp == 1 or work.mp_grad_reduce != "sharded":
+        return whole, whole
+    weight = work.elem if low else master
+    return whole, weight + (weight if microbatches > 1 else 0) + (2 * master + state / split_state) / mp
 
 
 @dataclass
@@ -277,8 +300,12 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
     opt = {r: cluster.ranks[r].optimizer for r in range(world)}
     grad_bytes = 8 if work.dtype == "float64" else 4  # gradients are reduced in the master weights' precision
     zero1 = dp > 1 and work.dp_engine == "zero1"  # optimizer state and step split over dp
-    stepped = 1 / dp if zero1 else 1
-    state = MASTER_BYTES + OPTIMIZER_STATE_BYTES[work.optimizer] * stepped
+    sharded = mp > 1 and work.mp_grad_reduce == "sharded"
+    per_param, per_sharded = bytes_per_parameter(work, dp, mp, M)
+    stepped = {}  # parameters each rank's optimizer steps: sharded PARTIAL weights as 1/mp pieces, 1/dp under ZeRO
+    for p in range(pp):
+        own = params[p] - (partial[p] * (1 - 1 / mp) if sharded else 0)
+        stepped[p] = own / dp if dp > 1 and work.dp_engine in ("zero1", "deepspeed") else own
     stage_f, stage_b = np.zeros((pp, C)), np.zeros((pp, C))
     clocks = {}
     for (d, p), g in groups.items():
@@ -289,11 +316,17 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
         acts_layer = sum(e.act for e in layer if isinstance(e, Compute))
         acts_edge = sum((e.act for e in edge if isinstance(e, Compute)), np.zeros((C, mp)))
         in_flight = 1 if pp == 1 else (M if layout.schedule == "gpipe" else min(M, pp - p))
-        if layout.recompute == "full":
+        if layout.recompute == "full":  # each layer keeps its input; one layer's activations live in its backward
             held = stage_layers[p] * rows * g.tokens * m.hidden_size * work.elem + acts_layer
+        elif layout.recompute == "selective":  # the attention cores' activations are rebuilt, one at a time
+            core = sum((e.act for e in layer if isinstance(e, Compute) and e.name.startswith("att_core")),
+                       np.zeros((C, mp)))
+            held = stage_layers[p] * (acts_layer - core) + core
         else:
             held = stage_layers[p] * acts_layer
-        memory[:, g.ranks] = params[p] * state + in_flight * (held + acts_edge)
+        own_sharded = partial[p] if sharded else 0
+        memory[:, g.ranks] = (params[p] - own_sharded) * per_param + own_sharded * per_sharded \
+            + in_flight * (held + acts_edge)
 
         def fwd_bwd(clock):
             for _ in range(stage_layers[p]):
@@ -310,7 +343,7 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
             return f_end, clock
 
         if pp == 1:
-            clock = np.stack([opt[r](params[0][:, i] * stepped) + cluster.ranks[r].step_overhead_s
+            clock = np.stack([opt[r](stepped[0][:, i]) + cluster.ranks[r].step_overhead_s
                               for i, r in enumerate(g.ranks)], axis=1)
             for _ in range(M):
                 _, clock = fwd_bwd(clock)
@@ -334,7 +367,7 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
         opt_max = np.zeros(C)
         for (d, p), g in groups.items():
             for i, r in enumerate(g.ranks):
-                opt_max = np.maximum(opt_max, opt[r](params[p][:, i] * stepped) + cluster.ranks[r].step_overhead_s)
+                opt_max = np.maximum(opt_max, opt[r](stepped[p][:, i]) + cluster.ranks[r].step_overhead_s)
         clocks = {k: np.repeat((opt_max + pipe)[:, None], mp, axis=1) for k in groups}
         detail["bubble"] = 1 - per_stage.sum(axis=0) * M / pp / np.maximum(pipe, 1e-30)
 
@@ -373,7 +406,6 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
     def mp_keys(d, p):
         return [(d, p, i) for i in range(mp)]
 
-    sharded = mp > 1 and work.mp_grad_reduce == "sharded"
     partial_bytes = {p: partial[p][:, 0] * grad_bytes for p in range(pp)}  # the same on every rank of a group
     buckets = {p: np.maximum(np.ceil(partial_bytes[p] / GRAD_BUCKET_BYTES), 1) for p in range(pp)}
     if dp > 1:

@@ -263,9 +263,13 @@ def measure_group(comm: Communicator, device: torch.device, sizes: dict[str, lis
 
 def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq: int, dtype: str, reps: int = 3,
                  memory_gb: Optional[float] = None, ffn_unit: int = 1, most_bytes: Optional[int] = None,
-                 window_s: float = 0.0) -> Optional[ClusterProfile]:
+                 window_s: float = 0.0, calibration_layers: Optional[int] = None) -> Optional[ClusterProfile]:
     """Measure this rank and its groups; every rank of ``ctx.mp`` (the whole run: profile with
-    dp = pp = 1) must call it. Its rank 0 returns the ClusterProfile, the others None."""
+    dp = pp = 1) must call it. Its rank 0 returns the ClusterProfile, the others None.
+    ``calibration_layers``: the whole serial steps that calibrate the pieces (``measure_serial``,
+    ``calibrated``) run a model of at most that many layers, for a model whose serial training step
+    does not fit one device (LLaMA-7B's weights, gradients and AdamW state alone are 108 GB); the
+    pieces are per layer, so the calibrated overheads and scales hold for the whole model."""
     if ctx.mp.size != ctx.world_size:
         raise ValueError("profile with dp_size = pp_size = 1: the profiler measures every group itself")
     world, run_group, rank = ctx.mp.size, ctx.mp.group, ctx.mp.rank
@@ -280,13 +284,15 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
         return sorted(set().union(*everyone))
 
     rows = tuple(sorted(set(rows)))
-    before = measure_serial(m, max(rows), seq, dtype, ctx.device, reps, window_s)
+    calibration = m if calibration_layers is None else \
+        dataclasses.replace(m, num_hidden_layers=min(m.num_hidden_layers, calibration_layers))
+    before = measure_serial(calibration, max(rows), seq, dtype, ctx.device, reps, window_s)
     pieces = {n: measure_blocks(m, n, seq, ctx.device, dtype, reps, barrier, ffn_unit, window_s, agree)
               for n in rows}
     optimizer = measure_optimizer(ctx.device, min(model_params(m), 2**24), reps, barrier, window_s)
     barrier()
     # timed again after the pieces: a burst of load during one timing is then one of two, not all
-    after = measure_serial(m, max(rows), seq, dtype, ctx.device, reps, window_s)
+    after = measure_serial(calibration, max(rows), seq, dtype, ctx.device, reps, window_s)
     serial = (before[0] + after[0], before[1] + after[1])
     host = socket.gethostname()
     hosts = [host]
@@ -302,7 +308,8 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
                 comm = Communicator("probe", members.index(rank), len(members), group)
                 groups[members] = measure_group(comm, ctx.device, sizes, max(reps, COLLECTIVE_REPS))
             barrier()
-    mine = calibrated(RankProfile(rank, host, memory, pieces, optimizer), m, max(rows), seq, dtype, *serial)
+    mine = calibrated(RankProfile(rank, host, memory, pieces, optimizer), calibration, max(rows), seq, dtype,
+                      *serial)
     everyone = [(mine, groups)]
     if world > 1:
         everyone = [None] * world

@@ -277,26 +277,32 @@ class SplitSearch:
                       bool(pred.fits[0]), exact, self.uses, time if exact else None)
 
 
+RECOMPUTE = ("none", "selective", "full")
+
+
 def layouts(cluster: ClusterProfile, work: Workload) -> list[list[Layout]]:
     """Per dp x pp x mp of the world, its layouts in two tiers: first those worth running for speed
     (one micro-batch without a pipeline, pp or more with one; no recomputation), then the ones that
-    only save memory (more micro-batches, full recomputation), tried when nothing in the first fits.
-    Latency: one layout."""
+    only save memory (more micro-batches, down to one row each; selective or full recomputation),
+    tried when nothing in the first fits. Micro-batch counts: every divisor of the rows a dp rank
+    reads (at least pp of them with a pipeline). ``dp_engine: deepspeed`` runs pure data parallelism:
+    dp = the world only. Latency: one layout."""
     if work.objective == "latency":
         return [[Layout()], []]
     out = []
     N, L = cluster.world, work.model.num_hidden_layers
     for dp in range(1, N + 1):
-        if N % dp or work.global_batch % dp:
+        if N % dp or work.global_batch % dp or (work.dp_engine == "deepspeed" and dp != N):
             continue
         for pp in range(1, N // dp + 1):
             if (N // dp) % pp or pp > L:
                 continue
             rows = work.global_batch // dp
-            counts = sorted({m for m in (1, 2, 4, 8, pp, 2 * pp, 4 * pp) if rows % m == 0 and (pp == 1 or m >= pp)})
+            counts = [m for m in range(max(pp, 1), rows + 1) if rows % m == 0]
+            if not counts:
+                continue
             fast = [Layout(dp, pp, M) for M in (counts[:1] if pp == 1 else counts)]
-            frugal = [Layout(dp, pp, M, r) for M in counts for r in ("none", "full")
-                      if Layout(dp, pp, M, r) not in fast]
+            frugal = [Layout(dp, pp, M, r) for M in counts for r in RECOMPUTE if Layout(dp, pp, M, r) not in fast]
             out += [fast, frugal]
     return out
 
