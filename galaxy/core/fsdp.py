@@ -143,14 +143,15 @@ def shard_model(model: nn.Module, ctx, *, over_dp: bool, replicated_over_mp: boo
     sharding = Sharding(over_dp=over_dp and ctx.dp.size > 1)
     layers = [layer for stack in layer_stacks(model) for layer in stack]
     compute = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
-    groups = {}  # process group name -> axes (a mesh resolves its group by name, maybe as another Python object)
-
+    axes_of: dict[str, tuple[str, ...]] = {}  # parameter name -> the groups of the unit that shards it
     def wrap(module: nn.Module, comm: Communicator, axes: tuple[str, ...], policy) -> None:
-        mesh = device_mesh(comm, ctx.device)
-        groups[comm.group.group_name] = axes
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(module, mesh=device_mesh(comm, ctx.device), reshard_after_forward=reshard_after_forward,
+                    mp_policy=policy)
         _sum_reductions(module)
         sharding.modules.append(module)
+        for name, p in model.named_parameters():  # those this call made DTensors
+            if is_dtensor(p) and name not in axes_of:
+                axes_of[name] = axes
 
     if replicated_over_mp and ctx.mp.size > 1:
         if sharding.over_dp:
@@ -178,8 +179,8 @@ def shard_model(model: nn.Module, ctx, *, over_dp: bool, replicated_over_mp: boo
     for name, p in model.named_parameters():
         for key, value in meta[name].items():
             setattr(p, key, value)
-        if is_dtensor(p):
-            setattr(p, _AXES_ATTR, groups[p.device_mesh.get_group().group_name])
+        if name in axes_of:
+            setattr(p, _AXES_ATTR, axes_of[name])
     sharded = [p for p in model.parameters() if fsdp_axes(p)]
     logger.info("FSDP: %d modules, %d parameters sharded (%s)", len(sharding.modules), len(sharded),
                 ", ".join(sorted({"x".join(fsdp_axes(p)) for p in sharded})) or "none")
