@@ -13,8 +13,9 @@ from galaxy.core.context import ParallelContext
 from galaxy.core.fsdp import fsdp_axes, is_dtensor, local
 from galaxy.core.grad_sync import gather_full
 from galaxy.core.layers import GradRule, grad_rule
-from galaxy.train.loop import Trainer
+from galaxy.train.loop import Trainer, autocast_context
 from tests.core.test_dp_pp import RTOL, STEPS, build, rel_err
+from tests.train.test_checkpoint_sharded import build as build_overriding_train
 
 UNEVEN2 = dict(tp_num_attention_heads_list=[6, 2], tp_intermediate_size_list=[15, 25], seq_scatter_list=[7, 5])
 UNEVEN3 = dict(tp_num_attention_heads_list=[1, 3, 2], tp_intermediate_size_list=[10, 20, 10],
@@ -77,3 +78,91 @@ def test_fsdp_equals_serial(dist_pool, name):
     if mp_fsdp and mp > 1:
         expected.add("dpxmp" if dp else "mp")
     assert all(set(axes) == expected for axes in out), (out, expected)
+
+
+def replicated_bytes(ctx, case):
+    """Bytes this rank holds of the weights ``mp_grad_reduce: fsdp`` shards over mp (parameters and
+    gradients after a backward, AdamW moments after the step), under ``after_backward`` and ``fsdp``."""
+    held, names = {}, None
+    for mode in ("fsdp", "after_backward"):
+        cfg, _, model, _, batch_at = build(ctx, dict(case, mp_grad_reduce=mode))
+        par = Trainer(model, cfg, ctx)
+        if names is None:
+            names = {n for n, p in model.named_parameters() if "mp" in fsdp_axes(p)}
+        params = {n: p for n, p in model.named_parameters() if n in names}
+        loss = par.forward_backward(par.read_batch(batch_at, 0))
+        nbytes = lambda t: local(t).numel() * t.element_size()  # noqa: E731
+        total = sum(nbytes(p) + nbytes(p.grad) for p in params.values())
+        par.optimizer_step(loss, 1)
+        total += sum(nbytes(par.optimizer.state[p][k]) for p in params.values() for k in ("exp_avg", "exp_avg_sq"))
+        # The bound: each weight's largest dim-0 block (FSDP's chunks), in 4 copies.
+        bound = sum(-(-p.shape[0] // ctx.mp.size) * p[0].numel() * p.element_size() * 4 for p in params.values())
+        held[mode] = total, bound, sorted(names)
+        par.grad_sync.remove()
+    return held
+
+
+@pytest.mark.parametrize("world,case", [(2, dict(plan="galaxy2")),
+                                        (3, dict(model="llama", plan="galaxy2", **UNEVEN3))])
+def test_sharded_replicated_weights_hold_one_mp_th_per_rank(dist_pool, world, case):
+    if case.get("model") == "llama":
+        case = dict(case, tp_num_attention_heads_list=[2, 4, 2])  # LLaMA's 8 heads, GQA groups of 2
+    out = dist_pool.run(replicated_bytes, world, case)
+    whole = out[0]["after_backward"][0]
+    names = out[0]["fsdp"][2]
+    assert names and all(("mlp" in n or "intermediate" in n or "output.dense" in n) for n in names), names
+    assert all(r["after_backward"][0] == whole for r in out), "every rank holds them whole without fsdp"
+    assert sum(r["fsdp"][0] for r in out) == whole, "the shards partition them"
+    for r in out:
+        total, bound, _ = r["fsdp"]
+        assert total <= bound <= 1.1 * whole / world, (total, bound, whole)
+
+
+def bf16_run(ctx):
+    """bfloat16 autocast: FSDP gathers bf16 weights (MixedPrecisionPolicy), the sharded fp32 masters are
+    what the optimizer steps; the loss curve follows ddp's (fp32 weights under autocast) within bf16 noise."""
+    curves = {}
+    for engine in ("ddp", "fsdp2"):
+        case = dict(plan="galaxy2", dp_size=2, dtype="bfloat16", max_steps=3, grad_clip=1.0)
+        if engine == "fsdp2":
+            case.update(dp_engine="fsdp2", mp_grad_reduce="fsdp")
+        cfg, _, model, _, batch_at = build_overriding_train(ctx, dict(case, model="llama"))
+        trainer = Trainer(model, cfg, ctx)
+        seen = []
+        hook = model.model.layers[0].mlp.register_forward_pre_hook(  # after FSDP's gather
+            lambda m, args: seen.append((m.down_proj.weight.dtype, args[0].dtype)))
+        losses = []
+        for step in range(cfg.train.max_steps):
+            amp = lambda: autocast_context(cfg, ctx.device)  # noqa: E731
+            loss = trainer.forward_backward(trainer.read_batch(batch_at, step), amp)
+            assert trainer.optimizer_step(loss, step + 1).skipped is None
+            losses.append(loss.item())
+        hook.remove()
+        stepped = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+        assert all(p.dtype == torch.float32 for p in stepped)
+        if engine == "fsdp2":
+            assert all(fsdp_axes(p) for p in stepped) and set(seen) == {(torch.bfloat16, torch.bfloat16)}, seen
+        trainer.grad_sync.remove()
+        curves[engine] = losses
+    return curves
+
+
+def test_bf16_gathers_bf16_weights_over_fp32_masters(dist_pool):
+    for curves in dist_pool.run(bf16_run, 4, dp=2):
+        assert curves["fsdp2"][0] == pytest.approx(curves["ddp"][0], rel=5e-3), curves
+        assert curves["fsdp2"] == pytest.approx(curves["ddp"], rel=2e-2), curves
+
+
+@pytest.mark.parametrize("raw,match", [
+    (dict(dp_engine="fsdp2", zero_stage=2), "'zero_stage' .* DeepSpeed key"),
+    (dict(dp_engine="fsdp2", mp_grad_reduce="overlap"), "'mp_grad_reduce' .* inside FSDP"),
+    (dict(dp_engine="zero1", mp_grad_reduce="fsdp"), "'mp_grad_reduce' is 'fsdp', which dp_engine 'zero1'"),
+    (dict(dp_engine="fsdp2", tuning="lora"), "'dp_engine' .* tuning is 'lora'"),
+    (dict(mp_grad_reduce="fsdp", compile=True), "'compile'"),
+    (dict(reshard_after_forward="never"), "'reshard_after_forward' applies to FSDP only"),
+    (dict(dp_engine="fsdp2", reshard_after_forward="sometimes"), "default, always, never"),
+    (dict(dp_engine="fsdp3"), "ddp, zero1, deepspeed, fsdp2"),
+])
+def test_fsdp_config_is_validated(raw, match):
+    with pytest.raises(ConfigError, match=match):
+        GalaxyConfig.from_dict(raw)
