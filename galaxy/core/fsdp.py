@@ -107,6 +107,10 @@ class Sharding:
 
     modules: list[nn.Module] = field(default_factory=list)
     over_dp: bool = False  # every parameter is sharded over dp: the dp sums are FSDP's
+    # Per FSDP module: its group, and the bytes one micro-batch's forward and backward move on it
+    # (all-gathers of the whole weights, again in backward when resharded after forward, and the
+    # reduce-scatter of their gradients), counted on the group as Galaxy's own collectives are.
+    traffic: list[tuple[Communicator, int]] = field(default_factory=list)
 
     def reshard(self) -> None:
         """Free gathered weights a forward without backward left (evaluation, a replay), so the model's
@@ -114,8 +118,13 @@ class Sharding:
         for m in self.modules:
             m.reshard()
 
-    def numel(self) -> int:
-        return sum(local(p).numel() for m in self.modules for p in m.parameters(recurse=False))
+    def count_traffic(self, micro_batches: int) -> None:
+        """Add a training step's FSDP collectives to their groups' ``bytes_sent`` (FSDP runs them itself)."""
+        for comm, nbytes in self.traffic:
+            comm.bytes_sent += nbytes * micro_batches
+
+    def comms(self) -> list[Communicator]:
+        return list({id(c): c for c, _ in self.traffic}.values())
 
 
 def _galaxy_meta(param: torch.Tensor) -> dict:
@@ -149,9 +158,13 @@ def shard_model(model: nn.Module, ctx, *, over_dp: bool, replicated_over_mp: boo
                     mp_policy=policy)
         _sum_reductions(module)
         sharding.modules.append(module)
+        nbytes = 0
         for name, p in model.named_parameters():  # those this call made DTensors
             if is_dtensor(p) and name not in axes_of:
                 axes_of[name] = axes
+                gather = (policy.param_dtype or p.dtype).itemsize * (2 if reshard_after_forward else 1)
+                nbytes += p.numel() * (gather + (policy.reduce_dtype or p.dtype).itemsize)
+        sharding.traffic.append((comm, nbytes))
 
     if replicated_over_mp and ctx.mp.size > 1:
         if sharding.over_dp:

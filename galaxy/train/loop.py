@@ -265,6 +265,8 @@ class Trainer:
         result = self.runner.run(micro, weights, autocast=autocast, before_last_backward=self.grad_sync.arm,
                                  grad_scale=self.scaler.scale if self.scaler else None)
         self.grad_sync.finish()
+        if self.sharding is not None:
+            self.sharding.count_traffic(len(micro))
         sync_pipeline_ties(self.params, ctx.pp_ends)
         self.last_step = result
         return self.report_loss(result.loss)
@@ -363,7 +365,8 @@ class Trainer:
     def comm_bytes(self) -> int:
         """Payload bytes of every collective this rank has run (all groups, the gradient reductions' own)."""
         ctx = self.ctx
-        comms = {id(c): c for c in (ctx.mp, ctx.dp, ctx.pp, ctx.pp_ends, *self.grad_sync.comms())}
+        fsdp = self.sharding.comms() if self.sharding is not None else []
+        comms = {id(c): c for c in (ctx.mp, ctx.dp, ctx.pp, ctx.pp_ends, *self.grad_sync.comms(), *fsdp)}
         return sum(c.bytes_sent for c in comms.values())
 
     def gather_over_stages(self, value: float) -> list[float]:

@@ -65,7 +65,8 @@ def fsdp_equals_serial(ctx, case):
         err = rel_err(full(p.detach(), p, ctx), params_s[name].detach(), floor)
         assert err < RTOL, f"{name} after {STEPS} AdamW steps: relative error {err:.2e}"
     par.grad_sync.remove()
-    return sorted(axes)
+    traffic = sum(nbytes for _, nbytes in par.sharding.traffic)
+    return sorted(axes), traffic, sum(p.numel() for p in model.parameters())
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -77,7 +78,9 @@ def test_fsdp_equals_serial(dist_pool, name):
     expected = {"dp"} if dp else {""}  # fsdp2 shards every weight over dp at least
     if mp_fsdp and mp > 1:
         expected.add("dpxmp" if dp else "mp")
-    assert all(set(axes) == expected for axes in out), (out, expected)
+    assert all(set(axes) == expected for axes, _, _ in out), (out, expected)
+    if name == "dp2-mp1":  # every float64 weight: gathered in forward and again in backward, reduce-scattered
+        assert all(traffic == 3 * 8 * numel for _, traffic, numel in out), out
 
 
 def replicated_bytes(ctx, case):
