@@ -32,7 +32,11 @@ Mixed precision as torchtitan: with a bf16/fp16 run the layers' weights are gath
 (``MixedPrecisionPolicy(param_dtype)``), gradients reduced in ``reduce_dtype`` (fp32 unless
 ``grad_reduce_dtype`` says otherwise), the fp32 masters being the sharded parameters. Inputs are not
 cast (``cast_forward_inputs=False``) and the root keeps fp32 weights, so the residual stream stays
-fp32 under autocast, as Galaxy's other engines keep it.
+fp32 under autocast, as Galaxy's other engines keep it; for the same reason FSDP shards matrices
+only: vectors (norm scales, biases; a fraction of a percent of the weights) stay whole parameters
+(``ignored_params``), fp32 under bf16 as autocast expects of a norm's weight on the fp32 stream (a
+norm with a bf16 weight there is an error where CPU autocast leaves it alone), their gradients
+summed over mp and dp by the ``GradReducer`` after backward, in every dtype alike.
 """
 
 from __future__ import annotations
@@ -154,8 +158,10 @@ def shard_model(model: nn.Module, ctx, *, over_dp: bool, replicated_over_mp: boo
     compute = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     axes_of: dict[str, tuple[str, ...]] = {}  # parameter name -> the groups of the unit that shards it
     def wrap(module: nn.Module, comm: Communicator, axes: tuple[str, ...], policy) -> None:
+        # Vectors (norm scales, biases) stay whole parameters (see the module docstring).
+        ignored = {p for p in module.parameters() if p.dim() < 2 and not is_dtensor(p)}
         fully_shard(module, mesh=device_mesh(comm, ctx.device), reshard_after_forward=reshard_after_forward,
-                    mp_policy=policy)
+                    mp_policy=policy, **({"ignored_params": ignored} if ignored else {}))
         _sum_reductions(module)
         sharding.modules.append(module)
         nbytes = 0

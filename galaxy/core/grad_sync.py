@@ -158,8 +158,11 @@ class GradReducer:
         # Launch order (the same on every rank): by the bucket's last member, roughly when it fills.
         position = {id(p): i for i, p in enumerate(reversed(params))}
         order.sort(key=lambda entry: position[id(entry[1][-1])])
+        # FSDP reduce-scatters over dp during backward: the dp sums of the weights it left whole wait for the end.
+        fsdp_over_dp = any("dp" in fsdp_axes(p) for p in params)
         for (kind, _, decays, axes), members in order:
-            deferred = not hooks or (kind != "dp" and mode in ("after_backward", "fsdp")) or bool(axes)
+            deferred = not hooks or (kind != "dp" and mode in ("after_backward", "fsdp")) or bool(axes) or \
+                (kind == "dp" and fsdp_over_dp)
             bucket = _Bucket(members, kind, deferred, summed_over_dp="dp" in axes)
             if kind == "mp_shard":
                 bucket.shard = self._make_shard(members, decays)

@@ -199,11 +199,12 @@ class Trainer:
             self.sharding = shard_model(model, ctx, over_dp=par.dp_engine == "fsdp2",
                                         replicated_over_mp=par.mp_grad_reduce == "fsdp", reshard_after_forward=reshard,
                                         param_dtype=low, reduce_dtype=reduce_dtype(cfg) or (low and torch.float32))
-        # With FSDP over dp, FSDP sums every gradient over dp; the norm sums the shards' squares over it.
+        # With FSDP over dp, the norm sums the squares of the dp shards over dp.
         self.norm_dp = ctx.dp if self.sharding is not None and self.sharding.over_dp else None
         trainable = [p for p in model.parameters() if p.requires_grad]
-        self.grad_sync = GradReducer(trainable, ctx.mp, None if self.norm_dp else ctx.dp, par.mp_grad_reduce,
-                                     par.dp_bucket_mb, reduce_dtype(cfg), mp_grad=ctx.mp_grad, compute_dtype=low)
+        # FSDP-sharded weights are left out of the dp sums they had (``fsdp_axes``); vectors FSDP left whole are in.
+        self.grad_sync = GradReducer(trainable, ctx.mp, ctx.dp, par.mp_grad_reduce, par.dp_bucket_mb,
+                                     reduce_dtype(cfg), mp_grad=ctx.mp_grad, compute_dtype=low)
         # What the optimizer steps, clips and unscales: ``sharded`` weights are replaced by this rank's pieces.
         self.params = self.grad_sync.optimizer_params(trainable)
         self.scaler = LossScaler(t) if t.dtype == "float16" else None

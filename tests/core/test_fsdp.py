@@ -13,7 +13,7 @@ from galaxy.core.context import ParallelContext
 from galaxy.core.fsdp import fsdp_axes, is_dtensor, local
 from galaxy.core.grad_sync import gather_full
 from galaxy.core.layers import GradRule, grad_rule
-from galaxy.train.loop import Trainer, autocast_context
+from galaxy.train.loop import Trainer, autocast_context, train
 from tests.core.test_dp_pp import RTOL, STEPS, build, rel_err
 from tests.train.test_checkpoint_sharded import build as build_overriding_train
 
@@ -66,7 +66,7 @@ def fsdp_equals_serial(ctx, case):
         assert err < RTOL, f"{name} after {STEPS} AdamW steps: relative error {err:.2e}"
     par.grad_sync.remove()
     traffic = sum(nbytes for _, nbytes in par.sharding.traffic)
-    return sorted(axes), traffic, sum(p.numel() for p in model.parameters())
+    return sorted(axes), traffic, sum(p.numel() for p in model.parameters() if p.dim() >= 2)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -75,11 +75,11 @@ def test_fsdp_equals_serial(dist_pool, name):
     out = dist_pool.run(fsdp_equals_serial, world, case, dp=case.get("dp_size", 1), pp=case.get("pp_size", 1))
     dp, mp_fsdp = case.get("dp_engine") == "fsdp2", case.get("mp_grad_reduce") == "fsdp"
     mp = world // (case.get("dp_size", 1) * case.get("pp_size", 1))
-    expected = {"dp"} if dp else {""}  # fsdp2 shards every weight over dp at least
+    expected = {"", "dp"} if dp else {""}  # fsdp2 shards every matrix over dp at least (vectors stay whole)
     if mp_fsdp and mp > 1:
         expected.add("dpxmp" if dp else "mp")
     assert all(set(axes) == expected for axes, _, _ in out), (out, expected)
-    if name == "dp2-mp1":  # every float64 weight: gathered in forward and again in backward, reduce-scattered
+    if name == "dp2-mp1":  # every float64 matrix: gathered in forward and again in backward, reduce-scattered
         assert all(traffic == 3 * 8 * numel for _, traffic, numel in out), out
 
 
@@ -121,7 +121,7 @@ def test_sharded_replicated_weights_hold_one_mp_th_per_rank(dist_pool, world, ca
         assert total <= bound <= 1.1 * whole / world, (total, bound, whole)
 
 
-def bf16_run(ctx):
+def bf16_run(ctx, model_type):
     """bfloat16 autocast: FSDP gathers bf16 weights (MixedPrecisionPolicy), the sharded fp32 masters are
     what the optimizer steps; the loss curve follows ddp's (fp32 weights under autocast) within bf16 noise."""
     curves = {}
@@ -129,11 +129,13 @@ def bf16_run(ctx):
         case = dict(plan="galaxy2", dp_size=2, dtype="bfloat16", max_steps=3, grad_clip=1.0)
         if engine == "fsdp2":
             case.update(dp_engine="fsdp2", mp_grad_reduce="fsdp")
-        cfg, _, model, _, batch_at = build_overriding_train(ctx, dict(case, model="llama"))
+        cfg, _, model, _, batch_at = build_overriding_train(ctx, dict(case, model=model_type))
         trainer = Trainer(model, cfg, ctx)
         seen = []
-        hook = model.model.layers[0].mlp.register_forward_pre_hook(  # after FSDP's gather
-            lambda m, args: seen.append((m.down_proj.weight.dtype, args[0].dtype)))
+        mlp = model.model.layers[0].mlp if model_type == "llama" else model.bert.encoder.layer[0].output.dense
+        weight = (lambda m: m.down_proj.weight) if model_type == "llama" else (lambda m: m.weight)  # noqa: E731
+        hook = mlp.register_forward_pre_hook(  # after FSDP's gather
+            lambda m, args: seen.append((weight(m).dtype, args[0].dtype)))
         losses = []
         for step in range(cfg.train.max_steps):
             amp = lambda: autocast_context(cfg, ctx.device)  # noqa: E731
@@ -143,15 +145,17 @@ def bf16_run(ctx):
         hook.remove()
         stepped = [p for g in trainer.optimizer.param_groups for p in g["params"]]
         assert all(p.dtype == torch.float32 for p in stepped)
-        if engine == "fsdp2":
-            assert all(fsdp_axes(p) for p in stepped) and set(seen) == {(torch.bfloat16, torch.bfloat16)}, seen
+        if engine == "fsdp2":  # every matrix sharded; vectors whole fp32 (summed by the GradReducer)
+            assert all(bool(fsdp_axes(p)) == (p.dim() >= 2) for p in stepped)
+            assert set(seen) == {(torch.bfloat16, torch.bfloat16)}, seen
         trainer.grad_sync.remove()
         curves[engine] = losses
     return curves
 
 
-def test_bf16_gathers_bf16_weights_over_fp32_masters(dist_pool):
-    for curves in dist_pool.run(bf16_run, 4, dp=2):
+@pytest.mark.parametrize("model_type", ["llama", "bert"])
+def test_bf16_gathers_bf16_weights_over_fp32_masters(dist_pool, model_type):
+    for curves in dist_pool.run(bf16_run, 4, model_type, dp=2):
         assert curves["fsdp2"][0] == pytest.approx(curves["ddp"][0], rel=5e-3), curves
         assert curves["fsdp2"] == pytest.approx(curves["ddp"], rel=2e-2), curves
 
@@ -169,3 +173,24 @@ def test_bf16_gathers_bf16_weights_over_fp32_masters(dist_pool):
 def test_fsdp_config_is_validated(raw, match):
     with pytest.raises(ConfigError, match=match):
         GalaxyConfig.from_dict(raw)
+
+
+def fp16_run(ctx):
+    """float16 with dynamic loss scaling from a scale that overflows: FSDP's DTensor gradients are
+    unscaled, checked and skipped alike on every rank; the curve follows ddp's within fp16 noise."""
+    out = {}
+    for engine in ("ddp", "fsdp2"):
+        case = dict(plan="galaxy2", dp_size=2, dtype="float16", initial_loss_scale=2.0 ** 18, max_steps=6)
+        if engine == "fsdp2":
+            case.update(dp_engine="fsdp2", mp_grad_reduce="fsdp")
+        cfg, _, model, _, batch_at = build_overriding_train(ctx, case)
+        result = train(model, batch_at, cfg, ctx, progress=False)
+        out[engine] = result.losses, result.skipped_steps
+    return out
+
+
+def test_fp16_loss_scaling(dist_pool):
+    for out in dist_pool.run(fp16_run, 4, dp=2):
+        (ref, ref_skipped), (got, skipped) = out["ddp"], out["fsdp2"]
+        assert skipped == ref_skipped >= 1 and skipped < len(got), out
+        assert got == pytest.approx(ref, rel=1e-2), out
