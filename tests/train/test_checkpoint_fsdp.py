@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-from galaxy.core.context import ParallelContext  # noqa: F401  (the pool's tasks build contexts)
 from galaxy.core.fsdp import fsdp_axes, is_dtensor
 from galaxy.train.checkpoint import load_checkpoint
 from galaxy.train.loop import Trainer
