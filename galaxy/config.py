@@ -99,13 +99,20 @@ class ParallelConfig:
     stage_num_hidden_layers_list: Optional[list[int]] = None  # layers per pipeline stage; None = balanced
     num_microbatches: int = 1  # micro-batches per dp shard of the global batch
     pipeline_schedule: str = "1f1b"  # gpipe | 1f1b
-    dp_engine: str = "ddp"  # ddp (bucketed all-reduce overlapping backward) | zero1 | deepspeed
+    # ddp (bucketed all-reduce overlapping backward) | zero1 | deepspeed | fsdp2 (torch's fully_shard over the dp
+    # ranks: parameters, gradients and optimizer state sharded over dp, gradients reduce-scattered per layer)
+    dp_engine: str = "ddp"
     zero_stage: int = 1  # DeepSpeed ZeRO stage (1 or 2) when dp_engine is deepspeed
     dp_bucket_mb: float = 25.0  # size of one gradient bucket (the dp sum and the mp PARTIAL reductions)
     # PARTIAL gradients (replicated weights used on sequence shards) summed over mp: after_backward |
     # overlap (bucketed, during backward) | sharded (reduce-scattered during backward; their optimizer
-    # state and fp32 masters sharded over mp, the updated weights all-gathered: ZeRO-2 over mp)
+    # state and fp32 masters sharded over mp, the updated weights all-gathered: ZeRO-2 over mp) | fsdp (the
+    # replicated weights of SP blocks sharded over mp by torch's fully_shard, with their gradients and
+    # optimizer state: all-gathered before use, gradients reduce-scattered (summed); over dp x mp with fsdp2)
     mp_grad_reduce: str = "after_backward"
+    # FSDP (dp_engine fsdp2, mp_grad_reduce fsdp), as torchtitan's: default (always, or never with pp > 1) |
+    # always (free the gathered weights after forward, gather again in backward) | never (keep them to backward)
+    reshard_after_forward: str = "default"
 
 
 @dataclass
@@ -366,8 +373,9 @@ class Plan:
 
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
-DP_ENGINES = ("ddp", "zero1", "deepspeed")
-MP_GRAD_REDUCE = ("after_backward", "overlap", "sharded")
+DP_ENGINES = ("ddp", "zero1", "deepspeed", "fsdp2")
+MP_GRAD_REDUCE = ("after_backward", "overlap", "sharded", "fsdp")
+RESHARD_AFTER_FORWARD = ("default", "always", "never")
 OPTIMIZERS = ("adamw", "sgd")
 RECOMPUTE_MODES = ("none", "full", "selective")
 TP_OVERLAPS = ("none", "coc", "async_tp")
@@ -609,6 +617,7 @@ class GalaxyConfig:
                               f"{', '.join(MP_GRAD_REDUCE)}")
         if p.zero_stage not in (1, 2):
             raise ConfigError(f"config key 'zero_stage' must be 1 or 2, got {p.zero_stage}")
+        self._validate_fsdp()
         if p.dp_bucket_mb <= 0:
             raise ConfigError(f"config key 'dp_bucket_mb' must be positive, got {p.dp_bucket_mb}")
         self.stage_layers()
@@ -631,6 +640,36 @@ class GalaxyConfig:
             raise ConfigError(f"config key 'num_microbatches' ({p.num_microbatches}) does not divide the "
                               f"{shard} rows of each data-parallel shard (global_batch_size "
                               f"{t.global_batch_size} / dp_size {p.dp_size}); use a divisor of {shard}")
+
+    def _validate_fsdp(self) -> None:
+        """What torch's fully_shard (``dp_engine: fsdp2``, ``mp_grad_reduce: fsdp``) cannot be combined with."""
+        p, m = self.parallel, self.model
+        fsdp2, mp_fsdp = p.dp_engine == "fsdp2", p.mp_grad_reduce == "fsdp"
+        if p.reshard_after_forward not in RESHARD_AFTER_FORWARD:
+            raise ConfigError(f"config key 'reshard_after_forward': '{p.reshard_after_forward}' is not one of "
+                              f"{', '.join(RESHARD_AFTER_FORWARD)}")
+        if p.reshard_after_forward != "default" and not (fsdp2 or mp_fsdp):
+            raise ConfigError("config key 'reshard_after_forward' applies to FSDP only; set dp_engine fsdp2 or "
+                              "mp_grad_reduce fsdp, or drop it")
+        if not (fsdp2 or mp_fsdp):
+            return
+        key = "dp_engine" if fsdp2 else "mp_grad_reduce"
+        if fsdp2 and p.zero_stage != 1:
+            raise ConfigError(f"config key 'zero_stage' ({p.zero_stage}) is a DeepSpeed key but dp_engine is "
+                              "'fsdp2', which shards everything over dp already; drop zero_stage")
+        if fsdp2 and p.mp_grad_reduce in ("overlap", "sharded"):
+            raise ConfigError(f"config key 'mp_grad_reduce' is '{p.mp_grad_reduce}' but dp_engine 'fsdp2' reduces "
+                              "gradients inside FSDP; use mp_grad_reduce after_backward or fsdp")
+        if mp_fsdp and p.dp_engine in ("zero1", "deepspeed"):
+            raise ConfigError(f"config key 'mp_grad_reduce' is 'fsdp', which dp_engine '{p.dp_engine}' cannot "
+                              "step (its weights are DTensor shards); use dp_engine ddp or fsdp2")
+        if self.peft.tuning != "full":
+            raise ConfigError(f"config key '{key}' is '{getattr(p, key)}', which shards trainable weights of full "
+                              f"tuning only, but tuning is '{self.peft.tuning}'; use tuning full, or dp_engine "
+                              "ddp and mp_grad_reduce after_backward")
+        if mp_fsdp and m.compile:
+            raise ConfigError("config key 'mp_grad_reduce' is 'fsdp', whose gathers run inside each layer, which "
+                              "'compile' would trace; set compile to false or use mp_grad_reduce sharded")
 
     def stage_layers(self) -> tuple[int, ...]:
         """Hidden layers held by each pipeline stage: ``stage_num_hidden_layers_list`` checked

@@ -87,6 +87,9 @@ class ParallelContext:
     # The mp ranks' second process group: gradient reductions that overlap backward run on it, since
     # their order relative to backward's transitions (on ``mp``) differs between ranks.
     mp_grad: Optional[Communicator] = None
+    # The dp x mp ranks of this pipeline stage (an own process group; None unless dp and mp both exceed 1):
+    # FSDP shards the replicated weights of SP blocks over it (``mp_grad_reduce: fsdp`` with ``dp_engine: fsdp2``).
+    dp_mp: Optional[Communicator] = None
     # Hidden layers per pipeline stage (``stage_num_hidden_layers_list``); None: balanced.
     stage_layers: Optional[tuple[int, ...]] = None
     _generators: dict = field(default_factory=dict, repr=False)
@@ -240,7 +243,11 @@ def build_groups(rank: int, world_size: int, dp_size: int, pp_size: int) -> dict
     else:
         ends = family("pp_ends", [[at(d, 0, m), at(d, pp_size - 1, m)] for d in range(dp_size)
                                   for m in range(mp_size)])
-    return {"mp": mp, "pp": pp, "dp": dp, "pp_ends": ends, "mp_grad": mp_grad}
+    dp_mp = None
+    if dp_size > 1 and mp_size > 1:  # dp-major, so rank d * mp_size + m of it is (d, m): FSDP's flattened order
+        dp_mp = family("dp_mp", [[at(d, p, m) for d in range(dp_size) for m in range(mp_size)]
+                                 for p in range(pp_size)], own=True)
+    return {"mp": mp, "pp": pp, "dp": dp, "pp_ends": ends, "mp_grad": mp_grad, "dp_mp": dp_mp}
 
 
 def param_seed(seed: int, name: str) -> int:

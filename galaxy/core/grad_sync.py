@@ -42,6 +42,14 @@ buckets reduced *during* backward travel on a second process group over the same
 With dp, a PARTIAL bucket's mp result (the whole sum, or this rank's piece) is then all-reduced
 over dp in ``finish()``; the other buckets are all-reduced over dp during backward.
 
+FSDP-sharded parameters (``galaxy.core.fsdp``; DTensors whose ``fsdp_axes`` name the groups their
+shards lie over) come out of backward with their gradient already summed over those groups, and
+only their local shards take part here, in buckets launched by ``finish()`` (FSDP sets the gradient
+itself, so no accumulate hook is relied on): a PARTIAL weight sharded over dp only is summed over mp
+(``mp_grad_reduce: after_backward`` with ``dp_engine: fsdp2``); one sharded over mp only is summed
+over dp (``mp_grad_reduce: fsdp`` with ``dp_engine: ddp``). ``mode`` ``fsdp`` reduces the PARTIAL
+weights FSDP left whole (norm scales, a row-parallel bias) as ``after_backward`` does.
+
 A parameter whose gradient is None took no part in this rank's forward. In a PARTIAL bucket it
 contributes zeros (its mp peers may have used it). Elsewhere the structure is the same on every
 dp rank, so it is None on all of them and keeps None (the optimizer skips it, as in serial).
@@ -61,6 +69,7 @@ import torch.nn as nn
 
 from galaxy.config import MP_GRAD_REDUCE, ConfigError
 from galaxy.core.comm import Communicator, all_gather_single, reduce_scatter_single
+from galaxy.core.fsdp import fsdp_axes, local
 from galaxy.core.layers import GradRule, grad_rule, set_param_meta, shard_spec
 
 logger = logging.getLogger(__name__)
@@ -83,6 +92,7 @@ class _Bucket:
     params: list[nn.Parameter]
     kind: str  # "dp": all-reduce over dp | "mp_sum": all-reduce over mp | "mp_shard": reduce-scatter over mp
     deferred: bool  # launched by finish(), not by the backward hooks
+    summed_over_dp: bool = False  # FSDP-sharded over dp: FSDP did the dp sum
     shard: Optional[nn.Parameter] = None  # mp_shard: this rank's piece of the flat weights
     expected: int = 0  # parameters whose gradient backward produces (learned after the first step)
     numel: int = field(init=False)
@@ -112,8 +122,8 @@ class GradReducer:
         self.mp, self.mode, self.reduce_dtype = mp, mode, reduce_dtype
         self.dp = dp if dp is not None and dp.size > 1 else None
         params = [p for p in params if p.requires_grad]
-        partial = mp.size > 1 and any(grad_rule(p) == GradRule.PARTIAL for p in params)
-        in_backward = hooks and mode != "after_backward"
+        partial = mp.size > 1 and any(grad_rule(p) == GradRule.PARTIAL and "mp" not in fsdp_axes(p) for p in params)
+        in_backward = hooks and mode not in ("after_backward", "fsdp")
         # PARTIAL buckets reduced during backward need a group that backward's transitions do not use.
         self.mp_grad = mp
         if partial and in_backward:
@@ -124,9 +134,10 @@ class GradReducer:
             self.mp_grad = mp_grad
 
         def kind_of(p: nn.Parameter) -> Optional[str]:
-            if mp.size > 1 and grad_rule(p) == GradRule.PARTIAL:
-                return "mp_shard" if mode == "sharded" and pipeline_tie(p) is None else "mp_sum"
-            return "dp" if self.dp is not None else None
+            axes = fsdp_axes(p)
+            if mp.size > 1 and grad_rule(p) == GradRule.PARTIAL and "mp" not in axes:
+                return "mp_shard" if mode == "sharded" and pipeline_tie(p) is None and not axes else "mp_sum"
+            return "dp" if self.dp is not None and "dp" not in axes else None
 
         self.buckets: list[_Bucket] = []
         open_bucket: dict[tuple, tuple[list[nn.Parameter], list[int]]] = {}  # one filling bucket per key
@@ -136,7 +147,7 @@ class GradReducer:
             kind = kind_of(p)
             if kind is None:
                 continue
-            key = (kind, p.dtype, takes_weight_decay(p) if kind == "mp_shard" else None)
+            key = (kind, p.dtype, takes_weight_decay(p) if kind == "mp_shard" else None, fsdp_axes(p))
             members, size = open_bucket.get(key, (None, [0]))
             if members is None or size[0] + _nbytes(p) > limit:
                 members, size = [], [0]
@@ -147,9 +158,12 @@ class GradReducer:
         # Launch order (the same on every rank): by the bucket's last member, roughly when it fills.
         position = {id(p): i for i, p in enumerate(reversed(params))}
         order.sort(key=lambda entry: position[id(entry[1][-1])])
-        for (kind, _, decays), members in order:
-            deferred = not hooks or (kind != "dp" and mode == "after_backward")
-            bucket = _Bucket(members, kind, deferred)
+        # FSDP reduce-scatters over dp during backward: the dp sums of the weights it left whole wait for the end.
+        fsdp_over_dp = any("dp" in fsdp_axes(p) for p in params)
+        for (kind, _, decays, axes), members in order:
+            deferred = not hooks or (kind != "dp" and mode in ("after_backward", "fsdp")) or bool(axes) or \
+                (kind == "dp" and fsdp_over_dp)
+            bucket = _Bucket(members, kind, deferred, summed_over_dp="dp" in axes)
             if kind == "mp_shard":
                 bucket.shard = self._make_shard(members, decays)
                 if compute_dtype is not None:
@@ -269,7 +283,7 @@ class GradReducer:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        flat = torch.cat([local(p.grad).reshape(-1) for p in params])
         dtype = self.reduce_dtype or (bucket.shard.dtype if bucket.shard is not None else None)
         if dtype is not None:
             flat = flat.to(dtype)
@@ -308,7 +322,7 @@ class GradReducer:
         follow_up = []  # PARTIAL results still to be summed over dp
         for bucket, params, flat, work in self._pending:
             work.wait()
-            if bucket.kind != "dp" and self.dp is not None:
+            if bucket.kind != "dp" and self.dp is not None and not bucket.summed_over_dp:
                 self.dp.bytes_sent += _nbytes(flat)
                 work = dist.all_reduce(flat, group=self.dp.group, async_op=True)
             follow_up.append((bucket, params, flat, work))
@@ -317,8 +331,9 @@ class GradReducer:
             if bucket.kind == "mp_shard":
                 bucket.shard.grad = flat.to(bucket.shard.dtype)
                 continue
-            for p, g in zip(params, flat.split([p.numel() for p in params])):
-                p.grad.copy_(g.view_as(p))
+            grads = [local(p.grad) for p in params]
+            for grad, g in zip(grads, flat.split([grad.numel() for grad in grads])):
+                grad.copy_(g.view_as(grad))
         self._pending = []
         self._armed = False
 
@@ -371,17 +386,22 @@ def sync_pipeline_ties(params: Iterable[nn.Parameter], comm: Communicator) -> No
     for _, _, p in tied:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        p.grad.copy_(comm.all_reduce(p.grad, "bwd"))
+        grad = local(p.grad)  # FSDP over dp shards both copies alike
+        grad.copy_(comm.all_reduce(grad, "bwd"))
 
 
 def global_grad_norm(params: list[nn.Parameter], comm: Communicator,
-                     pp: Optional[Communicator] = None) -> torch.Tensor:
+                     pp: Optional[Communicator] = None, dp: Optional[Communicator] = None) -> torch.Tensor:
     """L2 norm of the whole model's gradient: each TP shard counted once (summed over the group),
     each replicated gradient counted once (it is identical on every rank after sync). With ``pp``,
-    each stage's square sum is added over the pipeline, a tied weight's last-stage copy left out."""
+    each stage's square sum is added over the pipeline, a tied weight's last-stage copy left out.
+    FSDP shards (``fsdp_axes``) count their local part, summed over the groups the shards lie over:
+    mp for those over mp, and ``dp`` (pass it when the model is FSDP-sharded over dp) for those over dp."""
     counted = [p for p in params if p.grad is not None and not is_pipeline_copy(p)]
-    sharded = [p.grad for p in counted if grad_rule(p) == GradRule.SHARDED]
-    whole = [p.grad for p in counted if grad_rule(p) != GradRule.SHARDED]
+    over: dict[tuple[bool, bool], list[torch.Tensor]] = {(m, d): [] for m in (False, True) for d in (False, True)}
+    for p in counted:  # (summed over mp, summed over dp)
+        axes = fsdp_axes(p)
+        over[(grad_rule(p) == GradRule.SHARDED or "mp" in axes, "dp" in axes)].append(local(p.grad))
     device = params[0].device if params else torch.device("cpu")
 
     def squared(grads):  # one fused norm kernel per dtype group, accumulated in float64
@@ -389,21 +409,39 @@ def global_grad_norm(params: list[nn.Parameter], comm: Communicator,
             return torch.zeros((), dtype=torch.float64, device=device)
         return torch.nn.utils.get_total_norm(grads, 2.0).double() ** 2
 
-    sharded_sq = squared(sharded)
-    if comm.size > 1:
-        sharded_sq = comm.all_reduce(sharded_sq)
-    total_sq = sharded_sq + squared(whole)
+    dp = dp if dp is not None and dp.size > 1 else None
+    mp_sq, mp_dp_sq = squared(over[(True, False)]), squared(over[(True, True)])
+    if comm.size > 1 and dp is not None:
+        mp_sq, mp_dp_sq = comm.all_reduce(torch.stack([mp_sq, mp_dp_sq])).unbind()
+    elif comm.size > 1:
+        mp_sq = comm.all_reduce(mp_sq)
+    total_sq = mp_sq + squared(over[(False, False)])
+    if dp is not None:
+        total_sq = total_sq + dp.all_reduce(squared(over[(False, True)]) + mp_dp_sq)
     if pp is not None and pp.size > 1:
         total_sq = pp.all_reduce(total_sq)
     return total_sq.sqrt()
 
 
+@torch.no_grad()
+def clip_grads_with_norm_(params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """``torch.nn.utils.clip_grads_with_norm_`` (the same coefficient, one fused multiply per device and
+    dtype) on the local part of each gradient, so FSDP's DTensor gradients are scaled alike."""
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            grad = local(p.grad)
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, _), grads in groups.items():
+        torch._foreach_mul_(grads, coef.to(device))
+
+
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float, comm: Communicator,
-                   pp: Optional[Communicator] = None) -> torch.Tensor:
+                   pp: Optional[Communicator] = None, dp: Optional[Communicator] = None) -> torch.Tensor:
     """Scale all gradients so the global norm is at most ``max_norm``; returns the norm before clipping."""
-    norm = global_grad_norm(params, comm, pp)
-    # torch's helper scales the gradients with one fused kernel per dtype group.
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.float())
+    norm = global_grad_norm(params, comm, pp, dp)
+    clip_grads_with_norm_(params, max_norm, norm.float())
     return norm
 
 

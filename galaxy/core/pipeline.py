@@ -131,9 +131,20 @@ class StageLayers(nn.ModuleList):
         raise TypeError("the layers of a pipeline stage cannot be removed")
 
 
+_LAYER_STACK_ATTR = "_galaxy_layer_stack"
+
+
 def layer_stack(layers: Iterable[nn.Module], first: int) -> nn.ModuleList:
-    """A plain ``nn.ModuleList`` for a stack starting at layer 0 (the whole model, or stage 0)."""
-    return nn.ModuleList(layers) if first == 0 else StageLayers(layers, first)
+    """A plain ``nn.ModuleList`` for a stack starting at layer 0 (the whole model, or stage 0),
+    marked as a model's transformer layers (``layer_stacks``)."""
+    stack = nn.ModuleList(layers) if first == 0 else StageLayers(layers, first)
+    setattr(stack, _LAYER_STACK_ATTR, True)
+    return stack
+
+
+def layer_stacks(model: nn.Module) -> list[nn.ModuleList]:
+    """The transformer layer stacks of ``model`` (made by ``layer_stack``), in module order."""
+    return [m for m in model.modules() if getattr(m, _LAYER_STACK_ATTR, False)]
 
 
 def gather_stage_states(state: dict, ctx) -> dict:

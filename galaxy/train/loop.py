@@ -8,6 +8,8 @@ state in pieces over mp), the tied-embedding sum between first and last stage; c
 norm (every parameter once across mp, pp and dp) and step the optimizer (AdamW, or ZeRO-1 over the
 dp group). Each micro-batch loss is weighted by its share of the global batch's loss
 targets, so the gradients and the reported loss are those of the serial model on the global batch.
+``dp_engine: fsdp2`` and ``mp_grad_reduce: fsdp`` shard the model with torch's ``fully_shard`` first
+(``galaxy.core.fsdp``); the optimizer then steps the sharded (DTensor) parameters.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ import torch.nn as nn
 
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.context import ParallelContext
-from galaxy.core.grad_sync import GradReducer, check_replicated, global_grad_norm, sync_pipeline_ties, \
-    takes_weight_decay
+from galaxy.core.grad_sync import GradReducer, check_replicated, clip_grads_with_norm_, global_grad_norm, \
+    sync_pipeline_ties, takes_weight_decay
 from galaxy.core.pipeline import PipelineRunner, PipelineStepResult, StageSpec, analytic_bubble
 from galaxy.train.evaluate import evaluate
 from galaxy.train.metrics import PeakFlops, TensorBoardWriter, peak_flops_per_device, step_model_flops, throughput
@@ -177,6 +179,9 @@ def _accepts_shard(batch_at: Callable) -> bool:
 class Trainer:
     """One optimizer step at a time on this rank's stage, dp shard and mp shard (see module doc)."""
 
+    sharding = None  # galaxy.core.fsdp.Sharding: what FSDP sharded (dp_engine fsdp2, mp_grad_reduce fsdp)
+    norm_dp = None  # the dp group when FSDP shards over it (the norm sums over it)
+
     def __init__(self, model: nn.Module, cfg: GalaxyConfig, ctx: ParallelContext):
         t, par = cfg.train, cfg.parallel
         self.model, self.cfg, self.ctx = model, cfg, ctx
@@ -186,8 +191,18 @@ class Trainer:
         self.stage: StageSpec = getattr(model, "stage", None) or StageSpec.whole(0)
         if par.dp_engine == "deepspeed":
             raise ConfigError("config key 'dp_engine' is 'deepspeed': build the trainer with make_trainer()")
-        trainable = [p for p in model.parameters() if p.requires_grad]
         low = DTYPES[t.dtype] if t.dtype in ("bfloat16", "float16") else None  # autocast's compute dtype
+        if par.dp_engine == "fsdp2" or par.mp_grad_reduce == "fsdp":
+            from galaxy.core.fsdp import shard_model
+
+            reshard = {"always": True, "never": False}.get(par.reshard_after_forward, ctx.pp.size == 1)
+            self.sharding = shard_model(model, ctx, over_dp=par.dp_engine == "fsdp2",
+                                        replicated_over_mp=par.mp_grad_reduce == "fsdp", reshard_after_forward=reshard,
+                                        param_dtype=low, reduce_dtype=reduce_dtype(cfg) or (low and torch.float32))
+        # With FSDP over dp, the norm sums the squares of the dp shards over dp.
+        self.norm_dp = ctx.dp if self.sharding is not None and self.sharding.over_dp else None
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        # FSDP-sharded weights are left out of the dp sums they had (``fsdp_axes``); vectors FSDP left whole are in.
         self.grad_sync = GradReducer(trainable, ctx.mp, ctx.dp, par.mp_grad_reduce, par.dp_bucket_mb,
                                      reduce_dtype(cfg), mp_grad=ctx.mp_grad, compute_dtype=low)
         # What the optimizer steps, clips and unscales: ``sharded`` weights are replaced by this rank's pieces.
@@ -251,6 +266,8 @@ class Trainer:
         result = self.runner.run(micro, weights, autocast=autocast, before_last_backward=self.grad_sync.arm,
                                  grad_scale=self.scaler.scale if self.scaler else None)
         self.grad_sync.finish()
+        if self.sharding is not None:
+            self.sharding.count_traffic(len(micro))
         sync_pipeline_ties(self.params, ctx.pp_ends)
         self.last_step = result
         return self.report_loss(result.loss)
@@ -278,7 +295,7 @@ class Trainer:
         scale = self.scaler.scale if self.scaler else None
         if self.scaler is not None:
             self.scaler.unscale_(self.params)
-        norm = global_grad_norm(self.params, self.ctx.mp, self.ctx.pp)
+        norm = global_grad_norm(self.params, self.ctx.mp, self.ctx.pp, self.norm_dp)
         loss_ok, grads_ok = torch.stack([torch.isfinite(loss), torch.isfinite(norm)]).tolist()  # one device sync
         outcome = StepOutcome(norm, loss_scale=scale)
         if loss_ok and not grads_ok and self.scaler is not None:
@@ -296,7 +313,7 @@ class Trainer:
             logger.warning("%s; step skipped (skip_nonfinite)", problem)
         else:
             if t.grad_clip > 0:
-                torch.nn.utils.clip_grads_with_norm_(self.params, t.grad_clip, norm.float())
+                clip_grads_with_norm_(self.params, t.grad_clip, norm.float())
             self.optimizer.step()
             self.count_zero_broadcasts()
             self.grad_sync.gather_weights()
@@ -349,7 +366,8 @@ class Trainer:
     def comm_bytes(self) -> int:
         """Payload bytes of every collective this rank has run (all groups, the gradient reductions' own)."""
         ctx = self.ctx
-        comms = {id(c): c for c in (ctx.mp, ctx.dp, ctx.pp, ctx.pp_ends, *self.grad_sync.comms())}
+        fsdp = self.sharding.comms() if self.sharding is not None else []
+        comms = {id(c): c for c in (ctx.mp, ctx.dp, ctx.pp, ctx.pp_ends, *self.grad_sync.comms(), *fsdp)}
         return sum(c.bytes_sent for c in comms.values())
 
     def gather_over_stages(self, value: float) -> list[float]:
@@ -584,6 +602,8 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
                 extra = {"loss_scaler": trainer.scaler.state_dict()} if trainer.scaler is not None else None
                 if pending is not None:  # one save in flight at a time
                     pending.result()
+                if trainer.sharding is not None:  # an evaluation may have left gathered FSDP weights
+                    trainer.sharding.reshard()
                 asynchronous = t.checkpoint_async_mode == "async"
                 saved = save_checkpoint(save_dir, step + 1, model, trainer.optimizer, trainer.schedule, ctx, cfg,
                                         extra=extra, keep_last=keep_last, grad_reducer=trainer.grad_sync,

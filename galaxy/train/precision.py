@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from galaxy.config import TrainConfig
+from galaxy.core.fsdp import local
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class LossScaler:
         self.clean_steps = 0
 
     def unscale_(self, params: list[nn.Parameter]) -> None:
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [local(p.grad) for p in params if p.grad is not None]  # FSDP's DTensors: their shards
         if grads:
             torch._foreach_mul_(grads, 1.0 / self.scale)
 

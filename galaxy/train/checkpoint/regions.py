@@ -7,6 +7,10 @@ which full parameter it covers (:class:`StateRegion`):
 
 - a plain optimizer steps every parameter of the rank: the parameter's region;
 - ZeRO-1 (``ZeroRedundancyOptimizer``) keeps in ``optimizer.optim`` the parameters its dp rank owns;
+- FSDP (``dp_engine: fsdp2``, ``mp_grad_reduce: fsdp``; ``galaxy.core.fsdp``): a parameter and its states
+  are DTensors; this rank holds a dim-0 block of them (of its TP shard, or of the whole weight), whose
+  region is the TP shard's offsets plus the block's. Their local parts are saved, and loaded into, so a
+  checkpoint moves between FSDP and the other engines, plans and layouts like any other;
 - ``mp_grad_reduce: sharded`` (``GradReducer.shard_layout()``, passed as ``layout``): the optimizer steps
   flat pieces of buckets of weights; a piece's elements are cut into blocks (:func:`flat_blocks`), each a
   region of one full parameter (:class:`StatePiece`). Its states, and the weights themselves (the fp32
@@ -34,6 +38,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from galaxy.core.fsdp import is_dtensor, local as local_part, local_region
 from galaxy.core.layers import shard_spec
 from galaxy.train.checkpoint.files import CheckpointError
 from galaxy.train.checkpoint.shards import Chunk, ShardReader, narrow
@@ -54,12 +59,16 @@ class StateRegion:
 
 
 def param_region(name: str, param: torch.Tensor) -> StateRegion:
+    """Where this rank's part of ``param`` (its ``local()`` tensor) lies in the full parameter."""
     spec = shard_spec(param)
-    if spec is None:
-        return StateRegion(name, tuple(param.shape), (0,) * param.dim())
     offsets = [0] * param.dim()
-    offsets[spec.dim] = spec.offset
-    return StateRegion(name, tuple(spec.full_shape(param.shape)), tuple(offsets))
+    full = tuple(param.shape)
+    if spec is not None:
+        offsets[spec.dim] = spec.offset
+        full = tuple(spec.full_shape(param.shape))
+    if is_dtensor(param):  # FSDP: a block of the TP shard (whose shape is the DTensor's)
+        offsets = [a + b for a, b in zip(offsets, local_region(param)[1])]
+    return StateRegion(name, full, tuple(offsets))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +83,7 @@ class StatePiece:
 
     @classmethod
     def whole(cls, region: StateRegion, tensor: torch.Tensor) -> "StatePiece":
+        tensor = local_part(tensor)
         return cls(region, tuple(tensor.shape), 0, tensor.numel())
 
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -175,9 +185,9 @@ def model_chunks(model: nn.Module, layout: Optional[list[dict]] = None) -> list[
     sharded = {p for entry in layout or [] for p in entry["params"]}
     out = []
     for name, p in model.named_parameters():
-        if p not in sharded:
+        if p not in sharded and local_part(p).numel():  # an FSDP block may be empty (more ranks than rows)
             region = param_region(name, p)
-            out.append(Chunk(model_key(name), region.shape, region.offsets, p.detach()))
+            out.append(Chunk(model_key(name), region.shape, region.offsets, local_part(p.detach())))
     for shard, pieces in sharded_pieces(model, layout or []).items():
         out += [Chunk(model_key(piece.region.name), piece.region.shape, piece.region.offsets, piece.of(shard.detach()))
                 for piece in pieces]
@@ -199,10 +209,10 @@ def optimizer_chunks(model: nn.Module, optimizer, layout: Optional[list[dict]] =
         if problem:
             return [], problem
         for key, value in sorted(state.items()):
-            value = value.detach()
-            if value.dim() > 0 and value.shape == t.shape:
+            value = local_part(value.detach())
+            if value.dim() > 0 and value.shape == local_part(t).shape:
                 out += [Chunk(optim_key(piece.region.name, key), piece.region.shape, piece.region.offsets,
-                              piece.of(value)) for piece in pieces]
+                              piece.of(value)) for piece in pieces if piece.stop > piece.start]
             else:
                 out += [Chunk(optim_key(name, key), tuple(value.shape), (0,) * value.dim(), value)
                         for name in dict.fromkeys(piece.region.name for piece in pieces)]
@@ -295,7 +305,8 @@ def load_model(reader: ShardReader, model: nn.Module, layout: Optional[list[dict
     """Read each parameter's region into it (a pipeline stage takes its own parameters), and the
     ``sharded`` weights' masters into this rank's pieces (``layout``)."""
     params = dict(model.named_parameters())
-    wanted = [Wanted(name, param_region(name, p), tuple(p.shape), p.detach()) for name, p in params.items()]
+    wanted = [Wanted(name, param_region(name, p), tuple(local_part(p).shape), local_part(p.detach()))
+              for name, p in params.items() if local_part(p).numel()]
     for shard, pieces in sharded_pieces(model, layout or []).items():
         shard.detach().zero_()  # the padding of the last piece stays zero, as when it was built
         wanted += [Wanted(piece.region.name, piece.region, piece.sizes, piece.of(shard.detach())) for piece in pieces]
@@ -330,7 +341,12 @@ def read_optimizer_state(reader: ShardReader, model: nn.Module, optimizer, layou
             shaped = t.dim() > 0 and all(entry is None or tuple(entry["shape"]) == piece.region.shape
                                          for entry, piece in zip(saved, pieces))
             covered = sum(piece.stop - piece.start for piece in pieces)
-            buffer = (torch.empty if covered == t.numel() else torch.zeros)(t.shape, dtype=t.dtype) if shaped else None
+            part = local_part(t)  # an FSDP DTensor's states are read as its local part
+            buffer = (torch.empty if covered == part.numel() else torch.zeros)(part.shape, dtype=t.dtype) \
+                if shaped else None
+            if buffer is not None and not covered:  # an empty FSDP block: nothing to read
+                state.setdefault(index[t], {})[state_key] = buffer
+                continue
             for piece in pieces:
                 wanted.append(Wanted(piece.region.name, piece.region, piece.sizes,
                                      piece.of(buffer) if buffer is not None else None))
@@ -357,6 +373,14 @@ def read_optimizer_state(reader: ShardReader, model: nn.Module, optimizer, layou
                                       "tensor holds together; resume with mp_grad_reduce 'after_backward'")
             else:
                 state.setdefault(index[t], {})[state_key] = values[0]
+    for t in regions:  # FSDP: a state shaped like its DTensor parameter is a DTensor placed alike
+        if is_dtensor(t):
+            from torch.distributed.tensor import DTensor
+
+            for key, value in state.get(index[t], {}).items():
+                if value.dim() > 0 and value.shape == local_part(t).shape:
+                    state[index[t]][key] = DTensor.from_local(value.to(t.device), t.device_mesh, t.placements,
+                                                              run_check=False, shape=t.shape, stride=t.stride())
     keys = {index[t]: set(state.get(index[t], {})) for t in regions}
     every = set().union(*keys.values()) if keys else set()
     incomplete = [i for i, k in keys.items() if k and k != every]
