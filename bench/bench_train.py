@@ -47,9 +47,9 @@ Scenarios (``--global_batch`` overrides the default): ``stack4`` (LLaMA-7B shape
     galaxy-<plan>[-<reduce>][+compile][@dp<D>[-<engine>]]
                                         Galaxy's Trainer on all ranks: plan tp|galaxy|galaxy2|sp over
                                         mp = world / D, mp_grad_reduce after_backward (default)|overlap|
-                                        sharded; @dp<D>: D Galaxy dp ranks with dp_engine <engine>
-                                        (config's DP_ENGINES: ddp (default)|zero1|deepspeed; the hook for a
-                                        per-row dp engine). Without @dp, dp 1: micro-batches + accumulation
+                                        sharded|fsdp; @dp<D>: D Galaxy dp ranks with dp_engine <engine>
+                                        (config's DP_ENGINES: ddp (default)|zero1|deepspeed|fsdp2).
+                                        Without @dp, dp 1: micro-batches + accumulation
     native-tp-sp-eager|-compiled|-asynctp
                                         the plain model under parallelize_module (torchtitan's plan:
                                         Colwise/Rowwise + SequenceParallel, loss parallel) on all ranks (dp 1);
@@ -132,11 +132,11 @@ SCENARIOS = {
     "smoke": dict(hidden=64, ffn=176, heads=4, layers=2, seq=32, global_batch=4, vocab=256, batch=2),
 }
 PLANS = ("tp", "galaxy", "galaxy2", "sp")
-REDUCES = ("after_backward", "overlap", "sharded")
+REDUCES = ("after_backward", "overlap", "sharded", "fsdp")
 LR, WEIGHT_DECAY, CLIP = 1e-4, 0.01, 1.0
 # The 4-GPU 7B comparison: Galaxy's fastest plans beside the recipes people run instead. (tp has no
 # PARTIAL gradients, so its fastest reduction is the default: galaxy-tp+compile.)
-DEFAULT_CONTENDERS = ("galaxy-galaxy-sharded+compile,galaxy-tp+compile,galaxy-galaxy2-sharded+compile,"
+DEFAULT_CONTENDERS = ("galaxy-galaxy-sharded+compile,galaxy-tp+compile,galaxy-galaxy+compile@dp2-fsdp2,"
                       "fsdp2-compile,fsdp2-compile-noreshard,fsdp2-tp,megatron-dp")
 MFU_FORMULA = ("mfu = (6*N + 12*L*H*S) * tokens_per_step / step_s / gpus / peak_flops; N = matmul weights a token "
                "passes through (q,k,v,o + 3 MLP projections per layer, + H x V head), L layers, H hidden, S seq "

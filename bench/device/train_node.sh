@@ -34,9 +34,11 @@ mode=${1:?start|wait|collect}; nproc=${2:?NPROC (2 or 4)}; part=${3:-all}; polls
 dir=/root/bench_train_node; mkdir -p "$dir"
 case $part in
     a)   contenders='fsdp2-compile,fsdp2-compile-noreshard,fsdp2-tp,megatron-dp' ;;
-    b)   contenders='galaxy-galaxy-sharded+compile,galaxy-tp+compile,galaxy-galaxy2-sharded+compile' ;;
-    all) contenders='galaxy-galaxy-sharded+compile,galaxy-tp+compile,galaxy-galaxy2-sharded+compile,fsdp2-compile,fsdp2-compile-noreshard,fsdp2-tp,megatron-dp' ;;
-    *) echo "unknown part $part (a | b | all)"; exit 2 ;;
+    b)   contenders='galaxy-galaxy-sharded+compile,galaxy-tp+compile,galaxy-galaxy+compile@dp2-fsdp2' ;;
+    # Galaxy2 at TP 2 (issue 31 item 4): its replicated MLP sharded over mp (fsdp) against sharded (ZeRO-2 over mp)
+    fit) contenders='galaxy-galaxy2-fsdp,galaxy-galaxy2-sharded+compile' ;;
+    all) contenders='galaxy-galaxy-sharded+compile,galaxy-tp+compile,galaxy-galaxy+compile@dp2-fsdp2,fsdp2-compile,fsdp2-compile-noreshard,fsdp2-tp,megatron-dp' ;;
+    *) echo "unknown part $part (a | b | fit | all)"; exit 2 ;;
 esac
 tag=llama7b_${nproc}_${part}
 flags=(--global_batch "${GLOBAL_BATCH:-16}" --micro_batch 1 --warmup "${WARMUP:-2}" --iters "${ITERS:-3}"
