@@ -1,7 +1,7 @@
 """Choosing and applying a tuning method (full / lora / adapter / side) to a built Galaxy model,
 and the checkpoints that hold only what the method trains.
 
-    model = build_base(cfg, plan, ctx)        # build_model; QLoRA from a checkpoint: quantized as it is read
+    model = build_base(cfg, plan, ctx)        # build_model; a frozen base made in its format, tensor by tensor
     model = apply_tuning(model, cfg)          # cfg.peft.tuning picks the method
     ...train...
     save_tuning(model, "out/adapter")         # LoRA: HF PEFT layout; adapter/side: Galaxy layout
@@ -30,11 +30,12 @@ from galaxy.core.grad_sync import gather_full
 from galaxy.core.layers import region_rule
 from galaxy.loralib import (inject_lora, load_lora_pretrained, mark_only_lora_as_trainable, merge_and_unload,
                             save_lora_pretrained)
+from galaxy.loralib.model import lora_keeps, lora_target_names
 from galaxy.loralib.hf import CONFIG_FILE, WEIGHTS_FILE, load_full_tensors, read_adapter
 from galaxy.loralib.quantized_layers import FORMATS
 from galaxy.loralib.quantized import (cast_frozen_, dequantize_linears, frozen_bytes,  # noqa: F401
-                                     load_quantized, quantize_linears)
-from galaxy.loralib.utils import count_parameters
+                                     load_quantized, materialize, quantize_linears)
+from galaxy.loralib.utils import count_parameters, in_modules
 
 logger = logging.getLogger(__name__)
 
@@ -90,18 +91,57 @@ def frozen_dtype_name(cfg: GalaxyConfig) -> Optional[str]:
     return cfg.train.dtype if cfg.train.dtype in ("bfloat16", "float16") else None
 
 
-def build_base(cfg: GalaxyConfig, plan: Optional[Plan], ctx, task: str = "lm") -> nn.Module:
-    """``galaxy.models.build_model``, except that QLoRA from a checkpoint (``quantize_base`` with
-    ``model_path``) quantizes each rank's slices as it reads them (``load_quantized``): the fp32
-    model never exists. Apply the method with ``apply_tuning`` after, as for any base."""
+def build_base(cfg: GalaxyConfig, plan: Optional[Plan], ctx, task: str = "lm", **overrides: Any) -> nn.Module:
+    """``galaxy.models.build_model``, except that a base the tuning method freezes and stores small
+    (``frozen_dtype`` bf16/fp16, ``quantize_base`` nf4/int8) is made tensor by tensor in that format
+    (``galaxy.loralib.quantized.materialize``): laid out on the meta device, then each tensor drawn from
+    the seeded init (or read from ``model_path``, slice by slice), stored as the method keeps it
+    (frozen: bf16 / quantized; trainable: fp32) and the fp32 tensor freed, so no fp32 copy of the model
+    ever exists. The values are those of the fp32 build cast or quantized after, bit for bit. Apply the
+    method with ``apply_tuning`` after, with the same options (``overrides``: ``TuningOptions`` keys)."""
     from galaxy.config import COMPUTE_KEYS
-    from galaxy.models import build_model, model_class
+    from galaxy.models import build_model, check_config, model_class
 
-    if cfg.peft.quantize_base == "none" or not cfg.data.model_path:
+    opts = TuningOptions.from_config(cfg, **overrides)
+    if opts.method == "full" or (opts.frozen_dtype is None and opts.quantize_base == "none"):
         return build_model(cfg, plan, ctx, task)
-    compute = {k: getattr(cfg.model, k) for k in COMPUTE_KEYS}
-    return load_quantized(model_class(cfg.model.model_type, task), cfg.data.model_path, plan, ctx, compute,
-                          skip=cfg.peft.modules_to_save or (), backend=cfg.model.kernels, kind=cfg.peft.quantize_base)
+    path = cfg.data.model_path
+    if path and opts.quantize_base == "none" and not _streamable(path, cfg.model.fused_gate_up):
+        logger.info("'%s' is read whole (no safetensors, or fused_gate_up), then its frozen weights cast", path)
+        return build_model(cfg, plan, ctx, task)
+    check_config(cfg.model)
+    cls = model_class(cfg.model.model_type, task)
+    if path:
+        config = cls.config_from_dir(path, {k: getattr(cfg.model, k) for k in COMPUTE_KEYS})
+        if config.fused_gate_up and opts.quantize_base != "none":
+            raise ConfigError("quantize-on-load quantizes each linear on its own; set fused_gate_up to false")
+    else:
+        config = cfg.model
+    model = cls(config, plan, ctx, seed=cfg.train.seed, meta=True)  # laid out, no storage: filled below
+    also = opts.modules_to_save if opts.modules_to_save is not None else _task_heads(model)
+    frozen_dtype = getattr(torch, opts.frozen_dtype) if opts.frozen_dtype else None
+    return materialize(model, path or None, cfg.train.seed, frozen_by(model, opts), frozen_dtype,
+                       kind=opts.quantize_base, skip=also, backend=cfg.model.kernels)
+
+
+def _streamable(path: str, fused_gate_up: bool) -> bool:
+    """The checkpoint can be read tensor by tensor under the model's own names."""
+    return not fused_gate_up and os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path))
+
+
+def frozen_by(model: nn.Module, opts: TuningOptions):
+    """``name -> bool``: whether ``opts``' method freezes base parameter ``name`` of ``model`` (what
+    ``apply_options`` will mark), asked before it holds any weight, so a base is built in its frozen format."""
+    also = opts.modules_to_save if opts.modules_to_save is not None else _task_heads(model)
+    if opts.method == "full":
+        return lambda name: False
+    if opts.method == "lora":
+        targets = opts.lora_target_modules or list(getattr(model, "lora_targets", ()))
+        keep = lora_keeps(opts.lora_bias, also, lora_target_names(model, targets) if targets else ())
+    else:
+        def keep(name: str) -> bool:
+            return in_modules(name, also)
+    return lambda name: not keep(name)
 
 
 def apply_tuning(model: nn.Module, cfg: GalaxyConfig, targets=None, **overrides: Any) -> nn.Module:
@@ -147,6 +187,10 @@ def apply_options(model: nn.Module, opts: TuningOptions) -> nn.Module:
         add_side_network(model, side_spec(model, opts.side_reduction_factor), region_rule(model.plan.con),
                          seed=opts.seed, init_up_std=opts.init_std)
         mark_only_side_as_trainable(model, also=also)
+    built_frozen = [n for n, p in model.named_parameters() if p.requires_grad and getattr(p, "stored_frozen", False)]
+    if built_frozen:
+        raise ValueError(f"{built_frozen[:3]} were built stored small as frozen weights (build_base), but "
+                         f"'{opts.method}' trains them; give build_base the tuning options apply_tuning gets")
     if opts.frozen_dtype is not None and opts.method != "full":
         cast_frozen_(model, getattr(torch, opts.frozen_dtype))
     model.peft_config = opts

@@ -26,7 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from galaxy.core.layers import GradRule, ParallelLinear, region_rule
-from galaxy.loralib.utils import freeze_all_but, in_modules, parent_of, seeded_init_, to_trainable_dtype
+from galaxy.loralib.utils import (freeze_all_but, in_modules, parent_of, seeded_init_, to_trainable_dtype,
+                                  trainable_dtype)
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ def add_adapters(model: nn.Module, kind: str = "houlsby", reduction_factor: int 
     hidden = model.config.hidden_size
     w = next(model.parameters())
     make = partial(BottleneckAdapter, hidden, reduction_factor, non_linearity, residual, rule,
-                   device=w.device, dtype=w.dtype)
+                   device=w.device, dtype=trainable_dtype(w.dtype))
     names = [n for n, _ in model.named_modules()]
     created: list[str] = []
     for site in sites:

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from galaxy.core.layers import GradRule, ParallelLinear, mark_module
-from galaxy.loralib.utils import freeze_all_but, in_modules, seeded_init_
+from galaxy.loralib.utils import freeze_all_but, in_modules, seeded_init_, trainable_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class LadderSideNetwork(nn.Module):
         if n != len(spec.layers):
             raise ValueError(f"the side network needs one layer per backbone layer ({len(spec.layers)}), got {n}")
         w = next(spec.backbone.parameters())
-        kw = dict(device=w.device, dtype=w.dtype)
+        kw = dict(device=w.device, dtype=trainable_dtype(w.dtype))
         self.downsamplers = nn.ModuleList(ParallelLinear(h, d, True, "whole", rule=rule, **kw) for _ in range(n + 1))
         self.gates = nn.Parameter(torch.zeros(n, **kw))
         self.layers = nn.ModuleList(spec.side_layers)

@@ -49,9 +49,7 @@ def inject_lora(model: nn.Module, targets: Targets, r: int = 8, lora_alpha: floa
     ``fusion``: CCLoRA on (``set_lora_fusion``).
     """
     merged = merged or {}
-    inside = tuple(n + "." for n in lora_modules(model))  # a LoRA layer's own A/B are never targets
-    names = [n for n, m in model.named_modules()
-             if n and matches(n, targets) and not isinstance(m, LORA_TYPES) and not n.startswith(inside)]
+    names = lora_target_names(model, targets)
     if not names:
         linears = [n for n, m in model.named_modules() if isinstance(m, (ParallelLinear, nn.Linear, QuantLinear))]
         raise ValueError(f"lora_target_modules {targets!r} match no module; linear modules are e.g. "
@@ -79,6 +77,13 @@ def inject_lora(model: nn.Module, targets: Targets, r: int = 8, lora_alpha: floa
     if fusion:
         set_lora_fusion(model, True)
     return created
+
+
+def lora_target_names(model: nn.Module, targets: Targets) -> list[str]:
+    """The modules ``inject_lora`` wraps for ``targets`` (none inside a LoRA layer already there)."""
+    inside = tuple(n + "." for n in lora_modules(model))  # a LoRA layer's own A/B are never targets
+    return [n for n, m in model.named_modules()
+            if n and matches(n, targets) and not isinstance(m, LORA_TYPES) and not n.startswith(inside)]
 
 
 def set_lora_fusion(model: nn.Module, enabled: bool = True) -> list[str]:
@@ -141,11 +146,18 @@ def mark_only_lora_as_trainable(model: nn.Module, bias: str = "none",
     """Freeze everything but the LoRA factors (loralib's helper). ``bias``: 'none', 'all' (every
     bias trains) or 'lora_only' (biases of LoRA-wrapped modules). ``also``: module names (PEFT's
     ``modules_to_save``, e.g. a classifier head) that keep training. Returns the trainable names."""
+    keep = lora_keeps(bias, also, lora_modules(model))
+    return freeze_all_but(model, lambda name, _p: keep(name))
+
+
+def lora_keeps(bias: str = "none", also: Optional[Targets] = None, wrapped=()):
+    """``mark_only_lora_as_trainable``'s rule: whether parameter ``name`` trains, given the LoRA-wrapped
+    module names ``wrapped`` (before injection: ``lora_target_names``, as a base is built frozen)."""
     if bias not in BIAS_MODES:
         raise ValueError(f"lora bias '{bias}' is not one of {', '.join(BIAS_MODES)}")
-    wrapped = set(lora_modules(model))
+    wrapped = set(wrapped)
 
-    def keep(name: str, _p) -> bool:
+    def keep(name: str) -> bool:
         module, _, leaf = name.rpartition(".")
         if is_lora_param(name):
             return True
@@ -153,7 +165,7 @@ def mark_only_lora_as_trainable(model: nn.Module, bias: str = "none",
             return True
         return in_modules(name, also)
 
-    return freeze_all_but(model, keep)
+    return keep
 
 
 def lora_state_dict(model: nn.Module, bias: str = "none", full: bool = False) -> dict[str, torch.Tensor]:
@@ -204,6 +216,6 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
     return model
 
 
-__all__ = ["inject_lora", "init_lora_weights", "lora_modules", "mark_only_lora_as_trainable",
-           "lora_state_dict", "merge_lora", "unmerge_lora", "merge_and_unload", "set_lora_fusion", "LoRALinear",
-           "MergedLoRALinear", "LoRAEmbedding"]
+__all__ = ["inject_lora", "init_lora_weights", "lora_modules", "lora_target_names", "lora_keeps",
+           "mark_only_lora_as_trainable", "lora_state_dict", "merge_lora", "unmerge_lora", "merge_and_unload",
+           "set_lora_fusion", "LoRALinear", "MergedLoRALinear", "LoRAEmbedding"]

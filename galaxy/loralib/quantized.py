@@ -14,13 +14,18 @@ a column-parallel linear (q/k/v, gate/up, BERT query/key/value/intermediate) as 
 plan, so a whole weight under SP or serial is stored the same way and the shards of every plan
 are slices of the serial buffers, bit for bit. ``QuantizedWeight.spec`` records that slice (dim 0 of
 every buffer), which is what gathering, checkpoints and resharding read.
+
+``materialize`` is the one loader of every storage format (bf16, fp16, nf4, int8, fp32): it fills a
+model laid out on the meta device tensor by tensor, from a safetensors checkpoint read slice by slice
+or from the model's own seeded init, each tensor made straight in the format it is stored in, so a
+frozen base never exists in fp32 (``galaxy.peft.build_base``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -99,33 +104,38 @@ def frozen_bytes(model: nn.Module) -> tuple[int, int]:
     return nbytes, count
 
 
-# ----------------------------------------------------------------------------- quantize on load
+# ----------------------------------------------------------------------------- a base made in its storage format
 
 
 class _Checkpoint:
-    """The tensors of a local safetensors checkpoint, read lazily: a rank reads only its slices."""
+    """The tensors of a local safetensors checkpoint, read lazily: a rank reads only its slices. Each
+    read opens its file on its own (``safe_open`` maps the file; the mapping, whose pages count in the
+    process's resident memory, goes with the handle), so at most one tensor's pages are mapped at a time."""
 
     def __init__(self, path: str):
         from safetensors import safe_open
 
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         if not files:
-            raise FileNotFoundError(f"model_path '{path}' holds no *.safetensors; quantize-on-load reads safetensors "
-                                    "slices (convert the checkpoint, or load it with from_pretrained)")
-        self.path = path
-        self.handles = [safe_open(os.path.join(path, f), framework="pt", device="cpu") for f in files]
-        self.where = {k: h for h in self.handles for k in h.keys()}
+            raise FileNotFoundError(f"model_path '{path}' holds no *.safetensors; the streaming loader reads "
+                                    "safetensors slices (convert the checkpoint, or load it with from_pretrained)")
+        self.path, self.open = path, safe_open
+        self.where = {}
+        for f in files:
+            with safe_open(os.path.join(path, f), framework="pt", device="cpu") as handle:
+                self.where.update(dict.fromkeys(handle.keys(), os.path.join(path, f)))
 
     def piece(self, name: str, spec: Optional[ShardSpec], shape: tuple[int, ...]) -> torch.Tensor:
-        """This rank's piece of tensor ``name`` (the slice ``spec`` names, or all of it)."""
+        """This rank's piece of tensor ``name`` (the slice ``spec`` names, or all of it), a tensor of its own."""
         if name not in self.where:
-            raise ValueError(f"checkpoint '{self.path}' has no tensor '{name}' (quantize-on-load reads the model's own "
-                             "parameter names; load other layouts with from_pretrained)")
-        sl = self.where[name].get_slice(name)
-        index = [slice(None)] * len(sl.get_shape())
-        if spec is not None:
-            index[spec.dim] = slice(spec.offset, spec.offset + spec.sizes[spec.rank])
-        t = sl[tuple(index)]
+            raise ValueError(f"checkpoint '{self.path}' has no tensor '{name}' (the streaming loader reads the model's "
+                             "own parameter names; load other layouts with from_pretrained)")
+        with self.open(self.where[name], framework="pt", device="cpu") as handle:
+            sl = handle.get_slice(name)
+            index = [slice(None)] * len(sl.get_shape())
+            if spec is not None:
+                index[spec.dim] = slice(spec.offset, spec.offset + spec.sizes[spec.rank])
+            t = sl[tuple(index)]
         if tuple(t.shape) != tuple(shape):
             raise ValueError(f"checkpoint '{self.path}': '{name}' gives {tuple(t.shape)} on this rank but the model "
                              f"needs {tuple(shape)}; the checkpoint is for another model size")
@@ -133,57 +143,100 @@ class _Checkpoint:
 
 
 @torch.no_grad()
+def materialize(model: nn.Module, path: Optional[str] = None, seed: int = 0,
+                frozen: Optional[Callable[[str], bool]] = None, frozen_dtype: Optional[torch.dtype] = None,
+                kind: str = "none", skip=(), backend: str = "auto", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Fill ``model``, laid out on the meta device (its constructor's ``meta=True``), one tensor at a
+    time, each made in the format it is stored in; returns it. The one loader of every storage format.
+
+    Values: this rank's slice of each tensor of the local checkpoint directory ``path`` (safetensors,
+    read lazily slice by slice), or without a path the model's serial init from ``seed``
+    (``GalaxyModel.initial_piece``: the full tensor drawn in float32 as ``init_weights`` draws it, then
+    sliced). Formats: with ``kind`` (nf4 | int8) every ``quantizable`` linear (all but heads and
+    ``skip``) becomes a ``QuantLinear`` quantized from its fp32 piece; the other parameters that
+    ``frozen(name)`` says stay frozen (default: all) are stored in ``frozen_dtype`` (None: ``dtype``),
+    the rest (trainable: fp32 masters) in ``dtype``. So the model equals the one built in ``dtype`` (or
+    ``from_pretrained``) followed by ``quantize_linears`` and ``cast_frozen_`` bit for bit, and host
+    memory peaks at the stored model plus one tensor as drawn or read (and its stored copy)."""
+    if kind != "none" and kind not in FORMATS:
+        raise ValueError(f"quantize_base '{kind}' is not one of none, {', '.join(FORMATS)}")
+    device = model.ctx.device
+    if path is not None:
+        if getattr(model.config, "fused_gate_up", False):
+            raise ConfigError("a streamed checkpoint is read tensor by tensor under the model's own names, but "
+                              "fused_gate_up fuses HF's gate_proj/up_proj; set fused_gate_up to false")
+        ckpt, tied = _Checkpoint(path), dict(getattr(model, "tied_keys", {}) or {})
+
+        def read(name: str, meta: nn.Parameter) -> torch.Tensor:
+            return ckpt.piece(tied.get(name, name), shard_spec(meta), tuple(meta.shape))
+    else:
+        def read(name: str, meta: nn.Parameter) -> torch.Tensor:
+            return model.initial_piece(name, meta, seed)
+
+    frozen = frozen or (lambda name: True)
+    quantized = []
+    if kind != "none":
+        for name, module in list(model.named_modules()):
+            if not quantizable(name, module, skip) or not module.weight.is_meta:
+                continue
+            w = module.weight
+            spec = shard_spec(w)
+            qweight = FORMATS[kind].quantize(read(f"{name}.weight", w).to(device).contiguous(), spec,
+                                             row_parallel_name(name), backend)
+            parent, child = parent_of(model, name)
+            setattr(parent, child, QuantLinear(qweight, module.bias, getattr(module, "style", "whole"),
+                                               getattr(module, "rank", 0), spec, grad_rule(w)))
+            quantized.append(name)
+    # Every meta Parameter once, under its first name (``named_parameters``' and so ``init_weights``'),
+    # with every module slot that holds it.
+    slots: dict[int, tuple[str, nn.Parameter, list]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                name = f"{mod_name}.{attr}" if mod_name else attr
+                slots.setdefault(id(p), (name, p, []))[2].append((module, attr))
+    small = 0
+    for name, meta, places in slots.values():
+        keep_frozen = frozen(name) and frozen_dtype is not None and frozen_dtype != dtype
+        p = _materialized(meta, lambda: read(name, meta), device, frozen_dtype if keep_frozen else dtype)
+        if keep_frozen and p.is_floating_point():
+            p.stored_frozen = True  # apply_tuning refuses to train it (its fp32 values are gone)
+            small += 1
+        for module, attr in places:
+            module._parameters[attr] = p
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise ValueError(f"{'checkpoint ' + repr(path) if path else 'the init'} left parameters unfilled: {left[:5]}")
+    if path is not None:
+        model.loaded_from(path)
+    logger.info("made %s tensor by tensor: %d linears in %s, %d frozen tensors in %s, %d in %s",
+                f"'{path}'" if path else f"the init (seed {seed})", len(quantized), kind, small,
+                frozen_dtype, len(slots) - small, dtype)
+    return model
+
+
 def load_quantized(model_cls, path: str, plan=None, ctx=None, config_overrides: Optional[dict] = None,
                    skip=(), dtype: torch.dtype = torch.float32, backend: str = "auto",
                    kind: str = "nf4") -> nn.Module:
     """A Galaxy model from a local HF checkpoint directory with its linears quantized (``kind``) as
-    they are read: the model is laid out on the meta device, then each rank reads its own slice of
-    each tensor (safetensors lazy slices), quantizes the linears (all but heads and ``skip``) and
-    keeps the rest in ``dtype``. Peak host memory: one tensor slice in the checkpoint's dtype.
-    Equal to ``model_cls.from_pretrained`` + ``quantize_linears`` (the buffers bit for bit)."""
+    they are read (``materialize``): all but heads and ``skip``; the rest kept in ``dtype``. Peak host
+    memory: the stored model and one tensor slice in the checkpoint's dtype. Equal to
+    ``model_cls.from_pretrained`` + ``quantize_linears`` (the buffers bit for bit)."""
     config = model_cls.config_from_dir(path, config_overrides)
     if getattr(config, "fused_gate_up", False):
         raise ConfigError("quantize-on-load quantizes each linear on its own; set fused_gate_up to false")
     model = model_cls(config, plan=plan, ctx=ctx, meta=True)  # laid out, no storage: filled below
-    device = model.ctx.device
-    ckpt = _Checkpoint(path)
-    for name, module in list(model.named_modules()):
-        if not quantizable(name, module, skip):
-            continue
-        w = module.weight
-        spec = shard_spec(w)
-        qweight = FORMATS[kind].quantize(ckpt.piece(f"{name}.weight", spec, tuple(w.shape)).to(device), spec,
-                                     row_parallel_name(name), backend)
-        bias = module.bias
-        if bias is not None:
-            bias = _materialized(bias, ckpt.piece(f"{name}.bias", shard_spec(bias), tuple(bias.shape)), device, dtype)
-        parent, child = parent_of(model, name)
-        setattr(parent, child, QuantLinear(qweight, bias, getattr(module, "style", "whole"), getattr(module, "rank", 0),
-                                           spec, grad_rule(w)))
-    done: dict[int, nn.Parameter] = {}
-    tied = set(getattr(model, "tied_keys", {}) or {})
-    for mod_name, module in model.named_modules():
-        for pname, p in list(module._parameters.items()):
-            if p is None or not p.is_meta:
-                continue
-            if id(p) not in done:
-                full = f"{mod_name}.{pname}" if mod_name else pname
-                if full in tied:
-                    continue  # filled through the module it is tied to
-                done[id(p)] = _materialized(p, ckpt.piece(full, shard_spec(p), tuple(p.shape)), device, dtype)
-            module._parameters[pname] = done[id(p)]
-    left = [n for n, p in model.named_parameters() if p.is_meta]
-    if left:
-        raise ValueError(f"checkpoint '{path}' left parameters unfilled: {left[:5]}")
-    logger.info("loaded '%s' with %s linears (%d tensors read as slices)", path, kind, len(done))
-    return model
+    return materialize(model, path, kind=kind, skip=skip, backend=backend, dtype=dtype)
 
 
-def _materialized(meta: nn.Parameter, data: torch.Tensor, device, dtype) -> nn.Parameter:
-    p = nn.Parameter(data.to(device=device, dtype=dtype if data.is_floating_point() else data.dtype),
-                     requires_grad=meta.requires_grad)
+def _materialized(meta: nn.Parameter, make: Callable[[], torch.Tensor], device, dtype) -> nn.Parameter:
+    # The lasting tensor is allocated before ``make`` draws or reads the transient one, so the transient
+    # one sits above it and its space is reused by the next (the other order leaves the host heap in holes).
+    t = torch.empty(meta.shape, dtype=dtype if meta.is_floating_point() else meta.dtype, device=device)
+    t.copy_(make())
+    p = nn.Parameter(t, requires_grad=meta.requires_grad)
     p.__dict__.update(meta.__dict__)  # gradient rule, shard spec, pipeline tie
     return p
 
 
-__all__ = ["quantize_linears", "dequantize_linears", "cast_frozen_", "frozen_bytes", "load_quantized"]
+__all__ = ["quantize_linears", "dequantize_linears", "cast_frozen_", "frozen_bytes", "materialize", "load_quantized"]

@@ -5,6 +5,7 @@ linear is oriented so that tensor parallelism splits whole rows: ``galaxy.lorali
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -13,6 +14,9 @@ import torch.nn as nn
 from galaxy.core.layers import GradRule, ParallelLinear, ShardSpec, grad_rule, set_param_meta, shard_spec
 from galaxy.loralib.int8 import Int8Rows, dequantize_int8, int8_linear, quantize_int8
 from galaxy.loralib.nf4 import NF4Rows, dequantize_nf4, nf4_linear, quantize_nf4
+
+# Weights quantized at a time on the host (``QuantizedWeight.quantize_in_blocks``).
+HOST_BLOCK = 1 << 16
 
 # Linears whose TP form is row-parallel (the input dim is split): stored transposed.
 ROW_PARALLEL_SUFFIXES = ("o_proj", "down_proj", "output.dense")
@@ -46,7 +50,21 @@ class QuantizedWeight(nn.Module):
                              f"sharded along its rows, but the shard is along weight dim {spec.dim}")
         rows_spec = ShardSpec(0, spec.sizes, spec.rank) if spec is not None else None
         w = weight.detach()
-        return cls(cls.quantize_rows(w.t() if transposed else w), transposed, rows_spec, backend)
+        return cls(cls.quantize_in_blocks(w.t() if transposed else w), transposed, rows_spec, backend)
+
+    @classmethod
+    def quantize_in_blocks(cls, rows: torch.Tensor):
+        """``quantize_rows`` of ``rows``; on the host, a block of rows (about ``HOST_BLOCK`` weights) at a
+        time: the same buffers (every row is quantized on its own), but the fp32 temporaries stay small
+        and the same size, so the allocator reuses them (whole matrices left ~1.5 bytes a weight of holes)."""
+        n, cols = rows.shape
+        step = max(1, HOST_BLOCK // max(cols, 1)) if rows.device.type == "cpu" else n
+        if step >= n:
+            return cls.quantize_rows(rows)
+        parts = [cls.quantize_rows(rows[i:i + step]) for i in range(0, n, step)]
+        return dataclasses.replace(parts[0], **{f.name: torch.cat([getattr(p, f.name) for p in parts])
+                                                for f in dataclasses.fields(parts[0])
+                                                if isinstance(getattr(parts[0], f.name), torch.Tensor)})
 
     @staticmethod
     def quantize_rows(w: torch.Tensor):

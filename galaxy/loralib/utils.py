@@ -77,6 +77,12 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     return trainable, total
 
 
+def trainable_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of trainable weights made beside a base stored in ``dtype``: fp32 masters over a bf16/fp16
+    base (which may arrive stored small, ``galaxy.loralib.quantized.materialize``); fp64 stays fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def to_trainable_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x`` in ``weight``'s dtype when autocast is off and they differ: fp32 trainable weights on a
     bf16/fp16 base's activations outside autocast (e.g. generation), as PEFT casts. Under autocast

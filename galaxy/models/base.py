@@ -108,8 +108,9 @@ class GalaxyModel(nn.Module):
 
     Every model's constructor takes ``meta``: False (default) creates the parameters on
     ``ctx.device`` and draws them (``init_weights``); True lays them out on the meta device (shapes,
-    dtypes, gradient rules and shard specs, no storage, no init), for a loader that fills each one
-    (``galaxy.loralib.quantized.load_quantized``). Only parameters go to the meta device; what a
+    dtypes, gradient rules and shard specs, no storage, no init), for a loader that fills each one in
+    the format it is stored in (``galaxy.loralib.quantized.materialize``: from a checkpoint, or from
+    ``initial_piece``, the same init). Only parameters go to the meta device; what a
     forward needs besides them (RoPE's frequencies, dropout streams) is made on ``ctx.device``."""
 
     hf_architecture = ""
@@ -216,10 +217,15 @@ class GalaxyModel(nn.Module):
         """Each full tensor drawn from a generator seeded by (seed, name), then sliced to this rank's
         shard: every plan and world size starts from exactly the serial model's weights."""
         for name, param in self.named_parameters():
-            spec = shard_spec(param)
-            full_shape = spec.full_shape(param.shape) if spec else tuple(param.shape)
-            full = self._init_param(name, full_shape, seed)
-            param.copy_(spec.slice(full) if spec else full)
+            param.copy_(self.initial_piece(name, param, seed))
+
+    def initial_piece(self, name: str, param: torch.Tensor, seed: int) -> torch.Tensor:
+        """This rank's piece of parameter ``name``'s serial init: the full tensor drawn in float32
+        (``_init_param``) and sliced to ``param``'s shard (``param`` may be on the meta device: a loader
+        that stores each tensor in its own format as it is made, ``galaxy.loralib.quantized.materialize``)."""
+        spec = shard_spec(param)
+        full = self._init_param(name, spec.full_shape(param.shape) if spec else tuple(param.shape), seed)
+        return spec.slice(full) if spec else full
 
     def _init_param(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         """The full tensor of parameter ``name``; a model whose layout merges HF tensors overrides
@@ -312,7 +318,12 @@ class GalaxyModel(nn.Module):
         """Load a local HF checkpoint directory (config.json + safetensors or torch weights)."""
         model = cls(cls.config_from_dir(path, config_overrides), plan=plan, ctx=ctx)
         model.load_full_state_dict(load_weights(path), source=f"checkpoint '{path}'")
+        model.loaded_from(path)
         return model
+
+    def loaded_from(self, path: str) -> None:
+        """Called once the weights of checkpoint directory ``path`` are in (by ``from_pretrained`` and by the
+        streaming loader): what else the model keeps from the directory (a family's extra config keys)."""
 
     def save_pretrained(self, path: str) -> None:
         """Write config.json + model.safetensors with HF names; a collective, rank 0 writes."""

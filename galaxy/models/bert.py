@@ -423,7 +423,7 @@ class BertPreTrainedModel(GalaxyModel):
 
         layers = list(self.bert.encoder.layer)
         edges = Boundaries(self.ctx.mp, side_plan)
-        dtype = next(self.parameters()).dtype
+        dtype = torch.promote_types(next(self.parameters()).dtype, torch.float32)  # trainable: fp32 masters
         with torch.device(self.ctx.device):
             side_layers = [BertLayer(side_cfg, side_plan, self.ctx, edges).to(dtype) for _ in layers]
         return SideSpec(self.bert, layers, side_layers, self.config.hidden_size, side_cfg.hidden_size,

@@ -595,7 +595,7 @@ class LlamaForCausalLM(GalaxyModel):
 
         layers = list(self.model.layers)
         edges = Boundaries(self.ctx.mp, side_plan)
-        dtype = next(self.parameters()).dtype
+        dtype = torch.promote_types(next(self.parameters()).dtype, torch.float32)  # trainable: fp32 masters
         with torch.device(self.ctx.device):
             side_layers = [LlamaDecoderLayer(side_cfg, side_plan, self.ctx, edges, i).to(dtype)
                            for i in range(len(layers))]
@@ -759,15 +759,11 @@ class LlamaForCausalLM(GalaxyModel):
     def config_to_hf(self) -> dict:
         return dict(super().config_to_hf(), **self.special_token_ids)
 
-    @classmethod
-    def from_pretrained(cls, path: str, plan: Optional[Plan] = None, ctx: Optional[ParallelContext] = None,
-                        config_overrides: Optional[dict] = None) -> "LlamaForCausalLM":
-        model = super().from_pretrained(path, plan, ctx, config_overrides)
+    def loaded_from(self, path: str) -> None:
         with open(os.path.join(path, "config.json")) as f:
             hf = json.load(f)
-        model.special_token_ids = {k: hf[k] for k in SPECIAL_TOKEN_KEYS if k in hf}
-        c = model.config
-        logger.info("loaded %s from %s: %d layers, %d query / %d key-value heads, rope %s, plan %s", cls.model_type,
+        self.special_token_ids = {k: hf[k] for k in SPECIAL_TOKEN_KEYS if k in hf}
+        c = self.config
+        logger.info("loaded %s from %s: %d layers, %d query / %d key-value heads, rope %s, plan %s", self.model_type,
                     path, c.num_hidden_layers, c.num_attention_heads, c.kv_heads,
-                    (c.rope_scaling or {}).get("rope_type", "default"), model.plan.name)
-        return model
+                    (c.rope_scaling or {}).get("rope_type", "default"), self.plan.name)
