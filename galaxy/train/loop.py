@@ -29,6 +29,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.context import ParallelContext
@@ -103,8 +104,12 @@ def build_optimizer(model: nn.Module, cfg: GalaxyConfig, ctx: Optional[ParallelC
     t = cfg.train
     if params is None:
         params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if takes_weight_decay(p)], "weight_decay": t.weight_decay},
-              {"params": [p for p in params if not takes_weight_decay(p)], "weight_decay": 0.0}]
+    # One group per (decay, DTensor or not): the fused and foreach kernels take a group's tensors together,
+    # and cannot mix FSDP's DTensor shards with plain tensors (torch 2.11 on CUDA: "got mixed torch.Tensor
+    # and DTensor").
+    groups = [{"params": [p for p in params if takes_weight_decay(p) == decays and isinstance(p, DTensor) == sharded],
+               "weight_decay": t.weight_decay if decays else 0.0}
+              for decays in (True, False) for sharded in (False, True)]
     groups = [g for g in groups if g["params"]]
     fused = {"fused": True} if params and all(p.is_cuda for p in params) else {}
     if t.optimizer == "sgd":

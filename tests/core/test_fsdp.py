@@ -47,6 +47,8 @@ def fsdp_equals_serial(ctx, case):
     par = Trainer(model, cfg, ctx)
     ref = Trainer(serial, serial_cfg, ParallelContext.serial())
     axes = {"x".join(fsdp_axes(p)) for p in model.parameters()}
+    for group in par.optimizer.param_groups:  # fused AdamW (CUDA) takes no group mixing DTensor and Tensor
+        assert len({is_dtensor(p) for p in group["params"]}) == 1
     params_s = dict(serial.named_parameters())
     for step in range(STEPS):
         loss_t, loss_st = par.forward_backward(par.read_batch(batch_at, step)), ref.forward_backward(batch_at(step))

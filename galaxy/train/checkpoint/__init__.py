@@ -50,8 +50,8 @@ from galaxy.train.checkpoint.regions import load_model, model_chunks, optimizer_
 from galaxy.train.checkpoint.shards import (DCP_METADATA_FILE, ShardReader, WritePlan, dcp_metadata_bytes,
                                             manifest_tensors, plan_writes, write_chunks)
 from galaxy.train.checkpoint.state import (check_optimizer, gather_world_json, install_optimizer_state, jsonable,
-                                           layout, param_groups, restore_rng, rng_record, run_record, state_record,
-                                           world_sum)
+                                           layout, param_groups, restore_rng, restore_scheduler, rng_record, run_record,
+                                           state_record, world_sum)
 
 __all__ = ["CheckpointError", "CheckpointState", "PendingCheckpoint", "ResumeError", "export_hf",
            "has_checkpoint", "latest_valid_checkpoint", "load_checkpoint", "prune", "resolve_checkpoint",
@@ -202,7 +202,7 @@ def _load_one(path: str, model: nn.Module, optimizer, scheduler, ctx: ParallelCo
         step = int(state_json["step"])
         _load_tensors(path, manifest, state_json, model, optimizer, pieces)
         if scheduler is not None and state_json.get("scheduler") is not None:
-            scheduler.load_state_dict(state_json["scheduler"])
+            restore_scheduler(scheduler, state_json["scheduler"], os.path.join(path, STATE_FILE))
         restore_rng(path, manifest, ctx, step)
     except CheckpointError as e:
         return str(e), isinstance(e, InvalidCheckpointError), -1, {}, {}

@@ -158,10 +158,18 @@ def install_optimizer_state(optimizer: torch.optim.Optimizer, local: torch.optim
     """Load ``state`` (index in ``local``'s parameter order -> state tensors in this rank's shape) and
     the saved hyper-parameters into ``local`` (``optimizer`` itself, or ZeRO's local optimizer)."""
     current = local.state_dict()["param_groups"]
-    # ZeRO-1's local optimizer has one group (maybe empty) per group of the optimizer around it.
-    if not len(saved_groups) == len(optimizer.param_groups) == len(current):
-        raise CheckpointError(f"checkpoint file '{where}' has {len(saved_groups)} optimizer parameter groups but "
-                              f"the optimizer has {len(optimizer.param_groups)}")
+    if len(optimizer.param_groups) != len(current):  # ZeRO-1's local optimizer: one group per outer group
+        raise CheckpointError(f"checkpoint file '{where}': the optimizer's {len(optimizer.param_groups)} parameter "
+                              f"groups do not match its local optimizer's {len(current)}")
+    if len(saved_groups) != len(current):
+        # Engines group the same parameters differently (FSDP's DTensor shards in groups of their own): each
+        # group takes the hyper-parameters of the saved group with its weight decay.
+        by_decay = {saved.get("weight_decay"): saved for saved in saved_groups}
+        missing = [g.get("weight_decay") for g in current if g.get("weight_decay") not in by_decay]
+        if missing:
+            raise CheckpointError(f"checkpoint file '{where}' has {len(saved_groups)} optimizer parameter groups, "
+                                  f"none with weight_decay {missing[0]}; the optimizer has {len(current)}")
+        saved_groups = [by_decay[g.get("weight_decay")] for g in current]
     groups = []
     for cur, outer, saved in zip(current, optimizer.param_groups, saved_groups):
         g = dict(cur)
@@ -173,6 +181,21 @@ def install_optimizer_state(optimizer: torch.optim.Optimizer, local: torch.optim
                 outer[k] = tuple(saved[k]) if isinstance(outer[k], tuple) else saved[k]
         groups.append(g)
     local.load_state_dict({"state": state, "param_groups": groups})
+
+
+def restore_scheduler(scheduler, saved: dict, where: str) -> None:
+    """Load a saved LR schedule; one saved with another number of optimizer groups (another engine's
+    grouping, ``install_optimizer_state``) carries over when its groups shared one schedule, as Galaxy's do."""
+    groups = len(scheduler.optimizer.param_groups)
+    saved = dict(saved)
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        values = saved.get(key)
+        if isinstance(values, list) and values and len(values) != groups:
+            if any(v != values[0] for v in values):
+                raise CheckpointError(f"checkpoint file '{where}' holds an LR schedule of {len(values)} groups that "
+                                      f"differ ({key} {values}); the optimizer has {groups} groups")
+            saved[key] = [values[0]] * groups
+    scheduler.load_state_dict(saved)
 
 
 # ----------------------------------------------------------------------------- RNG
