@@ -191,14 +191,17 @@ class ParallelContext:
             if wait_for_peers:
                 dist.barrier()
             dist.destroy_process_group()
-        # destroy_process_group drops only torch's references. A Gloo group joins its worker threads
-        # (and rank 0's store its server thread) when the last reference goes, so the groups our
-        # Communicators hold kept them running as long as this context lived, up to the interpreter's
-        # exit in a rank that keeps it, where a worker freeing a finished work needs the GIL and aborts
-        # the process ("terminate called without an active exception"). Dropped here, they end now.
-        for comm in (self.mp, self.dp, self.pp, self.pp_ends, self.mp_grad):
-            if comm is not None:
-                comm.group = None
+        if wait_for_peers:
+            # destroy_process_group drops only torch's references. A Gloo group joins its worker threads
+            # (and rank 0's store its server thread) when the last reference goes, so the groups our
+            # Communicators hold kept them running as long as this context lived, up to the
+            # interpreter's exit in a rank that keeps it, where a worker freeing a finished work needs
+            # the GIL and aborts the process ("terminate called without an active exception"). Dropped
+            # here, they end now. Not after a failure: the group's destructor waits for the collectives
+            # in flight, which may be waiting for a peer.
+            for comm in (self.mp, self.dp, self.pp, self.pp_ends, self.mp_grad):
+                if comm is not None:
+                    comm.group = None
 
 
 def rank_of(dp_rank: int, pp_rank: int, mp_rank: int, pp_size: int, mp_size: int) -> int:
