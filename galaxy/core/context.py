@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 import datetime
+import importlib
 import logging
 import os
 import time
@@ -38,6 +39,13 @@ from galaxy.core.heartbeat import ALIVE_KEY, DONE, FAILED, Heartbeat, RankFailur
 from galaxy.errors import UserError
 
 logger = logging.getLogger(__name__)
+
+# torch modules that bind ``group.WORLD`` as a default argument when they are imported: imported after
+# init_process_group, they hold the live WORLD group for good, past destroy_process_group, and its Gloo
+# threads run into the interpreter's exit. torch._dynamo brings torch.distributed.nn.functional and
+# torch.distributed._shard (the first eager functional collective imports it); torch.distributed.optim
+# is ZeRO's (_broadcast_object). ``initialize`` imports them before it creates the group.
+_BIND_WORLD_ON_IMPORT = ("torch._dynamo", "torch.distributed.optim")
 
 
 def _npu_available() -> bool:
@@ -118,6 +126,8 @@ class ParallelContext:
             return cls(rank=0, world_size=1, device=device, seed=seed, mp=Communicator("mp"),
                        stage_layers=stage_layers)
         backend = backend_for(device, dist_cfg.distributed_backend)
+        for name in _BIND_WORLD_ON_IMPORT:
+            importlib.import_module(name)
         store = rendezvous(dist_cfg.init_method, rank, world_size, dist_cfg.timeout_s)
         heartbeat = Heartbeat(*store_address(dist_cfg.init_method), rank, world_size, dist_cfg.timeout_s)
         try:
@@ -202,6 +212,17 @@ class ParallelContext:
             if wait_for_peers:
                 dist.barrier()
             dist.destroy_process_group()
+        if wait_for_peers:
+            # destroy_process_group drops only torch's references. A Gloo group joins its worker threads
+            # (and rank 0's store its server thread) when the last reference goes, so the groups our
+            # Communicators hold kept them running as long as this context lived, up to the
+            # interpreter's exit in a rank that keeps it, where a worker freeing a finished work needs
+            # the GIL and aborts the process ("terminate called without an active exception"). Dropped
+            # here, they end now. Not after a failure: the group's destructor waits for the collectives
+            # in flight, which may be waiting for a peer.
+            for comm in (self.mp, self.dp, self.pp, self.pp_ends, self.mp_grad):
+                if comm is not None:
+                    comm.group = None
 
 
 def rank_of(dp_rank: int, pp_rank: int, mp_rank: int, pp_size: int, mp_size: int) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Iterator, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -58,22 +58,33 @@ def slowed_compute(factor: Optional[float]) -> Iterator[None]:
         yield
 
 
-class StretchOps(TorchDispatchMode):
-    """Each op, once it returns, is followed by a wait of ``factor - 1`` times what it took."""
+def wait_until(until: float, clock: Callable[[], float] = time.perf_counter,
+               sleep: Callable[[float], None] = time.sleep) -> None:
+    """Return once ``clock()`` reaches ``until``: sleep most of the way (the core is free for the rank's
+    communication threads meanwhile), spin the last ``_SPIN_S``."""
+    left = until - clock()
+    if left > 2 * _SPIN_S:
+        sleep(left - _SPIN_S)
+    while clock() < until:
+        pass
 
-    def __init__(self, factor: float):
+
+class StretchOps(TorchDispatchMode):
+    """Each op, once it returns, is followed by a wait of ``factor - 1`` times what it took.
+    ``clock`` and ``wait_until`` are for tests: a fake clock and a recorded wait show what the mode
+    asks for without depending on how busy the machine is."""
+
+    def __init__(self, factor: float, clock: Callable[[], float] = time.perf_counter,
+                 wait_until: Callable[[float], None] = wait_until):
         super().__init__()
         self.extra = factor - 1.0
+        self._clock, self._wait_until = clock, wait_until
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        start = time.perf_counter()
+        start = self._clock()
         out = func(*args, **(kwargs or {}))
         if func.namespace in _COMMUNICATION:
             return out
-        end = time.perf_counter()
-        until = end + (end - start) * self.extra
-        if until - end > 2 * _SPIN_S:  # the core is free for the rank's communication threads meanwhile
-            time.sleep(until - end - _SPIN_S)
-        while time.perf_counter() < until:
-            pass
+        end = self._clock()
+        self._wait_until(end + (end - start) * self.extra)
         return out

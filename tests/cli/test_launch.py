@@ -84,3 +84,57 @@ def test_children_leave_no_semaphore_behind(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "leaked semaphore" not in out.stderr, out.stderr
+
+
+# Threads of a Gloo process group (its workers and transport loop) and of rank 0's store server.
+GROUP_THREADS = ("pt_gloo", "gloo_tcp", "pt_tcpstore")
+
+
+def native_threads() -> list[str]:
+    import os
+
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # a thread that just ended
+            pass
+    return names
+
+
+def shut_down_and_list_threads(rank: int, launch: Launch, payload) -> None:
+    """A rank with mp over both ranks (the WORLD group and mp_grad's own) that runs collectives on
+    them, shuts its context down and, with the context still alive (a model or trainer holds it in a
+    CLI rank), fails when a group's threads still run. Nothing imports torch._dynamo before the group
+    exists but ``initialize``, as in a script that builds its context first."""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    from galaxy.config import DistributedConfig
+    from galaxy.core.context import ParallelContext
+
+    assert "torch._dynamo" not in sys.modules, "imported already: initialize's own import is no longer tested"
+    ctx = ParallelContext.initialize(DistributedConfig(init_method=launch.init_method, timeout_s=60), rank,
+                                     launch.world, "cpu")
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: F401  as a ZeRO run's optimizer does
+    x = torch.ones(4)
+    ctx.mp.all_reduce(x)  # the first eager functional collective imports torch._dynamo
+    ctx.mp_grad.all_reduce(x)
+    gathered = [torch.empty(4) for _ in range(launch.world)]
+    dist.all_gather(gathered, x, group=ctx.mp.group)  # as Trainer.gather_over_stages
+    del gathered
+    ctx.shutdown()
+    left = [t for t in native_threads() if t.startswith(GROUP_THREADS)]
+    if left:
+        raise ValueError(f"threads still running after shutdown: {sorted(left)}")
+    assert ctx.mp.size == launch.world  # the context still describes the rank
+
+
+def test_shutdown_ends_the_gloo_threads_while_the_context_lives(capfd):
+    """A Gloo group's threads left running after shutdown are destroyed in interpreter finalization,
+    where one aborted ranks ("terminate called without an active exception"): shutdown ends them."""
+    code = launch_ranks(shut_down_and_list_threads, Launch(2, None, None, None), None, GalaxyConfig())
+    assert code == 0, capfd.readouterr().err[-2000:]
