@@ -109,11 +109,11 @@ def test_contender_selection():
     names = contender_names()
     assert len(names) == len(set(names))
     assert select("galaxy-galaxy2*", "*+compile") == ["galaxy-galaxy2", "galaxy-galaxy2-overlap",
-                                                      "galaxy-galaxy2-sharded"]
+                                                      "galaxy-galaxy2-sharded", "galaxy-galaxy2-fsdp"]
     assert "galaxy-tp-overlap" not in names  # tp has no PARTIAL gradients to reduce differently
     assert select(DEFAULT_CONTENDERS, "") == ["galaxy-tp+compile", "galaxy-galaxy-sharded+compile",
-                                              "galaxy-galaxy2-sharded+compile", "fsdp2-compile",
-                                              "fsdp2-compile-noreshard", "fsdp2-tp", "megatron-dp"]
+                                              "fsdp2-compile", "fsdp2-compile-noreshard", "fsdp2-tp", "megatron-dp",
+                                              "galaxy-galaxy+compile@dp2-fsdp2"]
     assert select("fsdp2-tp@tp4,megatron-dp@tp1,galaxy-tp+compile@dp2-zero1", "") == [
         "fsdp2-tp@tp4", "megatron-dp@tp1", "galaxy-tp+compile@dp2-zero1"]
     from bench.bench_train import main

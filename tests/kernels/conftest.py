@@ -1,16 +1,9 @@
-"""Kernel tests run Triton kernels on CPU through the Triton interpreter.
+"""Kernel tests run Triton kernels on CPU through the Triton interpreter (tests/conftest.py sets
+TRITON_INTERPRET before anything imports galaxy); ``triton_cpu`` skips, with the reason, where it cannot."""
 
-TRITON_INTERPRET must be set before any @triton.jit kernel is defined (decoration time),
-so it is set here, before the test module imports anything from galaxy.kernels.
-"""
+import functools
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import functools  # noqa: E402
-
-import pytest  # noqa: E402
+import pytest
 
 
 @functools.lru_cache(maxsize=1)

@@ -214,7 +214,7 @@ def hf_dir(tmp_path_factory):
 
 def test_galaxy_lora_loads_in_hf_peft(hf_dir, tmp_path):
     ours = Qwen2ForCausalLM.from_pretrained(hf_dir).eval()
-    cfg = GalaxyConfig.from_dict(dict(TINY, tuning="lora", lora_dim=4, lora_alpha=12.0))
+    cfg = GalaxyConfig.from_dict(dict(TINY, seq_length=SEQ, tuning="lora", lora_dim=4, lora_alpha=12.0))
     apply_tuning(ours, cfg, init_std=0.3)  # the family's default targets: q_proj, v_proj
     save_tuning(ours, str(tmp_path / "adapter"))
     base = transformers.Qwen2ForCausalLM.from_pretrained(hf_dir).eval()
