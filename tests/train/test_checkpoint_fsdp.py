@@ -13,7 +13,7 @@ from galaxy.core.fsdp import fsdp_axes, is_dtensor
 from galaxy.train.checkpoint import load_checkpoint
 from galaxy.train.loop import Trainer
 from tests.core.test_fsdp import full
-from tests.train.test_checkpoint_sharded import (SAVED_AT, STEPS, TOL, build, rel_err, run_steps, save_after_steps,
+from tests.train.test_checkpoint_sharded import (SAVED_AT, STEPS, TOL, build, rel_err, run_steps, saved_runs,
                                                  serial_reference, sharded_resume_is_exact)
 
 FSDP_DP2_GALAXY2 = dict(plan="galaxy2", dp_size=2, dp_engine="fsdp2", mp_grad_reduce="fsdp")
@@ -58,17 +58,8 @@ SAVED = {"fsdp2-dp2-galaxy2-mpfsdp": (4, 2, FSDP_DP2_GALAXY2),
 
 @pytest.fixture(scope="module")
 def saved(dist_pool, tmp_path_factory):
-    """Checkpoints after 3 steps of each run in ``SAVED`` (made when first asked for)."""
-    root, made = tmp_path_factory.mktemp("saved"), {}
-
-    def path(name):
-        if name not in made:
-            world, dp, case = SAVED[name]
-            made[name] = str(root / name)
-            dist_pool.run(save_after_steps, world, case, made[name], dp=dp)
-        return made[name]
-
-    return path
+    """Checkpoints after 3 steps of each run in ``SAVED``."""
+    return saved_runs(SAVED, dist_pool, tmp_path_factory)
 
 
 @pytest.mark.parametrize("source,world,dp,case,axes", [

@@ -193,19 +193,24 @@ SAVED = {"sharded-galaxy2-w2": (2, 1, dict(GALAXY2, mp_grad_reduce="sharded")),
          "sharded-dp2-galaxy2-zero1": (4, 2, dict(DP2_ZERO1, mp_grad_reduce="sharded"))}
 
 
-@pytest.fixture(scope="module")
-def saved(dist_pool, tmp_path_factory):
-    """Checkpoints after 3 steps of each run in ``SAVED`` (made when first asked for)."""
+def saved_runs(runs: dict, dist_pool, tmp_path_factory):
+    """name -> the checkpoint after 3 steps of run ``runs[name]`` ((world, dp, case)), made when first asked for."""
     root, made = tmp_path_factory.mktemp("saved"), {}
 
     def path(name):
         if name not in made:
-            world, dp, case = SAVED[name]
+            world, dp, case = runs[name]
             made[name] = str(root / name)
             dist_pool.run(save_after_steps, world, case, made[name], dp=dp)
         return made[name]
 
     return path
+
+
+@pytest.fixture(scope="module")
+def saved(dist_pool, tmp_path_factory):
+    """Checkpoints after 3 steps of each run in ``SAVED``."""
+    return saved_runs(SAVED, dist_pool, tmp_path_factory)
 
 
 @pytest.mark.parametrize("source,world,dp,case", [
