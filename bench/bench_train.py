@@ -44,11 +44,13 @@ Scenarios (``--global_batch`` overrides the default): ``stack4`` (LLaMA-7B shape
 
     serial-eager, serial-compiled       plain PyTorch LLaMA (bench_coc's layers), rank 0 alone (dp 1)
     galaxy-none                         Galaxy's model, plan none, rank 0 alone (dp 1)
-    galaxy-<plan>[-<reduce>][+compile][@dp<D>[-<engine>]]
+    galaxy-<plan>[-<reduce>][+compile][@dp<D>[-<engine>[-noreshard]]]
                                         Galaxy's Trainer on all ranks: plan tp|galaxy|galaxy2|sp over
                                         mp = world / D, mp_grad_reduce after_backward (default)|overlap|
                                         sharded|fsdp; @dp<D>: D Galaxy dp ranks with dp_engine <engine>
-                                        (config's DP_ENGINES: ddp (default)|zero1|deepspeed|fsdp2).
+                                        (config's DP_ENGINES: ddp (default)|zero1|deepspeed|fsdp2;
+                                        -noreshard: reshard_after_forward never, FSDP's layers stay
+                                        gathered from forward to backward).
                                         Without @dp, dp 1: micro-batches + accumulation
     native-tp-sp-eager|-compiled|-asynctp
                                         the plain model under parallelize_module (torchtitan's plan:
@@ -116,6 +118,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from bench.step_profile import profile_step  # noqa: E402
 from bench.bench_coc import PlainStack, RMSNorm, launch, publish, pytorch_tp_sp, release, run_facts  # noqa: E402
 from galaxy.config import DP_ENGINES, GalaxyConfig  # noqa: E402
 from galaxy.core.context import ParallelContext, build_groups  # noqa: E402
@@ -157,7 +160,7 @@ def contender_names() -> list[str]:
 
 
 # A listed name with a layout suffix: galaxy-...@dp<D>[-<engine>], fsdp2-tp@tp<T>, megatron-dp@tp<T>.
-SUFFIXES = {"galaxy-": re.compile(r"@dp(\d+)(?:-(\w+))?$"), "fsdp2-tp": re.compile(r"@tp(\d+)$"),
+SUFFIXES = {"galaxy-": re.compile(r"@dp(\d+)(?:-(\w+))?(-noreshard)?$"), "fsdp2-tp": re.compile(r"@tp(\d+)$"),
             "megatron-dp": re.compile(r"@tp(\d+)$")}
 
 
@@ -171,7 +174,7 @@ def split_suffix(name: str) -> tuple[str, Optional[re.Match]]:
             match = pattern.search(name)
             if match and match.start() == len(base):
                 return base, match
-    raise ValueError(f"contender '{name}': unknown layout suffix (galaxy-...@dp<D>[-<engine>], fsdp2-tp@tp<T>, "
+    raise ValueError(f"contender '{name}': unknown layout suffix (galaxy-...@dp<D>[-<engine>[-noreshard]], fsdp2-tp@tp<T>, "
                      "megatron-dp@tp<T>)")
 
 
@@ -368,14 +371,15 @@ def adamw(params: list, device: torch.device) -> torch.optim.Optimizer:
 
 
 def galaxy_config(shape: dict, args, plan: str = "none", reduce: str = "after_backward", compiled: bool = False,
-                  dp: int = 1, engine: str = "ddp", micro_batch: int = 1) -> GalaxyConfig:
+                  dp: int = 1, engine: str = "ddp", micro_batch: int = 1, reshard: str = "default") -> GalaxyConfig:
     """Galaxy's LLaMA at the scenario's shapes (also the model-FLOPs formula's config for every contender)."""
     return GalaxyConfig.from_dict({
         "model": {"preset": "llama-7b", "num_hidden_layers": shape["layers"], "hidden_size": shape["hidden"],
                   "intermediate_size": shape["ffn"], "num_attention_heads": shape["heads"],
                   "num_key_value_heads": shape["heads"], "vocab_size": shape["vocab"],
                   "max_position_embeddings": max(4096, shape["seq"]), "compile": compiled},
-        "parallel": {"plan": plan, "mp_grad_reduce": reduce, "dp_size": dp, "dp_engine": engine},
+        "parallel": {"plan": plan, "mp_grad_reduce": reduce, "dp_size": dp, "dp_engine": engine,
+                     "reshard_after_forward": reshard},
         "train": {"global_batch_size": shape["global_batch"], "micro_batch_size": micro_batch,
                   "seq_length": shape["seq"], "dtype": args.dtype, "lr": LR, "weight_decay": WEIGHT_DECAY,
                   "grad_clip": CLIP, "warmup_steps": 0, "lr_schedule": "constant", "max_steps": 10**6}})
@@ -398,8 +402,9 @@ def galaxy_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prep
     run_ctx = ctx if dp == 1 else ParallelContext(rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
                                                   seed=ctx.seed, backend=ctx.backend,
                                                   **build_groups(ctx.rank, ctx.world_size, dp, 1))
+    keep_gathered = bool(suffix and suffix.group(3))  # -noreshard: FSDP keeps the layers gathered after forward
     cfg = galaxy_config(shape, args, plan, reduce or "after_backward", compiled == "compile", dp, engine,
-                        batching.micro_batch)
+                        batching.micro_batch, reshard="never" if keep_gathered else "default")
     model = build_model(cfg, cfg.resolve_plan(run_ctx.mp.size), run_ctx)
     trainer = make_trainer(model, cfg, run_ctx)
     assert trainer.num_microbatches == batching.accumulation, (trainer.num_microbatches, batching)
@@ -419,7 +424,8 @@ def galaxy_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prep
         return trainer.comm_bytes() - before
 
     grad_sync = getattr(trainer, "grad_sync", None)
-    return Prepared(step, batching, entry=model, layout={"mp": run_ctx.mp.size, "dp_engine": engine},
+    return Prepared(step, batching, entry=model, layout={"mp": run_ctx.mp.size, "dp_engine": engine,
+                                                         "reshard_after_forward": cfg.parallel.reshard_after_forward},
                     comm_bytes_metrics=metrics_bytes if hasattr(trainer, "comm_bytes") else None,
                     teardown=[grad_sync.remove] if grad_sync is not None else [])
 
@@ -864,6 +870,9 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: Peak
             row["comm_bytes"] = eager_comm_bytes(prepared.step)
         if prepared.comm_bytes_metrics is not None:
             row["comm_bytes_metrics"] = prepared.comm_bytes_metrics(prepared.step)
+        if args.profile:  # one more step under torch.profiler: where its GPU time goes (bench/step_profile.py)
+            trace = os.path.join(args.profile, f"{name}.rank{ctx.rank}.json.gz") if ctx.rank == 0 else None
+            row["profile"] = profile_step(prepared.step, ctx.device, keep_trace=trace)
         if prepared.note:
             row["note"] = prepared.note
     except Exception as e:  # noqa: BLE001 -- a failing contender is data, not the end of the launch
@@ -886,6 +895,8 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: Peak
         dist.all_gather_object(gathered, row)
         row["per_rank_median_ms"] = [g["median_ms"] for g in gathered]
         row["comm_bytes_per_rank"] = [g["comm_bytes"] for g in gathered]
+        if args.profile:
+            row["profile"] = [g["profile"] for g in gathered]
         for key in ("median_ms", "min_ms", "q1_ms", "q3_ms", "max_ms", "peak_mib"):  # the slowest rank counts
             row[key] = max(g[key] for g in gathered) if row[key] is not None else None
     row.update(throughput(tokens, flops_per_token * tokens, row["median_ms"] / 1e3, ranks, peak))
@@ -982,6 +993,16 @@ def print_table(report: dict) -> None:
         layout = f"{r['dp']} x {r['micro_batch']} x {r['accumulation']}"
         print(f"{r['name']:<38}{r['gpus']:>5}{layout:>15}{r['median_ms']:>11.2f}{r['q1_ms']:>9.2f}-{r['q3_ms']:<8.2f}"
               f"{r['tokens_per_s_per_gpu']:>11.0f}{mfu:>7}{peak:>10}{r['comm_bytes'] / 2**20:>10.1f}")
+    profiled = [r for r in report["rows"] if r.get("profile")]
+    if profiled:  # where the profiled step's GPU time went, on its slowest rank (by window)
+        keys = ("window", "idle", "exposed_comm", "gemm", "attention", "fused", "elementwise", "optimizer",
+                "collective")
+        print(f"\nprofiled step, slowest rank (ms): {'contender':<38}" + "".join(f"{k:>13}" for k in keys))
+        for r in profiled:
+            ranks = [p for p in (r["profile"] if isinstance(r["profile"], list) else [r["profile"]]) if "error" not in p]
+            if ranks:
+                worst = max(ranks, key=lambda p: p["window_ms"])
+                print(f"{'':<33}{r['name']:<38}" + "".join(f"{worst[k + '_ms']:>13.1f}" for k in keys))
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -1005,8 +1026,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--compile_backend", default="inductor",
                    help="torch.compile backend of the per-block compiled contenders (eager: CPU checks of the "
                         "wiring without code generation; timings then are not the recipe's)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="profile one more step of every contender (bench/step_profile.py: GPU time by kernel "
+                        "category, idle and exposed communication per rank, in the row's 'profile'); rank 0's "
+                        "chrome traces go to DIR")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     if args.list:
         print("\n".join(contender_names()))
         return

@@ -38,17 +38,24 @@ case $part in
     # Galaxy2 at TP 2 (issue 31 item 4): its replicated MLP sharded over mp (fsdp) against sharded (ZeRO-2 over mp)
     fit) contenders='galaxy-galaxy2-fsdp,galaxy-galaxy2-sharded+compile' ;;
     all) contenders='galaxy-galaxy-sharded+compile,galaxy-tp+compile,galaxy-galaxy+compile@dp2-fsdp2,fsdp2-compile,fsdp2-compile-noreshard,fsdp2-tp,megatron-dp' ;;
-    *) echo "unknown part $part (a | b | fit | all)"; exit 2 ;;
+    # issue 31 item 5: the anchors and Galaxy's dp candidates (FSDP2 over dp 2 x galaxy mp 2, over dp 4 with
+    # mp 1), each with and without resharding after forward; PROFILE=1 profiles one more step of each
+    # (bench/step_profile.py) and FLOOR=1 first times the step's compute floor (bench/compute_floor.py)
+    dp) contenders='fsdp2-compile,fsdp2-compile-noreshard,fsdp2-tp,megatron-dp,galaxy-galaxy+compile@dp2-fsdp2,galaxy-galaxy+compile@dp2-fsdp2-noreshard,galaxy-tp+compile@dp4-fsdp2,galaxy-tp+compile@dp4-fsdp2-noreshard' ;;
+    *) echo "unknown part $part (a | b | fit | all | dp)"; exit 2 ;;
 esac
 tag=llama7b_${nproc}_${part}
 flags=(--global_batch "${GLOBAL_BATCH:-16}" --micro_batch 1 --warmup "${WARMUP:-2}" --iters "${ITERS:-3}"
        --contenders "$contenders")
+[ -n "${PROFILE:-}" ] && flags+=(--profile "$dir/traces_$part")
 if [ "$mode" = start ]; then
     if [ -e "$dir/$tag.pid" ] && kill -0 "$(cat "$dir/$tag.pid")" 2>/dev/null; then
         echo "already running: $tag (pid $(cat "$dir/$tag.pid")); call wait"; exit 1
     fi
     rm -f "$dir/$tag.done" "$dir"/train_"$tag".*
-    TAG=$part setsid nohup bash -c "OUT=$dir bash bench/device/train_harness.sh $nproc llama7b ${flags[*]@Q}; \
+    floor=""
+    [ -n "${FLOOR:-}" ] && floor="PYTHONPATH=\$PWD python3 bench/compute_floor.py --gpus $nproc --json $dir/floor_$tag.json; "
+    TAG=$part setsid nohup bash -c "$floor OUT=$dir bash bench/device/train_harness.sh $nproc llama7b ${flags[*]@Q}; \
         touch $dir/$tag.done" > "$dir/$tag.console" 2>&1 < /dev/null &
     echo $! > "$dir/$tag.pid"
     echo "started $tag (pid $!): ${flags[*]}"
@@ -60,6 +67,8 @@ if [ "$mode" = wait ]; then
         sleep 10
     done
 fi
-cp "$dir"/train_"$tag".* "$dir/$tag.console" "${OUT:-/tmp}/" 2>/dev/null
+cp "$dir"/train_"$tag".* "$dir/$tag.console" "$dir"/floor_"$tag".json "${OUT:-/tmp}/" 2>/dev/null
+# rank 0's chrome traces of the profiled steps, when done (gzipped; the largest may not come back)
+[ -e "$dir/$tag.done" ] && [ -d "$dir/traces_$part" ] && cp -r "$dir/traces_$part" "${OUT:-/tmp}/" 2>/dev/null
 grep -c '^ROW ' "$dir/train_$tag.log" 2>/dev/null | sed 's/^/rows so far: /'
 if [ -e "$dir/$tag.done" ]; then echo done; tail -20 "$dir/$tag.console"; else echo "still running: call wait again"; fi
