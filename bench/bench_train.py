@@ -44,24 +44,28 @@ Scenarios (``--global_batch`` overrides the default): ``stack4`` (LLaMA-7B shape
 
     serial-eager, serial-compiled       plain PyTorch LLaMA (bench_coc's layers), rank 0 alone (dp 1)
     galaxy-none                         Galaxy's model, plan none, rank 0 alone (dp 1)
-    galaxy-<plan>[-<reduce>][+compile][@dp<D>[-<engine>[-noreshard]]]
+    galaxy-<plan>[-<reduce>][+compile][@dp<D>[-<engine>[-noreshard][-onesync]]]
                                         Galaxy's Trainer on all ranks: plan tp|galaxy|galaxy2|sp over
                                         mp = world / D, mp_grad_reduce after_backward (default)|overlap|
                                         sharded|fsdp; @dp<D>: D Galaxy dp ranks with dp_engine <engine>
                                         (config's DP_ENGINES: ddp (default)|zero1|deepspeed|fsdp2;
                                         -noreshard: reshard_after_forward never, FSDP's layers stay
-                                        gathered from forward to backward).
+                                        gathered from forward to backward; -onesync: fsdp_grad_sync
+                                        last_micro_batch, one reduce-scatter per step).
                                         Without @dp, dp 1: micro-batches + accumulation
     native-tp-sp-eager|-compiled|-asynctp
                                         the plain model under parallelize_module (torchtitan's plan:
                                         Colwise/Rowwise + SequenceParallel, loss parallel) on all ranks (dp 1);
                                         compiled per block; + inductor micro-pipeline TP over symmetric memory
-    fsdp2-compile, fsdp2-compile-noreshard
+    fsdp2-compile, fsdp2-compile-noreshard, fsdp2-compile-noreshard-onesync
                                         the anchor recipe (../shared/anchors/anchor_fsdp2.py, torchtitan's
                                         default for a 7B on one node): the plain model, fully_shard per block
                                         over all ranks (dp = world), MixedPrecisionPolicy bf16 params / fp32
                                         reduce, torch.compile per block, fused AdamW, clip 1.0,
-                                        reshard_after_forward True (-noreshard: False, no backward all-gather)
+                                        reshard_after_forward True (-noreshard: False, no backward all-gather;
+                                        -onesync: set_requires_gradient_sync(False) but in the last
+                                        micro-batch: unsharded fp32 gradients accumulate, one
+                                        reduce-scatter per step, as DDP's no_sync)
     fsdp2-tp[@tp<T>]                    torchtitan's 2D recipe with torch's APIs: DeviceMesh dp x tp (T = 2
                                         unless given), the native-tp-sp plan on tp, compile per block,
                                         fully_shard over dp, loss parallel
@@ -81,10 +85,13 @@ Scenarios (``--global_batch`` overrides the default): ``stack4`` (LLaMA-7B shape
 A contender that cannot run here gets one line saying why in its JSON row (``error``), and the launch
 goes on. Per contender: median step ms with min / quartiles / max over ``--iters`` steps after
 ``--warmup`` (CUDA events; the slowest rank counts), peak memory (max over ranks, weights and
-optimizer state included), tokens/s (per GPU) and MFU, and comm bytes per step: ``comm_bytes`` counts
-every collective payload a rank issues in one step (all-reduce: the tensor; all-gather: the gathered
-result; reduce-scatter: the input), read from the dispatcher in one eager step; Galaxy rows also carry
-``comm_bytes_metrics``, what Galaxy's own metrics report for the same step.
+optimizer state included; memory an earlier contender of the launch left allocated is
+subtracted and stated as ``leftover_mib``: megatron-core's buffers outlive its contender, so it
+runs last), tokens/s (per GPU) and MFU, and comm bytes per step: ``comm_bytes`` counts every
+collective payload a rank issues in one step (all-reduce: the tensor; all-gather: the gathered
+result; reduce-scatter: the input), read from the dispatcher in one eager step; Galaxy rows also
+carry ``comm_bytes_metrics``, what Galaxy's own metrics report for the same step. ``--profile``
+adds each row's ``profile`` (bench/step_profile.py, one more step per contender, every rank).
 Multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
 """
 
@@ -154,13 +161,13 @@ def contender_names() -> list[str]:
             for reduce in (("after_backward",) if plan == "tp" else REDUCES):  # tp has no PARTIAL gradients
                 names.append(f"galaxy-{plan}" + ("" if reduce == "after_backward" else f"-{reduce}") + compiled)
     names += ["native-tp-sp-eager", "native-tp-sp-compiled", "native-tp-sp-asynctp",
-              "fsdp2-compile", "fsdp2-compile-noreshard", "fsdp2-tp",
+              "fsdp2-compile", "fsdp2-compile-noreshard", "fsdp2-compile-noreshard-onesync", "fsdp2-tp",
               "torchtitan-compile-asynctp", "megatron-tp", "megatron-tp-sp", "megatron-tp-sp-overlap", "megatron-dp"]
     return names
 
 
 # A listed name with a layout suffix: galaxy-...@dp<D>[-<engine>], fsdp2-tp@tp<T>, megatron-dp@tp<T>.
-SUFFIXES = {"galaxy-": re.compile(r"@dp(\d+)(?:-(\w+))?(-noreshard)?$"), "fsdp2-tp": re.compile(r"@tp(\d+)$"),
+SUFFIXES = {"galaxy-": re.compile(r"@dp(\d+)(?:-(\w+))?(-noreshard)?(-onesync)?$"), "fsdp2-tp": re.compile(r"@tp(\d+)$"),
             "megatron-dp": re.compile(r"@tp(\d+)$")}
 
 
@@ -371,7 +378,8 @@ def adamw(params: list, device: torch.device) -> torch.optim.Optimizer:
 
 
 def galaxy_config(shape: dict, args, plan: str = "none", reduce: str = "after_backward", compiled: bool = False,
-                  dp: int = 1, engine: str = "ddp", micro_batch: int = 1, reshard: str = "default") -> GalaxyConfig:
+                  dp: int = 1, engine: str = "ddp", micro_batch: int = 1, reshard: str = "default",
+                  grad_sync: str = "every_micro_batch") -> GalaxyConfig:
     """Galaxy's LLaMA at the scenario's shapes (also the model-FLOPs formula's config for every contender)."""
     return GalaxyConfig.from_dict({
         "model": {"preset": "llama-7b", "num_hidden_layers": shape["layers"], "hidden_size": shape["hidden"],
@@ -379,7 +387,7 @@ def galaxy_config(shape: dict, args, plan: str = "none", reduce: str = "after_ba
                   "num_key_value_heads": shape["heads"], "vocab_size": shape["vocab"],
                   "max_position_embeddings": max(4096, shape["seq"]), "compile": compiled},
         "parallel": {"plan": plan, "mp_grad_reduce": reduce, "dp_size": dp, "dp_engine": engine,
-                     "reshard_after_forward": reshard},
+                     "reshard_after_forward": reshard, "fsdp_grad_sync": grad_sync},
         "train": {"global_batch_size": shape["global_batch"], "micro_batch_size": micro_batch,
                   "seq_length": shape["seq"], "dtype": args.dtype, "lr": LR, "weight_decay": WEIGHT_DECAY,
                   "grad_clip": CLIP, "warmup_steps": 0, "lr_schedule": "constant", "max_steps": 10**6}})
@@ -403,8 +411,10 @@ def galaxy_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prep
                                                   seed=ctx.seed, backend=ctx.backend,
                                                   **build_groups(ctx.rank, ctx.world_size, dp, 1))
     keep_gathered = bool(suffix and suffix.group(3))  # -noreshard: FSDP keeps the layers gathered after forward
+    sync_once = bool(suffix and suffix.group(4))  # -onesync: FSDP reduce-scatters in the last micro-batch only
     cfg = galaxy_config(shape, args, plan, reduce or "after_backward", compiled == "compile", dp, engine,
-                        batching.micro_batch, reshard="never" if keep_gathered else "default")
+                        batching.micro_batch, reshard="never" if keep_gathered else "default",
+                        grad_sync="last_micro_batch" if sync_once else "every_micro_batch")
     model = build_model(cfg, cfg.resolve_plan(run_ctx.mp.size), run_ctx)
     trainer = make_trainer(model, cfg, run_ctx)
     assert trainer.num_microbatches == batching.accumulation, (trainer.num_microbatches, batching)
@@ -425,7 +435,8 @@ def galaxy_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prep
 
     grad_sync = getattr(trainer, "grad_sync", None)
     return Prepared(step, batching, entry=model, layout={"mp": run_ctx.mp.size, "dp_engine": engine,
-                                                         "reshard_after_forward": cfg.parallel.reshard_after_forward},
+                                                         "reshard_after_forward": cfg.parallel.reshard_after_forward,
+                                                         "fsdp_grad_sync": cfg.parallel.fsdp_grad_sync},
                     comm_bytes_metrics=metrics_bytes if hasattr(trainer, "comm_bytes") else None,
                     teardown=[grad_sync.remove] if grad_sync is not None else [])
 
@@ -480,9 +491,13 @@ def compile_block(layer: nn.Module, args) -> nn.Module:
     return torch.compile(layer, dynamic=False, backend=args.compile_backend)
 
 
-def accumulate(micro: list, forward_loss: Callable, loss_context=contextlib.nullcontext) -> None:
-    """Forward and backward of every micro-batch, each loss over the accumulation count (the mean)."""
-    for ids, labels in micro:
+def accumulate(micro: list, forward_loss: Callable, loss_context=contextlib.nullcontext,
+               sync: Optional[Callable[[bool], None]] = None) -> None:
+    """Forward and backward of every micro-batch, each loss over the accumulation count (the mean);
+    ``sync(False)`` before the first and ``sync(True)`` before the last when given (gradient sync once)."""
+    for i, (ids, labels) in enumerate(micro):
+        if sync is not None and i in (0, len(micro) - 1):
+            sync(i == len(micro) - 1)
         with loss_context():
             loss = forward_loss(ids, labels) / len(micro)
             loss.backward()
@@ -570,12 +585,13 @@ def fsdp2_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepa
         loss_context = loss_parallel
     dtype = getattr(torch, args.dtype)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    reshard = not base.endswith("noreshard")
+    reshard = "noreshard" not in base
     for i, layer in enumerate(model.stack.layers):
         block = compile_block(layer, args)
         model.stack.layers[i] = block
         fully_shard(block, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+    sync = model.set_requires_gradient_sync if base.endswith("onesync") else None
     model.to_empty(device=ctx.device)
     init_plain_weights(model, shape, ctx.device)
     params = list(model.parameters())
@@ -589,13 +605,14 @@ def fsdp2_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepa
 
     def step():
         count[0] += 1
-        accumulate(data.micro_batches(count[0], dp_rank), forward_loss, loss_context)
+        accumulate(data.micro_batches(count[0], dp_rank), forward_loss, loss_context, sync)
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return Prepared(step, batching, entry=model, layout={"tp": tp, "reshard_after_forward": reshard},
-                    note="gradients reduce-scattered (fp32) at every micro-batch's backward, as torchtitan accumulates")
+    note = ("unsharded fp32 gradients accumulated, reduce-scattered in the last micro-batch's backward" if sync else
+            "gradients reduce-scattered (fp32) at every micro-batch's backward, as torchtitan accumulates")
+    return Prepared(step, batching, entry=model, layout={"tp": tp, "reshard_after_forward": reshard}, note=note)
 
 
 def torchtitan_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
@@ -854,9 +871,12 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: Peak
     if alone and ctx.rank != 0:
         return row
     cuda = ctx.device.type == "cuda"
+    leftover = 0
     if cuda:  # the previous contender's memory back (a full gc costs ~0.5 s: skipped for CPU's tiny shapes)
         release(ctx.device)
         torch.cuda.reset_peak_memory_stats(ctx.device)
+        # what an earlier contender left allocated (megatron-core's global buffers, 2026-11-27): not this row's
+        leftover = torch.cuda.memory_allocated(ctx.device)
     prepared, ledger, error, t0 = None, None, None, time.time()
     run_ctx = ParallelContext.serial(ctx.device, seed=1234) if alone else ctx
     try:
@@ -864,8 +884,8 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: Peak
         row["build_s"] = round(time.time() - t0, 1)
         row.update(global_batch=shape["global_batch"], **prepared.batching.as_row(), **prepared.layout)
         times = timed_steps(prepared.step, ctx.device, args.warmup, args.iters)
-        peak_mib = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if cuda else None
-        row.update(spread(times), peak_mib=peak_mib)
+        peak_mib = (torch.cuda.max_memory_allocated(ctx.device) - leftover) / 2**20 if cuda else None
+        row.update(spread(times), peak_mib=peak_mib, **({"leftover_mib": leftover / 2**20} if leftover else {}))
         with TokenLedger(prepared.entry) as ledger:  # the sequences the step feeds, counted where they enter
             row["comm_bytes"] = eager_comm_bytes(prepared.step)
         if prepared.comm_bytes_metrics is not None:

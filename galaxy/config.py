@@ -113,6 +113,10 @@ class ParallelConfig:
     # FSDP (dp_engine fsdp2, mp_grad_reduce fsdp), as torchtitan's: default (always, or never with pp > 1) |
     # always (free the gathered weights after forward, gather again in backward) | never (keep them to backward)
     reshard_after_forward: str = "default"
+    # FSDP's gradient reduce-scatter with several micro-batches: every_micro_batch (torchtitan's: sharded
+    # gradients accumulate) | last_micro_batch (unsharded fp32 gradients accumulate on each rank, one
+    # reduce-scatter per step, as DDP's no_sync and Megatron do: less traffic and copies, more memory)
+    fsdp_grad_sync: str = "every_micro_batch"
 
 
 @dataclass
@@ -376,6 +380,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 DP_ENGINES = ("ddp", "zero1", "deepspeed", "fsdp2")
 MP_GRAD_REDUCE = ("after_backward", "overlap", "sharded", "fsdp")
 RESHARD_AFTER_FORWARD = ("default", "always", "never")
+FSDP_GRAD_SYNCS = ("every_micro_batch", "last_micro_batch")
 OPTIMIZERS = ("adamw", "sgd")
 RECOMPUTE_MODES = ("none", "full", "selective")
 TP_OVERLAPS = ("none", "coc", "async_tp")
@@ -650,6 +655,12 @@ class GalaxyConfig:
                               f"{', '.join(RESHARD_AFTER_FORWARD)}")
         if p.reshard_after_forward != "default" and not (fsdp2 or mp_fsdp):
             raise ConfigError("config key 'reshard_after_forward' applies to FSDP only; set dp_engine fsdp2 or "
+                              "mp_grad_reduce fsdp, or drop it")
+        if p.fsdp_grad_sync not in FSDP_GRAD_SYNCS:
+            raise ConfigError(f"config key 'fsdp_grad_sync': '{p.fsdp_grad_sync}' is not one of "
+                              f"{', '.join(FSDP_GRAD_SYNCS)}")
+        if p.fsdp_grad_sync != "every_micro_batch" and not (fsdp2 or mp_fsdp):
+            raise ConfigError("config key 'fsdp_grad_sync' applies to FSDP only; set dp_engine fsdp2 or "
                               "mp_grad_reduce fsdp, or drop it")
         if not (fsdp2 or mp_fsdp):
             return

@@ -41,8 +41,12 @@ case $part in
     # issue 31 item 5: the anchors and Galaxy's dp candidates (FSDP2 over dp 2 x galaxy mp 2, over dp 4 with
     # mp 1), each with and without resharding after forward; PROFILE=1 profiles one more step of each
     # (bench/step_profile.py) and FLOOR=1 first times the step's compute floor (bench/compute_floor.py)
-    dp) contenders='fsdp2-compile,fsdp2-compile-noreshard,fsdp2-tp,megatron-dp,galaxy-galaxy+compile@dp2-fsdp2,galaxy-galaxy+compile@dp2-fsdp2-noreshard,galaxy-tp+compile@dp4-fsdp2,galaxy-tp+compile@dp4-fsdp2-noreshard' ;;
-    *) echo "unknown part $part (a | b | fit | all | dp)"; exit 2 ;;
+    # (megatron-dp last: megatron-core's buffers outlive its contender and crowd the next ones)
+    dp) contenders='fsdp2-compile,fsdp2-compile-noreshard,fsdp2-tp,galaxy-galaxy+compile@dp2-fsdp2,galaxy-galaxy+compile@dp2-fsdp2-noreshard,galaxy-tp+compile@dp4-fsdp2,galaxy-tp+compile@dp4-fsdp2-noreshard,megatron-dp' ;;
+    # one gradient reduce-scatter per step (fsdp_grad_sync last_micro_batch; the anchor's set_requires_gradient_sync)
+    # beside the best rows of part dp, again in this launch
+    sync) contenders='fsdp2-compile-noreshard,fsdp2-compile-noreshard-onesync,galaxy-tp+compile@dp4-fsdp2-noreshard,galaxy-tp+compile@dp4-fsdp2-noreshard-onesync,galaxy-galaxy+compile@dp2-fsdp2' ;;
+    *) echo "unknown part $part (a | b | fit | all | dp | sync)"; exit 2 ;;
 esac
 tag=llama7b_${nproc}_${part}
 flags=(--global_batch "${GLOBAL_BATCH:-16}" --micro_batch 1 --warmup "${WARMUP:-2}" --iters "${ITERS:-3}"

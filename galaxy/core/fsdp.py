@@ -111,10 +111,10 @@ class Sharding:
 
     modules: list[nn.Module] = field(default_factory=list)
     over_dp: bool = False  # every parameter is sharded over dp: the dp sums are FSDP's
-    # Per FSDP module: its group, and the bytes one micro-batch's forward and backward move on it
-    # (all-gathers of the whole weights, again in backward when resharded after forward, and the
-    # reduce-scatter of their gradients), counted on the group as Galaxy's own collectives are.
-    traffic: list[tuple[Communicator, int]] = field(default_factory=list)
+    # Per FSDP module: its group, and the bytes one micro-batch's forward and backward gather on it
+    # (the whole weights, again in backward when resharded after forward) and the bytes of one
+    # reduce-scatter of their gradients, counted on the group as Galaxy's own collectives are.
+    traffic: list[tuple[Communicator, int, int]] = field(default_factory=list)
 
     def reshard(self) -> None:
         """Free gathered weights a forward without backward left (evaluation, a replay), so the model's
@@ -122,13 +122,21 @@ class Sharding:
         for m in self.modules:
             m.reshard()
 
-    def count_traffic(self, micro_batches: int) -> None:
-        """Add a training step's FSDP collectives to their groups' ``bytes_sent`` (FSDP runs them itself)."""
-        for comm, nbytes in self.traffic:
-            comm.bytes_sent += nbytes * micro_batches
+    def sync_gradients(self, enabled: bool) -> None:
+        """Whether the next backwards reduce-scatter the gradients (False: each rank accumulates its
+        unsharded gradients, in the reduce dtype, until a backward with True reduces them all)."""
+        for m in self.modules:
+            m.set_requires_gradient_sync(enabled, recurse=False)
+
+    def count_traffic(self, micro_batches: int, reductions: Optional[int] = None) -> None:
+        """Add a training step's FSDP collectives to their groups' ``bytes_sent`` (FSDP runs them itself):
+        gathers every micro-batch, gradient reduce-scatters ``reductions`` times (default: every one)."""
+        reductions = micro_batches if reductions is None else reductions
+        for comm, gather, reduce in self.traffic:
+            comm.bytes_sent += gather * micro_batches + reduce * reductions
 
     def comms(self) -> list[Communicator]:
-        return list({id(c): c for c, _ in self.traffic}.values())
+        return list({id(c): c for c, _, _ in self.traffic}.values())
 
 
 def _galaxy_meta(param: torch.Tensor) -> dict:
@@ -164,13 +172,13 @@ def shard_model(model: nn.Module, ctx, *, over_dp: bool, replicated_over_mp: boo
                     mp_policy=policy, **({"ignored_params": ignored} if ignored else {}))
         _sum_reductions(module)
         sharding.modules.append(module)
-        nbytes = 0
+        gathered = reduced = 0
         for name, p in model.named_parameters():  # those this call made DTensors
             if is_dtensor(p) and name not in axes_of:
                 axes_of[name] = axes
-                gather = (policy.param_dtype or p.dtype).itemsize * (2 if reshard_after_forward else 1)
-                nbytes += p.numel() * (gather + (policy.reduce_dtype or p.dtype).itemsize)
-        sharding.traffic.append((comm, nbytes))
+                gathered += p.numel() * (policy.param_dtype or p.dtype).itemsize * (2 if reshard_after_forward else 1)
+                reduced += p.numel() * (policy.reduce_dtype or p.dtype).itemsize
+        sharding.traffic.append((comm, gathered, reduced))
 
     if replicated_over_mp and ctx.mp.size > 1:
         if sharding.over_dp:

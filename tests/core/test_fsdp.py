@@ -23,6 +23,10 @@ FSDP2 = dict(dp_engine="fsdp2")
 # name: (world, case); the BERT of test_dp_pp unless the case says llama.
 CASES = {
     "dp2-mp1": (2, dict(FSDP2, plan="tp", dp_size=2, num_microbatches=2)),
+    # unsharded gradients accumulated over the micro-batches, one reduce-scatter per step
+    "dp2-mp1-sync-once": (2, dict(FSDP2, plan="tp", dp_size=2, num_microbatches=2, fsdp_grad_sync="last_micro_batch")),
+    "dp2-galaxy2-mpfsdp-sync-once": (4, dict(FSDP2, plan="galaxy2", dp_size=2, mp_grad_reduce="fsdp",
+                                             num_microbatches=2, fsdp_grad_sync="last_micro_batch")),
     "dp2-tp2": (4, dict(FSDP2, plan="tp", dp_size=2)),
     "dp2-galaxy2-llama": (4, dict(FSDP2, model="llama", plan="galaxy", dp_size=2)),
     "dp2-galaxy2": (4, dict(FSDP2, plan="galaxy2", dp_size=2, num_microbatches=2)),
@@ -66,7 +70,7 @@ def fsdp_equals_serial(ctx, case):
         err = rel_err(full(p.detach(), p, ctx), params_s[name].detach(), floor)
         assert err < RTOL, f"{name} after {STEPS} AdamW steps: relative error {err:.2e}"
     par.grad_sync.remove()
-    traffic = sum(nbytes for _, nbytes in par.sharding.traffic)
+    traffic = sum(gathered + reduced for _, gathered, reduced in par.sharding.traffic)
     return sorted(axes), traffic, sum(p.numel() for p in model.parameters() if p.dim() >= 2)
 
 
@@ -169,6 +173,8 @@ def test_bf16_gathers_bf16_weights_over_fp32_masters(dist_pool, model_type):
     (dict(mp_grad_reduce="fsdp", compile=True), "'compile'"),
     (dict(reshard_after_forward="never"), "'reshard_after_forward' applies to FSDP only"),
     (dict(dp_engine="fsdp2", reshard_after_forward="sometimes"), "default, always, never"),
+    (dict(fsdp_grad_sync="last_micro_batch"), "'fsdp_grad_sync' applies to FSDP only"),
+    (dict(dp_engine="fsdp2", fsdp_grad_sync="never"), "every_micro_batch, last_micro_batch"),
     (dict(dp_engine="fsdp3"), "ddp, zero1, deepspeed, fsdp2"),
 ])
 def test_fsdp_config_is_validated(raw, match):
