@@ -167,8 +167,11 @@ def test_profiler_times_the_last_member_of_a_gloo_all_gather_apart(tmp_path):
     logging.getLogger(__name__).info("1 MiB at 50 Mbit, s (last member, the others): %s", times)
     last, waited = times["all_gather"]
     assert 0.06 < waited < last and last > 1.2 * waited, times  # 512 KiB each way: 84 ms at least
+    gather_gap = (last - waited) / last
     last, waited = times["all_reduce"]
-    assert abs(last - waited) < 0.15 * last, times
+    # Compared with the all-gather's gap, not with a fixed band: a busy host stretches both roles of
+    # an all-reduce unevenly (13% apart under four other test runs, 2026-11-27), never to a gather's gap.
+    assert abs(last - waited) / last < 0.75 * gather_gap, times
 
 
 def test_placement_packs_ranks_onto_cores_and_fills_the_rest():
