@@ -10,9 +10,12 @@ bf16 autocast), ``peft-bf16-liger`` (the same with Liger-Kernel's LLaMA patches)
 (transformers + peft over a bitsandbytes NF4 base with double quantization, bf16 compute: the QLoRA
 recipe), ``unsloth-lora`` / ``unsloth-qlora`` (unsloth's recipe: ``FastLanguageModel.from_pretrained`` with
 ``load_in_4bit`` False / True, its NF4 base being bitsandbytes' with double quantization, then
-``FastLanguageModel.get_peft_model``; ``use_gradient_checkpointing=False``, its fastest setting, which fits
-at these shapes; ``unsloth-lora-gc`` / ``unsloth-qlora-gc`` run its recommended default ``"unsloth"``
-(offloaded checkpointing) instead). Every contender: LoRA r16 alpha 32 on q_proj / v_proj, dropout 0,
+``FastLanguageModel.get_peft_model``, with ``use_gradient_checkpointing=False``: nothing recomputed, its
+fastest setting where memory allows, as at these shapes (peft-bf16 runs them without checkpointing); a
+``-gc`` suffix runs its recommended default ``"unsloth"`` instead (from seq 512 on: checkpointing that
+offloads the saved activations to host memory), and a ``-sdpa`` suffix hides xformers so that its
+attention is PyTorch's SDPA, e.g. ``unsloth-qlora-gc-sdpa``; each row names the ``attention`` it ran and
+its checkpointing). Every contender: LoRA r16 alpha 32 on q_proj / v_proj, dropout 0,
 random tokens with labels = inputs, fused AdamW lr 1e-4, clipping at 1.0; a timed step is forward, backward,
 clipping and the optimizer step under bf16 autocast (Galaxy: its own loop), ended by reading the loss (a
 device sync). Peak memory is counted from the first training step on (building the model is left out, for
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -46,7 +50,16 @@ from galaxy.config import GalaxyConfig  # noqa: E402
 
 CONTENDERS = ("galaxy-lora", "galaxy-lora-compiled", "galaxy-qlora", "peft-bf16", "peft-bf16-liger", "peft-qlora-bnb",
               "unsloth-lora", "unsloth-qlora")
-UNSLOTH = ("unsloth-lora", "unsloth-qlora", "unsloth-lora-gc", "unsloth-qlora-gc")
+
+UNSLOTH = re.compile(r"^unsloth-(lora|qlora)(-gc)?(-sdpa)?$")
+
+
+def unsloth_variant(name: str):
+    """``unsloth-lora`` / ``unsloth-qlora``, then optionally ``-gc`` (its default ``use_gradient_checkpointing=
+    "unsloth"`` instead of False) and ``-sdpa`` (xformers hidden, so its attention is PyTorch's SDPA):
+    (load_in_4bit, use_gradient_checkpointing, sdpa), or None for any other name."""
+    m = UNSLOTH.match(name)
+    return None if m is None else (m[1] == "qlora", "unsloth" if m[2] else False, bool(m[3]))
 
 
 def config(args, quantize: str = "none", compiled: bool = False) -> GalaxyConfig:
@@ -205,6 +218,9 @@ def run_unsloth(args, variant: str) -> dict:
     use_gradient_checkpointing=...)``; then the peft contenders' step (bf16 autocast, fused AdamW, clip 1.0)."""
     import tempfile as _tempfile
 
+    four_bit, checkpointing, sdpa = unsloth_variant(variant)
+    if sdpa:  # unsloth then finds no xformers (ModuleNotFoundError) and runs PyTorch's SDPA
+        sys.modules["xformers"] = None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is local; the GPU machine has no network
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")  # else it downloads a README to count users
@@ -216,8 +232,6 @@ def run_unsloth(args, variant: str) -> dict:
                           "backend: stock transformers + peft), so its GPU recipe cannot run here")
     from unsloth import FastLanguageModel
 
-    four_bit = variant.startswith("unsloth-qlora")
-    checkpointing = "unsloth" if variant.endswith("-gc") else False
     cfg = config(args)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:  # kept until the end: weights may be read lazily
@@ -260,8 +274,9 @@ def run_unsloth(args, variant: str) -> dict:
         attention = select_attention_backend()  # dense, no mask: the backend its layers ran
     except Exception as e:  # noqa: BLE001 -- a note, not the result
         attention = f"unknown ({type(e).__name__})"
-    return {"times": times, "attention": attention, "use_gradient_checkpointing": checkpointing, "load_in_4bit": four_bit,
-            "trainable_params": sum(p.numel() for p in params),
+    return {"times": times, "attention": attention, "use_gradient_checkpointing": checkpointing,
+            "checkpointing_in_effect": str(getattr(model, "_unsloth_gradient_checkpointing", "unknown")),
+            "load_in_4bit": four_bit, "trainable_params": sum(p.numel() for p in params),
             "versions": versions("unsloth", "unsloth_zoo", "transformers", "peft", "trl", "bitsandbytes",
                                  "xformers", "triton")}
 
@@ -280,7 +295,7 @@ def one_line(e: BaseException) -> str:
 
 def run_one(args) -> dict:
     name = args.one
-    if name in UNSLOTH:
+    if unsloth_variant(name):
         try:
             out = run_unsloth(args, name)
         except Exception as e:  # noqa: BLE001 -- a contender that cannot run is a row, not the end of the launch
@@ -322,13 +337,13 @@ def main() -> int:
             f"--{k}={getattr(args, k)}" for k in ("preset", "seq", "batch", "steps", "warmup", "profile")
             if getattr(args, k) is not None]
         env = None
-        if name in UNSLOTH and args.unsloth_path:
+        if unsloth_variant(name) and args.unsloth_path:
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(
                 [os.path.abspath(args.unsloth_path)] + [x for x in [os.environ.get("PYTHONPATH")] if x]))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         row = json.loads(line[-1]) if line else {"contender": name, "failed": proc.stderr[-1500:]}
-        if name in UNSLOTH and "failed" in row:  # died outside Python's reach (a crash, a kill): one line
+        if unsloth_variant(name) and "failed" in row:  # died outside Python's reach (a crash, a kill): one line
             tail = [ln for ln in row.pop("failed").splitlines() if ln.strip()]
             row["error"] = f"exit {proc.returncode}: " + (" ".join(tail[-1].split())[:400] if tail else "no output")
         rows.append(row)
