@@ -228,7 +228,7 @@ def run_unsloth(args, variant: str) -> dict:
     import unsloth  # before transformers and peft: it patches them on import
 
     if getattr(unsloth, "_IS_CPU_BACKEND", False) or not torch.cuda.is_available():
-        raise Unavailable(f"unsloth {versions('unsloth')['unsloth']} found no CUDA device (it selected its CPU "
+        raise Unavailable(f"unsloth {getattr(unsloth, '__version__', '?')} found no CUDA device (it selected its CPU "
                           "backend: stock transformers + peft), so its GPU recipe cannot run here")
     from unsloth import FastLanguageModel
 
