@@ -216,15 +216,13 @@ def run_unsloth(args, variant: str) -> dict:
     """unsloth's recipe (its README and docs): ``FastLanguageModel.from_pretrained(..., load_in_4bit=...)``,
     ``FastLanguageModel.get_peft_model(r, target_modules, lora_alpha, lora_dropout=0, bias="none",
     use_gradient_checkpointing=...)``; then the peft contenders' step (bf16 autocast, fused AdamW, clip 1.0)."""
-    import tempfile as _tempfile
-
     four_bit, checkpointing, sdpa = unsloth_variant(variant)
     if sdpa:  # unsloth then finds no xformers (ModuleNotFoundError) and runs PyTorch's SDPA
         sys.modules["xformers"] = None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is local; the GPU machine has no network
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")  # else it downloads a README to count users
-    os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", os.path.join(_tempfile.gettempdir(), "unsloth_compiled_cache"))
+    os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", os.path.join(tempfile.gettempdir(), "unsloth_compiled_cache"))
     import unsloth  # before transformers and peft: it patches them on import
 
     if getattr(unsloth, "_IS_CPU_BACKEND", False) or not torch.cuda.is_available():
@@ -277,6 +275,7 @@ def run_unsloth(args, variant: str) -> dict:
     return {"times": times, "attention": attention, "use_gradient_checkpointing": checkpointing,
             "checkpointing_in_effect": str(getattr(model, "_unsloth_gradient_checkpointing", "unknown")),
             "load_in_4bit": four_bit, "trainable_params": sum(p.numel() for p in params),
+            "trainable_dtypes": sorted({str(p.dtype) for p in params}),
             "versions": versions("unsloth", "unsloth_zoo", "transformers", "peft", "trl", "bitsandbytes",
                                  "xformers", "triton")}
 
