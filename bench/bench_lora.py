@@ -8,11 +8,25 @@ Contenders (each in a fresh process, so one's memory and Liger's patches never r
 ``galaxy-qlora`` (the same over an NF4 base), ``peft-bf16`` (transformers + peft, base loaded in bf16,
 bf16 autocast), ``peft-bf16-liger`` (the same with Liger-Kernel's LLaMA patches), ``peft-qlora-bnb``
 (transformers + peft over a bitsandbytes NF4 base with double quantization, bf16 compute: the QLoRA
-recipe). Every contender: LoRA r16 alpha 32 on q_proj / v_proj, random tokens with labels = inputs,
-fused AdamW lr 1e-4, clipping at 1.0; a timed step is forward, backward, clipping and the optimizer
-step, ended by reading the loss (a device sync). Peak memory is counted from the first training step
-on (building the model is left out, for every contender alike). A contender whose package does not
-import says so in its row.
+recipe), ``unsloth-lora`` / ``unsloth-qlora`` (unsloth's recipe: ``FastLanguageModel.from_pretrained`` with
+``load_in_4bit`` False / True, its NF4 base being bitsandbytes' with double quantization, then
+``FastLanguageModel.get_peft_model``, with ``use_gradient_checkpointing=False``: nothing recomputed, its
+fastest setting where memory allows, as at these shapes (peft-bf16 runs them without checkpointing); a
+``-gc`` suffix runs its recommended default ``"unsloth"`` instead (from seq 512 on: checkpointing that
+offloads the saved activations to host memory), and a ``-sdpa`` suffix hides xformers so that its
+attention is PyTorch's SDPA, e.g. ``unsloth-qlora-gc-sdpa``; each row names the ``attention`` it ran and
+its checkpointing). Every contender: LoRA r16 alpha 32 on q_proj / v_proj, dropout 0,
+random tokens with labels = inputs, fused AdamW lr 1e-4, clipping at 1.0; a timed step is forward, backward,
+clipping and the optimizer step under bf16 autocast (Galaxy: its own loop), ended by reading the loss (a
+device sync). Peak memory is counted from the first training step on (building the model is left out, for
+every contender alike). A contender whose package does not import says so in its row; an unsloth contender
+that cannot run says why in its row's ``error`` (one line), and the launch goes on.
+
+unsloth patches transformers, peft and trl when imported, so it is imported first in its own process;
+``--unsloth_path DIR`` puts DIR (its carried packages) first on that process's path only, so the other
+contenders keep the image's packages. Its model is built as the peft contenders' (a random
+``LlamaForCausalLM`` of the preset's shapes), saved with a small word-level tokenizer to a temporary
+directory and loaded from there offline.
 """
 
 from __future__ import annotations
@@ -20,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -33,7 +48,18 @@ import torch  # noqa: E402
 from bench.bench_plans import causal_lm_data, hf_model  # noqa: E402
 from galaxy.config import GalaxyConfig  # noqa: E402
 
-CONTENDERS = ("galaxy-lora", "galaxy-lora-compiled", "galaxy-qlora", "peft-bf16", "peft-bf16-liger", "peft-qlora-bnb")
+CONTENDERS = ("galaxy-lora", "galaxy-lora-compiled", "galaxy-qlora", "peft-bf16", "peft-bf16-liger", "peft-qlora-bnb",
+              "unsloth-lora", "unsloth-qlora")
+
+UNSLOTH = re.compile(r"^unsloth-(lora|qlora)(-gc)?(-sdpa)?$")
+
+
+def unsloth_variant(name: str):
+    """``unsloth-lora`` / ``unsloth-qlora``, then optionally ``-gc`` (its default ``use_gradient_checkpointing=
+    "unsloth"`` instead of False) and ``-sdpa`` (xformers hidden, so its attention is PyTorch's SDPA):
+    (load_in_4bit, use_gradient_checkpointing, sdpa), or None for any other name."""
+    m = UNSLOTH.match(name)
+    return None if m is None else (m[1] == "qlora", "unsloth" if m[2] else False, bool(m[3]))
 
 
 def config(args, quantize: str = "none", compiled: bool = False) -> GalaxyConfig:
@@ -157,6 +183,103 @@ def run_peft(args, variant: str) -> dict:
     return {"times": times}
 
 
+class Unavailable(RuntimeError):
+    """A contender that cannot run here; its message is the row's ``error``."""
+
+
+def versions(*names: str) -> dict:
+    """The installed version of each distribution that this process would import, or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _save_tokenizer(path: str) -> None:
+    """A small word-level tokenizer, enough for ``from_pretrained`` to load one (the bench feeds token ids)."""
+    import tokenizers
+    import transformers
+
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", "<pad>"] + [f"w{i}" for i in range(252)])}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                         pad_token="<pad>").save_pretrained(path)
+
+
+def run_unsloth(args, variant: str) -> dict:
+    """unsloth's recipe (its README and docs): ``FastLanguageModel.from_pretrained(..., load_in_4bit=...)``,
+    ``FastLanguageModel.get_peft_model(r, target_modules, lora_alpha, lora_dropout=0, bias="none",
+    use_gradient_checkpointing=...)``; then the peft contenders' step (bf16 autocast, fused AdamW, clip 1.0)."""
+    four_bit, checkpointing, sdpa = unsloth_variant(variant)
+    if sdpa:  # unsloth then finds no xformers (ModuleNotFoundError) and runs PyTorch's SDPA
+        sys.modules["xformers"] = None
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is local; the GPU machine has no network
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")  # else it downloads a README to count users
+    os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", os.path.join(tempfile.gettempdir(), "unsloth_compiled_cache"))
+    import unsloth  # before transformers and peft: it patches them on import
+
+    if getattr(unsloth, "_IS_CPU_BACKEND", False) or not torch.cuda.is_available():
+        raise Unavailable(f"unsloth {getattr(unsloth, '__version__', '?')} found no CUDA device (it selected its CPU "
+                          "backend: stock transformers + peft), so its GPU recipe cannot run here")
+    from unsloth import FastLanguageModel
+
+    cfg = config(args)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:  # kept until the end: weights may be read lazily
+        base = hf_model("llama", _hf_config(cfg), torch.device("cpu")).to(torch.bfloat16)
+        base.save_pretrained(tmp)
+        del base
+        _save_tokenizer(tmp)
+        model, _ = FastLanguageModel.from_pretrained(
+            model_name=tmp, max_seq_length=args.seq, dtype=torch.bfloat16, load_in_4bit=four_bit,
+            use_gradient_checkpointing=checkpointing, local_files_only=True)
+        model = FastLanguageModel.get_peft_model(
+            model, r=16, target_modules=["q_proj", "v_proj"], lora_alpha=32, lora_dropout=0, bias="none",
+            use_gradient_checkpointing=checkpointing, random_state=0, max_seq_length=args.seq)
+        FastLanguageModel.for_training(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+        batch_at = causal_lm_data(cfg)
+        torch.cuda.reset_peak_memory_stats()
+
+        def step(i):
+            batch = {k: v.cuda(non_blocking=True) for k, v in batch_at(i).items()}
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(**batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss.item()
+
+        prof = profiler(args)
+        if prof is None:
+            times = timed_steps(step, args, lambda: None)
+        else:
+            with prof:
+                times = timed_steps(step, args, prof.step)
+            write_profile(prof, args)
+    try:
+        from unsloth.utils.attention_dispatch import select_attention_backend
+
+        attention = select_attention_backend()  # dense, no mask: the backend its layers ran
+    except Exception as e:  # noqa: BLE001 -- a note, not the result
+        attention = f"unknown ({type(e).__name__})"
+    return {"times": times, "attention": attention, "use_gradient_checkpointing": checkpointing,
+            "checkpointing_in_effect": str(getattr(model, "_unsloth_gradient_checkpointing", "unknown")),
+            "load_in_4bit": four_bit, "trainable_params": sum(p.numel() for p in params),
+            "trainable_dtypes": sorted({str(p.dtype) for p in params}),
+            "versions": versions("unsloth", "unsloth_zoo", "transformers", "peft", "trl", "bitsandbytes",
+                                 "xformers", "triton")}
+
+
 def _hf_config(cfg: GalaxyConfig) -> dict:
     """The HF config of ``cfg``'s model."""
     from galaxy.models.llama import LlamaForCausalLM
@@ -164,13 +287,24 @@ def _hf_config(cfg: GalaxyConfig) -> dict:
     return LlamaForCausalLM.hf_config(cfg.model)
 
 
+def one_line(e: BaseException) -> str:
+    text = str(e) if isinstance(e, Unavailable) else f"{type(e).__name__}: {e}"
+    return " ".join(text.split())[:400]
+
+
 def run_one(args) -> dict:
     name = args.one
-    try:
-        out = run_galaxy(args, "nf4" if name == "galaxy-qlora" else "none", name.endswith("-compiled")) \
-            if name.startswith("galaxy") else run_peft(args, name)
-    except ImportError as e:
-        return {"contender": name, "skipped": f"{type(e).__name__}: {e}"}
+    if unsloth_variant(name):
+        try:
+            out = run_unsloth(args, name)
+        except Exception as e:  # noqa: BLE001 -- a contender that cannot run is a row, not the end of the launch
+            return {"contender": name, "error": one_line(e)}
+    else:
+        try:
+            out = run_galaxy(args, "nf4" if name == "galaxy-qlora" else "none", name.endswith("-compiled")) \
+                if name.startswith("galaxy") else run_peft(args, name)
+        except ImportError as e:
+            return {"contender": name, "skipped": f"{type(e).__name__}: {e}"}
     times = out.pop("times")
     median = statistics.median(times)
     return {"contender": name, "step_ms": median * 1e3, "step_ms_min": min(times) * 1e3,
@@ -189,6 +323,8 @@ def main() -> int:
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--json", default=None)
     p.add_argument("--profile", default=None, metavar="DIR", help="write each contender's kernel table here")
+    p.add_argument("--unsloth_path", default=None, metavar="DIR",
+                   help="put DIR (unsloth and the packages carried for it) first on the unsloth contenders' path")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
@@ -199,20 +335,30 @@ def main() -> int:
         cmd = [sys.executable, os.path.abspath(__file__), "--one", name] + [
             f"--{k}={getattr(args, k)}" for k in ("preset", "seq", "batch", "steps", "warmup", "profile")
             if getattr(args, k) is not None]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        env = None
+        if unsloth_variant(name) and args.unsloth_path:
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                [os.path.abspath(args.unsloth_path)] + [x for x in [os.environ.get("PYTHONPATH")] if x]))
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         row = json.loads(line[-1]) if line else {"contender": name, "failed": proc.stderr[-1500:]}
+        if unsloth_variant(name) and "failed" in row:  # died outside Python's reach (a crash, a kill): one line
+            tail = [ln for ln in row.pop("failed").splitlines() if ln.strip()]
+            row["error"] = f"exit {proc.returncode}: " + (" ".join(tail[-1].split())[:400] if tail else "no output")
         rows.append(row)
         print(json.dumps(row), flush=True)
-    facts = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": args.preset,
+    facts = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (no CUDA device)",
+             "torch": torch.__version__, "preset": args.preset,
              "seq": args.seq, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-             "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("GALAXY_COMMIT", "unknown")}
+             "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("GALAXY_COMMIT", "unknown"),
+             "versions": versions("transformers", "peft", "accelerate", "bitsandbytes", "liger_kernel", "triton"),
+             "unsloth_path": args.unsloth_path}
     print(f"\n{facts}\n{'contender':<18} {'step ms':>9} {'steps/s':>8} {'peak MiB':>9}")
     for r in rows:
         if "step_ms" in r:
             print(f"{r['contender']:<18} {r['step_ms']:9.1f} {r['steps_per_s']:8.2f} {r['peak_mib']:9.0f}")
         else:
-            print(f"{r['contender']:<18} {(r.get('skipped') or r.get('failed', ''))[-200:]}")
+            print(f"{r['contender']:<18} {(r.get('error') or r.get('skipped') or r.get('failed', ''))[-200:]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"facts": facts, "rows": rows}, f, indent=2)

@@ -1,0 +1,48 @@
+"""``bench/bench_lora.py`` without a GPU: unsloth's contenders are named as documented, run in their own
+process with ``--unsloth_path`` first on its path, and a row that cannot run says why in one line while the
+launch goes on."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bench.bench_lora import unsloth_variant
+from tests import REPO
+
+TINY = ["--preset", "llama-tiny", "--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "0"]
+
+
+def test_unsloth_contender_names():
+    assert unsloth_variant("unsloth-lora") == (False, False, False)
+    assert unsloth_variant("unsloth-qlora") == (True, False, False)
+    assert unsloth_variant("unsloth-lora-gc") == (False, "unsloth", False)
+    assert unsloth_variant("unsloth-qlora-gc-sdpa") == (True, "unsloth", True)
+    assert unsloth_variant("unsloth-lora-sdpa") == (False, False, True)
+    for other in ("peft-bf16", "galaxy-lora", "unsloth-lora-sdpa-gc", "unsloth-dora", "unsloth-lora-"):
+        assert unsloth_variant(other) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the unsloth rows run")
+def test_unsloth_rows_say_why_in_one_line(tmp_path):
+    """A stand-in unsloth under --unsloth_path that selected its CPU backend, as unsloth does without a GPU:
+    each row says so in one line, so the contender imported it from there, and the launch ends with its JSON."""
+    fake = tmp_path / "deps" / "unsloth"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("__version__ = '0.0-standin'\n_IS_CPU_BACKEND = True\n")
+    out = subprocess.run([sys.executable, "bench/bench_lora.py", *TINY, "--json", str(tmp_path / "out.json"),
+                          "--contenders", "unsloth-lora,unsloth-qlora-gc-sdpa",
+                          "--unsloth_path", str(tmp_path / "deps")],
+                         cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert [r["contender"] for r in result["rows"]] == ["unsloth-lora", "unsloth-qlora-gc-sdpa"]
+    for row in result["rows"]:
+        assert row["error"].startswith("unsloth 0.0-standin found no CUDA device"), row
+        assert "\n" not in row["error"] and len(row["error"]) <= 400 and row["error"][:200] in out.stdout
+    facts = result["facts"]
+    assert facts["device"].startswith("cpu") and "transformers" in facts["versions"]
+    assert facts["unsloth_path"] == str(tmp_path / "deps")
