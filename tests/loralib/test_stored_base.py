@@ -127,9 +127,9 @@ def test_training_what_was_built_frozen_is_refused():
         apply_tuning(model, cfg, targets=["query", "value"])
 
 
-def built_on_a_plan(ctx, raw, quantize_base):
+def built_on_a_plan(ctx, raw, quantize_base, init_on_device=False):
     cfg = config(**raw, plan="galaxy", quantize_base=quantize_base)
-    ours = apply_tuning(build_base(cfg, cfg.resolve_plan(ctx.mp.size), ctx), cfg)
+    ours = apply_tuning(build_base(cfg, cfg.resolve_plan(ctx.mp.size), ctx, init_on_device=init_on_device), cfg)
     serial = dict(apply_tuning(model_class("llama")(cfg.model, seed=cfg.train.seed), cfg).named_parameters())
     for name, p in ours.named_parameters():
         assert p.dtype == serial[name].dtype
@@ -146,6 +146,34 @@ def built_on_a_plan(ctx, raw, quantize_base):
 def test_a_base_built_stored_on_a_plan_is_the_serial_one(dist_pool, world, raw):
     dist_pool.run(built_on_a_plan, world, raw, "none")
     dist_pool.run(built_on_a_plan, world, raw, "nf4")  # the buffers: tests/loralib/test_qlora.py
+    if world == 2:  # drawn on the rank's device, here the CPU: the same values
+        dist_pool.run(built_on_a_plan, world, raw, "none", True)
+
+
+@pytest.mark.parametrize("raw", [dict(tuning="full", dtype="float32"), dict(dtype="float32"), dict()],
+                         ids=["full-fp32", "lora-fp32", "lora-bf16"])
+def test_a_base_drawn_on_the_cpu_device_is_the_serial_init(raw):
+    """init_on_device builds through materialize whatever the method and dtype; on the CPU its values are the
+    host's serial init, bit for bit."""
+    cfg = config(**raw)
+    drawn = apply_tuning(build_base(cfg, None, SERIAL, init_on_device=True), cfg)
+    assert_identical(drawn, apply_tuning(model_class("llama")(cfg.model, seed=cfg.train.seed), cfg))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="draws on a CUDA device")
+def test_a_base_drawn_on_a_gpu_is_made_there_in_its_formats():
+    """The GPU's generator draws each full tensor there (not the host's values), stored bf16 / NF4 on the GPU."""
+    for quantize_base in ("none", "nf4"):
+        cfg = config(quantize_base=quantize_base)
+        ctx = ParallelContext.serial("cuda")
+        model = apply_tuning(build_base(cfg, None, ctx, init_on_device=True), cfg)
+        assert all(t.device.type == "cuda" for t in [*model.parameters(), *model.buffers()])
+        check_formats(model)
+        w = model.model.embed_tokens.weight
+        gpu = model._init_param("model.embed_tokens.weight", tuple(w.shape), cfg.train.seed, ctx.device)
+        assert torch.equal(w, gpu.to(w.dtype))
+        host = model._init_param("model.embed_tokens.weight", tuple(w.shape), cfg.train.seed)
+        assert not torch.equal(w.cpu(), host.to(w.dtype))
 
 
 # ----------------------------------------------------------------------------- from model_path: streamed
