@@ -5,10 +5,11 @@ runs, in one launch.
     torchrun --nproc_per_node 4 bench/bench_peft_mp.py --scenario llama70b --json peft_70b_4.json
     python bench/bench_peft_mp.py --cpu --world 2 --scenario smoke --contenders '*'     # CPU + Gloo, tiny shapes
 
-Contenders ``<method>-<plan>``: method ``lora`` (frozen base stored in bf16, ``frozen_dtype: compute``) or
-``qlora`` (frozen linears in NF4, ``quantize_base: nf4``; embeddings and head bf16); plan ``none`` (the
-one-GPU run: rank 0 alone, the other ranks wait) or ``tp`` | ``galaxy`` | ``galaxy2`` | ``sp`` on every rank
-of the launch (mp = world, dp 1). Every contender: LoRA r16 alpha 32 on q_proj / v_proj as
+Contenders ``<method>-<plan>[+recompute]``: method ``lora`` (frozen base stored in bf16, ``frozen_dtype:
+compute``) or ``qlora`` (frozen linears in NF4, ``quantize_base: nf4``; embeddings and head bf16); plan ``none``
+(the one-GPU run: rank 0 alone, the other ranks wait) or ``tp`` | ``galaxy`` | ``galaxy2`` | ``sp`` on every
+rank of the launch (mp = world, dp 1); ``+recompute``: each layer recomputed in backward (``recompute: full``,
+the gradient checkpointing of the QLoRA recipe, ``peft.prepare_model_for_kbit_training``). Every contender: LoRA r16 alpha 32 on q_proj / v_proj as
 ``bench/bench_lora.py`` (its ``LORA``), fp32 factors and AdamW state (fused on GPU, lr 1e-4, weight decay
 0.01), clip 1.0, bf16 autocast, random tokens; Galaxy's own Trainer (``bench_train.galaxy_steps``: one step
 is what ``train()`` runs per step).
@@ -69,14 +70,15 @@ PLANS = ("none", "tp", "galaxy", "galaxy2", "sp")
 # The 7B at 2 GPUs: the one-GPU rows and every plan; the 70B at 4 GPUs: LoRA on the plans whose weights fit
 # (galaxy2 and sp keep the 113 GB of MLP weights whole on every rank).
 DEFAULT_CONTENDERS = {
-    "llama7b": "lora-none,qlora-none,lora-tp,qlora-tp,lora-galaxy,qlora-galaxy,lora-galaxy2,qlora-galaxy2",
+    "llama7b": "lora-none,qlora-none,lora-tp,qlora-tp,lora-galaxy,qlora-galaxy,lora-galaxy2,qlora-galaxy2,"
+               "lora-none+recompute,qlora-none+recompute",
     "llama70b": "lora-tp,lora-galaxy",
     "smoke": "*",
 }
 
 
 def contender_names() -> list[str]:
-    return [f"{method}-{plan}" for plan in PLANS for method in METHODS]
+    return [f"{method}-{plan}{suffix}" for suffix in ("", "+recompute") for plan in PLANS for method in METHODS]
 
 
 def select(patterns: str) -> list[str]:
@@ -92,32 +94,35 @@ def select(patterns: str) -> list[str]:
 
 def alone(name: str) -> bool:
     """The one-GPU rows: plan none, on rank 0 by itself."""
-    return name.endswith("-none")
+    return name.partition("+")[0].endswith("-none")
 
 
-def peft_config(shape: dict, args, plan: str, method: str, micro_batch: int):
-    return galaxy_config(shape, args, plan, micro_batch=micro_batch,
+def peft_config(shape: dict, args, plan: str, method: str, micro_batch: int, recompute: bool = False):
+    return galaxy_config(shape, args, plan, micro_batch=micro_batch, model={"recompute": "full" if recompute else "none"},
                          peft=dict(LORA, quantize_base=METHODS[method], frozen_dtype="compute"))
 
 
 def peft_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
     """The contender ``name`` on ``ctx`` (mp = its ranks): its base built on the rank's device, shard by shard,
     in its storage format, the LoRA factors on top, Galaxy's Trainer ready to step."""
-    method, _, plan = name.partition("-")
+    base, _, suffix = name.partition("+")
+    method, _, plan = base.partition("-")
     batching = Batching.reach(shape["global_batch"], 1, args.micro_batch or shape["global_batch"])
-    cfg = peft_config(shape, args, plan, method, batching.micro_batch)
+    cfg = peft_config(shape, args, plan, method, batching.micro_batch, recompute=suffix == "recompute")
     model = apply_tuning(build_base(cfg, cfg.resolve_plan(ctx.mp.size), ctx, init_on_device=True), cfg)
     stored, weights = frozen_bytes(model)  # this rank's: its shard of the base
 
     def per_rank() -> dict:
         return {"frozen_mib": stored / 2**20, "host_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
-    layout = {"plan": plan, "mp": ctx.mp.size, "method": method, "frozen_bytes_per_weight": stored / max(weights, 1)}
+    layout = {"plan": plan, "mp": ctx.mp.size, "method": method, "recompute": cfg.model.recompute,
+              "frozen_bytes_per_weight": stored / max(weights, 1)}
     return galaxy_steps(model, cfg, shape, batching, ctx, layout, peak_from_step=True, per_rank=per_rank)
 
 
 def ratios(rows: list[dict]) -> None:
-    """``qlora_over_lora`` on each QLoRA row: its peak per GPU over the LoRA row's of the same plan."""
+    """``qlora_over_lora`` on each QLoRA row: its peak per GPU over the LoRA row's of the same plan (and
+    recompute)."""
     peaks = {r["name"]: r.get("peak_mib") for r in rows if "error" not in r}
     for r in rows:
         lora = peaks.get(r["name"].replace("qlora-", "lora-", 1))
@@ -167,19 +172,19 @@ def print_table(report: dict) -> None:
           f"{s['global_batch']}; LoRA r{LORA['lora_dim']} on {'/'.join(LORA['lora_target_modules'])}, "
           f"{report['dtype']}; whole steps; {report['world']} x {report['device']}, torch {report['torch']}, "
           f"{report['date']}, {report['commit']}")
-    head = (f"{'contender':<16}{'gpus':>5}{'median ms':>11}{'tok/s/GPU':>11}{'MFU':>7}{'peak MiB/GPU':>14}"
+    head = (f"{'contender':<22}{'gpus':>5}{'median ms':>11}{'tok/s/GPU':>11}{'MFU':>7}{'peak MiB/GPU':>14}"
             f"{'build peak':>12}{'frozen MiB':>12}{'host MiB':>10}{'build s':>9}{'Q/L peak':>10}")
     print(head + "\n" + "-" * len(head))
     for r in report["rows"]:
         if "error" in r:
-            print(f"{r['name']:<16}{r['gpus']:>5}  not run: {r['error']}")
+            print(f"{r['name']:<22}{r['gpus']:>5}  not run: {r['error']}")
             continue
 
         def num(key, fmt=".0f"):
             return format(r[key], fmt) if r.get(key) is not None else "-"
 
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
-        print(f"{r['name']:<16}{r['gpus']:>5}{r['median_ms']:>11.1f}{r['tokens_per_s_per_gpu']:>11.0f}{mfu:>7}"
+        print(f"{r['name']:<22}{r['gpus']:>5}{r['median_ms']:>11.1f}{r['tokens_per_s_per_gpu']:>11.0f}{mfu:>7}"
               f"{num('peak_mib'):>14}{num('build_peak_mib'):>12}{num('frozen_mib'):>12}{num('host_peak_mib'):>10}"
               f"{num('build_s', '.1f'):>9}{num('qlora_over_lora', '.2f'):>10}")
 

@@ -27,7 +27,8 @@ def bench(tmp_path, world, contenders):
     return json.loads(out.read_text()), run.stdout
 
 
-@pytest.mark.parametrize("world,contenders", [(2, "*"), (4, "lora-tp,qlora-tp,lora-galaxy,qlora-galaxy2")])
+@pytest.mark.parametrize("world,contenders", [(2, "*-none,*-tp,*-galaxy,*-galaxy2,*-sp,qlora-galaxy+recompute"),
+                                               (4, "lora-tp,qlora-tp,lora-galaxy,qlora-galaxy2")])
 def test_every_mode_runs_and_does_the_same_work(tmp_path, world, contenders):
     report, stdout = bench(tmp_path, world, contenders)
     rows = {r["name"]: r for r in report["rows"]}
@@ -36,7 +37,8 @@ def test_every_mode_runs_and_does_the_same_work(tmp_path, world, contenders):
     assert report["facts"]["tokens_per_step"] == batch * seq and "4*N" in report["facts"]["mfu_formula"]
     for name, r in rows.items():
         assert "error" not in r, (name, r.get("error"))
-        assert r["gpus"] == (1 if name.endswith("-none") else world) and r["plan"] == name.split("-")[1], name
+        assert r["gpus"] == (1 if "-none" in name else world) and r["plan"] == name.split("-")[1].split("+")[0], name
+        assert r["recompute"] == ("full" if name.endswith("+recompute") else "none"), name
         assert (r["sequences_per_step"], r["tokens_per_step"]) == (batch, batch * seq), name
         assert r["tokens_per_s_per_gpu"] * r["gpus"] == pytest.approx(r["tokens_per_s"], rel=1e-12), name
         assert r["host_peak_mib"] > 0 and r["frozen_mib"] > 0 and r["peak_mib"] is None, name  # no GPU memory here
@@ -50,20 +52,24 @@ def test_every_mode_runs_and_does_the_same_work(tmp_path, world, contenders):
 
 
 def test_contenders_and_ratios():
-    assert select("lora-*") == ["lora-none", "lora-tp", "lora-galaxy", "lora-galaxy2", "lora-sp"]
+    assert select("lora-*") == ["lora-none", "lora-tp", "lora-galaxy", "lora-galaxy2", "lora-sp",
+                                "lora-none+recompute", "lora-tp+recompute", "lora-galaxy+recompute",
+                                "lora-galaxy2+recompute", "lora-sp+recompute"]
     assert set(contender_names()) == set(select("*"))
     with pytest.raises(ValueError, match="matches none"):
         select("lora-megatron")
     rows = [{"name": "lora-tp", "peak_mib": 200.0}, {"name": "qlora-tp", "peak_mib": 80.0},
-            {"name": "qlora-none", "peak_mib": 50.0}, {"name": "lora-none", "error": "out of memory"}]
+            {"name": "qlora-none", "peak_mib": 50.0}, {"name": "lora-none", "error": "out of memory"},
+            {"name": "qlora-tp+recompute", "peak_mib": 30.0}, {"name": "lora-tp+recompute", "peak_mib": 100.0}]
     ratios(rows)
     assert rows[1]["qlora_over_lora"] == 0.4 and "qlora_over_lora" not in rows[2]
+    assert rows[4]["qlora_over_lora"] == 0.3
     from bench.bench_peft_mp import main
     with pytest.raises(SystemExit):
         main(["--contenders", "full-tp"])
 
 
-def trained_as_serial(ctx, method, plan):
+def trained_as_serial(ctx, method, plan, suffix=""):
     """The bench's contender on ``plan`` (this pool's ranks) and on one rank, 3 Trainer steps each in float64:
     every trainable parameter the same (gathered), every frozen one unmoved."""
     import torch
@@ -75,7 +81,7 @@ def trained_as_serial(ctx, method, plan):
     args = argparse.Namespace(dtype="float64", micro_batch=None)
     shape = SCENARIOS["smoke"]
     serial = peft_contender(f"{method}-none", args, shape, ParallelContext.serial())
-    par = peft_contender(f"{method}-{plan}", args, shape, ctx)
+    par = peft_contender(f"{method}-{plan}{suffix}", args, shape, ctx)
     before = {n: p.detach().clone() for n, p in serial.entry.named_parameters()}
     for _ in range(3):
         serial.step()
@@ -105,3 +111,5 @@ def trained_as_serial(ctx, method, plan):
 def test_the_bench_trains_on_a_plan_as_serial(dist_pool, method, world, plans):
     for plan in plans:
         assert max(dist_pool.run(trained_as_serial, world, method, plan)) < 1e-9
+    if world == 2:  # each layer recomputed in backward: the same training
+        assert max(dist_pool.run(trained_as_serial, world, method, "galaxy", "+recompute")) < 1e-9
