@@ -172,7 +172,7 @@ def print_table(report: dict) -> None:
           f"{s['global_batch']}; LoRA r{LORA['lora_dim']} on {'/'.join(LORA['lora_target_modules'])}, "
           f"{report['dtype']}; whole steps; {report['world']} x {report['device']}, torch {report['torch']}, "
           f"{report['date']}, {report['commit']}")
-    head = (f"{'contender':<24}{'gpus':>5}{'median ms':>11}{'tok/s/GPU':>11}{'MFU':>7}{'peak MiB/GPU':>14}"
+    head = (f"{'contender':<24}{'gpus':>5}{'median ms':>11}{'steps/s':>9}{'tok/s/GPU':>11}{'MFU':>7}{'peak MiB/GPU':>14}"
             f"{'build peak':>12}{'frozen MiB':>12}{'host MiB':>10}{'build s':>9}{'Q/L peak':>10}")
     print(head + "\n" + "-" * len(head))
     for r in report["rows"]:
@@ -184,7 +184,7 @@ def print_table(report: dict) -> None:
             return format(r[key], fmt) if r.get(key) is not None else "-"
 
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
-        print(f"{r['name']:<24}{r['gpus']:>5}{r['median_ms']:>11.1f}{r['tokens_per_s_per_gpu']:>11.0f}{mfu:>7}"
+        print(f"{r['name']:<24}{r['gpus']:>5}{r['median_ms']:>11.1f}{1e3 / r['median_ms']:>9.2f}{r['tokens_per_s_per_gpu']:>11.0f}{mfu:>7}"
               f"{num('peak_mib'):>14}{num('build_peak_mib'):>12}{num('frozen_mib'):>12}{num('host_peak_mib'):>10}"
               f"{num('build_s', '.1f'):>9}{num('qlora_over_lora', '.2f'):>10}")
 
