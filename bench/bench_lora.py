@@ -51,6 +51,10 @@ from galaxy.config import GalaxyConfig  # noqa: E402
 CONTENDERS = ("galaxy-lora", "galaxy-lora-compiled", "galaxy-qlora", "peft-bf16", "peft-bf16-liger", "peft-qlora-bnb",
               "unsloth-lora", "unsloth-qlora")
 
+# Every contender's LoRA (and bench_peft_mp's): r16, alpha 32 on q_proj / v_proj, no dropout.
+LORA = {"tuning": "lora", "lora_dim": 16, "lora_alpha": 32, "lora_dropout": 0.0,
+        "lora_target_modules": ["q_proj", "v_proj"]}
+
 UNSLOTH = re.compile(r"^unsloth-(lora|qlora)(-gc)?(-sdpa)?$")
 
 
@@ -68,8 +72,7 @@ def config(args, quantize: str = "none", compiled: bool = False) -> GalaxyConfig
                   "compile": compiled},
         "train": {"global_batch_size": args.batch, "seq_length": args.seq, "max_steps": args.warmup + args.steps,
                   "dtype": "bfloat16", "lr": 1e-4, "warmup_steps": 0, "grad_clip": 1.0, "log_every": 10**6},
-        "peft": {"tuning": "lora", "lora_dim": 16, "lora_alpha": 32, "lora_dropout": 0.0,
-                 "lora_target_modules": ["q_proj", "v_proj"], "quantize_base": quantize}})
+        "peft": dict(LORA, quantize_base=quantize)})
 
 
 def timed_steps(step, args, tick) -> list[float]:

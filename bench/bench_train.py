@@ -366,6 +366,10 @@ class Prepared:
     layout: dict = field(default_factory=dict)  # e.g. tp degree, dp engine: stated in the row
     comm_bytes_metrics: Optional[Callable[[Callable[[], None]], int]] = None  # Galaxy: its own count of a step
     teardown: list = field(default_factory=list)
+    # True: peak memory counted from the first step on (the build's own peak stated as ``build_peak_mib``)
+    peak_from_step: bool = False
+    # numbers of this rank read after the timed steps, stated as their maximum over the row's ranks
+    per_rank: Optional[Callable[[], dict]] = None
 
 
 def adamw(params: list, device: torch.device) -> torch.optim.Optimizer:
@@ -379,18 +383,22 @@ def adamw(params: list, device: torch.device) -> torch.optim.Optimizer:
 
 def galaxy_config(shape: dict, args, plan: str = "none", reduce: str = "after_backward", compiled: bool = False,
                   dp: int = 1, engine: str = "ddp", micro_batch: int = 1, reshard: str = "default",
-                  grad_sync: str = "every_micro_batch") -> GalaxyConfig:
-    """Galaxy's LLaMA at the scenario's shapes (also the model-FLOPs formula's config for every contender)."""
+                  grad_sync: str = "every_micro_batch", peft: Optional[dict] = None,
+                  model: Optional[dict] = None) -> GalaxyConfig:
+    """Galaxy's LLaMA at the scenario's shapes (also the model-FLOPs formula's config for every contender);
+    ``shape`` may name ``kv_heads`` (GQA; default: ``heads``). ``peft``: the config's peft section (a tuning
+    method; default full training); ``model``: more model keys."""
     return GalaxyConfig.from_dict({
         "model": {"preset": "llama-7b", "num_hidden_layers": shape["layers"], "hidden_size": shape["hidden"],
                   "intermediate_size": shape["ffn"], "num_attention_heads": shape["heads"],
-                  "num_key_value_heads": shape["heads"], "vocab_size": shape["vocab"],
-                  "max_position_embeddings": max(4096, shape["seq"]), "compile": compiled},
+                  "num_key_value_heads": shape.get("kv_heads", shape["heads"]), "vocab_size": shape["vocab"],
+                  "max_position_embeddings": max(4096, shape["seq"]), "compile": compiled, **(model or {})},
         "parallel": {"plan": plan, "mp_grad_reduce": reduce, "dp_size": dp, "dp_engine": engine,
                      "reshard_after_forward": reshard, "fsdp_grad_sync": grad_sync},
         "train": {"global_batch_size": shape["global_batch"], "micro_batch_size": micro_batch,
                   "seq_length": shape["seq"], "dtype": args.dtype, "lr": LR, "weight_decay": WEIGHT_DECAY,
-                  "grad_clip": CLIP, "warmup_steps": 0, "lr_schedule": "constant", "max_steps": 10**6}})
+                  "grad_clip": CLIP, "warmup_steps": 0, "lr_schedule": "constant", "max_steps": 10**6},
+        **({"peft": peft} if peft else {})})
 
 
 def galaxy_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
@@ -416,7 +424,16 @@ def galaxy_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prep
                         batching.micro_batch, reshard="never" if keep_gathered else "default",
                         grad_sync="last_micro_batch" if sync_once else "every_micro_batch")
     model = build_model(cfg, cfg.resolve_plan(run_ctx.mp.size), run_ctx)
-    trainer = make_trainer(model, cfg, run_ctx)
+    return galaxy_steps(model, cfg, shape, batching, run_ctx, layout={
+        "mp": run_ctx.mp.size, "dp_engine": engine, "reshard_after_forward": cfg.parallel.reshard_after_forward,
+        "fsdp_grad_sync": cfg.parallel.fsdp_grad_sync})
+
+
+def galaxy_steps(model: nn.Module, cfg: GalaxyConfig, shape: dict, batching: Batching, ctx: ParallelContext,
+                 layout: dict, **prepared) -> Prepared:
+    """``model`` (built for ``cfg`` on ``ctx``) trained by Galaxy's own Trainer: one ``step()`` is what
+    ``train()`` runs per step. ``prepared``: more ``Prepared`` fields."""
+    trainer = make_trainer(model, cfg, ctx)
     assert trainer.num_microbatches == batching.accumulation, (trainer.num_microbatches, batching)
     batch_at = GlobalBatches(shape, batching, torch.device("cpu")).galaxy_batch_at()
     amp = lambda: autocast_context(cfg, ctx.device)  # noqa: E731
@@ -434,11 +451,9 @@ def galaxy_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prep
         return trainer.comm_bytes() - before
 
     grad_sync = getattr(trainer, "grad_sync", None)
-    return Prepared(step, batching, entry=model, layout={"mp": run_ctx.mp.size, "dp_engine": engine,
-                                                         "reshard_after_forward": cfg.parallel.reshard_after_forward,
-                                                         "fsdp_grad_sync": cfg.parallel.fsdp_grad_sync},
+    return Prepared(step, batching, entry=model, layout=layout,
                     comm_bytes_metrics=metrics_bytes if hasattr(trainer, "comm_bytes") else None,
-                    teardown=[grad_sync.remove] if grad_sync is not None else [])
+                    teardown=[grad_sync.remove] if grad_sync is not None else [], **prepared)
 
 
 class PlainLM(nn.Module):
@@ -863,9 +878,13 @@ def first_error(error: Optional[str], ctx: ParallelContext, alone: bool) -> Opti
 
 
 def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: PeakFlops,
-                  flops_per_token: float) -> dict:
-    """Build, warm up, time, count tokens, bytes and peak memory; any failure becomes the row's ``error``."""
-    alone = name.startswith(("serial", "galaxy-none"))
+                  flops_per_token: float, builder: Optional[Callable[..., Prepared]] = None,
+                  alone: Optional[bool] = None) -> dict:
+    """Build, warm up, time, count tokens, bytes and peak memory; any failure becomes the row's ``error``.
+    ``builder(name, args, shape, ctx)``: the contender (default: this file's ``build``); ``alone``: it runs on
+    rank 0 by itself (default: the serial and galaxy-none contenders)."""
+    builder = builder or build
+    alone = name.startswith(("serial", "galaxy-none")) if alone is None else alone
     ranks = 1 if alone else ctx.world_size
     row = {"name": name, "ranks": ranks, "gpus": ranks}
     if alone and ctx.rank != 0:
@@ -878,19 +897,29 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: Peak
         # what an earlier contender left allocated (megatron-core's global buffers, 2026-11-27): not this row's
         leftover = torch.cuda.memory_allocated(ctx.device)
     prepared, ledger, error, t0 = None, None, None, time.time()
+    maxed = ("median_ms", "min_ms", "q1_ms", "q3_ms", "max_ms", "peak_mib", "build_peak_mib")  # over ranks
     run_ctx = ParallelContext.serial(ctx.device, seed=1234) if alone else ctx
     try:
-        prepared = build(name, args, shape, run_ctx)
+        prepared = builder(name, args, shape, run_ctx)
         row["build_s"] = round(time.time() - t0, 1)
         row.update(global_batch=shape["global_batch"], **prepared.batching.as_row(), **prepared.layout)
+        if prepared.peak_from_step:
+            row["build_peak_mib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if cuda else None
+            if cuda:
+                release(ctx.device)
+                torch.cuda.reset_peak_memory_stats(ctx.device)
         times = timed_steps(prepared.step, ctx.device, args.warmup, args.iters)
         peak_mib = (torch.cuda.max_memory_allocated(ctx.device) - leftover) / 2**20 if cuda else None
         row.update(spread(times), peak_mib=peak_mib, **({"leftover_mib": leftover / 2**20} if leftover else {}))
+        if prepared.per_rank is not None:
+            extra = prepared.per_rank()
+            row.update(extra)
+            maxed += tuple(extra)
         with TokenLedger(prepared.entry) as ledger:  # the sequences the step feeds, counted where they enter
             row["comm_bytes"] = eager_comm_bytes(prepared.step)
         if prepared.comm_bytes_metrics is not None:
             row["comm_bytes_metrics"] = prepared.comm_bytes_metrics(prepared.step)
-        if args.profile:  # one more step under torch.profiler: where its GPU time goes (bench/step_profile.py)
+        if getattr(args, "profile", None):  # one more step under torch.profiler: where its GPU time goes (bench/step_profile.py)
             trace = os.path.join(args.profile, f"{name}.rank{ctx.rank}.json.gz") if ctx.rank == 0 else None
             row["profile"] = profile_step(prepared.step, ctx.device, keep_trace=trace)
         if prepared.note:
@@ -915,9 +944,11 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: Peak
         dist.all_gather_object(gathered, row)
         row["per_rank_median_ms"] = [g["median_ms"] for g in gathered]
         row["comm_bytes_per_rank"] = [g["comm_bytes"] for g in gathered]
-        if args.profile:
+        if getattr(args, "profile", None):
             row["profile"] = [g["profile"] for g in gathered]
-        for key in ("median_ms", "min_ms", "q1_ms", "q3_ms", "max_ms", "peak_mib"):  # the slowest rank counts
+        if row["peak_mib"] is not None:
+            row["peak_mib_per_rank"] = [g["peak_mib"] for g in gathered]
+        for key in (k for k in maxed if k in row):  # the slowest rank counts, and the fullest
             row[key] = max(g[key] for g in gathered) if row[key] is not None else None
     row.update(throughput(tokens, flops_per_token * tokens, row["median_ms"] / 1e3, ranks, peak))
     if row["mfu"] is None:
@@ -948,7 +979,8 @@ def select(patterns: str, skip: str) -> list[str]:
     return [n for n in chosen if not any(fnmatch.fnmatch(n, p) for p in skip.split(",") if p)]
 
 
-def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> None:
+def rank_context(rank: int, world: int, local_rank: int, args, init_method: str) -> ParallelContext:
+    """This rank's process group (NCCL on its GPU, or Gloo with ``--cpu`` or no GPU) and context: mp = world."""
     use_cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -958,22 +990,35 @@ def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> No
     backend = "nccl" if use_cuda else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(minutes=30), **({"device_id": device} if use_cuda else {}))
-    ctx = ParallelContext(rank=rank, world_size=world, device=device, seed=1234, backend=backend,
-                          **build_groups(rank, world, 1, 1))
+    return ParallelContext(rank=rank, world_size=world, device=device, seed=1234, backend=backend,
+                           **build_groups(rank, world, 1, 1))
+
+
+def run_rows(names: list[str], args, shape: dict, ctx: ParallelContext, peak: PeakFlops, flops_per_token: float,
+             builder: Optional[Callable[..., Prepared]] = None, alone: Optional[Callable[[str], bool]] = None) -> list:
+    """``run_contender`` for each name in turn (``alone(name)``: it runs on rank 0 by itself); rank 0 prints
+    each row as it lands (``ROW {json}``: a killed launch keeps them) and returns them all."""
+    rows = []
+    for name in names:
+        torch.manual_seed(0)
+        row = run_contender(name, args, shape, ctx, peak, flops_per_token, builder,
+                            alone(name) if alone is not None else None)
+        dist.barrier()
+        if ctx.rank == 0:
+            rows.append(row)
+            print("ROW " + json.dumps(row), flush=True)
+    return rows
+
+
+def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> None:
+    ctx = rank_context(rank, world, local_rank, args, init_method)
     shape = dict(SCENARIOS[args.scenario])
     if args.global_batch is not None:
         shape["global_batch"] = args.global_batch
     model_cfg = galaxy_config(shape, args)  # the plain LLaMA's shapes: the FLOP count of every contender
     flops_per_token = model_flops_per_token(model_cfg, shape["seq"])
-    peak = peak_flops_per_device(device, args.dtype, args.peak_tflops)
-    rows = []
-    for name in args.contenders:
-        torch.manual_seed(0)
-        row = run_contender(name, args, shape, ctx, peak, flops_per_token)
-        dist.barrier()
-        if rank == 0:
-            rows.append(row)
-            print("ROW " + json.dumps(row), flush=True)  # each row as it lands: a killed launch keeps them
+    peak = peak_flops_per_device(ctx.device, args.dtype, args.peak_tflops)
+    rows = run_rows(args.contenders, args, shape, ctx, peak, flops_per_token)
     if rank == 0:
         facts = {
             "global_batch": shape["global_batch"], "seq": shape["seq"],

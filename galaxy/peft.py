@@ -91,21 +91,28 @@ def frozen_dtype_name(cfg: GalaxyConfig) -> Optional[str]:
     return cfg.train.dtype if cfg.train.dtype in ("bfloat16", "float16") else None
 
 
-def build_base(cfg: GalaxyConfig, plan: Optional[Plan], ctx, task: str = "lm", **overrides: Any) -> nn.Module:
+def build_base(cfg: GalaxyConfig, plan: Optional[Plan], ctx, task: str = "lm", init_on_device: bool = False,
+               **overrides: Any) -> nn.Module:
     """``galaxy.models.build_model``, except that a base the tuning method freezes and stores small
     (``frozen_dtype`` bf16/fp16, ``quantize_base`` nf4/int8) is made tensor by tensor in that format
     (``galaxy.loralib.quantized.materialize``): laid out on the meta device, then each tensor drawn from
     the seeded init (or read from ``model_path``, slice by slice), stored as the method keeps it
     (frozen: bf16 / quantized; trainable: fp32) and the fp32 tensor freed, so no fp32 copy of the model
     ever exists. The values are those of the fp32 build cast or quantized after, bit for bit. Apply the
-    method with ``apply_tuning`` after, with the same options (``overrides``: ``TuningOptions`` keys)."""
+    method with ``apply_tuning`` after, with the same options (``overrides``: ``TuningOptions`` keys).
+
+    ``init_on_device`` (no ``model_path``): every tensor is drawn on ``ctx.device`` by its generator and
+    made there (``GalaxyModel.initial_piece``), whatever the method and formats: each rank makes only its
+    shard, straight in its storage format on its device, and the host holds no weight. On a GPU the values
+    are its generator's (plan-independent, not the host's serial init); on the CPU they are the same."""
     from galaxy.config import COMPUTE_KEYS
     from galaxy.models import build_model, check_config, model_class
 
     opts = TuningOptions.from_config(cfg, **overrides)
-    if opts.method == "full" or (opts.frozen_dtype is None and opts.quantize_base == "none"):
-        return build_model(cfg, plan, ctx, task)
     path = cfg.data.model_path
+    if (opts.method == "full" or (opts.frozen_dtype is None and opts.quantize_base == "none")) \
+            and not (init_on_device and not path):
+        return build_model(cfg, plan, ctx, task)
     if path and opts.quantize_base == "none" and not _streamable(path, cfg.model.fused_gate_up):
         logger.info("'%s' is read whole (no safetensors, or fused_gate_up), then its frozen weights cast", path)
         return build_model(cfg, plan, ctx, task)
@@ -121,7 +128,8 @@ def build_base(cfg: GalaxyConfig, plan: Optional[Plan], ctx, task: str = "lm", *
     also = opts.modules_to_save if opts.modules_to_save is not None else _task_heads(model)
     frozen_dtype = getattr(torch, opts.frozen_dtype) if opts.frozen_dtype else None
     return materialize(model, path or None, cfg.train.seed, frozen_by(model, opts), frozen_dtype,
-                       kind=opts.quantize_base, skip=also, backend=cfg.model.kernels)
+                       kind=opts.quantize_base, skip=also, backend=cfg.model.kernels,
+                       init_device=ctx.device if init_on_device and not path else None)
 
 
 def _streamable(path: str, fused_gate_up: bool) -> bool:

@@ -145,14 +145,16 @@ class _Checkpoint:
 @torch.no_grad()
 def materialize(model: nn.Module, path: Optional[str] = None, seed: int = 0,
                 frozen: Optional[Callable[[str], bool]] = None, frozen_dtype: Optional[torch.dtype] = None,
-                kind: str = "none", skip=(), backend: str = "auto", dtype: torch.dtype = torch.float32) -> nn.Module:
+                kind: str = "none", skip=(), backend: str = "auto", dtype: torch.dtype = torch.float32,
+                init_device: Optional[torch.device] = None) -> nn.Module:
     """Fill ``model``, laid out on the meta device (its constructor's ``meta=True``), one tensor at a
     time, each made in the format it is stored in; returns it. The one loader of every storage format.
 
     Values: this rank's slice of each tensor of the local checkpoint directory ``path`` (safetensors,
     read lazily slice by slice), or without a path the model's serial init from ``seed``
     (``GalaxyModel.initial_piece``: the full tensor drawn in float32 as ``init_weights`` draws it, then
-    sliced). Formats: with ``kind`` (nf4 | int8) every ``quantizable`` linear (all but heads and
+    sliced; on ``init_device``, by its generator, when given: a GPU draws in seconds what the host draws in
+    minutes, and the host then holds no weight at all). Formats: with ``kind`` (nf4 | int8) every ``quantizable`` linear (all but heads and
     ``skip``) becomes a ``QuantLinear`` quantized from its fp32 piece; the other parameters that
     ``frozen(name)`` says stay frozen (default: all) are stored in ``frozen_dtype`` (None: ``dtype``),
     the rest (trainable: fp32 masters) in ``dtype``. So the model equals the one built in ``dtype`` (or
@@ -171,7 +173,7 @@ def materialize(model: nn.Module, path: Optional[str] = None, seed: int = 0,
             return ckpt.piece(tied.get(name, name), shard_spec(meta), tuple(meta.shape))
     else:
         def read(name: str, meta: nn.Parameter) -> torch.Tensor:
-            return model.initial_piece(name, meta, seed)
+            return model.initial_piece(name, meta, seed, init_device)
 
     frozen = frozen or (lambda name: True)
     quantized = []

@@ -219,20 +219,30 @@ class GalaxyModel(nn.Module):
         for name, param in self.named_parameters():
             param.copy_(self.initial_piece(name, param, seed))
 
-    def initial_piece(self, name: str, param: torch.Tensor, seed: int) -> torch.Tensor:
+    def initial_piece(self, name: str, param: torch.Tensor, seed: int,
+                      device: Optional[torch.device] = None) -> torch.Tensor:
         """This rank's piece of parameter ``name``'s serial init: the full tensor drawn in float32
         (``_init_param``) and sliced to ``param``'s shard (``param`` may be on the meta device: a loader
-        that stores each tensor in its own format as it is made, ``galaxy.loralib.quantized.materialize``)."""
+        that stores each tensor in its own format as it is made, ``galaxy.loralib.quantized.materialize``).
+
+        ``device``: where the full tensor is drawn, by that device's generator (None: the host's, the serial
+        init). A GPU draws a 7B's tensors in about a second where the host takes minutes; its values are
+        those of the device type's generator (the same on every plan and world size of that device type,
+        not the host's), and the full tensor of one parameter exists there until it is sliced."""
         spec = shard_spec(param)
-        full = self._init_param(name, spec.full_shape(param.shape) if spec else tuple(param.shape), seed)
+        full = self._init_param(name, spec.full_shape(param.shape) if spec else tuple(param.shape), seed, device)
         return spec.slice(full) if spec else full
 
-    def _init_param(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-        """The full tensor of parameter ``name``; a model whose layout merges HF tensors overrides
-        this to draw each part under its HF name, so both layouts start from the same weights."""
-        return self._init_full(name, shape, torch.Generator().manual_seed(param_seed(seed, name)))
+    def _init_param(self, name: str, shape: tuple[int, ...], seed: int,
+                    device: Optional[torch.device] = None) -> torch.Tensor:
+        """The full tensor of parameter ``name``, drawn on ``device`` (None: the host); a model whose
+        layout merges HF tensors overrides this to draw each part under its HF name, so both layouts
+        start from the same weights."""
+        gen = torch.Generator(device=device or "cpu").manual_seed(param_seed(seed, name))
+        return self._init_full(name, shape, gen)
 
     def _init_full(self, name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+        """The full tensor of ``name`` drawn from ``gen``, on ``gen``'s device."""
         raise NotImplementedError
 
     # -- HF layout <-> this model's layout (the same unless a model fuses HF tensors)

@@ -435,10 +435,10 @@ class BertPreTrainedModel(GalaxyModel):
         # zero biases, unit LayerNorm scales, a zero padding row.
         leaf = name.rsplit(".", 1)[-1]
         if "LayerNorm" in name:
-            return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
+            return torch.ones(shape, device=gen.device) if leaf == "weight" else torch.zeros(shape, device=gen.device)
         if leaf == "bias":
-            return torch.zeros(shape)
-        full = torch.empty(shape).normal_(0.0, self.config.initializer_range, generator=gen)
+            return torch.zeros(shape, device=gen.device)
+        full = torch.empty(shape, device=gen.device).normal_(0.0, self.config.initializer_range, generator=gen)
         if name.endswith("word_embeddings.weight"):
             full[self.config.pad_token_id] = 0
         return full

@@ -686,11 +686,11 @@ class LlamaForCausalLM(GalaxyModel):
 
     # -- init and HF conversion
 
-    def _init_param(self, name: str, shape, seed: int) -> torch.Tensor:
+    def _init_param(self, name: str, shape, seed: int, device: Optional[torch.device] = None) -> torch.Tensor:
         if name.endswith(GATE_UP):  # each half drawn as the unfused model draws it
             stem, init = name[: -len(GATE_UP)], super()._init_param
-            return torch.stack([init(stem + part, tuple(shape[1:]), seed) for part in (GATE, UP)])
-        return super()._init_param(name, shape, seed)
+            return torch.stack([init(stem + part, tuple(shape[1:]), seed, device) for part in (GATE, UP)])
+        return super()._init_param(name, shape, seed, device)
 
     def state_from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return fuse_gate_up(state) if self.fused_gate_up else split_gate_up(state)
@@ -703,10 +703,10 @@ class LlamaForCausalLM(GalaxyModel):
         # HF LlamaPreTrainedModel._init_weights: N(0, initializer_range) linears and embeddings,
         # unit RMSNorm scales, a zero padding row when a pad token is set.
         if name.endswith("layernorm.weight") or name == "model.norm.weight":
-            return torch.ones(shape)
+            return torch.ones(shape, device=gen.device)
         if name.endswith(".bias"):  # HF inits linear biases to zero
-            return torch.zeros(shape)
-        full = torch.empty(shape).normal_(0.0, self.config.initializer_range, generator=gen)
+            return torch.zeros(shape, device=gen.device)
+        full = torch.empty(shape, device=gen.device).normal_(0.0, self.config.initializer_range, generator=gen)
         if name == "model.embed_tokens.weight" and self.config.pad_token_id is not None:
             full[self.config.pad_token_id] = 0
         return full

@@ -118,8 +118,9 @@ def test_contender_selection():
         "fsdp2-tp@tp4", "megatron-dp@tp1", "galaxy-tp+compile@dp2-zero1"]
     from bench.bench_train import split_suffix
     base, suffix = split_suffix("galaxy-tp+compile@dp4-fsdp2-noreshard")
-    assert base == "galaxy-tp+compile" and suffix.groups() == ("4", "fsdp2", "-noreshard")
-    assert split_suffix("galaxy-tp@dp2")[1].groups() == ("2", None, None)
+    assert base == "galaxy-tp+compile" and suffix.groups() == ("4", "fsdp2", "-noreshard", None)
+    assert split_suffix("galaxy-tp@dp2-fsdp2-onesync")[1].groups() == ("2", "fsdp2", None, "-onesync")
+    assert split_suffix("galaxy-tp@dp2")[1].groups() == ("2", None, None, None)
     from bench.bench_train import main
     for bad in ("no-such-contender", "galaxy-none@dp2", "fsdp2-compile@tp2", "galaxy-nope@dp2"):
         with pytest.raises(SystemExit):

@@ -7,7 +7,10 @@ every child starts from the same resident pages). A child builds a LLaMA base th
 (``build_base`` + ``apply_tuning``), takes one training step, and prints one JSON line: its peak RSS
 (``ru_maxrss``: a forked child's own high-water mark, starting at what it inherited) and the frozen
 parameters it holds. With ``"save": DIR`` a child instead builds the fp32 model and writes it with
-``save_pretrained`` (the checkpoint a later child reads from ``model_path``)."""
+``save_pretrained`` (the checkpoint a later child reads from ``model_path``). With ``"world": N`` (and
+``"plan"``, default tp) the spec forks N children, the ranks of one Gloo group, that build the model on that
+plan (``build_base``: each rank its shard) and take one step of Galaxy's Trainer; each prints its own line
+(``rank``, and ``frozen_bytes``: its shard's)."""
 
 from __future__ import annotations
 
@@ -27,10 +30,10 @@ def peak_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
 
 
-def main(spec: dict) -> dict:
+def main(spec: dict, rank: int = 0, port: int = 0) -> dict:
     import torch
 
-    from galaxy.config import GalaxyConfig
+    from galaxy.config import DistributedConfig, GalaxyConfig
     from galaxy.core.context import ParallelContext
     from galaxy.models.llama import LlamaForCausalLM
     from galaxy.peft import apply_tuning, build_base, frozen_bytes
@@ -38,6 +41,10 @@ def main(spec: dict) -> dict:
     torch.set_num_threads(1)
     raw = dict(MODEL, num_hidden_layers=spec["layers"], tuning="lora", dtype=spec.get("dtype", "float32"),
                quantize_base=spec.get("quantize_base", "none"))
+    world = spec.get("world", 1)
+    if world > 1:
+        return on_a_plan(spec, GalaxyConfig.from_dict(dict(raw, plan=spec.get("plan", "tp"))), ParallelContext.initialize(
+            DistributedConfig(init_method=f"tcp://127.0.0.1:{port}", timeout_s=120), rank, world, "cpu"))
     if spec.get("save"):
         model = LlamaForCausalLM(GalaxyConfig.from_dict(raw).model, seed=1)
         model.save_pretrained(spec["save"])
@@ -64,26 +71,57 @@ def main(spec: dict) -> dict:
             "dtypes": sorted({str(p.dtype) for p in model.parameters() if not p.requires_grad}), "rss_at_built": status}
 
 
+def on_a_plan(spec: dict, cfg, ctx) -> dict:
+    """This rank's model on the plan, built as a run builds it, and one step of Galaxy's Trainer."""
+    import torch
+
+    from galaxy.peft import apply_tuning, build_base, frozen_bytes
+    from galaxy.train.loop import autocast_context, make_trainer
+
+    try:
+        model = apply_tuning(build_base(cfg, cfg.resolve_plan(ctx.mp.size), ctx), cfg)
+        built = peak_kib()
+        nbytes, frozen = frozen_bytes(model)
+        trainer = make_trainer(model, cfg, ctx)
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.train.seq_length), generator=gen)
+        loss = trainer.forward_backward({"input_ids": ids, "labels": ids}, lambda: autocast_context(cfg, ctx.device))
+        trainer.optimizer_step(loss, 1)
+        return {"rank": ctx.rank, "peak_kib": peak_kib(), "built_kib": built, "frozen": frozen, "frozen_bytes": nbytes,
+                "dtypes": sorted({str(p.dtype) for p in model.parameters() if not p.requires_grad})}
+    finally:
+        ctx.shutdown()
+
+
 def run_all(specs: list) -> None:
     import torch  # noqa: F401 - imported before forking: the children share it
 
     import galaxy.peft  # noqa: F401
     import galaxy.models.llama  # noqa: F401
 
+    from galaxy.cli.launch import free_port
+
     for spec in specs:
         sys.stdout.flush()
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                print(json.dumps(dict(main(spec), spec=spec)), flush=True)
-            except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the test
-                print(json.dumps({"spec": spec, "error": repr(e)}), flush=True)
-                code = 1
-            os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        if status:
-            print(json.dumps({"spec": spec, "error": f"child exited with status {status}"}), flush=True)
+        port = free_port()
+        pids = []
+        for rank in range(spec.get("world", 1)):  # the ranks of one group, side by side
+            pid = os.fork()
+            if pid == 0:
+                code = 0
+                try:
+                    line = json.dumps(dict(main(spec, rank, port), spec=spec))
+                except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the test
+                    line = json.dumps({"spec": spec, "error": repr(e)})
+                    code = 1
+                sys.stdout.write(line + "\n")  # one write: ranks print side by side (unbuffered stdout too)
+                sys.stdout.flush()
+                os._exit(code)
+            pids.append(pid)
+        for pid in pids:
+            _, status = os.waitpid(pid, 0)
+            if status:
+                print(json.dumps({"spec": spec, "error": f"child exited with status {status}"}), flush=True)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@
 - trainable weights (LoRA factors, adapters, side networks, task heads, biases that train) stay fp32;
 - host memory: a bf16-base LoRA run's peak (build and one step) grows by <= 2.6 bytes per added frozen
   parameter, from scratch and from a fp32 checkpoint (building fp32 and casting after grew by 3.9, and
-  by 7.9 from a checkpoint); an NF4 base's build by about what it stores (0.53), <= 1.0."""
+  by 7.9 from a checkpoint); an NF4 base's build by about what it stores (0.53), <= 1.0; on a TP-2 plan each
+  rank's by about its own shard's bytes (<= 1.3x them), not the whole model's;
+- ``init_on_device``: drawn on the rank's device (the CPU's draw is the serial init, bit for bit)."""
 
 import json
 import os
@@ -127,9 +129,9 @@ def test_training_what_was_built_frozen_is_refused():
         apply_tuning(model, cfg, targets=["query", "value"])
 
 
-def built_on_a_plan(ctx, raw, quantize_base):
+def built_on_a_plan(ctx, raw, quantize_base, init_on_device=False):
     cfg = config(**raw, plan="galaxy", quantize_base=quantize_base)
-    ours = apply_tuning(build_base(cfg, cfg.resolve_plan(ctx.mp.size), ctx), cfg)
+    ours = apply_tuning(build_base(cfg, cfg.resolve_plan(ctx.mp.size), ctx, init_on_device=init_on_device), cfg)
     serial = dict(apply_tuning(model_class("llama")(cfg.model, seed=cfg.train.seed), cfg).named_parameters())
     for name, p in ours.named_parameters():
         assert p.dtype == serial[name].dtype
@@ -146,6 +148,34 @@ def built_on_a_plan(ctx, raw, quantize_base):
 def test_a_base_built_stored_on_a_plan_is_the_serial_one(dist_pool, world, raw):
     dist_pool.run(built_on_a_plan, world, raw, "none")
     dist_pool.run(built_on_a_plan, world, raw, "nf4")  # the buffers: tests/loralib/test_qlora.py
+    if world == 2:  # drawn on the rank's device, here the CPU: the same values
+        dist_pool.run(built_on_a_plan, world, raw, "none", True)
+
+
+@pytest.mark.parametrize("raw", [dict(tuning="full", dtype="float32"), dict(dtype="float32"), dict()],
+                         ids=["full-fp32", "lora-fp32", "lora-bf16"])
+def test_a_base_drawn_on_the_cpu_device_is_the_serial_init(raw):
+    """init_on_device builds through materialize whatever the method and dtype; on the CPU its values are the
+    host's serial init, bit for bit."""
+    cfg = config(**raw)
+    drawn = apply_tuning(build_base(cfg, None, SERIAL, init_on_device=True), cfg)
+    assert_identical(drawn, apply_tuning(model_class("llama")(cfg.model, seed=cfg.train.seed), cfg))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="draws on a CUDA device")
+def test_a_base_drawn_on_a_gpu_is_made_there_in_its_formats():
+    """The GPU's generator draws each full tensor there (not the host's values), stored bf16 / NF4 on the GPU."""
+    for quantize_base in ("none", "nf4"):
+        cfg = config(quantize_base=quantize_base)
+        ctx = ParallelContext.serial("cuda")
+        model = apply_tuning(build_base(cfg, None, ctx, init_on_device=True), cfg)
+        assert all(t.device.type == "cuda" for t in [*model.parameters(), *model.buffers()])
+        check_formats(model)
+        w = model.model.embed_tokens.weight
+        gpu = model._init_param("model.embed_tokens.weight", tuple(w.shape), cfg.train.seed, ctx.device)
+        assert torch.equal(w, gpu.to(w.dtype))
+        host = model._init_param("model.embed_tokens.weight", tuple(w.shape), cfg.train.seed)
+        assert not torch.equal(w.cpu(), host.to(w.dtype))
 
 
 # ----------------------------------------------------------------------------- from model_path: streamed
@@ -174,7 +204,8 @@ def measure(specs: list) -> list[dict]:
                          capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     errors = [r for r in rows if "error" in r]
-    assert out.returncode == 0 and not errors and len(rows) == len(specs), (errors, out.stderr[-3000:])
+    expected = sum(spec.get("world", 1) for spec in specs)  # a line per rank
+    assert out.returncode == 0 and not errors and len(rows) == expected, (errors, out.stderr[-3000:])
     return rows
 
 
@@ -203,3 +234,31 @@ def test_a_bf16_base_grows_host_memory_by_its_storage(tmp_path):
     assert all(r["dtypes"] == ["torch.bfloat16"] for r in rows), rows
     assert rows[1]["frozen"] - rows[0]["frozen"] > 50e6  # 100 MB of bf16 between the sizes: far above the noise
     assert scratch <= 2.6 and streamed <= 2.6 and nf4 <= 1.0, summary
+
+
+def test_a_bf16_base_on_tp2_holds_its_shard_on_each_rank(tmp_path):
+    """Two Gloo ranks (TP 2), each building a bf16-base LoRA model as a run does (build_base on the plan, then
+    one step of Galaxy's Trainer) in its own forked process, at 2 and 6 layers (the 6-layer model: 315 MB of
+    bf16 weights): each rank's peak RSS grows by about the bytes of its own shard (1.07-1.17x seen: +112-123 MB
+    for +105 MB of shard; one serial process +227 MB), not by the whole
+    model's (2x that): no rank ever holds a full copy, only one full fp32 tensor at a time as it is drawn."""
+    from tests.loralib.build_memory_child import MODEL
+
+    sizes = (2, 6)
+    rows = measure([dict(layers=n, world=2, dtype="bfloat16") for n in sizes])
+    by = {(r["spec"]["layers"], r["rank"]): r for r in rows}
+    assert set(by) == {(n, rank) for n in sizes for rank in (0, 1)} and all(r["dtypes"] == ["torch.bfloat16"]
+                                                                            for r in rows)
+
+    def whole(layers):  # bytes of the whole model's frozen base in bf16
+        cfg = GalaxyConfig.from_dict(dict(MODEL, num_hidden_layers=layers))
+        return 2 * sum(p.numel() for p in model_class("llama")(cfg.model, meta=True).parameters())
+
+    added_whole = whole(sizes[1]) - whole(sizes[0])
+    for rank in (0, 1):
+        small, big = by[(sizes[0], rank)], by[(sizes[1], rank)]
+        added_shard = big["frozen_bytes"] - small["frozen_bytes"]
+        added_peak = (big["peak_kib"] - small["peak_kib"]) * 1024
+        summary = dict(rank=rank, added_peak=added_peak, added_shard=added_shard, added_whole=added_whole)
+        assert added_shard > 100e6 and added_shard <= 0.51 * added_whole, summary  # the shard: half the model
+        assert added_peak <= 1.3 * added_shard, summary
