@@ -11,7 +11,8 @@
 # finished launch, the logs so far (one ROW line per finished contender) and the console to $OUT; `collect` only
 # copies. Call `wait` right after the previous call returns: an idle machine goes back soon, the launch with it.
 #
-# Parts (launches one after the other; each a torchrun of all its contenders):
+# Parts (launches one after the other; each a torchrun of all its contenders; ONLY=<tag> runs one launch of the
+# part, CONTENDERS=a,b replaces its contenders):
 #   7b  (2 GPUs) LLaMA-7B shapes, seq 1024: the one-GPU rows (lora-none, qlora-none, and both +recompute) and
 #       lora/qlora on tp, galaxy, galaxy2 at TP 2 -- at global batch 2 (bench_lora's 7B rows) and again at 1.
 #   smoke (NPROC GPUs, default 2; or CPUs) the tiny scenario, every contender: the flow in a minute.
@@ -47,6 +48,8 @@ if [ "$mode" = start ]; then
     script+=" nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader;"
     for spec in "${launches[@]}"; do
         read -r scenario tag flags <<< "$spec"
+        [ -n "${ONLY:-}" ] && [ "$tag" != "$ONLY" ] && continue  # ONLY=<tag>: that launch of the part alone
+        [ -n "${CONTENDERS:-}" ] && flags+=" --contenders $CONTENDERS"  # the last --contenders counts
         rm -f "$dir/$tag.json" "$dir/$tag.log"
         script+=" echo \"== $tag: \$(date +%T)\";"
         script+=" torchrun --standalone --nproc_per_node $nproc bench/bench_peft_mp.py --scenario $scenario $flags"

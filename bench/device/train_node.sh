@@ -45,7 +45,7 @@ case $part in
     dp) contenders='fsdp2-compile,fsdp2-compile-noreshard,fsdp2-tp,galaxy-galaxy+compile@dp2-fsdp2,galaxy-galaxy+compile@dp2-fsdp2-noreshard,galaxy-tp+compile@dp4-fsdp2,galaxy-tp+compile@dp4-fsdp2-noreshard,megatron-dp' ;;
     # one gradient reduce-scatter per step (fsdp_grad_sync last_micro_batch; the anchor's set_requires_gradient_sync)
     # beside the best rows of part dp, again in this launch
-    sync) contenders='fsdp2-compile-noreshard,fsdp2-compile-noreshard-onesync,galaxy-tp+compile@dp4-fsdp2-noreshard,galaxy-tp+compile@dp4-fsdp2-noreshard-onesync,galaxy-galaxy+compile@dp2-fsdp2' ;;
+    sync) contenders='fsdp2-compile-noreshard,fsdp2-compile-noreshard-onesync,galaxy-tp+compile@dp4-fsdp2-noreshard-onesync,galaxy-galaxy+compile@dp2-fsdp2' ;;
     *) echo "unknown part $part (a | b | fit | all | dp | sync)"; exit 2 ;;
 esac
 tag=llama7b_${nproc}_${part}
