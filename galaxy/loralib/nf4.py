@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from galaxy.kernels import resolve_backend_for
-from galaxy.loralib.nf4_format import BLOCK, NF4_VALUES, SCALE_BLOCK, NF4Rows, nf4_code, dynamic_code
+from galaxy.loralib.nf4_format import (BLOCK, DYNAMIC_VALUES, NF4_VALUES, SCALE_BLOCK, NF4Rows, code_book, dynamic_code,
+                                      nf4_code)
 from galaxy.loralib.quantized_linear import dequantized_linear
 
 NF4_BACKENDS = ("auto", "torch", "triton", "bnb")
@@ -65,10 +66,16 @@ def quantize_nf4(w: torch.Tensor) -> NF4Rows:
     return NF4Rows(packed.contiguous(), absmax_code, scale.contiguous(), offset.contiguous(), cols)
 
 
+def _traceable(values: tuple[float, ...], cached, device: torch.device) -> torch.Tensor:
+    """A code book: the cached tensor in eager calls; inside a torch.compile graph, a constant of the
+    graph made from its values (dynamo would trace through the cache)."""
+    return code_book(values, device) if torch.compiler.is_compiling() else cached(device)
+
+
 def dequantize_absmax(q: NF4Rows) -> torch.Tensor:
     """fp32 ``[rows, blocks]`` absmax from its 8-bit codes, block scales and row offsets."""
     rows, blocks = q.absmax_code.shape
-    code = dynamic_code(q.absmax_code.device)[q.absmax_code.long()]
+    code = _traceable(DYNAMIC_VALUES, dynamic_code, q.absmax_code.device)[q.absmax_code.long()]
     scale = q.absmax_scale.float().repeat_interleave(SCALE_BLOCK, dim=1)[:, :blocks]
     return code * scale + q.absmax_offset.float()[:, None]
 
@@ -79,7 +86,7 @@ def dequantize_nf4(q: NF4Rows, dtype: torch.dtype = torch.float32) -> torch.Tens
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     rows, blocks = q.absmax_code.shape
     codes = torch.stack([q.packed >> 4, q.packed & 0xF], dim=-1).view(rows, blocks, BLOCK).long()
-    values = nf4_code(q.packed.device).to(compute)[codes]
+    values = _traceable(NF4_VALUES, nf4_code, q.packed.device).to(compute)[codes]
     w = values * dequantize_absmax(q).to(compute).unsqueeze(-1)
     return w.view(rows, blocks * BLOCK)[:, : q.cols].to(dtype)
 
@@ -138,6 +145,10 @@ def nf4_linear(x: torch.Tensor, q: NF4Rows, bias: Optional[torch.Tensor] = None,
                backend: str = "auto") -> torch.Tensor:
     """``x W^T + b`` with W stored in NF4 (``transposed``: stored as ``W^T``), computed in the
     autocast dtype when autocast is on, else in ``x``'s dtype. The weight gets no gradient."""
+    if torch.compiler.is_compiling():
+        # Inside a compiled layer the torch reference is traced and inductor fuses it (as the model's
+        # other kernels: galaxy.models.base.use_triton); the eager kernels are calls dynamo cannot trace.
+        return dequantized_linear(x, lambda dtype: dequantize_nf4(q, dtype), bias, transposed)
     device_type = x.device.type
     compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     chosen = resolve_nf4_backend(backend, x.device, compute, q)

@@ -20,13 +20,7 @@ NF4_VALUES = (
     0.7229568362236023, 1.0,
 )
 
-@functools.lru_cache(maxsize=None)
-def nf4_code(device: torch.device) -> torch.Tensor:
-    return torch.tensor(NF4_VALUES, dtype=torch.float32, device=device)
-
-
-@functools.lru_cache(maxsize=None)
-def dynamic_code(device: torch.device = torch.device("cpu")) -> torch.Tensor:
+def _dynamic_values() -> tuple[float, ...]:
     """bitsandbytes' signed 8-bit dynamic type (``create_dynamic_map(signed=True)``): 256 sorted
     values, a dynamic exponent (powers of ten) and a shrinking fraction; the absmax code book."""
     data: list[float] = []
@@ -36,7 +30,28 @@ def dynamic_code(device: torch.device = torch.device("cpu")) -> torch.Tensor:
         data += ((10 ** (-6 + i)) * means).tolist() + ((-(10 ** (-6 + i))) * means).tolist()  # fp32 products
     data += [0.0, 1.0]
     data.sort()
-    return torch.tensor(data, dtype=torch.float32, device=device)
+    return tuple(data)
+
+
+# The absmax code book's values (fp32 numbers), made once: a constant that torch.compile reads as it is.
+DYNAMIC_VALUES = _dynamic_values()
+
+
+def code_book(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """A code book as an fp32 tensor on ``device``. Inside a torch.compile graph, a constant of the
+    graph (the cached ``nf4_code`` / ``dynamic_code`` are for eager calls)."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def nf4_code(device: torch.device) -> torch.Tensor:
+    return code_book(NF4_VALUES, device)
+
+
+@functools.lru_cache(maxsize=None)
+def dynamic_code(device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """The absmax code book (``DYNAMIC_VALUES``) on ``device``."""
+    return code_book(DYNAMIC_VALUES, device)
 
 
 @dataclass
