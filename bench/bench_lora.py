@@ -5,7 +5,8 @@
 Contenders (each in a fresh process, so one's memory and Liger's patches never reach another):
 ``galaxy-lora`` (frozen base in bf16, fp32 LoRA factors and AdamW state, kernels auto), ``galaxy-lora-compiled``
 (the same with ``compile: true``: each layer through torch.compile),
-``galaxy-qlora`` (the same over an NF4 base), ``peft-bf16`` (transformers + peft, base loaded in bf16,
+``galaxy-qlora`` (the same over an NF4 base), ``galaxy-qlora-compiled`` (QLoRA with ``compile: true``: each
+layer's NF4 dequantize-and-matmul traced into its graph), ``peft-bf16`` (transformers + peft, base loaded in bf16,
 bf16 autocast), ``peft-bf16-liger`` (the same with Liger-Kernel's LLaMA patches), ``peft-qlora-bnb``
 (transformers + peft over a bitsandbytes NF4 base with double quantization, bf16 compute: the QLoRA
 recipe), ``unsloth-lora`` / ``unsloth-qlora`` (unsloth's recipe: ``FastLanguageModel.from_pretrained`` with
@@ -48,8 +49,8 @@ import torch  # noqa: E402
 from bench.bench_plans import causal_lm_data, hf_model  # noqa: E402
 from galaxy.config import GalaxyConfig  # noqa: E402
 
-CONTENDERS = ("galaxy-lora", "galaxy-lora-compiled", "galaxy-qlora", "peft-bf16", "peft-bf16-liger", "peft-qlora-bnb",
-              "unsloth-lora", "unsloth-qlora")
+CONTENDERS = ("galaxy-lora", "galaxy-lora-compiled", "galaxy-qlora", "galaxy-qlora-compiled", "peft-bf16",
+              "peft-bf16-liger", "peft-qlora-bnb", "unsloth-lora", "unsloth-qlora")
 
 # Every contender's LoRA (and bench_peft_mp's): r16, alpha 32 on q_proj / v_proj, no dropout.
 LORA = {"tuning": "lora", "lora_dim": 16, "lora_alpha": 32, "lora_dropout": 0.0,
@@ -114,7 +115,7 @@ def run_galaxy(args, quantize: str, compiled: bool = False) -> dict:
     from galaxy.train.loop import train
 
     cfg = config(args, quantize, compiled)
-    ctx = ParallelContext.serial("cuda", seed=0)
+    ctx = ParallelContext.serial("cuda" if torch.cuda.is_available() else "cpu", seed=0)  # CPU: a smoke run
     model = apply_tuning(build_model(cfg, None, ctx), cfg)
     times, last = [], [time.perf_counter()]
     prof = profiler(args)
@@ -127,7 +128,8 @@ def run_galaxy(args, quantize: str, compiled: bool = False) -> dict:
         if prof is not None:
             prof.step()
 
-    torch.cuda.reset_peak_memory_stats()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     if prof is not None:
         with prof:
             train(model, causal_lm_data(cfg), cfg, ctx, progress=False, on_step=on_step)
@@ -304,7 +306,7 @@ def run_one(args) -> dict:
             return {"contender": name, "error": one_line(e)}
     else:
         try:
-            out = run_galaxy(args, "nf4" if name == "galaxy-qlora" else "none", name.endswith("-compiled")) \
+            out = run_galaxy(args, "nf4" if name.startswith("galaxy-qlora") else "none", name.endswith("-compiled")) \
                 if name.startswith("galaxy") else run_peft(args, name)
         except ImportError as e:
             return {"contender": name, "skipped": f"{type(e).__name__}: {e}"}
@@ -313,7 +315,7 @@ def run_one(args) -> dict:
     return {"contender": name, "step_ms": median * 1e3, "step_ms_min": min(times) * 1e3,
             "step_ms_max": max(times) * 1e3, "steps_per_s": 1 / median,
             "tokens_per_s": args.batch * args.seq / median,
-            "peak_mib": torch.cuda.max_memory_allocated() / 2**20, **out}
+            "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None, **out}
 
 
 def main() -> int:
@@ -359,7 +361,8 @@ def main() -> int:
     print(f"\n{facts}\n{'contender':<18} {'step ms':>9} {'steps/s':>8} {'peak MiB':>9}")
     for r in rows:
         if "step_ms" in r:
-            print(f"{r['contender']:<18} {r['step_ms']:9.1f} {r['steps_per_s']:8.2f} {r['peak_mib']:9.0f}")
+            peak = f"{r['peak_mib']:9.0f}" if r["peak_mib"] is not None else f"{'-':>9}"
+            print(f"{r['contender']:<18} {r['step_ms']:9.1f} {r['steps_per_s']:8.2f} {peak}")
         else:
             print(f"{r['contender']:<18} {(r.get('error') or r.get('skipped') or r.get('failed', ''))[-200:]}")
     if args.json:

@@ -46,3 +46,16 @@ def test_unsloth_rows_say_why_in_one_line(tmp_path):
     facts = result["facts"]
     assert facts["device"].startswith("cpu") and "transformers" in facts["versions"]
     assert facts["unsloth_path"] == str(tmp_path / "deps")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU the bench itself is the check")
+def test_galaxy_qlora_compiled_trains_on_cpu(tmp_path):
+    """The ``galaxy-qlora-compiled`` contender (NF4 base, ``compile: true``, bf16) trains through Galaxy's loop on
+    the CPU: a timed row over a quantized base (inductor compiles each layer, about a minute here)."""
+    out = subprocess.run([sys.executable, "bench/bench_lora.py", *TINY, "--warmup", "1", "--json",
+                          str(tmp_path / "out.json"), "--contenders", "galaxy-qlora-compiled"],
+                         cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert row["contender"] == "galaxy-qlora-compiled" and row["step_ms"] > 0, row
+    assert row["frozen_bytes_per_param"] < 2, row  # the linears in NF4; embeddings and head stay bf16
