@@ -85,7 +85,10 @@ def dequantize_nf4(q: NF4Rows, dtype: torch.dtype = torch.float32) -> torch.Tens
     then rounded once, as bitsandbytes)."""
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     rows, blocks = q.absmax_code.shape
-    codes = torch.stack([q.packed >> 4, q.packed & 0xF], dim=-1).view(rows, blocks, BLOCK).long()
+    # Each byte's two codes, high nibble first, by a broadcast shift (a stack would be a copy of its own
+    # in a compiled graph; this is one pointwise op that inductor fuses into the lookup below).
+    shifts = torch.arange(4, -1, -4, device=q.packed.device)  # (4, 0)
+    codes = ((q.packed.unsqueeze(-1) >> shifts) & 0xF).view(rows, blocks, BLOCK)
     values = _traceable(NF4_VALUES, nf4_code, q.packed.device).to(compute)[codes]
     w = values * dequantize_absmax(q).to(compute).unsqueeze(-1)
     return w.view(rows, blocks * BLOCK)[:, : q.cols].to(dtype)
