@@ -3,7 +3,10 @@
 
 What is traced: the layer's ``compute``, with the transitions at its block edges (their
 collectives are torch's functional ones, ``galaxy.core.comm``) and the parallel linears, so a
-layer of any plan, even or uneven splits, is one graph forward and one backward.
+layer of any plan, even or uneven splits, is one graph forward and one backward. Over a frozen
+base kept quantized (QLoRA's NF4, int8) each linear's dequantization (the format's torch reference,
+which inductor fuses) and matmul are in the graph too, the dequantization a checkpointed region, so
+the compiled backward recomputes the weight instead of keeping it (``galaxy.loralib.quantized_linear``).
 
 What runs eagerly instead, by rule:
 * a call while any dropout of the layer is active (training with ``hidden_dropout_prob``,

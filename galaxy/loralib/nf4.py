@@ -21,6 +21,8 @@ in backward (the base stays frozen): the weight is dequantized for each matmul (
 again in backward: nothing but the 4-bit storage is kept) and multiplied by cuBLAS. Backends of
 the dequantization: ``torch`` (the reference), ``triton`` (one kernel,
 ``galaxy.kernels.triton_nf4``), ``bnb`` (bitsandbytes' CUDA kernel after a torch absmax step).
+Inside a compiled layer (model key ``compile``) the torch reference is traced whatever the backend, and
+inductor fuses it into one kernel (``galaxy.loralib.quantized_linear``).
 """
 
 from __future__ import annotations
