@@ -199,7 +199,7 @@ class PipelineStepResult:
         return max(0.0, 1.0 - self.busy_s / self.total_s) if self.total_s > 0 else 0.0
 
 
-class _Clock:
+class ComputeClock:
     """Compute time of one stage: CUDA events on the device (host timers would see only the
     launch of asynchronous kernels), ``perf_counter`` elsewhere."""
 
@@ -333,7 +333,7 @@ class PipelineRunner:
         stash: dict[int, tuple] = {}
         # Bubbles exist only between stages: one stage measures nothing, so it never waits for the device.
         measure = self.pp.size > 1
-        clock = _Clock(self.ctx.device, enabled=measure)
+        clock = ComputeClock(self.ctx.device, enabled=measure)
         losses: list[torch.Tensor] = []
         peak = 0
         amp = autocast or nullcontext
