@@ -24,6 +24,11 @@ Schedules (``schedule_actions`` gives the order of one stage, for ``m`` micro-ba
 Both have the bubble ``(p - 1) / (m + p - 1)``; the runner measures it as the fraction of the
 schedule's time a stage spends outside its own forward and backward compute.
 
+This runner is ``pipeline_engine: galaxy``; ``pipeline_engine: torch`` (the default) runs the same
+step on torch.distributed.pipelining's schedules (``galaxy.core.pipeline_torch``, a subclass that
+keeps this one's stages, shapes and forward-only pass). With one stage the Trainer runs this
+runner's plain gradient accumulation, whatever the engine.
+
 Communication follows Megatron's pattern: each exchange is one ``batch_isend_irecv`` whose
 requests are all waited for, and in 1F1B's steady state a send and the matching opposite-
 direction receive go in one batch (``send_forward_recv_backward``), so NCCL never sees two
