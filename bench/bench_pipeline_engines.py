@@ -27,7 +27,6 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 from bench.bench_coc import git_commit  # noqa: E402
 from bench.bench_plans import causal_lm_data  # noqa: E402
