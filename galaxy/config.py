@@ -99,6 +99,9 @@ class ParallelConfig:
     stage_num_hidden_layers_list: Optional[list[int]] = None  # layers per pipeline stage; None = balanced
     num_microbatches: int = 1  # micro-batches per dp shard of the global batch
     pipeline_schedule: str = "1f1b"  # gpipe | 1f1b
+    # Who runs the schedule when pp_size > 1: torch (torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B,
+    # galaxy.core.pipeline_torch) | galaxy (Galaxy's own point-to-point schedules, galaxy.core.pipeline)
+    pipeline_engine: str = "torch"
     # ddp (bucketed all-reduce overlapping backward) | zero1 | deepspeed | fsdp2 (torch's fully_shard over the dp
     # ranks: parameters, gradients and optimizer state sharded over dp, gradients reduce-scattered per layer)
     dp_engine: str = "ddp"
@@ -377,6 +380,7 @@ class Plan:
 
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+PIPELINE_ENGINES = ("torch", "galaxy")
 DP_ENGINES = ("ddp", "zero1", "deepspeed", "fsdp2")
 MP_GRAD_REDUCE = ("after_backward", "overlap", "sharded", "fsdp")
 RESHARD_AFTER_FORWARD = ("default", "always", "never")
@@ -615,6 +619,9 @@ class GalaxyConfig:
         if p.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise ConfigError(f"config key 'pipeline_schedule': '{p.pipeline_schedule}' is not one of "
                               f"{', '.join(PIPELINE_SCHEDULES)}")
+        if p.pipeline_engine not in PIPELINE_ENGINES:
+            raise ConfigError(f"config key 'pipeline_engine': '{p.pipeline_engine}' is not one of "
+                              f"{', '.join(PIPELINE_ENGINES)}")
         if p.dp_engine not in DP_ENGINES:
             raise ConfigError(f"config key 'dp_engine': '{p.dp_engine}' is not one of {', '.join(DP_ENGINES)}")
         if p.mp_grad_reduce not in MP_GRAD_REDUCE:

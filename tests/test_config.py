@@ -115,6 +115,7 @@ def test_missing_and_broken_files(tmp_path):
     (dict(dp_size=2, global_batch_size=8, num_microbatches=3), "does not divide the 4 rows of each data-parallel"),
     (dict(dp_size=0), "'dp_size' must be at least 1"),
     (dict(pipeline_schedule="interleaved"), "'pipeline_schedule': 'interleaved' is not one of gpipe, 1f1b"),
+    (dict(pipeline_engine="megatron"), "'pipeline_engine': 'megatron' is not one of torch, galaxy"),
     (dict(dp_engine="fsdp"), "'dp_engine': 'fsdp' is not one of ddp, zero1, deepspeed"),
     (dict(zero_stage=3), "'zero_stage' must be 1 or 2"),
 ])

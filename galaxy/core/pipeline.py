@@ -24,6 +24,11 @@ Schedules (``schedule_actions`` gives the order of one stage, for ``m`` micro-ba
 Both have the bubble ``(p - 1) / (m + p - 1)``; the runner measures it as the fraction of the
 schedule's time a stage spends outside its own forward and backward compute.
 
+This runner is ``pipeline_engine: galaxy``; ``pipeline_engine: torch`` (the default) runs the same
+step on torch.distributed.pipelining's schedules (``galaxy.core.pipeline_torch``, a subclass that
+keeps this one's stages, shapes and forward-only pass). With one stage the Trainer runs this
+runner's plain gradient accumulation, whatever the engine.
+
 Communication follows Megatron's pattern: each exchange is one ``batch_isend_irecv`` whose
 requests are all waited for, and in 1F1B's steady state a send and the matching opposite-
 direction receive go in one batch (``send_forward_recv_backward``), so NCCL never sees two
@@ -199,7 +204,7 @@ class PipelineStepResult:
         return max(0.0, 1.0 - self.busy_s / self.total_s) if self.total_s > 0 else 0.0
 
 
-class _Clock:
+class ComputeClock:
     """Compute time of one stage: CUDA events on the device (host timers would see only the
     launch of asynchronous kernels), ``perf_counter`` elsewhere."""
 
@@ -333,7 +338,7 @@ class PipelineRunner:
         stash: dict[int, tuple] = {}
         # Bubbles exist only between stages: one stage measures nothing, so it never waits for the device.
         measure = self.pp.size > 1
-        clock = _Clock(self.ctx.device, enabled=measure)
+        clock = ComputeClock(self.ctx.device, enabled=measure)
         losses: list[torch.Tensor] = []
         peak = 0
         amp = autocast or nullcontext

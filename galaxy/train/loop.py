@@ -1,7 +1,8 @@
 """The one training loop every CLI shares: optimizer, schedule, gradient sync, metrics, progress.
 
 One step (``Trainer``): read this dp rank's shard of the global batch, split it into micro-batches,
-run them through this pipeline stage (``PipelineRunner``; with one stage, gradient accumulation),
+run them through this pipeline stage (``TorchPipelineRunner`` on torch's schedules, or Galaxy's own
+``PipelineRunner``, as ``pipeline_engine`` says; with one stage, gradient accumulation),
 then make the gradients the serial model's: the dp sum and the mp rules (``GradReducer``: bucketed,
 overlapping the last backward; ``mp_grad_reduce: sharded`` keeps the PARTIAL weights' optimizer
 state in pieces over mp), the tied-embedding sum between first and last stage; clip by the global
@@ -36,6 +37,7 @@ from galaxy.core.context import ParallelContext
 from galaxy.core.grad_sync import GradReducer, check_replicated, clip_grads_with_norm_, global_grad_norm, \
     sync_pipeline_ties, takes_weight_decay
 from galaxy.core.pipeline import PipelineRunner, PipelineStepResult, StageSpec, analytic_bubble
+from galaxy.core.pipeline_torch import TorchPipelineRunner
 from galaxy.train.evaluate import evaluate
 from galaxy.train.metrics import PeakFlops, TensorBoardWriter, peak_flops_per_device, step_model_flops, throughput
 from galaxy.train.microbatch import split_rows
@@ -217,8 +219,10 @@ class Trainer:
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         # A base stored in bf16/fp16 (galaxy.peft frozen_dtype) makes that the stream's dtype on every stage.
         frozen = getattr(getattr(model, "peft_config", None), "frozen_dtype", None)
-        self.runner = PipelineRunner(model, ctx, par.pipeline_schedule,
-                                     comm_dtype=getattr(torch, frozen) if frozen else None)
+        # A pipeline runs on torch's schedules (pipeline_engine torch) or Galaxy's; one stage is accumulation.
+        runner_class = TorchPipelineRunner if par.pipeline_engine == "torch" and ctx.pp.size > 1 else PipelineRunner
+        self.runner = runner_class(model, ctx, par.pipeline_schedule,
+                                   comm_dtype=getattr(torch, frozen) if frozen else None)
         self.num_microbatches = par.num_microbatches
         self.last_step: Optional[PipelineStepResult] = None
         self._last_micro: list[dict] = []  # the step's micro-batches, replayed to locate a non-finite value

@@ -1,7 +1,8 @@
 """Data and pipeline parallelism around the mp plans, on 4 CPU/Gloo processes, equal to the serial
 model in float64: the reported loss, every parameter's gradient (after the dp sum, the mp rules and
 the tied-embedding sum) and the gradient norm on each of 3 steps, and every parameter after the 3
-clipped AdamW steps. Plus the schedules' activation memory, the rank layout, the stage split."""
+clipped AdamW steps. Every pipeline case runs on both pipeline engines (torch.distributed.pipelining's
+schedules and Galaxy's own). Plus the schedules' activation memory, the rank layout, the stage split."""
 
 import pytest
 import torch
@@ -10,9 +11,10 @@ from galaxy.config import KEY_SECTION, GalaxyConfig
 from galaxy.core.context import ParallelContext, rank_of
 from galaxy.core.grad_sync import gather_full
 from galaxy.core.pipeline import PipelineRunner, StageLayers, schedule_actions
+from galaxy.core.pipeline_torch import TorchPipelineRunner
 from galaxy.models.bert import BertForMaskedLM
 from galaxy.models.llama import LlamaForCausalLM
-from galaxy.train.loop import DeepSpeedTrainer, Trainer, train
+from galaxy.train.loop import DeepSpeedTrainer, Trainer, autocast_context, train
 from galaxy.train.microbatch import split_rows
 from galaxy.data.pretraining import mlm_data
 
@@ -89,7 +91,8 @@ def compare_with_serial(ctx, case):
         err = rel_err(gather_full(p.detach(), p, ctx.mp), params_s[name].detach(), floor)
         assert err < RTOL, f"{name} after {STEPS} AdamW steps: relative error {err:.2e}"
     par.grad_sync.remove()
-    return sorted(n for n, _ in model.named_parameters()), sorted(params_s), par.last_step.order
+    return (sorted(n for n, _ in model.named_parameters()), sorted(params_s), par.last_step.order,
+            type(par.runner).__name__)
 
 
 CASES = {
@@ -113,19 +116,33 @@ CASES = {
 WORLD = {"pp2-gpipe": 2, "pp2-1f1b": 2, "pp3-uneven-gpipe": 3, "pp3-uneven-1f1b": 3}
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_dp_pp_equal_serial(dist_pool, name):
-    case = CASES[name]
+ENGINE_RUNNERS = {"torch": "TorchPipelineRunner", "galaxy": "PipelineRunner"}
+RUNS = [(name, engine) for name, case in CASES.items()
+        for engine in (ENGINE_RUNNERS if case.get("pp_size", 1) > 1 else ["galaxy"])]
+
+
+@pytest.mark.parametrize("name,engine", RUNS, ids=[f"{name}-{engine}" for name, engine in RUNS])
+def test_dp_pp_equal_serial(dist_pool, name, engine):
+    case = dict(CASES[name], pipeline_engine=engine)
     world = WORLD.get(name, 4)
     out = dist_pool.run(compare_with_serial, world, case, dp=case.get("dp_size", 1), pp=case.get("pp_size", 1))
-    held = set().union(*(set(names) for names, _, _ in out))
+    held = set().union(*(set(names) for names, _, _, _ in out))
     assert held == set(out[0][1]), "the stages together hold every parameter of the serial model"
     if case.get("pp_size", 1) > 1:
+        assert {runner for _, _, _, runner in out} == {ENGINE_RUNNERS[engine]}
         schedule = case.get("pipeline_schedule", "1f1b")
         mp = world // (case.get("dp_size", 1) * case["pp_size"])
-        for rank, (_, _, order) in enumerate(out):
+        for rank, (_, _, order, _) in enumerate(out):
             stage = (rank // mp) % case["pp_size"]
             assert order == schedule_actions(schedule, stage, case["pp_size"], case["num_microbatches"])
+
+
+def test_torch_engine_runs_gpipe_when_1f1b_has_fewer_micro_batches_than_stages(dist_pool):
+    """torch's Schedule1F1B needs a micro-batch per stage: with 2 on 3 stages the step is GPipe's, still serial."""
+    case = dict(pp_size=3, num_microbatches=2, pipeline_schedule="1f1b", pipeline_engine="torch")
+    out = dist_pool.run(compare_with_serial, 3, case, pp=3)
+    for stage, (_, _, order, runner) in enumerate(out):
+        assert runner == "TorchPipelineRunner" and order == schedule_actions("gpipe", stage, 3, 2)
 
 
 def test_deepspeed_zero2_equals_serial():
@@ -186,11 +203,11 @@ class SavedCounter:
         return held.t
 
 
-def saved_activations(ctx, schedule, m):
+def saved_activations(ctx, schedule, m, runner_class=PipelineRunner):
     cfg = GalaxyConfig.from_dict(dict(BERT, **TRAIN, pp_size=ctx.pp.size, num_microbatches=m))
     model = BertForMaskedLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=1).double()
     micro = split_rows(mlm_data(cfg)[0](0), m)
-    runner = PipelineRunner(model, ctx, schedule)
+    runner = runner_class(model, ctx, schedule)
     counter = SavedCounter()
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
         result = runner.run(micro, [1.0 / m] * m)
@@ -198,14 +215,15 @@ def saved_activations(ctx, schedule, m):
     return counter.peak, result.peak_in_flight
 
 
-def test_1f1b_holds_at_most_pp_size_microbatches_gpipe_all(dist_pool):
+@pytest.mark.parametrize("runner_class", [TorchPipelineRunner, PipelineRunner])
+def test_1f1b_holds_at_most_pp_size_microbatches_gpipe_all(dist_pool, runner_class):
     p, m = 4, 8
     for stage in range(p):
         one_f_one_b = schedule_actions("1f1b", stage, p, m)
         assert sorted(one_f_one_b) == sorted(schedule_actions("gpipe", stage, p, m))
-    per_mb = [peak for peak, _ in dist_pool.run(saved_activations, p, "gpipe", 1, pp=p)]
-    gpipe = dist_pool.run(saved_activations, p, "gpipe", m, pp=p)
-    ofob = dist_pool.run(saved_activations, p, "1f1b", m, pp=p)
+    per_mb = [peak for peak, _ in dist_pool.run(saved_activations, p, "gpipe", 1, runner_class, pp=p)]
+    gpipe = dist_pool.run(saved_activations, p, "gpipe", m, runner_class, pp=p)
+    ofob = dist_pool.run(saved_activations, p, "1f1b", m, runner_class, pp=p)
     for s in range(p):
         assert per_mb[s] > 0
         assert gpipe[s] == (m * per_mb[s], m), f"stage {s}: GPipe holds all {m} micro-batches"
@@ -259,3 +277,85 @@ def stage_state_round_trip(ctx, model_type):
 @pytest.mark.parametrize("model_type", ["bert", "llama"])
 def test_stages_load_and_gather_full_state_dicts(dist_pool, model_type):
     assert len(set(dist_pool.run(stage_state_round_trip, 4, model_type, pp=2))) == 1
+
+
+# ----------------------------------------------------------------------------- the two engines
+
+
+def one_bf16_step(ctx, engine):
+    cfg = GalaxyConfig.from_dict(dict(LLAMA, **dict(TRAIN, dtype="bfloat16"), pp_size=2, plan="galaxy",
+                                      num_microbatches=2, pipeline_engine=engine))
+    ctx.stage_layers = cfg.stage_layers()
+    model = LlamaForCausalLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=11)
+    trainer = Trainer(model, cfg, ctx)
+    assert type(trainer.runner).__name__ == ENGINE_RUNNERS[engine]
+    sent = ctx.pp.bytes_sent
+    loss = trainer.forward_backward(trainer.read_batch(llama_batch_at, 0), lambda: autocast_context(cfg, ctx.device))
+    sent = ctx.pp.bytes_sent - sent
+    trainer.grad_sync.remove()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), grads, sent, cfg
+
+
+def engines_agree_under_bf16_autocast(ctx):
+    (loss_g, grads_g, sent_g, cfg), (loss_t, grads_t, sent_t, _) = (one_bf16_step(ctx, e) for e in ("galaxy", "torch"))
+    assert loss_t == loss_g, (loss_t, loss_g)
+    assert grads_t.keys() == grads_g.keys() and grads_g
+    for name, g in grads_g.items():
+        assert torch.equal(grads_t[name], g), f"gradient of {name} differs between the engines"
+    # The stream between the stages travels in fp32 (the parameters' dtype), not autocast's bf16: on this
+    # mp rank, the sequence shard of every row, once forward (stage 0) or backward (stage 1); the other 8
+    # bytes are the reported loss's float64 broadcast over pp (counted on every rank).
+    rows, seq = cfg.train.global_batch_size, cfg.resolve_plan(ctx.mp.size).seq_split[ctx.mp.rank]
+    stream = rows * seq * cfg.model.hidden_size * 4
+    assert sent_t == sent_g == stream + 8, (sent_t, sent_g, stream)
+    return True
+
+
+def test_torch_and_galaxy_engines_agree_bit_for_bit_under_bf16_autocast(dist_pool):
+    """The same step on both engines under bf16 autocast (pp2 x galaxy mp2, LLaMA): the same loss and
+    gradients to the bit (the same ops in the same order, only the scheduler differs), fp32 between stages."""
+    assert all(dist_pool.run(engines_agree_under_bf16_autocast, 4, pp=2))
+
+
+def hook_weights_and_scale(ctx):
+    m, weights = 4, [0.1, 0.2, 0.3, 0.4]
+    cfg = GalaxyConfig.from_dict(dict(BERT, **TRAIN, pp_size=2, num_microbatches=m))
+    ctx.stage_layers = cfg.stage_layers()
+    model = BertForMaskedLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=1).double()
+    micro = split_rows(mlm_data(cfg)[0](0), m)
+    first = next(model.parameters())
+    accumulated = [0]
+    first.register_post_accumulate_grad_hook(lambda p: accumulated.__setitem__(0, accumulated[0] + 1))
+    out = {}
+    for runner_class, scale in ((PipelineRunner, None), (TorchPipelineRunner, None), (TorchPipelineRunner, 4.0)):
+        model.zero_grad(set_to_none=True)
+        accumulated[0], armed = 0, []
+        result = runner_class(model, ctx, "1f1b").run(micro, weights, grad_scale=scale,
+                                                      before_last_backward=lambda: armed.append(accumulated[0]))
+        assert armed == [m - 1] and accumulated[0] == m, "the hook runs once, right before the last backward"
+        out[runner_class.__name__, scale] = result.loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+    (loss_g, grads_g), (loss_t, grads_t), (loss_s, grads_s) = out.values()
+    if ctx.pp.rank == 1:
+        assert loss_t == loss_g == loss_s, "the loss is the weighted sum, unscaled"
+    else:
+        assert loss_t is loss_g is loss_s is None
+    for name, g in grads_g.items():
+        assert torch.equal(grads_t[name], g) and torch.equal(grads_s[name], 4 * g), name
+    # One runner, then shorter sequences in fewer micro-batches: torch's stage is built again for the new shapes.
+    runner, short = TorchPipelineRunner(model, ctx, "gpipe"), split_rows({k: v[:, :8] for k, v in
+                                                                          mlm_data(cfg)[0](1).items()}, 2)
+    grads = []
+    for run in (lambda: runner.run(micro, weights), lambda: runner.run(short, [0.5, 0.5]),
+                lambda: PipelineRunner(model, ctx, "gpipe").run(short, [0.5, 0.5])):
+        model.zero_grad(set_to_none=True)
+        run()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert all(torch.equal(grads[1][n], grads[2][n]) for n in grads[2])
+    return True
+
+
+def test_torch_engine_weights_losses_scales_backward_and_arms_the_sync_before_the_last_backward(dist_pool):
+    """Loss weights, float16's loss scale (backward only) and before_last_backward on torch's schedule,
+    against Galaxy's runner on the same micro-batches."""
+    assert all(dist_pool.run(hook_weights_and_scale, 2, pp=2))
