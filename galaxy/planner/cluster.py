@@ -32,6 +32,7 @@ rank is scaled by them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -115,9 +116,13 @@ class Curve:
     sizes: tuple[int, ...]
     values: tuple[float, ...]
 
+    @functools.cached_property
+    def _fit(self) -> tuple[np.ndarray, np.ndarray]:
+        """(sizes, isotonic values): fitted once, a search evaluates the curve millions of times."""
+        return np.asarray(self.sizes, dtype=float), isotonic(self.values)
+
     def __call__(self, x) -> np.ndarray:
-        xs = np.asarray(self.sizes, dtype=float)
-        ys = isotonic(self.values)
+        xs, ys = self._fit
         x = np.asarray(x, dtype=float)
         if len(xs) == 1:
             return ys[0] * x / xs[0]
@@ -149,22 +154,31 @@ class AlphaBeta:
     beta_s_per_byte: float
     samples: tuple[tuple[float, float], ...] = ()
 
-    def __call__(self, nbytes) -> np.ndarray:
-        x = np.asarray(nbytes, dtype=float)
-        line = self.alpha_s + self.beta_s_per_byte * x
+    @functools.cached_property
+    def _fit(self) -> Optional[tuple[np.ndarray, np.ndarray, float, float]]:
+        """(sizes with 0 in front, their isotonic seconds with the latency at 0 in front, the slope beyond
+        the largest size); None: the line. Fitted once: a search evaluates each link thousands of times."""
         if len(self.samples) < 2:
-            return line
+            return None
         pairs = sorted(self.samples)
         xs = np.array([p[0] for p in pairs])
         ys = isotonic([p[1] for p in pairs])
         if np.ptp(xs) == 0:
-            return line
+            return None
         first = min(self.alpha_s, ys[0])
-        out = np.interp(x, np.concatenate([[0.0], xs]), np.concatenate([[first], ys]))
         k = len(xs) - 1
         while k > 0 and xs[k - 1] == xs[k]:
             k -= 1
         slope = (ys[-1] - ys[k - 1]) / (xs[-1] - xs[k - 1]) if k > 0 else self.beta_s_per_byte
+        return np.concatenate([[0.0], xs]), np.concatenate([[first], ys]), slope
+
+    def __call__(self, nbytes) -> np.ndarray:
+        x = np.asarray(nbytes, dtype=float)
+        fit = self._fit
+        if fit is None:
+            return self.alpha_s + self.beta_s_per_byte * x
+        xs, ys, slope = fit
+        out = np.interp(x, xs, ys)
         return np.where(x > xs[-1], ys[-1] + (x - xs[-1]) * slope, out)
 
     def scaled_bytes(self, factor: float) -> "AlphaBeta":

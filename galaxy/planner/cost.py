@@ -13,7 +13,7 @@ Pipelines (pp > 1) use the usual schedule bound: the sum of the stages' times pl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -126,20 +126,47 @@ class Segments:
     """The stretches between a group's sync points, as the simulation passes them: each rank's
     compute since it left the last sync (``parts``, ``[C, mp]``) and each sync's time from the last
     arrival until the first member leaves (``comm``, ``[C, 1]``). The step is at least the sum of
-    each part's maximum over ranks and of the comms (equal where every member leaves together)."""
+    each part's maximum over ranks and of the comms (equal where every member leaves together).
+
+    A stretch of syncs that repeats unchanged (a layer's, a micro-batch's: ``GroupModel.repeat``) is
+    stored once: ``unique_parts`` / ``unique_comm`` hold each distinct sync's values and ``order``
+    the sync each position of the step is; ``parts`` and ``comm`` are the step in full."""
 
     def __init__(self):
         self.base = 0.0
-        self.parts: list[np.ndarray] = []
-        self.comm: list[np.ndarray] = []
+        self.unique_parts: list[np.ndarray] = []  # one per distinct sync, then the stretch after the last
+        self.unique_comm: list[np.ndarray] = []
+        self.order: list[int] = []  # the step's syncs, as indices into the two lists above
+        self.finished = False
 
     def sync(self, clock: np.ndarray, first_out: np.ndarray, leave: np.ndarray) -> None:
-        self.parts.append(clock - self.base)
-        self.comm.append(first_out)
+        self.order.append(len(self.unique_comm))
+        self.unique_parts.append(clock - self.base)
+        self.unique_comm.append(first_out)
         self.base = leave.copy()  # the caller may advance its clocks in place
 
+    def repeat(self, since: int, more: int, shift: np.ndarray) -> None:
+        """The syncs from position ``since`` on happen ``more`` times again, each time ``shift`` later
+        (none: the stretch since the last sync goes on)."""
+        if len(self.order) > since:
+            self.order += self.order[since:] * more
+            self.base = self.base + more * shift
+
     def finish(self, clock: np.ndarray) -> None:
-        self.parts.append(clock - self.base)
+        self.unique_parts.append(clock - self.base)
+        self.finished = True
+
+    def positions(self) -> list[int]:
+        """The step's stretches in order, as indices into ``unique_parts``."""
+        return self.order + ([len(self.unique_parts) - 1] if self.finished else [])
+
+    @property
+    def parts(self) -> list[np.ndarray]:
+        return [self.unique_parts[i] for i in self.positions()]
+
+    @property
+    def comm(self) -> list[np.ndarray]:
+        return [self.unique_comm[i] for i in self.order]
 
 
 class GroupModel:
@@ -162,6 +189,10 @@ class GroupModel:
             self.padded = np.full(splits.seq.shape[0], self.act_bytes)
         self.full = full
         self.segments: Optional[Segments] = None  # recorded when a lower bound is wanted
+        self.trace: Optional[list] = None  # the last member of each collective left, while ``repeat`` watches
+        self._layer: Optional[list] = None
+        self._head: Optional[list] = None
+        self._seconds: dict = {}  # (id(collective), op) -> (the collective, its link_seconds)
 
     def piece(self, name: str, sizes: np.ndarray) -> Compute:
         out = [np.empty(sizes.shape) for _ in range(3)]
@@ -182,7 +213,13 @@ class GroupModel:
                                                                                         self.act_bytes), name)
 
     def layer(self) -> list:
-        """One layer's events in forward order: ATT, CON, MLP, CON with the transitions between."""
+        """One layer's events in forward order: ATT, CON, MLP, CON with the transitions between
+        (built once: every layer of the group runs the same)."""
+        if self._layer is None:
+            self._layer = self._build_layer()
+        return self._layer
+
+    def _build_layer(self) -> list:
         m, s = self.work.model, self.splits
         H, F = m.num_attention_heads, m.intermediate_size
         events = [self.transition(self.stream, LAYOUTS[self.att][0], "enter ATT")]
@@ -209,25 +246,75 @@ class GroupModel:
         return [e for e in events if e is not None]
 
     def head(self) -> list:
-        events = [self.piece("head.tokens", self.tokens)]
-        if self.stream == "S" and self.mp > 1 and self.work.objective == "train":
-            loss = max(4, self.work.elem)  # the loss, in float32 at least
-            events.append(Collective("all_reduce", None, loss, np.full(len(self.padded), loss), "loss"))
-        return events
+        if self._head is None:
+            self._head = [self.piece("head.tokens", self.tokens)]
+            if self.stream == "S" and self.mp > 1 and self.work.objective == "train":
+                loss = max(4, self.work.elem)  # the loss, in float32 at least
+                self._head.append(Collective("all_reduce", None, loss, np.full(len(self.padded), loss), "loss"))
+        return self._head
 
-    def leave(self, op: str, wire, clock: np.ndarray) -> np.ndarray:
+    def link_seconds(self, op: str, wire) -> tuple[np.ndarray, np.ndarray]:
+        """Seconds of collective ``op`` over ``wire`` bytes from the last arrival until the members
+        that waited leave (``waiting_leave``: earlier over Gloo's all-gather; the same where the
+        profile has no difference), and until the last to arrive leaves (``collective``)."""
+        waited = self.cluster.waiting_leave(self.ranks, op)(wire)
+        return waited, np.maximum(self.cluster.collective(self.ranks, op)(wire), waited)
+
+    def collective_seconds(self, e: Collective, op: str) -> tuple[np.ndarray, np.ndarray]:
+        """``link_seconds`` of collective ``e``'s ``op``, looked up once: each layer and micro-batch
+        runs it again. The entry holds ``e``, so its id stays its own while cached."""
+        key = (id(e), op)
+        if key not in self._seconds:
+            self._seconds[key] = (e, self.link_seconds(op, e.wire))
+        return self._seconds[key][1]
+
+    def leave(self, op: str, wire, clock: np.ndarray,
+              seconds: Optional[tuple[np.ndarray, np.ndarray]] = None) -> np.ndarray:
         """When each rank leaves collective ``op`` that it entered at ``clock`` ``[C, mp]``: the last
-        to arrive after ``collective``'s time, the ranks that waited for it after ``waiting_leave``'s
-        (earlier over Gloo's all-gather; the same where the profile has no difference)."""
+        to arrive after the collective's time, the ranks that waited for it after the waiting time
+        (``link_seconds``, or ``seconds`` already looked up)."""
+        waited, slowest = seconds if seconds is not None else self.link_seconds(op, wire)
         last = clock.max(axis=1, keepdims=True)
-        waited = self.cluster.waiting_leave(self.ranks, op)(wire)[:, None]
-        leave = np.repeat(last + waited, clock.shape[1], axis=1)
+        leave = np.repeat(last + waited[:, None], clock.shape[1], axis=1)
         latest = clock.argmax(axis=1)  # ties: one of them is last in a real run
         rows = np.arange(clock.shape[0])
-        leave[rows, latest] = last[:, 0] + np.maximum(self.cluster.collective(self.ranks, op)(wire), waited[:, 0])
+        leave[rows, latest] = last[:, 0] + slowest
+        if self.trace is not None:
+            self.trace.append(latest)
         if self.segments is not None:
-            self.segments.sync(clock, waited, leave)
+            self.segments.sync(clock, waited[:, None], leave)
         return leave
+
+    def repeat(self, step: Callable[[np.ndarray], np.ndarray], clock: np.ndarray, times: int) -> np.ndarray:
+        """``clock`` after ``step`` (a layer, a micro-batch: the same events each time) ``times`` times,
+        simulating only until two steps in a row see the same rank last at every collective.
+
+        Why that is exact: leaving a collective, each rank's clock is the last arrival plus a time
+        that depends only on which rank arrived last; so a step's clocks on leaving, less their
+        maximum, are fixed by who was last at its final collective. Two steps in a row with the same
+        last ranks leave the next step the clocks the previous one started from, up to one shift, and
+        every step after repeats the last one. A step without collectives adds the same compute
+        whatever the clocks. Recorded segments repeat with it."""
+        outer = self.trace
+        previous = None
+        for k in range(times):
+            since = len(self.segments.order) if self.segments is not None else 0
+            self.trace = []
+            after = step(clock)
+            seen, self.trace = self.trace, outer
+            if outer is not None:
+                outer.extend(seen)
+            if previous is not None and len(seen) == len(previous) \
+                    and all(np.array_equal(a, b) for a, b in zip(seen, previous)):
+                more = times - k - 1
+                shift = after - clock
+                if more and self.segments is not None:
+                    self.segments.repeat(since, more, shift)
+                if more and outer is not None:
+                    outer.append(np.array([-more]))  # a caller comparing traces sees the repeats
+                return after + more * shift
+            previous, clock = seen, after
+        return clock
 
 
 def run(group: GroupModel, events: list, clock: np.ndarray, backward: bool = False) -> np.ndarray:
@@ -238,7 +325,7 @@ def run(group: GroupModel, events: list, clock: np.ndarray, backward: bool = Fal
         else:
             op = e.bwd_op if backward else e.fwd_op
             if op is not None:
-                clock = group.leave(op, e.wire, clock)
+                clock = group.leave(op, e.wire, clock, group.collective_seconds(e, op))
     return clock
 
 
@@ -287,8 +374,7 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
         g = groups[(0, 0)]
         layer, head_ev = g.layer(), g.head()
         clock = np.tile([cluster.ranks[r].forward_overhead_s for r in g.ranks], (C, 1))
-        for _ in range(m.num_hidden_layers):
-            clock = run(g, layer, clock)
+        clock = g.repeat(lambda c: run(g, layer, c), clock, m.num_hidden_layers)
         clock = run(g, head_ev, clock)
         if segments is not None:
             segments.finish(clock)
@@ -328,25 +414,24 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
         memory[:, g.ranks] = (params[p] - own_sharded) * per_param + own_sharded * per_sharded \
             + in_flight * (held + acts_edge)
 
-        def fwd_bwd(clock):
-            for _ in range(stage_layers[p]):
+        def layer_backward(clock, g=g, layer=layer):
+            if layout.recompute == "full":
                 clock = run(g, layer, clock)
+            elif layout.recompute == "selective":
+                clock = clock + sum(e.fwd for e in layer if isinstance(e, Compute) and e.name.startswith("att_core"))
+            return run(g, layer, clock, backward=True)
+
+        def fwd_bwd(clock, g=g, layer=layer, edge=edge, layers=stage_layers[p]):
+            clock = g.repeat(lambda c: run(g, layer, c), clock, layers)
             clock = run(g, edge, clock)
             f_end = clock
             clock = run(g, edge, clock, backward=True)
-            for _ in range(stage_layers[p]):
-                if layout.recompute == "full":
-                    clock = run(g, layer, clock)
-                elif layout.recompute == "selective":
-                    clock = clock + sum(e.fwd for e in layer if isinstance(e, Compute) and e.name.startswith("att_core"))
-                clock = run(g, layer, clock, backward=True)
-            return f_end, clock
+            return f_end, g.repeat(layer_backward, clock, layers)
 
         if pp == 1:
             clock = np.stack([opt[r](stepped[0][:, i]) + cluster.ranks[r].step_overhead_s
                               for i, r in enumerate(g.ranks)], axis=1)
-            for _ in range(M):
-                _, clock = fwd_bwd(clock)
+            clock = g.repeat(lambda c: fwd_bwd(c)[1], clock, M)
             clocks[(d, p)] = clock
         else:
             f_end, b_end = fwd_bwd(np.zeros((C, mp)))
@@ -377,9 +462,10 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
     # after the optimizer ZeRO-1's broadcasts over dp / sharded mode's all-gather over mp.
     sent = np.zeros(C)  # global rank 0's bytes of a step, as galaxy.core.comm records them
     g0 = groups[(0, 0)]
-    for e in [e for _ in range(stage_layers[0]) for e in g0.layer()] + (g0.head() if pp == 1 else []):
-        if isinstance(e, Collective):
-            sent += M * e.nbytes * ((e.fwd_op is not None) + (e.bwd_op is not None))
+    for events, times in ((g0.layer(), stage_layers[0]), (g0.head() if pp == 1 else [], 1)):
+        for e in events:
+            if isinstance(e, Collective):
+                sent += times * M * e.nbytes * ((e.fwd_op is not None) + (e.bwd_op is not None))
     if pp > 1:  # stage 0 sends each micro-batch's stream forward (what it receives is not counted)
         sent += M * rows * g0.tokens[:, 0] * m.hidden_size * work.elem
 

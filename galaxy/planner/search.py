@@ -242,17 +242,19 @@ class SplitSearch:
         seg = Segments()
         predict(self.cluster, self.work, self.methods, self.splits(balanced), self.layout, seg)
         comm = float(sum(c[0, 0] for c in seg.comm))
-        stretches = np.zeros(len(seg.parts))
+        stretches = np.zeros(len(seg.positions()))
         for v in self.uses:
             count = self.units[v][1]
             probe = {w: np.repeat(ones[w], count, axis=0) for w in self.uses}
             probe[v] = np.repeat(np.arange(1, count + 1)[:, None], self.mp, axis=1)
             seg = Segments()
             predict(self.cluster, self.work, self.methods, self.splits(probe), self.layout, seg)
-            for k, part in enumerate(seg.parts):  # part[u - 1, i]: rank i holding u units
+            best = []  # per distinct stretch (repeated layers and micro-batches are stored once)
+            for part in seg.unique_parts:  # part[u - 1, i]: rank i holding u units
                 table = np.concatenate([np.zeros((self.mp, 1)), part.T], axis=1)
                 x = min_max_split(table, count)
-                stretches[k] = max(stretches[k], table[np.arange(self.mp), x].max())
+                best.append(table[np.arange(self.mp), x].max())
+            stretches = np.maximum(stretches, np.array(best)[seg.positions()])
         return float(stretches.sum() + comm)
 
     def even_unless_beaten(self, best: Choice, margin: float) -> Choice:
