@@ -121,6 +121,17 @@ class Curve:
         """(sizes, isotonic values): fitted once, a search evaluates the curve millions of times."""
         return np.asarray(self.sizes, dtype=float), isotonic(self.values)
 
+    def knots(self) -> list[float]:
+        """The sizes where the curve may bend: the measured ones, and where its extension below the
+        smallest crosses zero (it is clamped there). Between two knots it is linear."""
+        xs, ys = self._fit
+        out = [float(x) for x in xs]
+        if len(xs) > 1:
+            slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
+            if slope > 0 and ys[0] < slope * xs[0]:
+                out.append(float(xs[0] - ys[0] / slope))
+        return out
+
     def __call__(self, x) -> np.ndarray:
         xs, ys = self._fit
         x = np.asarray(x, dtype=float)

@@ -12,6 +12,7 @@ Pipelines (pp > 1) use the usual schedule bound: the sum of the stages' times pl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -111,6 +112,7 @@ class Compute:
     bwd: np.ndarray
     act: np.ndarray  # bytes saved for backward
     name: str = ""
+    var: Optional[str] = None  # the split that sizes it (heads, ffn, seq), None: the same on every split
 
 
 @dataclass
@@ -182,6 +184,7 @@ class GroupModel:
         S, self.h = work.seq_length, m.hidden_size
         full = lambda n: np.full_like(splits.seq, n)  # noqa: E731
         self.tokens = splits.seq if self.stream == "S" else full(S)
+        self.tokens_var = "seq" if self.stream == "S" else None
         self.act_bytes = rows * S * self.h * work.elem
         if self.mp > 1 and (self.stream == "S" or Method.SP in (self.att, self.mlp)):
             self.padded = rows * splits.seq.max(axis=1) * self.mp * self.h * work.elem
@@ -194,13 +197,15 @@ class GroupModel:
         self._head: Optional[list] = None
         self._seconds: dict = {}  # (id(collective), op) -> (the collective, its link_seconds)
 
-    def piece(self, name: str, sizes: np.ndarray) -> Compute:
+    def piece(self, name: str, sizes: np.ndarray, var: Optional[str] = None) -> Compute:
+        """Piece ``name`` at each rank's ``sizes`` (``[C, mp]``), which come from split ``var``."""
         out = [np.empty(sizes.shape) for _ in range(3)]
         for i, r in enumerate(self.ranks):
-            for k, values in enumerate(self.cluster.ranks[r].piece(name, self.rows, sizes[:, i],
+            distinct, where = np.unique(sizes[:, i], return_inverse=True)  # thousands of splits, few shares
+            for k, values in enumerate(self.cluster.ranks[r].piece(name, self.rows, distinct,
                                                                    self.work.objective == "latency")):
-                out[k][:, i] = values
-        return Compute(*out, name=name)
+                out[k][:, i] = values[where]
+        return Compute(*out, name=name, var=var)
 
     def transition(self, src: str, dst: str, name: str) -> Optional[Collective]:
         if self.mp == 1:
@@ -226,28 +231,28 @@ class GroupModel:
         if self.att == Method.SP and self.mp > 1:
             kv = self.rows * self.work.seq_length * 2 * m.kv_heads * m.head_dim * self.work.elem
             kv_wire = self.padded / self.h * 2 * m.kv_heads * m.head_dim
-            events += [self.piece("att_proj.tokens", s.seq),
+            events += [self.piece("att_proj.tokens", s.seq, "seq"),
                        Collective("all_gather", "reduce_scatter", kv, kv_wire, "K,V gather"),
-                       self.piece("att_core.tokens", s.seq)]
+                       self.piece("att_core.tokens", s.seq, "seq")]
         else:
-            heads = s.heads if self.att == Method.TP else self.full(H)
-            events += [self.piece("att_proj.heads", heads), self.piece("att_core.heads", heads)]
+            heads, var = (s.heads, "heads") if self.att == Method.TP else (self.full(H), None)
+            events += [self.piece("att_proj.heads", heads, var), self.piece("att_core.heads", heads, var)]
         events += [self.transition(LAYOUTS[self.att][1], self.stream, "leave ATT"),
-                   self.piece("con.tokens", self.tokens),
+                   self.piece("con.tokens", self.tokens, self.tokens_var),
                    self.transition(self.stream, LAYOUTS[self.mlp][0], "enter MLP")]
         if self.mlp == Method.TP:
-            events.append(self.piece("mlp.ffn", s.ffn))
+            events.append(self.piece("mlp.ffn", s.ffn, "ffn"))
         elif self.mlp == Method.SP:
-            events.append(self.piece("mlp.tokens", s.seq))
+            events.append(self.piece("mlp.tokens", s.seq, "seq"))
         else:
             events.append(self.piece("mlp.ffn", self.full(F)))
         events += [self.transition(LAYOUTS[self.mlp][1], self.stream, "leave MLP"),
-                   self.piece("con.tokens", self.tokens)]
+                   self.piece("con.tokens", self.tokens, self.tokens_var)]
         return [e for e in events if e is not None]
 
     def head(self) -> list:
         if self._head is None:
-            self._head = [self.piece("head.tokens", self.tokens)]
+            self._head = [self.piece("head.tokens", self.tokens, self.tokens_var)]
             if self.stream == "S" and self.mp > 1 and self.work.objective == "train":
                 loss = max(4, self.work.elem)  # the loss, in float32 at least
                 self._head.append(Collective("all_reduce", None, loss, np.full(len(self.padded), loss), "loss"))
@@ -338,6 +343,26 @@ def collectives(group: GroupModel, layers: int) -> list[tuple[str, int, str]]:
     return fwd + bwd
 
 
+def stage_parameters(work: Workload, methods: tuple[Method, Method, Method], splits: Splits, layout: Layout,
+                     mp: int) -> tuple[dict, dict, dict]:
+    """Per pipeline stage, ``[C, mp]`` parameters of each mp rank (the same in every dp replica): all it
+    holds, those whose gradient is summed over the mp group (PARTIAL), and those its optimizer steps
+    (sharded PARTIAL weights as 1/mp pieces, 1/dp under ZeRO)."""
+    m, pp, dp = work.model, layout.pp, layout.dp
+    stage_layers = balanced_split(m.num_hidden_layers, pp)
+    emb, head = edge_params(m)
+    per_layer = layer_params(m, methods[0], methods[2], methods[1], splits.heads, splits.ffn)
+    sharded = mp > 1 and work.mp_grad_reduce == "sharded"
+    params, partial, stepped = {}, {}, {}
+    for p in range(pp):
+        params[p] = per_layer.total * stage_layers[p] + (emb if p == 0 else 0) + (head if p == pp - 1 else 0)
+        edge_partial = (emb if p == 0 else 0) + (head if p == pp - 1 else 0)
+        partial[p] = per_layer.partial * stage_layers[p] + (edge_partial if methods[1] == Method.SP else 0)
+        own = params[p] - (partial[p] * (1 - 1 / mp) if sharded else 0)
+        stepped[p] = own / dp if dp > 1 and work.dp_engine in ("zero1", "deepspeed") else own
+    return params, partial, stepped
+
+
 def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Method, Method], splits: Splits,
             layout: Layout = Layout(), segments: Optional[Segments] = None) -> Prediction:
     """Step time (objective 'train') or batch-1 forward latency ('latency'), and memory per rank.
@@ -359,14 +384,7 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
         if dp * pp != 1:
             raise ValueError("segments are recorded for dp = pp = 1 only")
         groups[(0, 0)].segments = segments
-    # parameters per mp rank on each stage (the same in every dp replica)
-    emb, head = edge_params(m)
-    per_layer = layer_params(m, methods[0], methods[2], methods[1], splits.heads, splits.ffn)
-    params, partial = {}, {}
-    for p in range(pp):
-        params[p] = per_layer.total * stage_layers[p] + (emb if p == 0 else 0) + (head if p == pp - 1 else 0)
-        edge_partial = (emb if p == 0 else 0) + (head if p == pp - 1 else 0)
-        partial[p] = per_layer.partial * stage_layers[p] + (edge_partial if methods[1] == Method.SP else 0)
+    params, partial, stepped = stage_parameters(work, methods, splits, layout, mp)
 
     memory = np.zeros((C, world))
     detail = {}
@@ -388,10 +406,6 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
     zero1 = dp > 1 and work.dp_engine == "zero1"  # optimizer state and step split over dp
     sharded = mp > 1 and work.mp_grad_reduce == "sharded"
     per_param, per_sharded = bytes_per_parameter(work, dp, mp, M)
-    stepped = {}  # parameters each rank's optimizer steps: sharded PARTIAL weights as 1/mp pieces, 1/dp under ZeRO
-    for p in range(pp):
-        own = params[p] - (partial[p] * (1 - 1 / mp) if sharded else 0)
-        stepped[p] = own / dp if dp > 1 and work.dp_engine in ("zero1", "deepspeed") else own
     stage_f, stage_b = np.zeros((pp, C)), np.zeros((pp, C))
     clocks = {}
     for (d, p), g in groups.items():
@@ -537,3 +551,237 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
 def _finish(cluster: ClusterProfile, time: np.ndarray, memory: np.ndarray, detail: dict) -> Prediction:
     budget = np.array([r.memory_bytes for r in cluster.ranks], dtype=float)
     return Prediction(time, memory, (memory <= budget).all(axis=1), detail)
+
+
+# ----------------------------------------------------------------------------- a lower bound over every split
+
+BOUND_POINTS = 256  # shares of a split variable at which the bound evaluates its pieces (every share when fewer)
+SIZED_BY = {"heads": ("att_proj.heads", "att_core.heads"), "ffn": ("mlp.ffn",),
+            "seq": ("att_proj.tokens", "att_core.tokens", "mlp.tokens", "con.tokens", "head.tokens")}
+
+
+def bound_points(cluster: ClusterProfile, var: str, unit: int, count: int, most: int = BOUND_POINTS) -> np.ndarray:
+    """Shares (in units, ascending, from 1 to ``count``) at which ``lower_bound`` evaluates the pieces
+    that ``var`` sizes: every share when at most ``most``; else ``most`` evenly spaced ones and both
+    neighbours of every knot of those pieces' curves, so that each piece is linear between two
+    consecutive points (up to its clamp at zero) and its least value between them is at one of the two."""
+    if count <= most:
+        return np.arange(1, count + 1)
+    knots = set()
+    for rank in cluster.ranks:
+        for by_name in rank.pieces.values():
+            for name in SIZED_BY[var]:
+                piece = by_name[name]
+                for curve in (piece.fwd, piece.bwd) + ((piece.infer,) if piece.infer is not None else ()):
+                    for k in curve.knots():
+                        knots.update((math.floor(k / unit), math.ceil(k / unit)))
+    inside = [k for k in knots if 1 <= k <= count]
+    return np.unique(np.concatenate([np.linspace(1, count, most).round(), inside])).astype(np.int64)
+
+
+def least_makespan(table: np.ndarray, weights: np.ndarray, units: int) -> float:
+    """A lower bound on ``min over splits x of max_i cost_i(x_i)`` (each rank at least one unit, ``units``
+    in all), where ``table[k, i]`` is at most rank i's cost at any share of bucket k and bucket k holds
+    ``weights[k]`` consecutive shares, the buckets in ascending order and covering 1..units. Each
+    column is replaced by its running minimum from the end (non-decreasing, still below the costs);
+    then a makespan T lets rank i take every share of the buckets up to T, and the least T that lets
+    the ranks take ``units`` between them is the ``units``-th smallest share cost."""
+    env = np.minimum.accumulate(table[::-1], axis=0)[::-1]
+    values = env.ravel()
+    order = np.argsort(values, kind="stable")
+    taken = np.cumsum(np.repeat(weights, table.shape[1])[order])
+    kth = values[order[min(int(np.searchsorted(taken, units)), len(order) - 1)]]
+    return float(max(env[0].max(), kth))
+
+
+class _Program:
+    """One group's step as the bound walks it: compute items (a key and its per-rank table over the
+    bound's points), sync items (a key, seconds until the waiting members leave, until the last to
+    arrive leaves) and repeated blocks."""
+
+    def __init__(self, probe: GroupModel, balanced: GroupModel, buckets: dict[str, np.ndarray],
+                 recompute: str, edge: bool):
+        self.tables: dict[tuple, tuple[Optional[str], np.ndarray]] = {}
+        self.buckets = buckets
+        layer, bal_layer = probe.layer(), balanced.layer()
+        head, bal_head = (probe.head(), balanced.head()) if edge else ([], [])
+        forward = self.items("L", layer, balanced, bal_layer, False)
+        back = self.items("L", layer, balanced, bal_layer, True)
+        if recompute == "full":
+            back = forward + back
+        elif recompute == "selective":
+            back = [it for it in forward if it[0] == "c" and layer[it[1][1]].name.startswith("att_core")] + back
+        self.layer_forward, self.layer_backward = forward, back
+        self.edge_forward = self.items("H", head, balanced, bal_head, False)
+        self.edge_backward = self.items("H", head, balanced, bal_head, True)
+
+    def items(self, where: str, events: list, balanced: GroupModel, balanced_events: list, backward: bool) -> list:
+        """``events`` (the probe's) as items; collectives timed at ``balanced``'s bytes."""
+        out = []
+        for k, (e, b) in enumerate(zip(events, balanced_events)):
+            if isinstance(e, Compute):
+                key = (where, k, "b" if backward else "f")
+                if key not in self.tables:
+                    values = e.bwd if backward else e.fwd
+                    if e.var in self.buckets:
+                        points = values[:len(self.buckets[e.var])]
+                        self.tables[key] = (e.var, np.concatenate([np.minimum(points[:-1], points[1:]),
+                                                                   points[-1:]]))
+                    else:
+                        self.tables[key] = (None, values[0])
+                out.append(("c", key))
+            else:
+                op = b.bwd_op if backward else b.fwd_op
+                if op is not None:
+                    waited, slowest = (float(t[0]) for t in balanced.link_seconds(op, b.wire))
+                    out.append(("s", (where, k, "b" if backward else "f"), waited, slowest))
+        return out[::-1] if backward else out
+
+
+def _has_sync(items: list) -> bool:
+    return any(it[0] == "s" or (it[0] == "rep" and it[2] > 0 and _has_sync(it[1])) for it in items)
+
+
+class _Walk:
+    """Walks a program through the barrier relaxation of the simulation. At a sync the last member
+    to arrive leaves ``slowest`` after its arrival and the others ``waited`` after it; so the next
+    sync's last arrival comes at least ``waited`` + the largest compute between, and at least
+    ``slowest`` + the smallest (the last member's own) after this one's. Minimising each stretch over
+    the splits on its own (``least_makespan`` per variable, every other variable at its least
+    cost) bounds every split's step from below. Stretches of repeated blocks are scored once."""
+
+    def __init__(self, program: _Program, units: dict[str, tuple[int, int]], weights: dict[str, np.ndarray],
+                 start: np.ndarray):
+        self.program, self.units, self.weights, self.start = program, units, weights, start
+        self.memo: dict = {}
+
+    def stretch(self, open_: dict, prev: Optional[tuple], first: bool) -> float:
+        key = (frozenset(open_.items()), prev[0] if prev else None, first)
+        if key in self.memo:
+            return self.memo[key]
+        by_var: dict[str, np.ndarray] = {}
+        const = self.start.copy() if first else np.zeros_like(self.start)
+        for item, count in open_.items():
+            var, table = self.program.tables[item]
+            if var is None:
+                const = const + count * table
+            else:
+                by_var[var] = by_var.get(var, 0) + count * table
+        least = {v: np.minimum.accumulate(t[::-1], axis=0)[-1] for v, t in by_var.items()}  # per rank, any share
+        base = const + sum(least.values(), np.zeros_like(const))
+        makespan = max([least_makespan(t + (base - least[v])[None, :], self.weights[v], self.units[v][1])
+                        for v, t in by_var.items()] or [float(base.max())])
+        value = makespan if prev is None else max(prev[1] + makespan, prev[2] + float(base.min()))
+        self.memo[key] = value
+        return value
+
+    def run(self, items: list, state: tuple) -> tuple[float, tuple]:
+        """(the bound's seconds of ``items``, the state after): state = (open stretch as item -> count,
+        the last sync item, whether the stretch holds the step's start)."""
+        total = 0.0
+        open_, prev, first = state
+        for item in items:
+            if item[0] == "c":
+                open_ = {**open_, item[1]: open_.get(item[1], 0) + 1}
+            elif item[0] == "s":
+                total += self.stretch(open_, prev, first)
+                open_, prev, first = {}, item[1:], False
+            else:
+                _, block, times = item
+                if times == 0:
+                    continue
+                once, after = self.run(block, (open_, prev, first))
+                if times > 1 and _has_sync(block):  # every pass after the first starts where the second did
+                    again, after = self.run(block, after)
+                    once += (times - 1) * again
+                elif times > 1:  # compute only: the open stretch grows by the same each pass
+                    grown = after[0]
+                    after = ({k: open_.get(k, 0) + times * (grown.get(k, 0) - open_.get(k, 0)) for k in grown},
+                             prev, first)
+                total += once
+                open_, prev, first = after
+        return total, (open_, prev, first)
+
+    def finish(self, items: list) -> float:
+        total, (open_, prev, first) = self.run(items, ({}, None, True))
+        return total + self.stretch(open_, prev, first)
+
+
+def lower_bound(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Method, Method], layout: Layout,
+                units: dict[str, tuple[int, int]], uses: tuple[str, ...]) -> float:
+    """Seconds that no split of ``methods`` under ``layout`` beats in ``predict`` (memory budgets
+    ignored). ``units``: per split variable (heads, ffn, seq) its unit and count of units; ``uses``:
+    the variables the split search varies (the others balanced).
+
+    Each group's step is bounded by ``_Walk`` from below (its compute at its least over the shares,
+    the collectives at the balanced split's bytes, which no split lowers: uneven pieces are padded
+    to the largest). With one stage the step is at least any group's clocks after its micro-batches
+    (the syncs after only add); with a pipeline at least the optimizer, the sum of the stages' bounds
+    and (micro-batches - 1) times the largest (the sends add). Of the syncs after the backward it
+    counts a group's own (``predict``'s mp-group sums of PARTIAL gradients, the norm, sharded mode's
+    gather), whose bytes no split changes; the others only add."""
+    m = work.model
+    dp, pp, M = layout.dp, layout.pp, layout.microbatches
+    mp = cluster.world // (dp * pp)
+    latency = work.objective == "latency"
+    rows = 1 if latency else work.global_batch // (dp * M)
+    points = {v: bound_points(cluster, v, *units[v]) for v in uses}
+    weights = {v: np.append(np.diff(p), 1) for v, p in points.items()}
+    C = max((len(p) for p in points.values()), default=1)
+
+    def column(var: str) -> np.ndarray:
+        unit, count = units[var]
+        if var in points:
+            shares = np.pad(points[var], (0, C - len(points[var])), mode="edge")
+            return np.repeat(shares[:, None] * unit, mp, axis=1)
+        return np.tile(balanced_split(count * unit, mp), (C, 1))
+
+    probe = Splits(column("heads"), column("ffn"), column("seq"))
+    even = Splits.one(*(balanced_split(units[v][0] * units[v][1], mp) for v in ("heads", "ffn", "seq")))
+    stage_layers = balanced_split(m.num_hidden_layers, pp)
+    _, partial, _ = stage_parameters(work, methods, even, layout, mp)  # PARTIAL weights: the same on every split
+    _, _, stepped = stage_parameters(work, methods, probe, layout, mp)  # row 0: every share at its least
+    grad_bytes = 8 if work.dtype == "float64" else 4
+    sharded = mp > 1 and work.mp_grad_reduce == "sharded"
+
+    def tail(ranks: list[int], p: int) -> list:
+        """The group's own syncs after the backward, as sync items (every member leaves together)."""
+        if mp == 1 or latency:
+            return []
+        nbytes = float(partial[p][0, 0]) * grad_bytes
+        buckets = max(math.ceil(nbytes / GRAD_BUCKET_BYTES), 1)
+        syncs = [("reduce_scatter" if sharded else "all_reduce", nbytes)] if nbytes > 0 else []
+        syncs += [("all_reduce", 8.0)] + ([("all_gather", nbytes)] if sharded and nbytes > 0 else [])
+        out = []
+        for k, (op, size) in enumerate(syncs):
+            n = buckets if size == nbytes else 1
+            cost = float(n * cluster.collective(ranks, op)(size / n))
+            out.append(("s", ("T", k, op), cost, cost))
+        return out
+
+    def group_bound(d: int, p: int, start: np.ndarray, micro_batches: int) -> float:
+        ranks = [rank_of(d, p, i, pp, mp) for i in range(mp)]
+        prog = _Program(GroupModel(cluster, work, methods, probe, ranks, rows),
+                        GroupModel(cluster, work, methods, even, ranks, rows), points,
+                        "none" if latency else layout.recompute, latency or p == pp - 1)
+        L = stage_layers[p]
+        if latency:
+            items = [("rep", prog.layer_forward, L)] + prog.edge_forward
+        else:
+            items = [("rep", [("rep", prog.layer_forward, L)] + prog.edge_forward + prog.edge_backward
+                      + [("rep", prog.layer_backward, L)], micro_batches)]
+        return _Walk(prog, units, weights, start).finish(items + (tail(ranks, p) if pp == 1 else []))
+
+    if latency:
+        return group_bound(0, 0, np.array([cluster.ranks[r].forward_overhead_s for r in range(mp)]), 1)
+    def optimizer(d: int, p: int) -> np.ndarray:
+        """Each rank's optimizer step and overhead, at its least parameters (the optimizer's time grows with them)."""
+        return np.array([float(cluster.ranks[r].optimizer(stepped[p][0, i])) + cluster.ranks[r].step_overhead_s
+                         for i, r in enumerate(rank_of(d, p, i, pp, mp) for i in range(mp))])
+
+    if pp == 1:
+        return max(group_bound(d, 0, optimizer(d, 0), M) for d in range(dp))
+    stages = [max(group_bound(d, p, np.zeros(mp), 1) for d in range(dp)) for p in range(pp)]
+    optimizer = max(optimizer(d, p).max() for d in range(dp) for p in range(pp))
+    after = max(sum(item[2] for item in tail([rank_of(0, p, i, pp, mp) for i in range(mp)], p)) for p in range(pp))
+    return optimizer + sum(stages) + (M - 1) * max(stages) + after

@@ -34,7 +34,7 @@ import numpy as np
 
 from galaxy.config import ConfigError, Method, balanced_split
 from galaxy.planner.cluster import ClusterProfile, device_subsets
-from galaxy.planner.cost import Layout, Prediction, Segments, Splits, Workload, predict
+from galaxy.planner.cost import Layout, Prediction, Splits, Workload, lower_bound, predict
 
 logger = logging.getLogger(__name__)
 
@@ -86,25 +86,15 @@ def count_compositions(units: int, parts: int) -> int:
 
 def min_max_split(costs: np.ndarray, units: int) -> np.ndarray:
     """Integer split ``x`` (each >= 1, summing to ``units``) minimising ``max_i costs[i, x_i]``,
-    where ``costs[i, u]`` is non-decreasing in ``u`` (index 0 unused). Bisection over the sorted
-    candidate makespans: T is feasible when the largest share each rank can take within T adds up
-    to ``units``; the smallest feasible T is optimal and its shares, trimmed to ``units``, reach it."""
+    where ``costs[i, u]`` is non-decreasing in ``u`` (index 0 unused). A makespan T is feasible when
+    every rank can take one unit within it and the largest shares within it add up to ``units``;
+    with monotone rows the shares within T count the table's entries up to T, so the smallest
+    feasible T is the larger of the ranks' one-unit costs and the ``units``-th smallest entry. Its
+    shares, trimmed to ``units``, reach it."""
     parts = costs.shape[0]
-    values = np.unique(costs[:, 1:units + 1])
-
-    def caps(T):
-        ok = costs[:, 1:units + 1] <= T  # monotone rows: a prefix of True
-        return ok.sum(axis=1)
-
-    lo, hi = 0, len(values) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        c = caps(values[mid])
-        if (c >= 1).all() and c.sum() >= units:
-            hi = mid
-        else:
-            lo = mid + 1
-    x = caps(values[lo]).astype(np.int64)
+    table = costs[:, 1:units + 1]
+    makespan = max(table[:, 0].max(), np.partition(table.ravel(), units - 1)[units - 1])
+    x = (table <= makespan).sum(axis=1).astype(np.int64)  # monotone rows: a prefix of True
     excess = x.sum() - units
     for i in np.argsort(-x):  # giving back units never raises a rank's cost
         give = min(excess, x[i] - 1)
@@ -136,6 +126,7 @@ class SplitSearch:
         if Method.SP in methods:
             uses.append("seq")
         self.uses = tuple(uses) if self.mp > 1 else ()
+        self._lower_bound: Optional[float] = None
 
     def balanced(self) -> dict[str, np.ndarray]:
         """The even split of every variable the methods use, as one candidate."""
@@ -201,13 +192,22 @@ class SplitSearch:
                     best = (key[i], {v: a[i:i + 1] for v, a in chosen.items()})
             pred, _ = self.score(best[1])
             return self.choice(best[1], pred, True)
-        current = {v: min_max_split(self.own_costs(v), self.units[v][1])[None] for v in self.uses}
-        pred, key = self.score(current)
-        best_key = key[0]
+        start = {v: min_max_split(self.own_costs(v), self.units[v][1])[None] for v in self.uses}
+        balanced = self.balanced()
+        _, keys = self.score({v: np.concatenate([start[v], balanced[v]]) for v in self.uses})
+        current = start if keys[0] <= keys[1] else balanced  # the even split may be the better start
+        best_key = keys.min()
+        changed = {v: 0 for v in self.uses}  # when each variable last moved (steps of the descent)
+        scanned = {v: -1 for v in self.uses}  # when each exhaustively scanned variable was last scanned
+        step = 0
         for _ in range(20):
             improved = False
             for v in self.uses:
+                step += 1
                 if counts[v] <= self.exact_limit:
+                    if all(changed[w] < scanned[v] for w in self.uses if w != v):
+                        continue  # the others are where they were at its last scan: the same optimum
+                    scanned[v] = step
                     trial = compositions(self.units[v][1], self.mp)
                 else:
                     base = current[v][0]
@@ -218,7 +218,9 @@ class SplitSearch:
                 p, k = self.score(chosen)
                 j = int(np.argmin(k))
                 if k[j] < best_key * (1 - 1e-12):
-                    best_key, current[v], improved = k[j], trial[j:j + 1], True
+                    best_key, improved = k[j], True
+                    current = {**current, v: trial[j:j + 1]}
+                    changed[v] = step
             if not improved:
                 break
         pred, _ = self.score(current)
@@ -226,36 +228,12 @@ class SplitSearch:
         choice.lower_bound_s = self.lower_bound()
         return choice
 
-    def lower_bound(self) -> Optional[float]:
-        """A time no split of these methods can beat (memory budgets ignored). The step is at least
-        the sum, over the stretches between sync points, of the slowest rank's compute, plus the
-        syncs' collectives. A stretch's compute on rank i is at least that of the pieces sized by one
-        split variable v at rank i's share of v, with every other variable at its smallest share
-        (times are monotone); so the stretch costs at least the min-max of that table over splits of
-        v (``min_max_split``, exact), for the best v. Collectives cost at least their balanced-split
-        value until the first member leaves (uneven sequence pieces are padded to the largest). None
-        for dp or pp > 1."""
-        if self.layout.dp * self.layout.pp != 1 or not self.uses:
-            return None
-        ones = {v: np.ones((1, self.mp), dtype=np.int64) for v in self.uses}
-        balanced = self.balanced()
-        seg = Segments()
-        predict(self.cluster, self.work, self.methods, self.splits(balanced), self.layout, seg)
-        comm = float(sum(c[0, 0] for c in seg.comm))
-        stretches = np.zeros(len(seg.positions()))
-        for v in self.uses:
-            count = self.units[v][1]
-            probe = {w: np.repeat(ones[w], count, axis=0) for w in self.uses}
-            probe[v] = np.repeat(np.arange(1, count + 1)[:, None], self.mp, axis=1)
-            seg = Segments()
-            predict(self.cluster, self.work, self.methods, self.splits(probe), self.layout, seg)
-            best = []  # per distinct stretch (repeated layers and micro-batches are stored once)
-            for part in seg.unique_parts:  # part[u - 1, i]: rank i holding u units
-                table = np.concatenate([np.zeros((self.mp, 1)), part.T], axis=1)
-                x = min_max_split(table, count)
-                best.append(table[np.arange(self.mp), x].max())
-            stretches = np.maximum(stretches, np.array(best)[seg.positions()])
-        return float(stretches.sum() + comm)
+    def lower_bound(self) -> float:
+        """A time no split of these methods and layout beats (memory budgets ignored): the cost
+        model's ``lower_bound``, each stretch between sync points at its least over the splits."""
+        if self._lower_bound is None:
+            self._lower_bound = lower_bound(self.cluster, self.work, self.methods, self.layout, self.units, self.uses)
+        return self._lower_bound
 
     def even_unless_beaten(self, best: Choice, margin: float) -> Choice:
         """The even split instead of ``best`` where ``best`` is not more than ``margin`` faster."""
@@ -265,8 +243,8 @@ class SplitSearch:
         pred, _ = self.score(balanced)
         even = self.choice(balanced, pred, False)
         if (even.heads, even.ffn, even.seq) == (best.heads, best.ffn, best.seq) \
-                or (best.fits and not even.fits) or even.time_s > best.time_s * (1 + margin):
-            return best
+                or (best.fits and not even.fits) or (even.fits == best.fits and even.time_s > best.time_s * (1 + margin)):
+            return best  # (an uneven split that does not fit never displaces an even one that does)
         even.lower_bound_s = best.time_s if best.exact else best.lower_bound_s
         return even
 
