@@ -201,10 +201,9 @@ class GroupModel:
         """Piece ``name`` at each rank's ``sizes`` (``[C, mp]``), which come from split ``var``."""
         out = [np.empty(sizes.shape) for _ in range(3)]
         for i, r in enumerate(self.ranks):
-            distinct, where = np.unique(sizes[:, i], return_inverse=True)  # thousands of splits, few shares
-            for k, values in enumerate(self.cluster.ranks[r].piece(name, self.rows, distinct,
+            for k, values in enumerate(self.cluster.ranks[r].piece(name, self.rows, sizes[:, i],
                                                                    self.work.objective == "latency")):
-                out[k][:, i] = values[where]
+                out[k][:, i] = values
         return Compute(*out, name=name, var=var)
 
     def transition(self, src: str, dst: str, name: str) -> Optional[Collective]:
@@ -363,6 +362,32 @@ def stage_parameters(work: Workload, methods: tuple[Method, Method, Method], spl
     return params, partial, stepped
 
 
+def training_memory(g: GroupModel, layout: Layout, p: int, params: np.ndarray, partial: np.ndarray) -> np.ndarray:
+    """``[C, mp]`` bytes each rank of group ``g`` (pipeline stage ``p`` of ``layout``) holds in training:
+    parameters and optimizer state (``params``, of which ``partial`` PARTIAL), plus the activations held
+    at once. Every term is sized by one split variable (or none)."""
+    work, m = g.work, g.work.model
+    mp, pp, M = g.mp, layout.pp, layout.microbatches
+    layers = balanced_split(m.num_hidden_layers, pp)[p]
+    layer = g.layer()
+    edge = g.head() if p == pp - 1 else []
+    C = g.splits.seq.shape[0]
+    acts_layer = sum(e.act for e in layer if isinstance(e, Compute))
+    acts_edge = sum((e.act for e in edge if isinstance(e, Compute)), np.zeros((C, mp)))
+    in_flight = 1 if pp == 1 else (M if layout.schedule == "gpipe" else min(M, pp - p))
+    if layout.recompute == "full":  # each layer keeps its input; one layer's activations live in its backward
+        held = layers * g.rows * g.tokens * m.hidden_size * work.elem + acts_layer
+    elif layout.recompute == "selective":  # the attention cores' activations are rebuilt, one at a time
+        core = sum((e.act for e in layer if isinstance(e, Compute) and e.name.startswith("att_core")),
+                   np.zeros((C, mp)))
+        held = layers * (acts_layer - core) + core
+    else:
+        held = layers * acts_layer
+    per_param, per_sharded = bytes_per_parameter(work, layout.dp, mp, M)
+    own_sharded = partial if mp > 1 and work.mp_grad_reduce == "sharded" else 0
+    return (params - own_sharded) * per_param + own_sharded * per_sharded + in_flight * (held + acts_edge)
+
+
 def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Method, Method], splits: Splits,
             layout: Layout = Layout(), segments: Optional[Segments] = None) -> Prediction:
     """Step time (objective 'train') or batch-1 forward latency ('latency'), and memory per rank.
@@ -405,28 +430,12 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
     grad_bytes = 8 if work.dtype == "float64" else 4  # gradients are reduced in the master weights' precision
     zero1 = dp > 1 and work.dp_engine == "zero1"  # optimizer state and step split over dp
     sharded = mp > 1 and work.mp_grad_reduce == "sharded"
-    per_param, per_sharded = bytes_per_parameter(work, dp, mp, M)
     stage_f, stage_b = np.zeros((pp, C)), np.zeros((pp, C))
     clocks = {}
     for (d, p), g in groups.items():
         layer, head_ev = g.layer(), g.head()
-        last = p == pp - 1
-        edge = head_ev if last else []
-        # memory: parameters and optimizer state, plus the activations held at once
-        acts_layer = sum(e.act for e in layer if isinstance(e, Compute))
-        acts_edge = sum((e.act for e in edge if isinstance(e, Compute)), np.zeros((C, mp)))
-        in_flight = 1 if pp == 1 else (M if layout.schedule == "gpipe" else min(M, pp - p))
-        if layout.recompute == "full":  # each layer keeps its input; one layer's activations live in its backward
-            held = stage_layers[p] * rows * g.tokens * m.hidden_size * work.elem + acts_layer
-        elif layout.recompute == "selective":  # the attention cores' activations are rebuilt, one at a time
-            core = sum((e.act for e in layer if isinstance(e, Compute) and e.name.startswith("att_core")),
-                       np.zeros((C, mp)))
-            held = stage_layers[p] * (acts_layer - core) + core
-        else:
-            held = stage_layers[p] * acts_layer
-        own_sharded = partial[p] if sharded else 0
-        memory[:, g.ranks] = (params[p] - own_sharded) * per_param + own_sharded * per_sharded \
-            + in_flight * (held + acts_edge)
+        edge = head_ev if p == pp - 1 else []
+        memory[:, g.ranks] = training_memory(g, layout, p, params[p], partial[p])
 
         def layer_backward(clock, g=g, layer=layer):
             if layout.recompute == "full":
@@ -560,21 +569,19 @@ SIZED_BY = {"heads": ("att_proj.heads", "att_core.heads"), "ffn": ("mlp.ffn",),
             "seq": ("att_proj.tokens", "att_core.tokens", "mlp.tokens", "con.tokens", "head.tokens")}
 
 
-def bound_points(cluster: ClusterProfile, var: str, unit: int, count: int, most: int = BOUND_POINTS) -> np.ndarray:
+def bound_points(cluster: ClusterProfile, var: str, unit: int, count: int, most: int = BOUND_POINTS,
+                 memory: bool = False) -> np.ndarray:
     """Shares (in units, ascending, from 1 to ``count``) at which ``lower_bound`` evaluates the pieces
-    that ``var`` sizes: every share when at most ``most``; else ``most`` evenly spaced ones and both
-    neighbours of every knot of those pieces' curves, so that each piece is linear between two
-    consecutive points (up to its clamp at zero) and its least value between them is at one of the two."""
+    that ``var`` sizes (their saved bytes, for ``memory``): every share when at most ``most``; else
+    ``most`` evenly spaced ones and both neighbours of every knot of those pieces' curves, so that each
+    piece is linear between two consecutive points (up to its clamp at zero) and its least value
+    between them is at one of the two."""
     if count <= most:
         return np.arange(1, count + 1)
     knots = set()
     for rank in cluster.ranks:
-        for by_name in rank.pieces.values():
-            for name in SIZED_BY[var]:
-                piece = by_name[name]
-                for curve in (piece.fwd, piece.bwd) + ((piece.infer,) if piece.infer is not None else ()):
-                    for k in curve.knots():
-                        knots.update((math.floor(k / unit), math.ceil(k / unit)))
+        for size in rank.knots(SIZED_BY[var], memory):
+            knots.update((math.floor(size / unit), math.ceil(size / unit)))
     inside = [k for k in knots if 1 <= k <= count]
     return np.unique(np.concatenate([np.linspace(1, count, most).round(), inside])).astype(np.int64)
 
@@ -785,3 +792,87 @@ def lower_bound(cluster: ClusterProfile, work: Workload, methods: tuple[Method, 
     optimizer = max(optimizer(d, p).max() for d in range(dp) for p in range(pp))
     after = max(sum(item[2] for item in tail([rank_of(0, p, i, pp, mp) for i in range(mp)], p)) for p in range(pp))
     return optimizer + sum(stages) + (M - 1) * max(stages) + after
+
+
+def convex_hull_slopes(x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+    """The lower convex hull of the points (``x`` ascending): its value at ``x[0]``, and the slopes
+    and widths of its segments (slopes ascending)."""
+    hull: list[int] = []
+    for k in range(len(x)):
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            if (y[b] - y[a]) * (x[k] - x[a]) >= (y[k] - y[a]) * (x[b] - x[a]):  # b on or above the chord a-k
+                hull.pop()
+            else:
+                break
+        hull.append(k)
+    xs, ys = x[hull].astype(float), y[hull]
+    return float(ys[0]), np.diff(ys) / np.diff(xs), np.diff(xs)
+
+
+def might_fit(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Method, Method], layout: Layout,
+              units: dict[str, tuple[int, int]], uses: tuple[str, ...]) -> bool:
+    """False only where no split of ``methods`` under ``layout`` fits every rank's memory budget
+    (training). A rank's memory (``training_memory``) is a sum of terms each sized by one split
+    variable, each linear between the ``bound_points`` of its variable (where a saved-bytes curve is
+    clamped at zero between two of them, nothing is claimed); so for each group and each variable the
+    shares are scored at those points with every other variable at one unit. No split
+    fits where some rank's least memory over its shares is above its budget, where every split of one
+    variable (the others at their least) leaves a rank above its budget (``least_makespan`` of the
+    overruns), or where the group's least total is above the group's budgets together: the least total gives each rank the lower
+    convex hull of its own terms and hands out the units by increasing marginal cost, which no
+    split's total undercuts."""
+    if work.objective != "train":
+        return True
+    dp, pp = layout.dp, layout.pp
+    mp = cluster.world // (dp * pp)
+    rows = work.global_batch // (dp * layout.microbatches)
+    points = {v: bound_points(cluster, v, *units[v], memory=True) for v in uses}
+    blocks, at = {}, 1
+    for v in uses:
+        blocks[v] = slice(at, at + len(points[v]))
+        at += len(points[v])
+
+    def column(var: str) -> np.ndarray:
+        unit, count = units[var]
+        if var not in points:
+            return np.tile(balanced_split(count * unit, mp), (at, 1))
+        shares = np.ones(at, dtype=np.int64)
+        shares[blocks[var]] = points[var]
+        return np.repeat(shares[:, None] * unit, mp, axis=1)
+
+    probe = Splits(column("heads"), column("ffn"), column("seq"))
+    params, partial, _ = stage_parameters(work, methods, probe, layout, mp)
+    budget = np.array([r.memory_bytes for r in cluster.ranks], dtype=float)
+    for d in range(dp):
+        for p in range(pp):
+            ranks = [rank_of(d, p, i, pp, mp) for i in range(mp)]
+            g = GroupModel(cluster, work, methods, probe, ranks, rows)
+            for e in g.layer() + g.head():  # a saved-bytes curve clamped at zero between two points bends there
+                if isinstance(e, Compute) and e.var in points and len(points[e.var]) < units[e.var][1]:
+                    positive = e.act[blocks[e.var]] > 0
+                    if (positive[1:] != positive[:-1]).any():
+                        return True
+            memory = training_memory(g, layout, p, params[p], partial[p])
+            ones = memory[0]
+            terms = {v: memory[blocks[v]] - ones for v in uses}  # [points, mp]: each variable's own part
+            least = ones + sum((t.min(axis=0) for t in terms.values()), np.zeros(mp))
+            if (least > budget[ranks]).any():
+                return False
+            for v, t in terms.items():  # the least over v's splits of the largest overrun, the others at their least
+                over = t + (least - t.min(axis=0) - budget[ranks])[None, :]
+                buckets = np.concatenate([np.minimum(over[:-1], over[1:]), over[-1:]])
+                if least_makespan(buckets, np.append(np.diff(points[v]), 1), units[v][1]) > 0:
+                    return False
+            total = ones.sum()
+            for v, t in terms.items():
+                start, slopes, widths = zip(*(convex_hull_slopes(points[v], t[:, i]) for i in range(mp)))
+                total += sum(start)
+                slopes, widths = np.concatenate(slopes), np.concatenate(widths)
+                order = np.argsort(slopes, kind="stable")
+                left = units[v][1] - mp  # every rank holds one unit already
+                taken = np.minimum(widths[order], np.maximum(left - np.concatenate([[0], np.cumsum(widths[order])[:-1]]), 0))
+                total += float((slopes[order] * taken).sum())
+            if total > budget[ranks].sum():
+                return False
+    return True
