@@ -32,6 +32,7 @@ rank is scaled by them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -115,9 +116,24 @@ class Curve:
     sizes: tuple[int, ...]
     values: tuple[float, ...]
 
+    @functools.cached_property
+    def _fit(self) -> tuple[np.ndarray, np.ndarray]:
+        """(sizes, isotonic values): fitted once, a search evaluates the curve millions of times."""
+        return np.asarray(self.sizes, dtype=float), isotonic(self.values)
+
+    def knots(self) -> list[float]:
+        """The sizes where the curve may bend: the measured ones, and where its extension below the
+        smallest crosses zero (it is clamped there). Between two knots it is linear."""
+        xs, ys = self._fit
+        out = [float(x) for x in xs]
+        if len(xs) > 1:
+            slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
+            if slope > 0 and ys[0] < slope * xs[0]:
+                out.append(float(xs[0] - ys[0] / slope))
+        return out
+
     def __call__(self, x) -> np.ndarray:
-        xs = np.asarray(self.sizes, dtype=float)
-        ys = isotonic(self.values)
+        xs, ys = self._fit
         x = np.asarray(x, dtype=float)
         if len(xs) == 1:
             return ys[0] * x / xs[0]
@@ -149,22 +165,31 @@ class AlphaBeta:
     beta_s_per_byte: float
     samples: tuple[tuple[float, float], ...] = ()
 
-    def __call__(self, nbytes) -> np.ndarray:
-        x = np.asarray(nbytes, dtype=float)
-        line = self.alpha_s + self.beta_s_per_byte * x
+    @functools.cached_property
+    def _fit(self) -> Optional[tuple[np.ndarray, np.ndarray, float, float]]:
+        """(sizes with 0 in front, their isotonic seconds with the latency at 0 in front, the slope beyond
+        the largest size); None: the line. Fitted once: a search evaluates each link thousands of times."""
         if len(self.samples) < 2:
-            return line
+            return None
         pairs = sorted(self.samples)
         xs = np.array([p[0] for p in pairs])
         ys = isotonic([p[1] for p in pairs])
         if np.ptp(xs) == 0:
-            return line
+            return None
         first = min(self.alpha_s, ys[0])
-        out = np.interp(x, np.concatenate([[0.0], xs]), np.concatenate([[first], ys]))
         k = len(xs) - 1
         while k > 0 and xs[k - 1] == xs[k]:
             k -= 1
         slope = (ys[-1] - ys[k - 1]) / (xs[-1] - xs[k - 1]) if k > 0 else self.beta_s_per_byte
+        return np.concatenate([[0.0], xs]), np.concatenate([[first], ys]), slope
+
+    def __call__(self, nbytes) -> np.ndarray:
+        x = np.asarray(nbytes, dtype=float)
+        fit = self._fit
+        if fit is None:
+            return self.alpha_s + self.beta_s_per_byte * x
+        xs, ys, slope = fit
+        out = np.interp(x, xs, ys)
         return np.where(x > xs[-1], ys[-1] + (x - xs[-1]) * slope, out)
 
     def scaled_bytes(self, factor: float) -> "AlphaBeta":
@@ -206,25 +231,63 @@ class RankProfile:
     # the serial runs those four came from (seconds; empty in older files)
     serial_steps_s: tuple[float, ...] = ()
     serial_forwards_s: tuple[float, ...] = ()
+    # piece values at every whole size up to some length, by the pieces and rows they come from (a
+    # search asks for the same sizes thousands of times); shared by the copies ``replace`` makes
+    tables: dict = field(default_factory=dict, compare=False, repr=False)
 
     def piece(self, name: str, rows: int, sizes, inference: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(forward s, backward s, saved bytes) of piece ``name`` at ``rows`` rows and ``sizes``;
         ``inference``: the forward without autograd where it was measured."""
+        measured = sorted(self.pieces)
+        if len(measured) == 1:
+            used = (self.pieces[measured[0]][name],)
+        else:
+            k = min(max(int(np.searchsorted(measured, rows)), 1), len(measured) - 1)
+            used = (self.pieces[measured[k - 1]][name], self.pieces[measured[k]][name])
+        sizes = np.asarray(sizes)
+        whole = sizes.dtype.kind in "iu" and sizes.size > 0 and 0 <= sizes.min() and sizes.max() < 2**17
+        if whole:
+            key = tuple(id(p) for p in used) + (rows, inference)
+            entry = self.tables.get(key)
+            if entry is None or len(entry[1][0]) <= sizes.max():
+                length = 1 << int(sizes.max()).bit_length()
+                entry = (used, self._piece(used, measured, rows, np.arange(length), inference))
+                self.tables[key] = entry  # holds ``used``: their ids stay theirs while cached
+            fwd, bwd, act = (t[sizes] for t in entry[1])
+        else:
+            fwd, bwd, act = self._piece(used, measured, rows, sizes, inference)
+        scale = self.forward_compute_scale if inference else self.step_compute_scale
+        return fwd * scale, bwd * scale, act
+
+    def knots(self, names: Sequence[str], memory: bool = False) -> frozenset[float]:
+        """Every knot (``Curve.knots``) of the time curves (saved bytes for ``memory``) of pieces ``names``."""
+        key = ("knots", id(self.pieces), tuple(names), memory)
+        if key not in self.tables:
+            found = set()
+            for by_name in self.pieces.values():
+                for name in names:
+                    p = by_name[name]
+                    curves = (p.act,) if memory else (p.fwd, p.bwd) + ((p.infer,) if p.infer is not None else ())
+                    for curve in curves:
+                        found.update(curve.knots())
+            self.tables[key] = (self.pieces, frozenset(found))  # holds the pieces: their id stays theirs
+        return self.tables[key][1]
+
+    def _piece(self, used: tuple[Piece, ...], measured: list[int], rows: int, sizes,
+               inference: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Unscaled values of ``used`` (one measured batch size: proportional in rows; else the two
+        around ``rows``: linear between them and beyond)."""
         def curves(p: Piece) -> tuple[Curve, Curve, Curve]:
             return (p.infer if inference and p.infer is not None else p.fwd), p.bwd, p.act
 
-        measured = sorted(self.pieces)
-        if len(measured) == 1:
+        if len(used) == 1:
             scale = rows / measured[0]
-            fwd, bwd, act = (c(sizes) * scale for c in curves(self.pieces[measured[0]][name]))
-        else:
-            k = min(max(int(np.searchsorted(measured, rows)), 1), len(measured) - 1)
-            lo, hi = measured[k - 1], measured[k]
-            w = (rows - lo) / (hi - lo)
-            fwd, bwd, act = (np.maximum(fa(sizes) + w * (fb(sizes) - fa(sizes)), 0.0)
-                             for fa, fb in zip(curves(self.pieces[lo][name]), curves(self.pieces[hi][name])))
-        scale = self.forward_compute_scale if inference else self.step_compute_scale
-        return fwd * scale, bwd * scale, act
+            return tuple(c(sizes) * scale for c in curves(used[0]))
+        k = min(max(int(np.searchsorted(measured, rows)), 1), len(measured) - 1)
+        lo, hi = measured[k - 1], measured[k]
+        w = (rows - lo) / (hi - lo)
+        return tuple(np.maximum(fa(sizes) + w * (fb(sizes) - fa(sizes)), 0.0)
+                     for fa, fb in zip(curves(used[0]), curves(used[1])))
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ Pipelines (pp > 1) use the usual schedule bound: the sum of the stages' times pl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -111,6 +112,7 @@ class Compute:
     bwd: np.ndarray
     act: np.ndarray  # bytes saved for backward
     name: str = ""
+    var: Optional[str] = None  # the split that sizes it (heads, ffn, seq), None: the same on every split
 
 
 @dataclass
@@ -126,20 +128,47 @@ class Segments:
     """The stretches between a group's sync points, as the simulation passes them: each rank's
     compute since it left the last sync (``parts``, ``[C, mp]``) and each sync's time from the last
     arrival until the first member leaves (``comm``, ``[C, 1]``). The step is at least the sum of
-    each part's maximum over ranks and of the comms (equal where every member leaves together)."""
+    each part's maximum over ranks and of the comms (equal where every member leaves together).
+
+    A stretch of syncs that repeats unchanged (a layer's, a micro-batch's: ``GroupModel.repeat``) is
+    stored once: ``unique_parts`` / ``unique_comm`` hold each distinct sync's values and ``order``
+    the sync each position of the step is; ``parts`` and ``comm`` are the step in full."""
 
     def __init__(self):
         self.base = 0.0
-        self.parts: list[np.ndarray] = []
-        self.comm: list[np.ndarray] = []
+        self.unique_parts: list[np.ndarray] = []  # one per distinct sync, then the stretch after the last
+        self.unique_comm: list[np.ndarray] = []
+        self.order: list[int] = []  # the step's syncs, as indices into the two lists above
+        self.finished = False
 
     def sync(self, clock: np.ndarray, first_out: np.ndarray, leave: np.ndarray) -> None:
-        self.parts.append(clock - self.base)
-        self.comm.append(first_out)
+        self.order.append(len(self.unique_comm))
+        self.unique_parts.append(clock - self.base)
+        self.unique_comm.append(first_out)
         self.base = leave.copy()  # the caller may advance its clocks in place
 
+    def repeat(self, since: int, more: int, shift: np.ndarray) -> None:
+        """The syncs from position ``since`` on happen ``more`` times again, each time ``shift`` later
+        (none: the stretch since the last sync goes on)."""
+        if len(self.order) > since:
+            self.order += self.order[since:] * more
+            self.base = self.base + more * shift
+
     def finish(self, clock: np.ndarray) -> None:
-        self.parts.append(clock - self.base)
+        self.unique_parts.append(clock - self.base)
+        self.finished = True
+
+    def positions(self) -> list[int]:
+        """The step's stretches in order, as indices into ``unique_parts``."""
+        return self.order + ([len(self.unique_parts) - 1] if self.finished else [])
+
+    @property
+    def parts(self) -> list[np.ndarray]:
+        return [self.unique_parts[i] for i in self.positions()]
+
+    @property
+    def comm(self) -> list[np.ndarray]:
+        return [self.unique_comm[i] for i in self.order]
 
 
 class GroupModel:
@@ -155,6 +184,7 @@ class GroupModel:
         S, self.h = work.seq_length, m.hidden_size
         full = lambda n: np.full_like(splits.seq, n)  # noqa: E731
         self.tokens = splits.seq if self.stream == "S" else full(S)
+        self.tokens_var = "seq" if self.stream == "S" else None
         self.act_bytes = rows * S * self.h * work.elem
         if self.mp > 1 and (self.stream == "S" or Method.SP in (self.att, self.mlp)):
             self.padded = rows * splits.seq.max(axis=1) * self.mp * self.h * work.elem
@@ -162,14 +192,19 @@ class GroupModel:
             self.padded = np.full(splits.seq.shape[0], self.act_bytes)
         self.full = full
         self.segments: Optional[Segments] = None  # recorded when a lower bound is wanted
+        self.trace: Optional[list] = None  # the last member of each collective left, while ``repeat`` watches
+        self._layer: Optional[list] = None
+        self._head: Optional[list] = None
+        self._seconds: dict = {}  # (id(collective), op) -> (the collective, its link_seconds)
 
-    def piece(self, name: str, sizes: np.ndarray) -> Compute:
+    def piece(self, name: str, sizes: np.ndarray, var: Optional[str] = None) -> Compute:
+        """Piece ``name`` at each rank's ``sizes`` (``[C, mp]``), which come from split ``var``."""
         out = [np.empty(sizes.shape) for _ in range(3)]
         for i, r in enumerate(self.ranks):
             for k, values in enumerate(self.cluster.ranks[r].piece(name, self.rows, sizes[:, i],
                                                                    self.work.objective == "latency")):
                 out[k][:, i] = values
-        return Compute(*out, name=name)
+        return Compute(*out, name=name, var=var)
 
     def transition(self, src: str, dst: str, name: str) -> Optional[Collective]:
         if self.mp == 1:
@@ -182,52 +217,108 @@ class GroupModel:
                                                                                         self.act_bytes), name)
 
     def layer(self) -> list:
-        """One layer's events in forward order: ATT, CON, MLP, CON with the transitions between."""
+        """One layer's events in forward order: ATT, CON, MLP, CON with the transitions between
+        (built once: every layer of the group runs the same)."""
+        if self._layer is None:
+            self._layer = self._build_layer()
+        return self._layer
+
+    def _build_layer(self) -> list:
         m, s = self.work.model, self.splits
         H, F = m.num_attention_heads, m.intermediate_size
         events = [self.transition(self.stream, LAYOUTS[self.att][0], "enter ATT")]
         if self.att == Method.SP and self.mp > 1:
             kv = self.rows * self.work.seq_length * 2 * m.kv_heads * m.head_dim * self.work.elem
             kv_wire = self.padded / self.h * 2 * m.kv_heads * m.head_dim
-            events += [self.piece("att_proj.tokens", s.seq),
+            events += [self.piece("att_proj.tokens", s.seq, "seq"),
                        Collective("all_gather", "reduce_scatter", kv, kv_wire, "K,V gather"),
-                       self.piece("att_core.tokens", s.seq)]
+                       self.piece("att_core.tokens", s.seq, "seq")]
         else:
-            heads = s.heads if self.att == Method.TP else self.full(H)
-            events += [self.piece("att_proj.heads", heads), self.piece("att_core.heads", heads)]
+            heads, var = (s.heads, "heads") if self.att == Method.TP else (self.full(H), None)
+            events += [self.piece("att_proj.heads", heads, var), self.piece("att_core.heads", heads, var)]
         events += [self.transition(LAYOUTS[self.att][1], self.stream, "leave ATT"),
-                   self.piece("con.tokens", self.tokens),
+                   self.piece("con.tokens", self.tokens, self.tokens_var),
                    self.transition(self.stream, LAYOUTS[self.mlp][0], "enter MLP")]
         if self.mlp == Method.TP:
-            events.append(self.piece("mlp.ffn", s.ffn))
+            events.append(self.piece("mlp.ffn", s.ffn, "ffn"))
         elif self.mlp == Method.SP:
-            events.append(self.piece("mlp.tokens", s.seq))
+            events.append(self.piece("mlp.tokens", s.seq, "seq"))
         else:
             events.append(self.piece("mlp.ffn", self.full(F)))
         events += [self.transition(LAYOUTS[self.mlp][1], self.stream, "leave MLP"),
-                   self.piece("con.tokens", self.tokens)]
+                   self.piece("con.tokens", self.tokens, self.tokens_var)]
         return [e for e in events if e is not None]
 
     def head(self) -> list:
-        events = [self.piece("head.tokens", self.tokens)]
-        if self.stream == "S" and self.mp > 1 and self.work.objective == "train":
-            loss = max(4, self.work.elem)  # the loss, in float32 at least
-            events.append(Collective("all_reduce", None, loss, np.full(len(self.padded), loss), "loss"))
-        return events
+        if self._head is None:
+            self._head = [self.piece("head.tokens", self.tokens, self.tokens_var)]
+            if self.stream == "S" and self.mp > 1 and self.work.objective == "train":
+                loss = max(4, self.work.elem)  # the loss, in float32 at least
+                self._head.append(Collective("all_reduce", None, loss, np.full(len(self.padded), loss), "loss"))
+        return self._head
 
-    def leave(self, op: str, wire, clock: np.ndarray) -> np.ndarray:
+    def link_seconds(self, op: str, wire) -> tuple[np.ndarray, np.ndarray]:
+        """Seconds of collective ``op`` over ``wire`` bytes from the last arrival until the members
+        that waited leave (``waiting_leave``: earlier over Gloo's all-gather; the same where the
+        profile has no difference), and until the last to arrive leaves (``collective``)."""
+        waited = self.cluster.waiting_leave(self.ranks, op)(wire)
+        return waited, np.maximum(self.cluster.collective(self.ranks, op)(wire), waited)
+
+    def collective_seconds(self, e: Collective, op: str) -> tuple[np.ndarray, np.ndarray]:
+        """``link_seconds`` of collective ``e``'s ``op``, looked up once: each layer and micro-batch
+        runs it again. The entry holds ``e``, so its id stays its own while cached."""
+        key = (id(e), op)
+        if key not in self._seconds:
+            self._seconds[key] = (e, self.link_seconds(op, e.wire))
+        return self._seconds[key][1]
+
+    def leave(self, op: str, wire, clock: np.ndarray,
+              seconds: Optional[tuple[np.ndarray, np.ndarray]] = None) -> np.ndarray:
         """When each rank leaves collective ``op`` that it entered at ``clock`` ``[C, mp]``: the last
-        to arrive after ``collective``'s time, the ranks that waited for it after ``waiting_leave``'s
-        (earlier over Gloo's all-gather; the same where the profile has no difference)."""
+        to arrive after the collective's time, the ranks that waited for it after the waiting time
+        (``link_seconds``, or ``seconds`` already looked up)."""
+        waited, slowest = seconds if seconds is not None else self.link_seconds(op, wire)
         last = clock.max(axis=1, keepdims=True)
-        waited = self.cluster.waiting_leave(self.ranks, op)(wire)[:, None]
-        leave = np.repeat(last + waited, clock.shape[1], axis=1)
+        leave = np.repeat(last + waited[:, None], clock.shape[1], axis=1)
         latest = clock.argmax(axis=1)  # ties: one of them is last in a real run
         rows = np.arange(clock.shape[0])
-        leave[rows, latest] = last[:, 0] + np.maximum(self.cluster.collective(self.ranks, op)(wire), waited[:, 0])
+        leave[rows, latest] = last[:, 0] + slowest
+        if self.trace is not None:
+            self.trace.append(latest)
         if self.segments is not None:
-            self.segments.sync(clock, waited, leave)
+            self.segments.sync(clock, waited[:, None], leave)
         return leave
+
+    def repeat(self, step: Callable[[np.ndarray], np.ndarray], clock: np.ndarray, times: int) -> np.ndarray:
+        """``clock`` after ``step`` (a layer, a micro-batch: the same events each time) ``times`` times,
+        simulating only until two steps in a row see the same rank last at every collective.
+
+        Why that is exact: leaving a collective, each rank's clock is the last arrival plus a time
+        that depends only on which rank arrived last; so a step's clocks on leaving, less their
+        maximum, are fixed by who was last at its final collective. Two steps in a row with the same
+        last ranks leave the next step the clocks the previous one started from, up to one shift, and
+        every step after repeats the last one. A step without collectives adds the same compute
+        whatever the clocks. Recorded segments repeat with it."""
+        outer = self.trace
+        previous = None
+        for k in range(times):
+            since = len(self.segments.order) if self.segments is not None else 0
+            self.trace = []
+            after = step(clock)
+            seen, self.trace = self.trace, outer
+            if outer is not None:
+                outer.extend(seen)
+            if previous is not None and len(seen) == len(previous) \
+                    and all(np.array_equal(a, b) for a, b in zip(seen, previous)):
+                more = times - k - 1
+                shift = after - clock
+                if more and self.segments is not None:
+                    self.segments.repeat(since, more, shift)
+                if more and outer is not None:
+                    outer.append(np.array([-more]))  # a caller comparing traces sees the repeats
+                return after + more * shift
+            previous, clock = seen, after
+        return clock
 
 
 def run(group: GroupModel, events: list, clock: np.ndarray, backward: bool = False) -> np.ndarray:
@@ -238,7 +329,7 @@ def run(group: GroupModel, events: list, clock: np.ndarray, backward: bool = Fal
         else:
             op = e.bwd_op if backward else e.fwd_op
             if op is not None:
-                clock = group.leave(op, e.wire, clock)
+                clock = group.leave(op, e.wire, clock, group.collective_seconds(e, op))
     return clock
 
 
@@ -249,6 +340,52 @@ def collectives(group: GroupModel, layers: int) -> list[tuple[str, int, str]]:
     fwd = [(e.fwd_op, e.nbytes, "fwd") for e in events if isinstance(e, Collective) and e.fwd_op]
     bwd = [(e.bwd_op, e.nbytes, "bwd") for e in reversed(events) if isinstance(e, Collective) and e.bwd_op]
     return fwd + bwd
+
+
+def stage_parameters(work: Workload, methods: tuple[Method, Method, Method], splits: Splits, layout: Layout,
+                     mp: int) -> tuple[dict, dict, dict]:
+    """Per pipeline stage, ``[C, mp]`` parameters of each mp rank (the same in every dp replica): all it
+    holds, those whose gradient is summed over the mp group (PARTIAL), and those its optimizer steps
+    (sharded PARTIAL weights as 1/mp pieces, 1/dp under ZeRO)."""
+    m, pp, dp = work.model, layout.pp, layout.dp
+    stage_layers = balanced_split(m.num_hidden_layers, pp)
+    emb, head = edge_params(m)
+    per_layer = layer_params(m, methods[0], methods[2], methods[1], splits.heads, splits.ffn)
+    sharded = mp > 1 and work.mp_grad_reduce == "sharded"
+    params, partial, stepped = {}, {}, {}
+    for p in range(pp):
+        params[p] = per_layer.total * stage_layers[p] + (emb if p == 0 else 0) + (head if p == pp - 1 else 0)
+        edge_partial = (emb if p == 0 else 0) + (head if p == pp - 1 else 0)
+        partial[p] = per_layer.partial * stage_layers[p] + (edge_partial if methods[1] == Method.SP else 0)
+        own = params[p] - (partial[p] * (1 - 1 / mp) if sharded else 0)
+        stepped[p] = own / dp if dp > 1 and work.dp_engine in ("zero1", "deepspeed") else own
+    return params, partial, stepped
+
+
+def training_memory(g: GroupModel, layout: Layout, p: int, params: np.ndarray, partial: np.ndarray) -> np.ndarray:
+    """``[C, mp]`` bytes each rank of group ``g`` (pipeline stage ``p`` of ``layout``) holds in training:
+    parameters and optimizer state (``params``, of which ``partial`` PARTIAL), plus the activations held
+    at once. Every term is sized by one split variable (or none)."""
+    work, m = g.work, g.work.model
+    mp, pp, M = g.mp, layout.pp, layout.microbatches
+    layers = balanced_split(m.num_hidden_layers, pp)[p]
+    layer = g.layer()
+    edge = g.head() if p == pp - 1 else []
+    C = g.splits.seq.shape[0]
+    acts_layer = sum(e.act for e in layer if isinstance(e, Compute))
+    acts_edge = sum((e.act for e in edge if isinstance(e, Compute)), np.zeros((C, mp)))
+    in_flight = 1 if pp == 1 else (M if layout.schedule == "gpipe" else min(M, pp - p))
+    if layout.recompute == "full":  # each layer keeps its input; one layer's activations live in its backward
+        held = layers * g.rows * g.tokens * m.hidden_size * work.elem + acts_layer
+    elif layout.recompute == "selective":  # the attention cores' activations are rebuilt, one at a time
+        core = sum((e.act for e in layer if isinstance(e, Compute) and e.name.startswith("att_core")),
+                   np.zeros((C, mp)))
+        held = layers * (acts_layer - core) + core
+    else:
+        held = layers * acts_layer
+    per_param, per_sharded = bytes_per_parameter(work, layout.dp, mp, M)
+    own_sharded = partial if mp > 1 and work.mp_grad_reduce == "sharded" else 0
+    return (params - own_sharded) * per_param + own_sharded * per_sharded + in_flight * (held + acts_edge)
 
 
 def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Method, Method], splits: Splits,
@@ -272,14 +409,7 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
         if dp * pp != 1:
             raise ValueError("segments are recorded for dp = pp = 1 only")
         groups[(0, 0)].segments = segments
-    # parameters per mp rank on each stage (the same in every dp replica)
-    emb, head = edge_params(m)
-    per_layer = layer_params(m, methods[0], methods[2], methods[1], splits.heads, splits.ffn)
-    params, partial = {}, {}
-    for p in range(pp):
-        params[p] = per_layer.total * stage_layers[p] + (emb if p == 0 else 0) + (head if p == pp - 1 else 0)
-        edge_partial = (emb if p == 0 else 0) + (head if p == pp - 1 else 0)
-        partial[p] = per_layer.partial * stage_layers[p] + (edge_partial if methods[1] == Method.SP else 0)
+    params, partial, stepped = stage_parameters(work, methods, splits, layout, mp)
 
     memory = np.zeros((C, world))
     detail = {}
@@ -287,8 +417,7 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
         g = groups[(0, 0)]
         layer, head_ev = g.layer(), g.head()
         clock = np.tile([cluster.ranks[r].forward_overhead_s for r in g.ranks], (C, 1))
-        for _ in range(m.num_hidden_layers):
-            clock = run(g, layer, clock)
+        clock = g.repeat(lambda c: run(g, layer, c), clock, m.num_hidden_layers)
         clock = run(g, head_ev, clock)
         if segments is not None:
             segments.finish(clock)
@@ -301,52 +430,31 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
     grad_bytes = 8 if work.dtype == "float64" else 4  # gradients are reduced in the master weights' precision
     zero1 = dp > 1 and work.dp_engine == "zero1"  # optimizer state and step split over dp
     sharded = mp > 1 and work.mp_grad_reduce == "sharded"
-    per_param, per_sharded = bytes_per_parameter(work, dp, mp, M)
-    stepped = {}  # parameters each rank's optimizer steps: sharded PARTIAL weights as 1/mp pieces, 1/dp under ZeRO
-    for p in range(pp):
-        own = params[p] - (partial[p] * (1 - 1 / mp) if sharded else 0)
-        stepped[p] = own / dp if dp > 1 and work.dp_engine in ("zero1", "deepspeed") else own
     stage_f, stage_b = np.zeros((pp, C)), np.zeros((pp, C))
     clocks = {}
     for (d, p), g in groups.items():
         layer, head_ev = g.layer(), g.head()
-        last = p == pp - 1
-        edge = head_ev if last else []
-        # memory: parameters and optimizer state, plus the activations held at once
-        acts_layer = sum(e.act for e in layer if isinstance(e, Compute))
-        acts_edge = sum((e.act for e in edge if isinstance(e, Compute)), np.zeros((C, mp)))
-        in_flight = 1 if pp == 1 else (M if layout.schedule == "gpipe" else min(M, pp - p))
-        if layout.recompute == "full":  # each layer keeps its input; one layer's activations live in its backward
-            held = stage_layers[p] * rows * g.tokens * m.hidden_size * work.elem + acts_layer
-        elif layout.recompute == "selective":  # the attention cores' activations are rebuilt, one at a time
-            core = sum((e.act for e in layer if isinstance(e, Compute) and e.name.startswith("att_core")),
-                       np.zeros((C, mp)))
-            held = stage_layers[p] * (acts_layer - core) + core
-        else:
-            held = stage_layers[p] * acts_layer
-        own_sharded = partial[p] if sharded else 0
-        memory[:, g.ranks] = (params[p] - own_sharded) * per_param + own_sharded * per_sharded \
-            + in_flight * (held + acts_edge)
+        edge = head_ev if p == pp - 1 else []
+        memory[:, g.ranks] = training_memory(g, layout, p, params[p], partial[p])
 
-        def fwd_bwd(clock):
-            for _ in range(stage_layers[p]):
+        def layer_backward(clock, g=g, layer=layer):
+            if layout.recompute == "full":
                 clock = run(g, layer, clock)
+            elif layout.recompute == "selective":
+                clock = clock + sum(e.fwd for e in layer if isinstance(e, Compute) and e.name.startswith("att_core"))
+            return run(g, layer, clock, backward=True)
+
+        def fwd_bwd(clock, g=g, layer=layer, edge=edge, layers=stage_layers[p]):
+            clock = g.repeat(lambda c: run(g, layer, c), clock, layers)
             clock = run(g, edge, clock)
             f_end = clock
             clock = run(g, edge, clock, backward=True)
-            for _ in range(stage_layers[p]):
-                if layout.recompute == "full":
-                    clock = run(g, layer, clock)
-                elif layout.recompute == "selective":
-                    clock = clock + sum(e.fwd for e in layer if isinstance(e, Compute) and e.name.startswith("att_core"))
-                clock = run(g, layer, clock, backward=True)
-            return f_end, clock
+            return f_end, g.repeat(layer_backward, clock, layers)
 
         if pp == 1:
             clock = np.stack([opt[r](stepped[0][:, i]) + cluster.ranks[r].step_overhead_s
                               for i, r in enumerate(g.ranks)], axis=1)
-            for _ in range(M):
-                _, clock = fwd_bwd(clock)
+            clock = g.repeat(lambda c: fwd_bwd(c)[1], clock, M)
             clocks[(d, p)] = clock
         else:
             f_end, b_end = fwd_bwd(np.zeros((C, mp)))
@@ -377,9 +485,10 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
     # after the optimizer ZeRO-1's broadcasts over dp / sharded mode's all-gather over mp.
     sent = np.zeros(C)  # global rank 0's bytes of a step, as galaxy.core.comm records them
     g0 = groups[(0, 0)]
-    for e in [e for _ in range(stage_layers[0]) for e in g0.layer()] + (g0.head() if pp == 1 else []):
-        if isinstance(e, Collective):
-            sent += M * e.nbytes * ((e.fwd_op is not None) + (e.bwd_op is not None))
+    for events, times in ((g0.layer(), stage_layers[0]), (g0.head() if pp == 1 else [], 1)):
+        for e in events:
+            if isinstance(e, Collective):
+                sent += times * M * e.nbytes * ((e.fwd_op is not None) + (e.bwd_op is not None))
     if pp > 1:  # stage 0 sends each micro-batch's stream forward (what it receives is not counted)
         sent += M * rows * g0.tokens[:, 0] * m.hidden_size * work.elem
 
@@ -451,3 +560,319 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
 def _finish(cluster: ClusterProfile, time: np.ndarray, memory: np.ndarray, detail: dict) -> Prediction:
     budget = np.array([r.memory_bytes for r in cluster.ranks], dtype=float)
     return Prediction(time, memory, (memory <= budget).all(axis=1), detail)
+
+
+# ----------------------------------------------------------------------------- a lower bound over every split
+
+BOUND_POINTS = 256  # shares of a split variable at which the bound evaluates its pieces (every share when fewer)
+SIZED_BY = {"heads": ("att_proj.heads", "att_core.heads"), "ffn": ("mlp.ffn",),
+            "seq": ("att_proj.tokens", "att_core.tokens", "mlp.tokens", "con.tokens", "head.tokens")}
+
+
+def bound_points(cluster: ClusterProfile, var: str, unit: int, count: int, most: int = BOUND_POINTS,
+                 memory: bool = False) -> np.ndarray:
+    """Shares (in units, ascending, from 1 to ``count``) at which ``lower_bound`` evaluates the pieces
+    that ``var`` sizes (their saved bytes, for ``memory``): every share when at most ``most``; else
+    ``most`` evenly spaced ones and both neighbours of every knot of those pieces' curves, so that each
+    piece is linear between two consecutive points (up to its clamp at zero) and its least value
+    between them is at one of the two."""
+    if count <= most:
+        return np.arange(1, count + 1)
+    knots = set()
+    for rank in cluster.ranks:
+        for size in rank.knots(SIZED_BY[var], memory):
+            knots.update((math.floor(size / unit), math.ceil(size / unit)))
+    inside = [k for k in knots if 1 <= k <= count]
+    return np.unique(np.concatenate([np.linspace(1, count, most).round(), inside])).astype(np.int64)
+
+
+def least_makespan(table: np.ndarray, weights: np.ndarray, units: int) -> float:
+    """A lower bound on ``min over splits x of max_i cost_i(x_i)`` (each rank at least one unit, ``units``
+    in all), where ``table[k, i]`` is at most rank i's cost at any share of bucket k and bucket k holds
+    ``weights[k]`` consecutive shares, the buckets in ascending order and covering 1..units. Each
+    column is replaced by its running minimum from the end (non-decreasing, still below the costs);
+    then a makespan T lets rank i take every share of the buckets up to T, and the least T that lets
+    the ranks take ``units`` between them is the ``units``-th smallest share cost."""
+    env = np.minimum.accumulate(table[::-1], axis=0)[::-1]
+    values = env.ravel()
+    order = np.argsort(values, kind="stable")
+    taken = np.cumsum(np.repeat(weights, table.shape[1])[order])
+    kth = values[order[min(int(np.searchsorted(taken, units)), len(order) - 1)]]
+    return float(max(env[0].max(), kth))
+
+
+class _Program:
+    """One group's step as the bound walks it: compute items (a key and its per-rank table over the
+    bound's points), sync items (a key, seconds until the waiting members leave, until the last to
+    arrive leaves) and repeated blocks."""
+
+    def __init__(self, probe: GroupModel, balanced: GroupModel, buckets: dict[str, np.ndarray],
+                 recompute: str, edge: bool):
+        self.tables: dict[tuple, tuple[Optional[str], np.ndarray]] = {}
+        self.buckets = buckets
+        layer, bal_layer = probe.layer(), balanced.layer()
+        head, bal_head = (probe.head(), balanced.head()) if edge else ([], [])
+        forward = self.items("L", layer, balanced, bal_layer, False)
+        back = self.items("L", layer, balanced, bal_layer, True)
+        if recompute == "full":
+            back = forward + back
+        elif recompute == "selective":
+            back = [it for it in forward if it[0] == "c" and layer[it[1][1]].name.startswith("att_core")] + back
+        self.layer_forward, self.layer_backward = forward, back
+        self.edge_forward = self.items("H", head, balanced, bal_head, False)
+        self.edge_backward = self.items("H", head, balanced, bal_head, True)
+
+    def items(self, where: str, events: list, balanced: GroupModel, balanced_events: list, backward: bool) -> list:
+        """``events`` (the probe's) as items; collectives timed at ``balanced``'s bytes."""
+        out = []
+        for k, (e, b) in enumerate(zip(events, balanced_events)):
+            if isinstance(e, Compute):
+                key = (where, k, "b" if backward else "f")
+                if key not in self.tables:
+                    values = e.bwd if backward else e.fwd
+                    if e.var in self.buckets:
+                        points = values[:len(self.buckets[e.var])]
+                        self.tables[key] = (e.var, np.concatenate([np.minimum(points[:-1], points[1:]),
+                                                                   points[-1:]]))
+                    else:
+                        self.tables[key] = (None, values[0])
+                out.append(("c", key))
+            else:
+                op = b.bwd_op if backward else b.fwd_op
+                if op is not None:
+                    waited, slowest = (float(t[0]) for t in balanced.link_seconds(op, b.wire))
+                    out.append(("s", (where, k, "b" if backward else "f"), waited, slowest))
+        return out[::-1] if backward else out
+
+
+def _has_sync(items: list) -> bool:
+    return any(it[0] == "s" or (it[0] == "rep" and it[2] > 0 and _has_sync(it[1])) for it in items)
+
+
+class _Walk:
+    """Walks a program through the barrier relaxation of the simulation. At a sync the last member
+    to arrive leaves ``slowest`` after its arrival and the others ``waited`` after it; so the next
+    sync's last arrival comes at least ``waited`` + the largest compute between, and at least
+    ``slowest`` + the smallest (the last member's own) after this one's. Minimising each stretch over
+    the splits on its own (``least_makespan`` per variable, every other variable at its least
+    cost) bounds every split's step from below. Stretches of repeated blocks are scored once."""
+
+    def __init__(self, program: _Program, units: dict[str, tuple[int, int]], weights: dict[str, np.ndarray],
+                 start: np.ndarray):
+        self.program, self.units, self.weights, self.start = program, units, weights, start
+        self.memo: dict = {}
+
+    def stretch(self, open_: dict, prev: Optional[tuple], first: bool) -> float:
+        key = (frozenset(open_.items()), prev[0] if prev else None, first)
+        if key in self.memo:
+            return self.memo[key]
+        by_var: dict[str, np.ndarray] = {}
+        const = self.start.copy() if first else np.zeros_like(self.start)
+        for item, count in open_.items():
+            var, table = self.program.tables[item]
+            if var is None:
+                const = const + count * table
+            else:
+                by_var[var] = by_var.get(var, 0) + count * table
+        least = {v: np.minimum.accumulate(t[::-1], axis=0)[-1] for v, t in by_var.items()}  # per rank, any share
+        base = const + sum(least.values(), np.zeros_like(const))
+        makespan = max([least_makespan(t + (base - least[v])[None, :], self.weights[v], self.units[v][1])
+                        for v, t in by_var.items()] or [float(base.max())])
+        value = makespan if prev is None else max(prev[1] + makespan, prev[2] + float(base.min()))
+        self.memo[key] = value
+        return value
+
+    def run(self, items: list, state: tuple) -> tuple[float, tuple]:
+        """(the bound's seconds of ``items``, the state after): state = (open stretch as item -> count,
+        the last sync item, whether the stretch holds the step's start)."""
+        total = 0.0
+        open_, prev, first = state
+        for item in items:
+            if item[0] == "c":
+                open_ = {**open_, item[1]: open_.get(item[1], 0) + 1}
+            elif item[0] == "s":
+                total += self.stretch(open_, prev, first)
+                open_, prev, first = {}, item[1:], False
+            else:
+                _, block, times = item
+                if times == 0:
+                    continue
+                once, after = self.run(block, (open_, prev, first))
+                if times > 1 and _has_sync(block):  # every pass after the first starts where the second did
+                    again, after = self.run(block, after)
+                    once += (times - 1) * again
+                elif times > 1:  # compute only: the open stretch grows by the same each pass
+                    grown = after[0]
+                    after = ({k: open_.get(k, 0) + times * (grown.get(k, 0) - open_.get(k, 0)) for k in grown},
+                             prev, first)
+                total += once
+                open_, prev, first = after
+        return total, (open_, prev, first)
+
+    def finish(self, items: list) -> float:
+        total, (open_, prev, first) = self.run(items, ({}, None, True))
+        return total + self.stretch(open_, prev, first)
+
+
+def lower_bound(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Method, Method], layout: Layout,
+                units: dict[str, tuple[int, int]], uses: tuple[str, ...]) -> float:
+    """Seconds that no split of ``methods`` under ``layout`` beats in ``predict`` (memory budgets
+    ignored). ``units``: per split variable (heads, ffn, seq) its unit and count of units; ``uses``:
+    the variables the split search varies (the others balanced).
+
+    Each group's step is bounded by ``_Walk`` from below (its compute at its least over the shares,
+    the collectives at the balanced split's bytes, which no split lowers: uneven pieces are padded
+    to the largest). With one stage the step is at least any group's clocks after its micro-batches
+    (the syncs after only add); with a pipeline at least the optimizer, the sum of the stages' bounds
+    and (micro-batches - 1) times the largest (the sends add). Of the syncs after the backward it
+    counts a group's own (``predict``'s mp-group sums of PARTIAL gradients, the norm, sharded mode's
+    gather), whose bytes no split changes; the others only add."""
+    m = work.model
+    dp, pp, M = layout.dp, layout.pp, layout.microbatches
+    mp = cluster.world // (dp * pp)
+    latency = work.objective == "latency"
+    rows = 1 if latency else work.global_batch // (dp * M)
+    points = {v: bound_points(cluster, v, *units[v]) for v in uses}
+    weights = {v: np.append(np.diff(p), 1) for v, p in points.items()}
+    C = max((len(p) for p in points.values()), default=1)
+
+    def column(var: str) -> np.ndarray:
+        unit, count = units[var]
+        if var in points:
+            shares = np.pad(points[var], (0, C - len(points[var])), mode="edge")
+            return np.repeat(shares[:, None] * unit, mp, axis=1)
+        return np.tile(balanced_split(count * unit, mp), (C, 1))
+
+    probe = Splits(column("heads"), column("ffn"), column("seq"))
+    even = Splits.one(*(balanced_split(units[v][0] * units[v][1], mp) for v in ("heads", "ffn", "seq")))
+    stage_layers = balanced_split(m.num_hidden_layers, pp)
+    _, partial, _ = stage_parameters(work, methods, even, layout, mp)  # PARTIAL weights: the same on every split
+    _, _, stepped = stage_parameters(work, methods, probe, layout, mp)  # row 0: every share at its least
+    grad_bytes = 8 if work.dtype == "float64" else 4
+    sharded = mp > 1 and work.mp_grad_reduce == "sharded"
+
+    def tail(ranks: list[int], p: int) -> list:
+        """The group's own syncs after the backward, as sync items (every member leaves together)."""
+        if mp == 1 or latency:
+            return []
+        nbytes = float(partial[p][0, 0]) * grad_bytes
+        buckets = max(math.ceil(nbytes / GRAD_BUCKET_BYTES), 1)
+        syncs = [("reduce_scatter" if sharded else "all_reduce", nbytes)] if nbytes > 0 else []
+        syncs += [("all_reduce", 8.0)] + ([("all_gather", nbytes)] if sharded and nbytes > 0 else [])
+        out = []
+        for k, (op, size) in enumerate(syncs):
+            n = buckets if size == nbytes else 1
+            cost = float(n * cluster.collective(ranks, op)(size / n))
+            out.append(("s", ("T", k, op), cost, cost))
+        return out
+
+    def group_bound(d: int, p: int, start: np.ndarray, micro_batches: int) -> float:
+        ranks = [rank_of(d, p, i, pp, mp) for i in range(mp)]
+        prog = _Program(GroupModel(cluster, work, methods, probe, ranks, rows),
+                        GroupModel(cluster, work, methods, even, ranks, rows), points,
+                        "none" if latency else layout.recompute, latency or p == pp - 1)
+        L = stage_layers[p]
+        if latency:
+            items = [("rep", prog.layer_forward, L)] + prog.edge_forward
+        else:
+            items = [("rep", [("rep", prog.layer_forward, L)] + prog.edge_forward + prog.edge_backward
+                      + [("rep", prog.layer_backward, L)], micro_batches)]
+        return _Walk(prog, units, weights, start).finish(items + (tail(ranks, p) if pp == 1 else []))
+
+    if latency:
+        return group_bound(0, 0, np.array([cluster.ranks[r].forward_overhead_s for r in range(mp)]), 1)
+    def optimizer(d: int, p: int) -> np.ndarray:
+        """Each rank's optimizer step and overhead, at its least parameters (the optimizer's time grows with them)."""
+        return np.array([float(cluster.ranks[r].optimizer(stepped[p][0, i])) + cluster.ranks[r].step_overhead_s
+                         for i, r in enumerate(rank_of(d, p, i, pp, mp) for i in range(mp))])
+
+    if pp == 1:
+        return max(group_bound(d, 0, optimizer(d, 0), M) for d in range(dp))
+    stages = [max(group_bound(d, p, np.zeros(mp), 1) for d in range(dp)) for p in range(pp)]
+    optimizer = max(optimizer(d, p).max() for d in range(dp) for p in range(pp))
+    after = max(sum(item[2] for item in tail([rank_of(0, p, i, pp, mp) for i in range(mp)], p)) for p in range(pp))
+    return optimizer + sum(stages) + (M - 1) * max(stages) + after
+
+
+def convex_hull_slopes(x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+    """The lower convex hull of the points (``x`` ascending): its value at ``x[0]``, and the slopes
+    and widths of its segments (slopes ascending)."""
+    hull: list[int] = []
+    for k in range(len(x)):
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            if (y[b] - y[a]) * (x[k] - x[a]) >= (y[k] - y[a]) * (x[b] - x[a]):  # b on or above the chord a-k
+                hull.pop()
+            else:
+                break
+        hull.append(k)
+    xs, ys = x[hull].astype(float), y[hull]
+    return float(ys[0]), np.diff(ys) / np.diff(xs), np.diff(xs)
+
+
+def might_fit(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Method, Method], layout: Layout,
+              units: dict[str, tuple[int, int]], uses: tuple[str, ...]) -> bool:
+    """False only where no split of ``methods`` under ``layout`` fits every rank's memory budget
+    (training). A rank's memory (``training_memory``) is a sum of terms each sized by one split
+    variable, each linear between the ``bound_points`` of its variable (where a saved-bytes curve is
+    clamped at zero between two of them, nothing is claimed); so for each group and each variable the
+    shares are scored at those points with every other variable at one unit. No split
+    fits where some rank's least memory over its shares is above its budget, where every split of one
+    variable (the others at their least) leaves a rank above its budget (``least_makespan`` of the
+    overruns), or where the group's least total is above the group's budgets together: the least total gives each rank the lower
+    convex hull of its own terms and hands out the units by increasing marginal cost, which no
+    split's total undercuts."""
+    if work.objective != "train":
+        return True
+    dp, pp = layout.dp, layout.pp
+    mp = cluster.world // (dp * pp)
+    rows = work.global_batch // (dp * layout.microbatches)
+    points = {v: bound_points(cluster, v, *units[v], memory=True) for v in uses}
+    blocks, at = {}, 1
+    for v in uses:
+        blocks[v] = slice(at, at + len(points[v]))
+        at += len(points[v])
+
+    def column(var: str) -> np.ndarray:
+        unit, count = units[var]
+        if var not in points:
+            return np.tile(balanced_split(count * unit, mp), (at, 1))
+        shares = np.ones(at, dtype=np.int64)
+        shares[blocks[var]] = points[var]
+        return np.repeat(shares[:, None] * unit, mp, axis=1)
+
+    probe = Splits(column("heads"), column("ffn"), column("seq"))
+    params, partial, _ = stage_parameters(work, methods, probe, layout, mp)
+    budget = np.array([r.memory_bytes for r in cluster.ranks], dtype=float)
+    for d in range(dp):
+        for p in range(pp):
+            ranks = [rank_of(d, p, i, pp, mp) for i in range(mp)]
+            g = GroupModel(cluster, work, methods, probe, ranks, rows)
+            for e in g.layer() + g.head():  # a saved-bytes curve clamped at zero between two points bends there
+                if isinstance(e, Compute) and e.var in points and len(points[e.var]) < units[e.var][1]:
+                    positive = e.act[blocks[e.var]] > 0
+                    if (positive[1:] != positive[:-1]).any():
+                        return True
+            memory = training_memory(g, layout, p, params[p], partial[p])
+            ones = memory[0]
+            terms = {v: memory[blocks[v]] - ones for v in uses}  # [points, mp]: each variable's own part
+            least = ones + sum((t.min(axis=0) for t in terms.values()), np.zeros(mp))
+            if (least > budget[ranks]).any():
+                return False
+            for v, t in terms.items():  # the least over v's splits of the largest overrun, the others at their least
+                over = t + (least - t.min(axis=0) - budget[ranks])[None, :]
+                buckets = np.concatenate([np.minimum(over[:-1], over[1:]), over[-1:]])
+                if least_makespan(buckets, np.append(np.diff(points[v]), 1), units[v][1]) > 0:
+                    return False
+            total = ones.sum()
+            for v, t in terms.items():
+                start, slopes, widths = zip(*(convex_hull_slopes(points[v], t[:, i]) for i in range(mp)))
+                total += sum(start)
+                slopes, widths = np.concatenate(slopes), np.concatenate(widths)
+                order = np.argsort(slopes, kind="stable")
+                left = units[v][1] - mp  # every rank holds one unit already
+                taken = np.minimum(widths[order], np.maximum(left - np.concatenate([[0], np.cumsum(widths[order])[:-1]]), 0))
+                total += float((slopes[order] * taken).sum())
+            if total > budget[ranks].sum():
+                return False
+    return True

@@ -8,9 +8,10 @@ multiples of ``seq_unit``, each rank getting at least one unit. When the joint n
 at most ``EXACT_LIMIT``, every one is scored by the cost model (exact). Otherwise each split starts
 from the exact min-max split of its own blocks' per-rank times (bisection on the makespan,
 ``min_max_split``), then coordinate descent improves one split at a time against the full cost
-model, each step exhaustive when its splits are few, else by one-unit moves; the plan is then
-marked ``exact: false`` and carries a lower bound on every split's time (``lower_bound``; dp = pp = 1),
-so its distance from the optimum is bounded by ``time - lower_bound``.
+model, each step exhaustive when its splits are few, else by moves of 1, 2, 4, ... units between two
+ranks (it starts from the even split instead where that scores better); the plan is then marked
+``exact: false`` and carries a lower bound on every split's time (``cost.lower_bound``), so its
+distance from the optimum is bounded by ``time - lower_bound``.
 
 An uneven split is kept only where it is predicted faster than the even split of the same methods by
 more than ``split_margin`` (default 3%): the profiles of two equal devices differ by their noise, and
@@ -24,6 +25,7 @@ ran 10-12% behind it (BERT-large 1:1 at 100 Mbit).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import math
@@ -34,7 +36,7 @@ import numpy as np
 
 from galaxy.config import ConfigError, Method, balanced_split
 from galaxy.planner.cluster import ClusterProfile, device_subsets
-from galaxy.planner.cost import Layout, Prediction, Segments, Splits, Workload, predict
+from galaxy.planner.cost import Layout, Prediction, Splits, Workload, lower_bound, might_fit, predict
 
 logger = logging.getLogger(__name__)
 
@@ -86,25 +88,15 @@ def count_compositions(units: int, parts: int) -> int:
 
 def min_max_split(costs: np.ndarray, units: int) -> np.ndarray:
     """Integer split ``x`` (each >= 1, summing to ``units``) minimising ``max_i costs[i, x_i]``,
-    where ``costs[i, u]`` is non-decreasing in ``u`` (index 0 unused). Bisection over the sorted
-    candidate makespans: T is feasible when the largest share each rank can take within T adds up
-    to ``units``; the smallest feasible T is optimal and its shares, trimmed to ``units``, reach it."""
+    where ``costs[i, u]`` is non-decreasing in ``u`` (index 0 unused). A makespan T is feasible when
+    every rank can take one unit within it and the largest shares within it add up to ``units``;
+    with monotone rows the shares within T count the table's entries up to T, so the smallest
+    feasible T is the larger of the ranks' one-unit costs and the ``units``-th smallest entry. Its
+    shares, trimmed to ``units``, reach it."""
     parts = costs.shape[0]
-    values = np.unique(costs[:, 1:units + 1])
-
-    def caps(T):
-        ok = costs[:, 1:units + 1] <= T  # monotone rows: a prefix of True
-        return ok.sum(axis=1)
-
-    lo, hi = 0, len(values) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        c = caps(values[mid])
-        if (c >= 1).all() and c.sum() >= units:
-            hi = mid
-        else:
-            lo = mid + 1
-    x = caps(values[lo]).astype(np.int64)
+    table = costs[:, 1:units + 1]
+    makespan = max(table[:, 0].max(), np.partition(table.ravel(), units - 1)[units - 1])
+    x = (table <= makespan).sum(axis=1).astype(np.int64)  # monotone rows: a prefix of True
     excess = x.sum() - units
     for i in np.argsort(-x):  # giving back units never raises a rank's cost
         give = min(excess, x[i] - 1)
@@ -136,6 +128,8 @@ class SplitSearch:
         if Method.SP in methods:
             uses.append("seq")
         self.uses = tuple(uses) if self.mp > 1 else ()
+        self._lower_bound: Optional[float] = None
+        self._scored: dict[tuple, tuple[Prediction, np.ndarray]] = {}
 
     def balanced(self) -> dict[str, np.ndarray]:
         """The even split of every variable the methods use, as one candidate."""
@@ -156,12 +150,23 @@ class SplitSearch:
         return Splits(out["heads"], out["ffn"], out["seq"])
 
     def score(self, chosen: dict[str, np.ndarray]) -> tuple[Prediction, np.ndarray]:
+        one = self._one_key(chosen)
+        if one in self._scored:  # the start, the even split and the descent's end come back
+            return self._scored[one]
         pred = predict(self.cluster, self.work, self.methods, self.splits(chosen), self.layout)
         over = (pred.memory_bytes - np.array([r.memory_bytes for r in self.cluster.ranks])).clip(min=0).sum(axis=1)
         key = np.where(pred.fits, pred.time_s, np.inf)
         if not pred.fits.any():  # nothing fits: least memory over the budgets, then time
             key = over * 1e6 + pred.time_s
+        if one is not None:
+            self._scored[one] = (pred, key)
         return pred, key
+
+    def _one_key(self, chosen: dict[str, np.ndarray]) -> Optional[tuple]:
+        """A single candidate's splits as a key (None for several)."""
+        if any(len(a) != 1 for a in chosen.values()):
+            return None
+        return tuple((v, tuple(int(x) for x in chosen[v][0])) for v in sorted(chosen))
 
     def own_costs(self, var: str) -> np.ndarray:
         """Per-rank forward+backward seconds of the pieces that ``var`` sizes, by unit count."""
@@ -201,24 +206,35 @@ class SplitSearch:
                     best = (key[i], {v: a[i:i + 1] for v, a in chosen.items()})
             pred, _ = self.score(best[1])
             return self.choice(best[1], pred, True)
-        current = {v: min_max_split(self.own_costs(v), self.units[v][1])[None] for v in self.uses}
-        pred, key = self.score(current)
-        best_key = key[0]
+        start = {v: min_max_split(self.own_costs(v), self.units[v][1])[None] for v in self.uses}
+        balanced = self.balanced()
+        start_key, balanced_key = self.score(start)[1][0], self.score(balanced)[1][0]
+        current = start if start_key <= balanced_key else balanced  # the even split may be the better start
+        best_key = min(start_key, balanced_key)
+        changed = {v: 0 for v in self.uses}  # when each variable last moved (steps of the descent)
+        scanned = {v: -1 for v in self.uses}  # when each exhaustively scanned variable was last scanned
+        step = 0
         for _ in range(20):
             improved = False
             for v in self.uses:
+                step += 1
                 if counts[v] <= self.exact_limit:
+                    if all(changed[w] < scanned[v] for w in self.uses if w != v):
+                        continue  # the others are where they were at its last scan: the same optimum
+                    scanned[v] = step
                     trial = compositions(self.units[v][1], self.mp)
                 else:
-                    base = current[v][0]
-                    moves = [base + np.eye(self.mp, dtype=np.int64)[j] - np.eye(self.mp, dtype=np.int64)[i]
-                             for i in range(self.mp) for j in range(self.mp) if i != j and base[i] > 1]
-                    trial = np.array(moves)
+                    base, eye = current[v][0], np.eye(self.mp, dtype=np.int64)
+                    steps = 2 ** np.arange(int(base.max()).bit_length())  # far moves first get near, then 1s refine
+                    trial = np.array([base + step * (eye[j] - eye[i]) for step in steps for i in range(self.mp)
+                                      for j in range(self.mp) if i != j and base[i] > step])
                 chosen = {w: (trial if w == v else np.repeat(current[w], len(trial), axis=0)) for w in self.uses}
                 p, k = self.score(chosen)
                 j = int(np.argmin(k))
                 if k[j] < best_key * (1 - 1e-12):
-                    best_key, current[v], improved = k[j], trial[j:j + 1], True
+                    best_key, improved = k[j], True
+                    current = {**current, v: trial[j:j + 1]}
+                    changed[v] = step
             if not improved:
                 break
         pred, _ = self.score(current)
@@ -226,34 +242,12 @@ class SplitSearch:
         choice.lower_bound_s = self.lower_bound()
         return choice
 
-    def lower_bound(self) -> Optional[float]:
-        """A time no split of these methods can beat (memory budgets ignored). The step is at least
-        the sum, over the stretches between sync points, of the slowest rank's compute, plus the
-        syncs' collectives. A stretch's compute on rank i is at least that of the pieces sized by one
-        split variable v at rank i's share of v, with every other variable at its smallest share
-        (times are monotone); so the stretch costs at least the min-max of that table over splits of
-        v (``min_max_split``, exact), for the best v. Collectives cost at least their balanced-split
-        value until the first member leaves (uneven sequence pieces are padded to the largest). None
-        for dp or pp > 1."""
-        if self.layout.dp * self.layout.pp != 1 or not self.uses:
-            return None
-        ones = {v: np.ones((1, self.mp), dtype=np.int64) for v in self.uses}
-        balanced = self.balanced()
-        seg = Segments()
-        predict(self.cluster, self.work, self.methods, self.splits(balanced), self.layout, seg)
-        comm = float(sum(c[0, 0] for c in seg.comm))
-        stretches = np.zeros(len(seg.parts))
-        for v in self.uses:
-            count = self.units[v][1]
-            probe = {w: np.repeat(ones[w], count, axis=0) for w in self.uses}
-            probe[v] = np.repeat(np.arange(1, count + 1)[:, None], self.mp, axis=1)
-            seg = Segments()
-            predict(self.cluster, self.work, self.methods, self.splits(probe), self.layout, seg)
-            for k, part in enumerate(seg.parts):  # part[u - 1, i]: rank i holding u units
-                table = np.concatenate([np.zeros((self.mp, 1)), part.T], axis=1)
-                x = min_max_split(table, count)
-                stretches[k] = max(stretches[k], table[np.arange(self.mp), x].max())
-        return float(stretches.sum() + comm)
+    def lower_bound(self) -> float:
+        """A time no split of these methods and layout beats (memory budgets ignored): the cost
+        model's ``lower_bound``, each stretch between sync points at its least over the splits."""
+        if self._lower_bound is None:
+            self._lower_bound = lower_bound(self.cluster, self.work, self.methods, self.layout, self.units, self.uses)
+        return self._lower_bound
 
     def even_unless_beaten(self, best: Choice, margin: float) -> Choice:
         """The even split instead of ``best`` where ``best`` is not more than ``margin`` faster."""
@@ -263,8 +257,8 @@ class SplitSearch:
         pred, _ = self.score(balanced)
         even = self.choice(balanced, pred, False)
         if (even.heads, even.ffn, even.seq) == (best.heads, best.ffn, best.seq) \
-                or (best.fits and not even.fits) or even.time_s > best.time_s * (1 + margin):
-            return best
+                or (best.fits and not even.fits) or (even.fits == best.fits and even.time_s > best.time_s * (1 + margin)):
+            return best  # (an uneven split that does not fit never displaces an even one that does)
         even.lower_bound_s = best.time_s if best.exact else best.lower_bound_s
         return even
 
@@ -309,12 +303,15 @@ def layouts(cluster: ClusterProfile, work: Workload) -> list[list[Layout]]:
 
 def search(cluster: ClusterProfile, work: Workload, ffn_unit: int = 1, seq_unit: int = 1, top: int = 10,
            exact_limit: int = EXACT_LIMIT, split_margin: float = SPLIT_MARGIN,
-           device_margin: float = DEVICE_MARGIN) -> list[Choice]:
+           device_margin: float = DEVICE_MARGIN, prune: bool = True) -> list[Choice]:
     """The plans, best first (those within every memory budget before those that are not; the first
     on the fewest devices unless more win by more than ``device_margin``): one per set of devices
     (every subset of the cluster's ranks: on slow links fewer devices can be faster, one alone runs
     the plan 'none'), method combination and dp x pp, with its best micro-batch count and
-    recomputation, its splits even unless uneven ones win by more than ``split_margin``."""
+    recomputation, its splits even unless uneven ones win by more than ``split_margin``.
+
+    ``prune`` (the default) leaves out what cannot change the answer (``Pruner``): the same plans
+    as ``prune=False``, which scores every layout of every group."""
     m = work.model
     for key, total, unit in (("ffn_unit", m.intermediate_size, ffn_unit), ("seq_unit", work.seq_length, seq_unit)):
         if unit < 1 or total % unit:
@@ -322,14 +319,19 @@ def search(cluster: ClusterProfile, work: Workload, ffn_unit: int = 1, seq_unit:
     for key, margin in (("split_margin", split_margin), ("device_margin", device_margin)):
         if not 0 <= margin < 1:
             raise ConfigError(f"--{key} {margin} must be a fraction from 0 to below 1, e.g. 0.03")
-    found = []
+    groups = []
     for devices in device_subsets(cluster.world):
         sub = cluster.restrict(devices)
         if sub is None:
             logger.info("devices %s skipped: the cluster file has no measurements for their groups", list(devices))
             continue
-        for choice in search_devices(sub, work, ffn_unit, seq_unit, exact_limit, split_margin):
-            found.append(replace(choice, devices=devices))
+        tiers = layouts(sub, work)
+        for fast, frugal in zip(tiers[::2], tiers[1::2]):
+            mp = sub.world // (fast[0].dp * fast[0].pp)
+            for methods in (METHODS if mp > 1 else [(Method.NONE,) * 3]):
+                groups.append(Group(len(groups), devices, sub, methods, fast, frugal))
+    found = Pruner(work, ffn_unit, seq_unit, exact_limit, split_margin, device_margin,
+                   top if prune else None).run(groups)
     if not found:
         raise ConfigError(f"no plan fits the world of {cluster.world} ranks: the model has too few heads, "
                           "FFN units or tokens for it")
@@ -350,26 +352,142 @@ def fewest_devices_unless_beaten(ranked: list[Choice], margin: float) -> Choice:
     return chosen
 
 
-def search_devices(cluster: ClusterProfile, work: Workload, ffn_unit: int, seq_unit: int,
-                   exact_limit: int, split_margin: float) -> list[Choice]:
-    """The best plan per method combination and dp x pp on all of ``cluster``'s ranks."""
-    tiers = layouts(cluster, work)
-    found = []
-    for fast, frugal in zip(tiers[::2], tiers[1::2]):
-        mp = cluster.world // (fast[0].dp * fast[0].pp)
-        for methods in (METHODS if mp > 1 else [(Method.NONE,) * 3]):
-            best = None
-            for tier in (fast, frugal):
-                for layout in tier:
-                    splits = SplitSearch(cluster, work, methods, layout, ffn_unit, seq_unit, exact_limit)
-                    choice = splits.run()
-                    if choice is not None:
-                        choice = splits.even_unless_beaten(choice, split_margin)
-                    if choice is not None and (best is None or (not choice.fits, choice.time_s)
-                                               < (not best.fits, best.time_s)):
-                        best = choice
-                if best is None or best.fits:  # the memory-saving tier only when nothing fits yet
-                    break
-            if best is not None:
-                found.append(best)
-    return found
+@dataclass
+class Group:
+    """One set of devices, method combination and dp x pp: the best of its layouts is one plan. Its
+    layouts come in two tiers (``layouts``): the memory-saving ones are tried only when nothing in the
+    first fits."""
+
+    index: int  # in the order of the exhaustive search (ties between equal times keep it)
+    devices: tuple[int, ...]
+    cluster: ClusterProfile  # the profile of ``devices`` alone
+    methods: tuple[Method, Method, Method]
+    fast: list[Layout]
+    frugal: list[Layout]
+
+
+class Pruner:
+    """Scores the groups, leaving out a group or layout whose plan cannot be in the table nor chosen.
+
+    A plan's time is at least its layout's ``lower_bound`` (over every split; one without
+    recomputation bounds the same micro-batches with it too, whose events only add: the bound's
+    stretches are anchored at syncs that both have). A plan of time T cannot be among the ``top``
+    first nor be chosen once ``top`` fitting plans are faster than T (plans that do not fit come after
+    those that fit) and so is a fitting plan on as many devices, or one on more devices by more than
+    ``device_margin`` (the plan to run is the best of its device count, and that one would replace
+    it); so a group or layout whose bound is above that is left out. Groups go in the
+    order of their bounds, so the fast plans set the bar early. Inside a group a layout whose
+    bound is above the group's best fitting plan so far cannot replace it. A first-tier layout is
+    left out only where its even split fits (so the tier fits, and the second tier is not tried,
+    as without pruning); otherwise it runs, since whether its tier fits decides which layouts
+    compete. A layout that cannot fit (``might_fit``) is left out: its plan displaces none that fits,
+    and plans that do not fit are shown only where fewer than ``top`` fit, which is known at the
+    end; then the groups that left one out are scored again without leaving any out. ``top`` None:
+    every layout of every group is scored."""
+
+    def __init__(self, work: Workload, ffn_unit: int, seq_unit: int, exact_limit: int, split_margin: float,
+                 device_margin: float, top: Optional[int]):
+        self.work, self.ffn_unit, self.seq_unit = work, ffn_unit, seq_unit
+        self.exact_limit, self.split_margin, self.device_margin, self.top = exact_limit, split_margin, device_margin, top
+        self.bounds: dict[tuple[int, int], float] = {}
+        self.fitting: list[float] = []  # the fitting plans' times so far, ascending
+        self.best_at: dict[int, float] = {}  # the best fitting plan's time so far, per device count
+        self.searched = 0
+
+    def splits(self, group: Group, layout: Layout) -> SplitSearch:
+        return SplitSearch(group.cluster, self.work, group.methods, layout, self.ffn_unit, self.seq_unit,
+                           self.exact_limit)
+
+    def bound(self, group: Group, layout: Layout) -> float:
+        """The lower bound of ``layout``'s micro-batches without recomputation (so of every recomputation)."""
+        key = (group.index, layout.microbatches)
+        if key not in self.bounds:
+            search = self.splits(group, replace(layout, recompute="none"))
+            self.bounds[key] = search.lower_bound() if search.feasible() else math.inf
+        return self.bounds[key]
+
+    def hopeless(self, bound: float, devices: int) -> bool:
+        """Whether a plan on ``devices`` devices taking at least ``bound`` seconds is neither among the
+        ``top`` first nor the one to run: ``top`` fitting plans are faster, and so is a fitting plan on
+        as many devices, or one on more by more than the device margin (which then replaces it)."""
+        if self.top is None or len(self.fitting) < self.top or self.fitting[self.top - 1] >= bound:
+            return False
+        return self.best_at.get(devices, math.inf) < bound \
+            or any(t * (1 + self.device_margin) < bound for n, t in self.best_at.items() if n > devices)
+
+    def run(self, groups: list[Group]) -> list[Choice]:
+        """Each group's plan (those left out aside), in the groups' order."""
+        order = groups
+        if self.top is not None:
+            group_bound = {g.index: min(self.bound(g, layout) for layout in g.fast + g.frugal) for g in groups}
+            order = sorted(groups, key=lambda g: (group_bound[g.index], g.index))
+        plans, misfits = {}, []
+        for g in order:
+            if self.top is not None and self.hopeless(group_bound[g.index], len(g.devices)):
+                continue
+            plan, misfit_unseen = self.best(g, skip_misfits=self.top is not None)
+            if misfit_unseen and (plan is None or not plan.fits):
+                misfits.append(g)
+            if plan is None:
+                continue
+            plans[g.index] = replace(plan, devices=g.devices)
+            if plan.fits:
+                bisect.insort(self.fitting, plan.time_s)
+                self.best_at[len(g.devices)] = min(self.best_at.get(len(g.devices), math.inf), plan.time_s)
+        if self.top is not None and len(self.fitting) < self.top:  # plans that do not fit are shown after all
+            for g in misfits:
+                plan, _ = self.best(g, skip_misfits=False)
+                if plan is not None:
+                    plans[g.index] = replace(plan, devices=g.devices)
+        logger.info("%d of %d groups, %d split searches", len(plans), len(groups), self.searched)
+        return [plans[i] for i in sorted(plans)]
+
+    def best(self, group: Group, skip_misfits: bool) -> tuple[Optional[Choice], bool]:
+        """The group's best plan: the first tier's, or where none of it fits, the best of both (ties
+        to the layout listed first); None where it is left out. Layouts go in the order of their
+        bounds, so a good plan early leaves out the others. ``skip_misfits``: layouts that cannot fit
+        are left out (which the second value says), so a plan that does not fit may not be the group's."""
+        best, fits_unseen, misfit_unseen = None, False, False
+        for t, tier in enumerate((group.fast, group.frugal)):
+            order = range(len(tier)) if self.top is None else \
+                sorted(range(len(tier)), key=lambda k: (self.bound(group, tier[k]), k))
+            for k in order:
+                layout = tier[k]
+                if self.top is not None:
+                    bound = self.bound(group, layout)
+                    if best is not None and best[0].fits and bound > best[0].time_s:
+                        continue
+                    if self.hopeless(bound, len(group.devices)):
+                        if t == 1:
+                            continue
+                        if self.even_fits(group, layout):  # the tier fits, and this layout's plan is hopeless
+                            fits_unseen = True
+                            continue
+                    if skip_misfits and self.splits(group, layout).feasible() and not self.might_fit(group, layout):
+                        misfit_unseen = True  # a plan that does not fit displaces none that does
+                        continue
+                choice = self.choose(group, layout)
+                if choice is not None and (best is None or (not choice.fits, choice.time_s, (t, k))
+                                           < (not best[0].fits, best[0].time_s, best[1])):
+                    best = (choice, (t, k))
+            if best is not None and best[0].fits:
+                break
+            if fits_unseen:  # the group's best is a first-tier plan left out as hopeless
+                return None, misfit_unseen
+            if best is None and not misfit_unseen:  # nothing in the tier has a split at all
+                break
+        return (None if best is None else best[0]), misfit_unseen
+
+    def might_fit(self, group: Group, layout: Layout) -> bool:
+        search = self.splits(group, layout)
+        return might_fit(group.cluster, self.work, group.methods, layout, search.units, search.uses)
+
+    def even_fits(self, group: Group, layout: Layout) -> bool:
+        search = self.splits(group, layout)
+        return search.feasible() and bool(search.score(search.balanced())[0].fits[0])
+
+    def choose(self, group: Group, layout: Layout) -> Optional[Choice]:
+        search = self.splits(group, layout)
+        self.searched += 1
+        choice = search.run()
+        return None if choice is None else search.even_unless_beaten(choice, self.split_margin)
