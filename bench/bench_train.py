@@ -167,7 +167,8 @@ def contender_names() -> list[str]:
 
 
 # A listed name with a layout suffix: galaxy-...@dp<D>[-<engine>], fsdp2-tp@tp<T>, megatron-dp@tp<T>.
-SUFFIXES = {"galaxy-": re.compile(r"@dp(\d+)(?:-(\w+))?(-noreshard)?(-onesync)?$"), "fsdp2-tp": re.compile(r"@tp(\d+)$"),
+SUFFIXES = {"galaxy-": re.compile(r"@dp(\d+)(?:-(\w+))?(-noreshard)?(-onesync)?$"),
+            "fsdp2-tp": re.compile(r"@tp(\d+)$"),
             "megatron-dp": re.compile(r"@tp(\d+)$")}
 
 
@@ -181,7 +182,8 @@ def split_suffix(name: str) -> tuple[str, Optional[re.Match]]:
             match = pattern.search(name)
             if match and match.start() == len(base):
                 return base, match
-    raise ValueError(f"contender '{name}': unknown layout suffix (galaxy-...@dp<D>[-<engine>[-noreshard]], fsdp2-tp@tp<T>, "
+    raise ValueError(f"contender '{name}': unknown layout suffix (galaxy-...@dp<D>[-<engine>[-noreshard]"
+                     "[-onesync]], fsdp2-tp@tp<T>, "
                      "megatron-dp@tp<T>)")
 
 
@@ -919,7 +921,7 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: Peak
             row["comm_bytes"] = eager_comm_bytes(prepared.step)
         if prepared.comm_bytes_metrics is not None:
             row["comm_bytes_metrics"] = prepared.comm_bytes_metrics(prepared.step)
-        if getattr(args, "profile", None):  # one more step under torch.profiler: where its GPU time goes (bench/step_profile.py)
+        if getattr(args, "profile", None):  # one more step under torch.profiler (bench/step_profile.py)
             trace = os.path.join(args.profile, f"{name}.rank{ctx.rank}.json.gz") if ctx.rank == 0 else None
             row["profile"] = profile_step(prepared.step, ctx.device, keep_trace=trace)
         if prepared.note:
@@ -1064,7 +1066,8 @@ def print_table(report: dict) -> None:
                 "collective")
         print(f"\nprofiled step, slowest rank (ms): {'contender':<38}" + "".join(f"{k:>13}" for k in keys))
         for r in profiled:
-            ranks = [p for p in (r["profile"] if isinstance(r["profile"], list) else [r["profile"]]) if "error" not in p]
+            every = r["profile"] if isinstance(r["profile"], list) else [r["profile"]]
+            ranks = [p for p in every if "error" not in p]
             if ranks:
                 worst = max(ranks, key=lambda p: p["window_ms"])
                 print(f"{'':<33}{r['name']:<38}" + "".join(f"{worst[k + '_ms']:>13.1f}" for k in keys))
