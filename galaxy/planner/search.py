@@ -225,9 +225,9 @@ class SplitSearch:
                     trial = compositions(self.units[v][1], self.mp)
                 else:
                     base, eye = current[v][0], np.eye(self.mp, dtype=np.int64)
-                    steps = 2 ** np.arange(int(base.max()).bit_length())  # far moves first get near, then 1s refine
-                    trial = np.array([base + step * (eye[j] - eye[i]) for step in steps for i in range(self.mp)
-                                      for j in range(self.mp) if i != j and base[i] > step])
+                    sizes = 2 ** np.arange(int(base.max()).bit_length())  # far moves first get near, then 1s refine
+                    trial = np.array([base + size * (eye[j] - eye[i]) for size in sizes for i in range(self.mp)
+                                      for j in range(self.mp) if i != j and base[i] > size])
                 chosen = {w: (trial if w == v else np.repeat(current[w], len(trial), axis=0)) for w in self.uses}
                 p, k = self.score(chosen)
                 j = int(np.argmin(k))
