@@ -18,7 +18,7 @@ setup(
     extras_require={
         # bitsandbytes: the NF4/int8 tests compare with its CPU quantize/dequantize; its wheels with a CPU
         # backend install on Linux x86_64 (0.50 checked); elsewhere those tests skip.
-        "test": ["pytest", "pytest-xdist>=3.8", "transformers>=4.44", "peft", "deepspeed", "matplotlib", "tensorboard",
+        "test": ["pytest", "pytest-xdist", "transformers>=4.44", "peft", "deepspeed", "matplotlib", "tensorboard",
                  "triton>=3.7; platform_system=='Linux'",
                  "bitsandbytes>=0.50; platform_system=='Linux' and platform_machine=='x86_64'"],
         "plot": ["matplotlib"],

@@ -2,9 +2,9 @@
 TRITON_INTERPRET when a kernel is defined (``@triton.jit``, at import): it is set here, before any test
 module of any folder imports galaxy (tests/kernels and tests/loralib run the kernels).
 
-The files that take minutes are collected first: pytest-xdist (``--dist loadfile --no-loadscope-reorder``,
-pytest.ini) hands out files in collection order, a file to whichever worker is free, so the long ones
-start at once instead of one ending the run alone (xdist's own order is by test count, not time)."""
+The files that take minutes are collected first: pytest-xdist (``--dist loadfile``, pytest.ini) hands out
+files in collection order, and test_peft.py, collected in the middle by name, used to end the run alone
+on one worker while the other sat idle."""
 
 import os
 import sys
