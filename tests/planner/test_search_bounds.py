@@ -5,7 +5,6 @@ model's plain step-by-step simulation (every layer and micro-batch run), and pre
 splits; the 7B search runs on the cluster profile measured on 4 x H200 (docs/results).
 """
 
-import itertools
 import logging
 import os
 
@@ -15,7 +14,7 @@ import pytest
 from galaxy.config import GalaxyConfig, Method
 from galaxy.planner import cost
 from galaxy.planner.cluster import load_cluster
-from galaxy.planner.cost import Layout, Segments, Workload, lower_bound, might_fit, predict
+from galaxy.planner.cost import Layout, Segments, Workload, might_fit, predict
 from galaxy.planner.search import METHODS, SplitSearch, compositions, layouts, search
 from tests import REPO
 from tests.planner.test_planner import BERT, LLAMA, synthetic_cluster
@@ -60,18 +59,24 @@ def every_layout(cluster, work):
                     yield s
 
 
-@pytest.mark.parametrize("speeds,waited", [([1.0, 2.5], None), ([1.0, 1.7, 3.0], 0.6), ([3.0, 1.0, 1.0, 2.0], 0.5)])
-def test_bounds_hold_for_every_layout(speeds, waited):
-    """No sampled split of any layout (dp, pp, micro-batches, recomputation) is predicted faster than
-    ``lower_bound``, nor fits where ``might_fit`` says none does; and the time bound is reached
-    within a few percent by the best split of a small layout (so it is a bound worth having)."""
+@pytest.mark.parametrize("speeds,waited,beta", [
+    ([1.0, 2.5], None, 1e-9), ([1.0, 1.7, 3.0], 0.6, 1e-9), ([3.0, 1.0, 1.0, 2.0], 0.5, 1e-9),
+    ([1e3, 1e3, 2e3, 1e3], None, 1e-6),  # nearly all collectives: the bound is nearly the time, each sync counts
+])
+def test_bounds_hold_for_every_layout(speeds, waited, beta):
+    """No sampled split of any layout (dp, pp, micro-batches, recomputation; each dp engine and
+    gradient reduction) is predicted faster than ``lower_bound``, nor fits where ``might_fit`` says
+    none does; and the time bound is reached within a few percent by the best split of a small
+    layout (so it is a bound worth having)."""
     rng = np.random.default_rng(len(speeds))
     proven = 0
+    workloads = [("train", "ddp", "after_backward"), ("train", "zero1", "sharded"), ("train", "fsdp2", "after_backward"),
+                 ("latency", "ddp", "after_backward")]
     for memory in (2**18, 2**19):
-        cluster = synthetic_cluster(dict(LLAMA, num_hidden_layers=4), len(speeds), speeds, alpha=5e-5, beta=1e-9,
+        cluster = synthetic_cluster(dict(LLAMA, num_hidden_layers=4), len(speeds), speeds, alpha=5e-5, beta=beta,
                                     memory=memory, waited=waited)
-        for objective in ("train", "latency"):
-            work = Workload(cluster.model, objective, 8, 8)
+        for objective, engine, reduce in workloads:
+            work = Workload(cluster.model, objective, 8, 8, "bfloat16", dp_engine=engine, mp_grad_reduce=reduce)
             for s in every_layout(cluster, work):
                 chosen = sampled_splits(s, rng)
                 pred = predict(cluster, work, s.methods, s.splits(chosen), s.layout)
@@ -80,7 +85,7 @@ def test_bounds_hold_for_every_layout(speeds, waited):
                     proven += 1
                     assert not pred.fits.any(), (s.methods, s.layout)
     assert proven > 0
-    cluster = synthetic_cluster(BERT, len(speeds), speeds, alpha=5e-5, beta=1e-9, waited=waited)
+    cluster = synthetic_cluster(BERT, len(speeds), speeds, alpha=5e-5, beta=beta, waited=waited)
     work = Workload(cluster.model, "train", 4, 8)
     for layout in (Layout(), Layout(1, 1, 2, "full")):
         exact = SplitSearch(cluster, work, (TP, SP, TP), layout, ffn_unit=8).run()
@@ -161,3 +166,43 @@ def test_search_of_llama_7b_on_four_gpus_at_global_batch_16(caplog):
         assert pred.time_s[0] == pytest.approx(c.time_s, rel=1e-9) and bool(pred.fits[0]) == c.fits
         assert c.lower_bound_s <= c.time_s * (1 + 1e-12)
     assert [c.time_s for c in plans[1:]] == sorted(c.time_s for c in plans[1:])
+
+
+def fsdp_state_bytes(ctx, case):
+    """This rank's bytes of parameters and gradients after a backward and of AdamW's moments after the
+    step under ``dp_engine: fsdp2``, and of the vectors (norm scales) FSDP leaves whole."""
+    from galaxy.core.fsdp import local
+    from galaxy.train.loop import Trainer
+    from tests.core.test_dp_pp import build
+
+    cfg, _, model, _, batch_at = build(ctx, case)
+    trainer = Trainer(model, cfg, ctx)
+    params = [p for p in model.parameters() if p.requires_grad]
+    loss = trainer.forward_backward(trainer.read_batch(batch_at, 0))
+    nbytes = lambda t: local(t).numel() * t.element_size()  # noqa: E731
+    total = sum(nbytes(p) + nbytes(p.grad) for p in params)
+    trainer.optimizer_step(loss, 1)
+    total += sum(nbytes(trainer.optimizer.state[p][k]) for p in params for k in ("exp_avg", "exp_avg_sq"))
+    vectors = sum(p.numel() for p in params if p.dim() < 2)
+    trainer.grad_sync.remove()
+    return total, vectors
+
+
+def test_fsdp2_memory_is_a_dp_block_of_masters_gradients_and_moments(dist_pool):
+    """dp 2 x galaxy mp 2 on FSDP2: each rank holds 1/dp of its mp rank's master weights, gradients and
+    AdamW moments (float64 here) as the cost model says; FSDP leaves the vectors whole, which the
+    cost model counts as sharded (their other half is all it misses)."""
+    from tests.core.test_dp_pp import LLAMA as MODEL, TRAIN
+
+    case = dict(model="llama", plan="galaxy", dp_size=2, dp_engine="fsdp2")
+    measured = dist_pool.run(fsdp_state_bytes, 4, case, dp=2)
+    cfg = GalaxyConfig.from_dict(dict(MODEL, **TRAIN, **{k: v for k, v in case.items() if k != "model"}))
+    work = Workload(cfg.model, "train", TRAIN["global_batch_size"], TRAIN["seq_length"], "float64",
+                    dp_engine="fsdp2")
+    splits = cost.Splits.balanced(cfg.model, TRAIN["seq_length"], 2)
+    params, _, stepped = cost.stage_parameters(work, (TP, SP, TP), splits, Layout(dp=2), 2)
+    per_param, _ = cost.bytes_per_parameter(work, 2, 2, 1)
+    for rank, (total, vectors) in enumerate(measured):
+        predicted = params[0][0, rank % 2] * per_param
+        assert predicted <= total <= predicted + vectors * per_param, (rank, total, predicted)
+        assert stepped[0][0, rank % 2] == params[0][0, rank % 2] / 2  # the optimizer steps the dp block
