@@ -853,9 +853,9 @@ def might_fit(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Me
     shares are scored at those points with every other variable at one unit. No split
     fits where some rank's least memory over its shares is above its budget, where every split of one
     variable (the others at their least) leaves a rank above its budget (``least_makespan`` of the
-    overruns), or where the group's least total is above the group's budgets together: the least total gives each rank the lower
-    convex hull of its own terms and hands out the units by increasing marginal cost, which no
-    split's total undercuts."""
+    overruns), or where the group's least total is above the group's budgets together: the least
+    total gives each rank the lower convex hull of its own terms and hands out the units by
+    increasing marginal cost, which no split's total undercuts."""
     if work.objective != "train":
         return True
     dp, pp = layout.dp, layout.pp
@@ -905,7 +905,8 @@ def might_fit(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Me
                 slopes, widths = np.concatenate(slopes), np.concatenate(widths)
                 order = np.argsort(slopes, kind="stable")
                 left = units[v][1] - mp  # every rank holds one unit already
-                taken = np.minimum(widths[order], np.maximum(left - np.concatenate([[0], np.cumsum(widths[order])[:-1]]), 0))
+                before = np.concatenate([[0], np.cumsum(widths[order])[:-1]])  # units handed out before each
+                taken = np.minimum(widths[order], np.maximum(left - before, 0))
                 total += float((slopes[order] * taken).sum())
             if total > budget[ranks].sum():
                 return False

@@ -1,6 +1,7 @@
 """The best plan for a cluster: exhaustive over the sets of devices it runs on, block methods (and,
 for training, dp x pp x mp, micro-batches and recomputation); per method combination the best
-splits under the memory budgets.
+splits under the memory budgets. Groups and layouts that cannot change the answer are left out by
+bounds on their time and memory over every split (``Pruner``); ``search(prune=False)`` scores all.
 
 Splits are searched in units that keep every shard valid: query heads in multiples of the GQA
 group (so key/value heads split with them), FFN columns in multiples of ``ffn_unit``, tokens in
@@ -257,7 +258,8 @@ class SplitSearch:
         pred, _ = self.score(balanced)
         even = self.choice(balanced, pred, False)
         if (even.heads, even.ffn, even.seq) == (best.heads, best.ffn, best.seq) \
-                or (best.fits and not even.fits) or (even.fits == best.fits and even.time_s > best.time_s * (1 + margin)):
+                or (best.fits and not even.fits) \
+                or (even.fits == best.fits and even.time_s > best.time_s * (1 + margin)):
             return best  # (an uneven split that does not fit never displaces an even one that does)
         even.lower_bound_s = best.time_s if best.exact else best.lower_bound_s
         return even
