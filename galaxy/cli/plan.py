@@ -226,6 +226,9 @@ def plan_main(argv: list[str]) -> int:
         if args.top < 1 or args.validate < 0 or args.validate_steps < 2 or args.validate_runs < 1:
             raise ConfigError("--top must be at least 1, --validate at least 0, --validate_steps at least 2 and "
                               "--validate_runs at least 1")
+        if args.validate and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each rank would launch every plan
+            raise ConfigError(f"--validate starts each plan's ranks itself, but this process is one of "
+                              f"{os.environ['WORLD_SIZE']} (WORLD_SIZE, e.g. torchrun); run plan_galaxy.py with python")
         if args.emulate:
             from galaxy.emulate import Cluster, cgroups
 

@@ -49,7 +49,7 @@ class Workload:
     dtype: str = "float32"
     optimizer: str = "adamw"
     mp_grad_reduce: str = "after_backward"  # config key of the same name
-    dp_engine: str = "ddp"  # ddp | zero1 | deepspeed (pure dp: the search keeps mp = pp = 1)
+    dp_engine: str = "ddp"  # ddp | zero1 | deepspeed (pure dp: the search keeps mp = pp = 1) | fsdp2
     zero_stage: int = 1  # deepspeed: 1 shards the optimizer state over dp, 2 the gradients too
 
     @property
@@ -67,10 +67,14 @@ def bytes_per_parameter(work: Workload, dp: int, mp: int, microbatches: int) -> 
     DeepSpeed) keep 1/dp of the optimizer state, DeepSpeed's ZeRO-2 1/dp of the gradients too.
     ``sharded`` PARTIAL weights: the model holds them once (in the compute dtype under autocast, no
     master there), their gradients only while micro-batches accumulate (the last backward buckets and
-    drops them), and 1/mp of them as pieces with master, gradient and optimizer state (ZeRO-2 over mp)."""
+    drops them), and 1/mp of them as pieces with master, gradient and optimizer state (ZeRO-2 over mp).
+    ``fsdp2``: master, gradient and optimizer state as a 1/dp block; the compute-dtype weights are the
+    layers FSDP gathers (``fsdp_gathered``), not autocast's copies."""
     master = 8 if work.dtype == "float64" else 4
     low = work.dtype in ("bfloat16", "float16")
     state = OPTIMIZER_STATE_BYTES[work.optimizer] * master / 4
+    if dp > 1 and work.dp_engine == "fsdp2":  # (the config refuses mp_grad_reduce sharded with it)
+        return (2 * master + state) / dp, (2 * master + state) / dp
     split_state = dp if dp > 1 and work.dp_engine in ("zero1", "deepspeed") else 1
     split_grad = dp if dp > 1 and work.dp_engine == "deepspeed" and work.zero_stage == 2 else 1
     whole = master + master / split_grad + state / split_state + (work.elem if low else 0)
@@ -358,7 +362,7 @@ def stage_parameters(work: Workload, methods: tuple[Method, Method, Method], spl
         edge_partial = (emb if p == 0 else 0) + (head if p == pp - 1 else 0)
         partial[p] = per_layer.partial * stage_layers[p] + (edge_partial if methods[1] == Method.SP else 0)
         own = params[p] - (partial[p] * (1 - 1 / mp) if sharded else 0)
-        stepped[p] = own / dp if dp > 1 and work.dp_engine in ("zero1", "deepspeed") else own
+        stepped[p] = own / dp if dp > 1 and work.dp_engine in ("zero1", "deepspeed", "fsdp2") else own
     return params, partial, stepped
 
 
@@ -385,7 +389,32 @@ def training_memory(g: GroupModel, layout: Layout, p: int, params: np.ndarray, p
         held = layers * acts_layer
     per_param, per_sharded = bytes_per_parameter(work, layout.dp, mp, M)
     own_sharded = partial if mp > 1 and work.mp_grad_reduce == "sharded" else 0
-    return (params - own_sharded) * per_param + own_sharded * per_sharded + in_flight * (held + acts_edge)
+    return (params - own_sharded) * per_param + own_sharded * per_sharded + in_flight * (held + acts_edge) \
+        + fsdp_gathered(work, layout, p, params)
+
+
+def fsdp_gathered(work: Workload, layout: Layout, p: int, params: np.ndarray) -> np.ndarray:
+    """Bytes of the weights FSDP2 (``dp_engine: fsdp2``, dp > 1) holds gathered on stage ``p`` (whose mp
+    ranks hold ``params``): the root's (embeddings, head) in the master precision for the step, and the
+    layers' in the compute dtype, two at a time where they are resharded after forward (its default
+    without a pipeline: the running layer and the prefetched next), else all of them."""
+    if layout.dp == 1 or work.dp_engine != "fsdp2":
+        return np.zeros_like(params, dtype=float)
+    m, pp = work.model, layout.pp
+    emb, head = edge_params(m)
+    edge = (emb if p == 0 else 0) + (head if p == pp - 1 else 0)
+    layers = balanced_split(m.num_hidden_layers, pp)[p]
+    per_layer = (params - edge) / layers
+    master = 8 if work.dtype == "float64" else 4
+    compute = work.elem if work.dtype in ("bfloat16", "float16") else master
+    return edge * master + per_layer * compute * (min(2, layers) if pp == 1 else layers)
+
+
+def partial_gradient_bytes(work: Workload, partial: np.ndarray, dp: int) -> np.ndarray:
+    """Bytes a rank sums over its mp group of ``partial`` PARTIAL gradients (the same on every rank of a
+    group): in the master weights' precision, under FSDP2 its dp shard only."""
+    grad_bytes = 8 if work.dtype == "float64" else 4
+    return partial * grad_bytes / (dp if dp > 1 and work.dp_engine == "fsdp2" else 1)
 
 
 def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Method, Method], splits: Splits,
@@ -515,9 +544,12 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
     def mp_keys(d, p):
         return [(d, p, i) for i in range(mp)]
 
-    partial_bytes = {p: partial[p][:, 0] * grad_bytes for p in range(pp)}  # the same on every rank of a group
+    fsdp = dp > 1 and work.dp_engine == "fsdp2"
+    partial_bytes = {p: partial_gradient_bytes(work, partial[p][:, 0], dp) for p in range(pp)}
     buckets = {p: np.maximum(np.ceil(partial_bytes[p] / GRAD_BUCKET_BYTES), 1) for p in range(pp)}
-    if dp > 1:
+    # FSDP2 reduce-scatters each layer's gradients over dp inside the backward, and gathers its weights
+    # before the layer runs: taken as hidden behind the layers' compute (FSDP prefetches them)
+    if dp > 1 and not fsdp:
         for p in range(pp):
             for i in range(mp):  # a sharded PARTIAL bucket's dp sum moves this rank's piece only
                 local = params[p][:, i] - (partial[p][:, i] * (1 - 1 / mp) if sharded else 0)
@@ -535,7 +567,10 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
             sync([(d, pp - 1, i) for d in range(dp)], "all_reduce", 8)
         for d in range(dp):  # the loss, broadcast from the last stage
             sync([(d, p, i) for p in range(pp)], "all_reduce", 8)
-    for (d, p) in groups:  # the squared gradient norm: over mp, then over pp
+    for (d, p) in groups:  # the squared gradient norm: over mp, then over pp (FSDP2: over dp first)
+        if fsdp and d == 0:
+            for i in range(mp):
+                sync([(e, p, i) for e in range(dp)], "all_reduce", 8)
         if mp > 1:
             sync(mp_keys(d, p), "all_reduce", 8)
     for d in range(dp):
@@ -748,14 +783,13 @@ def lower_bound(cluster: ClusterProfile, work: Workload, methods: tuple[Method, 
     stage_layers = balanced_split(m.num_hidden_layers, pp)
     _, partial, _ = stage_parameters(work, methods, even, layout, mp)  # PARTIAL weights: the same on every split
     _, _, stepped = stage_parameters(work, methods, probe, layout, mp)  # row 0: every share at its least
-    grad_bytes = 8 if work.dtype == "float64" else 4
     sharded = mp > 1 and work.mp_grad_reduce == "sharded"
 
     def tail(ranks: list[int], p: int) -> list:
         """The group's own syncs after the backward, as sync items (every member leaves together)."""
         if mp == 1 or latency:
             return []
-        nbytes = float(partial[p][0, 0]) * grad_bytes
+        nbytes = float(partial_gradient_bytes(work, partial[p][0, 0], dp))
         buckets = max(math.ceil(nbytes / GRAD_BUCKET_BYTES), 1)
         syncs = [("reduce_scatter" if sharded else "all_reduce", nbytes)] if nbytes > 0 else []
         syncs += [("all_reduce", 8.0)] + ([("all_gather", nbytes)] if sharded and nbytes > 0 else [])
@@ -819,9 +853,9 @@ def might_fit(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Me
     shares are scored at those points with every other variable at one unit. No split
     fits where some rank's least memory over its shares is above its budget, where every split of one
     variable (the others at their least) leaves a rank above its budget (``least_makespan`` of the
-    overruns), or where the group's least total is above the group's budgets together: the least total gives each rank the lower
-    convex hull of its own terms and hands out the units by increasing marginal cost, which no
-    split's total undercuts."""
+    overruns), or where the group's least total is above the group's budgets together: the least
+    total gives each rank the lower convex hull of its own terms and hands out the units by
+    increasing marginal cost, which no split's total undercuts."""
     if work.objective != "train":
         return True
     dp, pp = layout.dp, layout.pp
@@ -871,7 +905,8 @@ def might_fit(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Me
                 slopes, widths = np.concatenate(slopes), np.concatenate(widths)
                 order = np.argsort(slopes, kind="stable")
                 left = units[v][1] - mp  # every rank holds one unit already
-                taken = np.minimum(widths[order], np.maximum(left - np.concatenate([[0], np.cumsum(widths[order])[:-1]]), 0))
+                before = np.concatenate([[0], np.cumsum(widths[order])[:-1]])  # units handed out before each
+                taken = np.minimum(widths[order], np.maximum(left - before, 0))
                 total += float((slopes[order] * taken).sum())
             if total > budget[ranks].sum():
                 return False

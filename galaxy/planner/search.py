@@ -1,6 +1,7 @@
 """The best plan for a cluster: exhaustive over the sets of devices it runs on, block methods (and,
 for training, dp x pp x mp, micro-batches and recomputation); per method combination the best
-splits under the memory budgets.
+splits under the memory budgets. Groups and layouts that cannot change the answer are left out by
+bounds on their time and memory over every split (``Pruner``); ``search(prune=False)`` scores all.
 
 Splits are searched in units that keep every shard valid: query heads in multiples of the GQA
 group (so key/value heads split with them), FFN columns in multiples of ``ffn_unit``, tokens in
@@ -257,7 +258,8 @@ class SplitSearch:
         pred, _ = self.score(balanced)
         even = self.choice(balanced, pred, False)
         if (even.heads, even.ffn, even.seq) == (best.heads, best.ffn, best.seq) \
-                or (best.fits and not even.fits) or (even.fits == best.fits and even.time_s > best.time_s * (1 + margin)):
+                or (best.fits and not even.fits) \
+                or (even.fits == best.fits and even.time_s > best.time_s * (1 + margin)):
             return best  # (an uneven split that does not fit never displaces an even one that does)
         even.lower_bound_s = best.time_s if best.exact else best.lower_bound_s
         return even
@@ -330,8 +332,7 @@ def search(cluster: ClusterProfile, work: Workload, ffn_unit: int = 1, seq_unit:
             mp = sub.world // (fast[0].dp * fast[0].pp)
             for methods in (METHODS if mp > 1 else [(Method.NONE,) * 3]):
                 groups.append(Group(len(groups), devices, sub, methods, fast, frugal))
-    found = Pruner(work, ffn_unit, seq_unit, exact_limit, split_margin, device_margin,
-                   top if prune else None).run(groups)
+    found = Pruner(work, ffn_unit, seq_unit, exact_limit, split_margin, top if prune else None).run(groups)
     if not found:
         raise ConfigError(f"no plan fits the world of {cluster.world} ranks: the model has too few heads, "
                           "FFN units or tokens for it")
@@ -372,10 +373,9 @@ class Pruner:
     A plan's time is at least its layout's ``lower_bound`` (over every split; one without
     recomputation bounds the same micro-batches with it too, whose events only add: the bound's
     stretches are anchored at syncs that both have). A plan of time T cannot be among the ``top``
-    first nor be chosen once ``top`` fitting plans are faster than T (plans that do not fit come after
-    those that fit) and so is a fitting plan on as many devices, or one on more devices by more than
-    ``device_margin`` (the plan to run is the best of its device count, and that one would replace
-    it); so a group or layout whose bound is above that is left out. Groups go in the
+    first nor be the best on its number of devices (from which the plan to run is picked) once ``top``
+    fitting plans are faster than T (plans that do not fit come after those that fit) and so is a
+    fitting plan on as many devices; so a group or layout whose bound is above that is left out. Groups go in the
     order of their bounds, so the fast plans set the bar early. Inside a group a layout whose
     bound is above the group's best fitting plan so far cannot replace it. A first-tier layout is
     left out only where its even split fits (so the tier fits, and the second tier is not tried,
@@ -386,9 +386,9 @@ class Pruner:
     every layout of every group is scored."""
 
     def __init__(self, work: Workload, ffn_unit: int, seq_unit: int, exact_limit: int, split_margin: float,
-                 device_margin: float, top: Optional[int]):
+                 top: Optional[int]):
         self.work, self.ffn_unit, self.seq_unit = work, ffn_unit, seq_unit
-        self.exact_limit, self.split_margin, self.device_margin, self.top = exact_limit, split_margin, device_margin, top
+        self.exact_limit, self.split_margin, self.top = exact_limit, split_margin, top
         self.bounds: dict[tuple[int, int], float] = {}
         self.fitting: list[float] = []  # the fitting plans' times so far, ascending
         self.best_at: dict[int, float] = {}  # the best fitting plan's time so far, per device count
@@ -408,12 +408,10 @@ class Pruner:
 
     def hopeless(self, bound: float, devices: int) -> bool:
         """Whether a plan on ``devices`` devices taking at least ``bound`` seconds is neither among the
-        ``top`` first nor the one to run: ``top`` fitting plans are faster, and so is a fitting plan on
-        as many devices, or one on more by more than the device margin (which then replaces it)."""
-        if self.top is None or len(self.fitting) < self.top or self.fitting[self.top - 1] >= bound:
-            return False
-        return self.best_at.get(devices, math.inf) < bound \
-            or any(t * (1 + self.device_margin) < bound for n, t in self.best_at.items() if n > devices)
+        ``top`` first nor the best on its number of devices (which decides the plan to run, even where
+        it is not run itself: it holds back a plan on more devices that does not beat it by the margin)."""
+        return self.top is not None and len(self.fitting) >= self.top and self.fitting[self.top - 1] < bound \
+            and self.best_at.get(devices, math.inf) < bound
 
     def run(self, groups: list[Group]) -> list[Choice]:
         """Each group's plan (those left out aside), in the groups' order."""

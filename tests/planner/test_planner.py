@@ -623,6 +623,21 @@ def test_cli_bad_cluster_is_one_line(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 0 and "key 'rows' is missing" in err
 
 
+def test_validate_under_a_launcher_is_one_line(tmp_path, capsys, monkeypatch):
+    """Under torchrun every rank would run the search and launch every plan: refused before either."""
+    from galaxy.cli.plan import main
+
+    cluster, model = tmp_path / "cluster.json", tmp_path / "model.json"
+    synthetic_cluster(BERT, 2, [1.0, 1.0]).save(str(cluster))
+    model.write_text(json.dumps({"model": BERT, "train": {"seq_length": 8, "global_batch_size": 2}}))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    code = main(["--model", str(model), "--cluster", str(cluster), "--out", str(tmp_path / "plan.json"),
+                 "--validate", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "run plan_galaxy.py with python" in err
+    assert not (tmp_path / "plan.json").exists()
+
+
 @pytest.mark.parametrize("objective", ["latency", "train"])
 def test_validate_runs_the_top_plans_through_the_clis(tmp_path, capsys, objective):
     """``--validate 2`` runs the two best plans with infer_galaxy.py / pretrain_galaxy.py on local
