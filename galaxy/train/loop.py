@@ -272,15 +272,15 @@ class Trainer:
         weights = self.loss_weights(micro) if self.stage.is_last else None
         micro = [{k: v.to(ctx.device, non_blocking=True) for k, v in mb.items()} for mb in micro]
         self._last_micro, self._autocast = micro, autocast
-        arm = self.grad_sync.arm
         # fsdp_grad_sync last_micro_batch: FSDP reduce-scatters in the last backward only
         once = self.sharding is not None and self.cfg.parallel.fsdp_grad_sync == "last_micro_batch" and len(micro) > 1
         if once:
             self.sharding.sync_gradients(False)
 
-            def arm():
+        def arm():
+            if once:
                 self.sharding.sync_gradients(True)
-                self.grad_sync.arm()
+            self.grad_sync.arm()
         result = self.runner.run(micro, weights, autocast=autocast, before_last_backward=arm,
                                  grad_scale=self.scaler.scale if self.scaler else None)
         self.grad_sync.finish()
