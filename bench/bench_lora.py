@@ -67,6 +67,27 @@ def unsloth_variant(name: str):
     return None if m is None else (m[1] == "qlora", "unsloth" if m[2] else False, bool(m[3]))
 
 
+def hf_step(model, cfg):
+    """One training step of a transformers model (peft's and unsloth's contenders): bf16 autocast,
+    clip 1.0, fused AdamW on the trainable parameters; peak memory counted from here on."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    batch_at = causal_lm_data(cfg)
+    torch.cuda.reset_peak_memory_stats()
+
+    def step(i):
+        batch = {k: v.cuda(non_blocking=True) for k, v in batch_at(i).items()}
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()  # as Galaxy's loop, which reads every step's loss
+
+    return step
+
+
 def config(args, quantize: str = "none", compiled: bool = False) -> GalaxyConfig:
     return GalaxyConfig.from_dict({
         "model": {"preset": args.preset, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
@@ -164,20 +185,7 @@ def run_peft(args, variant: str) -> dict:
         base = hf_model("llama", _hf_config(cfg), torch.device("cuda")).to(torch.bfloat16)
     model = peft.get_peft_model(base, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
                                                       target_modules=["q_proj", "v_proj"])).cuda()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    batch_at = causal_lm_data(cfg)
-    torch.cuda.reset_peak_memory_stats()
-
-    def step(i):
-        batch = {k: v.cuda(non_blocking=True) for k, v in batch_at(i).items()}
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss.item()  # as Galaxy's loop, which reads every step's loss
+    step = hf_step(model, cfg)
 
     prof = profiler(args)
     if prof is None:
@@ -249,20 +257,7 @@ def run_unsloth(args, variant: str) -> dict:
             model, r=16, target_modules=["q_proj", "v_proj"], lora_alpha=32, lora_dropout=0, bias="none",
             use_gradient_checkpointing=checkpointing, random_state=0, max_seq_length=args.seq)
         FastLanguageModel.for_training(model)
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
-        batch_at = causal_lm_data(cfg)
-        torch.cuda.reset_peak_memory_stats()
-
-        def step(i):
-            batch = {k: v.cuda(non_blocking=True) for k, v in batch_at(i).items()}
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(**batch).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            loss.item()
+        step = hf_step(model, cfg)
 
         prof = profiler(args)
         if prof is None:
@@ -279,8 +274,9 @@ def run_unsloth(args, variant: str) -> dict:
         attention = f"unknown ({type(e).__name__})"
     return {"times": times, "attention": attention, "use_gradient_checkpointing": checkpointing,
             "checkpointing_in_effect": str(getattr(model, "_unsloth_gradient_checkpointing", "unknown")),
-            "load_in_4bit": four_bit, "trainable_params": sum(p.numel() for p in params),
-            "trainable_dtypes": sorted({str(p.dtype) for p in params}),
+            "load_in_4bit": four_bit,
+            "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "trainable_dtypes": sorted({str(p.dtype) for p in model.parameters() if p.requires_grad}),
             "versions": versions("unsloth", "unsloth_zoo", "transformers", "peft", "trl", "bitsandbytes",
                                  "xformers", "triton")}
 
