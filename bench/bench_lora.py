@@ -110,20 +110,33 @@ def timed_steps(step, args, tick) -> list[float]:
     return times
 
 
+PROFILED_STEPS = 3
+
+
 def profiler(args):
-    """With ``--profile DIR``: torch.profiler over 3 steps after the warm-up (``tick`` after each step)."""
+    """With ``--profile DIR``: torch.profiler over ``PROFILED_STEPS`` steps after the warm-up (``tick`` after each step)."""
     if not args.profile:
         return None
     from torch.profiler import ProfilerActivity, profile, schedule
 
     return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                   schedule=schedule(wait=max(args.warmup - 1, 0), warmup=1, active=3, repeat=1))
+                   schedule=schedule(wait=max(args.warmup - 1, 0), warmup=1, active=PROFILED_STEPS, repeat=1))
 
 
-def write_profile(prof, args) -> None:
+def write_profile(prof, args) -> dict:
+    """The kernel table to DIR, and the profiled steps' GPU time by what it did (``bench.step_profile``:
+    gemm, attention, fused, elementwise, idle ...), per step: the row's ``profile``."""
+    from bench.step_profile import breakdown
+
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
     with open(os.path.join(args.profile, f"profile_{args.one}.txt"), "w") as f:
-        f.write(f"{args.one}: {args.preset} seq {args.seq} batch {args.batch}, 3 steps\n{table}")
+        f.write(f"{args.one}: {args.preset} seq {args.seq} batch {args.batch}, {PROFILED_STEPS} steps\n{table}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            figures = breakdown(json.load(f).get("traceEvents", []))
+    return {k: (v / PROFILED_STEPS if k.endswith("_ms") else v) for k, v in figures.items()}
 
 
 def run_galaxy(args, quantize: str, compiled: bool = False) -> dict:
@@ -151,14 +164,15 @@ def run_galaxy(args, quantize: str, compiled: bool = False) -> dict:
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    out = {}
     if prof is not None:
         with prof:
             train(model, causal_lm_data(cfg), cfg, ctx, progress=False, on_step=on_step)
-        write_profile(prof, args)
+        out["profile"] = write_profile(prof, args)
     else:
         train(model, causal_lm_data(cfg), cfg, ctx, progress=False, on_step=on_step)
     nbytes, count = frozen_bytes(model)
-    return {"times": times, "frozen_bytes_per_param": nbytes / max(count, 1)}
+    return {"times": times, "frozen_bytes_per_param": nbytes / max(count, 1), **out}
 
 
 def run_peft(args, variant: str) -> dict:
@@ -192,8 +206,7 @@ def run_peft(args, variant: str) -> dict:
         return {"times": timed_steps(step, args, lambda: None)}
     with prof:
         times = timed_steps(step, args, prof.step)
-    write_profile(prof, args)
-    return {"times": times}
+    return {"times": times, "profile": write_profile(prof, args)}
 
 
 class Unavailable(RuntimeError):
@@ -259,13 +272,13 @@ def run_unsloth(args, variant: str) -> dict:
         FastLanguageModel.for_training(model)
         step = hf_step(model, cfg)
 
-        prof = profiler(args)
+        prof, profiled = profiler(args), {}
         if prof is None:
             times = timed_steps(step, args, lambda: None)
         else:
             with prof:
                 times = timed_steps(step, args, prof.step)
-            write_profile(prof, args)
+            profiled["profile"] = write_profile(prof, args)
     try:
         from unsloth.utils.attention_dispatch import select_attention_backend
 
@@ -278,7 +291,7 @@ def run_unsloth(args, variant: str) -> dict:
             "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "trainable_dtypes": sorted({str(p.dtype) for p in model.parameters() if p.requires_grad}),
             "versions": versions("unsloth", "unsloth_zoo", "transformers", "peft", "trl", "bitsandbytes",
-                                 "xformers", "triton")}
+                                 "xformers", "triton"), **profiled}
 
 
 def _hf_config(cfg: GalaxyConfig) -> dict:
@@ -311,7 +324,9 @@ def run_one(args) -> dict:
     return {"contender": name, "step_ms": median * 1e3, "step_ms_min": min(times) * 1e3,
             "step_ms_max": max(times) * 1e3, "steps_per_s": 1 / median,
             "tokens_per_s": args.batch * args.seq / median,
-            "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None, **out}
+            "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
+            # held between steps (weights, optimizer state, caches): peak_mib - resident_mib is what a step adds
+            "resident_mib": torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else None, **out}
 
 
 def main() -> int:

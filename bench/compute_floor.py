@@ -2,6 +2,7 @@
 timed kernel by kernel at the step's own shapes, and the MFU that floor allows.
 
     python bench/compute_floor.py --scenario llama7b --global_batch 16 --gpus 4 --json floor.json
+    python bench/compute_floor.py --preset llama-1b --seq 1024 --micro_batch 8 --gpus 1 --mp 1 --lora_rank 16
 
 Per micro-batch of ``--micro_batch`` sequences, every layer runs, forward and backward, the matmuls
 of its weights (q, k, v, o, gate, up, down; each: the forward product, the input's gradient and the
@@ -9,7 +10,8 @@ weight's gradient) and SDPA's causal attention; the head runs its three products
 degree ``mp`` a GPU runs each product with the weight's columns (q, k, v, gate, up, head) or rows
 (o, down) split ``mp`` ways and ``mp`` times the micro-batches (the same FLOPs per GPU: dp x mp =
 gpus). Attention is timed with each SDPA backend that runs here (flash, cuDNN, memory-efficient);
-the floor takes the fastest. Nothing else is in the floor: no norms, rotary, activations, casts,
+the floor takes the fastest. With ``--lora_rank R`` the base is frozen, as bench_lora's: its products run
+forward and input gradient only, and LoRA's A (r x H) and B products on q and v run all three. Nothing else is in the floor: no norms, rotary, activations, casts,
 optimizer, collectives or host gaps. ``mfu_ceiling`` is the model FLOPs (bench_train's formula) over
 that time and the GPU's peak: what a step could reach if every other cost were hidden.
 """
@@ -77,45 +79,78 @@ def attention_ms(batch: int, heads: int, seq: int, head_dim: int, dtype) -> dict
     return out
 
 
+def preset_shape(preset: str, seq: int, global_batch: int) -> dict:
+    """A Galaxy model preset's shapes in the scenario's keys."""
+    from galaxy.config import MODEL_PRESETS
+
+    m = MODEL_PRESETS[preset]
+    return dict(hidden=m["hidden_size"], ffn=m["intermediate_size"], heads=m["num_attention_heads"],
+                kv_heads=m.get("num_key_value_heads") or m["num_attention_heads"], layers=m["num_hidden_layers"],
+                seq=seq, global_batch=global_batch, vocab=m["vocab_size"])
+
+
+def layer_products(h: int, f: int, kv: int, mp: int, lora_rank: int) -> dict:
+    """(products of this shape per layer, in features, out features) on one GPU of a TP-``mp`` group;
+    with LoRA, its A and B on q and v too."""
+    shapes = {"q": (1, h, h // mp), "kv": (2, h, kv // mp), "o": (1, h // mp, h), "gate_up": (2, h, f // mp),
+              "down": (1, f // mp, h)}
+    if lora_rank:
+        shapes.update({"lora_a": (2, h, lora_rank), "lora_b_q": (1, lora_rank, h // mp),
+                       "lora_b_v": (1, lora_rank, kv // mp)})
+    return shapes
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="llama7b")
+    p.add_argument("--preset", default=None, help="a Galaxy model preset's shapes instead of --scenario (with --seq)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (with --preset; default 1024)")
     p.add_argument("--global_batch", type=int, default=None)
     p.add_argument("--micro_batch", type=int, default=1)
     p.add_argument("--gpus", type=int, default=4, help="GPUs the step runs on (sequences per GPU = global / gpus)")
     p.add_argument("--mp", default="1,2,4", help="TP degrees to time the shards of")
+    p.add_argument("--lora_rank", type=int, default=0,
+                   help="LoRA on q and v over a frozen base: no weight gradients of the frozen products")
     p.add_argument("--peak_tflops", type=float, default=989.4)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
         p.error("needs a GPU: the floor is the GPU's kernels")
-    s = dict(SCENARIOS[args.scenario])
+    if args.preset:
+        s = preset_shape(args.preset, args.seq or 1024, args.global_batch or args.micro_batch)
+    else:
+        s = dict(SCENARIOS[args.scenario])
+    s.setdefault("kv_heads", s["heads"])
     if args.global_batch:
         s["global_batch"] = args.global_batch
     dtype = torch.bfloat16
     h, f, L, seq, vocab, heads = s["hidden"], s["ffn"], s["layers"], s["seq"], s["vocab"], s["heads"]
+    kv = h // heads * s["kv_heads"]
     tokens = args.micro_batch * seq
     per_gpu_sequences = s["global_batch"] / args.gpus
-    # FLOPs as bench_train counts them: 6 N + 12 L H S per token
-    n_weights = L * (4 * h * h + 3 * h * f) + h * vocab
-    flops_per_token = 6 * n_weights + 12 * L * h * seq
+    # FLOPs as bench_train counts them: 6 N + 12 L H S per token (LoRA, as bench_peft_mp: 4 N + 12 L H S, the
+    # frozen weights get no gradient)
+    n_weights = L * (2 * h * h + 2 * h * kv + 3 * h * f) + h * vocab
+    flops_per_token = (4 if args.lora_rank else 6) * n_weights + 12 * L * h * seq
+    frozen = ("forward", "grad_input")  # the products a frozen weight runs
     big = 8192
     a, b = torch.randn(big, big, device="cuda", dtype=dtype), torch.randn(big, big, device="cuda", dtype=dtype)
     square_tflops = 2 * big**3 / cuda_ms(lambda: a @ b) / 1e9
     attn = attention_ms(args.micro_batch, heads, seq, h // heads, dtype)
     report = {"benchmark": "compute_floor", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "date": datetime.date.today().isoformat(), "commit": os.environ.get("GALAXY_COMMIT", "unknown"),
-              "scenario": args.scenario, "shape": s, "micro_batch": args.micro_batch, "gpus": args.gpus,
-              "peak_tflops": args.peak_tflops, "square_gemm_tflops_8192": square_tflops,
-              "attention_fwd_bwd_ms": attn, "rows": []}
+              "scenario": args.preset or args.scenario, "shape": s, "micro_batch": args.micro_batch,
+              "gpus": args.gpus, "lora_rank": args.lora_rank, "peak_tflops": args.peak_tflops,
+              "square_gemm_tflops_8192": square_tflops, "attention_fwd_bwd_ms": attn, "rows": []}
     for mp in (int(m) for m in args.mp.split(",")):
-        # (products of this shape per layer, in features, out features) on one GPU of the TP group
-        shapes = {"qkv": (3, h, h // mp), "o": (1, h // mp, h), "gate_up": (2, h, f // mp), "down": (1, f // mp, h)}
         layer = {}
-        for name, (times, n_in, n_out) in shapes.items():
+        for name, (times, n_in, n_out) in layer_products(h, f, kv, mp, args.lora_rank).items():
             m = matmul_ms(tokens, n_in, n_out, dtype)
-            layer[name] = {k: v * times for k, v in m.items()}
+            kept = m if (not args.lora_rank or name.startswith("lora")) else {k: m[k] for k in frozen}
+            layer[name] = {k: v * times for k, v in kept.items()}
         head = matmul_ms(tokens, h, vocab // mp, dtype)
+        if args.lora_rank:
+            head = {k: head[k] for k in frozen}
         layer_ms = sum(sum(v.values()) for v in layer.values())
         attn_mp = attention_ms(args.micro_batch, heads // mp, seq, h // heads, dtype) if mp > 1 else attn
         attn_mp_best = min(v for v in attn_mp.values() if isinstance(v, float))

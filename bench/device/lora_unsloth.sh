@@ -79,11 +79,15 @@ EOF
     done
     python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__,
         'cuda', torch.version.cuda)"
+    profile=; floor=
+    [ -n "$PROFILE" ] && profile="--profile $dir/prof" && mkdir -p "$dir/prof"
+    [ -n "$FLOOR" ] && floor="python3 bench/compute_floor.py --preset llama-1b --seq 1024 --micro_batch 8 \
+        --global_batch 8 --gpus 1 --mp 1 --lora_rank 16 --json $dir/lora.floor.json > $dir/lora.floor.log 2>&1;"
     export LD_LIBRARY_PATH=$deps/cu12/nvidia/cuda_runtime/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     GALAXY_COMMIT=$(cat COMMIT 2>/dev/null || echo unknown) PYTHONPATH=$deps/common:$PWD PYTHONUNBUFFERED=1 \
-        setsid nohup bash -c "python3 bench/bench_lora.py --preset llama-1b --seq 1024 --batch 8 \
+        setsid nohup bash -c "$floor python3 bench/bench_lora.py --preset llama-1b --seq 1024 --batch 8 \
         --steps ${STEPS:-10} --warmup ${WARMUP:-3} --contenders $contenders --unsloth_path $deps/unsloth \
-        --json $dir/lora.json > $dir/lora.log 2>&1; touch $dir/lora.done" > "$dir/lora.console" 2>&1 < /dev/null &
+        $profile --json $dir/lora.json > $dir/lora.log 2>&1; touch $dir/lora.done" > "$dir/lora.console" 2>&1 < /dev/null &
     echo $! > "$dir/lora.pid"
     echo "started (pid $!): $contenders"
     exit 0
@@ -95,6 +99,7 @@ if [ "$mode" = wait ]; then
     done
 fi
 cp "$dir"/lora.* "${OUT:-/tmp}/" 2>/dev/null
+[ -d "$dir/prof" ] && tar czf "${OUT:-/tmp}/lora_profile.tgz" -C "$dir" prof
 grep -c '^{"contender"' "$dir/lora.log" 2>/dev/null | sed 's/^/rows so far: /'
 if [ -e "$dir/lora.done" ]; then
     echo done; tail -16 "$dir/lora.log"
