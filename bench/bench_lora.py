@@ -6,7 +6,8 @@ Contenders (each in a fresh process, so one's memory and Liger's patches never r
 ``galaxy-lora`` (frozen base in bf16, fp32 LoRA factors and AdamW state, kernels auto), ``galaxy-lora-compiled``
 (the same with ``compile: true``: each layer through torch.compile),
 ``galaxy-qlora`` (the same over an NF4 base), ``galaxy-qlora-compiled`` (QLoRA with ``compile: true``: each
-layer's NF4 dequantize-and-matmul traced into its graph), ``peft-bf16`` (transformers + peft, base loaded in bf16,
+layer's NF4 dequantize-and-matmul traced into its graph), ``-cudagraphs`` for either (``compile_mode:
+reduce-overhead``: each layer's kernels replayed as CUDA graphs), ``peft-bf16`` (transformers + peft, base loaded in bf16,
 bf16 autocast), ``peft-bf16-liger`` (the same with Liger-Kernel's LLaMA patches), ``peft-qlora-bnb``
 (transformers + peft over a bitsandbytes NF4 base with double quantization, bf16 compute: the QLoRA
 recipe), ``unsloth-lora`` / ``unsloth-qlora`` (unsloth's recipe: ``FastLanguageModel.from_pretrained`` with
@@ -41,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,7 +51,8 @@ import torch  # noqa: E402
 from bench.bench_plans import causal_lm_data, hf_model  # noqa: E402
 from galaxy.config import GalaxyConfig  # noqa: E402
 
-CONTENDERS = ("galaxy-lora", "galaxy-lora-compiled", "galaxy-qlora", "galaxy-qlora-compiled", "peft-bf16",
+CONTENDERS = ("galaxy-lora", "galaxy-lora-compiled", "galaxy-lora-cudagraphs", "galaxy-qlora",
+              "galaxy-qlora-compiled", "galaxy-qlora-cudagraphs", "peft-bf16",
               "peft-bf16-liger", "peft-qlora-bnb", "unsloth-lora", "unsloth-qlora")
 
 # Every contender's LoRA (and bench_peft_mp's): r16, alpha 32 on q_proj / v_proj, no dropout.
@@ -57,6 +60,11 @@ LORA = {"tuning": "lora", "lora_dim": 16, "lora_alpha": 32, "lora_dropout": 0.0,
         "lora_target_modules": ["q_proj", "v_proj"]}
 
 UNSLOTH = re.compile(r"^unsloth-(lora|qlora)(-gc)?(-sdpa)?$")
+
+
+def galaxy_compile_mode(name: str) -> Optional[str]:
+    """A Galaxy contender's torch.compile mode: ``-compiled`` the default, ``-cudagraphs`` reduce-overhead."""
+    return {"compiled": "default", "cudagraphs": "reduce-overhead"}.get(name.rsplit("-", 1)[-1])
 
 
 def unsloth_variant(name: str):
@@ -88,10 +96,11 @@ def hf_step(model, cfg):
     return step
 
 
-def config(args, quantize: str = "none", compiled: bool = False) -> GalaxyConfig:
+def config(args, quantize: str = "none", compile_mode: Optional[str] = None) -> GalaxyConfig:
+    """``compile_mode``: None runs eagerly, else ``compile: true`` in that torch.compile mode."""
     return GalaxyConfig.from_dict({
         "model": {"preset": args.preset, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
-                  "compile": compiled},
+                  "compile": compile_mode is not None, "compile_mode": compile_mode or "default"},
         "train": {"global_batch_size": args.batch, "seq_length": args.seq, "max_steps": args.warmup + args.steps,
                   "dtype": "bfloat16", "lr": 1e-4, "warmup_steps": 0, "grad_clip": 1.0, "log_every": 10**6},
         "peft": dict(LORA, quantize_base=quantize)})
@@ -139,7 +148,7 @@ def write_profile(prof, args) -> dict:
     return {k: (v / PROFILED_STEPS if k.endswith("_ms") else v) for k, v in figures.items()}
 
 
-def run_galaxy(args, quantize: str, compiled: bool = False) -> dict:
+def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None) -> dict:
     """Galaxy's own training loop (``train``): step times from one step's end to the next (the loop
     reads every step's loss, a device sync)."""
     from galaxy.core.context import ParallelContext
@@ -148,7 +157,7 @@ def run_galaxy(args, quantize: str, compiled: bool = False) -> dict:
     from galaxy.peft import apply_tuning
     from galaxy.train.loop import train
 
-    cfg = config(args, quantize, compiled)
+    cfg = config(args, quantize, compile_mode)
     ctx = ParallelContext.serial("cuda" if torch.cuda.is_available() else "cpu", seed=0)  # CPU: a smoke run
     model = apply_tuning(build_model(cfg, None, ctx), cfg)
     times, last = [], [time.perf_counter()]
@@ -315,7 +324,7 @@ def run_one(args) -> dict:
             return {"contender": name, "error": one_line(e)}
     else:
         try:
-            out = run_galaxy(args, "nf4" if name.startswith("galaxy-qlora") else "none", name.endswith("-compiled")) \
+            out = run_galaxy(args, "nf4" if name.startswith("galaxy-qlora") else "none", galaxy_compile_mode(name)) \
                 if name.startswith("galaxy") else run_peft(args, name)
         except ImportError as e:
             return {"contender": name, "skipped": f"{type(e).__name__}: {e}"}

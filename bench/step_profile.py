@@ -22,6 +22,7 @@ The figures (milliseconds of the profiled step, this rank):
     exposed_comm_ms    time only collectives ran: communication nothing hid
     <category>_ms      the kernels' summed durations (overlapping kernels both count)
     top                the ten longest kernel names by total time, with counts
+    gaps               the five longest idle stretches, with the kernels before and after each
 """
 
 from __future__ import annotations
@@ -86,7 +87,20 @@ def breakdown(events: list[dict]) -> dict:
     out["elementwise_ms"] = per_cat.get("elementwise", 0.0) / 1e3
     out["top"] = [{"name": n[:120], "category": category(n), "ms": t / 1e3, "count": count[n]}
                   for n, t in sorted(per_name.items(), key=lambda kv: -kv[1])[:10]]
+    out["gaps"] = idle_gaps(spans)
     return out
+
+
+def idle_gaps(spans: list[tuple[float, float, str]], most: int = 5) -> list[dict]:
+    """The ``most`` longest stretches with no kernel running, each with the kernels before and after it:
+    where the GPU waited on the host."""
+    gaps, end, last = [], float("-inf"), None
+    for s, e, n in sorted(spans):
+        if last is not None and s > end:
+            gaps.append({"ms": (s - end) / 1e3, "after": last[:80], "before": n[:80]})
+        if e > end:
+            end, last = e, n
+    return sorted(gaps, key=lambda g: -g["ms"])[:most]
 
 
 def profile_step(step: Callable[[], None], device: torch.device, keep_trace: Optional[str] = None) -> dict:

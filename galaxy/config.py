@@ -67,6 +67,8 @@ class ModelConfig:
     fused_gate_up: bool = False  # LLaMA: gate and up in one [2, intermediate, hidden] weight, one matmul
     kernels: str = "auto"  # auto (per op, the measured winner on the device: galaxy/kernels/_backend.py) | triton | torch
     compile: bool = False  # torch.compile each transformer layer (rules: galaxy.core.compile)
+    # torch.compile's mode for those layers; reduce-overhead replays each layer's kernels as a CUDA graph
+    compile_mode: str = "default"
 
     @property
     def head_dim(self) -> int:
@@ -390,10 +392,11 @@ RECOMPUTE_MODES = ("none", "full", "selective")
 TP_OVERLAPS = ("none", "coc", "async_tp")
 COC_DEFAULT_CHUNKS = 4  # tp_overlap coc without coc_parallel_num
 KERNEL_BACKENDS = ("auto", "triton", "torch")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # ModelConfig keys that choose how a model computes, not what it is: a model loaded from a
 # checkpoint directory takes them from the run's config (e.g. ``cfg.model = config_from_hf(...)``
 # should carry them over).
-COMPUTE_KEYS = ("recompute", "recompute_num_layers", "fused_gate_up", "kernels", "compile")
+COMPUTE_KEYS = ("recompute", "recompute_num_layers", "fused_gate_up", "kernels", "compile", "compile_mode")
 FUSED_GATE_UP_NAMES = ("gate_proj", "up_proj", "gate_up_proj")
 
 
@@ -507,6 +510,7 @@ class GalaxyConfig:
             ("peft", "quantize_base"): ("none", "nf4", "int8"),
             ("model", "recompute"): RECOMPUTE_MODES,
             ("model", "kernels"): KERNEL_BACKENDS,
+            ("model", "compile_mode"): COMPILE_MODES,
             ("model", "classifier_pooling"): ("cls", "mean"),
         }
         for (section, key), allowed in choices.items():
@@ -573,6 +577,9 @@ class GalaxyConfig:
         if q.quantize_base != "none" and q.lora_fusion:
             raise ConfigError("config key 'lora_fusion' (CCLoRA) merges W + BA, which a quantized base cannot hold; "
                               "set lora_fusion to false or quantize_base to none")
+        if m.compile_mode != "default" and not m.compile:
+            raise ConfigError(f"config key 'compile_mode' is '{m.compile_mode}' but compile is false; set compile "
+                              "to true or drop compile_mode")
         if m.compile:
             lora = self.peft.lora_dropout if self.peft.tuning == "lora" else 0.0
             on = [f"{k}={v}" for k, v in (("hidden_dropout_prob", m.hidden_dropout_prob),

@@ -19,6 +19,9 @@ What runs eagerly instead, by rule:
 * Triton kernels (``kernels``) are not called inside a graph: there the torch references are traced
   and inductor generates the fused kernels; outside the layers (the head and its loss) the kernels
   run as configured.
+``compile_mode`` is torch.compile's mode for every layer. ``reduce-overhead`` replays each layer's forward
+and backward kernels as CUDA graphs (inductor's CUDA graph trees; the Trainer marks each step's start,
+``step_begins``), for steps whose GPU waits on the host launching kernels; on a CPU it compiles as the default.
 A communication observer (the profiler's per-collective timing) cannot time a traced collective,
 so a compiled layer refuses to run while one is attached; ``bytes_sent`` counts either way. Under a
 dispatch mode (the FLOP profiler) dynamo itself runs the layer eagerly, so FLOPs are counted from
@@ -35,6 +38,12 @@ from galaxy.core.comm import Communicator
 from galaxy.core.layers import Dropout
 
 
+def step_begins(mode: str) -> None:
+    """A training step starts: under CUDA graphs, the previous step's graph outputs may be overwritten."""
+    if mode in ("reduce-overhead", "max-autotune"):  # the modes that capture CUDA graphs
+        torch.compiler.cudagraph_mark_step_begin()
+
+
 def draws_random(module: nn.Module) -> bool:
     """Whether a call of ``module`` now would draw dropout masks."""
     return any(isinstance(m, Dropout) and m.active for m in module.modules())
@@ -44,9 +53,9 @@ class CompiledLayer:
     """``layer.compute`` compiled, called in its place; a call while the layer's dropout is active
     runs the eager ``compute`` (see the module docstring)."""
 
-    def __init__(self, layer: nn.Module, comm: Communicator):
+    def __init__(self, layer: nn.Module, comm: Communicator, mode: str = "default"):
         self.layer, self.comm = layer, comm  # the layer is not a submodule: this is no nn.Module
-        self.compiled = torch.compile(layer.compute, dynamic=False)
+        self.compiled = torch.compile(layer.compute, dynamic=False, mode=None if mode == "default" else mode)
 
     def __call__(self, *args):
         if self.comm.observers:

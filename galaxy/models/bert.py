@@ -150,7 +150,7 @@ class BertLayer(nn.Module):
         self.attention = BertAttention(cfg, plan, ctx)
         self.intermediate = BertIntermediate(cfg, plan, ctx)
         self.output = BertOutput(cfg, plan, ctx)
-        self.compiled = CompiledLayer(self, ctx.mp) if cfg.compile else None
+        self.compiled = CompiledLayer(self, ctx.mp, cfg.compile_mode) if cfg.compile else None
 
     def forward(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
         run = self.compiled or self.compute

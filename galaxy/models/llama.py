@@ -331,7 +331,7 @@ class LlamaDecoderLayer(nn.Module):
         generator = ctx.generator(sharded=plan.con == Method.SP)
         self.attn_dropout = Dropout(cfg.hidden_dropout_prob, generator)
         self.mlp_dropout = Dropout(cfg.hidden_dropout_prob, generator)
-        self.compiled = CompiledLayer(self, ctx.mp) if cfg.compile else None
+        self.compiled = CompiledLayer(self, ctx.mp, cfg.compile_mode) if cfg.compile else None
 
     def forward(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor], rope: RopeAt,
                 cache: Optional[KVCache] = None, edges: Optional[Boundaries] = None) -> torch.Tensor:

@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from galaxy.config import ConfigError, GalaxyConfig
+from galaxy.core.compile import step_begins
 from galaxy.core.context import ParallelContext
 from galaxy.core.grad_sync import GradReducer, check_replicated, clip_grads_with_norm_, global_grad_norm, \
     sync_pipeline_ties, takes_weight_decay
@@ -268,6 +269,8 @@ class Trainer:
         """Forward and backward of this rank's batch; leaves the serial model's gradients in
         ``.grad`` and returns the global-batch loss (the same value on every rank, a 0-d tensor)."""
         ctx = self.ctx
+        if self.cfg.model.compile:
+            step_begins(self.cfg.model.compile_mode)
         micro = split_rows(batch, self.num_microbatches)
         weights = self.loss_weights(micro) if self.stage.is_last else None
         micro = [{k: v.to(ctx.device, non_blocking=True) for k, v in mb.items()} for mb in micro]

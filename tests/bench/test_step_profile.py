@@ -45,4 +45,8 @@ def test_breakdown_of_a_known_trace():
     assert (b["gemm_ms"], b["collective_ms"], b["fused_ms"], b["attention_ms"]) == pytest.approx(
         (0.010, 0.010, 0.005, 0.005))
     assert b["kernels"] == 4 and b["top"][0]["ms"] == pytest.approx(0.010)
+    # the two idle stretches, each between the kernel that ended last and the one that started next
+    assert [(g["after"], g["before"]) for g in b["gaps"]] == [("ncclDevKernel_AllGather", "triton_poi_fused_add"),
+                                                              ("triton_poi_fused_add", "flash_fwd_kernel")]
+    assert [g["ms"] for g in b["gaps"]] == pytest.approx([0.005, 0.005])
     assert "error" in breakdown([events[-1]])

@@ -155,3 +155,12 @@ def test_compile_key_is_typed_and_warns_about_dropout(caplog):
         GalaxyConfig.from_dict(dict(compile=True, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.0))
     assert any("hidden_dropout_prob=0.1" in r.getMessage() and "run eagerly" in r.getMessage()
                for r in caplog.records)
+
+
+def test_compile_mode_is_one_of_torchs_and_needs_compile():
+    assert GalaxyConfig.from_dict(dict(compile=True, compile_mode="reduce-overhead")).model.compile_mode == \
+        "reduce-overhead"
+    with pytest.raises(ConfigError, match="config key 'compile_mode': 'fast' is not one of default, reduce-overhead"):
+        GalaxyConfig.from_dict(dict(compile=True, compile_mode="fast"))
+    with pytest.raises(ConfigError, match="config key 'compile_mode' is 'reduce-overhead' but compile is false"):
+        GalaxyConfig.from_dict(dict(compile_mode="reduce-overhead"))
