@@ -42,10 +42,11 @@ logger = logging.getLogger(__name__)
 
 # torch modules that bind ``group.WORLD`` as a default argument when they are imported: imported after
 # init_process_group, they hold the live WORLD group for good, past destroy_process_group, and its Gloo
-# threads run into the interpreter's exit. torch._dynamo brings torch.distributed.nn.functional and
-# torch.distributed._shard (the first eager functional collective imports it); torch.distributed.optim
-# is ZeRO's (_broadcast_object). ``initialize`` imports them before it creates the group.
-_BIND_WORLD_ON_IMPORT = ("torch._dynamo", "torch.distributed.optim")
+# threads run into the interpreter's exit. torch._dynamo (a compiled layer, torch.compiler.disable) and the
+# first eager functional collective bring torch.distributed.nn.functional and torch.distributed._shard;
+# torch.distributed.optim is ZeRO's (_broadcast_object). ``initialize`` imports them before it creates the
+# group (not torch._dynamo itself: ~1 s of CPU per rank, and it imports no further WORLD binder after these).
+_BIND_WORLD_ON_IMPORT = ("torch.distributed.nn.functional", "torch.distributed._shard", "torch.distributed.optim")
 
 
 def _npu_available() -> bool:

@@ -38,7 +38,6 @@ from galaxy.core.context import ParallelContext
 from galaxy.core.grad_sync import GradReducer, check_replicated, clip_grads_with_norm_, global_grad_norm, \
     sync_pipeline_ties, takes_weight_decay
 from galaxy.core.pipeline import PipelineRunner, PipelineStepResult, StageSpec, analytic_bubble
-from galaxy.core.pipeline_torch import TorchPipelineRunner
 from galaxy.train.evaluate import evaluate
 from galaxy.train.metrics import PeakFlops, TensorBoardWriter, peak_flops_per_device, step_model_flops, throughput
 from galaxy.train.microbatch import split_rows
@@ -221,7 +220,10 @@ class Trainer:
         # A base stored in bf16/fp16 (galaxy.peft frozen_dtype) makes that the stream's dtype on every stage.
         frozen = getattr(getattr(model, "peft_config", None), "frozen_dtype", None)
         # A pipeline runs on torch's schedules (pipeline_engine torch) or Galaxy's; one stage is accumulation.
-        runner_class = TorchPipelineRunner if par.pipeline_engine == "torch" and ctx.pp.size > 1 else PipelineRunner
+        runner_class = PipelineRunner
+        if par.pipeline_engine == "torch" and ctx.pp.size > 1:
+            # imported here: torch.distributed.pipelining imports torch._dynamo (~1 s of CPU per process)
+            from galaxy.core.pipeline_torch import TorchPipelineRunner as runner_class
         self.runner = runner_class(model, ctx, par.pipeline_schedule,
                                    comm_dtype=getattr(torch, frozen) if frozen else None)
         self.num_microbatches = par.num_microbatches

@@ -457,12 +457,14 @@ class CcloraBoundaries(CocBoundaries):
             return ops
         return None
 
+    def may_fuse(self) -> bool:
+        return self.comm.size > 1 or super().may_fuse()
+
     def fuses(self, method: Method, *linears) -> bool:
         if self.comm.size > 1 and method == Method.TP and self._lora_edge(linears) is not None:
             return True
         return super().fuses(method, *linears)
 
-    @torch.compiler.disable  # eager under compile, as CoC's edges
     def enter(self, x: torch.Tensor, linears) -> list[torch.Tensor]:
         ops = self._lora_edge(linears)
         if ops is None:
@@ -471,7 +473,6 @@ class CcloraBoundaries(CocBoundaries):
             return all_gather_cclora(x, ops, self.comm, self.plan.seq_split)
         return copy_cclora(x, ops, self.comm)
 
-    @torch.compiler.disable
     def leave(self, y: torch.Tensor, linear) -> torch.Tensor:
         ops = self._lora_edge([linear])
         if ops is None:

@@ -541,6 +541,16 @@ class CocBoundaries:
             self.async_tp = async_tp.edges_for(comm)
         logger.debug("CoC boundaries: %s, plan %s, stream layout %s, group of %d",
                      "async TP" if self.async_tp else f"{chunks} chunk(s)", plan.name, self.stream.value, comm.size)
+        if self.may_fuse():
+            # The fused edges launch and wait for their own async collectives, which torch.compile cannot
+            # trace: in a compiled layer (model key ``compile``) they run eagerly between its graphs. Wrapped
+            # here, not decorated: torch.compiler.disable imports torch._dynamo (~1 s of CPU), which a process
+            # that imports Galaxy but fuses no edge need not pay.
+            self.enter, self.leave = torch.compiler.disable(self.enter), torch.compiler.disable(self.leave)
+
+    def may_fuse(self) -> bool:
+        """Whether ``fuses`` can be True for some block of this stack."""
+        return self.async_tp is not None or (self.chunks > 1 and self.comm.size > 1)
 
     def fuses(self, method: Method, *linears) -> bool:
         plain = method == Method.TP and all(type(m) is ParallelLinear and not (m._forward_hooks or m._forward_pre_hooks)
@@ -548,9 +558,6 @@ class CocBoundaries:
         # Async TP runs with a process group of one too (one GPU checks the path); CoC has nothing to chunk there.
         return plain and (self.async_tp is not None or (self.chunks > 1 and self.comm.size > 1))
 
-    # The fused edges launch and wait for their own async collectives, which torch.compile cannot
-    # trace: in a compiled layer (model key ``compile``) they run eagerly between its graphs.
-    @torch.compiler.disable
     def enter(self, x: torch.Tensor, linears: Sequence[ParallelLinear]) -> list[torch.Tensor]:
         """Stream (S or R) -> T, then the block's column-parallel ``linears`` on it."""
         weights, biases = [m.weight for m in linears], [m.bias for m in linears]
@@ -560,7 +567,6 @@ class CocBoundaries:
             return all_gather_linear(x, weights, biases, self.comm, self.plan.seq_split, self.chunks)
         return copy_linear(x, weights, biases, self.comm, self.chunks)
 
-    @torch.compiler.disable
     def leave(self, y: torch.Tensor, linear: ParallelLinear) -> torch.Tensor:
         """The block's row-parallel ``linear`` on ``y``, then P -> stream (S or R)."""
         if self.async_tp is not None:
