@@ -46,7 +46,10 @@ case $part in
     # one gradient reduce-scatter per step (fsdp_grad_sync last_micro_batch; the anchor's set_requires_gradient_sync)
     # beside the best rows of part dp, again in this launch
     sync) contenders='fsdp2-compile-noreshard,fsdp2-compile-noreshard-onesync,galaxy-tp+compile@dp4-fsdp2-noreshard-onesync,galaxy-galaxy+compile@dp2-fsdp2' ;;
-    *) echo "unknown part $part (a | b | fit | all | dp | sync)"; exit 2 ;;
+    # the 2-GPU scenario: the best anchor and Galaxy rows of the 4-GPU launches, and the anchor's default and the
+    # fastest Galaxy plan at 2 GPUs before (mp 2, sharded); onesync keeps unsharded fp32 gradients: H200s only
+    two) contenders='fsdp2-compile-noreshard-onesync,fsdp2-compile,galaxy-tp+compile@dp2-fsdp2-noreshard-onesync,galaxy-galaxy-sharded+compile' ;;
+    *) echo "unknown part $part (a | b | fit | all | dp | sync | two)"; exit 2 ;;
 esac
 tag=llama7b_${nproc}_${part}
 flags=(--global_batch "${GLOBAL_BATCH:-16}" --micro_batch 1 --warmup "${WARMUP:-2}" --iters "${ITERS:-3}"
