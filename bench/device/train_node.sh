@@ -49,7 +49,9 @@ case $part in
     # the 2-GPU scenario: the best anchor and Galaxy rows of the 4-GPU launches, and the anchor's default and the
     # fastest Galaxy plan at 2 GPUs before (mp 2, sharded); onesync keeps unsharded fp32 gradients: H200s only
     two) contenders='fsdp2-compile-noreshard-onesync,fsdp2-compile,galaxy-tp+compile@dp2-fsdp2-noreshard-onesync,galaxy-galaxy-sharded+compile' ;;
-    *) echo "unknown part $part (a | b | fit | all | dp | sync | two)"; exit 2 ;;
+    # the same with every anchor of the Done-when (FSDP2 x TP, megatron-core with its distributed optimizer, last)
+    twoall) contenders='galaxy-galaxy-sharded+compile,fsdp2-compile-noreshard-onesync,fsdp2-compile,fsdp2-tp,galaxy-tp+compile@dp2-fsdp2-noreshard-onesync,megatron-dp' ;;
+    *) echo "unknown part $part (a | b | fit | all | dp | sync | two | twoall)"; exit 2 ;;
 esac
 tag=llama7b_${nproc}_${part}
 flags=(--global_batch "${GLOBAL_BATCH:-16}" --micro_batch 1 --warmup "${WARMUP:-2}" --iters "${ITERS:-3}"
