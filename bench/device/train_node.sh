@@ -51,7 +51,10 @@ case $part in
     two) contenders='fsdp2-compile-noreshard-onesync,fsdp2-compile,galaxy-tp+compile@dp2-fsdp2-noreshard-onesync,galaxy-galaxy-sharded+compile' ;;
     # the same with every anchor of the Done-when (FSDP2 x TP, megatron-core with its distributed optimizer, last)
     twoall) contenders='galaxy-galaxy-sharded+compile,fsdp2-compile-noreshard-onesync,fsdp2-compile,fsdp2-tp,galaxy-tp+compile@dp2-fsdp2-noreshard-onesync,megatron-dp' ;;
-    *) echo "unknown part $part (a | b | fit | all | dp | sync | two | twoall)"; exit 2 ;;
+    # the same, Galaxy's fastest row after the anchors (megatron-dp still last), without the dp2 row that the
+    # anchors' leftover memory crowds out
+    twolast) contenders='fsdp2-compile-noreshard-onesync,fsdp2-compile,fsdp2-tp,galaxy-galaxy-sharded+compile,megatron-dp' ;;
+    *) echo "unknown part $part (a | b | fit | all | dp | sync | two | twoall | twolast)"; exit 2 ;;
 esac
 tag=llama7b_${nproc}_${part}
 flags=(--global_batch "${GLOBAL_BATCH:-16}" --micro_batch 1 --warmup "${WARMUP:-2}" --iters "${ITERS:-3}"
