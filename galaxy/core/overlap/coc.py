@@ -556,7 +556,7 @@ class CocBoundaries:
         plain = method == Method.TP and all(type(m) is ParallelLinear and not (m._forward_hooks or m._forward_pre_hooks)
                                             for m in linears)
         # Async TP runs with a process group of one too (one GPU checks the path); CoC has nothing to chunk there.
-        return plain and (self.async_tp is not None or (self.chunks > 1 and self.comm.size > 1))
+        return plain and CocBoundaries.may_fuse(self)  # CoC's own condition (CCLoRA's fuses more)
 
     def enter(self, x: torch.Tensor, linears: Sequence[ParallelLinear]) -> list[torch.Tensor]:
         """Stream (S or R) -> T, then the block's column-parallel ``linears`` on it."""
