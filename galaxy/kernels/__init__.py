@@ -140,7 +140,8 @@ def fused_linear_cross_entropy(
     """``cross_entropy(hidden @ weight.T + bias, targets)`` for hidden [..., H], weight [V, H].
 
     The Triton path never materializes the full [N, V] logits or their gradient: it works in
-    chunks of ``chunk_size`` tokens (default: chunk logits of at most ``CHUNK_LOGITS_BYTES``) and
+    chunks of ``chunk_size`` tokens (default: chunk logits of at most ``CHUNK_LOGITS_BYTES``, a frozen
+    ``weight`` ``FROZEN_CHUNK_LOGITS_BYTES``) and
     computes the gradients during forward. Its backward may run only once. The torch path is
     the plain reference and does materialize the logits. 'mean' or 'sum' only; fp32 loss.
     """

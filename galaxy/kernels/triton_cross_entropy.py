@@ -248,11 +248,17 @@ class TritonCrossEntropy(torch.autograd.Function):
 # states", 128 tokens at 4096 x 128k) spend longer on that traffic than on the matmuls. Chosen by
 # bench/bench_kernels.py --variants (fused_linear_cross_entropy rows).
 CHUNK_LOGITS_BYTES = 512 * 2**20
+# A frozen head (LoRA, QLoRA) has no weight gradient to amortize, and its chunk's logits come on top of every
+# activation the step saved, at the end of forward: the step's peak. 128 MiB is 512 tokens of a 128k vocabulary
+# (Llama-3.2-1B at 8 x 1024 tokens: 375 MiB off the peak), products still [512, H] x [H, 128k].
+FROZEN_CHUNK_LOGITS_BYTES = 128 * 2**20
 
 
-def default_chunk_size(n_tokens: int, vocab: int, itemsize: int) -> int:
-    """The most tokens (a power of two) whose logits fit CHUNK_LOGITS_BYTES, at most all of them."""
-    rows = max(1, CHUNK_LOGITS_BYTES // max(1, vocab * itemsize))
+def default_chunk_size(n_tokens: int, vocab: int, itemsize: int, weight_grad: bool = True) -> int:
+    """The most tokens (a power of two) whose logits fit CHUNK_LOGITS_BYTES (FROZEN_CHUNK_LOGITS_BYTES
+    without a weight gradient), at most all of them."""
+    budget = CHUNK_LOGITS_BYTES if weight_grad else FROZEN_CHUNK_LOGITS_BYTES
+    rows = max(1, budget // max(1, vocab * itemsize))
     return min(1 << (rows.bit_length() - 1), triton.next_power_of_2(max(1, n_tokens)))
 
 
@@ -274,11 +280,11 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         n_tokens, hidden_size = hidden.shape
         vocab = weight.shape[0]
         targets = _check_targets(n_tokens, targets)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if chunk_size is None:
-            chunk_size = default_chunk_size(n_tokens, vocab, hidden.element_size())
+            chunk_size = default_chunk_size(n_tokens, vocab, hidden.element_size(), weight_grad=need_w)
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[3]
 
         grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None

@@ -589,6 +589,17 @@ def test_fused_linear_cross_entropy_triton_fp32(triton_cpu, chunk_size, use_bias
     assert_all_close([loss, *grads(loss, inputs, torch.tensor(1.7))], [loss_r, *grads(loss_r, inputs, torch.tensor(1.7))], **FP32)
 
 
+def test_default_chunk_keeps_a_frozen_heads_logits_smaller():
+    pytest.importorskip("triton")
+    from galaxy.kernels.triton_cross_entropy import CHUNK_LOGITS_BYTES, FROZEN_CHUNK_LOGITS_BYTES, default_chunk_size
+
+    vocab, bf16 = 128256, 2  # Llama-3's head, 8 x 1024 tokens
+    trained, frozen = default_chunk_size(8192, vocab, bf16), default_chunk_size(8192, vocab, bf16, weight_grad=False)
+    assert (trained, frozen) == (2048, 512)
+    assert frozen * vocab * bf16 <= FROZEN_CHUNK_LOGITS_BYTES < trained * vocab * bf16 <= CHUNK_LOGITS_BYTES
+    assert default_chunk_size(100, vocab, bf16, weight_grad=False) == 128  # never past the tokens there are
+
+
 def test_fused_linear_cross_entropy_dispatch_frozen_head_bf16(triton_cpu):
     h = leaf(2, 9, 32, dtype=torch.bfloat16)
     w = torch.randn(1000, 32, dtype=torch.bfloat16) * 0.3  # frozen LM head
