@@ -966,18 +966,21 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: Peak
 
 
 def select(patterns: str, skip: str) -> list[str]:
-    """The listed contenders matching ``patterns`` (names or globs, in the list's order), then the named
-    layout variants (``galaxy-...@dp2``, ``fsdp2-tp@tp4``, ``megatron-dp@tp1``) in the order given; less
-    ``skip``. Raises ValueError for a variant of no listed contender or with an unknown suffix."""
+    """The contenders ``patterns`` names, in the order given (they run in it: megatron-core's buffers outlive
+    its contender, so it goes last): each name or layout variant (``galaxy-...@dp2``, ``fsdp2-tp@tp4``,
+    ``megatron-dp@tp1``) where it stands, each glob's matches in the listed contenders' order; less ``skip``.
+    Raises ValueError for a variant of no listed contender or with an unknown suffix."""
     names = contender_names()
-    asked = [p for p in patterns.split(",") if p]
-    variants = [p for p in asked if "@" in p and not any(c in p for c in "*?[")]
-    for v in variants:
-        base, _ = split_suffix(v)
-        if base not in names:
-            raise ValueError(f"contender '{v}': '{base}' is not a contender")
-    chosen = [n for n in names if any(fnmatch.fnmatch(n, p) for p in asked)]
-    chosen += [v for v in variants if v not in chosen]
+    chosen = []
+    for p in (p for p in patterns.split(",") if p):
+        if "@" in p and not any(c in p for c in "*?["):
+            base, _ = split_suffix(p)
+            if base not in names:
+                raise ValueError(f"contender '{p}': '{base}' is not a contender")
+            matched = [p]
+        else:
+            matched = [n for n in names if fnmatch.fnmatch(n, p)]
+        chosen += [n for n in matched if n not in chosen]
     return [n for n in chosen if not any(fnmatch.fnmatch(n, p) for p in skip.split(",") if p)]
 
 
