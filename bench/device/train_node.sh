@@ -52,7 +52,7 @@ case $part in
     # the same with every anchor of the Done-when (FSDP2 x TP, megatron-core with its distributed optimizer, last)
     twoall) contenders='galaxy-galaxy-sharded+compile,fsdp2-compile-noreshard-onesync,fsdp2-compile,fsdp2-tp,galaxy-tp+compile@dp2-fsdp2-noreshard-onesync,megatron-dp' ;;
     # the same, Galaxy's fastest row after the anchors (megatron-dp still last; bench_train keeps the order given
-    # since commit after dbabd5c, so the launch at dbabd5c still ran Galaxy first), without the dp2 row
+    # since efca89d; the launch at dbabd5c still ran Galaxy first), without the dp2 row
     twolast) contenders='fsdp2-compile-noreshard-onesync,fsdp2-compile,fsdp2-tp,galaxy-galaxy-sharded+compile,megatron-dp' ;;
     *) echo "unknown part $part (a | b | fit | all | dp | sync | two | twoall | twolast)"; exit 2 ;;
 esac
