@@ -11,8 +11,8 @@ degree ``mp`` a GPU runs each product with the weight's columns (q, k, v, gate, 
 (o, down) split ``mp`` ways and ``mp`` times the micro-batches (the same FLOPs per GPU: dp x mp =
 gpus). Attention is timed with each SDPA backend that runs here (flash, cuDNN, memory-efficient);
 the floor takes the fastest. With ``--lora_rank R`` the base is frozen, as bench_lora's: its products run
-forward and input gradient only, and LoRA's A (r x H) and B products on q and v run all three. Nothing else is in the floor: no norms, rotary, activations, casts,
-optimizer, collectives or host gaps. ``mfu_ceiling`` is the model FLOPs (bench_train's formula) over
+forward and input gradient only, and LoRA's A (r x H) and B products on q and v run all three. Nothing else
+is in the floor: no norms, rotary, activations, casts, optimizer, collectives or host gaps. ``mfu_ceiling`` is the model FLOPs (bench_train's formula) over
 that time and the GPU's peak: what a step could reach if every other cost were hidden.
 """
 
