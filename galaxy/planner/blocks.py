@@ -108,6 +108,49 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class DeviceTimer:
+    """Seconds of consecutive parts of a GPU's work, by CUDA events, with the host ahead of the GPU:
+    a spin kernel holds the stream while the host queues the parts, so the events time the kernels,
+    not their launches, as in a training step whose host runs ahead of a busy GPU. On the host
+    clock, with a synchronize around each part, every piece and collective carried a 0.2-0.8 ms
+    floor per call on an H200 (docs/benchmarks.md)."""
+
+    MAX_LEAD_S = 0.05  # work that synchronizes inside (a .item()) never gets ahead: its host time is its cost
+
+    def __init__(self, device: torch.device):
+        self.device, self.lead_s = device, 2e-3
+        with torch.cuda.device(device):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(1000)  # loads the spin kernel
+            start.record()
+            torch.cuda._sleep(10**7)
+            end.record()
+            end.synchronize()
+            self.cycles_per_s = 1e7 / (start.elapsed_time(end) / 1e3)
+
+    def time(self, parts: Sequence[Callable[[], object]], retry: bool = True) -> tuple[float, ...]:
+        """Seconds of each of ``parts``, run in order on the current stream (the device idle before).
+        Where the GPU woke before the host had queued every part, the lead grows and, with ``retry``,
+        the parts run again (not for collectives: every member must run them equally often)."""
+        with torch.cuda.device(self.device):
+            while True:
+                events = [torch.cuda.Event(enable_timing=True) for _ in range(len(parts) + 1)]
+                torch.cuda._sleep(int(self.cycles_per_s * self.lead_s))
+                queued = time.perf_counter()
+                events[0].record()
+                for part, event in zip(parts, events[1:]):
+                    part()
+                    event.record()
+                queued = time.perf_counter() - queued
+                events[-1].synchronize()
+                took = tuple(a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:]))
+                if queued < 0.8 * self.lead_s or self.lead_s >= self.MAX_LEAD_S:
+                    return took
+                self.lead_s = min(2 * queued, self.MAX_LEAD_S)
+                if not retry:
+                    return took
+
+
 def saved_bytes(fn: Callable, inputs: list) -> int:
     """Bytes of the tensors autograd saves for backward (each storage once)."""
     storages: dict[int, int] = {}
@@ -125,8 +168,8 @@ def saved_bytes(fn: Callable, inputs: list) -> int:
 class PieceRun:
     """One piece at one size, ready to run forward and backward again and again."""
 
-    def __init__(self, bench: BlockBench, make: Callable):
-        self.device = bench.device
+    def __init__(self, bench: BlockBench, make: Callable, timer: Optional[DeviceTimer] = None):
+        self.device, self.timer = bench.device, timer
         self.inputs, self.fn = make()
         self.autocast = (torch.autocast(bench.device.type, dtype=bench.dtype)
                          if bench.dtype in (torch.bfloat16, torch.float16)
@@ -140,6 +183,8 @@ class PieceRun:
 
     def once(self) -> tuple[float, float, float]:
         """Seconds of a training forward, its backward, and an inference forward (no autograd)."""
+        if self.timer is not None:
+            return self.timed_on_device()
         synchronize(self.device)
         t0 = time.perf_counter()
         outs = self.forward()
@@ -155,6 +200,24 @@ class PieceRun:
             self.forward()
         synchronize(self.device)
         return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+    def timed_on_device(self) -> tuple[float, float, float]:
+        outs: list[torch.Tensor] = []
+
+        def forward():
+            outs[:] = self.forward()
+
+        def backward():
+            self.grads = self.grads or [torch.randn_like(o) for o in outs]
+            torch.autograd.backward(outs, self.grads)
+            outs.clear()
+
+        def infer():
+            for x in self.inputs:
+                x.grad = None
+            with torch.no_grad():
+                self.forward()
+        return self.timer.time([forward, backward, infer])
 
     def saved(self) -> int:
         with self.autocast:
@@ -201,7 +264,7 @@ def off_the_line(sizes: Sequence[int], values: Sequence[float], tolerance: float
 
 def time_pieces(bench: BlockBench, makes: list[Callable], sizes: Sequence[int], reps: int,
                 barrier: Callable[[], None], agree: Callable[[list[int]], list[int]] = sorted,
-                window_s: float = 0.0) -> list[tuple[float, float, float, int]]:
+                window_s: float = 0.0, timer: Optional[DeviceTimer] = None) -> list[tuple[float, float, float, int]]:
     """Median forward, backward and inference-forward seconds, and saved bytes, of one piece at several ``sizes``,
     each sample the mean over a window (``windowed``). The sizes take turns within each repetition,
     so a burst of load from elsewhere disturbs one sample of many sizes rather than every sample of
@@ -211,7 +274,7 @@ def time_pieces(bench: BlockBench, makes: list[Callable], sizes: Sequence[int], 
     both would keep half of a burst that hit every sample). A piece at full size is what the
     calibration holds the serial model to: one burst there scaled every other size of that rank
     (BERT-large 1:1: two equal ranks 11% apart at half the sequence)."""
-    runs = [PieceRun(bench, make) for make in makes]
+    runs = [PieceRun(bench, make, timer) for make in makes]
     samples: list[list[tuple[float, float, float]]] = [[] for _ in runs]
 
     def rounds(which: Sequence[int], warm: bool) -> None:
@@ -241,7 +304,9 @@ def time_pieces(bench: BlockBench, makes: list[Callable], sizes: Sequence[int], 
 
 def measure_blocks(m: ModelConfig, rows: int, seq: int, device: torch.device, dtype: str, reps: int,
                    barrier: Callable[[], None], ffn_unit: int = 1, window_s: float = 0.0,
-                   agree: Callable[[list[int]], list[int]] = sorted) -> dict[str, Piece]:
+                   agree: Callable[[list[int]], list[int]] = sorted,
+                   timer: Optional[DeviceTimer] = None) -> dict[str, Piece]:
+    """Every piece at its sizes; ``timer``: on a GPU, by its events (``DeviceTimer``), else by the host clock."""
     bench = BlockBench(m, rows, seq, device, dtype)
     H, F_ = m.num_attention_heads, m.intermediate_size
     heads = grid(H, H // m.kv_heads)
@@ -259,7 +324,7 @@ def measure_blocks(m: ModelConfig, rows: int, seq: int, device: torch.device, dt
     }
     pieces = {}
     for name, (sizes, make) in plan.items():
-        rows_ = time_pieces(bench, [lambda n=n: make(n) for n in sizes], sizes, reps, barrier, agree, window_s)
+        rows_ = time_pieces(bench, [lambda n=n: make(n) for n in sizes], sizes, reps, barrier, agree, window_s, timer)
         tsizes = tuple(sizes)
         pieces[name] = Piece(*(Curve(tsizes, tuple(float(r[k]) for r in rows_)) for k in (0, 1, 3)),
                              infer=Curve(tsizes, tuple(r[2] for r in rows_)))

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from galaxy.config import Method, ModelConfig, Plan
 from galaxy.core.comm import Communicator
 from galaxy.core.context import ParallelContext
-from galaxy.planner.blocks import measure_blocks, synchronize, windowed
+from galaxy.planner.blocks import DeviceTimer, measure_blocks, synchronize, windowed
 from galaxy.planner.cluster import OPS, AlphaBeta, ClusterProfile, RankProfile, candidate_groups
 from galaxy.planner.cost import GRAD_BUCKET_BYTES, Layout, Splits, Workload, predict
 
@@ -33,6 +33,7 @@ COLLECTIVE_REPS = 5  # rounds over every message size: two slow rounds of a shap
 # How late one member comes to each profiled collective: past the ~1 ms below which Gloo's members
 # still leave an all-gather together (at 1 MiB over 50 Mbit: 0.5 ms late in 2 of 4 rounds, 2 ms in every one)
 STAGGER_S = 0.005
+GPU_OPS_PER_SAMPLE = 8  # a GPU collective sample: this many back to back, after one that lines the members up
 
 
 def probe_groups(run_group, world: int) -> list[tuple[tuple[int, ...], Optional[dist.ProcessGroup]]]:
@@ -49,7 +50,8 @@ def probe_groups(run_group, world: int) -> list[tuple[tuple[int, ...], Optional[
             for members in candidate_groups(world)]
 
 
-def measure_optimizer(device: torch.device, most_params: int, reps: int, barrier, window_s: float = 0.0) -> AlphaBeta:
+def measure_optimizer(device: torch.device, most_params: int, reps: int, barrier, window_s: float = 0.0,
+                      timer: Optional[DeviceTimer] = None) -> AlphaBeta:
     """AdamW step seconds by parameter count (8 tensors each, as a model holds many)."""
     counts = sorted({c for c in (2**12, 2**15, 2**18, 2**20, most_params) if c <= max(most_params, 2**12)})
     samples = []
@@ -60,6 +62,8 @@ def measure_optimizer(device: torch.device, most_params: int, reps: int, barrier
         opt = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if device.type == "cuda" else {}))
 
         def once() -> tuple[float]:
+            if timer is not None:
+                return timer.time([opt.step])
             synchronize(device)
             t0 = time.perf_counter()
             opt.step()
@@ -210,8 +214,8 @@ def collective_sizes(m: ModelConfig, rows: int, seq: int, world: int,
     return sizes
 
 
-def measure_group(comm: Communicator, device: torch.device, sizes: dict[str, list[int]],
-                  reps: int) -> tuple[dict[str, AlphaBeta], dict[str, AlphaBeta]]:
+def measure_group(comm: Communicator, device: torch.device, sizes: dict[str, list[int]], reps: int,
+                  timer: Optional[DeviceTimer] = None) -> tuple[dict[str, AlphaBeta], dict[str, AlphaBeta]]:
     """Each op's time at its message ``sizes`` on one group, with one member arriving ``STAGGER_S`` after
     the others (a different one each round): from its arrival until it leaves, and until the
     members that waited leave (``ClusterProfile.collective`` and ``waiting_leave``); per role the
@@ -220,7 +224,11 @@ def measure_group(comm: Communicator, device: torch.device, sizes: dict[str, lis
     timed after a barrier instead, the ranks leave it within a millisecond, some rounds staggered and
     some not, and the median mixed the two. A round times every size once (after an untimed round),
     so a burst of load or a slow spell of the link lands on one sample of several sizes, which the
-    median drops, instead of on every sample of one size, which no fit can tell from the link."""
+    median drops, instead of on every sample of one size, which no fit can tell from the link.
+    ``timer``: on GPUs (``DeviceTimer``) a sample is the mean of ``GPU_OPS_PER_SAMPLE`` ops queued back to
+    back after one that lines the members up, by the GPU's events, for both roles: a member that
+    comes late holds up the others' kernels, not their hosts, and a step's host queues its
+    collectives ahead of the GPU."""
     last_fits, waited_fits = {}, {}
     for op in OPS:
         runs = []
@@ -234,7 +242,7 @@ def measure_group(comm: Communicator, device: torch.device, sizes: dict[str, lis
                 "all_gather": lambda local=local, even=even: comm.all_gather(local, 0, even),
                 "reduce_scatter": lambda full=full, even=even: comm.reduce_scatter(full, 0, even)}[op]))
         as_last, as_waiting = [[] for _ in runs], [[] for _ in runs]
-        for i in range(reps + 1):
+        for i in range(reps + 1 if timer is None else 0):
             late = comm.rank == i % comm.size
             for (_, run), last, waited in zip(runs, as_last, as_waiting):
                 dist.barrier(group=comm.group)
@@ -248,6 +256,14 @@ def measure_group(comm: Communicator, device: torch.device, sizes: dict[str, lis
                 took = time.perf_counter() - t0
                 if i:
                     (last if late else waited).append(took if late else max(took - STAGGER_S, 0.0))
+        for i in range(reps + 1 if timer is not None else 0):
+            for (_, run), last, waited in zip(runs, as_last, as_waiting):
+                dist.barrier(group=comm.group)
+                synchronize(device)
+                took = timer.time([run, lambda run=run: [run() for _ in range(GPU_OPS_PER_SAMPLE)]], retry=False)[1]
+                if i:
+                    last.append(took / GPU_OPS_PER_SAMPLE)
+                    waited.append(took / GPU_OPS_PER_SAMPLE)
         median = lambda xs: statistics.median(xs) if xs else 0.0  # noqa: E731 (a member never last: 0)
         slowest = torch.tensor([[median(a), median(b)] for a, b in zip(as_last, as_waiting)], dtype=torch.float64,
                                device=device)
@@ -284,12 +300,15 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
         return sorted(set().union(*everyone))
 
     rows = tuple(sorted(set(rows)))
+    timer = DeviceTimer(ctx.device) if ctx.device.type == "cuda" else None
+    if timer is not None:
+        window_s = 0.0  # the window averages over CPU-quota periods; a GPU's events time what they time
     calibration = m if calibration_layers is None else \
         dataclasses.replace(m, num_hidden_layers=min(m.num_hidden_layers, calibration_layers))
     before = measure_serial(calibration, max(rows), seq, dtype, ctx.device, reps, window_s)
-    pieces = {n: measure_blocks(m, n, seq, ctx.device, dtype, reps, barrier, ffn_unit, window_s, agree)
+    pieces = {n: measure_blocks(m, n, seq, ctx.device, dtype, reps, barrier, ffn_unit, window_s, agree, timer)
               for n in rows}
-    optimizer = measure_optimizer(ctx.device, min(model_params(m), 2**24), reps, barrier, window_s)
+    optimizer = measure_optimizer(ctx.device, min(model_params(m), 2**24), reps, barrier, window_s, timer)
     barrier()
     # timed again after the pieces: a burst of load during one timing is then one of two, not all
     after = measure_serial(calibration, max(rows), seq, dtype, ctx.device, reps, window_s)
@@ -306,7 +325,7 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
         for members, group in probe_groups(run_group, world):
             if rank in members:
                 comm = Communicator("probe", members.index(rank), len(members), group)
-                groups[members] = measure_group(comm, ctx.device, sizes, max(reps, COLLECTIVE_REPS))
+                groups[members] = measure_group(comm, ctx.device, sizes, max(reps, COLLECTIVE_REPS), timer)
             barrier()
     mine = calibrated(RankProfile(rank, host, memory, pieces, optimizer), calibration, max(rows), seq, dtype,
                       *serial)

@@ -1,0 +1,47 @@
+#!/bin/bash
+# The planner on a GPU node (issue 31 item 6), started detached (setsid + nohup; logs and JSON under
+# /root/planner_node) so that later `run` calls wait for it and collect it. No wheels: run from the tree.
+#   bash bench/device/planner_node.sh start probe     # one GPU: bench/device/planner_probe.py (a calibration step
+#                                                     # under torch.profiler, pieces timed both ways), then a
+#                                                     # one-GPU profile of the 7B (pieces, optimizer, calibration)
+#   bash bench/device/planner_node.sh start node N    # N GPUs: profile the 7B on N, plan global batch 16 x 4096
+#                                                     # (compiled: COMPILE=0 for eager), --validate ${VALIDATE:-3}
+#   bash bench/device/planner_node.sh wait probe|node N   # again, at once, until it prints "done"
+# Each call copies what exists so far to $OUT. Time (estimates): probe ~3 min; node at 4 GPUs: the profile
+# ~3-4 min, then each validated plan ~2-3 min (a 7B built per rank, compiled, 3 steps of ~2 s).
+set -o pipefail
+mode=${1:?start|wait|collect}; part=${2:?probe|node}; nproc=${3:-1}; polls=${POLLS:-55}  # 10 s polls
+dir=/root/planner_node; mkdir -p "$dir"; tag=${part}_$nproc
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+model="--model llama-7b --override dtype=bfloat16 --seq_length 4096 --global_batch_size 16"
+compile=""; [ "${COMPILE:-1}" = 1 ] && compile="--override compile=true"
+case $part in
+    probe) job="python3 bench/device/planner_probe.py --model llama-7b --layers 2 --rows 4 --out $dir/probe.json; \
+python3 plan_galaxy.py profile $model $compile --world 1 --rows 1 4 --reps 3 --calibration_layers 2 \
+--out $dir/cluster_$tag.json --log_level INFO" ;;
+    node) job="python3 plan_galaxy.py profile $model $compile --world $nproc --rows 1 2 4 --reps 3 \
+--calibration_layers 2 --out $dir/cluster_$tag.json --log_level INFO && \
+python3 plan_galaxy.py $model $compile --cluster $dir/cluster_$tag.json --out $dir/plan_$tag.json --top 12 \
+--validate ${VALIDATE:-3} --validate_steps ${STEPS:-3} --log_level INFO" ;;
+    *) echo "unknown part $part (probe | node)"; exit 2 ;;
+esac
+if [ "$mode" = start ]; then
+    if [ -e "$dir/$tag.pid" ] && kill -0 "$(cat "$dir/$tag.pid")" 2>/dev/null; then
+        echo "already running: $tag (pid $(cat "$dir/$tag.pid")); call wait"; exit 1
+    fi
+    rm -f "$dir/$tag".* "$dir"/*_"$tag".json
+    python3 -c "import torch; print('torch', torch.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name())"
+    echo "commit $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)"
+    setsid nohup bash -c "$job; touch $dir/$tag.done" > "$dir/$tag.console" 2>&1 < /dev/null &
+    echo $! > "$dir/$tag.pid"
+    echo "started $tag (pid $!)"
+    exit 0
+fi
+if [ "$mode" = wait ]; then
+    for _ in $(seq 1 "$polls"); do  # up to ~9 minutes per call
+        [ -e "$dir/$tag.done" ] && break
+        sleep 10
+    done
+fi
+cp "$dir/$tag.console" "$dir"/*_"$tag".json "$dir"/*_"$tag".plans.json "$dir/probe.json" "${OUT:-/tmp}/" 2>/dev/null
+if [ -e "$dir/$tag.done" ]; then echo done; tail -40 "$dir/$tag.console"; else echo "still running"; tail -5 "$dir/$tag.console"; fi
