@@ -12,7 +12,7 @@
 set -o pipefail
 mode=${1:?start|wait|collect}; part=${2:?probe|node}; nproc=${3:-1}; polls=${POLLS:-55}  # 10 s polls
 dir=/root/planner_node; mkdir -p "$dir"; tag=${part}_$nproc
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 model="--model llama-7b --override dtype=bfloat16 --seq_length 4096 --global_batch_size 16"
 compile=""; [ "${COMPILE:-1}" = 1 ] && compile="--override compile=true"
 case $part in
@@ -26,6 +26,10 @@ python3 plan_galaxy.py $model $compile --cluster $dir/cluster_$tag.json --out $d
     *) echo "unknown part $part (probe | node)"; exit 2 ;;
 esac
 if [ "$mode" = start ]; then
+    # the launch runs from its own copy of the tree: a later `run` call sends the working tree again, and a
+    # process whose directory went with the old copy fails (os.getcwd() in torch._dynamo's config)
+    rm -rf "$dir/src" && mkdir -p "$dir/src" && cp -r . "$dir/src/" && cd "$dir/src" || exit 1
+    export PYTHONPATH=$PWD
     if [ -e "$dir/$tag.pid" ] && kill -0 "$(cat "$dir/$tag.pid")" 2>/dev/null; then
         echo "already running: $tag (pid $(cat "$dir/$tag.pid")); call wait"; exit 1
     fi

@@ -99,10 +99,12 @@ def measure_serial(m: ModelConfig, rows: int, seq: int, dtype: str, device: torc
     """Seconds of ``reps`` whole serial training steps of ``rows`` rows, run by the training loop's own
     Trainer (data, masking, loss, grad norm, optimizer, Python between the blocks), and of ``reps``
     batch-1 forwards. It runs first, in a fresh process, as the CLIs do: the steps one after another
-    (the first two untimed: allocation and first touch of the memory), then the forwards."""
+    (the first two untimed: allocation and first touch of the memory), then the forwards. Under
+    the CLIs' autocast: without it a bfloat16 step ran in float32 (an H200's 2-layer LLaMA-7B step
+    1.13 s instead of ~0.1, all of it read as overhead on every plan)."""
     from galaxy.config import GalaxyConfig
     from galaxy.models import build_model, family
-    from galaxy.train.loop import make_trainer
+    from galaxy.train.loop import autocast_context, make_trainer
 
     cfg = GalaxyConfig.from_dict({"model": {k: v for k, v in vars(m).items() if k != "preset"},
                                   "train": {"global_batch_size": rows, "seq_length": seq, "dtype": dtype,
@@ -118,12 +120,13 @@ def measure_serial(m: ModelConfig, rows: int, seq: int, dtype: str, device: torc
             ids = torch.randint(0, m.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(step))
             return {"input_ids": ids, "labels": ids}
     trainer = make_trainer(model, cfg, ctx)
+    amp = lambda: autocast_context(cfg, device)  # noqa: E731
     ids = torch.randint(0, m.vocab_size, (1, seq), device=device)
     steps = []
     for i in range(reps + 2):
         synchronize(device)
         t0 = time.perf_counter()
-        loss = trainer.forward_backward(trainer.read_batch(batch_at, i))
+        loss = trainer.forward_backward(trainer.read_batch(batch_at, i), autocast=amp)
         trainer.optimizer_step(loss, i + 1)
         loss.item()
         if i >= 2:
@@ -131,7 +134,7 @@ def measure_serial(m: ModelConfig, rows: int, seq: int, dtype: str, device: torc
     model.eval()
 
     def forward() -> tuple[float]:
-        with torch.no_grad():
+        with torch.no_grad(), amp():
             synchronize(device)
             t = time.perf_counter()
             model(ids)
