@@ -46,12 +46,12 @@ dir=/root/bench_lora; deps=$dir/deps; mkdir -p "$dir"
 contenders=${CONTENDERS:-galaxy-lora,galaxy-lora-compiled,galaxy-qlora,peft-bf16,peft-bf16-liger,peft-qlora-bnb}
 contenders=${CONTENDERS:-$contenders,unsloth-lora,unsloth-qlora,unsloth-lora-gc,unsloth-qlora-gc}
 if [ "$mode" = start ]; then
-    # the launch runs from its own copy of the tree: a later `run` call sends the working tree again, and a
-    # process whose directory went with the old copy fails (os.getcwd() in torch._dynamo's config)
-    rm -rf "$dir/src" && mkdir -p "$dir/src" && cp -r . "$dir/src/" && cd "$dir/src" || exit 1
     if [ -e "$dir/lora.pid" ] && kill -0 "$(cat "$dir/lora.pid")" 2>/dev/null; then
         echo "already running (pid $(cat "$dir/lora.pid")); call wait"; exit 1
     fi
+    # the launch runs from its own copy of the tree: a later `run` call sends the working tree again, and a
+    # process whose directory went with the old copy fails (os.getcwd() in torch._dynamo's config)
+    rm -rf "$dir/src" && mkdir -p "$dir/src" && cp -r . "$dir/src/" && cd "$dir/src" || exit 1
     pip="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
     rm -rf "$deps" "$dir"/lora.* && mkdir -p "$deps/common" "$deps/unsloth" "$deps/cu12"
     $pip --target "$deps/common" wheels/bitsandbytes-*.whl wheels/liger_kernel-*.whl || exit 1

@@ -26,13 +26,13 @@ python3 plan_galaxy.py $model $compile --cluster $dir/cluster_$tag.json --out $d
     *) echo "unknown part $part (probe | node)"; exit 2 ;;
 esac
 if [ "$mode" = start ]; then
+    if [ -e "$dir/$tag.pid" ] && kill -0 "$(cat "$dir/$tag.pid")" 2>/dev/null; then
+        echo "already running: $tag (pid $(cat "$dir/$tag.pid")); call wait"; exit 1
+    fi
     # the launch runs from its own copy of the tree: a later `run` call sends the working tree again, and a
     # process whose directory went with the old copy fails (os.getcwd() in torch._dynamo's config)
     rm -rf "$dir/src" && mkdir -p "$dir/src" && cp -r . "$dir/src/" && cd "$dir/src" || exit 1
     export PYTHONPATH=$PWD
-    if [ -e "$dir/$tag.pid" ] && kill -0 "$(cat "$dir/$tag.pid")" 2>/dev/null; then
-        echo "already running: $tag (pid $(cat "$dir/$tag.pid")); call wait"; exit 1
-    fi
     rm -f "$dir/$tag".* "$dir"/*_"$tag".json
     python3 -c "import torch; print('torch', torch.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name())"
     echo "commit $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)"
