@@ -13,7 +13,7 @@ set -o pipefail
 mode=${1:?start|wait|collect}; part=${2:?probe|node}; nproc=${3:-1}; polls=${POLLS:-55}  # 10 s polls
 dir=/root/planner_node; mkdir -p "$dir"; tag=${part}_$nproc
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-model="--model llama-7b --override dtype=bfloat16 --seq_length 4096 --global_batch_size 16"
+model="--model llama-7b --override dtype=bfloat16 --seq_length 4096 --global_batch_size 16 ${EXTRA:-}"  # EXTRA: more --override KEY=VALUE
 compile=""; [ "${COMPILE:-1}" = 1 ] && compile="--override compile=true"
 case $part in
     probe) job="python3 bench/device/planner_probe.py --model llama-7b --layers 2 --rows 4 --out $dir/probe.json; \
