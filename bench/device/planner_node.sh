@@ -35,7 +35,6 @@ if [ "$mode" = start ]; then
     export PYTHONPATH=$PWD
     rm -f "$dir/$tag".* "$dir"/*_"$tag".json
     python3 -c "import torch; print('torch', torch.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name())"
-    echo "commit $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)"
     setsid nohup bash -c "$job; touch $dir/$tag.done" > "$dir/$tag.console" 2>&1 < /dev/null &
     echo $! > "$dir/$tag.pid"
     echo "started $tag (pid $!)"

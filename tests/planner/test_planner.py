@@ -126,6 +126,30 @@ def test_calibration_predicts_the_serial_runs_it_was_given(slower):
     assert (after > before) == (slower > 1)
 
 
+def test_calibration_steps_compute_in_the_workload_dtype():
+    """The serial steps that calibrate a bfloat16 profile run under the CLIs' autocast: every matmul
+    of them in bfloat16 (they once ran in float32, and an H200's fp32 steps were read as 1 s of
+    overhead on every plan)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from galaxy.planner.profile import measure_serial
+
+    class MatmulDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+                self.seen.add(args[-1].dtype)
+            return func(*args, **(kwargs or {}))
+
+    model = GalaxyConfig.from_dict({"model": {"preset": "llama-tiny"}}).model
+    with MatmulDtypes() as matmuls:
+        measure_serial(model, 2, 16, "bfloat16", torch.device("cpu"), reps=1)
+    assert matmuls.seen == {torch.bfloat16}
+
+
 def test_calibration_takes_an_overhead_from_the_fastest_run_only():
     """Serial runs with a burst of load in one of them: the overhead is what the fastest run took
     beyond the pieces (the burst is not charged to every plan); runs straddling the prediction
