@@ -35,7 +35,10 @@ if [ "$mode" = start ]; then
     export PYTHONPATH=$PWD
     rm -f "$dir/$tag".* "$dir"/*_"$tag".json
     python3 -c "import torch; print('torch', torch.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name())"
-    setsid nohup bash -c "$job; touch $dir/$tag.done" > "$dir/$tag.console" 2>&1 < /dev/null &
+    # the SM clock and power of every GPU every 200 ms: the profile's short bursts against the validated steps
+    clocks="nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 200"
+    setsid nohup bash -c "$clocks > $dir/clocks_$tag.csv 2>&1 & watcher=\$!; $job; kill \$watcher; \
+touch $dir/$tag.done" > "$dir/$tag.console" 2>&1 < /dev/null &
     echo $! > "$dir/$tag.pid"
     echo "started $tag (pid $!)"
     exit 0
@@ -46,5 +49,5 @@ if [ "$mode" = wait ]; then
         sleep 10
     done
 fi
-cp "$dir/$tag.console" "$dir"/*_"$tag".json "$dir"/*_"$tag".plans.json "$dir/probe.json" "${OUT:-/tmp}/" 2>/dev/null
+cp "$dir/$tag.console" "$dir/clocks_$tag.csv" "$dir"/*_"$tag".json "$dir"/*_"$tag".plans.json "$dir/probe.json" "${OUT:-/tmp}/" 2>/dev/null
 if [ -e "$dir/$tag.done" ]; then echo done; tail -40 "$dir/$tag.console"; else echo "still running"; tail -5 "$dir/$tag.console"; fi

@@ -27,7 +27,8 @@
 # already holds the graph, as for fsdp2-compile-noreshard after fsdp2-compile) + 3 timed steps + 1 eager step
 # (bytes and tokens counted; Galaxy rows one more for their metrics) per contender, each step ~2 s at 4 GPUs
 # (16 x 4096 tokens at ~40% MFU); Galaxy builds a 7B on the host (~50 s each). Expected wall time at 4 GPUs
-# (an estimate, not measured yet): part a ~4 min, part b ~5-6 min. WARMUP=1 ITERS=3 saves ~15 s a part.
+# (an estimate, not measured yet): part a ~4 min, part b ~5-6 min. WARMUP=1 ITERS=3 saves ~15 s a part;
+# MICRO_BATCH=4 runs 4 rows per micro-batch (default 1). clocks_<tag>.csv: every GPU's SM clock and power.
 # At 2 GPUs the steps take twice as long: parts, not one launch.
 set -o pipefail
 mode=${1:?start|wait|collect}; nproc=${2:?NPROC (2 or 4)}; part=${3:-all}; polls=${POLLS:-55}  # 10 s polls
@@ -57,7 +58,7 @@ case $part in
     *) echo "unknown part $part (a | b | fit | all | dp | sync | two | twoall | twolast)"; exit 2 ;;
 esac
 tag=llama7b_${nproc}_${part}
-flags=(--global_batch "${GLOBAL_BATCH:-16}" --micro_batch 1 --warmup "${WARMUP:-2}" --iters "${ITERS:-3}"
+flags=(--global_batch "${GLOBAL_BATCH:-16}" --micro_batch "${MICRO_BATCH:-1}" --warmup "${WARMUP:-2}" --iters "${ITERS:-3}"
        --contenders "$contenders")
 [ -n "${PROFILE:-}" ] && flags+=(--profile "$dir/traces_$part")
 if [ "$mode" = start ]; then
@@ -67,7 +68,11 @@ if [ "$mode" = start ]; then
     rm -f "$dir/$tag.done" "$dir"/train_"$tag".*
     floor=""
     [ -n "${FLOOR:-}" ] && floor="PYTHONPATH=\$PWD python3 bench/compute_floor.py --gpus $nproc --json $dir/floor_$tag.json; "
-    TAG=$part setsid nohup bash -c "$floor OUT=$dir bash bench/device/train_harness.sh $nproc llama7b ${flags[*]@Q}; \
+    # the SM clock and power of every GPU every 200 ms while it runs (a sustained step may run below the clocks
+    # of the short bursts a profile times: issue 31's planner errors)
+    clocks="nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 200"
+    TAG=$part setsid nohup bash -c "$clocks > $dir/clocks_$tag.csv 2>&1 & watcher=\$!; \
+        $floor OUT=$dir bash bench/device/train_harness.sh $nproc llama7b ${flags[*]@Q}; kill \$watcher; \
         touch $dir/$tag.done" > "$dir/$tag.console" 2>&1 < /dev/null &
     echo $! > "$dir/$tag.pid"
     echo "started $tag (pid $!): ${flags[*]}"
@@ -79,7 +84,7 @@ if [ "$mode" = wait ]; then
         sleep 10
     done
 fi
-cp "$dir"/train_"$tag".* "$dir/$tag.console" "$dir"/floor_"$tag".json "${OUT:-/tmp}/" 2>/dev/null
+cp "$dir"/train_"$tag".* "$dir/$tag.console" "$dir"/floor_"$tag".json "$dir/clocks_$tag.csv" "${OUT:-/tmp}/" 2>/dev/null
 # rank 0's chrome traces of the profiled steps, when done (gzipped; the largest may not come back)
 [ -e "$dir/$tag.done" ] && [ -d "$dir/traces_$part" ] && cp -r "$dir/traces_$part" "${OUT:-/tmp}/" 2>/dev/null
 grep -c '^ROW ' "$dir/train_$tag.log" 2>/dev/null | sed 's/^/rows so far: /'
