@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 from galaxy.config import MODEL_PRESETS, ConfigError, GalaxyConfig, parse_override
@@ -252,11 +253,15 @@ def plan_main(argv: list[str]) -> int:
         json.dump(configs[0], f, indent=2)
     print(f"searched in {time.perf_counter() - started:.2f}s; best plan written to {args.out}", flush=True)
     rows = table_rows(choices)
-    measured = validate_all(configs[:args.validate], choices, args) or None
-    if measured:
-        measured += [None] * (len(rows) - len(measured))
-        for row, m in zip(rows, measured):
-            row["measured_ms"] = None if m is None else round(m * 1e3, 3)
+    validated = validate_all(configs[:args.validate], choices, args)
+    measured = None
+    if validated:
+        validated += [None] * (len(rows) - len(validated))
+        measured = [None if v is None else v.seconds for v in validated]
+        for row, v in zip(rows, validated):
+            row["measured_ms"] = None if v is None else round(v.seconds * 1e3, 3)
+            # rank 0's peak (the prediction's max_memory_mb is the largest rank's): training runs only
+            row["measured_peak_mb_rank0"] = None if v is None or v.peak_mb is None else round(v.peak_mb, 1)
     table_path = args.table or os.path.splitext(args.out)[0] + ".plans.json"
     with open(table_path, "w") as f:
         json.dump({"objective": args.objective, "cluster": args.cluster, "plans": rows, "configs": configs}, f,
@@ -271,24 +276,33 @@ def plan_main(argv: list[str]) -> int:
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def validate_all(configs: list[dict], choices: list[Choice], args: argparse.Namespace) -> list[Optional[float]]:
-    """Seconds of each validated plan: ``--validate_runs`` launches each, the plans taking turns (a
-    slow spell of the machine then touches every plan alike), the mean of the launches; None for
-    a plan whose every launch failed."""
-    runs: list[list[float]] = [[] for _ in configs]
+@dataclass(frozen=True)
+class Measured:
+    seconds: float  # a step (train) or a batch-1 forward (latency)
+    peak_mb: Optional[float] = None  # rank 0's peak memory (train; None for latency)
+
+
+def validate_all(configs: list[dict], choices: list[Choice], args: argparse.Namespace) -> list[Optional[Measured]]:
+    """Each validated plan: ``--validate_runs`` launches each, the plans taking turns (a slow spell of
+    the machine then touches every plan alike), the mean of the launches' seconds and the largest
+    peak; None for a plan whose every launch failed."""
+    runs: list[list[Measured]] = [[] for _ in configs]
     for _ in range(args.validate_runs):
         for taken, config, choice in zip(runs, configs, choices):
-            seconds = validate(config, len(choice.devices), args)
-            if seconds is not None:
-                taken.append(seconds)
-    return [statistics.mean(t) if t else None for t in runs]
+            measured = validate(config, len(choice.devices), args)
+            if measured is not None:
+                taken.append(measured)
+    peaks = [[m.peak_mb for m in t if m.peak_mb is not None] for t in runs]
+    return [Measured(statistics.mean(m.seconds for m in t), max(p) if p else None) if t else None
+            for t, p in zip(runs, peaks)]
 
 
-def validate(config: dict, world: int, args: argparse.Namespace) -> Optional[float]:
+def validate(config: dict, world: int, args: argparse.Namespace) -> Optional[Measured]:
     """Run one plan through the CLI a user would run it with (``pretrain_galaxy.py`` for training,
     ``infer_galaxy.py`` for latency), on ``world`` local processes or on the emulated cluster of
     ``--emulate`` (a plan on some of its devices starts there); its median measured step (every
-    step after the first) or batch-1 forward, in seconds, robust to a few disturbed steps."""
+    step after the first) or batch-1 forward, in seconds, robust to a few disturbed steps, and a
+    training run's peak memory on rank 0."""
     with tempfile.TemporaryDirectory() as tmp:
         path, out = os.path.join(tmp, "plan.json"), os.path.join(tmp, "measured.json")
         with open(path, "w") as f:
@@ -309,9 +323,10 @@ def validate(config: dict, world: int, args: argparse.Namespace) -> Optional[flo
             return None
         with open(out) as f:
             if args.objective == "latency":
-                return json.load(f)["forward"]["median_ms"] / 1e3
-            steps = [json.loads(line)["step_time_s"] for line in f][1:]
-        return statistics.median(steps)
+                return Measured(json.load(f)["forward"]["median_ms"] / 1e3)
+            lines = [json.loads(line) for line in f]
+        return Measured(statistics.median(line["step_time_s"] for line in lines[1:]),
+                        max(line["peak_mem_mb"] for line in lines))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

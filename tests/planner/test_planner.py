@@ -681,6 +681,8 @@ def test_validate_runs_the_top_plans_through_the_clis(tmp_path, capsys, objectiv
     assert "measured_ms" in printed and "error" in printed
     rows = json.loads((tmp_path / "plan.plans.json").read_text())["plans"]
     assert all(r["measured_ms"] > 0 for r in rows[:2]) and rows[2]["measured_ms"] is None, rows
+    peaks = [r["measured_peak_mb_rank0"] for r in rows]
+    assert (all(p > 0 for p in peaks[:2]) if objective == "train" else peaks[:2] == [None, None]) and peaks[2] is None
 
 
 def test_validate_on_an_emulated_cluster_refuses_another_world(tmp_path, capsys):
