@@ -49,6 +49,13 @@ logger = logging.getLogger(__name__)
 _BIND_WORLD_ON_IMPORT = ("torch.distributed.nn.functional", "torch.distributed._shard", "torch.distributed.optim")
 
 
+def import_world_binders() -> None:
+    """Import the modules of ``_BIND_WORLD_ON_IMPORT``: call before ``init_process_group`` in any
+    process that creates its group itself (``ParallelContext.initialize`` does)."""
+    for name in _BIND_WORLD_ON_IMPORT:
+        importlib.import_module(name)
+
+
 def _npu_available() -> bool:
     try:
         import torch_npu  # noqa: F401
@@ -127,8 +134,7 @@ class ParallelContext:
             return cls(rank=0, world_size=1, device=device, seed=seed, mp=Communicator("mp"),
                        stage_layers=stage_layers)
         backend = backend_for(device, dist_cfg.distributed_backend)
-        for name in _BIND_WORLD_ON_IMPORT:
-            importlib.import_module(name)
+        import_world_binders()
         store = rendezvous(dist_cfg.init_method, rank, world_size, dist_cfg.timeout_s)
         heartbeat = Heartbeat(*store_address(dist_cfg.init_method), rank, world_size, dist_cfg.timeout_s)
         try:

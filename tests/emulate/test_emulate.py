@@ -143,6 +143,8 @@ STAGGER_RANK = textwrap.dedent("""
     from galaxy.core.comm import Communicator
     from galaxy.planner.cluster import OPS
     from galaxy.planner.profile import measure_group
+    from galaxy.core.context import import_world_binders
+    import_world_binders()  # else the first functional collective binds WORLD past destroy: an abort at exit
     dist.init_process_group("gloo")
     comm = Communicator("probe", dist.get_rank(), dist.get_world_size())
     last, waited = measure_group(comm, torch.device("cpu"), {op: [1 << 20] for op in OPS}, reps=3)
