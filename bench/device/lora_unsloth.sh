@@ -41,17 +41,14 @@
 # Expected wall time (an estimate, not measured yet): ~1 min per Galaxy or peft contender, ~2 min per unsloth
 # contender (its import, a random 1B saved and reloaded, its compiled loss): ~14 min, start + two waits.
 set -o pipefail
+source "$(dirname "$0")/detached.sh"
 mode=${1:?start|wait|collect}; polls=${POLLS:-50}  # 10 s polls
 dir=/root/bench_lora; deps=$dir/deps; mkdir -p "$dir"
 contenders=${CONTENDERS:-galaxy-lora,galaxy-lora-compiled,galaxy-qlora,peft-bf16,peft-bf16-liger,peft-qlora-bnb}
 contenders=${CONTENDERS:-$contenders,unsloth-lora,unsloth-qlora,unsloth-lora-gc,unsloth-qlora-gc}
 if [ "$mode" = start ]; then
-    if [ -e "$dir/lora.pid" ] && kill -0 "$(cat "$dir/lora.pid")" 2>/dev/null; then
-        echo "already running (pid $(cat "$dir/lora.pid")); call wait"; exit 1
-    fi
-    # the launch runs from its own copy of the tree: a later `run` call sends the working tree again, and a
-    # process whose directory went with the old copy fails (os.getcwd() in torch._dynamo's config)
-    rm -rf "$dir/src" && mkdir -p "$dir/src" && cp -r . "$dir/src/" && cd "$dir/src" || exit 1
+    refuse_if_running "$dir" lora
+    enter_own_tree "$dir"
     pip="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
     rm -rf "$deps" "$dir"/lora.* && mkdir -p "$deps/common" "$deps/unsloth" "$deps/cu12"
     $pip --target "$deps/common" wheels/bitsandbytes-*.whl wheels/liger_kernel-*.whl || exit 1
@@ -87,21 +84,15 @@ EOF
     [ -n "$FLOOR" ] && floor="python3 bench/compute_floor.py --preset llama-1b --seq 1024 --micro_batch 8 \
         --global_batch 8 --gpus 1 --mp 1 --lora_rank 16 --json $dir/lora.floor.json > $dir/lora.floor.log 2>&1;"
     export LD_LIBRARY_PATH=$deps/cu12/nvidia/cuda_runtime/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-    GALAXY_COMMIT=$(cat COMMIT 2>/dev/null || echo unknown) PYTHONPATH=$deps/common:$PWD PYTHONUNBUFFERED=1 \
-        setsid nohup bash -c "$floor python3 bench/bench_lora.py --preset llama-1b --seq 1024 --batch 8 \
+    export GALAXY_COMMIT=$(cat COMMIT 2>/dev/null || echo unknown) PYTHONPATH=$deps/common:$PWD PYTHONUNBUFFERED=1
+    start_detached "$dir" lora "$floor python3 bench/bench_lora.py --preset llama-1b --seq 1024 --batch 8 \
         --steps ${STEPS:-10} --warmup ${WARMUP:-3} --contenders $contenders --unsloth_path $deps/unsloth \
-        $profile --json $dir/lora.json > $dir/lora.log 2>&1; touch $dir/lora.done" > "$dir/lora.console" 2>&1 < /dev/null &
-    echo $! > "$dir/lora.pid"
-    echo "started (pid $!): $contenders"
+        $profile --json $dir/lora.json > $dir/lora.log 2>&1"
+    echo "contenders: $contenders"
     exit 0
 fi
-if [ "$mode" = wait ]; then
-    for _ in $(seq 1 "$polls"); do  # up to ~8 minutes per call
-        [ -e "$dir/lora.done" ] && break
-        sleep 10
-    done
-fi
-cp "$dir"/lora.* "${OUT:-/tmp}/" 2>/dev/null
+[ "$mode" = wait ] && wait_done "$dir" lora "$polls"  # up to ~8 minutes per call
+cp "$dir"/lora.* "$dir/clocks_lora.csv" "${OUT:-/tmp}/" 2>/dev/null
 [ -d "$dir/prof" ] && tar czf "${OUT:-/tmp}/lora_profile.tgz" -C "$dir" prof
 grep -c '^{"contender"' "$dir/lora.log" 2>/dev/null | sed 's/^/rows so far: /'
 if [ -e "$dir/lora.done" ]; then

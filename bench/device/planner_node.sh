@@ -10,6 +10,7 @@
 # Each call copies what exists so far to $OUT. Time (estimates): probe ~3 min; node at 4 GPUs: the profile
 # ~3-4 min, then each validated plan ~2-3 min (a 7B built per rank, compiled, 3 steps of ~2 s).
 set -o pipefail
+source "$(dirname "$0")/detached.sh"
 mode=${1:?start|wait|collect}; part=${2:?probe|node}; nproc=${3:-1}; polls=${POLLS:-55}  # 10 s polls
 dir=/root/planner_node; mkdir -p "$dir"; tag=${part}_$nproc
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -26,28 +27,14 @@ python3 plan_galaxy.py $model $compile --cluster $dir/cluster_$tag.json --out $d
     *) echo "unknown part $part (probe | node)"; exit 2 ;;
 esac
 if [ "$mode" = start ]; then
-    if [ -e "$dir/$tag.pid" ] && kill -0 "$(cat "$dir/$tag.pid")" 2>/dev/null; then
-        echo "already running: $tag (pid $(cat "$dir/$tag.pid")); call wait"; exit 1
-    fi
-    # the launch runs from its own copy of the tree: a later `run` call sends the working tree again, and a
-    # process whose directory went with the old copy fails (os.getcwd() in torch._dynamo's config)
-    rm -rf "$dir/src" && mkdir -p "$dir/src" && cp -r . "$dir/src/" && cd "$dir/src" || exit 1
+    refuse_if_running "$dir" "$tag"
+    enter_own_tree "$dir"
     export PYTHONPATH=$PWD
     rm -f "$dir/$tag".* "$dir"/*_"$tag".json
     python3 -c "import torch; print('torch', torch.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name())"
-    # the SM clock and power of every GPU every 200 ms: the profile's short bursts against the validated steps
-    clocks="nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 200"
-    setsid nohup bash -c "$clocks > $dir/clocks_$tag.csv 2>&1 & watcher=\$!; $job; kill \$watcher; \
-touch $dir/$tag.done" > "$dir/$tag.console" 2>&1 < /dev/null &
-    echo $! > "$dir/$tag.pid"
-    echo "started $tag (pid $!)"
+    start_detached "$dir" "$tag" "$job"
     exit 0
 fi
-if [ "$mode" = wait ]; then
-    for _ in $(seq 1 "$polls"); do  # up to ~9 minutes per call
-        [ -e "$dir/$tag.done" ] && break
-        sleep 10
-    done
-fi
+[ "$mode" = wait ] && wait_done "$dir" "$tag" "$polls"  # up to ~9 minutes per call
 cp "$dir/$tag.console" "$dir/clocks_$tag.csv" "$dir"/*_"$tag".json "$dir"/*_"$tag".plans.json "$dir/probe.json" "${OUT:-/tmp}/" 2>/dev/null
 if [ -e "$dir/$tag.done" ]; then echo done; tail -40 "$dir/$tag.console"; else echo "still running"; tail -5 "$dir/$tag.console"; fi

@@ -31,6 +31,7 @@
 # MICRO_BATCH=4 runs 4 rows per micro-batch (default 1). clocks_<tag>.csv: every GPU's SM clock and power.
 # At 2 GPUs the steps take twice as long: parts, not one launch.
 set -o pipefail
+source "$(dirname "$0")/detached.sh"
 mode=${1:?start|wait|collect}; nproc=${2:?NPROC (2 or 4)}; part=${3:-all}; polls=${POLLS:-55}  # 10 s polls
 dir=/root/bench_train_node; mkdir -p "$dir"
 case $part in
@@ -62,28 +63,17 @@ flags=(--global_batch "${GLOBAL_BATCH:-16}" --micro_batch "${MICRO_BATCH:-1}" --
        --contenders "$contenders")
 [ -n "${PROFILE:-}" ] && flags+=(--profile "$dir/traces_$part")
 if [ "$mode" = start ]; then
-    if [ -e "$dir/$tag.pid" ] && kill -0 "$(cat "$dir/$tag.pid")" 2>/dev/null; then
-        echo "already running: $tag (pid $(cat "$dir/$tag.pid")); call wait"; exit 1
-    fi
-    rm -f "$dir/$tag.done" "$dir"/train_"$tag".*
+    refuse_if_running "$dir" "$tag"
+    enter_own_tree "$dir"
+    rm -f "$dir"/train_"$tag".*
     floor=""
     [ -n "${FLOOR:-}" ] && floor="PYTHONPATH=\$PWD python3 bench/compute_floor.py --gpus $nproc --json $dir/floor_$tag.json; "
-    # the SM clock and power of every GPU every 200 ms while it runs (a sustained step may run below the clocks
-    # of the short bursts a profile times: issue 31's planner errors)
-    clocks="nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 200"
-    TAG=$part setsid nohup bash -c "$clocks > $dir/clocks_$tag.csv 2>&1 & watcher=\$!; \
-        $floor OUT=$dir bash bench/device/train_harness.sh $nproc llama7b ${flags[*]@Q}; kill \$watcher; \
-        touch $dir/$tag.done" > "$dir/$tag.console" 2>&1 < /dev/null &
-    echo $! > "$dir/$tag.pid"
-    echo "started $tag (pid $!): ${flags[*]}"
+    export TAG=$part
+    start_detached "$dir" "$tag" "$floor OUT=$dir bash bench/device/train_harness.sh $nproc llama7b ${flags[*]@Q}"
+    echo "flags: ${flags[*]}"
     exit 0
 fi
-if [ "$mode" = wait ]; then
-    for _ in $(seq 1 "$polls"); do  # up to ~9 minutes per call
-        [ -e "$dir/$tag.done" ] && break
-        sleep 10
-    done
-fi
+[ "$mode" = wait ] && wait_done "$dir" "$tag" "$polls"  # up to ~9 minutes per call
 cp "$dir"/train_"$tag".* "$dir/$tag.console" "$dir"/floor_"$tag".json "$dir/clocks_$tag.csv" "${OUT:-/tmp}/" 2>/dev/null
 # rank 0's chrome traces of the profiled steps, when done (gzipped; the largest may not come back)
 [ -e "$dir/$tag.done" ] && [ -d "$dir/traces_$part" ] && cp -r "$dir/traces_$part" "${OUT:-/tmp}/" 2>/dev/null

@@ -245,11 +245,18 @@ def measure_group(comm: Communicator, device: torch.device, sizes: dict[str, lis
                 "all_gather": lambda local=local, even=even: comm.all_gather(local, 0, even),
                 "reduce_scatter": lambda full=full, even=even: comm.reduce_scatter(full, 0, even)}[op]))
         as_last, as_waiting = [[] for _ in runs], [[] for _ in runs]
-        for i in range(reps + 1 if timer is None else 0):
+        for i in range(reps + 1):
             late = comm.rank == i % comm.size
             for (_, run), last, waited in zip(runs, as_last, as_waiting):
                 dist.barrier(group=comm.group)
                 synchronize(device)
+                if timer is not None:  # both roles alike: the late member holds up kernels, not hosts
+                    took = timer.time([run, lambda run=run: [run() for _ in range(GPU_OPS_PER_SAMPLE)]],
+                                      retry=False)[1] / GPU_OPS_PER_SAMPLE
+                    if i:
+                        last.append(took)
+                        waited.append(took)
+                    continue
                 t0 = time.perf_counter()
                 if late:
                     time.sleep(STAGGER_S)
@@ -259,14 +266,6 @@ def measure_group(comm: Communicator, device: torch.device, sizes: dict[str, lis
                 took = time.perf_counter() - t0
                 if i:
                     (last if late else waited).append(took if late else max(took - STAGGER_S, 0.0))
-        for i in range(reps + 1 if timer is not None else 0):
-            for (_, run), last, waited in zip(runs, as_last, as_waiting):
-                dist.barrier(group=comm.group)
-                synchronize(device)
-                took = timer.time([run, lambda run=run: [run() for _ in range(GPU_OPS_PER_SAMPLE)]], retry=False)[1]
-                if i:
-                    last.append(took / GPU_OPS_PER_SAMPLE)
-                    waited.append(took / GPU_OPS_PER_SAMPLE)
         median = lambda xs: statistics.median(xs) if xs else 0.0  # noqa: E731 (a member never last: 0)
         slowest = torch.tensor([[median(a), median(b)] for a, b in zip(as_last, as_waiting)], dtype=torch.float64,
                                device=device)
