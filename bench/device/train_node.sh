@@ -28,7 +28,10 @@
 # (bytes and tokens counted; Galaxy rows one more for their metrics) per contender, each step ~2 s at 4 GPUs
 # (16 x 4096 tokens at ~40% MFU); Galaxy builds a 7B on the host (~50 s each). Expected wall time at 4 GPUs
 # (an estimate, not measured yet): part a ~4 min, part b ~5-6 min. WARMUP=1 ITERS=3 saves ~15 s a part;
-# MICRO_BATCH=4 runs 4 rows per micro-batch (default 1). clocks_<tag>.csv: every GPU's SM clock and power.
+# MICRO_BATCH=4 runs 4 rows per micro-batch (default 1); MICRO_BATCH="1 4" runs the part once per value, one
+# after the other in the launch (JSON train_llama7b_N_PART_mbR.*). clocks_<tag>.csv: every GPU's SM clock and
+# power. PROBE=1 first runs bench/device/planner_probe.py on GPU 0 (a planner piece in bursts against 15 s back
+# to back, probe_<tag>.json).
 # At 2 GPUs the steps take twice as long: parts, not one launch.
 set -o pipefail
 source "$(dirname "$0")/detached.sh"
@@ -56,26 +59,34 @@ case $part in
     # the same, Galaxy's fastest row after the anchors (megatron-dp still last; bench_train keeps the order given
     # since efca89d; the launch at dbabd5c still ran Galaxy first), without the dp2 row
     twolast) contenders='fsdp2-compile-noreshard-onesync,fsdp2-compile,fsdp2-tp,galaxy-galaxy-sharded+compile,megatron-dp' ;;
-    *) echo "unknown part $part (a | b | fit | all | dp | sync | two | twoall | twolast)"; exit 2 ;;
+    # the planner's rows question (issue 31 item 6): Galaxy's 2-GPU plan alone, run with MICRO_BATCH="1 4" PROFILE=1
+    rows) contenders='galaxy-galaxy-sharded+compile' ;;
+    *) echo "unknown part $part (a | b | fit | all | dp | sync | two | twoall | twolast | rows)"; exit 2 ;;
 esac
 tag=llama7b_${nproc}_${part}
-flags=(--global_batch "${GLOBAL_BATCH:-16}" --micro_batch "${MICRO_BATCH:-1}" --warmup "${WARMUP:-2}" --iters "${ITERS:-3}"
-       --contenders "$contenders")
-[ -n "${PROFILE:-}" ] && flags+=(--profile "$dir/traces_$part")
+micro_batches=(${MICRO_BATCH:-1})
+flags=(--global_batch "${GLOBAL_BATCH:-16}" --warmup "${WARMUP:-2}" --iters "${ITERS:-3}" --contenders "$contenders")
 if [ "$mode" = start ]; then
     refuse_if_running "$dir" "$tag"
     enter_own_tree "$dir"
-    rm -f "$dir"/train_"$tag".*
-    floor=""
-    [ -n "${FLOOR:-}" ] && floor="PYTHONPATH=\$PWD python3 bench/compute_floor.py --gpus $nproc --json $dir/floor_$tag.json; "
-    export TAG=$part
-    start_detached "$dir" "$tag" "$floor OUT=$dir bash bench/device/train_harness.sh $nproc llama7b ${flags[*]@Q}"
-    echo "flags: ${flags[*]}"
+    rm -f "$dir"/train_"$tag"[._]*
+    job=""
+    [ -n "${FLOOR:-}" ] && job="PYTHONPATH=\$PWD python3 bench/compute_floor.py --gpus $nproc --json $dir/floor_$tag.json; "
+    [ -n "${PROBE:-}" ] && job+="PYTHONPATH=\$PWD python3 bench/device/planner_probe.py --model llama-7b --layers 2 \
+--rows 4 --sustain_s 15 --out $dir/probe_$tag.json; "
+    for mb in "${micro_batches[@]}"; do
+        run_tag=$part; [ ${#micro_batches[@]} -gt 1 ] && run_tag=${part}_mb$mb
+        run_flags=("${flags[@]}" --micro_batch "$mb")
+        [ -n "${PROFILE:-}" ] && run_flags+=(--profile "$dir/traces_$run_tag")
+        job+="TAG=$run_tag OUT=$dir bash bench/device/train_harness.sh $nproc llama7b ${run_flags[*]@Q}; "
+    done
+    start_detached "$dir" "$tag" "$job"
+    echo "job: $job"
     exit 0
 fi
 [ "$mode" = wait ] && wait_done "$dir" "$tag" "$polls"  # up to ~9 minutes per call
-cp "$dir"/train_"$tag".* "$dir/$tag.console" "$dir"/floor_"$tag".json "$dir/clocks_$tag.csv" "${OUT:-/tmp}/" 2>/dev/null
+cp "$dir"/train_"$tag"[._]* "$dir/$tag.console" "$dir"/{floor,probe}_"$tag".json "$dir/clocks_$tag.csv" "${OUT:-/tmp}/" 2>/dev/null
 # rank 0's chrome traces of the profiled steps, when done (gzipped; the largest may not come back)
-[ -e "$dir/$tag.done" ] && [ -d "$dir/traces_$part" ] && cp -r "$dir/traces_$part" "${OUT:-/tmp}/" 2>/dev/null
-grep -c '^ROW ' "$dir/train_$tag.log" 2>/dev/null | sed 's/^/rows so far: /'
+[ -e "$dir/$tag.done" ] && cp -r "$dir"/traces_"$part" "$dir"/traces_"$part"_mb* "${OUT:-/tmp}/" 2>/dev/null
+cat "$dir"/train_"$tag"*.log 2>/dev/null | grep -c '^ROW ' | sed 's/^/rows so far: /'
 if [ -e "$dir/$tag.done" ]; then echo done; tail -20 "$dir/$tag.console"; else echo "still running: call wait again"; fi
