@@ -23,6 +23,7 @@ start_detached() {
     local dir=$1 tag=$2 cmd=$3
     rm -f "$dir/$tag.done" "$dir/clocks_$tag.csv"
     local clocks="nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 200"
+    cmd=$(sed 's/[; ]*$//' <<< "$cmd")  # a trailing ';' would end the line below in ';;'
     setsid nohup bash -c "$clocks > $dir/clocks_$tag.csv 2>&1 & watcher=\$!; $cmd; kill \$watcher; \
 touch $dir/$tag.done" > "$dir/$tag.console" 2>&1 < /dev/null &
     echo $! > "$dir/$tag.pid"
@@ -34,6 +35,9 @@ wait_done() {
     local dir=$1 tag=$2 polls=$3
     for _ in $(seq 1 "$polls"); do
         [ -e "$dir/$tag.done" ] && break
+        if ! kill -0 "$(cat "$dir/$tag.pid" 2>/dev/null)" 2>/dev/null; then
+            echo "the launch ended without finishing (no $tag.done): see $tag.console"; touch "$dir/$tag.done"; break
+        fi
         sleep 10
     done
 }
