@@ -360,8 +360,9 @@ class TokenLedger:
 
 @dataclass
 class Prepared:
-    """A contender built and ready: ``step()`` runs one whole training step over the global batch."""
-    step: Callable[[], None]
+    """A contender built and ready: ``step()`` runs one whole training step over the global batch and returns
+    its loss (a detached 0-d tensor: read after the timed steps, no synchronization inside them)."""
+    step: Callable[[], torch.Tensor]
     batching: Batching
     entry: Optional[nn.Module] = None  # the module whose forward takes the token ids (TokenLedger's hook)
     note: str = ""
@@ -374,13 +375,13 @@ class Prepared:
     per_rank: Optional[Callable[[], dict]] = None
 
 
-def adamw(params: list, device: torch.device) -> torch.optim.Optimizer:
+def adamw(params: list, device: torch.device, lr: float) -> torch.optim.Optimizer:
     """Galaxy's optimizer recipe (train.loop.build_optimizer): AdamW, no decay on norm scales, fused on GPU."""
     decay = [p for p in params if p.dim() > 1]
     rest = [p for p in params if p.dim() <= 1]
     groups = [g for g in ({"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0})
               if g["params"]]
-    return torch.optim.AdamW(groups, lr=LR, **({"fused": True} if device.type == "cuda" else {}))
+    return torch.optim.AdamW(groups, lr=lr, **({"fused": True} if device.type == "cuda" else {}))
 
 
 def galaxy_config(shape: dict, args, plan: str = "none", reduce: str = "after_backward", compiled: bool = False,
@@ -398,7 +399,7 @@ def galaxy_config(shape: dict, args, plan: str = "none", reduce: str = "after_ba
         "parallel": {"plan": plan, "mp_grad_reduce": reduce, "dp_size": dp, "dp_engine": engine,
                      "reshard_after_forward": reshard, "fsdp_grad_sync": grad_sync},
         "train": {"global_batch_size": shape["global_batch"], "micro_batch_size": micro_batch,
-                  "seq_length": shape["seq"], "dtype": args.dtype, "lr": LR, "weight_decay": WEIGHT_DECAY,
+                  "seq_length": shape["seq"], "dtype": args.dtype, "lr": getattr(args, "lr", LR), "weight_decay": WEIGHT_DECAY,
                   "grad_clip": CLIP, "warmup_steps": 0, "lr_schedule": "constant", "max_steps": 10**6},
         **({"peft": peft} if peft else {})})
 
@@ -446,6 +447,7 @@ def galaxy_steps(model: nn.Module, cfg: GalaxyConfig, shape: dict, batching: Bat
         count[0] += 1
         loss = trainer.forward_backward(trainer.read_batch(batch_at, count[0]), amp)
         trainer.optimizer_step(loss, count[0])
+        return loss.detach()
 
     def metrics_bytes(run: Callable[[], None]) -> int:
         before = trainer.comm_bytes()  # what train() writes to metrics as comm_bytes
@@ -509,15 +511,19 @@ def compile_block(layer: nn.Module, args) -> nn.Module:
 
 
 def accumulate(micro: list, forward_loss: Callable, loss_context=contextlib.nullcontext,
-               sync: Optional[Callable[[bool], None]] = None) -> None:
+               sync: Optional[Callable[[bool], None]] = None) -> torch.Tensor:
     """Forward and backward of every micro-batch, each loss over the accumulation count (the mean);
-    ``sync(False)`` before the first and ``sync(True)`` before the last when given (gradient sync once)."""
+    ``sync(False)`` before the first and ``sync(True)`` before the last when given (gradient sync once).
+    Returns the mean loss over the micro-batches (detached)."""
+    total = 0.0
     for i, (ids, labels) in enumerate(micro):
         if sync is not None and i in (0, len(micro) - 1):
             sync(i == len(micro) - 1)
         with loss_context():
             loss = forward_loss(ids, labels) / len(micro)
             loss.backward()
+        total = total + loss.detach()
+    return total
 
 
 def plain_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
@@ -547,7 +553,7 @@ def plain_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepa
         for i, layer in enumerate(model.stack.layers):  # per block, as torchtitan compiles
             model.stack.layers[i] = compile_block(layer, args)
     params = list(model.parameters())
-    optimizer = adamw(params, ctx.device)
+    optimizer = adamw(params, ctx.device, args.lr)
     data = GlobalBatches(shape, batching, ctx.device)
     count = [0]
     dtype = getattr(torch, args.dtype)
@@ -561,10 +567,11 @@ def plain_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepa
 
     def step():
         count[0] += 1
-        accumulate(data.micro_batches(count[0], 0), forward_loss, loss_context)
+        loss = accumulate(data.micro_batches(count[0], 0), forward_loss, loss_context)
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss
 
     return Prepared(step, batching, entry=model, teardown=teardown)
 
@@ -612,7 +619,7 @@ def fsdp2_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepa
     model.to_empty(device=ctx.device)
     init_plain_weights(model, shape, ctx.device)
     params = list(model.parameters())
-    optimizer = adamw(params, ctx.device)
+    optimizer = adamw(params, ctx.device, args.lr)
     data = GlobalBatches(shape, batching, ctx.device)
     dp_rank = mesh["dp"].get_local_rank()
     count = [0]
@@ -622,10 +629,11 @@ def fsdp2_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepa
 
     def step():
         count[0] += 1
-        accumulate(data.micro_batches(count[0], dp_rank), forward_loss, loss_context, sync)
+        loss = accumulate(data.micro_batches(count[0], dp_rank), forward_loss, loss_context, sync)
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss
 
     note = ("unsharded fp32 gradients accumulated, reduce-scattered in the last micro-batch's backward" if sync else
             "gradients reduce-scattered (fp32) at every micro-batch's backward, as torchtitan accumulates")
@@ -680,7 +688,7 @@ def torchtitan_contender(name: str, args, shape: dict, ctx: ParallelContext) -> 
     model.train()
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=shape["vocab"]), compile_config=compile_cfg)
     params = list(model.parameters())
-    optimizer = adamw(params, ctx.device)
+    optimizer = adamw(params, ctx.device, args.lr)
     train_context = titan_dist.get_spmd_context(parallel_dims=parallel_dims)
     data = GlobalBatches(shape, batching, ctx.device)
     tokens = torch.tensor(shape["global_batch"] * shape["seq"], device=ctx.device)  # the step's, for the loss
@@ -690,15 +698,18 @@ def torchtitan_contender(name: str, args, shape: dict, ctx: ParallelContext) -> 
 
     def step():
         count[0] += 1
+        total = 0.0
         for ids, labels in data.micro_batches(count[0], 0):
             with train_context():
                 # as its Trainer's post_dataloading_process: per-document positions give the (block-)causal mask
                 masks = model.get_attention_masks(positions=positions)
                 loss, _ = loss_fn(model(ids, positions=positions, attention_masks=masks), labels, tokens)
                 loss.backward()
+            total = total + loss.detach()  # each micro-batch's loss is over the step's tokens: their sum
         titan_dist.clip_grad_norm_(params, CLIP, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return total
 
     return Prepared(step, batching, entry=model, note=f"torchtitan {getattr(torchtitan, '__version__', '?')}",
                     teardown=[lambda: setattr(inductor_config, "_micro_pipeline_tp", False)])
@@ -784,7 +795,7 @@ def megatron_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Pr
             grad_reduce_in_fp32=True, overlap_grad_reduce=data_parallel, overlap_param_gather=data_parallel,
             use_distributed_optimizer=True), model)
         optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, bf16=args.dtype == "bfloat16",
+            optimizer="adam", lr=args.lr, weight_decay=WEIGHT_DECAY, bf16=args.dtype == "bfloat16",
             params_dtype=getattr(torch, args.dtype), use_distributed_optimizer=True,
             overlap_param_gather=data_parallel, clip_grad=CLIP), [ddp])
         # as Megatron-LM's training.setup_model_and_optimizer / train wire the schedule
@@ -813,10 +824,13 @@ def megatron_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Pr
         count[0] += 1
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        forward_backward(forward_step_func=forward_step, data_iterator=iter(data.micro_batches(count[0], dp_rank)),
-                         model=[ddp], num_microbatches=batching.accumulation, seq_length=shape["seq"],
-                         micro_batch_size=batching.micro_batch, forward_only=False)
+        reported = forward_backward(forward_step_func=forward_step,
+                                    data_iterator=iter(data.micro_batches(count[0], dp_rank)), model=[ddp],
+                                    num_microbatches=batching.accumulation, seq_length=shape["seq"],
+                                    micro_batch_size=batching.micro_batch, forward_only=False)
         optimizer.step()
+        # the last pipeline stage's micro-batch losses (this rank holds every stage: pp 1)
+        return torch.stack([r["lm loss"] for r in reported]).mean() if reported else None
 
     return Prepared(step, batching, entry=ddp.module, layout={"tp": tp},
                     note=f"megatron-core {getattr(megatron.core, '__version__', '?')}; {why}; selective recompute "
@@ -838,25 +852,35 @@ def build(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
 # ----------------------------------------------------------------------------- timing
 
 
-def timed_steps(step: Callable[[], None], device: torch.device, warmup: int, iters: int) -> list[float]:
-    """Milliseconds of each of ``iters`` steps after ``warmup``: CUDA events on GPU, wall clock on CPU."""
-    for _ in range(warmup):
-        step()
+def timed_steps(step: Callable[[], Optional[torch.Tensor]], device: torch.device, warmup: int,
+                iters: int) -> tuple[list[float], list[Optional[float]]]:
+    """Milliseconds of each of ``iters`` steps after ``warmup`` (CUDA events on GPU, wall clock on CPU), and
+    the loss of every step, warm-up included, read after the last (a contender that computes wrong gradients
+    shows it as a loss that does not fall with the others')."""
+    losses = [step() for _ in range(warmup)]
     if device.type != "cuda":
         out = []
         for _ in range(iters):
             t0 = time.perf_counter()
-            step()
+            losses.append(step())
             out.append((time.perf_counter() - t0) * 1e3)
-        return out
+        return out, [loss_value(x) for x in losses]
     torch.cuda.synchronize(device)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for start, end in events:
         start.record()
-        step()
+        losses.append(step())
         end.record()
     torch.cuda.synchronize(device)
-    return [s.elapsed_time(e) for s, e in events]
+    return [s.elapsed_time(e) for s, e in events], [loss_value(x) for x in losses]
+
+
+def loss_value(loss: Optional[torch.Tensor]) -> Optional[float]:
+    """A step's loss as a number (a DTensor's whole value: loss_parallel's)."""
+    if loss is None:
+        return None
+    loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    return round(float(loss), 5)
 
 
 def spread(times: list[float]) -> dict:
@@ -910,9 +934,10 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: Peak
             if cuda:
                 release(ctx.device)
                 torch.cuda.reset_peak_memory_stats(ctx.device)
-        times = timed_steps(prepared.step, ctx.device, args.warmup, args.iters)
+        times, losses = timed_steps(prepared.step, ctx.device, args.warmup, args.iters)
         peak_mib = (torch.cuda.max_memory_allocated(ctx.device) - leftover) / 2**20 if cuda else None
-        row.update(spread(times), peak_mib=peak_mib, **({"leftover_mib": leftover / 2**20} if leftover else {}))
+        row.update(spread(times), peak_mib=peak_mib, losses=losses,
+                   **({"leftover_mib": leftover / 2**20} if leftover else {}))
         if prepared.per_rank is not None:
             extra = prepared.per_rank()
             row.update(extra)
@@ -1044,6 +1069,11 @@ def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> No
     dist.destroy_process_group()
 
 
+def loss_span(losses: Optional[list]) -> str:
+    known = [x for x in losses or [] if x is not None]
+    return f"{known[0]:.4f} -> {known[-1]:.4f}" if known else "-"
+
+
 def print_table(report: dict) -> None:
     s, f = report["shape"], report["facts"]
     print(f"\n{report['scenario']}: {s['layers']} layers, hidden {s['hidden']}, ffn {s['ffn']}, seq {s['seq']}, "
@@ -1052,7 +1082,7 @@ def print_table(report: dict) -> None:
           f"{report['torch']}, {report['date']}, {report['commit']}; peak {f['peak_tflops']} TFLOP/s "
           f"({f['peak_source']})")
     head = (f"{'contender':<38}{'gpus':>5}{'dp x mb x acc':>15}{'median ms':>11}{'q1-q3 ms':>18}{'tok/s/GPU':>11}"
-            f"{'MFU':>7}{'peak MiB':>10}{'comm MiB':>10}")
+            f"{'MFU':>7}{'peak MiB':>10}{'comm MiB':>10}  loss first -> last step")
     print(head + "\n" + "-" * len(head))
     for r in report["rows"]:
         if "error" in r:
@@ -1062,7 +1092,8 @@ def print_table(report: dict) -> None:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         layout = f"{r['dp']} x {r['micro_batch']} x {r['accumulation']}"
         print(f"{r['name']:<38}{r['gpus']:>5}{layout:>15}{r['median_ms']:>11.2f}{r['q1_ms']:>9.2f}-{r['q3_ms']:<8.2f}"
-              f"{r['tokens_per_s_per_gpu']:>11.0f}{mfu:>7}{peak:>10}{r['comm_bytes'] / 2**20:>10.1f}")
+              f"{r['tokens_per_s_per_gpu']:>11.0f}{mfu:>7}{peak:>10}{r['comm_bytes'] / 2**20:>10.1f}  "
+              f"{loss_span(r.get('losses'))}")
     profiled = [r for r in report["rows"] if r.get("profile")]
     if profiled:  # where the profiled step's GPU time went, on its slowest rank (by window)
         keys = ("window", "idle", "exposed_comm", "gemm", "attention", "fused", "elementwise", "optimizer",
@@ -1091,6 +1122,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--cpu", action="store_true", help="CPU + Gloo even where GPUs are present")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--lr", type=float, default=LR, help="every contender's AdamW learning rate (constant)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--peak_tflops", type=float, default=None, help="dense peak TFLOP/s of one device, for MFU "
                    "(default: galaxy.profiler.devices.PEAK_TFLOPS for the GPU)")

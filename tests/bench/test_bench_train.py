@@ -76,6 +76,29 @@ def test_every_contender_does_the_same_work_and_reports_it(tmp_path):
     assert "native-tp-sp-eager" in stdout and "tok/s/GPU" in stdout  # the table for people
 
 
+ALIKE = ("galaxy-none,galaxy-tp,galaxy-galaxy,galaxy-galaxy2-sharded,galaxy-galaxy@dp2,serial-eager,"
+         "native-tp-sp-eager")
+
+
+def test_rows_that_start_alike_train_alike(tmp_path):
+    """Each row's ``losses`` (every step's loss, read after the timing): Galaxy's plans, gradient reductions and
+    dp layouts start from the same weights and read the same batches, so in float32 their losses agree at every
+    step, and so do the plain model's serial and tensor-parallel rows; a row whose gradients were wrong would
+    part from them at its second step (the check's reach: the same rows at a learning rate of ~0 part by more
+    than 100 times the tolerance by the third step). It caught a compiled GPU row training a different model."""
+    def losses(lr):
+        report, _ = bench(tmp_path, "--contenders", ALIKE, "--dtype", "float32", "--iters", "3", "--lr", lr)
+        rows = {r["name"]: r for r in report["rows"]}
+        assert all("error" not in r and len(r["losses"]) == 3 for r in rows.values()), rows
+        return {n: r["losses"] for n, r in rows.items()}
+    trained = losses("1e-2")
+    for name, got in trained.items():
+        reference = trained["serial-eager" if name.startswith(("serial", "native")) else "galaxy-none"]
+        assert got == pytest.approx(reference, rel=1e-4), name
+    still = losses("1e-9")
+    assert abs(still["galaxy-none"][2] - trained["galaxy-none"][2]) > 100 * 1e-4 * trained["galaxy-none"][2]
+
+
 def test_a_global_batch_out_of_reach_is_refused():
     """Refused before anything is built or any collective runs (run_contender makes it the row's error)."""
     import argparse
