@@ -361,8 +361,9 @@ class TokenLedger:
 @dataclass
 class Prepared:
     """A contender built and ready: ``step()`` runs one whole training step over the global batch and returns
-    its loss (a detached 0-d tensor: read after the timed steps, no synchronization inside them)."""
-    step: Callable[[], torch.Tensor]
+    its loss (a detached 0-d tensor, read after the timed steps: no synchronization inside them; None where the
+    recipe reports none on this rank)."""
+    step: Callable[[], Optional[torch.Tensor]]
     batching: Batching
     entry: Optional[nn.Module] = None  # the module whose forward takes the token ids (TokenLedger's hook)
     note: str = ""
@@ -399,8 +400,10 @@ def galaxy_config(shape: dict, args, plan: str = "none", reduce: str = "after_ba
         "parallel": {"plan": plan, "mp_grad_reduce": reduce, "dp_size": dp, "dp_engine": engine,
                      "reshard_after_forward": reshard, "fsdp_grad_sync": grad_sync},
         "train": {"global_batch_size": shape["global_batch"], "micro_batch_size": micro_batch,
-                  "seq_length": shape["seq"], "dtype": args.dtype, "lr": getattr(args, "lr", LR), "weight_decay": WEIGHT_DECAY,
-                  "grad_clip": CLIP, "warmup_steps": 0, "lr_schedule": "constant", "max_steps": 10**6},
+                  "seq_length": shape["seq"], "dtype": args.dtype,
+                  "lr": getattr(args, "lr", LR),  # bench_peft_mp's arguments name no lr
+                  "weight_decay": WEIGHT_DECAY, "grad_clip": CLIP, "warmup_steps": 0, "lr_schedule": "constant",
+                  "max_steps": 10**6},
         **({"peft": peft} if peft else {})})
 
 

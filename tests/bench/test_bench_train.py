@@ -85,7 +85,8 @@ def test_rows_that_start_alike_train_alike(tmp_path):
     dp layouts start from the same weights and read the same batches, so in float32 their losses agree at every
     step, and so do the plain model's serial and tensor-parallel rows; a row whose gradients were wrong would
     part from them at its second step (the check's reach: the same rows at a learning rate of ~0 part by more
-    than 100 times the tolerance by the third step). It caught a compiled GPU row training a different model."""
+    than 100 times the tolerance by the third step). On GPUs the same column shows a row that trains another
+    model (as compiled one-row micro-batches did on 2 x H200: bench/device/microbatch_check.sh)."""
     def losses(lr):
         report, _ = bench(tmp_path, "--contenders", ALIKE, "--dtype", "float32", "--iters", "3", "--lr", lr)
         rows = {r["name"]: r for r in report["rows"]}
