@@ -8,7 +8,9 @@ train sections (seq_length, global_batch_size, dtype) set the workload; ``--over
 changes any key. The plan is written as a config the training CLIs take (``--config plan.json``),
 the top plans as a table (printed, and as JSON beside it). ``--validate K`` runs the top K through
 ``pretrain_galaxy.py`` (masked- or causal-LM pretraining, as the model family trains) or, for
-``--objective latency``, ``infer_galaxy.py``, and prints the measured times beside the predicted.
+``--objective latency``, ``infer_galaxy.py``, prints the measured times beside the predicted, and writes
+the fastest of them as the plan (the cost model ranks, the measurement picks: a GPU held at its power
+limit by a sustained step runs slower than the profile's bursts, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -255,6 +257,7 @@ def plan_main(argv: list[str]) -> int:
     rows = table_rows(choices)
     validated = validate_all(configs[:args.validate], choices, args)
     measured = None
+    picked = 0
     if validated:
         validated += [None] * (len(rows) - len(validated))
         measured = [None if v is None else v.seconds for v in validated]
@@ -262,10 +265,18 @@ def plan_main(argv: list[str]) -> int:
             row["measured_ms"] = None if v is None else round(v.seconds * 1e3, 3)
             # rank 0's peak (the prediction's max_memory_mb is the largest rank's): training runs only
             row["measured_peak_mb_rank0"] = None if v is None or v.peak_mb is None else round(v.peak_mb, 1)
+        # as an autotuner does: the model ranks, the measurement picks among the plans it ran
+        ran = [i for i, m in enumerate(measured) if m is not None]
+        if ran:
+            picked = min(ran, key=lambda i: measured[i])
+            with open(args.out, "w") as f:
+                json.dump(configs[picked], f, indent=2)
+            print(f"the fastest validated plan (rank {rows[picked]['rank']}, {measured[picked] * 1e3:.1f} ms measured) "
+                  f"written to {args.out}", flush=True)
     table_path = args.table or os.path.splitext(args.out)[0] + ".plans.json"
     with open(table_path, "w") as f:
-        json.dump({"objective": args.objective, "cluster": args.cluster, "plans": rows, "configs": configs}, f,
-                  indent=2)
+        json.dump({"objective": args.objective, "cluster": args.cluster, "plans": rows, "configs": configs,
+                   "picked": picked}, f, indent=2)
     print(f"top {len(rows)} plans written to {table_path}")
     print_table(rows[:args.top], measured[:args.top] if measured else None)
     return 0

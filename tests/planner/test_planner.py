@@ -665,7 +665,8 @@ def test_validate_under_a_launcher_is_one_line(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("objective", ["latency", "train"])
 def test_validate_runs_the_top_plans_through_the_clis(tmp_path, capsys, objective):
     """``--validate 2`` runs the two best plans with infer_galaxy.py / pretrain_galaxy.py on local
-    processes (latency: twice each) and puts each measured time beside its prediction (table and JSON)."""
+    processes (latency: twice each), puts each measured time beside its prediction (table and JSON) and
+    writes the faster of the two as the plan."""
     from galaxy.cli.plan import main
 
     cluster = synthetic_cluster(BERT, 2, [1.0, 1.0], seq=16, alpha=1e-5, beta=1e-10)
@@ -683,6 +684,34 @@ def test_validate_runs_the_top_plans_through_the_clis(tmp_path, capsys, objectiv
     assert all(r["measured_ms"] > 0 for r in rows[:2]) and rows[2]["measured_ms"] is None, rows
     peaks = [r["measured_peak_mb_rank0"] for r in rows]
     assert (all(p > 0 for p in peaks[:2]) if objective == "train" else peaks[:2] == [None, None]) and peaks[2] is None
+    # the plan written is the fastest of those measured, whichever the model ranked first
+    table = json.loads((tmp_path / "plan.plans.json").read_text())
+    fastest = min(range(2), key=lambda i: rows[i]["measured_ms"])
+    assert table["picked"] == fastest and json.loads(out.read_text()) == table["configs"][fastest]
+    assert f"the fastest validated plan (rank {rows[fastest]['rank']}" in printed
+
+
+def test_validate_writes_the_fastest_measured_plan_not_the_first_predicted(tmp_path, capsys, monkeypatch):
+    """The model ranks the plans; among those ``--validate`` ran, the measured fastest is the plan written (here
+    the second: the launches are replaced by fixed times, the first plan measured slowest)."""
+    from galaxy.cli import plan as plan_cli
+
+    cluster = synthetic_cluster(BERT, 2, [1.0, 1.0], seq=16, alpha=1e-5, beta=1e-10)
+    cluster.save(str(tmp_path / "cluster.json"))
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"model": BERT, "train": {"seq_length": 16, "global_batch_size": 2}}))
+    launched = []
+
+    def measure(config, world, args):
+        launched.append(config)
+        return plan_cli.Measured([0.3, 0.1, 0.2][len(launched) - 1], 1.0)
+    monkeypatch.setattr(plan_cli, "validate", measure)
+    out = tmp_path / "plan.json"
+    assert plan_cli.main(["--model", str(model), "--cluster", str(tmp_path / "cluster.json"), "--out", str(out),
+                          "--validate", "3", "--top", "3"]) == 0
+    table = json.loads((tmp_path / "plan.plans.json").read_text())
+    assert [r["measured_ms"] for r in table["plans"]] == [300.0, 100.0, 200.0] and table["picked"] == 1
+    assert json.loads(out.read_text()) == table["configs"][1] == launched[1] != table["configs"][0]
 
 
 def test_validate_on_an_emulated_cluster_refuses_another_world(tmp_path, capsys):
