@@ -61,6 +61,23 @@ def gradients(model, cfg, ctx, ids: torch.Tensor, micro_rows: int, backend: str)
     return total, {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@contextlib.contextmanager
+def collectives_counted(device: torch.device):
+    """Yields a dict that, after the block, holds how many times each NCCL kernel ran in it (a graph that drops
+    a transition's collective shows it here: the 1-row profile of 2026-11-27 had 3 all-gathers and 3
+    reduce-scatters per layer and micro-batch where the 4-row one had 4 and 4). Empty off CUDA."""
+    counts: dict = {}
+    if device.type != "cuda":
+        yield counts
+        return
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        yield counts
+        torch.cuda.synchronize(device)
+    for row in prof.key_averages():  # the kernels themselves (ncclDevKernel_AllGather_RING_LL, ...)
+        if row.key.startswith(("ncclDevKernel", "ncclKernel")):
+            counts[row.key[:80]] = counts.get(row.key[:80], 0) + row.count
+
+
 def compare(ref: dict, got: dict, most: int) -> dict:
     def rel(a, b):
         return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -92,14 +109,16 @@ def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> No
         model, cfg = (compiled, compiled_cfg) if which == "compiled" else (eager, eager_cfg)
         torch._dynamo.reset()  # each variant traces afresh (a backend is chosen while tracing)
         try:
-            loss, got = gradients(model, cfg, ctx, ids, int(rows), backend)
-            row = {"variant": spec, "loss": loss, **compare(ref, got, args.most)}
+            gradients(model, cfg, ctx, ids, int(rows), backend)  # compiles; then the measured pass
+            with collectives_counted(ctx.device) as counts:
+                loss, got = gradients(model, cfg, ctx, ids, int(rows), backend)
+            row = {"variant": spec, "loss": loss, **compare(ref, got, args.most), "collective_kernels": counts}
         except Exception as e:  # noqa: BLE001 (a backend that cannot run these shapes: say so, go on)
             row = {"variant": spec, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
         report["variants"].append(row)
         if rank == 0:
             shown = row.get("error") or f"loss {row['loss']:.5f} rel_err {row['rel_err']:.2e} worst " + ", ".join(
-                f"{w['param']} {w['rel_err']:.1e}" for w in row["worst"][:3])
+                f"{w['param']} {w['rel_err']:.1e}" for w in row["worst"][:3]) + f" nccl {row['collective_kernels']}"
             print(f"{spec:24s} {shown}", flush=True)
     everyone = [None] * world
     dist.all_gather_object(everyone, report)
