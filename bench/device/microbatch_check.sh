@@ -23,7 +23,7 @@ JSON
             --max_steps 3 --metrics_file "$out/$name.jsonl" --no_progress > "$out/$name.log" 2>&1 \
             || { echo "$name: failed: $(tail -1 "$out/$name.log")"; continue; }
         python3 -c "
-import json, sys
+import json
 rows = [json.loads(l) for l in open('$out/$name.jsonl')]
 print('$name', ' '.join(f\"step {r['step']}: loss {r['loss']:.5f} grad_norm {r['grad_norm']:.5f} ({r['step_time_s']:.2f} s)\" for r in rows))"
     done
