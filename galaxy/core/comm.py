@@ -43,6 +43,15 @@ def _scattered(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return funcol.wait_tensor(_functional_reduce_scatter(x, "sum", 0, group))
 
 
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` laid out contiguously: ``t`` itself where it already is, not ``t.contiguous()``. Under torch
+    2.11's dynamo an autograd.Function whose forward returns a no-op ``.contiguous()`` of a tensor it made
+    gets an all-zero gradient (2.13 is right); the transitions return these results, and with one sequence
+    per micro-batch the sequence dim's ``movedim`` and ``narrow`` are contiguous already (docs/benchmarks.md,
+    "Rows per micro-batch on 2 GPUs")."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
 PHASES = ("fwd", "bwd", "other")
 
 
@@ -140,7 +149,7 @@ class Communicator:
                           lambda: _gathered(local, self.process_group), x.device)
         if any(s != piece for s in sizes):
             out = torch.cat([out[i * piece: i * piece + s] for i, s in enumerate(sizes)])
-        return out.movedim(0, dim).contiguous()
+        return _contiguous(out.movedim(0, dim))
 
     def reduce_scatter(self, x: torch.Tensor, dim: int, sizes: Sequence[int], phase: str = "other") -> torch.Tensor:
         """Sum ``x`` over ranks and keep this rank's ``sizes[rank]`` slices along ``dim``."""
@@ -155,14 +164,14 @@ class Communicator:
         full = full.contiguous()
         out = self.timed("reduce_scatter", x.numel() * x.element_size(), phase,
                           lambda: _scattered(full, self.process_group), x.device)
-        return out[: sizes[self.rank]].movedim(0, dim).contiguous()
+        return _contiguous(out[: sizes[self.rank]].movedim(0, dim))
 
     def split(self, x: torch.Tensor, dim: int, sizes: Sequence[int]) -> torch.Tensor:
         """This rank's slices of a replicated tensor (no communication)."""
         if self.size == 1:
             return x
         offset = sum(sizes[: self.rank])
-        return x.narrow(dim, offset, sizes[self.rank]).contiguous()
+        return _contiguous(x.narrow(dim, offset, sizes[self.rank]))
 
     def broadcast(self, x: torch.Tensor, src: int, phase: str = "other") -> torch.Tensor:
         if self.size == 1:

@@ -30,6 +30,9 @@ STEPS = 2
 MODELS = {
     "llama": (LlamaForCausalLM, llama_eq.TINY, llama_eq.SEQ, lambda step: llama_eq.make_batch(),
               lambda m: m.model.edges),
+    # one sequence: the sequence dim's movedim / narrow at the transitions are contiguous views already
+    "llama-one-row": (LlamaForCausalLM, llama_eq.TINY, llama_eq.SEQ,
+                      lambda step: {k: v[:1] for k, v in llama_eq.make_batch().items()}, lambda m: m.model.edges),
     "bert": (BertForMaskedLM, bert_eq.TINY, bert_eq.SEQ, bert_eq.make_batch, lambda m: m.bert.edges),
 }
 
@@ -101,8 +104,12 @@ def compiled_equals_eager(ctx, model_type, plan, uneven, dtype=torch.float32, ex
     return errors[worst]
 
 
-@pytest.mark.parametrize("model_type,plan", [("llama", "tp"), ("llama", "galaxy"), ("bert", "galaxy2")])
+@pytest.mark.parametrize("model_type,plan", [("llama", "tp"), ("llama", "galaxy"), ("bert", "galaxy2"),
+                                             ("llama-one-row", "galaxy")])
 def test_compiled_equals_eager_fp32(dist_pool, model_type, plan):
+    """``llama-one-row``: a batch of one sequence, whose all-gather and reduce-scatter results along the
+    sequence are contiguous views; torch 2.11 compiled a no-op ``.contiguous()`` of them into zero gradients
+    (what GPU runs of one-sequence micro-batches trained on; comm._contiguous)."""
     dist_pool.run(compiled_equals_eager, 2, model_type, plan, False)
 
 
