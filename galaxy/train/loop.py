@@ -227,12 +227,6 @@ class Trainer:
         self.runner = runner_class(model, ctx, par.pipeline_schedule,
                                    comm_dtype=getattr(torch, frozen) if frozen else None)
         self.num_microbatches = par.num_microbatches
-        rows = t.global_batch_size // (ctx.dp.size * par.num_microbatches)
-        if cfg.model.compile and ctx.device.type == "cuda" and rows == 1:
-            logger.warning("compile: true with micro-batches of one sequence computed wrong gradients on 2 x H200 "
-                           "(torch 2.11, plan galaxy, 2026-11-27; docs/benchmarks.md, 'Rows per micro-batch on 2 "
-                           "GPUs'), its cause not yet found; 4 sequences per micro-batch (fewer num_microbatches) or "
-                           "compile: false trained correctly there")
         self.last_step: Optional[PipelineStepResult] = None
         self._last_micro: list[dict] = []  # the step's micro-batches, replayed to locate a non-finite value
         self._autocast: Optional[Callable] = None
