@@ -2,10 +2,12 @@
 
 On 2 x H200 (torch 2.11, 2026-11-27) pretrain_galaxy.py with ``compile: true`` and 16 micro-batches of one
 sequence trained a different model from 4 micro-batches of four and from the eager model (step-1 grad norm
-1.27 against 4.35; bench/device/microbatch_check.sh); on CPU (Gloo, inductor's C++ backend) they agree. This
-takes one global batch through the eager model (the reference: one micro-batch of every row) and through the
-compiled model at several micro-batch sizes and attention backends, and prints, per variant, the loss, the
-relative error of all gradients and the parameters that differ most: which part of the layer is wrong.
+1.27 against 4.35; bench/device/microbatch_check.sh). This takes one global batch through the eager model (the
+reference: one micro-batch of every row) and through the compiled model at several micro-batch sizes and
+attention backends, and prints, per variant, the loss, the relative error of all gradients, the parameters
+that differ most and the NCCL kernels that ran. It found the cause on CPU under torch 2.11 (the fault is
+torch 2.11's, not the GPU's: a no-op ``.contiguous()`` returned by an autograd.Function compiles to a zero
+gradient; galaxy.core.comm._contiguous), where 2.13 had agreed.
 
     torchrun --nproc_per_node 2 bench/device/compile_grad_check.py --json out.json      # galaxy plan, NCCL
     torchrun --nproc_per_node 1 bench/device/compile_grad_check.py --plan none          # no collectives
