@@ -165,10 +165,10 @@ def shard_model(model: nn.Module, ctx, *, over_dp: bool, replicated_over_mp: boo
     layers = [layer for stack in layer_stacks(model) for layer in stack]
     compute = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     axes_of: dict[str, tuple[str, ...]] = {}  # parameter name -> the groups of the unit that shards it
-    def wrap(module: nn.Module, comm: Communicator, axes: tuple[str, ...], policy) -> None:
+    def wrap(module: nn.Module, comm: Communicator, axes: tuple[str, ...], policy, reshard: bool) -> None:
         # Vectors (norm scales, biases) stay whole parameters (see the module docstring).
         ignored = {p for p in module.parameters() if p.dim() < 2 and not is_dtensor(p)}
-        fully_shard(module, mesh=device_mesh(comm, ctx.device), reshard_after_forward=reshard_after_forward,
+        fully_shard(module, mesh=device_mesh(comm, ctx.device), reshard_after_forward=reshard,
                     mp_policy=policy, **({"ignored_params": ignored} if ignored else {}))
         _sum_reductions(module)
         sharding.modules.append(module)
@@ -176,7 +176,7 @@ def shard_model(model: nn.Module, ctx, *, over_dp: bool, replicated_over_mp: boo
         for name, p in model.named_parameters():  # those this call made DTensors
             if is_dtensor(p) and name not in axes_of:
                 axes_of[name] = axes
-                gathered += p.numel() * (policy.param_dtype or p.dtype).itemsize * (2 if reshard_after_forward else 1)
+                gathered += p.numel() * (policy.param_dtype or p.dtype).itemsize * (2 if reshard else 1)
                 reduced += p.numel() * (policy.reduce_dtype or p.dtype).itemsize
         sharding.traffic.append((comm, gathered, reduced))
 
@@ -198,11 +198,15 @@ def shard_model(model: nn.Module, ctx, *, over_dp: bool, replicated_over_mp: boo
             logger.warning("mp_grad_reduce 'fsdp': the plan has no SP block with replicated weights to shard "
                            "over mp")
         for unit in units:
-            wrap(unit, comm, axes, compute)
+            wrap(unit, comm, axes, compute, reshard_after_forward)
     if sharding.over_dp:
         for layer in layers:
-            wrap(layer, ctx.dp, ("dp",), compute)
-        wrap(model, ctx.dp, ("dp",), MixedPrecisionPolicy(reduce_dtype=reduce_dtype, cast_forward_inputs=False))
+            wrap(layer, ctx.dp, ("dp",), compute, reshard_after_forward)
+        # The root (embeddings, final norm, head) stays gathered from forward into backward, as torch's docs
+        # advise: the head's backward needs it first. Resharded, torch 2.11 fails there on a tied head
+        # ("setStorage ... storage of size 0": its saved weight freed before the root's pre-backward gather).
+        wrap(model, ctx.dp, ("dp",), MixedPrecisionPolicy(reduce_dtype=reduce_dtype, cast_forward_inputs=False),
+             False)
     for name, p in model.named_parameters():
         for key, value in meta[name].items():
             setattr(p, key, value)
