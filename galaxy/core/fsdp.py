@@ -7,7 +7,8 @@ Two uses, which compose (``shard_model``):
   (embeddings, final norm, head) as the root, is ``fully_shard``-ed over the dp ranks: each dp rank
   keeps a dim-0 shard of every weight (an mp rank's TP shard, or a whole weight), its gradient and
   its optimizer state; the weights are all-gathered before a layer runs and its gradients
-  reduce-scattered after its backward.
+  reduce-scattered after its backward. The root's stay gathered from forward into backward (its head
+  runs first there; ``reshard_after_forward`` applies to the layers).
 * **mp** (``mp_grad_reduce: fsdp``): the replicated weights of SP blocks (MLP.sp, ATT.sp's
   projections, a whole SP layer) are used by each mp rank on its own tokens: data parallelism over
   the mp group, so they are ``fully_shard``-ed over it (over dp x mp with fsdp2), before the layers.
