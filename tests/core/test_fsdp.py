@@ -11,8 +11,8 @@ import torch
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.context import ParallelContext
 from galaxy.core.fsdp import fsdp_axes, is_dtensor, local
-from galaxy.core.pipeline import layer_stacks
 from galaxy.core.grad_sync import gather_full
+from galaxy.core.pipeline import layer_stacks
 from galaxy.train.loop import Trainer, autocast_context, train
 from tests.core.test_dp_pp import RTOL, STEPS, build, rel_err
 from tests.train.test_checkpoint_sharded import build as build_overriding_train
