@@ -59,9 +59,12 @@ case $part in
     # the same, Galaxy's fastest row after the anchors (megatron-dp still last; bench_train keeps the order given
     # since efca89d; the launch at dbabd5c still ran Galaxy first), without the dp2 row
     twolast) contenders='fsdp2-compile-noreshard-onesync,fsdp2-compile,fsdp2-tp,galaxy-galaxy-sharded+compile,megatron-dp' ;;
+    # the 2-GPU scenario after the one-row compile fix (3392d9c): every anchor, Galaxy's mp-2 plans (galaxy and
+    # galaxy2, ZeRO-2 over mp) after them, megatron-dp last
+    twofix) contenders='fsdp2-compile-noreshard-onesync,fsdp2-compile,fsdp2-tp,galaxy-galaxy-sharded+compile,galaxy-galaxy2-sharded+compile,megatron-dp' ;;
     # the planner's rows question (issue 31 item 6): Galaxy's 2-GPU plan alone, run with MICRO_BATCH="1 4" PROFILE=1
     rows) contenders='galaxy-galaxy-sharded+compile' ;;
-    *) echo "unknown part $part (a | b | fit | all | dp | sync | two | twoall | twolast | rows)"; exit 2 ;;
+    *) echo "unknown part $part (a | b | fit | all | dp | sync | two | twoall | twolast | twofix | rows)"; exit 2 ;;
 esac
 tag=llama7b_${nproc}_${part}
 micro_batches=(${MICRO_BATCH:-1})
