@@ -1,0 +1,21 @@
+# One GPU: the cost of an all-ones attention mask in galaxy.core.attention (forward + backward, seq 4096, bf16).
+#   PYTHONPATH=. python3 bench/device/attention_mask_cost.py
+import json, torch
+from galaxy.core.attention import attention
+torch.manual_seed(0)
+out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+for rows, heads in ((1, 16), (4, 16), (1, 32)):
+    q, k, v = (torch.randn(rows, heads, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    ones = torch.ones(rows, 4096, dtype=torch.long, device="cuda")
+    for name, pad in (("no_mask", None), ("all_ones_mask", ones)):
+        def step():
+            o = attention(q, k, v, key_padding_mask=pad, causal=True)
+            o.sum().backward()
+        for _ in range(3): step()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(10): step()
+        e.record(); torch.cuda.synchronize()
+        out[f"rows{rows}_heads{heads}_{name}_ms"] = s.elapsed_time(e) / 10
+print(json.dumps(out, indent=1))
