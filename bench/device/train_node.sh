@@ -62,9 +62,13 @@ case $part in
     # the 2-GPU scenario after the one-row compile fix (3392d9c): every anchor, Galaxy's mp-2 plans (galaxy and
     # galaxy2, ZeRO-2 over mp) after them, megatron-dp last
     twofix) contenders='fsdp2-compile-noreshard-onesync,fsdp2-compile,fsdp2-tp,galaxy-galaxy-sharded+compile,galaxy-galaxy2-sharded+compile,megatron-dp' ;;
+    # the 4-GPU scenario after the fix: every anchor, Galaxy's best dp4 row (its dp axis on FSDP2, the anchor's
+    # engine), Galaxy2 over dp 2 x mp 2 and at mp 4 (ZeRO-2 over mp), megatron-dp last; MICRO_BATCH="1 2" (the
+    # anchor is fastest at 2 rows on 2 GPUs)
+    fourfix) contenders='fsdp2-compile-noreshard-onesync,fsdp2-compile,fsdp2-tp,galaxy-tp+compile@dp4-fsdp2-noreshard-onesync,galaxy-galaxy2+compile@dp2-fsdp2-noreshard-onesync,galaxy-galaxy2-sharded+compile,megatron-dp' ;;
     # the planner's rows question (issue 31 item 6): Galaxy's 2-GPU plan alone, run with MICRO_BATCH="1 4" PROFILE=1
     rows) contenders='galaxy-galaxy-sharded+compile' ;;
-    *) echo "unknown part $part (a | b | fit | all | dp | sync | two | twoall | twolast | twofix | rows)"; exit 2 ;;
+    *) echo "unknown part $part (a | b | fit | all | dp | sync | two | twoall | twolast | twofix | fourfix | rows)"; exit 2 ;;
 esac
 tag=llama7b_${nproc}_${part}
 micro_batches=(${MICRO_BATCH:-1})
