@@ -113,6 +113,11 @@ def test_compiled_equals_eager_fp32(dist_pool, model_type, plan):
     dist_pool.run(compiled_equals_eager, 2, model_type, plan, False)
 
 
+# torch 2.11's inductor passes SDPA's CPU flash backward a float32 mask for float64 inputs (three lines: compile
+# F.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask) over float64 on CPU, backward: "expected scalar
+# type Double but found Float"); right on 2.13. This case's padded batch has a mask.
+@pytest.mark.xfail(torch.__version__.startswith("2.11"), strict=True,
+                   reason="torch 2.11 inductor: float64 SDPA backward with a mask on CPU")
 def test_compiled_uneven_world3_fp64_equals_eager(dist_pool):
     """Uneven heads, FFN and sequence splits (collectives padded to the largest piece), in fp64,
     with full recomputation wrapping the compiled layer."""
