@@ -6,7 +6,8 @@
 #                                                     # one-GPU profile of the 7B (pieces, optimizer, calibration)
 #   bash bench/device/planner_node.sh start node N    # N GPUs: profile the 7B on N, plan global batch 16 x 4096
 #                                                     # (compiled: COMPILE=0 for eager), --validate ${VALIDATE:-3}
-#   bash bench/device/planner_node.sh wait probe|node N   # again, at once, until it prints "done"
+#   bash bench/device/planner_node.sh wait probe|node N   # again, at once, until it prints "done" (SOCKETS=1 on
+#                                                     # both calls for the slow-link run)
 # Each call copies what exists so far to $OUT. Time (estimates): probe ~3 min; node at 4 GPUs: the profile
 # ~3-4 min, then each validated plan ~2-3 min (a 7B built per rank, compiled, 3 steps of ~2 s).
 set -o pipefail
@@ -14,6 +15,9 @@ source "$(dirname "$0")/detached.sh"
 mode=${1:?start|wait|collect}; part=${2:?probe|node}; nproc=${3:-1}; polls=${POLLS:-55}  # 10 s polls
 dir=/root/planner_node; mkdir -p "$dir"; tag=${part}_$nproc
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# SOCKETS=1: NCCL over sockets (no NVLink, no shared memory), a slow link, for the profile and every validated
+# plan alike (their launches inherit this environment); its files are tagged _sockets
+if [ -n "${SOCKETS:-}" ]; then export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1; tag=${tag}_sockets; fi
 model="--model llama-7b --override dtype=bfloat16 --seq_length 4096 --global_batch_size 16 ${EXTRA:-}"  # EXTRA: more --override KEY=VALUE
 compile=""; [ "${COMPILE:-1}" = 1 ] && compile="--override compile=true"
 case $part in
