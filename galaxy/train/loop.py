@@ -38,9 +38,10 @@ from galaxy.core.context import ParallelContext
 from galaxy.core.grad_sync import GradReducer, check_replicated, clip_grads_with_norm_, global_grad_norm, \
     sync_pipeline_ties, takes_weight_decay
 from galaxy.core.pipeline import PipelineRunner, PipelineStepResult, StageSpec, analytic_bubble
+from galaxy.models import family
 from galaxy.train.evaluate import evaluate
 from galaxy.train.metrics import PeakFlops, TensorBoardWriter, peak_flops_per_device, step_model_flops, throughput
-from galaxy.train.microbatch import split_rows
+from galaxy.train.microbatch import split_rows, without_needless_mask
 from galaxy.train.precision import LossScaler, first_nonfinite_module, first_nonfinite_parameter
 
 logger = logging.getLogger(__name__)
@@ -233,21 +234,29 @@ class Trainer:
 
     # -- data
 
+    @property
+    def causal(self) -> bool:
+        """Whether the model is a causal LM (where right padding's mask may be left out, ``read_batch``)."""
+        return family(self.cfg.model.model_type).causal
+
     def read_batch(self, batch_at: Callable, step: int) -> dict:
-        """This dp rank's rows of the step's global batch, on CPU: ``batch_at(step, shard=...)``
-        when the batcher takes a shard (only those rows are built), else a slice of the global batch."""
+        """This dp rank's rows of the step's global batch, on CPU, without an attention mask the loss does not
+        need (``without_needless_mask``): ``batch_at(step, shard=...)`` when the batcher takes a shard (only
+        those rows are built), else a slice of the global batch."""
         dp = self.ctx.dp
         if dp.size == 1:
-            return batch_at(step)
-        if _accepts_shard(batch_at):
-            return batch_at(step, shard=(dp.rank, dp.size))
-        batch = batch_at(step)
-        rows = next(iter(batch.values())).shape[0]
-        if rows % dp.size:
-            raise ConfigError(f"config key 'global_batch_size' ({rows}) is not divisible into dp_size={dp.size} "
-                              "data-parallel shards")
-        per = rows // dp.size
-        return {k: v[dp.rank * per:(dp.rank + 1) * per] for k, v in batch.items()}
+            batch = batch_at(step)
+        elif _accepts_shard(batch_at):
+            batch = batch_at(step, shard=(dp.rank, dp.size))
+        else:
+            batch = batch_at(step)
+            rows = next(iter(batch.values())).shape[0]
+            if rows % dp.size:
+                raise ConfigError(f"config key 'global_batch_size' ({rows}) is not divisible into dp_size="
+                                  f"{dp.size} data-parallel shards")
+            per = rows // dp.size
+            batch = {k: v[dp.rank * per:(dp.rank + 1) * per] for k, v in batch.items()}
+        return without_needless_mask(batch, self.causal)
 
     def loss_weights(self, micro_batches: list[dict]) -> Optional[list[float]]:
         """Each micro-batch's share of the global batch's loss targets (None: a single whole batch)."""
