@@ -574,15 +574,19 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
     bubble_sum = 0.0
     pending = None  # checkpoint_async_mode 'async': the save still being written
     model.train()
+    batch = None  # the step's rows, read during the step before it
     try:
         for step in range(start_step, t.max_steps):
             bytes_before = trainer.comm_bytes()
             if profiler is not None:
                 profiler.before_step(step + 1)
             start = time.perf_counter()
-            batch = trainer.read_batch(batch_at, step)
+            if batch is None:
+                batch = trainer.read_batch(batch_at, step)
             loss_t = trainer.forward_backward(batch, amp)
             outcome = trainer.optimizer_step(loss_t, step + 1)
+            # the next step's rows are made on the host while the device runs this step's optimizer
+            upcoming = trainer.read_batch(batch_at, step + 1) if step + 1 < t.max_steps else None
             loss = loss_t.item()
             elapsed = time.perf_counter() - start
             if profiler is not None and profiler.after_step(step + 1) is not None:  # a collective at step K
@@ -642,6 +646,7 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
                                         async_save=asynchronous)
                 pending = saved if asynchronous else None
             result.comm_bytes_per_step = comm_bytes
+            batch = upcoming
         if pending is not None:
             pending.result()  # the last save is complete before train returns
     except Exception as e:

@@ -24,6 +24,24 @@ def loss_curve(ctx, plan):
     return train(model, batch_at, cfg, ctx, progress=False).losses
 
 
+def test_each_steps_rows_are_read_once_and_in_order():
+    """train() reads the next step's rows while the device runs the optimizer: every step's once, none past
+    the last."""
+    from galaxy.core.context import ParallelContext
+
+    cfg = GalaxyConfig.from_dict(SMALL, {"max_steps": 4})
+    mlm_batch_at, _ = mlm_data(cfg)
+    asked = []
+
+    def batch_at(step):
+        asked.append(step)
+        return mlm_batch_at(step)
+    ctx = ParallelContext.serial()
+    model = BertForMaskedLM(cfg.model, cfg.resolve_plan(1), ctx, seed=cfg.train.seed)
+    losses = train(model, batch_at, cfg, ctx, progress=False).losses
+    assert asked == [0, 1, 2, 3] and len(losses) == 4
+
+
 def test_every_plan_logs_the_serial_loss_curve(dist_pool):
     serial = dist_pool.run(loss_curve, 1, "none")[0]
     assert serial[-1] < serial[0]
