@@ -1018,6 +1018,9 @@ def rank_context(rank: int, world: int, local_rank: int, args, init_method: str)
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+        if getattr(args, "memory_cap_gib", None) is not None:  # a smaller card (bench_peft_mp has no cap)
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total), device)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     backend = "nccl" if use_cuda else "gloo"
@@ -1062,7 +1065,7 @@ def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> No
             "timed_step": "forward and backward of every micro-batch, every gradient reduction, clip 1.0, AdamW",
             "model_flops_per_token": flops_per_token, "matmul_weights": model_matmul_weights(model_cfg).total,
             "mfu_formula": MFU_FORMULA, "peak_tflops": peak.tflops, "peak_source": peak.source,
-            "compile_backend": args.compile_backend}
+            "compile_backend": args.compile_backend, "memory_cap_gib": args.memory_cap_gib}
         report = {"benchmark": "train", **run_facts(ctx), "world": world, "scenario": args.scenario, "shape": shape,
                   "dtype": args.dtype, "warmup": args.warmup, "facts": facts, "env": {k: os.environ.get(k) for k in (
                       "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")},
@@ -1136,8 +1139,13 @@ def main(argv: Optional[list[str]] = None) -> None:
                    help="profile one more step of every contender (bench/step_profile.py: GPU time by kernel "
                         "category, idle and exposed communication per rank, in the row's 'profile'); rank 0's "
                         "chrome traces go to DIR")
+    p.add_argument("--memory_cap_gib", type=float, default=None, metavar="GIB",
+                   help="cap each GPU's caching allocator at GIB (torch.cuda.set_per_process_memory_fraction), to "
+                        "show a contender fits a smaller card; the CUDA context and NCCL's buffers sit outside it")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.memory_cap_gib is not None and (args.memory_cap_gib <= 0 or args.cpu or not torch.cuda.is_available()):
+        p.error("--memory_cap_gib caps a GPU's allocator: give a positive GiB, on GPUs (not with --cpu)")
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     if args.list:

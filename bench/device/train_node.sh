@@ -73,6 +73,9 @@ esac
 tag=llama7b_${nproc}_${part}
 micro_batches=(${MICRO_BATCH:-1})
 flags=(--global_batch "${GLOBAL_BATCH:-16}" --warmup "${WARMUP:-2}" --iters "${ITERS:-3}" --contenders "$contenders")
+# MEMORY_CAP_GIB=76: each GPU's allocator capped as on an 80 GB card (79.6 GiB, less the CUDA context and NCCL's
+# buffers, which sit outside the cap), e.g. MEMORY_CAP_GIB=76 MICRO_BATCH="1 2" ... start 2 fit (issue 31 item 4)
+[ -n "${MEMORY_CAP_GIB:-}" ] && flags+=(--memory_cap_gib "$MEMORY_CAP_GIB")
 if [ "$mode" = start ]; then
     refuse_if_running "$dir" "$tag"
     enter_own_tree "$dir"

@@ -149,3 +149,11 @@ def test_contender_selection():
     for bad in ("no-such-contender", "galaxy-none@dp2", "fsdp2-compile@tp2", "galaxy-nope@dp2"):
         with pytest.raises(SystemExit):
             main(["--contenders", bad])
+
+
+@pytest.mark.parametrize("flags", (["--cpu", "--memory_cap_gib", "70"], ["--memory_cap_gib", "0"]))
+def test_a_memory_cap_is_refused_where_there_is_no_gpu_allocator_to_cap(flags, capsys):
+    from bench.bench_train import main
+    with pytest.raises(SystemExit):
+        main(["--contenders", "serial-eager", *flags])
+    assert "--memory_cap_gib caps a GPU's allocator" in capsys.readouterr().err
