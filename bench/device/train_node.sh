@@ -90,6 +90,9 @@ if [ "$mode" = start ]; then
         [ -n "${PROFILE:-}" ] && run_flags+=(--profile "$dir/traces_$run_tag")
         job+="TAG=$run_tag OUT=$dir bash bench/device/train_harness.sh $nproc llama7b ${run_flags[*]@Q}; "
     done
+    # THEN: a command to start when the launch is done (e.g. THEN="bash bench/device/planner_node.sh start node 4",
+    # which detaches in turn: call its wait next), so that one call's wait covers both without an idle machine
+    [ -n "${THEN:-}" ] && job+="$THEN; "
     start_detached "$dir" "$tag" "$job"
     echo "job: $job"
     exit 0
