@@ -29,6 +29,7 @@ from galaxy.planner.cost import GRAD_BUCKET_BYTES, Layout, Splits, Workload, pre
 logger = logging.getLogger(__name__)
 
 MIN_COMPUTE_SCALE = 0.5  # a real run at less than half its pieces' time means a broken measurement
+MIN_ACTIVATION_SCALE = 0.25  # likewise a real step holding under a quarter of the activations its pieces saved
 COLLECTIVE_REPS = 5  # rounds over every message size: two slow rounds of a shaped link leave the median
 # How late one member comes to each profiled collective: past the ~1 ms below which Gloo's members
 # still leave an all-gather together (at 1 MiB over 50 Mbit: 0.5 ms late in 2 of 4 rounds, 2 ms in every one)
@@ -95,10 +96,11 @@ def memory_budget(device: torch.device, local_ranks: int, override_gb: Optional[
 
 
 def measure_serial(m: ModelConfig, rows: int, seq: int, dtype: str, device: torch.device, reps: int,
-                   window_s: float = 0.0) -> tuple[list[float], list[float]]:
+                   window_s: float = 0.0) -> tuple[list[float], list[float], Optional[int]]:
     """Seconds of ``reps`` whole serial training steps of ``rows`` rows, run by the training loop's own
     Trainer (data, masking, loss, grad norm, optimizer, Python between the blocks), and of ``reps``
-    batch-1 forwards. It runs first, in a fresh process, as the CLIs do: the steps one after another
+    batch-1 forwards, and the bytes the steps held at their peak (a GPU's allocator; None on a CPU).
+    It runs first, in a fresh process, as the CLIs do: the steps one after another
     (the first two untimed: allocation and first touch of the memory), then the forwards. Under
     the CLIs' autocast: without it a bfloat16 step ran in float32 (an H200's 2-layer LLaMA-7B step
     1.13 s instead of ~0.1, all of it read as overhead on every plan)."""
@@ -106,6 +108,8 @@ def measure_serial(m: ModelConfig, rows: int, seq: int, dtype: str, device: torc
     from galaxy.models import build_model, family
     from galaxy.train.loop import autocast_context, make_trainer
 
+    cuda = device.type == "cuda"
+    before = torch.cuda.memory_allocated(device) if cuda else 0  # what the profile itself holds meanwhile
     cfg = GalaxyConfig.from_dict({"model": {k: v for k, v in vars(m).items() if k != "preset"},
                                   "train": {"global_batch_size": rows, "seq_length": seq, "dtype": dtype,
                                             "device": device.type}})
@@ -123,6 +127,8 @@ def measure_serial(m: ModelConfig, rows: int, seq: int, dtype: str, device: torc
     amp = lambda: autocast_context(cfg, device)  # noqa: E731
     ids = torch.randint(0, m.vocab_size, (1, seq), device=device)
     steps = []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     for i in range(reps + 2):
         synchronize(device)
         t0 = time.perf_counter()
@@ -131,6 +137,7 @@ def measure_serial(m: ModelConfig, rows: int, seq: int, dtype: str, device: torc
         loss.item()
         if i >= 2:
             steps.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated(device) - before if cuda else None
     model.eval()
 
     def forward() -> tuple[float]:
@@ -141,24 +148,28 @@ def measure_serial(m: ModelConfig, rows: int, seq: int, dtype: str, device: torc
             synchronize(device)
             return (time.perf_counter() - t,)
     forwards = [windowed(forward, window_s if i else 0.0)[0] for i in range(reps + 1)][1:]
-    return steps, forwards
+    return steps, forwards, peak
 
 
 def calibrated(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str, steps_s: Sequence[float],
-               forwards_s: Sequence[float]) -> RankProfile:
+               forwards_s: Sequence[float], peak_bytes: Optional[int] = None) -> RankProfile:
     """``me`` with the overheads or compute scales that make the cost model predict the serial
     training steps of ``rows`` rows ``steps_s`` and the batch-1 forwards ``forwards_s``
     (``measure_serial``, timed before and after the pieces; kept in the profile): where even the
     fastest run took longer than the pieces' prediction, the difference is an overhead every
     prediction adds (one that every run pays; a burst of load in some runs is not one); where the
     median run took less (blocks timed one by one run a little slower than inside the model, 5-15%
-    on CPU), the pieces' compute is scaled down to match; in between, neither."""
+    on CPU), the pieces' compute is scaled down to match; in between, neither. ``peak_bytes`` (the
+    steps' peak, where the device reports one): where the steps held fewer activations than the pieces
+    saved (a compiled layer keeps less for backward than its pieces run eagerly), their saved bytes are
+    scaled down so that the serial step's memory is predicted as measured."""
     me = dataclasses.replace(me, step_overhead_s=0.0, forward_overhead_s=0.0, step_compute_scale=1.0,
-                             forward_compute_scale=1.0)
+                             forward_compute_scale=1.0, activation_scale=1.0)
     alone = ClusterProfile(1, "none", "cpu", m, tuple(me.pieces), seq, dtype, (me,), {})
     serial = Splits.balanced(m, seq, 1)
     none = (Method.NONE,) * 3
-    step = predict(alone, Workload(m, "train", rows, seq, dtype), none, serial, Layout()).time_s[0]
+    train = Workload(m, "train", rows, seq, dtype)
+    step = predict(alone, train, none, serial, Layout()).time_s[0]
     forward = predict(alone, Workload(m, "latency", rows, seq, dtype), none, serial).time_s[0]
     optimizer = float(me.optimizer(model_params(m)))
 
@@ -174,9 +185,17 @@ def calibrated(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str,
 
     step_overhead, step_scale = split(steps_s, step, optimizer)
     forward_overhead, forward_scale = split(forwards_s, forward, 0.0)
+    activation_scale = 1.0
+    if peak_bytes is not None:
+        without = dataclasses.replace(alone, ranks=(dataclasses.replace(me, activation_scale=0.0),))
+        held = float(predict(alone, train, none, serial, Layout()).memory_bytes[0, 0])
+        fixed = float(predict(without, train, none, serial, Layout()).memory_bytes[0, 0])  # no activations
+        if held > fixed and peak_bytes < held:
+            activation_scale = max(MIN_ACTIVATION_SCALE, (peak_bytes - fixed) / (held - fixed))
     return dataclasses.replace(me, step_overhead_s=step_overhead, forward_overhead_s=forward_overhead,
                                step_compute_scale=step_scale, forward_compute_scale=forward_scale,
-                               serial_steps_s=tuple(steps_s), serial_forwards_s=tuple(forwards_s))
+                               activation_scale=activation_scale, serial_steps_s=tuple(steps_s),
+                               serial_forwards_s=tuple(forwards_s), serial_peak_bytes=peak_bytes)
 
 
 def model_params(m: ModelConfig) -> int:
@@ -314,7 +333,8 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
     barrier()
     # timed again after the pieces: a burst of load during one timing is then one of two, not all
     after = measure_serial(calibration, max(rows), seq, dtype, ctx.device, reps, window_s)
-    serial = (before[0] + after[0], before[1] + after[1])
+    peaks = [p for p in (before[2], after[2]) if p is not None]
+    serial = (before[0] + after[0], before[1] + after[1], min(peaks) if peaks else None)
     host = socket.gethostname()
     hosts = [host]
     if world > 1:

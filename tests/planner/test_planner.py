@@ -126,6 +126,35 @@ def test_calibration_predicts_the_serial_runs_it_was_given(slower):
     assert (after > before) == (slower > 1)
 
 
+@pytest.mark.parametrize("held_share", [0.6, 1.2])
+def test_calibration_predicts_the_serial_steps_peak_it_was_given(held_share):
+    """A rank whose serial step held ``held_share`` of the activations its pieces saved (a GPU's peak; a
+    compiled layer keeps less than eager pieces): below 1 the saved bytes are scaled so that the serial
+    step's memory is predicted as measured, and a split plan's memory moves with it; above, nothing."""
+    from galaxy.planner.profile import calibrated
+
+    cluster = synthetic_cluster(LLAMA, 2, [1.0, 0.5])
+    m, seq, rows = cluster.model, cluster.seq_length, cluster.rows[0]
+    serial, none, train = Splits.balanced(m, seq, 1), (NONE, NONE, NONE), Workload(m, "train", rows, seq)
+    alone = cluster.restrict([1])
+    held = predict(alone, train, none, serial).memory_bytes[0, 0]
+    empty = dataclasses.replace(alone, ranks=(dataclasses.replace(alone.ranks[0], activation_scale=0.0),))
+    fixed = predict(empty, train, none, serial).memory_bytes[0, 0]
+    assert held > fixed, "the serial step saves activations"
+    peak = int(fixed + held_share * (held - fixed))
+    step = predict(alone, train, none, serial).time_s[0]
+    rank = calibrated(cluster.ranks[1], m, rows, seq, "float32", [step], [1.0], peak_bytes=peak)
+    assert rank.serial_peak_bytes == peak
+    assert rank.activation_scale == (pytest.approx(held_share) if held_share < 1 else 1.0)
+    again = dataclasses.replace(alone, ranks=(dataclasses.replace(rank, rank=0),))
+    assert predict(again, train, none, serial).memory_bytes[0, 0] == pytest.approx(min(peak, held), rel=1e-6)
+    both = dataclasses.replace(cluster, ranks=(cluster.ranks[0], rank))
+    split = Splits.balanced(m, seq, 2)
+    before, after = (predict(c, train, (TP, SP, TP), split).memory_bytes[0, 1] for c in (cluster, both))
+    assert (after < before) == (held_share < 1)
+    assert calibrated(cluster.ranks[1], m, rows, seq, "float32", [step], [1.0]).activation_scale == 1.0  # no peak
+
+
 def test_calibration_steps_compute_in_the_workload_dtype():
     """The serial steps that calibrate a bfloat16 profile run under the CLIs' autocast: every matmul
     of them in bfloat16 (they once ran in float32, and an H200's fp32 steps were read as 1 s of
@@ -628,9 +657,17 @@ def test_cluster_file_round_trip_and_errors(tmp_path):
     assert "'ranks[0].memory_bytes'" in broken(lambda r: r["ranks"][0].update(memory_bytes=0))
     assert "'ranks[1].step_overhead_s'" in broken(lambda r: r["ranks"][1].pop("step_overhead_s"))
     assert "'ranks[0].serial_steps_s'" in broken(lambda r: r["ranks"][0].update(serial_steps_s=[0.5, -1.0]))
+    assert "'ranks[1].activation_scale'" in broken(lambda r: r["ranks"][1].update(activation_scale=1.5))
+    assert "'ranks[0].serial_peak_bytes'" in broken(lambda r: r["ranks"][0].update(serial_peak_bytes=-3))
+    raw = json.loads(path.read_text())
+    raw["ranks"][1].update(activation_scale=0.7, serial_peak_bytes=123)
+    kept = cluster_from_dict(raw).ranks[1]
+    assert (kept.activation_scale, kept.serial_peak_bytes) == (0.7, 123)
     raw = json.loads(path.read_text())
     raw["ranks"][0].pop("serial_forwards_s")  # older files kept no serial runs
-    assert cluster_from_dict(raw).ranks[0].serial_forwards_s == ()
+    raw["ranks"][0].pop("activation_scale")  # nor an activation scale
+    assert (cluster_from_dict(raw).ranks[0].serial_forwards_s, cluster_from_dict(raw).ranks[0].activation_scale) \
+        == ((), 1.0)
     assert "'model'" in broken(lambda r: r["model"].update(hidden_sise=3))
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
