@@ -45,6 +45,25 @@ def test_pruned_search_returns_the_exhaustive_plans(model, speeds, memory, top, 
     assert [plan_key(c) for c in pruned] == [plan_key(c) for c in exhaustive]
 
 
+def test_pruned_search_returns_the_exhaustive_plans_with_calibrated_activations():
+    """Ranks whose saved bytes a GPU calibration scaled (``activation_scale``): the bounds prune with the same
+    scaled bytes the predictions use, and at a budget where unscaled plans need recomputation the scale
+    changes which plans lead."""
+    import dataclasses
+
+    plain = synthetic_cluster(dict(LLAMA, num_hidden_layers=4), 3, [1.0, 2.5, 1.3], alpha=5e-5, beta=1e-9,
+                              memory=3 * 2**17)
+    scaled = dataclasses.replace(plain, ranks=tuple(dataclasses.replace(r, activation_scale=a)
+                                                    for r, a in zip(plain.ranks, (0.4, 0.7, 0.5))))
+    work = Workload(plain.model, "train", 8, 8)
+    tables = {}
+    for name, cluster in (("plain", plain), ("scaled", scaled)):
+        exhaustive = search(cluster, work, ffn_unit=8, top=3, prune=False)
+        assert [plan_key(c) for c in search(cluster, work, ffn_unit=8, top=3)] == [plan_key(c) for c in exhaustive]
+        tables[name] = [plan_key(c) for c in exhaustive]
+    assert tables["plain"] != tables["scaled"]
+
+
 def sampled_splits(search_: SplitSearch, rng, count=200) -> dict:
     grids = {v: compositions(search_.units[v][1], search_.mp) for v in search_.uses}
     return {v: g[rng.integers(0, len(g), count)] for v, g in grids.items()}
