@@ -486,7 +486,8 @@ def cluster_from_dict(raw: Any, source: str = "<dict>") -> ClusterProfile:
         for key in ("step_compute_scale", "forward_compute_scale", "activation_scale"):
             scales[key] = r.get(rank_raw, key, path, float, positive=True) if key in rank_raw else 1.0  # older: 1
             if scales[key] > 1:
-                raise r.fail(f"{path}{key}", f"must be at most 1 (a longer real step is an overhead), got {scales[key]}")
+                raise r.fail(f"{path}{key}", f"must be at most 1 (a calibration scales down only: a longer real step "
+                             f"is an overhead), got {scales[key]}")
         serial = {key: r.numbers(rank_raw, key, path) if rank_raw.get(key, []) != [] else ()
                   for key in ("serial_steps_s", "serial_forwards_s")}  # older files: none
         if rank_raw.get("serial_peak_bytes") is not None:

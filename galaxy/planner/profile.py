@@ -127,10 +127,10 @@ def measure_serial(m: ModelConfig, rows: int, seq: int, dtype: str, device: torc
     amp = lambda: autocast_context(cfg, device)  # noqa: E731
     ids = torch.randint(0, m.vocab_size, (1, seq), device=device)
     steps = []
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
     for i in range(reps + 2):
         synchronize(device)
+        if cuda and i == 2:  # the peak of the timed steps (the first ones also compile and allocate the state)
+            torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         loss = trainer.forward_backward(trainer.read_batch(batch_at, i), autocast=amp)
         trainer.optimizer_step(loss, i + 1)
