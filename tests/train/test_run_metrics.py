@@ -79,9 +79,13 @@ def test_peak_flops_come_from_the_flag_the_table_or_nowhere(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     gpu = torch.device("cuda", 0)
     assert peak_flops_per_device(gpu, "bfloat16").flops_per_s == pytest.approx(989.4e12)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    assert peak_flops_per_device(gpu, "float32").flops_per_s == pytest.approx(66.9e12)
-    assert peak_flops_per_device(gpu, "float64").flops_per_s is None
+    tf32 = torch.backends.cuda.matmul.allow_tf32  # set and restored by hand: torch 2.11's cuBLASModule has
+    torch.backends.cuda.matmul.allow_tf32 = False  # no attribute monkeypatch can restore (it deletes it)
+    try:
+        assert peak_flops_per_device(gpu, "float32").flops_per_s == pytest.approx(66.9e12)
+        assert peak_flops_per_device(gpu, "float64").flops_per_s is None
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     assert peak_flops_per_device(gpu, "bfloat16").flops_per_s == pytest.approx(312e12)
 
