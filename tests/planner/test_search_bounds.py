@@ -5,6 +5,7 @@ model's plain step-by-step simulation (every layer and micro-batch run), and pre
 splits; the 7B search runs on the cluster profile measured on 4 x H200 (docs/results).
 """
 
+import dataclasses
 import logging
 import os
 
@@ -49,8 +50,6 @@ def test_pruned_search_returns_the_exhaustive_plans_with_calibrated_activations(
     """Ranks whose saved bytes a GPU calibration scaled (``activation_scale``): the bounds prune with the same
     scaled bytes the predictions use, and at a budget where unscaled plans need recomputation the scale
     changes which plans lead."""
-    import dataclasses
-
     plain = synthetic_cluster(dict(LLAMA, num_hidden_layers=4), 3, [1.0, 2.5, 1.3], alpha=5e-5, beta=1e-9,
                               memory=3 * 2**17)
     scaled = dataclasses.replace(plain, ranks=tuple(dataclasses.replace(r, activation_scale=a)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from galaxy.config import GalaxyConfig
+from galaxy.core.context import ParallelContext
 from galaxy.core.grad_sync import check_replicated, global_grad_norm, GradientSync
 from galaxy.models.bert import BertForMaskedLM
 from galaxy.train.loop import train
@@ -27,8 +28,6 @@ def loss_curve(ctx, plan):
 def test_each_steps_rows_are_read_once_and_in_order():
     """train() reads the next step's rows while the device runs the optimizer: every step's once, none past
     the last."""
-    from galaxy.core.context import ParallelContext
-
     cfg = GalaxyConfig.from_dict(SMALL, {"max_steps": 4})
     mlm_batch_at, _ = mlm_data(cfg)
     asked = []
