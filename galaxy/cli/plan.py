@@ -9,8 +9,8 @@ changes any key. The plan is written as a config the training CLIs take (``--con
 the top plans as a table (printed, and as JSON beside it). ``--validate K`` runs the top K through
 ``pretrain_galaxy.py`` (masked- or causal-LM pretraining, as the model family trains) or, for
 ``--objective latency``, ``infer_galaxy.py``, prints the measured times beside the predicted, and writes
-the fastest of them as the plan (the cost model ranks, the measurement picks: a GPU held at its power
-limit by a sustained step runs slower than the profile's bursts, docs/benchmarks.md).
+the fastest of them as the plan (the cost model ranks, the measurement picks: what a prediction leaves out,
+such as a GPU held at its power limit by a sustained step, the measurement sees).
 """
 
 from __future__ import annotations
