@@ -8,6 +8,8 @@
 #                                                     # (compiled: COMPILE=0 for eager), --validate ${VALIDATE:-3}
 #   bash bench/device/planner_node.sh wait probe|node N   # again, at once, until it prints "done" (SOCKETS=1 on
 #                                                     # both calls for the slow-link run)
+# EXTRA: more --override KEY=VALUE for the profile and the plan; PLAN_EXTRA: flags of the plan alone, e.g.
+# PLAN_EXTRA="--dp_engines fsdp2" (the search also runs dp on FSDP2)
 # Each call copies what exists so far to $OUT. Time (estimates): probe ~3 min; node at 4 GPUs: the profile
 # ~3-4 min, then each validated plan ~2-3 min (a 7B built per rank, compiled, 3 steps of ~2 s).
 set -o pipefail
@@ -26,7 +28,7 @@ python3 plan_galaxy.py profile $model $compile --world 1 --rows 1 4 --reps 3 --c
 --out $dir/cluster_$tag.json --log_level INFO" ;;
     node) job="python3 plan_galaxy.py profile $model $compile --world $nproc --rows 1 2 4 --reps 3 \
 --calibration_layers 2 --out $dir/cluster_$tag.json --log_level INFO && \
-python3 plan_galaxy.py $model $compile --cluster $dir/cluster_$tag.json --out $dir/plan_$tag.json --top 12 \
+python3 plan_galaxy.py $model $compile ${PLAN_EXTRA:-} --cluster $dir/cluster_$tag.json --out $dir/plan_$tag.json --top 12 \
 --validate ${VALIDATE:-3} --validate_steps ${STEPS:-3} --log_level INFO" ;;
     *) echo "unknown part $part (probe | node)"; exit 2 ;;
 esac

@@ -10,7 +10,8 @@ the top plans as a table (printed, and as JSON beside it). ``--validate K`` runs
 ``pretrain_galaxy.py`` (masked- or causal-LM pretraining, as the model family trains) or, for
 ``--objective latency``, ``infer_galaxy.py``, prints the measured times beside the predicted, and writes
 the fastest of them as the plan (the cost model ranks, the measurement picks: what a prediction leaves out,
-such as a GPU held at its power limit by a sustained step, the measurement sees).
+the measurement sees). The search runs the config's ``dp_engine``; ``--dp_engines fsdp2`` (or others)
+searches those too wherever dp > 1, and each plan's config names its engine.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ def profile_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration_layers", type=int, default=None, metavar="N",
                    help="the whole serial training steps that calibrate the profile run a model of only N layers "
                         "(for a model whose serial step does not fit one device; the pieces are per layer)")
+    p.add_argument("--sustain_s", type=float, default=20.0,
+                   help="on GPUs: seconds of those serial steps back to back, every rank at once, whose slowdown "
+                        "over the short runs (a card at its power limit clocks lower) scales every training "
+                        "prediction (the cluster file's sustained_scale; 0: not measured)")
     p.add_argument("--out", required=True, help="cluster profile to write (JSON)")
     return p
 
@@ -91,7 +96,7 @@ def _profile_rank(rank: int, launch, payload) -> None:
     try:
         cluster = profile_rank(ctx, cfg.model, args.rows, cfg.train.seq_length, cfg.train.dtype, args.reps,
                                args.memory_gb, args.ffn_unit, window_s=args.window_ms / 1e3,
-                               calibration_layers=args.calibration_layers)
+                               calibration_layers=args.calibration_layers, sustain_s=args.sustain_s)
         if cluster is not None:
             cluster.save(args.out)
             print(f"wrote {args.out}: {cluster.world} ranks, {len(cluster.groups)} groups", flush=True)
@@ -107,8 +112,8 @@ def profile_main(argv: list[str]) -> int:
     try:
         cfg = workload_config(args)
         args.rows = args.rows or [1, cfg.train.global_batch_size]
-        if min(args.rows) < 1 or args.reps < 1 or args.window_ms < 0:
-            raise ConfigError("--rows and --reps must be at least 1, --window_ms at least 0")
+        if min(args.rows) < 1 or args.reps < 1 or args.window_ms < 0 or args.sustain_s < 0:
+            raise ConfigError("--rows and --reps must be at least 1, --window_ms and --sustain_s at least 0")
         if args.calibration_layers is not None and args.calibration_layers < 1:
             raise ConfigError(f"--calibration_layers must be at least 1, got {args.calibration_layers}")
         if args.ffn_unit < 1 or cfg.model.intermediate_size % args.ffn_unit:
@@ -142,6 +147,10 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--device_margin", type=float, default=DEVICE_MARGIN,
                    help="put a plan on more devices first only where it is predicted faster than the best plan on "
                         "fewer by more than this fraction (0: the predicted optimum)")
+    p.add_argument("--dp_engines", nargs="+", default=[], metavar="ENGINE",
+                   help="with dp > 1, also search these dp engines (ddp, zero1, deepspeed, fsdp2) beside the config's "
+                        "dp_engine, e.g. --dp_engines fsdp2; under fsdp2 mp_grad_reduce sharded or overlap becomes "
+                        "after_backward, as the config requires")
     p.add_argument("--validate", type=int, default=0, metavar="K", help="run the top K plans and print measured times")
     p.add_argument("--validate_steps", type=int, default=5,
                    help="training steps (the first untimed) or timed forwards per validated plan")
@@ -173,8 +182,8 @@ def plan_config(cfg: GalaxyConfig, choice: Choice, world: int) -> dict:
     parallel = {"att_parallel_method": att.value, "con_parallel_method": con.value,
                 "mlp_parallel_method": mlp.value, "dp_size": choice.layout.dp, "pp_size": choice.layout.pp,
                 "num_microbatches": choice.layout.microbatches, "pipeline_schedule": choice.layout.schedule,
-                "mp_grad_reduce": cfg.parallel.mp_grad_reduce, "dp_engine": cfg.parallel.dp_engine}
-    if cfg.parallel.dp_engine == "deepspeed":
+                "mp_grad_reduce": choice.mp_grad_reduce, "dp_engine": choice.dp_engine}
+    if choice.dp_engine == "deepspeed":
         parallel["zero_stage"] = cfg.parallel.zero_stage
     for var, key in (("heads", "tp_num_attention_heads_list"), ("ffn", "tp_intermediate_size_list"),
                      ("seq", "seq_scatter_list")):
@@ -193,7 +202,8 @@ def table_rows(choices: list[Choice]) -> list[dict]:
     for i, c in enumerate(choices):
         rows.append({"rank": i + 1, "plan": c.name, "devices": list(c.devices),
                      "att/con/mlp": "/".join(m.value for m in c.methods),
-                     "dp x pp x mp": f"{c.layout.dp}x{c.layout.pp}x{len(c.seq)}", "microbatches": c.layout.microbatches,
+                     "dp x pp x mp": f"{c.layout.dp}x{c.layout.pp}x{len(c.seq)}",
+                     "dp engine": c.dp_engine if c.layout.dp > 1 else None, "microbatches": c.layout.microbatches,
                      "recompute": c.layout.recompute,
                      "heads": list(c.heads) if "heads" in c.uses else None,
                      "ffn": list(c.ffn) if "ffn" in c.uses else None,
@@ -205,8 +215,8 @@ def table_rows(choices: list[Choice]) -> list[dict]:
 
 
 def print_table(rows: list[dict], measured: Optional[list[Optional[float]]] = None) -> None:
-    cols = ["rank", "plan", "devices", "att/con/mlp", "dp x pp x mp", "microbatches", "recompute", "heads", "ffn",
-            "seq",
+    cols = ["rank", "plan", "devices", "att/con/mlp", "dp x pp x mp", "dp engine", "microbatches", "recompute", "heads",
+            "ffn", "seq",
             "predicted_ms", "lower_bound_ms", "max_memory_mb", "fits"]
     cells = [[str(r[c]) if r[c] is not None else "-" for c in cols] for r in rows]
     if measured is not None:
@@ -245,7 +255,8 @@ def plan_main(argv: list[str]) -> int:
                         cfg.parallel.zero_stage)
         started = time.perf_counter()
         choices = search(cluster, work, args.ffn_unit, args.seq_unit, top=max(args.top, args.validate),
-                         split_margin=args.split_margin, device_margin=args.device_margin)
+                         split_margin=args.split_margin, device_margin=args.device_margin,
+                         dp_engines=args.dp_engines)
         configs = [plan_config(cfg, c, cluster.world) for c in choices]
         for config, choice in zip(configs, choices):  # every written plan must load and resolve as the CLIs will
             GalaxyConfig.from_dict(config).resolve_plan(len(choice.devices) // (choice.layout.dp * choice.layout.pp))
@@ -308,6 +319,14 @@ def validate_all(configs: list[dict], choices: list[Choice], args: argparse.Name
             for t, p in zip(runs, peaks)]
 
 
+def failure_said(stderr: str) -> str:
+    """What a failed run said of its failure: the launcher's error lines (the failing rank's own,
+    ``error (rank R): ...``, then ``error: rank R exited ...``), else its last line."""
+    lines = stderr.strip().splitlines()
+    said = [line for line in lines if line.startswith("error")]
+    return " / ".join(said[-2:]) if said else (lines[-1] if lines else "no output")
+
+
 def validate(config: dict, world: int, args: argparse.Namespace) -> Optional[Measured]:
     """Run one plan through the CLI a user would run it with (``pretrain_galaxy.py`` for training,
     ``infer_galaxy.py`` for latency), on ``world`` local processes or on the emulated cluster of
@@ -328,9 +347,8 @@ def validate(config: dict, world: int, args: argparse.Namespace) -> Optional[Mea
                               "--log_level", args.log_level], capture_output=True, text=True,
                              env={**os.environ, "PYTHONPATH": ROOT})
         if run.returncode != 0 or not os.path.isfile(out):
-            said = run.stderr.strip().splitlines()
             logger.warning("validation run of %s failed (exit %s): %s", config["parallel"], run.returncode,
-                           said[-1] if said else "no output")
+                           failure_said(run.stderr))
             return None
         with open(out) as f:
             if args.objective == "latency":

@@ -7,7 +7,7 @@
                                                      "infer_s": [...], "act_bytes": [...]}, ...}, "1": {...}},
                 "optimizer": {"alpha_s": a, "s_per_param": b, "samples": [[params, seconds], ...]},
                 "step_overhead_s": o, "forward_overhead_s": f, "step_compute_scale": c,
-                "forward_compute_scale": d, "activation_scale": a}],
+                "forward_compute_scale": d, "activation_scale": a, "sustained_scale": z}],
      "groups": [{"ranks": [0, 1], "ops": {"all_reduce": {"alpha_s": a, "beta_s_per_byte": b,
                                                          "samples": [[bytes, seconds], ...]}, ...},
                  "early_leave": {"all_reduce": {...}, ...}}]}
@@ -27,9 +27,14 @@ The overheads are what the fastest of a few real serial training steps / batch-1
 model took on the rank beyond the cost model's prediction from its pieces; every prediction adds
 them. Where the real model took less than its pieces (blocks timed one by one run a little slower than inside the
 model), the compute scales (at most 1; absent: 1) say by how much, and every piece's time on that
-rank is scaled by them. Where a real serial step's peak memory (a GPU's allocator reports it) held fewer
-activations than the pieces saved (a compiled layer keeps less for backward than its pieces run eagerly),
-``activation_scale`` (at most 1; absent: 1) scales every piece's saved bytes in training.
+rank is scaled by them. Where a real serial step's peak memory (a GPU's allocator reports it) grew by fewer
+activations per layer than the pieces saved (its peak against the same step's with one layer less; a compiled
+layer keeps less for backward than its pieces run eagerly), ``activation_scale`` (at most 1; absent: 1)
+scales every piece's saved bytes in training.
+``sustained_scale`` (at least 1; absent: 1): a serial training step's time after some seconds of steps
+back to back over its time in the short runs the pieces and the calibration were timed in; a GPU held at
+its power limit by a training run clocks lower than in a burst (an H200 at 700 W: 1,550-1,600 MHz
+against 1,980), and every piece's time in training is multiplied by it.
 """
 
 from __future__ import annotations
@@ -230,13 +235,17 @@ class RankProfile:
     # real serial compute over the pieces' prediction where it was less (training, inference)
     step_compute_scale: float = 1.0
     forward_compute_scale: float = 1.0
-    # the activations a real serial training step held over the pieces' saved bytes, where less (at most 1: a
-    # compiled layer saves less than its pieces run eagerly); 1 where the device reports no peak (CPU)
+    # the activations a layer of a real serial training step held over its pieces' saved bytes, where less (at
+    # most 1: a compiled layer saves less than its pieces run eagerly); 1 where the device reports no peak (CPU)
     activation_scale: float = 1.0
+    # a serial training step's time after seconds of back-to-back steps over the calibration's (at least 1: a GPU
+    # at its power limit clocks lower than in the bursts the pieces were timed in); 1 where unmeasured (CPU)
+    sustained_scale: float = 1.0
     # the serial runs those came from (seconds; the peak bytes, None where unmeasured; empty in older files)
     serial_steps_s: tuple[float, ...] = ()
     serial_forwards_s: tuple[float, ...] = ()
     serial_peak_bytes: Optional[int] = None
+    shallower_peak_bytes: Optional[int] = None  # the same step's with one layer less
     # piece values at every whole size up to some length, by the pieces and rows they come from (a
     # search asks for the same sizes thousands of times); shared by the copies ``replace`` makes
     tables: dict = field(default_factory=dict, compare=False, repr=False)
@@ -264,7 +273,8 @@ class RankProfile:
             fwd, bwd, act = self._piece(used, measured, rows, sizes, inference)
         if inference:
             return fwd * self.forward_compute_scale, bwd * self.forward_compute_scale, act
-        return fwd * self.step_compute_scale, bwd * self.step_compute_scale, act * self.activation_scale
+        scale = self.step_compute_scale * self.sustained_scale
+        return fwd * scale, bwd * scale, act * self.activation_scale
 
     def knots(self, names: Sequence[str], memory: bool = False) -> frozenset[float]:
         """Every knot (``Curve.knots``) of the time curves (saved bytes for ``memory``) of pieces ``names``."""
@@ -362,9 +372,9 @@ class ClusterProfile:
                                      "samples": [list(s) for s in r.optimizer.samples]},
                        "step_overhead_s": r.step_overhead_s, "forward_overhead_s": r.forward_overhead_s,
                        "step_compute_scale": r.step_compute_scale, "forward_compute_scale": r.forward_compute_scale,
-                       "activation_scale": r.activation_scale,
+                       "activation_scale": r.activation_scale, "sustained_scale": r.sustained_scale,
                        "serial_steps_s": list(r.serial_steps_s), "serial_forwards_s": list(r.serial_forwards_s),
-                       "serial_peak_bytes": r.serial_peak_bytes}
+                       "serial_peak_bytes": r.serial_peak_bytes, "shallower_peak_bytes": r.shallower_peak_bytes}
                       for r in self.ranks],
             "groups": [{"ranks": list(g), "ops": fits_dict(ops),
                         **({"early_leave": fits_dict(self.early_leave[g])} if g in self.early_leave else {})}
@@ -488,10 +498,16 @@ def cluster_from_dict(raw: Any, source: str = "<dict>") -> ClusterProfile:
             if scales[key] > 1:
                 raise r.fail(f"{path}{key}", f"must be at most 1 (a calibration scales down only: a longer real step "
                              f"is an overhead), got {scales[key]}")
+        scales["sustained_scale"] = r.get(rank_raw, "sustained_scale", path, float, positive=True) \
+            if "sustained_scale" in rank_raw else 1.0
+        if scales["sustained_scale"] < 1:
+            raise r.fail(f"{path}sustained_scale", f"must be at least 1 (a sustained step is no faster than a burst), "
+                         f"got {scales['sustained_scale']}")
         serial = {key: r.numbers(rank_raw, key, path) if rank_raw.get(key, []) != [] else ()
                   for key in ("serial_steps_s", "serial_forwards_s")}  # older files: none
-        if rank_raw.get("serial_peak_bytes") is not None:
-            serial["serial_peak_bytes"] = r.get(rank_raw, "serial_peak_bytes", path, int, positive=True)
+        for key in ("serial_peak_bytes", "shallower_peak_bytes"):
+            if rank_raw.get(key) is not None:
+                serial[key] = r.get(rank_raw, key, path, int, positive=True)
         ranks.append(RankProfile(i, str(rank_raw.get("host", "")),
                                  r.get(rank_raw, "memory_bytes", path, int, positive=True), pieces, optimizer,
                                  r.get(rank_raw, "step_overhead_s", path, float),

@@ -31,11 +31,11 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
-from galaxy.config import ConfigError, Method, balanced_split
+from galaxy.config import DP_ENGINES, ConfigError, Method, balanced_split
 from galaxy.planner.cluster import ClusterProfile, device_subsets
 from galaxy.planner.cost import Layout, Prediction, Splits, Workload, lower_bound, might_fit, predict
 
@@ -63,6 +63,8 @@ class Choice:
     uses: tuple[str, ...] = field(default=())  # which splits the methods use: heads, ffn, seq
     lower_bound_s: Optional[float] = None  # no split of these methods and layout is faster (None: unknown)
     devices: tuple[int, ...] = ()  # the cluster's ranks the plan runs on (rank i of the run on devices[i])
+    dp_engine: str = "ddp"  # the workload's (config keys of the same names), which search may vary
+    mp_grad_reduce: str = "after_backward"
 
     @property
     def name(self) -> str:
@@ -270,7 +272,8 @@ class SplitSearch:
         time = float(pred.time_s[0])
         return Choice(self.methods, self.layout, tuple(int(x) for x in s.heads[0]), tuple(int(x) for x in s.ffn[0]),
                       tuple(int(x) for x in s.seq[0]), time, tuple(int(x) for x in pred.memory_bytes[0]),
-                      bool(pred.fits[0]), exact, self.uses, time if exact else None)
+                      bool(pred.fits[0]), exact, self.uses, time if exact else None,
+                      dp_engine=self.work.dp_engine, mp_grad_reduce=self.work.mp_grad_reduce)
 
 
 RECOMPUTE = ("none", "selective", "full")
@@ -305,12 +308,14 @@ def layouts(cluster: ClusterProfile, work: Workload) -> list[list[Layout]]:
 
 def search(cluster: ClusterProfile, work: Workload, ffn_unit: int = 1, seq_unit: int = 1, top: int = 10,
            exact_limit: int = EXACT_LIMIT, split_margin: float = SPLIT_MARGIN,
-           device_margin: float = DEVICE_MARGIN, prune: bool = True) -> list[Choice]:
+           device_margin: float = DEVICE_MARGIN, prune: bool = True,
+           dp_engines: Sequence[str] = ()) -> list[Choice]:
     """The plans, best first (those within every memory budget before those that are not; the first
     on the fewest devices unless more win by more than ``device_margin``): one per set of devices
     (every subset of the cluster's ranks: on slow links fewer devices can be faster, one alone runs
-    the plan 'none'), method combination and dp x pp, with its best micro-batch count and
-    recomputation, its splits even unless uneven ones win by more than ``split_margin``.
+    the plan 'none'), method combination, dp x pp and dp engine (``work``'s, and with dp > 1 each of
+    ``dp_engines``), with its best micro-batch count and recomputation, its splits even unless uneven
+    ones win by more than ``split_margin``.
 
     ``prune`` (the default) leaves out what cannot change the answer (``Pruner``): the same plans
     as ``prune=False``, which scores every layout of every group."""
@@ -321,24 +326,41 @@ def search(cluster: ClusterProfile, work: Workload, ffn_unit: int = 1, seq_unit:
     for key, margin in (("split_margin", split_margin), ("device_margin", device_margin)):
         if not 0 <= margin < 1:
             raise ConfigError(f"--{key} {margin} must be a fraction from 0 to below 1, e.g. 0.03")
+    works = [work] + [engine_workload(work, e) for e in dict.fromkeys(dp_engines) if e != work.dp_engine]
     groups = []
     for devices in device_subsets(cluster.world):
         sub = cluster.restrict(devices)
         if sub is None:
             logger.info("devices %s skipped: the cluster file has no measurements for their groups", list(devices))
             continue
-        tiers = layouts(sub, work)
-        for fast, frugal in zip(tiers[::2], tiers[1::2]):
-            mp = sub.world // (fast[0].dp * fast[0].pp)
-            for methods in (METHODS if mp > 1 else [(Method.NONE,) * 3]):
-                groups.append(Group(len(groups), devices, sub, methods, fast, frugal))
-    found = Pruner(work, ffn_unit, seq_unit, exact_limit, split_margin, top if prune else None).run(groups)
+        for w in works:
+            tiers = layouts(sub, w)
+            for fast, frugal in zip(tiers[::2], tiers[1::2]):
+                if w is not work and fast[0].dp == 1:  # without dp the engine changes nothing
+                    continue
+                mp = sub.world // (fast[0].dp * fast[0].pp)
+                for methods in (METHODS if mp > 1 else [(Method.NONE,) * 3]):
+                    groups.append(Group(len(groups), devices, sub, methods, fast, frugal, w))
+    found = Pruner(ffn_unit, seq_unit, exact_limit, split_margin, top if prune else None).run(groups)
     if not found:
         raise ConfigError(f"no plan fits the world of {cluster.world} ranks: the model has too few heads, "
                           "FFN units or tokens for it")
     found.sort(key=lambda c: (not c.fits, c.time_s))
     first = fewest_devices_unless_beaten(found, device_margin)
     return [first] + [c for c in found if c is not first][:top - 1]
+
+
+def engine_workload(work: Workload, dp_engine: str) -> Workload:
+    """``work`` under another dp engine, its ``mp_grad_reduce`` made one the engine runs with (FSDP2
+    reduces inside FSDP: a config's sharded or overlap becomes after_backward, as the config requires)."""
+    if dp_engine not in DP_ENGINES:
+        raise ConfigError(f"--dp_engines: '{dp_engine}' is not one of {', '.join(DP_ENGINES)}")
+    reduce = work.mp_grad_reduce
+    if dp_engine == "fsdp2" and reduce in ("overlap", "sharded"):
+        reduce = "after_backward"
+    elif dp_engine in ("zero1", "deepspeed") and reduce == "fsdp":
+        reduce = "after_backward"
+    return replace(work, dp_engine=dp_engine, mp_grad_reduce=reduce)
 
 
 def fewest_devices_unless_beaten(ranked: list[Choice], margin: float) -> Choice:
@@ -365,6 +387,7 @@ class Group:
     methods: tuple[Method, Method, Method]
     fast: list[Layout]
     frugal: list[Layout]
+    work: Workload  # with the dp engine these layouts run under
 
 
 class Pruner:
@@ -385,9 +408,8 @@ class Pruner:
     end; then the groups that left one out are scored again without leaving any out. ``top`` None:
     every layout of every group is scored."""
 
-    def __init__(self, work: Workload, ffn_unit: int, seq_unit: int, exact_limit: int, split_margin: float,
-                 top: Optional[int]):
-        self.work, self.ffn_unit, self.seq_unit = work, ffn_unit, seq_unit
+    def __init__(self, ffn_unit: int, seq_unit: int, exact_limit: int, split_margin: float, top: Optional[int]):
+        self.ffn_unit, self.seq_unit = ffn_unit, seq_unit
         self.exact_limit, self.split_margin, self.top = exact_limit, split_margin, top
         self.bounds: dict[tuple[int, int], float] = {}
         self.fitting: list[float] = []  # the fitting plans' times so far, ascending
@@ -395,7 +417,7 @@ class Pruner:
         self.searched = 0
 
     def splits(self, group: Group, layout: Layout) -> SplitSearch:
-        return SplitSearch(group.cluster, self.work, group.methods, layout, self.ffn_unit, self.seq_unit,
+        return SplitSearch(group.cluster, group.work, group.methods, layout, self.ffn_unit, self.seq_unit,
                            self.exact_limit)
 
     def bound(self, group: Group, layout: Layout) -> float:
@@ -478,7 +500,7 @@ class Pruner:
 
     def might_fit(self, group: Group, layout: Layout) -> bool:
         search = self.splits(group, layout)
-        return might_fit(group.cluster, self.work, group.methods, layout, search.units, search.uses)
+        return might_fit(group.cluster, group.work, group.methods, layout, search.units, search.uses)
 
     def even_fits(self, group: Group, layout: Layout) -> bool:
         search = self.splits(group, layout)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from galaxy.cli.launch import Launch, launch_ranks
+from galaxy.cli.plan import failure_said
 from galaxy.config import GalaxyConfig
 from tests import REPO
 
@@ -32,6 +33,8 @@ def test_a_failed_child_is_reported_with_its_exit_code(capfd):
     err = capfd.readouterr().err
     assert "error (rank 1): rank 1 fails on purpose" in err, err
     assert "error: rank 1 exited with code 1;" in err, err
+    said = failure_said(err)  # what plan_galaxy.py --validate logs of a failed plan: the rank's reason first
+    assert said.startswith("error (rank 1): rank 1 fails on purpose / error: rank 1 exited"), said
 
 
 def test_a_step_without_zero_leaves_torch_distributed_optim_unimported():

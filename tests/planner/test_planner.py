@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import json
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from galaxy.planner.cost import GroupModel, Layout, Segments, Splits, Workload, 
 from galaxy.planner.blocks import BlockBench, grid, off_the_line, time_pieces
 from galaxy.planner.cluster import candidate_groups
 from galaxy.planner.search import SplitSearch, compositions, min_max_split, search
+from galaxy.planner.profile import model_params
 from galaxy.planner.workload import edge_params, layer_params
 from tests.core.test_comm_bytes import CASES as COMM_BYTES_CASES
 from tests import REPO  # noqa: E402
@@ -127,32 +129,71 @@ def test_calibration_predicts_the_serial_runs_it_was_given(slower):
 
 
 @pytest.mark.parametrize("held_share", [0.6, 1.2])
-def test_calibration_predicts_the_serial_steps_peak_it_was_given(held_share):
-    """A rank whose serial step held ``held_share`` of the activations its pieces saved (a GPU's peak; a
-    compiled layer keeps less than eager pieces): below 1 the saved bytes are scaled so that the serial
-    step's memory is predicted as measured, and a split plan's memory moves with it; above, nothing."""
+def test_calibration_predicts_a_layers_peak_growth_it_was_given(held_share):
+    """A rank whose serial step's peak grew by one layer's states and ``held_share`` of the activations
+    its pieces saved for that layer (the step against the same with one layer less; a compiled layer keeps
+    less than eager pieces): below 1 the saved bytes are scaled so that a layer's growth is predicted as
+    measured, whatever the shallow model's embeddings and head hold besides (a constant added to both
+    peaks changes nothing), and a split plan's memory moves with it; above 1, or one peak alone, nothing."""
     from galaxy.planner.profile import calibrated
 
     cluster = synthetic_cluster(LLAMA, 2, [1.0, 0.5])
     m, seq, rows = cluster.model, cluster.seq_length, cluster.rows[0]
-    serial, none, train = Splits.balanced(m, seq, 1), (NONE, NONE, NONE), Workload(m, "train", rows, seq)
-    alone = cluster.restrict([1])
-    held = predict(alone, train, none, serial).memory_bytes[0, 0]
-    empty = dataclasses.replace(alone, ranks=(dataclasses.replace(alone.ranks[0], activation_scale=0.0),))
-    fixed = predict(empty, train, none, serial).memory_bytes[0, 0]
-    assert held > fixed, "the serial step saves activations"
-    peak = int(fixed + held_share * (held - fixed))
-    step = predict(alone, train, none, serial).time_s[0]
-    rank = calibrated(cluster.ranks[1], m, rows, seq, "float32", [step], [1.0], peak_bytes=peak)
-    assert rank.serial_peak_bytes == peak
-    assert rank.activation_scale == (pytest.approx(held_share) if held_share < 1 else 1.0)
-    again = dataclasses.replace(alone, ranks=(dataclasses.replace(rank, rank=0),))
-    assert predict(again, train, none, serial).memory_bytes[0, 0] == pytest.approx(min(peak, held), rel=1e-6)
+    shallower = dataclasses.replace(m, num_hidden_layers=m.num_hidden_layers - 1)
+    none = (NONE, NONE, NONE)
+
+    def memory(rank, model):
+        alone = dataclasses.replace(cluster.restrict([1]), model=model, ranks=(dataclasses.replace(rank, rank=0),))
+        return predict(alone, Workload(model, "train", rows, seq), none, Splits.balanced(model, seq, 1)).memory_bytes[0, 0]
+
+    plain, empty = cluster.ranks[1], dataclasses.replace(cluster.ranks[1], activation_scale=0.0)
+    held, fixed = memory(plain, m) - memory(plain, shallower), memory(empty, m) - memory(empty, shallower)
+    assert held > fixed, "a layer saves activations"
+    transient = 12345678  # what the shallow model's edges hold at its peak beyond the cost model's
+    peak = int(memory(plain, m)) + transient
+    shallower_peak = peak - int(fixed + held_share * (held - fixed))
+    step = predict(cluster.restrict([1]), Workload(m, "train", rows, seq), none, Splits.balanced(m, seq, 1)).time_s[0]
+    rank = calibrated(plain, m, rows, seq, "float32", [step], [1.0], peak, shallower_peak)
+    assert (rank.serial_peak_bytes, rank.shallower_peak_bytes) == (peak, shallower_peak)
+    assert rank.activation_scale == (pytest.approx(held_share, rel=1e-6) if held_share < 1 else 1.0)
+    growth = memory(rank, m) - memory(rank, shallower)
+    assert growth == pytest.approx(min(peak - shallower_peak, held), rel=1e-6)
     both = dataclasses.replace(cluster, ranks=(cluster.ranks[0], rank))
     split = Splits.balanced(m, seq, 2)
+    train = Workload(m, "train", rows, seq)
     before, after = (predict(c, train, (TP, SP, TP), split).memory_bytes[0, 1] for c in (cluster, both))
     assert (after < before) == (held_share < 1)
-    assert calibrated(cluster.ranks[1], m, rows, seq, "float32", [step], [1.0]).activation_scale == 1.0  # no peak
+    assert calibrated(plain, m, rows, seq, "float32", [step], [1.0]).activation_scale == 1.0  # no peak
+    assert calibrated(plain, m, rows, seq, "float32", [step], [1.0], peak).activation_scale == 1.0  # one depth
+
+
+def test_sustained_scale_stretches_training_compute_only():
+    """A rank whose serial steps ran slower back to back (``sustained_scale``, a GPU at its power
+    limit): every training prediction's compute is that much longer, the optimizer and the step
+    overhead as they were, a batch-1 forward (a latency, no sustained load) unchanged."""
+    cluster = synthetic_cluster(LLAMA, 2, [1.0, 0.5])
+    m, seq, rows = cluster.model, cluster.seq_length, cluster.rows[0]
+    rank = dataclasses.replace(cluster.ranks[1], rank=0, step_overhead_s=0.01)
+    burst, held = (dataclasses.replace(cluster.restrict([1]), ranks=(dataclasses.replace(rank, sustained_scale=s),))
+                   for s in (1.0, 1.25))
+    serial, none = Splits.balanced(m, seq, 1), (NONE, NONE, NONE)
+    train, latency = Workload(m, "train", rows, seq), Workload(m, "latency", rows, seq)
+    fixed = float(rank.optimizer(model_params(m))) + rank.step_overhead_s
+    t_burst, t_held = (predict(c, train, none, serial).time_s[0] for c in (burst, held))
+    assert t_held - fixed == pytest.approx(1.25 * (t_burst - fixed), rel=1e-9)
+    assert predict(held, latency, none, serial).time_s[0] == predict(burst, latency, none, serial).time_s[0]
+
+
+def test_sustained_steps_scale_from_their_last_fifth():
+    """``measure_sustained`` on the training loop's own serial steps (CPU, tiny LLaMA): about the
+    seconds asked for, and the scale from the last fifth of them over the bursts, at least 1."""
+    from galaxy.planner.profile import measure_sustained
+
+    model = GalaxyConfig.from_dict({"model": {"preset": "llama-tiny"}}).model
+    burst = [0.004, 0.005, 0.006]
+    scale, steps = measure_sustained(model, 2, 16, "float32", torch.device("cpu"), burst, seconds=0.2)
+    assert len(steps) == max(5, math.ceil(0.2 / 0.004))
+    assert scale == max(1.0, statistics.median(steps[-max(3, len(steps) // 5):]) / 0.005)
 
 
 def test_calibration_steps_compute_in_the_workload_dtype():
@@ -659,15 +700,18 @@ def test_cluster_file_round_trip_and_errors(tmp_path):
     assert "'ranks[0].serial_steps_s'" in broken(lambda r: r["ranks"][0].update(serial_steps_s=[0.5, -1.0]))
     assert "'ranks[1].activation_scale'" in broken(lambda r: r["ranks"][1].update(activation_scale=1.5))
     assert "'ranks[0].serial_peak_bytes'" in broken(lambda r: r["ranks"][0].update(serial_peak_bytes=-3))
+    assert "'ranks[1].sustained_scale'" in broken(lambda r: r["ranks"][1].update(sustained_scale=0.9))
     raw = json.loads(path.read_text())
-    raw["ranks"][1].update(activation_scale=0.7, serial_peak_bytes=123)
+    raw["ranks"][1].update(activation_scale=0.7, serial_peak_bytes=123, shallower_peak_bytes=100, sustained_scale=1.2)
     kept = cluster_from_dict(raw).ranks[1]
-    assert (kept.activation_scale, kept.serial_peak_bytes) == (0.7, 123)
+    assert (kept.activation_scale, kept.serial_peak_bytes, kept.shallower_peak_bytes, kept.sustained_scale) \
+        == (0.7, 123, 100, 1.2)
     raw = json.loads(path.read_text())
     raw["ranks"][0].pop("serial_forwards_s")  # older files kept no serial runs
     raw["ranks"][0].pop("activation_scale")  # nor an activation scale
-    assert (cluster_from_dict(raw).ranks[0].serial_forwards_s, cluster_from_dict(raw).ranks[0].activation_scale) \
-        == ((), 1.0)
+    raw["ranks"][0].pop("sustained_scale")  # nor a sustained one
+    older = cluster_from_dict(raw).ranks[0]
+    assert (older.serial_forwards_s, older.activation_scale, older.sustained_scale) == ((), 1.0, 1.0)
     assert "'model'" in broken(lambda r: r["model"].update(hidden_sise=3))
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):

@@ -12,11 +12,11 @@ import os
 import numpy as np
 import pytest
 
-from galaxy.config import GalaxyConfig, Method
+from galaxy.config import ConfigError, GalaxyConfig, Method
 from galaxy.planner import cost
 from galaxy.planner.cluster import load_cluster
 from galaxy.planner.cost import Layout, Segments, Workload, might_fit, predict
-from galaxy.planner.search import METHODS, SplitSearch, compositions, layouts, search
+from galaxy.planner.search import METHODS, SplitSearch, compositions, engine_workload, layouts, search
 from tests import REPO
 from tests.planner.test_planner import BERT, LLAMA, synthetic_cluster
 
@@ -61,6 +61,39 @@ def test_pruned_search_returns_the_exhaustive_plans_with_calibrated_activations(
         assert [plan_key(c) for c in search(cluster, work, ffn_unit=8, top=3)] == [plan_key(c) for c in exhaustive]
         tables[name] = [plan_key(c) for c in exhaustive]
     assert tables["plain"] != tables["scaled"]
+
+
+def test_search_over_dp_engines_merges_each_engines_own_search():
+    """``dp_engines``: the plans of the config's engine, and with dp > 1 those of each other engine,
+    each what that engine's own search finds (its mp_grad_reduce made one it runs with), a dp-1
+    plan once; pruned as the exhaustive search; every written config loads with its engine."""
+    from galaxy.cli.plan import plan_config
+
+    cluster = synthetic_cluster(dict(LLAMA, num_hidden_layers=4), 4, [1.0, 1.0, 1.0, 1.0], alpha=5e-5, beta=1e-9,
+                                memory=2**20)
+    work = Workload(cluster.model, "train", 8, 8, mp_grad_reduce="sharded")
+    fsdp = engine_workload(work, "fsdp2")
+    assert (fsdp.dp_engine, fsdp.mp_grad_reduce) == ("fsdp2", "after_backward")
+    key = lambda c: (*plan_key(c), c.dp_engine, c.mp_grad_reduce)  # noqa: E731
+    merged = search(cluster, work, ffn_unit=8, top=500, device_margin=0.0, dp_engines=("fsdp2", "ddp"))
+    alone = search(cluster, work, ffn_unit=8, top=500, device_margin=0.0) \
+        + [c for c in search(cluster, fsdp, ffn_unit=8, top=500, device_margin=0.0) if c.layout.dp > 1]
+    assert len(merged) < 500 and sorted(map(repr, map(key, merged))) == sorted(map(repr, map(key, alone)))
+    assert {(c.dp_engine, c.mp_grad_reduce) for c in merged if c.layout.dp > 1} \
+        == {("ddp", "sharded"), ("fsdp2", "after_backward")}
+    assert merged[0].time_s == min(c.time_s for c in alone if c.fits)
+    exhaustive = search(cluster, work, ffn_unit=8, top=5, prune=False, dp_engines=("fsdp2",))
+    assert list(map(key, search(cluster, work, ffn_unit=8, top=5, dp_engines=("fsdp2",)))) \
+        == list(map(key, exhaustive))
+    cfg = GalaxyConfig.from_dict({"model": dict(LLAMA, num_hidden_layers=4)},
+                                 {"global_batch_size": 8, "seq_length": 8})
+    for c in (c for c in merged if c.layout.dp > 1 and c.fits):
+        config = plan_config(cfg, c, 4)
+        assert (config["parallel"]["dp_engine"], config["parallel"]["mp_grad_reduce"]) == (c.dp_engine,
+                                                                                           c.mp_grad_reduce)
+        GalaxyConfig.from_dict(config).resolve_plan(4 // (c.layout.dp * c.layout.pp))
+    with pytest.raises(ConfigError, match="--dp_engines: 'zero3'"):
+        search(cluster, work, ffn_unit=8, dp_engines=("zero3",))
 
 
 def sampled_splits(search_: SplitSearch, rng, count=200) -> dict:
