@@ -393,6 +393,28 @@ def training_memory(g: GroupModel, layout: Layout, p: int, params: np.ndarray, p
         + fsdp_gathered(work, layout, p, params)
 
 
+@dataclass(frozen=True)
+class FsdpUnits:
+    """What FSDP2 (``dp_engine: fsdp2``) shards of pipeline stage ``p``, whose mp ranks hold ``params``: the
+    root (embeddings, head; kept in the master precision) and ``layers`` layers of ``per_layer`` weights
+    each (gathered in the compute dtype), their bytes per parameter."""
+
+    edge: int
+    layers: int
+    per_layer: np.ndarray
+    master: int
+    compute: int
+
+    @classmethod
+    def of(cls, work: Workload, layout: Layout, p: int, params: np.ndarray) -> "FsdpUnits":
+        emb, head = edge_params(work.model)
+        edge = (emb if p == 0 else 0) + (head if p == layout.pp - 1 else 0)
+        layers = balanced_split(work.model.num_hidden_layers, layout.pp)[p]
+        master = 8 if work.dtype == "float64" else 4
+        compute = work.elem if work.dtype in ("bfloat16", "float16") else master
+        return cls(edge, layers, (params - edge) / layers, master, compute)
+
+
 def fsdp_gathered(work: Workload, layout: Layout, p: int, params: np.ndarray) -> np.ndarray:
     """Bytes of the weights FSDP2 (``dp_engine: fsdp2``, dp > 1) holds gathered on stage ``p`` (whose mp
     ranks hold ``params``): the root's (embeddings, head) in the master precision for the step, and the
@@ -400,14 +422,34 @@ def fsdp_gathered(work: Workload, layout: Layout, p: int, params: np.ndarray) ->
     without a pipeline: the running layer and the prefetched next), else all of them."""
     if layout.dp == 1 or work.dp_engine != "fsdp2":
         return np.zeros_like(params, dtype=float)
-    m, pp = work.model, layout.pp
-    emb, head = edge_params(m)
-    edge = (emb if p == 0 else 0) + (head if p == pp - 1 else 0)
-    layers = balanced_split(m.num_hidden_layers, pp)[p]
-    per_layer = (params - edge) / layers
-    master = 8 if work.dtype == "float64" else 4
-    compute = work.elem if work.dtype in ("bfloat16", "float16") else master
-    return edge * master + per_layer * compute * (min(2, layers) if pp == 1 else layers)
+    u = FsdpUnits.of(work, layout, p, params)
+    return u.edge * u.master + u.per_layer * u.compute * (min(2, u.layers) if layout.pp == 1 else u.layers)
+
+
+def fsdp_exposed(cluster: ClusterProfile, work: Workload, layout: Layout, p: int, params: np.ndarray,
+                 dp_ranks: list[list[int]], compute_s: np.ndarray) -> np.ndarray:
+    """``[C, mp]`` seconds FSDP2 (``dp_engine: fsdp2``) adds to one micro-batch of stage ``p``'s ranks, whose
+    mp rank i holds ``params[:, i]`` and shards them over the dp ranks ``dp_ranks[i]``, against that
+    micro-batch's ``compute_s``. Each layer's weights are all-gathered in the compute dtype before it
+    runs (again in backward where resharded after forward: FSDP2's default without a pipeline) and its
+    gradients reduce-scattered in the master precision after its backward; the root (embeddings, head)
+    gathers in the master precision and reduce-scatters once. FSDP issues a layer's collectives behind
+    its neighbours' compute, so the micro-batch waits for the root's and the first layer's gather, the
+    last reduce-scatters, and whatever of the rest its compute cannot cover: on NVLink a few
+    milliseconds, on a slow link most of the traffic."""
+    u = FsdpUnits.of(work, layout, p, params)
+    gathers = 2 if layout.pp == 1 else 1
+    out = np.zeros_like(compute_s, dtype=float)
+    for i, ranks in enumerate(dp_ranks):
+        ag, rs = cluster.collective(ranks, "all_gather"), cluster.collective(ranks, "reduce_scatter")
+        per_layer = u.per_layer[:, i]
+        gather, reduce = ag(per_layer * u.compute), rs(per_layer * u.master)
+        root_bytes = np.full_like(per_layer, u.edge * u.master)
+        root = ag(root_bytes) + rs(root_bytes) if u.edge else 0.0
+        waited = root + gather + reduce
+        total = u.layers * (gathers * gather + reduce) + root
+        out[:, i] = waited + np.maximum(0.0, total - waited - compute_s[:, i])
+    return out
 
 
 def partial_gradient_bytes(work: Workload, partial: np.ndarray, dp: int) -> np.ndarray:
@@ -458,6 +500,7 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
     opt = {r: cluster.ranks[r].optimizer for r in range(world)}
     grad_bytes = 8 if work.dtype == "float64" else 4  # gradients are reduced in the master weights' precision
     zero1 = dp > 1 and work.dp_engine == "zero1"  # optimizer state and step split over dp
+    fsdp = dp > 1 and work.dp_engine == "fsdp2"
     sharded = mp > 1 and work.mp_grad_reduce == "sharded"
     stage_f, stage_b = np.zeros((pp, C)), np.zeros((pp, C))
     clocks = {}
@@ -480,13 +523,18 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
             clock = run(g, edge, clock, backward=True)
             return f_end, g.repeat(layer_backward, clock, layers)
 
+        fsdp_ranks = [[rank_of(e, p, i, pp, mp) for e in range(dp)] for i in range(mp)]
         if pp == 1:
-            clock = np.stack([opt[r](stepped[0][:, i]) + cluster.ranks[r].step_overhead_s
+            start = np.stack([opt[r](stepped[0][:, i]) + cluster.ranks[r].step_overhead_s
                               for i, r in enumerate(g.ranks)], axis=1)
-            clock = g.repeat(lambda c: fwd_bwd(c)[1], clock, M)
+            clock = g.repeat(lambda c: fwd_bwd(c)[1], start, M)
+            if fsdp:
+                clock = clock + M * fsdp_exposed(cluster, work, layout, p, params[p], fsdp_ranks, (clock - start) / M)
             clocks[(d, p)] = clock
         else:
             f_end, b_end = fwd_bwd(np.zeros((C, mp)))
+            if fsdp:
+                b_end = b_end + fsdp_exposed(cluster, work, layout, p, params[p], fsdp_ranks, b_end)
             f = f_end.max(axis=1)
             stage_f[p] = np.maximum(stage_f[p], f)
             stage_b[p] = np.maximum(stage_b[p], b_end.max(axis=1) - f)
@@ -544,11 +592,9 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
     def mp_keys(d, p):
         return [(d, p, i) for i in range(mp)]
 
-    fsdp = dp > 1 and work.dp_engine == "fsdp2"
     partial_bytes = {p: partial_gradient_bytes(work, partial[p][:, 0], dp) for p in range(pp)}
     buckets = {p: np.maximum(np.ceil(partial_bytes[p] / GRAD_BUCKET_BYTES), 1) for p in range(pp)}
-    # FSDP2 reduce-scatters each layer's gradients over dp inside the backward, and gathers its weights
-    # before the layer runs: taken as hidden behind the layers' compute (FSDP prefetches them)
+    # FSDP2's gathers and reduce-scatters over dp ran inside the micro-batches (``fsdp_exposed``)
     if dp > 1 and not fsdp:
         for p in range(pp):
             for i in range(mp):  # a sharded PARTIAL bucket's dp sum moves this rank's piece only

@@ -18,7 +18,7 @@ from galaxy.planner.cluster import load_cluster
 from galaxy.planner.cost import Layout, Segments, Workload, might_fit, predict
 from galaxy.planner.search import METHODS, SplitSearch, compositions, engine_workload, layouts, search
 from tests import REPO
-from tests.planner.test_planner import BERT, LLAMA, synthetic_cluster
+from tests.planner.test_planner import BERT, LLAMA, model_config as model_config_of, synthetic_cluster
 
 TP, SP, NONE = Method.TP, Method.SP, Method.NONE
 H200X4 = os.path.join(REPO, "docs", "results", "cluster_2026-11-27_1aefcca_h200x4_llama7b.json")
@@ -94,6 +94,41 @@ def test_search_over_dp_engines_merges_each_engines_own_search():
         GalaxyConfig.from_dict(config).resolve_plan(4 // (c.layout.dp * c.layout.pp))
     with pytest.raises(ConfigError, match="--dp_engines: 'zero3'"):
         search(cluster, work, ffn_unit=8, dp_engines=("zero3",))
+
+
+def test_fsdp2_traffic_hides_behind_compute_only_as_far_as_it_lasts():
+    """FSDP2's gathers and reduce-scatters over dp (``cost.fsdp_exposed``): on a link fast against the
+    compute a micro-batch waits only for the root's and first layer's gather and the last reduce-scatters;
+    on a slow link the step takes at least the whole traffic; and there the search puts dp on DDP (one
+    all-reduce of the gradients) rather than FSDP2 (every weight gathered twice and reduce-scattered per
+    micro-batch), where FSDP2 wins on the fast one."""
+    model = dict(LLAMA, num_hidden_layers=4)
+    work = Workload(model_config_of(model), "train", 8, 8, dp_engine="fsdp2")
+    layout, M, layers = Layout(dp=2, microbatches=2), 2, 4
+    split = cost.Splits.balanced(work.model, 8, 1)
+    none = (NONE, NONE, NONE)
+
+    def step(alpha, beta):
+        cluster = synthetic_cluster(model, 2, [1.0, 1.0], alpha=alpha, beta=beta)
+        return cluster, float(predict(cluster, work, none, split, layout).time_s[0])
+
+    _, free = step(0.0, 0.0)
+    fast, t_fast = step(1e-9, 1e-15)
+    ab = fast.collective([0, 1], "all_gather")  # one alpha-beta for every op of the synthetic cluster
+    emb, head = cost.edge_params(work.model)
+    params = cost.stage_parameters(work, none, split, layout, 1)[0][0][0, 0]
+    per_layer = (params - emb - head) / layers
+    edges = 2 * ab((emb + head) * 4) + ab(per_layer * 4) + ab(per_layer * 4)  # fp32 (float32 run)
+    scalars = 3 * ab(8)  # the loss, its token count and the squared gradient norm, summed over dp
+    assert t_fast - free == pytest.approx(M * edges + scalars, rel=1e-6)
+    slow, t_slow = step(1e-3, 1e-6)
+    ab = slow.collective([0, 1], "all_gather")
+    traffic = M * (2 * ab((emb + head) * 4) + layers * (2 * ab(per_layer * 4) + ab(per_layer * 4)))
+    assert t_slow >= traffic
+    for cluster, engine in ((fast, "fsdp2"), (slow, "ddp")):
+        ddp = dataclasses.replace(work, dp_engine="ddp")
+        plans = [c for c in search(cluster, ddp, ffn_unit=8, top=50, dp_engines=("fsdp2",)) if c.layout.dp > 1]
+        assert plans[0].dp_engine == engine, [(c.dp_engine, c.time_s) for c in plans[:4]]
 
 
 def sampled_splits(search_: SplitSearch, rng, count=200) -> dict:
