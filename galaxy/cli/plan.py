@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from galaxy.config import MODEL_PRESETS, ConfigError, GalaxyConfig, parse_override
+from galaxy.config import MODEL_PRESETS, ConfigError, GalaxyConfig, ParallelConfig, parse_override
 from galaxy.planner.cluster import ClusterProfile, load_cluster
 from galaxy.planner.cost import Workload
 from galaxy.planner.search import DEVICE_MARGIN, SPLIT_MARGIN, Choice, search
@@ -185,6 +185,10 @@ def plan_config(cfg: GalaxyConfig, choice: Choice, world: int) -> dict:
                 "mp_grad_reduce": choice.mp_grad_reduce, "dp_engine": choice.dp_engine}
     if choice.dp_engine == "deepspeed":
         parallel["zero_stage"] = cfg.parallel.zero_stage
+    if choice.dp_engine == "fsdp2" or choice.mp_grad_reduce == "fsdp":  # the config's FSDP settings, where set
+        for key in ("reshard_after_forward", "fsdp_grad_sync"):
+            if getattr(cfg.parallel, key) != getattr(ParallelConfig, key):
+                parallel[key] = getattr(cfg.parallel, key)
     for var, key in (("heads", "tp_num_attention_heads_list"), ("ffn", "tp_intermediate_size_list"),
                      ("seq", "seq_scatter_list")):
         if var in choice.uses:

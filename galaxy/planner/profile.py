@@ -208,8 +208,9 @@ def calibrated(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str,
     def memory(model: ModelConfig, activation_scale: float) -> float:
         """The predicted peak of ``model``'s serial step, its saved bytes scaled by ``activation_scale``."""
         ranks = (dataclasses.replace(me, activation_scale=activation_scale),)
-        return float(predict(dataclasses.replace(alone, model=model, ranks=ranks), dataclasses.replace(train, model=model),
-                             none, Splits.balanced(model, seq, 1), Layout()).memory_bytes[0, 0])
+        profile = dataclasses.replace(alone, model=model, ranks=ranks)
+        return float(predict(profile, dataclasses.replace(train, model=model), none, Splits.balanced(model, seq, 1),
+                             Layout()).memory_bytes[0, 0])
 
     step_overhead, step_scale = split(steps_s, step, optimizer)
     forward_overhead, forward_scale = split(forwards_s, forward, 0.0)

@@ -144,7 +144,8 @@ def test_calibration_predicts_a_layers_peak_growth_it_was_given(held_share):
 
     def memory(rank, model):
         alone = dataclasses.replace(cluster.restrict([1]), model=model, ranks=(dataclasses.replace(rank, rank=0),))
-        return predict(alone, Workload(model, "train", rows, seq), none, Splits.balanced(model, seq, 1)).memory_bytes[0, 0]
+        train = Workload(model, "train", rows, seq)
+        return predict(alone, train, none, Splits.balanced(model, seq, 1)).memory_bytes[0, 0]
 
     plain, empty = cluster.ranks[1], dataclasses.replace(cluster.ranks[1], activation_scale=0.0)
     held, fixed = memory(plain, m) - memory(plain, shallower), memory(empty, m) - memory(empty, shallower)

@@ -92,6 +92,18 @@ def test_search_over_dp_engines_merges_each_engines_own_search():
         assert (config["parallel"]["dp_engine"], config["parallel"]["mp_grad_reduce"]) == (c.dp_engine,
                                                                                            c.mp_grad_reduce)
         GalaxyConfig.from_dict(config).resolve_plan(4 // (c.layout.dp * c.layout.pp))
+    fsdp_cfg = GalaxyConfig.from_dict({"model": dict(LLAMA, num_hidden_layers=4),
+                                       "parallel": {"dp_engine": "fsdp2", "reshard_after_forward": "never",
+                                                    "fsdp_grad_sync": "last_micro_batch"}},
+                                      {"global_batch_size": 8, "seq_length": 8})
+    for c in search(cluster, fsdp, ffn_unit=8, top=500, device_margin=0.0, dp_engines=("ddp",)):
+        parallel = plan_config(fsdp_cfg, c, 4)["parallel"]  # FSDP's settings go with FSDP plans only
+        fsdp_keys = {k: parallel.get(k) for k in ("reshard_after_forward", "fsdp_grad_sync")}
+        assert fsdp_keys == ({"reshard_after_forward": "never", "fsdp_grad_sync": "last_micro_batch"}
+                             if c.dp_engine == "fsdp2" else {"reshard_after_forward": None, "fsdp_grad_sync": None})
+        if c.fits:
+            GalaxyConfig.from_dict(plan_config(fsdp_cfg, c, 4)).resolve_plan(
+                len(c.devices) // (c.layout.dp * c.layout.pp))
     with pytest.raises(ConfigError, match="--dp_engines: 'zero3'"):
         search(cluster, work, ffn_unit=8, dp_engines=("zero3",))
 
