@@ -149,8 +149,9 @@ def plan_parser() -> argparse.ArgumentParser:
                         "fewer by more than this fraction (0: the predicted optimum)")
     p.add_argument("--dp_engines", nargs="+", default=[], metavar="ENGINE",
                    help="with dp > 1, also search these dp engines (ddp, zero1, deepspeed, fsdp2) beside the config's "
-                        "dp_engine, e.g. --dp_engines fsdp2; under fsdp2 mp_grad_reduce sharded or overlap becomes "
-                        "after_backward, as the config requires")
+                        "dp_engine, e.g. --dp_engines fsdp2 (with and without resharding after forward, gradients "
+                        "reduce-scattered every micro-batch or once); under fsdp2 mp_grad_reduce sharded or overlap "
+                        "becomes after_backward, as the config requires")
     p.add_argument("--validate", type=int, default=0, metavar="K", help="run the top K plans and print measured times")
     p.add_argument("--validate_steps", type=int, default=5,
                    help="training steps (the first untimed) or timed forwards per validated plan")
@@ -185,10 +186,10 @@ def plan_config(cfg: GalaxyConfig, choice: Choice, world: int) -> dict:
                 "mp_grad_reduce": choice.mp_grad_reduce, "dp_engine": choice.dp_engine}
     if choice.dp_engine == "deepspeed":
         parallel["zero_stage"] = cfg.parallel.zero_stage
-    if choice.dp_engine == "fsdp2" or choice.mp_grad_reduce == "fsdp":  # the config's FSDP settings, where set
+    if choice.dp_engine == "fsdp2" or choice.mp_grad_reduce == "fsdp":  # FSDP's settings, where not its defaults
         for key in ("reshard_after_forward", "fsdp_grad_sync"):
-            if getattr(cfg.parallel, key) != getattr(ParallelConfig, key):
-                parallel[key] = getattr(cfg.parallel, key)
+            if getattr(choice, key) != getattr(ParallelConfig, key):
+                parallel[key] = getattr(choice, key)
     for var, key in (("heads", "tp_num_attention_heads_list"), ("ffn", "tp_intermediate_size_list"),
                      ("seq", "seq_scatter_list")):
         if var in choice.uses:
@@ -207,7 +208,7 @@ def table_rows(choices: list[Choice]) -> list[dict]:
         rows.append({"rank": i + 1, "plan": c.name, "devices": list(c.devices),
                      "att/con/mlp": "/".join(m.value for m in c.methods),
                      "dp x pp x mp": f"{c.layout.dp}x{c.layout.pp}x{len(c.seq)}",
-                     "dp engine": c.dp_engine if c.layout.dp > 1 else None, "microbatches": c.layout.microbatches,
+                     "dp engine": c.engine if c.layout.dp > 1 else None, "microbatches": c.layout.microbatches,
                      "recompute": c.layout.recompute,
                      "heads": list(c.heads) if "heads" in c.uses else None,
                      "ffn": list(c.ffn) if "ffn" in c.uses else None,
@@ -256,7 +257,7 @@ def plan_main(argv: list[str]) -> int:
             cgroups.placement(emulated, cgroups.host_cpus())
         work = Workload(cfg.model, args.objective, cfg.train.global_batch_size, cfg.train.seq_length,
                         cfg.train.dtype, cfg.train.optimizer, cfg.parallel.mp_grad_reduce, cfg.parallel.dp_engine,
-                        cfg.parallel.zero_stage)
+                        cfg.parallel.zero_stage, cfg.parallel.reshard_after_forward, cfg.parallel.fsdp_grad_sync)
         started = time.perf_counter()
         choices = search(cluster, work, args.ffn_unit, args.seq_unit, top=max(args.top, args.validate),
                          split_margin=args.split_margin, device_margin=args.device_margin,

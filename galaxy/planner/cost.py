@@ -51,10 +51,24 @@ class Workload:
     mp_grad_reduce: str = "after_backward"  # config key of the same name
     dp_engine: str = "ddp"  # ddp | zero1 | deepspeed (pure dp: the search keeps mp = pp = 1) | fsdp2
     zero_stage: int = 1  # deepspeed: 1 shards the optimizer state over dp, 2 the gradients too
+    # fsdp2, config keys of the same names: gathered weights freed after forward (default: without a pipeline) or
+    # kept to backward; gradients reduce-scattered every micro-batch or once, unsharded ones accumulating
+    reshard_after_forward: str = "default"
+    fsdp_grad_sync: str = "every_micro_batch"
 
     @property
     def elem(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+
+def fsdp_reshards(reshard_after_forward: str, pp: int) -> bool:
+    """Whether FSDP2 gathers each layer again in backward (its weights freed after forward)."""
+    return reshard_after_forward == "always" or (reshard_after_forward == "default" and pp == 1)
+
+
+def fsdp_syncs_once(fsdp_grad_sync: str, microbatches: int) -> bool:
+    """Whether FSDP2 reduce-scatters the gradients once a step (unsharded ones held between)."""
+    return fsdp_grad_sync == "last_micro_batch" and microbatches > 1
 
 
 def bytes_per_parameter(work: Workload, dp: int, mp: int, microbatches: int) -> tuple[float, float]:
@@ -68,13 +82,16 @@ def bytes_per_parameter(work: Workload, dp: int, mp: int, microbatches: int) -> 
     ``sharded`` PARTIAL weights: the model holds them once (in the compute dtype under autocast, no
     master there), their gradients only while micro-batches accumulate (the last backward buckets and
     drops them), and 1/mp of them as pieces with master, gradient and optimizer state (ZeRO-2 over mp).
-    ``fsdp2``: master, gradient and optimizer state as a 1/dp block; the compute-dtype weights are the
-    layers FSDP gathers (``fsdp_gathered``), not autocast's copies."""
+    ``fsdp2``: master, gradient and optimizer state as a 1/dp block (the gradient whole where it is
+    reduce-scattered once a step); the compute-dtype weights are the layers FSDP gathers
+    (``fsdp_gathered``), not autocast's copies."""
     master = 8 if work.dtype == "float64" else 4
     low = work.dtype in ("bfloat16", "float16")
     state = OPTIMIZER_STATE_BYTES[work.optimizer] * master / 4
     if dp > 1 and work.dp_engine == "fsdp2":  # (the config refuses mp_grad_reduce sharded with it)
-        return (2 * master + state) / dp, (2 * master + state) / dp
+        whole_grads = fsdp_syncs_once(work.fsdp_grad_sync, microbatches)
+        fsdp = (2 * master + state) / dp + (master * (1 - 1 / dp) if whole_grads else 0)
+        return fsdp, fsdp
     split_state = dp if dp > 1 and work.dp_engine in ("zero1", "deepspeed") else 1
     split_grad = dp if dp > 1 and work.dp_engine == "deepspeed" and work.zero_stage == 2 else 1
     whole = master + master / split_grad + state / split_state + (work.elem if low else 0)
@@ -423,32 +440,38 @@ def fsdp_gathered(work: Workload, layout: Layout, p: int, params: np.ndarray) ->
     if layout.dp == 1 or work.dp_engine != "fsdp2":
         return np.zeros_like(params, dtype=float)
     u = FsdpUnits.of(work, layout, p, params)
-    return u.edge * u.master + u.per_layer * u.compute * (min(2, u.layers) if layout.pp == 1 else u.layers)
+    held = min(2, u.layers) if fsdp_reshards(work.reshard_after_forward, layout.pp) else u.layers
+    return u.edge * u.master + u.per_layer * u.compute * held
 
 
 def fsdp_exposed(cluster: ClusterProfile, work: Workload, layout: Layout, p: int, params: np.ndarray,
                  dp_ranks: list[list[int]], compute_s: np.ndarray) -> np.ndarray:
-    """``[C, mp]`` seconds FSDP2 (``dp_engine: fsdp2``) adds to one micro-batch of stage ``p``'s ranks, whose
-    mp rank i holds ``params[:, i]`` and shards them over the dp ranks ``dp_ranks[i]``, against that
+    """``[C, mp]`` seconds FSDP2 (``dp_engine: fsdp2``) adds to a step's micro-batches of stage ``p``'s ranks,
+    whose mp rank i holds ``params[:, i]`` and shards them over the dp ranks ``dp_ranks[i]``, against each
     micro-batch's ``compute_s``. Each layer's weights are all-gathered in the compute dtype before it
     runs (again in backward where resharded after forward: FSDP2's default without a pipeline) and its
-    gradients reduce-scattered in the master precision after its backward; the root (embeddings, head)
-    gathers in the master precision and reduce-scatters once. FSDP issues a layer's collectives behind
-    its neighbours' compute, so the micro-batch waits for the root's and the first layer's gather, the
-    last reduce-scatters, and whatever of the rest its compute cannot cover: on NVLink a few
-    milliseconds, on a slow link most of the traffic."""
+    gradients reduce-scattered in the master precision after its backward (in the last micro-batch only
+    with ``fsdp_grad_sync: last_micro_batch``); the root (embeddings, head) gathers in the master
+    precision and reduce-scatters likewise. FSDP issues a layer's collectives behind its neighbours'
+    compute, so a micro-batch waits for the root's and the first layer's gather, the last
+    reduce-scatters, and whatever of the rest its compute cannot cover: on NVLink a few milliseconds,
+    on a slow link most of the traffic."""
     u = FsdpUnits.of(work, layout, p, params)
-    gathers = 2 if layout.pp == 1 else 1
+    M = layout.microbatches
+    gathers = 2 if fsdp_reshards(work.reshard_after_forward, layout.pp) else 1
     out = np.zeros_like(compute_s, dtype=float)
     for i, ranks in enumerate(dp_ranks):
         ag, rs = cluster.collective(ranks, "all_gather"), cluster.collective(ranks, "reduce_scatter")
-        per_layer = u.per_layer[:, i]
+        per_layer, edge = u.per_layer[:, i], np.full_like(u.per_layer[:, i], u.edge * u.master)
         gather, reduce = ag(per_layer * u.compute), rs(per_layer * u.master)
-        root_bytes = np.full_like(per_layer, u.edge * u.master)
-        root = ag(root_bytes) + rs(root_bytes) if u.edge else 0.0
-        waited = root + gather + reduce
-        total = u.layers * (gathers * gather + reduce) + root
-        out[:, i] = waited + np.maximum(0.0, total - waited - compute_s[:, i])
+        root_gather, root_reduce = (ag(edge), rs(edge)) if u.edge else (0.0, 0.0)
+
+        def micro_batch(reduces: bool) -> np.ndarray:
+            waited = root_gather + gather + (root_reduce + reduce if reduces else 0.0)
+            total = u.layers * (gathers * gather + (reduce if reduces else 0.0)) + root_gather \
+                + (root_reduce if reduces else 0.0)
+            return waited + np.maximum(0.0, total - waited - compute_s[:, i])
+        out[:, i] = micro_batch(True) + (M - 1) * micro_batch(not fsdp_syncs_once(work.fsdp_grad_sync, M))
     return out
 
 
@@ -529,12 +552,12 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
                               for i, r in enumerate(g.ranks)], axis=1)
             clock = g.repeat(lambda c: fwd_bwd(c)[1], start, M)
             if fsdp:
-                clock = clock + M * fsdp_exposed(cluster, work, layout, p, params[p], fsdp_ranks, (clock - start) / M)
+                clock = clock + fsdp_exposed(cluster, work, layout, p, params[p], fsdp_ranks, (clock - start) / M)
             clocks[(d, p)] = clock
         else:
             f_end, b_end = fwd_bwd(np.zeros((C, mp)))
-            if fsdp:
-                b_end = b_end + fsdp_exposed(cluster, work, layout, p, params[p], fsdp_ranks, b_end)
+            if fsdp:  # the pipeline runs each micro-batch's share
+                b_end = b_end + fsdp_exposed(cluster, work, layout, p, params[p], fsdp_ranks, b_end) / M
             f = f_end.max(axis=1)
             stage_f[p] = np.maximum(stage_f[p], f)
             stage_b[p] = np.maximum(stage_b[p], b_end.max(axis=1) - f)

@@ -37,7 +37,8 @@ import numpy as np
 
 from galaxy.config import DP_ENGINES, ConfigError, Method, balanced_split
 from galaxy.planner.cluster import ClusterProfile, device_subsets
-from galaxy.planner.cost import Layout, Prediction, Splits, Workload, lower_bound, might_fit, predict
+from galaxy.planner.cost import (Layout, Prediction, Splits, Workload, fsdp_reshards, fsdp_syncs_once, lower_bound,
+                                 might_fit, predict)
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +64,25 @@ class Choice:
     uses: tuple[str, ...] = field(default=())  # which splits the methods use: heads, ffn, seq
     lower_bound_s: Optional[float] = None  # no split of these methods and layout is faster (None: unknown)
     devices: tuple[int, ...] = ()  # the cluster's ranks the plan runs on (rank i of the run on devices[i])
-    dp_engine: str = "ddp"  # the workload's (config keys of the same names), which search may vary
+    # the workload's (config keys of the same names), which search may vary
+    dp_engine: str = "ddp"
     mp_grad_reduce: str = "after_backward"
+    reshard_after_forward: str = "default"
+    fsdp_grad_sync: str = "every_micro_batch"
+
+    @property
+    def key(self) -> tuple:
+        """What the plan runs: where, how split and laid out, on which engine and settings."""
+        return (self.devices, self.methods, self.layout, self.heads, self.ffn, self.seq, self.dp_engine,
+                self.mp_grad_reduce, self.reshard_after_forward, self.fsdp_grad_sync)
+
+    @property
+    def engine(self) -> str:
+        """The dp engine as bench_train names its FSDP2 settings (``fsdp2-noreshard-onesync``)."""
+        if self.dp_engine != "fsdp2":
+            return self.dp_engine
+        return "fsdp2" + ("-noreshard" if self.reshard_after_forward == "never" else "") \
+            + ("-onesync" if self.fsdp_grad_sync == "last_micro_batch" else "")
 
     @property
     def name(self) -> str:
@@ -273,7 +291,8 @@ class SplitSearch:
         return Choice(self.methods, self.layout, tuple(int(x) for x in s.heads[0]), tuple(int(x) for x in s.ffn[0]),
                       tuple(int(x) for x in s.seq[0]), time, tuple(int(x) for x in pred.memory_bytes[0]),
                       bool(pred.fits[0]), exact, self.uses, time if exact else None,
-                      dp_engine=self.work.dp_engine, mp_grad_reduce=self.work.mp_grad_reduce)
+                      dp_engine=self.work.dp_engine, mp_grad_reduce=self.work.mp_grad_reduce,
+                      **dict(zip(("reshard_after_forward", "fsdp_grad_sync"), fsdp_settings(self.work, self.layout))))
 
 
 RECOMPUTE = ("none", "selective", "full")
@@ -314,8 +333,9 @@ def search(cluster: ClusterProfile, work: Workload, ffn_unit: int = 1, seq_unit:
     on the fewest devices unless more win by more than ``device_margin``): one per set of devices
     (every subset of the cluster's ranks: on slow links fewer devices can be faster, one alone runs
     the plan 'none'), method combination, dp x pp and dp engine (``work``'s, and with dp > 1 each of
-    ``dp_engines``), with its best micro-batch count and recomputation, its splits even unless uneven
-    ones win by more than ``split_margin``.
+    ``dp_engines``; FSDP2 there with and without resharding after forward, and with its gradients
+    reduce-scattered every micro-batch or once), with its best micro-batch count and recomputation,
+    its splits even unless uneven ones win by more than ``split_margin``.
 
     ``prune`` (the default) leaves out what cannot change the answer (``Pruner``): the same plans
     as ``prune=False``, which scores every layout of every group."""
@@ -326,7 +346,7 @@ def search(cluster: ClusterProfile, work: Workload, ffn_unit: int = 1, seq_unit:
     for key, margin in (("split_margin", split_margin), ("device_margin", device_margin)):
         if not 0 <= margin < 1:
             raise ConfigError(f"--{key} {margin} must be a fraction from 0 to below 1, e.g. 0.03")
-    works = [work] + [engine_workload(work, e) for e in dict.fromkeys(dp_engines) if e != work.dp_engine]
+    works = [work] + [w for e in dict.fromkeys(dp_engines) if e != work.dp_engine for w in engine_workloads(work, e)]
     groups = []
     for devices in device_subsets(cluster.world):
         sub = cluster.restrict(devices)
@@ -361,6 +381,37 @@ def engine_workload(work: Workload, dp_engine: str) -> Workload:
     elif dp_engine in ("zero1", "deepspeed") and reduce == "fsdp":
         reduce = "after_backward"
     return replace(work, dp_engine=dp_engine, mp_grad_reduce=reduce)
+
+
+def engine_workloads(work: Workload, dp_engine: str) -> list[Workload]:
+    """``engine_workload``; for FSDP2 with each setting of ``reshard_after_forward`` (default, never) and
+    ``fsdp_grad_sync`` (every micro-batch, last): the anchor recipe's FSDP2 keeps its weights gathered and
+    reduce-scatters once, trading memory for traffic."""
+    base = engine_workload(work, dp_engine)
+    if dp_engine != "fsdp2":
+        return [base]
+    return [replace(base, reshard_after_forward=r, fsdp_grad_sync=g)
+            for r in ("default", "never") for g in ("every_micro_batch", "last_micro_batch")]
+
+
+def beats_setting(a: Choice, b: Choice) -> bool:
+    """Whether ``a``, another FSDP2 setting of ``b``'s run, makes ``b`` pointless: no slower, holding no more
+    (on a fast link keeping the weights gathered saves no time and costs their memory), ties to the first key."""
+    return a.key[:-2] == b.key[:-2] and a.key != b.key and (a.fits or not b.fits) and a.time_s <= b.time_s \
+        and max(a.memory_bytes) <= max(b.memory_bytes) \
+        and (a.time_s, max(a.memory_bytes), a.key) < (b.time_s, max(b.memory_bytes), b.key)
+
+
+def fsdp_settings(work: Workload, layout: Layout) -> tuple[str, str]:
+    """``work``'s FSDP2 settings as they act on ``layout``, the defaults where they change nothing (without
+    FSDP2 over dp; ``never`` is FSDP2's default with a pipeline; one micro-batch syncs once either way), so
+    that two variants of one run are one plan."""
+    fsdp = work.dp_engine == "fsdp2" and layout.dp > 1
+    reshard = "never" if fsdp and not fsdp_reshards(work.reshard_after_forward, layout.pp) and layout.pp == 1 \
+        else "default"
+    sync = "last_micro_batch" if fsdp and fsdp_syncs_once(work.fsdp_grad_sync, layout.microbatches) \
+        else "every_micro_batch"
+    return reshard, sync
 
 
 def fewest_devices_unless_beaten(ranked: list[Choice], margin: float) -> Choice:
@@ -441,7 +492,7 @@ class Pruner:
         if self.top is not None:
             group_bound = {g.index: min(self.bound(g, layout) for layout in g.fast + g.frugal) for g in groups}
             order = sorted(groups, key=lambda g: (group_bound[g.index], g.index))
-        plans, misfits = {}, []
+        plans, misfits, seen = {}, [], set()
         for g in order:
             if self.top is not None and self.hopeless(group_bound[g.index], len(g.devices)):
                 continue
@@ -450,7 +501,9 @@ class Pruner:
                 misfits.append(g)
             if plan is None:
                 continue
-            plans[g.index] = replace(plan, devices=g.devices)
+            plan = replace(plan, devices=g.devices)
+            if not self.admit(plan, g.index, plans, seen):
+                continue
             if plan.fits:
                 bisect.insort(self.fitting, plan.time_s)
                 self.best_at[len(g.devices)] = min(self.best_at.get(len(g.devices), math.inf), plan.time_s)
@@ -458,9 +511,24 @@ class Pruner:
             for g in misfits:
                 plan, _ = self.best(g, skip_misfits=False)
                 if plan is not None:
-                    plans[g.index] = replace(plan, devices=g.devices)
+                    self.admit(replace(plan, devices=g.devices), g.index, plans, seen)
         logger.info("%d of %d groups, %d split searches", len(plans), len(groups), self.searched)
         return [plans[i] for i in sorted(plans)]
+
+    def admit(self, plan: Choice, index: int, plans: dict[int, Choice], seen: set) -> bool:
+        """Record ``plan`` (group ``index``) unless it is one already recorded (an FSDP2 setting that changes
+        nothing on its layout) or another setting of its run beats it (``beats_setting``); drop those it beats.
+        A dropped plan's time leaves the fitting ones: it set no bar that its better one does not."""
+        if plan.key in seen or any(beats_setting(a, plan) for a in plans.values()):
+            return False
+        for i, a in list(plans.items()):
+            if beats_setting(plan, a):
+                del plans[i]
+                if a.fits:
+                    self.fitting.remove(a.time_s)
+        seen.add(plan.key)
+        plans[index] = plan
+        return True
 
     def best(self, group: Group, skip_misfits: bool) -> tuple[Optional[Choice], bool]:
         """The group's best plan: the first tier's, or where none of it fits, the best of both (ties

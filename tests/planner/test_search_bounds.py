@@ -16,7 +16,8 @@ from galaxy.config import ConfigError, GalaxyConfig, Method
 from galaxy.planner import cost
 from galaxy.planner.cluster import load_cluster
 from galaxy.planner.cost import Layout, Segments, Workload, might_fit, predict
-from galaxy.planner.search import METHODS, SplitSearch, compositions, engine_workload, layouts, search
+from galaxy.planner.search import (METHODS, SplitSearch, beats_setting, compositions, engine_workload,
+                                   engine_workloads, layouts, search)
 from tests import REPO
 from tests.planner.test_planner import BERT, LLAMA, model_config as model_config_of, synthetic_cluster
 
@@ -74,14 +75,24 @@ def test_search_over_dp_engines_merges_each_engines_own_search():
     work = Workload(cluster.model, "train", 8, 8, mp_grad_reduce="sharded")
     fsdp = engine_workload(work, "fsdp2")
     assert (fsdp.dp_engine, fsdp.mp_grad_reduce) == ("fsdp2", "after_backward")
-    key = lambda c: (*plan_key(c), c.dp_engine, c.mp_grad_reduce)  # noqa: E731
+    key = lambda c: repr((*plan_key(c), c.dp_engine, c.mp_grad_reduce, c.reshard_after_forward,  # noqa: E731
+                          c.fsdp_grad_sync))
     merged = search(cluster, work, ffn_unit=8, top=500, device_margin=0.0, dp_engines=("fsdp2", "ddp"))
-    alone = search(cluster, work, ffn_unit=8, top=500, device_margin=0.0) \
-        + [c for c in search(cluster, fsdp, ffn_unit=8, top=500, device_margin=0.0) if c.layout.dp > 1]
-    assert len(merged) < 500 and sorted(map(repr, map(key, merged))) == sorted(map(repr, map(key, alone)))
+    variants = engine_workloads(work, "fsdp2")  # FSDP2 with and without resharding, syncing once or every time
+    assert {(w.reshard_after_forward, w.fsdp_grad_sync) for w in variants} == {
+        (r, g) for r in ("default", "never") for g in ("every_micro_batch", "last_micro_batch")}
+    alone = {}
+    for c in search(cluster, work, ffn_unit=8, top=500, device_margin=0.0) + [
+            c for w in variants for c in search(cluster, w, ffn_unit=8, top=500, device_margin=0.0) if c.layout.dp > 1]:
+        alone.setdefault(c.key, c)  # a setting that changes nothing on a layout (one micro-batch) is one plan
+    undominated = [b for b in alone.values() if not any(beats_setting(a, b) for a in alone.values())]
+    assert len(undominated) < len(alone)  # (keeping weights gathered costs memory and saves no time here)
+    assert len(merged) < 500 and sorted(map(key, merged)) == sorted(map(key, undominated))
     assert {(c.dp_engine, c.mp_grad_reduce) for c in merged if c.layout.dp > 1} \
         == {("ddp", "sharded"), ("fsdp2", "after_backward")}
-    assert merged[0].time_s == min(c.time_s for c in alone if c.fits)
+    assert {c.engine for c in merged if c.layout.dp > 1 and c.layout.microbatches > 1} \
+        == {"ddp", "fsdp2", "fsdp2-noreshard", "fsdp2-onesync", "fsdp2-noreshard-onesync"}
+    assert merged[0].time_s == min(c.time_s for c in alone.values() if c.fits)
     exhaustive = search(cluster, work, ffn_unit=8, top=5, prune=False, dp_engines=("fsdp2",))
     assert list(map(key, search(cluster, work, ffn_unit=8, top=5, dp_engines=("fsdp2",)))) \
         == list(map(key, exhaustive))
@@ -92,17 +103,17 @@ def test_search_over_dp_engines_merges_each_engines_own_search():
         assert (config["parallel"]["dp_engine"], config["parallel"]["mp_grad_reduce"]) == (c.dp_engine,
                                                                                            c.mp_grad_reduce)
         GalaxyConfig.from_dict(config).resolve_plan(4 // (c.layout.dp * c.layout.pp))
-    fsdp_cfg = GalaxyConfig.from_dict({"model": dict(LLAMA, num_hidden_layers=4),
-                                       "parallel": {"dp_engine": "fsdp2", "reshard_after_forward": "never",
-                                                    "fsdp_grad_sync": "last_micro_batch"}},
-                                      {"global_batch_size": 8, "seq_length": 8})
-    for c in search(cluster, fsdp, ffn_unit=8, top=500, device_margin=0.0, dp_engines=("ddp",)):
-        parallel = plan_config(fsdp_cfg, c, 4)["parallel"]  # FSDP's settings go with FSDP plans only
+    kept = dataclasses.replace(fsdp, reshard_after_forward="never", fsdp_grad_sync="last_micro_batch")
+    plans = search(cluster, kept, ffn_unit=8, top=500, device_margin=0.0, dp_engines=("ddp",))
+    assert any(c.engine == "fsdp2-noreshard-onesync" for c in plans)  # the config's own FSDP2 settings searched
+    for c in plans:
+        parallel = plan_config(cfg, c, 4)["parallel"]  # FSDP2's settings go with FSDP2 plans, where they act
         fsdp_keys = {k: parallel.get(k) for k in ("reshard_after_forward", "fsdp_grad_sync")}
-        assert fsdp_keys == ({"reshard_after_forward": "never", "fsdp_grad_sync": "last_micro_batch"}
-                             if c.dp_engine == "fsdp2" else {"reshard_after_forward": None, "fsdp_grad_sync": None})
+        acting = c.dp_engine == "fsdp2" and c.layout.dp > 1
+        assert fsdp_keys == {"reshard_after_forward": "never" if acting and c.layout.pp == 1 else None,
+                             "fsdp_grad_sync": "last_micro_batch" if acting and c.layout.microbatches > 1 else None}
         if c.fits:
-            GalaxyConfig.from_dict(plan_config(fsdp_cfg, c, 4)).resolve_plan(
+            GalaxyConfig.from_dict(plan_config(cfg, c, 4)).resolve_plan(
                 len(c.devices) // (c.layout.dp * c.layout.pp))
     with pytest.raises(ConfigError, match="--dp_engines: 'zero3'"):
         search(cluster, work, ffn_unit=8, dp_engines=("zero3",))
@@ -137,6 +148,12 @@ def test_fsdp2_traffic_hides_behind_compute_only_as_far_as_it_lasts():
     ab = slow.collective([0, 1], "all_gather")
     traffic = M * (2 * ab((emb + head) * 4) + layers * (2 * ab(per_layer * 4) + ab(per_layer * 4)))
     assert t_slow >= traffic
+    kept = dataclasses.replace(work, reshard_after_forward="never", fsdp_grad_sync="last_micro_batch")
+    pred_kept, pred = (predict(slow, w, none, split, layout) for w in (kept, work))
+    once = M * (ab((emb + head) * 4) + layers * ab(per_layer * 4)) + ab((emb + head) * 4) + layers * ab(per_layer * 4)
+    assert once <= pred_kept.time_s[0] < pred.time_s[0]  # one gather a micro-batch, one reduce-scatter a step
+    held = float(pred_kept.memory_bytes[0, 0] - pred.memory_bytes[0, 0])  # every layer gathered, whole fp32 grads
+    assert held == pytest.approx(per_layer * 4 * (layers - 2) + params * 4 / 2, rel=1e-9)
     for cluster, engine in ((fast, "fsdp2"), (slow, "ddp")):
         ddp = dataclasses.replace(work, dp_engine="ddp")
         plans = [c for c in search(cluster, ddp, ffn_unit=8, top=50, dp_engines=("fsdp2",)) if c.layout.dp > 1]
