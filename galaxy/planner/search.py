@@ -407,8 +407,9 @@ def fsdp_settings(work: Workload, layout: Layout) -> tuple[str, str]:
     FSDP2 over dp; ``never`` is FSDP2's default with a pipeline; one micro-batch syncs once either way), so
     that two variants of one run are one plan."""
     fsdp = work.dp_engine == "fsdp2" and layout.dp > 1
-    reshard = "never" if fsdp and not fsdp_reshards(work.reshard_after_forward, layout.pp) and layout.pp == 1 \
-        else "default"
+    reshards = fsdp_reshards(work.reshard_after_forward, layout.pp)
+    reshard = "default" if not fsdp or reshards == fsdp_reshards("default", layout.pp) else \
+        ("always" if reshards else "never")
     sync = "last_micro_batch" if fsdp and fsdp_syncs_once(work.fsdp_grad_sync, layout.microbatches) \
         else "every_micro_batch"
     return reshard, sync

@@ -6,6 +6,7 @@ splits; the 7B search runs on the cluster profile measured on 4 x H200 (docs/res
 """
 
 import dataclasses
+import itertools
 import logging
 import os
 
@@ -117,6 +118,27 @@ def test_search_over_dp_engines_merges_each_engines_own_search():
                 len(c.devices) // (c.layout.dp * c.layout.pp))
     with pytest.raises(ConfigError, match="--dp_engines: 'zero3'"):
         search(cluster, work, ffn_unit=8, dp_engines=("zero3",))
+
+
+def test_fsdp2_settings_are_written_as_they_act():
+    """A plan's FSDP2 settings mean what the workload's did on its layout, and are the defaults wherever
+    those act alike (so two variants of one run are one plan, and configs name only what changes a run)."""
+    from galaxy.planner.cost import fsdp_reshards, fsdp_syncs_once
+    from galaxy.planner.search import fsdp_settings
+
+    for reshard in ("default", "always", "never"):
+        for sync in ("every_micro_batch", "last_micro_batch"):
+            for dp, pp, M in itertools.product((1, 2), (1, 2), (1, 2)):
+                work = Workload(None, "train", 8, 8, dp_engine="fsdp2", reshard_after_forward=reshard,
+                                fsdp_grad_sync=sync)
+                canon_reshard, canon_sync = fsdp_settings(work, Layout(dp=dp, pp=pp, microbatches=M))
+                if dp == 1:
+                    assert (canon_reshard, canon_sync) == ("default", "every_micro_batch")
+                    continue
+                assert fsdp_reshards(canon_reshard, pp) == fsdp_reshards(reshard, pp)
+                assert fsdp_syncs_once(canon_sync, M) == fsdp_syncs_once(sync, M)
+                assert (canon_reshard == "default") == (fsdp_reshards(reshard, pp) == fsdp_reshards("default", pp))
+                assert (canon_sync == "every_micro_batch") == (not fsdp_syncs_once(sync, M))
 
 
 def test_fsdp2_traffic_hides_behind_compute_only_as_far_as_it_lasts():
