@@ -493,7 +493,7 @@ class Pruner:
         if self.top is not None:
             group_bound = {g.index: min(self.bound(g, layout) for layout in g.fast + g.frugal) for g in groups}
             order = sorted(groups, key=lambda g: (group_bound[g.index], g.index))
-        plans, misfits, seen = {}, [], set()
+        plans, misfits = {}, []
         for g in order:
             if self.top is not None and self.hopeless(group_bound[g.index], len(g.devices)):
                 continue
@@ -503,7 +503,7 @@ class Pruner:
             if plan is None:
                 continue
             plan = replace(plan, devices=g.devices)
-            if not self.admit(plan, g.index, plans, seen):
+            if not self.admit(plan, g.index, plans):
                 continue
             if plan.fits:
                 bisect.insort(self.fitting, plan.time_s)
@@ -512,22 +512,21 @@ class Pruner:
             for g in misfits:
                 plan, _ = self.best(g, skip_misfits=False)
                 if plan is not None:
-                    self.admit(replace(plan, devices=g.devices), g.index, plans, seen)
+                    self.admit(replace(plan, devices=g.devices), g.index, plans)
         logger.info("%d of %d groups, %d split searches", len(plans), len(groups), self.searched)
         return [plans[i] for i in sorted(plans)]
 
-    def admit(self, plan: Choice, index: int, plans: dict[int, Choice], seen: set) -> bool:
+    def admit(self, plan: Choice, index: int, plans: dict[int, Choice]) -> bool:
         """Record ``plan`` (group ``index``) unless it is one already recorded (an FSDP2 setting that changes
         nothing on its layout) or another setting of its run beats it (``beats_setting``); drop those it beats.
         A dropped plan's time leaves the fitting ones: it set no bar that its better one does not."""
-        if plan.key in seen or any(beats_setting(a, plan) for a in plans.values()):
+        if any(a.key == plan.key or beats_setting(a, plan) for a in plans.values()):
             return False
         for i, a in list(plans.items()):
             if beats_setting(plan, a):
                 del plans[i]
                 if a.fits:
                     self.fitting.remove(a.time_s)
-        seen.add(plan.key)
         plans[index] = plan
         return True
 
