@@ -9,7 +9,7 @@
 #   bash bench/device/planner_node.sh wait probe|node N   # again, at once, until it prints "done" (SOCKETS=1 on
 #                                                     # both calls for the slow-link run)
 # EXTRA: more --override KEY=VALUE for the profile and the plan; PLAN_EXTRA: flags of the plan alone, e.g.
-# PLAN_EXTRA="--dp_engines fsdp2" (the search also runs dp on FSDP2)
+# PLAN_EXTRA="--dp_engines fsdp2" (the search also runs dp on FSDP2); CLUSTER=FILE: no profile, plan from FILE
 # Each call copies what exists so far to $OUT. Time (estimates): probe ~3 min; node at 4 GPUs: the profile
 # ~3-4 min, then each validated plan ~2-3 min (a 7B built per rank, compiled, 3 steps of ~2 s).
 set -o pipefail
@@ -26,9 +26,12 @@ case $part in
     probe) job="python3 bench/device/planner_probe.py --model llama-7b --layers 2 --rows 4 --out $dir/probe.json; \
 python3 plan_galaxy.py profile $model $compile --world 1 --rows 1 4 --reps 3 --calibration_layers 2 \
 --out $dir/cluster_$tag.json --log_level INFO" ;;
-    node) job="python3 plan_galaxy.py profile $model $compile --world $nproc --rows 1 2 4 --reps 3 \
---calibration_layers 2 --out $dir/cluster_$tag.json --log_level INFO && \
-python3 plan_galaxy.py $model $compile ${PLAN_EXTRA:-} --cluster $dir/cluster_$tag.json --out $dir/plan_$tag.json --top 12 \
+    node) cluster=$dir/cluster_$tag.json
+        job="python3 plan_galaxy.py profile $model $compile --world $nproc --rows 1 2 4 --reps 3 \
+--calibration_layers 2 --out $cluster --log_level INFO && "
+        # CLUSTER=FILE (a cluster file in the tree): plan and validate from it, no profile
+        [ -n "${CLUSTER:-}" ] && cluster=$CLUSTER && job=""
+        job+="python3 plan_galaxy.py $model $compile ${PLAN_EXTRA:-} --cluster $cluster --out $dir/plan_$tag.json --top 12 \
 --validate ${VALIDATE:-3} --validate_steps ${STEPS:-3} --log_level INFO" ;;
     *) echo "unknown part $part (probe | node)"; exit 2 ;;
 esac
