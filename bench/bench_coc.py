@@ -49,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import time
+from multiprocessing import connection as mp_connection
 from typing import Callable, Optional
 
 # NVLink multicast (NVLS / symmetric memory) is off on the GPU machines; set before any init.
@@ -678,8 +679,16 @@ def launch(worker, args, parser, on_cpu: bool) -> None:
              for r in range(world)]
     for proc in procs:
         proc.start()
-    for proc in procs:
-        proc.join()
+    running = list(procs)
+    while running:  # as torchrun does: a rank that fails ends the others (which may wait for it in a collective)
+        mp_connection.wait([proc.sentinel for proc in running])
+        running = [proc for proc in running if proc.is_alive()]
+        if any(proc.exitcode not in (None, 0) for proc in procs):
+            for proc in running:
+                proc.terminate()
+            for proc in running:
+                proc.join()
+            running = []
     failed = [i for i, proc in enumerate(procs) if proc.exitcode != 0]
     if failed:
         sys.exit(f"rank(s) {failed} failed")

@@ -897,21 +897,40 @@ def one_line(e: BaseException) -> str:
     return " ".join(text.split())[:400]
 
 
-def first_error(error: Optional[str], ctx: ParallelContext, alone: bool) -> Optional[str]:
-    """This rank's error, else another rank's (ranks must not diverge into different collectives)."""
+# How long a rank whose contender failed waits for the other ranks' word. A failure every rank meets (an
+# import, a refused layout) reaches every rank at once; one rank's alone (out of memory on the fullest GPU)
+# leaves the others inside the step's collectives, where they wait for it until the process group's timeout
+# (a 2-GPU launch sat idle 15 minutes that way, 2026-11-27): the launch then ends instead.
+ERROR_WAIT = datetime.timedelta(minutes=3)
+
+
+def first_error(error: Optional[str], ctx: ParallelContext, alone: bool, name: str = "",
+                errors_group=None) -> Optional[str]:
+    """This rank's error, else another rank's (ranks must not diverge into different collectives), told over
+    ``errors_group`` (Gloo, with a timeout). A rank that failed and hears nothing from the others in that
+    time prints its row and ends the launch (its launcher ends the other ranks)."""
     if alone or ctx.world_size == 1:
         return error
     errors = [None] * ctx.world_size
-    dist.all_gather_object(errors, error)
+    try:
+        dist.all_gather_object(errors, error, group=errors_group)
+    except RuntimeError:  # a timeout: the others are still inside the collectives of the step that failed
+        if not error:
+            raise
+        print("ROW " + json.dumps({"name": name, "ranks": ctx.world_size, "gpus": ctx.world_size,
+                                   "error": f"rank {ctx.rank}: {error}; the other ranks did not report (inside "
+                                            f"the failed step's collectives): the launch ends here"}), flush=True)
+        logging.getLogger(__name__).error("contender %s failed on rank %d alone: ending the launch", name, ctx.rank)
+        os._exit(1)
     return error or next((f"rank {i}: {e}" for i, e in enumerate(errors) if e), None)
 
 
 def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: PeakFlops,
                   flops_per_token: float, builder: Optional[Callable[..., Prepared]] = None,
-                  alone: Optional[bool] = None) -> dict:
-    """Build, warm up, time, count tokens, bytes and peak memory; any failure becomes the row's ``error``.
-    ``builder(name, args, shape, ctx)``: the contender (default: this file's ``build``); ``alone``: it runs on
-    rank 0 by itself (default: the serial and galaxy-none contenders)."""
+                  alone: Optional[bool] = None, errors_group=None) -> dict:
+    """Build, warm up, time, count tokens, bytes and peak memory; any failure becomes the row's ``error``
+    (``first_error``, over ``errors_group``). ``builder(name, args, shape, ctx)``: the contender (default: this
+    file's ``build``); ``alone``: it runs on rank 0 by itself (default: the serial and galaxy-none contenders)."""
     builder = builder or build
     alone = name.startswith(("serial", "galaxy-none")) if alone is None else alone
     ranks = 1 if alone else ctx.world_size
@@ -963,7 +982,7 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: Peak
         del prepared
         if cuda:
             release(ctx.device)
-    error = first_error(error, ctx, alone)
+    error = first_error(error, ctx, alone, name, errors_group)
     if error:  # how far it got: build_s is there when the build succeeded
         return {"name": name, "ranks": ranks, "gpus": ranks, "error": error,
                 **{k: row[k] for k in ("build_s",) if k in row}}
@@ -1031,14 +1050,17 @@ def rank_context(rank: int, world: int, local_rank: int, args, init_method: str)
 
 
 def run_rows(names: list[str], args, shape: dict, ctx: ParallelContext, peak: PeakFlops, flops_per_token: float,
-             builder: Optional[Callable[..., Prepared]] = None, alone: Optional[Callable[[str], bool]] = None) -> list:
+             builder: Optional[Callable[..., Prepared]] = None, alone: Optional[Callable[[str], bool]] = None,
+             error_wait: datetime.timedelta = ERROR_WAIT) -> list:
     """``run_contender`` for each name in turn (``alone(name)``: it runs on rank 0 by itself); rank 0 prints
-    each row as it lands (``ROW {json}``: a killed launch keeps them) and returns them all."""
+    each row as it lands (``ROW {json}``: a killed launch keeps them) and returns them all. Failures are told
+    over a Gloo group of their own that waits ``error_wait`` (``first_error``)."""
+    errors_group = dist.new_group(backend="gloo", timeout=error_wait) if ctx.world_size > 1 else None
     rows = []
     for name in names:
         torch.manual_seed(0)
         row = run_contender(name, args, shape, ctx, peak, flops_per_token, builder,
-                            alone(name) if alone is not None else None)
+                            alone(name) if alone is not None else None, errors_group)
         dist.barrier()
         if ctx.rank == 0:
             rows.append(row)

@@ -8,6 +8,7 @@ recipe cannot reach is refused in its row."""
 import json
 import os
 import subprocess
+import time
 import sys
 
 import pytest
@@ -157,3 +158,52 @@ def test_a_memory_cap_is_refused_where_there_is_no_gpu_allocator_to_cap(flags, c
     with pytest.raises(SystemExit):
         main(["--contenders", "serial-eager", *flags])
     assert "--memory_cap_gib caps a GPU's allocator" in capsys.readouterr().err
+
+
+def _failing_contender(name, args, shape, ctx):
+    """``everywhere`` fails on every rank as it is built; ``one-rank`` runs a step whose all-reduce rank 0 enters
+    while rank 1 cannot allocate (a real allocator failure, as one GPU out of memory); ``after`` would run next."""
+    import torch
+    import torch.distributed as dist
+
+    from bench.bench_train import Batching, Prepared
+
+    if name == "everywhere":
+        raise ValueError("refused on every rank")
+
+    def step():
+        if name == "one-rank" and ctx.rank == 1:
+            torch.empty(1 << 60, dtype=torch.uint8)
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        return total
+
+    return Prepared(step, Batching.reach(2, 1, 1))
+
+
+def _one_rank_fails_worker(rank, world, local_rank, args, init_method):
+    import datetime
+
+    from bench.bench_train import rank_context, run_rows
+
+    ctx = rank_context(rank, world, local_rank, args, init_method)
+    run_rows(["everywhere", "one-rank", "after"], args, dict(SCENARIOS["smoke"], global_batch=2), ctx, None, 1.0,
+             _failing_contender,
+             error_wait=datetime.timedelta(seconds=5))
+
+
+def test_a_contender_failing_on_one_rank_ends_the_launch_instead_of_hanging():
+    """A failure every rank meets is the row's error and the launch goes on; one rank's alone (the others
+    inside the step's collective, waiting for it) ends the launch with that rank's row, within the wait."""
+    code = ("import argparse; from bench.bench_coc import launch; "
+            "from tests.bench.test_bench_train import _one_rank_fails_worker as w; "
+            "launch(w, argparse.Namespace(cpu=True, world=2, warmup=0, iters=1), None, on_cpu=True)")
+    t0 = time.time()
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert time.time() - t0 < 120 and run.returncode != 0, (run.returncode, run.stderr[-2000:])
+    rows = [json.loads(line[4:]) for line in run.stdout.splitlines() if line.startswith("ROW ")]
+    assert [r["name"] for r in rows[:2]] == ["everywhere", "one-rank"] and "after" not in str(rows), run.stdout
+    assert rows[0]["error"] == "ValueError: refused on every rank"
+    (failed,) = [r["error"] for r in rows if r["error"].startswith("rank 1: ")]
+    assert "can't allocate memory" in failed and "the launch ends here" in failed
