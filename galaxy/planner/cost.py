@@ -71,9 +71,11 @@ def fsdp_syncs_once(fsdp_grad_sync: str, microbatches: int) -> bool:
     return fsdp_grad_sync == "last_micro_batch" and microbatches > 1
 
 
-def bytes_per_parameter(work: Workload, dp: int, mp: int, microbatches: int) -> tuple[float, float]:
+def bytes_per_parameter(work: Workload, dp: int, mp: int, microbatches: int,
+                        gradients: bool = True) -> tuple[float, float]:
     """What a rank holds per trainable parameter it has, in bytes: (a parameter of any rule, a PARTIAL one
-    under ``mp_grad_reduce: sharded``), parameters, gradients and optimizer state (activations apart).
+    under ``mp_grad_reduce: sharded``), parameters, gradients and optimizer state (activations apart);
+    ``gradients=False``: before the step's first backward has made any (``training_memory``).
 
     Weights, gradients and optimizer state are in the master precision (float32, float64 for float64
     runs); under bfloat16/float16 autocast keeps a compute-dtype copy of every weight from its first use
@@ -86,19 +88,21 @@ def bytes_per_parameter(work: Workload, dp: int, mp: int, microbatches: int) -> 
     reduce-scattered once a step); the compute-dtype weights are the layers FSDP gathers
     (``fsdp_gathered``), not autocast's copies."""
     master = 8 if work.dtype == "float64" else 4
+    grad = master if gradients else 0
     low = work.dtype in ("bfloat16", "float16")
     state = OPTIMIZER_STATE_BYTES[work.optimizer] * master / 4
     if dp > 1 and work.dp_engine == "fsdp2":  # (the config refuses mp_grad_reduce sharded with it)
         whole_grads = fsdp_syncs_once(work.fsdp_grad_sync, microbatches)
-        fsdp = (2 * master + state) / dp + (master * (1 - 1 / dp) if whole_grads else 0)
+        fsdp = (master + grad + state) / dp + (grad * (1 - 1 / dp) if whole_grads else 0)
         return fsdp, fsdp
     split_state = dp if dp > 1 and work.dp_engine in ("zero1", "deepspeed") else 1
     split_grad = dp if dp > 1 and work.dp_engine == "deepspeed" and work.zero_stage == 2 else 1
-    whole = master + master / split_grad + state / split_state + (work.elem if low else 0)
+    whole = master + grad / split_grad + state / split_state + (work.elem if low else 0)
     if mp == 1 or work.mp_grad_reduce != "sharded":
         return whole, whole
     weight = work.elem if low else master
-    return whole, weight + (weight if microbatches > 1 else 0) + (2 * master + state / split_state) / mp
+    accumulating = weight if microbatches > 1 and gradients else 0
+    return whole, weight + accumulating + (master + grad + state / split_state) / mp
 
 
 @dataclass
@@ -404,10 +408,20 @@ def training_memory(g: GroupModel, layout: Layout, p: int, params: np.ndarray, p
         held = layers * (acts_layer - core) + core
     else:
         held = layers * acts_layer
-    per_param, per_sharded = bytes_per_parameter(work, layout.dp, mp, M)
     own_sharded = partial if mp > 1 and work.mp_grad_reduce == "sharded" else 0
-    return (params - own_sharded) * per_param + own_sharded * per_sharded + in_flight * (held + acts_edge) \
-        + fsdp_gathered(work, layout, p, params)
+
+    def states(gradients: bool) -> np.ndarray:
+        per_param, per_sharded = bytes_per_parameter(work, layout.dp, mp, M, gradients)
+        return (params - own_sharded) * per_param + own_sharded * per_sharded
+
+    activations, gathered = in_flight * (held + acts_edge), fsdp_gathered(work, layout, p, params)
+    if M > 1 or (layout.dp > 1 and work.dp_engine == "deepspeed"):  # (DeepSpeed's buffers: kept throughout)
+        return states(True) + activations + gathered
+    # One micro-batch: its backward makes the gradients as it frees the activations (a step starts with
+    # none: zero_grad sets them to None), so the forward's end holds no gradient, the optimizer step no
+    # activation. A 7B layer's growth of the peak on an H200 was its states less its gradients plus its
+    # saved activations (docs/benchmarks.md).
+    return np.maximum(states(False) + activations, states(True)) + gathered
 
 
 @dataclass(frozen=True)

@@ -217,11 +217,15 @@ def calibrated(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str,
     activation_scale = 1.0
     if peak_bytes is not None and shallower_peak_bytes is not None and m.num_hidden_layers > 1:
         shallower = dataclasses.replace(m, num_hidden_layers=m.num_hidden_layers - 1)
-        held = memory(m, 1.0) - memory(shallower, 1.0)  # one layer's states and saved activations
-        fixed = memory(m, 0.0) - memory(shallower, 0.0)  # its states
+
+        def growth(scale: float) -> float:
+            return memory(m, scale) - memory(shallower, scale)
         measured = peak_bytes - shallower_peak_bytes
-        if held > fixed and measured < held:
-            activation_scale = max(MIN_ACTIVATION_SCALE, (measured - fixed) / (held - fixed))
+        if measured < growth(1.0):  # the scale whose growth is the measured one (growth rises with it)
+            low, high = MIN_ACTIVATION_SCALE, 1.0
+            for _ in range(30):
+                low, high = (low, (low + high) / 2) if growth((low + high) / 2) >= measured else ((low + high) / 2, high)
+            activation_scale = high
     return dataclasses.replace(me, step_overhead_s=step_overhead, forward_overhead_s=forward_overhead,
                                step_compute_scale=step_scale, forward_compute_scale=forward_scale,
                                activation_scale=activation_scale, serial_steps_s=tuple(steps_s),

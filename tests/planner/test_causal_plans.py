@@ -35,28 +35,28 @@ def rank_params(cluster, methods, mp):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_sharded_partial_gradients_save_what_they_shard(dtype):
     """mp_grad_reduce sharded: a PARTIAL weight is held once (compute dtype under autocast) and its master,
-    gradient and optimizer state as a 1/mp piece; nothing else changes."""
-    cluster = synthetic_cluster(LLAMA, 2, [1.0, 1.0], seq=8, memory=2**40)
+    gradient and optimizer state as a 1/mp piece; nothing else changes. At one micro-batch the peak (its
+    forward's end, where the activations outweigh the gradients here) holds no gradient of either."""
+    cluster = synthetic_cluster(LLAMA, 2, [1.0, 1.0], seq=64, rows=8, memory=2**40)
     n, partial = rank_params(cluster, GALAXY, 2)
     assert 0 < partial < n
-    base = Workload(cluster.model, "train", 2, 8, dtype)
-    split = Splits.balanced(cluster.model, 8, 2)
-    mem = {mode: predict(cluster, Workload(cluster.model, "train", 2, 8, dtype, mp_grad_reduce=mode), GALAXY,
-                         split).memory_bytes[0, 0]
-           for mode in ("after_backward", "overlap", "sharded")}
-    assert mem["after_backward"] == mem["overlap"]
+    base = Workload(cluster.model, "train", 8, 64, dtype)
+    split = Splits.balanced(cluster.model, 64, 2)
+    mem = {(mode, micro): predict(cluster, Workload(cluster.model, "train", 8 * micro, 64, dtype, mp_grad_reduce=mode),
+                                  GALAXY, split, Layout(microbatches=micro)).memory_bytes[0, 0]
+           for mode in ("after_backward", "overlap", "sharded") for micro in (1, 2)}
+    assert mem["after_backward", 1] == mem["overlap", 1]
     low = dtype == "bfloat16"
     whole = 4 + 4 + 8 + (2 if low else 0)  # fp32 weight, gradient, AdamW's two moments, autocast's copy
     piece = (2 if low else 4) + (4 + 4 + 8) / 2
+    sharded = Workload(cluster.model, "train", 8, 64, dtype, mp_grad_reduce="sharded")
     assert bytes_per_parameter(base, 1, 2, 1) == (whole, whole)
-    assert bytes_per_parameter(Workload(cluster.model, "train", 2, 8, dtype, mp_grad_reduce="sharded"), 1, 2, 1) \
-        == (whole, piece)
-    assert mem["after_backward"] - mem["sharded"] == pytest.approx(partial * (whole - piece))
+    assert bytes_per_parameter(sharded, 1, 2, 1) == (whole, piece)
+    assert bytes_per_parameter(sharded, 1, 2, 1, gradients=False) == (whole - 4, piece - 4 / 2)
+    assert mem["after_backward", 1] - mem["sharded", 1] == pytest.approx(partial * (whole - 4 - (piece - 4 / 2)))
     # with micro-batches the PARTIAL gradients accumulate on the weights before the last backward buckets them
-    two = {mode: predict(cluster, Workload(cluster.model, "train", 2, 8, dtype, mp_grad_reduce=mode), GALAXY, split,
-                         Layout(microbatches=2)).memory_bytes[0, 0] for mode in ("after_backward", "sharded")}
     weight = 2 if low else 4
-    assert two["after_backward"] - two["sharded"] == pytest.approx(partial * (whole - piece - weight))
+    assert mem["after_backward", 2] - mem["sharded", 2] == pytest.approx(partial * (whole - piece - weight))
 
 
 def test_dp_engines_shard_optimizer_state_and_gradients():
@@ -64,9 +64,9 @@ def test_dp_engines_shard_optimizer_state_and_gradients():
     n, _ = rank_params(cluster, (NONE,) * 3, 1)
     one = Splits.balanced(cluster.model, 8, 1)
 
-    def memory(engine, stage=1):
-        work = Workload(cluster.model, "train", 2, 8, dp_engine=engine, zero_stage=stage)
-        return predict(cluster, work, (NONE,) * 3, one, Layout(dp=2)).memory_bytes[0, 0]
+    def memory(engine, stage=1):  # (two micro-batches: the peak holds the gradients, DeepSpeed's or not)
+        work = Workload(cluster.model, "train", 4, 8, dp_engine=engine, zero_stage=stage)
+        return predict(cluster, work, (NONE,) * 3, one, Layout(dp=2, microbatches=2)).memory_bytes[0, 0]
 
     assert memory("ddp") - memory("zero1") == pytest.approx(n * 8 / 2)  # half of AdamW's state
     assert memory("deepspeed", 1) == memory("zero1")

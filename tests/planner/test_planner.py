@@ -137,7 +137,7 @@ def test_calibration_predicts_a_layers_peak_growth_it_was_given(held_share):
     peaks changes nothing), and a split plan's memory moves with it; above 1, or one peak alone, nothing."""
     from galaxy.planner.profile import calibrated
 
-    cluster = synthetic_cluster(LLAMA, 2, [1.0, 0.5])
+    cluster = synthetic_cluster(LLAMA, 2, [1.0, 0.5], seq=64, rows=8)  # activations above the gradients
     m, seq, rows = cluster.model, cluster.seq_length, cluster.rows[0]
     shallower = dataclasses.replace(m, num_hidden_layers=m.num_hidden_layers - 1)
     none = (NONE, NONE, NONE)
@@ -147,18 +147,21 @@ def test_calibration_predicts_a_layers_peak_growth_it_was_given(held_share):
         train = Workload(model, "train", rows, seq)
         return predict(alone, train, none, Splits.balanced(model, seq, 1)).memory_bytes[0, 0]
 
-    plain, empty = cluster.ranks[1], dataclasses.replace(cluster.ranks[1], activation_scale=0.0)
-    held, fixed = memory(plain, m) - memory(plain, shallower), memory(empty, m) - memory(empty, shallower)
-    assert held > fixed, "a layer saves activations"
+    def growth(scale):
+        rank = dataclasses.replace(cluster.ranks[1], activation_scale=scale)
+        return memory(rank, m) - memory(rank, shallower)
+
+    plain = cluster.ranks[1]
+    held, saved = growth(1.0), 2 * (growth(1.0) - growth(0.5))  # (the peak's states do not scale)
+    assert 0 < saved < held, "a layer saves activations and holds states"
     transient = 12345678  # what the shallow model's edges hold at its peak beyond the cost model's
     peak = int(memory(plain, m)) + transient
-    shallower_peak = peak - int(fixed + held_share * (held - fixed))
+    shallower_peak = peak - int(held - (1 - held_share) * saved)
     step = predict(cluster.restrict([1]), Workload(m, "train", rows, seq), none, Splits.balanced(m, seq, 1)).time_s[0]
     rank = calibrated(plain, m, rows, seq, "float32", [step], [1.0], peak, shallower_peak)
     assert (rank.serial_peak_bytes, rank.shallower_peak_bytes) == (peak, shallower_peak)
     assert rank.activation_scale == (pytest.approx(held_share, rel=1e-6) if held_share < 1 else 1.0)
-    growth = memory(rank, m) - memory(rank, shallower)
-    assert growth == pytest.approx(min(peak - shallower_peak, held), rel=1e-6)
+    assert memory(rank, m) - memory(rank, shallower) == pytest.approx(min(peak - shallower_peak, held), rel=1e-6)
     both = dataclasses.replace(cluster, ranks=(cluster.ranks[0], rank))
     split = Splits.balanced(m, seq, 2)
     train = Workload(m, "train", rows, seq)
@@ -166,6 +169,37 @@ def test_calibration_predicts_a_layers_peak_growth_it_was_given(held_share):
     assert (after < before) == (held_share < 1)
     assert calibrated(plain, m, rows, seq, "float32", [step], [1.0]).activation_scale == 1.0  # no peak
     assert calibrated(plain, m, rows, seq, "float32", [step], [1.0], peak).activation_scale == 1.0  # one depth
+
+
+def test_a_steps_first_micro_batch_peaks_without_gradients_and_the_later_ones_with_them():
+    """The real Trainer: a step starts with no gradient (zero_grad sets them to None), so the end of its
+    first micro-batch's forward, where the saved activations peak, holds none; every later micro-batch's
+    forward holds the gradients accumulated so far. The cost model's peak of two micro-batches is one
+    micro-batch's (the same rows) plus the master gradients (float32 here), where activations dominate."""
+    from galaxy.core.context import ParallelContext
+    from galaxy.config import Plan
+    from galaxy.models import build_model
+    from galaxy.train.loop import make_trainer
+
+    seen = {}
+    for micro in (1, 2):
+        cfg = GalaxyConfig.from_dict({"model": dict(LLAMA), "train": {"global_batch_size": 4, "seq_length": 8},
+                                      "parallel": {"num_microbatches": micro}})
+        model = build_model(cfg, Plan.serial(cfg), ParallelContext.serial())
+        trainer = make_trainer(model, cfg, ParallelContext.serial())
+        params = [p for p in model.parameters() if p.requires_grad]
+        ends = seen[micro] = []
+        model.register_forward_hook(lambda *_: ends.append(any(p.grad is not None for p in params)))
+        for step in range(2):
+            ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(step))
+            trainer.optimizer_step(trainer.forward_backward({"input_ids": ids, "labels": ids}), step + 1)
+    assert seen == {1: [False, False], 2: [False, True, False, True]}
+
+    cluster = synthetic_cluster(LLAMA, 1, [1.0], seq=64, rows=8)
+    m, none = cluster.model, (NONE, NONE, NONE)
+    peak = {micro: predict(cluster, Workload(m, "train", 8 * micro, 64), none, Splits.balanced(m, 64, 1),
+                           Layout(microbatches=micro)).memory_bytes[0, 0] for micro in (1, 2)}
+    assert peak[2] - peak[1] == pytest.approx(4 * model_params(m), rel=1e-9)
 
 
 def test_sustained_scale_stretches_training_compute_only():

@@ -91,8 +91,9 @@ def test_search_over_dp_engines_merges_each_engines_own_search():
     assert len(merged) < 500 and sorted(map(key, merged)) == sorted(map(key, undominated))
     assert {(c.dp_engine, c.mp_grad_reduce) for c in merged if c.layout.dp > 1} \
         == {("ddp", "sharded"), ("fsdp2", "after_backward")}
-    assert {c.engine for c in merged if c.layout.dp > 1 and c.layout.microbatches > 1} \
-        == {"ddp", "fsdp2", "fsdp2-noreshard", "fsdp2-onesync", "fsdp2-noreshard-onesync"}
+    engines = {c.engine for c in merged if c.layout.dp > 1 and c.layout.microbatches > 1}
+    assert {"ddp", "fsdp2", "fsdp2-onesync"} <= engines \
+        <= {"ddp", "fsdp2", "fsdp2-noreshard", "fsdp2-onesync", "fsdp2-noreshard-onesync"}
     assert merged[0].time_s == min(c.time_s for c in alone.values() if c.fits)
     exhaustive = search(cluster, work, ffn_unit=8, top=5, prune=False, dp_engines=("fsdp2",))
     assert list(map(key, search(cluster, work, ffn_unit=8, top=5, dp_engines=("fsdp2",)))) \
@@ -106,7 +107,8 @@ def test_search_over_dp_engines_merges_each_engines_own_search():
         GalaxyConfig.from_dict(config).resolve_plan(4 // (c.layout.dp * c.layout.pp))
     kept = dataclasses.replace(fsdp, reshard_after_forward="never", fsdp_grad_sync="last_micro_batch")
     plans = search(cluster, kept, ffn_unit=8, top=500, device_margin=0.0, dp_engines=("ddp",))
-    assert any(c.engine == "fsdp2-noreshard-onesync" for c in plans)  # the config's own FSDP2 settings searched
+    engines = {c.engine for c in plans}  # the config's own FSDP2 settings searched, each where it acts
+    assert any("noreshard" in e for e in engines) and any("onesync" in e for e in engines), engines
     for c in plans:
         parallel = plan_config(cfg, c, 4)["parallel"]  # FSDP2's settings go with FSDP2 plans, where they act
         fsdp_keys = {k: parallel.get(k) for k in ("reshard_after_forward", "fsdp_grad_sync")}
