@@ -900,7 +900,7 @@ def one_line(e: BaseException) -> str:
 # How long a rank whose contender failed waits for the other ranks' word. A failure every rank meets (an
 # import, a refused layout) reaches every rank at once; one rank's alone (out of memory on the fullest GPU)
 # leaves the others inside the step's collectives, where they wait for it until the process group's timeout
-# (a 2-GPU launch sat idle 15 minutes that way, 2026-11-27): the launch then ends instead.
+# (a 2-GPU launch sat idle 11 minutes that way, 2026-11-27): the launch then ends instead.
 ERROR_WAIT = datetime.timedelta(minutes=3)
 
 

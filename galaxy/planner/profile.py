@@ -224,7 +224,8 @@ def calibrated(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str,
         if measured < growth(1.0):  # the scale whose growth is the measured one (growth rises with it)
             low, high = MIN_ACTIVATION_SCALE, 1.0
             for _ in range(30):
-                low, high = (low, (low + high) / 2) if growth((low + high) / 2) >= measured else ((low + high) / 2, high)
+                mid = (low + high) / 2
+                low, high = (low, mid) if growth(mid) >= measured else (mid, high)
             activation_scale = high
     return dataclasses.replace(me, step_overhead_s=step_overhead, forward_overhead_s=forward_overhead,
                                step_compute_scale=step_scale, forward_compute_scale=forward_scale,

@@ -8,8 +8,8 @@ recipe cannot reach is refused in its row."""
 import json
 import os
 import subprocess
-import time
 import sys
+import time
 
 import pytest
 
@@ -188,8 +188,7 @@ def _one_rank_fails_worker(rank, world, local_rank, args, init_method):
 
     ctx = rank_context(rank, world, local_rank, args, init_method)
     run_rows(["everywhere", "one-rank", "after"], args, dict(SCENARIOS["smoke"], global_batch=2), ctx, None, 1.0,
-             _failing_contender,
-             error_wait=datetime.timedelta(seconds=5))
+             _failing_contender, error_wait=datetime.timedelta(seconds=5))
 
 
 def test_a_contender_failing_on_one_rank_ends_the_launch_instead_of_hanging():
