@@ -18,6 +18,7 @@ import re
 import secrets
 import signal
 import subprocess
+import time
 from typing import Mapping, Optional, Sequence
 
 from galaxy.emulate import cgroups, network
@@ -73,6 +74,8 @@ class EmulatedCluster:
                 self.fillers = [self._start(cgroups.filler_group(self.name, cpu), (cpu,), _FILLER,
                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                                 for cpu, _ in self.placement.fillers]
+                for (cpu, _), proc in zip(self.placement.fillers, self.fillers):
+                    _wait_joined(proc, cgroups.filler_group(self.name, cpu))
             except BaseException:
                 self._teardown()
                 raise
@@ -139,6 +142,18 @@ class EmulatedCluster:
         command = ["setpriv", "--pdeathsig", "KILL", "--", *pin, "sh", "-c", _ENTER,
                    os.path.join(group, "cgroup.procs"), str(os.getpid()), *argv]
         return subprocess.Popen(command, start_new_session=True, **popen_kwargs)
+
+
+def _wait_joined(proc: subprocess.Popen, group: str, timeout_s: float = 10.0) -> None:
+    """Return once ``proc`` (started by ``_start``) is a member of ``group``: it joins as its first step,
+    after Popen has returned, so a cluster whose fillers are not yet in place is not yet the one described."""
+    deadline = time.monotonic() + timeout_s
+    while proc.pid not in cgroups.members(group):
+        if proc.poll() is not None:
+            raise RuntimeError(f"a process for {group} exited (code {proc.returncode}) before joining it")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"a process for {group} did not join it within {timeout_s:g} s")
+        time.sleep(0.005)
 
 
 def describe(cluster: Cluster, place: Optional[cgroups.Placement] = None) -> str:

@@ -18,7 +18,7 @@ import pytest
 from galaxy.config import ConfigError
 from galaxy.emulate import (Cluster, EmulatedCluster, HostCommandError, RankSpec, cgroups, missing_prerequisite,
                             network, remove_stale_runs, run_emulated)
-from galaxy.emulate.emulator import LOCK_DIR, run_names
+from galaxy.emulate.emulator import LOCK_DIR, _wait_joined, run_names
 from tests import REPO  # noqa: E402
 
 REPO = REPO
@@ -365,6 +365,19 @@ def test_links_and_cpu_limits_are_where_the_file_says(emulation):
         else:
             assert fillers == [] and cpus == ",".join(map(str, sorted(os.sched_getaffinity(0)))).replace("0,1", "0-1")
     assert leftovers(emu.name) == []
+
+
+@needs_host
+def test_a_process_that_cannot_join_its_group_is_reported_not_waited_for(tmp_path):
+    """``__enter__`` waits until each filler is in its cgroup (it joins after Popen returns: a run read its
+    group empty once); one that exits first, here because its group does not exist, is an error at once."""
+    emu = EmulatedCluster(Cluster.from_dict({"ranks": [{}, {}]}))
+    missing = str(tmp_path / "no-such-group")
+    proc = emu._start(missing, None, ["sleep", "5"], stderr=subprocess.DEVNULL)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited \\(code 126\\) before joining it"):
+        _wait_joined(proc, missing)
+    assert time.monotonic() - t0 < 5
 
 
 # ----------------------------------------------------------------------------- cleanup on every exit path
