@@ -16,9 +16,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from galaxy.data.batching import IGNORE_INDEX
 from galaxy.train.microbatch import split_rows
-
-IGNORE_INDEX = -100
 
 
 def _local_targets(trainer, logits: torch.Tensor, labels: torch.Tensor, causal: bool) -> torch.Tensor:
