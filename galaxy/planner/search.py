@@ -502,12 +502,7 @@ class Pruner:
                 misfits.append(g)
             if plan is None:
                 continue
-            plan = replace(plan, devices=g.devices)
-            if not self.admit(plan, g.index, plans):
-                continue
-            if plan.fits:
-                bisect.insort(self.fitting, plan.time_s)
-                self.best_at[len(g.devices)] = min(self.best_at.get(len(g.devices), math.inf), plan.time_s)
+            self.admit(replace(plan, devices=g.devices), g.index, plans)
         if self.top is not None and len(self.fitting) < self.top:  # plans that do not fit are shown after all
             for g in misfits:
                 plan, _ = self.best(g, skip_misfits=False)
@@ -519,7 +514,8 @@ class Pruner:
     def admit(self, plan: Choice, index: int, plans: dict[int, Choice]) -> bool:
         """Record ``plan`` (group ``index``) unless it is one already recorded (an FSDP2 setting that changes
         nothing on its layout) or another setting of its run beats it (``beats_setting``); drop those it beats.
-        A dropped plan's time leaves the fitting ones: it set no bar that its better one does not."""
+        A fitting plan's time joins the bar (``fitting``, ``best_at``); a dropped one's leaves ``fitting``: it set
+        no bar that its better one does not."""
         if any(a.key == plan.key or beats_setting(a, plan) for a in plans.values()):
             return False
         for i, a in list(plans.items()):
@@ -528,6 +524,10 @@ class Pruner:
                 if a.fits:
                     self.fitting.remove(a.time_s)
         plans[index] = plan
+        if plan.fits:
+            bisect.insort(self.fitting, plan.time_s)
+            devices = len(plan.devices)
+            self.best_at[devices] = min(self.best_at.get(devices, math.inf), plan.time_s)
         return True
 
     def best(self, group: Group, skip_misfits: bool) -> tuple[Optional[Choice], bool]:
