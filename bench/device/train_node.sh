@@ -70,6 +70,7 @@ case $part in
     rows) contenders='galaxy-galaxy-sharded+compile' ;;
     *) echo "unknown part $part (a | b | fit | all | dp | sync | two | twoall | twolast | twofix | fourfix | rows)"; exit 2 ;;
 esac
+contenders=${CONTENDERS:-$contenders}  # CONTENDERS=a,b: some of a part's rows (its tag stays the part's)
 tag=llama7b_${nproc}_${part}
 micro_batches=(${MICRO_BATCH:-1})
 flags=(--global_batch "${GLOBAL_BATCH:-16}" --warmup "${WARMUP:-2}" --iters "${ITERS:-3}" --contenders "$contenders")
