@@ -106,7 +106,14 @@ def config(args, quantize: str = "none", compile_mode: Optional[str] = None) -> 
         "peft": dict(LORA, quantize_base=quantize)})
 
 
-def timed_steps(step, args, tick) -> list[float]:
+def resident_mib() -> Optional[float]:
+    """What the device holds now: called between steps, the weights, LoRA factors, optimizer state and caches
+    (a row's ``peak_mib - resident_mib`` is what a step adds)."""
+    return torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else None
+
+
+def timed_steps(step, args, tick) -> dict:
+    """``times`` of the steps after the warm-up; ``resident_mib`` after the last, while the model lives."""
     times = []
     for i in range(args.warmup + args.steps):
         torch.cuda.synchronize()
@@ -116,7 +123,7 @@ def timed_steps(step, args, tick) -> list[float]:
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
         tick()
-    return times
+    return {"times": times, "resident_mib": resident_mib()}
 
 
 PROFILED_STEPS = 3
@@ -161,14 +168,14 @@ def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None) -> dict:
     cfg = config(args, quantize, compile_mode)
     ctx = ParallelContext.serial("cuda" if torch.cuda.is_available() else "cpu", seed=0)  # CPU: a smoke run
     model = apply_tuning(build_model(cfg, None, ctx), cfg)
-    times, last = [], [time.perf_counter()]
+    times, last, resident = [], [time.perf_counter()], [None]
     prof = profiler(args)
 
     def on_step(step, loss):
         now = time.perf_counter()
         if step > args.warmup:
             times.append(now - last[0])
-        last[0] = now
+        last[0], resident[0] = now, resident_mib()
         if prof is not None:
             prof.step()
 
@@ -182,7 +189,7 @@ def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None) -> dict:
     else:
         train(model, causal_lm_data(cfg), cfg, ctx, progress=False, on_step=on_step)
     nbytes, count = frozen_bytes(model)
-    return {"times": times, "frozen_bytes_per_param": nbytes / max(count, 1), **out}
+    return {"times": times, "resident_mib": resident[0], "frozen_bytes_per_param": nbytes / max(count, 1), **out}
 
 
 def run_peft(args, variant: str) -> dict:
@@ -213,10 +220,10 @@ def run_peft(args, variant: str) -> dict:
 
     prof = profiler(args)
     if prof is None:
-        return {"times": timed_steps(step, args, lambda: None)}
+        return timed_steps(step, args, lambda: None)
     with prof:
-        times = timed_steps(step, args, prof.step)
-    return {"times": times, "profile": write_profile(prof, args)}
+        timed = timed_steps(step, args, prof.step)
+    return {**timed, "profile": write_profile(prof, args)}
 
 
 class Unavailable(RuntimeError):
@@ -284,10 +291,10 @@ def run_unsloth(args, variant: str) -> dict:
 
         prof, profiled = profiler(args), {}
         if prof is None:
-            times = timed_steps(step, args, lambda: None)
+            timed = timed_steps(step, args, lambda: None)
         else:
             with prof:
-                times = timed_steps(step, args, prof.step)
+                timed = timed_steps(step, args, prof.step)
             profiled["profile"] = write_profile(prof, args)
     try:
         from unsloth.utils.attention_dispatch import select_attention_backend
@@ -295,7 +302,7 @@ def run_unsloth(args, variant: str) -> dict:
         attention = select_attention_backend()  # dense, no mask: the backend its layers ran
     except Exception as e:  # noqa: BLE001 -- a note, not the result
         attention = f"unknown ({type(e).__name__})"
-    return {"times": times, "attention": attention, "use_gradient_checkpointing": checkpointing,
+    return {**timed, "attention": attention, "use_gradient_checkpointing": checkpointing,
             "checkpointing_in_effect": str(getattr(model, "_unsloth_gradient_checkpointing", "unknown")),
             "load_in_4bit": four_bit,
             "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -334,9 +341,7 @@ def run_one(args) -> dict:
     return {"contender": name, "step_ms": median * 1e3, "step_ms_min": min(times) * 1e3,
             "step_ms_max": max(times) * 1e3, "steps_per_s": 1 / median,
             "tokens_per_s": args.batch * args.seq / median,
-            "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
-            # held between steps (weights, optimizer state, caches): peak_mib - resident_mib is what a step adds
-            "resident_mib": torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else None, **out}
+            "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None, **out}
 
 
 def main() -> int:
