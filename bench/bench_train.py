@@ -8,7 +8,8 @@ user runs instead.
 The same work for every contender: one timed step is one optimizer step over the global batch,
 ``--global_batch`` sequences of the scenario's length (the same tokens per optimizer step for all), and
 each recipe reaches it its own way: D data-parallel ranks (a replica, or a dp shard) each run
-``global_batch / D`` sequences as micro-batches of ``--micro_batch`` with gradient accumulation. A pure-TP
+``global_batch / D`` sequences as micro-batches of ``--micro_batch`` (or of R, for a contender named with
+``:mb<R>``: every recipe at its own best setting in one launch) with gradient accumulation. A pure-TP
 recipe on all ranks has D = 1 (it accumulates global_batch / micro_batch micro-batches); FSDP2 on W ranks
 has D = W; the 2D recipes D = W / TP. Each row states ``dp``, ``micro_batch`` and ``accumulation``
 (dp x micro_batch x accumulation = global batch), and a global batch a recipe cannot reach exactly is
@@ -1012,23 +1013,40 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: Peak
 # ----------------------------------------------------------------------------- launch and report
 
 
+ROWS_SUFFIX = re.compile(r":mb(\d+)$")
+
+
+def split_rows(entry: str) -> tuple[str, Optional[int]]:
+    """A contender entry without its ``:mb<R>`` suffix (R rows per micro-batch for this contender alone: each
+    recipe at its own best setting in one launch), and R (None: ``--micro_batch``)."""
+    match = ROWS_SUFFIX.search(entry)
+    if match is None:
+        return entry, None
+    if int(match.group(1)) < 1:
+        raise ValueError(f"contender '{entry}': rows per micro-batch must be at least 1 (:mb1, :mb2, ...)")
+    return entry[:match.start()], int(match.group(1))
+
+
 def select(patterns: str, skip: str) -> list[str]:
     """The contenders ``patterns`` names, in the order given (they run in it: megatron-core's buffers outlive
     its contender, so it goes last): each name or layout variant (``galaxy-...@dp2``, ``fsdp2-tp@tp4``,
     ``megatron-dp@tp1``) where it stands, each glob's matches in the listed contenders' order; less ``skip``.
-    Raises ValueError for a variant of no listed contender or with an unknown suffix."""
+    A ``:mb<R>`` suffix (``fsdp2-compile:mb2``) stays on each name it selects. Raises ValueError for a variant
+    of no listed contender or with an unknown suffix."""
     names = contender_names()
     chosen = []
-    for p in (p for p in patterns.split(",") if p):
+    for entry in (e for e in patterns.split(",") if e):
+        p, rows = split_rows(entry)
+        mark = "" if rows is None else f":mb{rows}"
         if "@" in p and not any(c in p for c in "*?["):
             base, _ = split_suffix(p)
             if base not in names:
                 raise ValueError(f"contender '{p}': '{base}' is not a contender")
-            matched = [p]
+            matched = [p + mark]
         else:
-            matched = [n for n in names if fnmatch.fnmatch(n, p)]
+            matched = [n + mark for n in names if fnmatch.fnmatch(n, p)]
         chosen += [n for n in matched if n not in chosen]
-    return [n for n in chosen if not any(fnmatch.fnmatch(n, p) for p in skip.split(",") if p)]
+    return [n for n in chosen if not any(fnmatch.fnmatch(split_rows(n)[0], p) for p in skip.split(",") if p)]
 
 
 def rank_context(rank: int, world: int, local_rank: int, args, init_method: str) -> ParallelContext:
@@ -1057,10 +1075,13 @@ def run_rows(names: list[str], args, shape: dict, ctx: ParallelContext, peak: Pe
     over a Gloo group of their own that waits ``error_wait`` (``first_error``)."""
     errors_group = dist.new_group(backend="gloo", timeout=error_wait) if ctx.world_size > 1 else None
     rows = []
-    for name in names:
+    for entry in names:
         torch.manual_seed(0)
-        row = run_contender(name, args, shape, ctx, peak, flops_per_token, builder,
+        name, micro_batch = split_rows(entry)
+        run_args = args if micro_batch is None else argparse.Namespace(**{**vars(args), "micro_batch": micro_batch})
+        row = run_contender(name, run_args, shape, ctx, peak, flops_per_token, builder,
                             alone(name) if alone is not None else None, errors_group)
+        row["name"] = entry
         dist.barrier()
         if ctx.rank == 0:
             rows.append(row)
@@ -1139,7 +1160,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="stack4")
     p.add_argument("--contenders", default=DEFAULT_CONTENDERS,
-                   help="comma-separated names, globs or layout variants (see --list); default: the 4-GPU 7B "
+                   help="comma-separated names, globs or layout variants (see --list), each with an optional "
+                        ":mb<R> (R rows per micro-batch for it, e.g. fsdp2-compile:mb2); default: the 4-GPU 7B "
                         "comparison")
     p.add_argument("--skip", default="", help="comma-separated names or globs to leave out")
     p.add_argument("--list", action="store_true", help="print the contender names and exit")

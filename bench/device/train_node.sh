@@ -68,7 +68,13 @@ case $part in
     fourfix) contenders='fsdp2-compile-noreshard-onesync,fsdp2-compile,fsdp2-tp,galaxy-tp+compile@dp4-fsdp2-noreshard-onesync,galaxy-galaxy2+compile@dp2-fsdp2-noreshard-onesync,galaxy-galaxy2-sharded+compile,megatron-dp' ;;
     # the planner's rows question (issue 31 item 6): Galaxy's 2-GPU plan alone, run with MICRO_BATCH="1 4" PROFILE=1
     rows) contenders='galaxy-galaxy-sharded+compile' ;;
-    *) echo "unknown part $part (a | b | fit | all | dp | sync | two | twoall | twolast | twofix | fourfix | rows)"; exit 2 ;;
+    # every anchor and the planner's pick, each at the rows per micro-batch it was fastest at (bench_train's
+    # name:mb<R>), in one launch (issue 31's Done-when): the anchors at 2 rows (megatron-dp at 1: out of memory
+    # at 2), the pick (plan none on dp-N FSDP2) at 4, Galaxy2 at mp 2 at 4 on 2 GPUs; megatron-dp last
+    best) contenders="fsdp2-compile-noreshard-onesync:mb2,fsdp2-compile:mb2,fsdp2-tp:mb2,galaxy-tp+compile@dp$nproc-fsdp2:mb4"
+        [ "$nproc" = 2 ] && contenders+=",galaxy-galaxy2-sharded+compile:mb4"
+        contenders+=",megatron-dp:mb1" ;;
+    *) echo "unknown part $part (a | b | fit | all | dp | sync | two | twoall | twolast | twofix | fourfix | rows | best)"; exit 2 ;;
 esac
 contenders=${CONTENDERS:-$contenders}  # CONTENDERS=a,b: some of a part's rows (its tag stays the part's)
 tag=llama7b_${nproc}_${part}

@@ -101,6 +101,19 @@ def test_rows_that_start_alike_train_alike(tmp_path):
     assert abs(still["galaxy-none"][2] - trained["galaxy-none"][2]) > 100 * 1e-4 * trained["galaxy-none"][2]
 
 
+def test_each_contender_at_its_own_rows_in_one_launch(tmp_path):
+    """``name:mb<R>``: that contender runs R rows per micro-batch, the others ``--micro_batch``, in one launch
+    (each recipe at its best setting); the same plan at 2 rows and at 1 trains alike (the same global batch)."""
+    report, _ = bench(tmp_path, "--contenders", "galaxy-tp:mb2,galaxy-tp,fsdp2-compile:mb2", "--dtype", "float32",
+                      "--iters", "2", "--micro_batch", "1")
+    rows = {r["name"]: r for r in report["rows"]}
+    assert list(rows) == ["galaxy-tp:mb2", "galaxy-tp", "fsdp2-compile:mb2"]
+    assert all("error" not in r for r in rows.values()), rows
+    layout = {n: (r["dp"], r["micro_batch"], r["accumulation"]) for n, r in rows.items()}
+    assert layout == {"galaxy-tp:mb2": (1, 2, 2), "galaxy-tp": (1, 1, 4), "fsdp2-compile:mb2": (2, 2, 1)}
+    assert rows["galaxy-tp:mb2"]["losses"] == pytest.approx(rows["galaxy-tp"]["losses"], rel=1e-4)
+
+
 def test_a_global_batch_out_of_reach_is_refused():
     """Refused before anything is built or any collective runs (run_contender makes it the row's error)."""
     import argparse
@@ -146,8 +159,12 @@ def test_contender_selection():
     assert base == "galaxy-tp+compile" and suffix.groups() == ("4", "fsdp2", "-noreshard", None)
     assert split_suffix("galaxy-tp@dp2-fsdp2-onesync")[1].groups() == ("2", "fsdp2", None, "-onesync")
     assert split_suffix("galaxy-tp@dp2")[1].groups() == ("2", None, None, None)
+    # rows per micro-batch for one contender: kept on each name it selects
+    assert select("fsdp2-compile:mb2,galaxy-tp+compile@dp2-fsdp2:mb4,galaxy-galaxy2-s*:mb1", "*+compile") == [
+        "fsdp2-compile:mb2", "galaxy-tp+compile@dp2-fsdp2:mb4", "galaxy-galaxy2-sharded:mb1"]
     from bench.bench_train import main
-    for bad in ("no-such-contender", "galaxy-none@dp2", "fsdp2-compile@tp2", "galaxy-nope@dp2"):
+    for bad in ("no-such-contender", "galaxy-none@dp2", "fsdp2-compile@tp2", "galaxy-nope@dp2", "galaxy-tp:mb0",
+                "galaxy-nope:mb2"):
         with pytest.raises(SystemExit):
             main(["--contenders", bad])
 
