@@ -31,6 +31,11 @@ rank is scaled by them. Where a real serial step's peak memory (a GPU's allocato
 activations per layer than the pieces saved (its peak against the same step's with one layer less; a compiled
 layer keeps less for backward than its pieces run eagerly), ``activation_scale`` (at most 1; absent: 1)
 scales every piece's saved bytes in training.
+``layer_compute_scale`` (absent: 1): on a GPU, what one layer of a real serial training step took (the step
+against the same step with one layer less, both timed) over what its layer pieces predict, after the compute
+scale; every piece but the head's is multiplied by it in training. A 2-layer calibration step fitted as a whole
+leaves the layers' share wrong: on an H200 the pieces under-predicted a 7B layer by 7% and over-predicted the
+head, so 32 layers ran 6% slower than a plan predicted (docs/benchmarks.md).
 ``sustained_scale`` (at least 1; absent: 1): a serial training step's time after some seconds of steps
 back to back over its time in the short runs the pieces and the calibration were timed in; a GPU held at
 its power limit by a training run clocks lower than in a burst (an H200 at 700 W: 1,550-1,600 MHz
@@ -63,6 +68,7 @@ PIECES = {
     "con.tokens": "tokens; one CON block (residual add, norm, dropout)",
     "head.tokens": "tokens; embeddings + output head + loss",
 }
+EDGE_PIECES = frozenset({"head.tokens"})  # the model's ends, once a step: the rest run once per layer
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
@@ -241,11 +247,15 @@ class RankProfile:
     # a serial training step's time after seconds of back-to-back steps over the calibration's (at least 1: a GPU
     # at its power limit clocks lower than in the bursts the pieces were timed in); 1 where unmeasured (CPU)
     sustained_scale: float = 1.0
+    # a real layer's training time (a serial step against the same with one layer less) over its pieces' after
+    # the compute scale; scales every piece but the head's in training; 1 where unmeasured (CPU: too noisy)
+    layer_compute_scale: float = 1.0
     # the serial runs those came from (seconds; the peak bytes, None where unmeasured; empty in older files)
     serial_steps_s: tuple[float, ...] = ()
     serial_forwards_s: tuple[float, ...] = ()
     serial_peak_bytes: Optional[int] = None
     shallower_peak_bytes: Optional[int] = None  # the same step's with one layer less
+    shallower_steps_s: tuple[float, ...] = ()  # that step's times, where they calibrate layer_compute_scale
     # piece values at every whole size up to some length, by the pieces and rows they come from (a
     # search asks for the same sizes thousands of times); shared by the copies ``replace`` makes
     tables: dict = field(default_factory=dict, compare=False, repr=False)
@@ -273,7 +283,7 @@ class RankProfile:
             fwd, bwd, act = self._piece(used, measured, rows, sizes, inference)
         if inference:
             return fwd * self.forward_compute_scale, bwd * self.forward_compute_scale, act
-        scale = self.step_compute_scale * self.sustained_scale
+        scale = self.step_compute_scale * self.sustained_scale * (1.0 if name in EDGE_PIECES else self.layer_compute_scale)
         return fwd * scale, bwd * scale, act * self.activation_scale
 
     def knots(self, names: Sequence[str], memory: bool = False) -> frozenset[float]:
@@ -374,7 +384,9 @@ class ClusterProfile:
                        "step_compute_scale": r.step_compute_scale, "forward_compute_scale": r.forward_compute_scale,
                        "activation_scale": r.activation_scale, "sustained_scale": r.sustained_scale,
                        "serial_steps_s": list(r.serial_steps_s), "serial_forwards_s": list(r.serial_forwards_s),
-                       "serial_peak_bytes": r.serial_peak_bytes, "shallower_peak_bytes": r.shallower_peak_bytes}
+                       "layer_compute_scale": r.layer_compute_scale,
+                       "serial_peak_bytes": r.serial_peak_bytes, "shallower_peak_bytes": r.shallower_peak_bytes,
+                       "shallower_steps_s": list(r.shallower_steps_s)}
                       for r in self.ranks],
             "groups": [{"ranks": list(g), "ops": fits_dict(ops),
                         **({"early_leave": fits_dict(self.early_leave[g])} if g in self.early_leave else {})}
@@ -503,8 +515,10 @@ def cluster_from_dict(raw: Any, source: str = "<dict>") -> ClusterProfile:
         if scales["sustained_scale"] < 1:
             raise r.fail(f"{path}sustained_scale", f"must be at least 1 (a sustained step is no faster than a burst), "
                          f"got {scales['sustained_scale']}")
+        scales["layer_compute_scale"] = r.get(rank_raw, "layer_compute_scale", path, float, positive=True) \
+            if "layer_compute_scale" in rank_raw else 1.0  # older files: 1
         serial = {key: r.numbers(rank_raw, key, path) if rank_raw.get(key, []) != [] else ()
-                  for key in ("serial_steps_s", "serial_forwards_s")}  # older files: none
+                  for key in ("serial_steps_s", "serial_forwards_s", "shallower_steps_s")}  # older files: none
         for key in ("serial_peak_bytes", "shallower_peak_bytes"):
             if rank_raw.get(key) is not None:
                 serial[key] = r.get(rank_raw, key, path, int, positive=True)

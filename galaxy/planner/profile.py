@@ -30,6 +30,7 @@ from galaxy.planner.cost import GRAD_BUCKET_BYTES, Layout, Splits, Workload, pre
 logger = logging.getLogger(__name__)
 
 MIN_COMPUTE_SCALE = 0.5  # a real run at less than half its pieces' time means a broken measurement
+MAX_LAYER_SCALE = 2.0  # likewise a real layer at over twice its pieces' time
 MIN_ACTIVATION_SCALE = 0.25  # likewise a real step holding under a quarter of the activations its pieces saved
 COLLECTIVE_REPS = 5  # rounds over every message size: two slow rounds of a shaped link leave the median
 # How late one member comes to each profiled collective: past the ~1 ms below which Gloo's members
@@ -168,7 +169,7 @@ def measure_sustained(m: ModelConfig, rows: int, seq: int, dtype: str, device: t
 
 def calibrated(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str, steps_s: Sequence[float],
                forwards_s: Sequence[float], peak_bytes: Optional[int] = None,
-               shallower_peak_bytes: Optional[int] = None) -> RankProfile:
+               shallower_peak_bytes: Optional[int] = None, shallower_steps_s: Sequence[float] = ()) -> RankProfile:
     """``me`` with the overheads or compute scales that make the cost model predict the serial
     training steps of ``rows`` rows ``steps_s`` and the batch-1 forwards ``forwards_s``
     (``measure_serial``, timed before and after the pieces; kept in the profile): where even the
@@ -184,9 +185,17 @@ def calibrated(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str,
     to match. One layer's difference, not the whole peak: the embeddings, head and loss of a shallow
     calibration model, whose transients the cost model does not place, made a 2-layer LLaMA-7B step's
     peak read as 0.37 of its activations, and 4-GPU plans then held 23-33% more than predicted
-    (docs/benchmarks.md)."""
+    (docs/benchmarks.md).
+
+    ``shallower_steps_s``: that step's times (a GPU's; a CPU's are too noisy for a difference). A layer's
+    time is then the two steps' difference, less the optimizer's share of one layer: the layer pieces are
+    scaled to it (``layer_compute_scale``) and the rest of the step (embeddings, head, loss) is calibrated
+    as above on what remains. Fitted as a whole, a 2-layer step spread its error over the layers and the
+    head: on an H200 the pieces under-predicted a 7B layer by 7% and over-predicted the head, so that 32
+    layers ran 6% slower than predicted (docs/benchmarks.md)."""
     me = dataclasses.replace(me, step_overhead_s=0.0, forward_overhead_s=0.0, step_compute_scale=1.0,
-                             forward_compute_scale=1.0, activation_scale=1.0, sustained_scale=1.0)
+                             forward_compute_scale=1.0, activation_scale=1.0, sustained_scale=1.0,
+                             layer_compute_scale=1.0)
     alone = ClusterProfile(1, "none", "cpu", m, tuple(me.pieces), seq, dtype, (me,), {})
     serial = Splits.balanced(m, seq, 1)
     none = (Method.NONE,) * 3
@@ -213,6 +222,22 @@ def calibrated(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str,
                              Layout()).memory_bytes[0, 0])
 
     step_overhead, step_scale = split(steps_s, step, optimizer)
+    layer_scale = 1.0
+    if shallower_steps_s and m.num_hidden_layers > 1:
+        shallower = dataclasses.replace(m, num_hidden_layers=m.num_hidden_layers - 1)
+        shallower_optimizer = float(me.optimizer(model_params(shallower)))
+        shallower_step = predict(dataclasses.replace(alone, model=shallower), dataclasses.replace(train, model=shallower),
+                                 none, Splits.balanced(shallower, seq, 1), Layout()).time_s[0]
+        predicted_layer = (step - optimizer) - (shallower_step - shallower_optimizer)
+        measured_layer = (statistics.median(steps_s) - optimizer) - (statistics.median(shallower_steps_s)
+                                                                     - shallower_optimizer)
+        if measured_layer > 0 and predicted_layer > 0:
+            layer = min(MAX_LAYER_SCALE, max(MIN_COMPUTE_SCALE, measured_layer / predicted_layer))
+            # the rest of the step (its edges) against what the layers now account for
+            layers = m.num_hidden_layers * predicted_layer
+            edges = step - layers
+            step_overhead, step_scale = split([t - layers * layer for t in steps_s], edges, optimizer)
+            layer_scale = layer / step_scale  # (the compute scale multiplies every piece)
     forward_overhead, forward_scale = split(forwards_s, forward, 0.0)
     activation_scale = 1.0
     if peak_bytes is not None and shallower_peak_bytes is not None and m.num_hidden_layers > 1:
@@ -229,9 +254,10 @@ def calibrated(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str,
             activation_scale = high
     return dataclasses.replace(me, step_overhead_s=step_overhead, forward_overhead_s=forward_overhead,
                                step_compute_scale=step_scale, forward_compute_scale=forward_scale,
-                               activation_scale=activation_scale, serial_steps_s=tuple(steps_s),
-                               serial_forwards_s=tuple(forwards_s), serial_peak_bytes=peak_bytes,
-                               shallower_peak_bytes=shallower_peak_bytes)
+                               activation_scale=activation_scale, layer_compute_scale=layer_scale,
+                               serial_steps_s=tuple(steps_s), serial_forwards_s=tuple(forwards_s),
+                               serial_peak_bytes=peak_bytes, shallower_peak_bytes=shallower_peak_bytes,
+                               shallower_steps_s=tuple(shallower_steps_s))
 
 
 def model_params(m: ModelConfig) -> int:
@@ -374,10 +400,12 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
     after = measure_serial(calibration, max(rows), seq, dtype, ctx.device, reps, window_s)
     peaks = [p for p in (before[2], after[2]) if p is not None]
     serial = (before[0] + after[0], before[1] + after[1], min(peaks) if peaks else None)
-    shallower_peak = None  # the same step with one layer less: their difference is one layer's bytes
+    shallower_peak, shallower_steps = None, []  # the same step with one layer less: the difference is one layer's
     if peaks and calibration.num_hidden_layers > 1:
         shallower = dataclasses.replace(calibration, num_hidden_layers=calibration.num_hidden_layers - 1)
-        shallower_peak = measure_serial(shallower, max(rows), seq, dtype, ctx.device, 1, forwards=False)[2]
+        # its times on a GPU only (a CPU's step times are too noisy for a difference of two)
+        timed = measure_serial(shallower, max(rows), seq, dtype, ctx.device, 2 * reps if timer else 1, forwards=False)
+        shallower_peak, shallower_steps = timed[2], (timed[0] if timer is not None else [])
     sustained = 1.0
     if timer is not None and sustain_s > 0:
         sustained, steps = measure_sustained(calibration, max(rows), seq, dtype, ctx.device, serial[0], sustain_s)
@@ -400,7 +428,8 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
                 groups[members] = measure_group(comm, ctx.device, sizes, max(reps, COLLECTIVE_REPS), timer)
             barrier()
     mine = dataclasses.replace(calibrated(RankProfile(rank, host, memory, pieces, optimizer), calibration,
-                                          max(rows), seq, dtype, *serial, shallower_peak), sustained_scale=sustained)
+                                          max(rows), seq, dtype, *serial, shallower_peak, shallower_steps),
+                               sustained_scale=sustained)
     everyone = [(mine, groups)]
     if world > 1:
         everyone = [None] * world

@@ -128,6 +128,44 @@ def test_calibration_predicts_the_serial_runs_it_was_given(slower):
     assert (after > before) == (slower > 1)
 
 
+@pytest.mark.parametrize("layer_share,edge_share", [(1.1, 0.85), (0.9, 1.2), (1.08, 1.0)])
+def test_calibration_times_a_layer_by_the_difference_of_two_depths(layer_share, edge_share):
+    """A GPU rank whose real layers took ``layer_share`` of their pieces' time and the rest of the step
+    (embeddings, head, loss) ``edge_share`` of its pieces', seen in a serial step and the same step with one
+    layer less: the layer pieces are scaled to the difference and the edges calibrated on what remains, so
+    both depths are predicted as measured and so is a model of any depth, where a fit of the step as a whole
+    puts the layers' error on the edges too and misses deeper models. Without the shallower step's times
+    (a CPU profile) nothing changes."""
+    from galaxy.planner.profile import calibrated
+
+    cluster = synthetic_cluster({**LLAMA, "num_hidden_layers": 3}, 2, [1.0, 0.5])
+    m, seq, rows = cluster.model, cluster.seq_length, cluster.rows[0]
+    plain = cluster.ranks[1]
+
+    def parts(rank, layers):
+        """(predicted step, optimizer, one layer's compute) of a serial model of ``layers`` layers on ``rank``."""
+        model = dataclasses.replace(m, num_hidden_layers=layers)
+        alone = dataclasses.replace(cluster.restrict([1]), model=model, ranks=(dataclasses.replace(rank, rank=0),))
+        step = predict(alone, Workload(model, "train", rows, seq), (NONE,) * 3, Splits.balanced(model, seq, 1)).time_s[0]
+        return step, float(rank.optimizer(model_params(model)))
+
+    def real(layers):
+        """What the rank measures: its optimizer, its layers and its edges at their shares of the pieces."""
+        step, optimizer = parts(plain, layers)
+        less, less_optimizer = parts(plain, layers - 1)
+        layer = (step - optimizer) - (less - less_optimizer)
+        return optimizer + layers * layer * layer_share + (step - optimizer - layers * layer) * edge_share
+
+    deep = 9
+    rank = calibrated(plain, m, rows, seq, "float32", [real(3)], [1.0], shallower_steps_s=[real(2)])
+    assert rank.shallower_steps_s == (real(2),)
+    for layers in (3, 2, deep):
+        assert parts(rank, layers)[0] == pytest.approx(real(layers), rel=1e-9), layers
+    whole = calibrated(plain, m, rows, seq, "float32", [real(3)], [1.0])  # one depth: the step as a whole
+    assert whole.layer_compute_scale == 1.0 and parts(whole, 3)[0] == pytest.approx(real(3), rel=1e-9)
+    assert parts(whole, deep)[0] != pytest.approx(real(deep), rel=1e-3)
+
+
 @pytest.mark.parametrize("held_share", [0.6, 1.2])
 def test_calibration_predicts_a_layers_peak_growth_it_was_given(held_share):
     """A rank whose serial step's peak grew by one layer's states and ``held_share`` of the activations
