@@ -404,7 +404,8 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
     if peaks and calibration.num_hidden_layers > 1:
         shallower = dataclasses.replace(calibration, num_hidden_layers=calibration.num_hidden_layers - 1)
         # its times on a GPU only (a CPU's step times are too noisy for a difference of two)
-        timed = measure_serial(shallower, max(rows), seq, dtype, ctx.device, 2 * reps if timer else 1, forwards=False)
+        timed = measure_serial(shallower, max(rows), seq, dtype, ctx.device, 2 * reps if timer is not None else 1,
+                               forwards=False)
         shallower_peak, shallower_steps = timed[2], (timed[0] if timer is not None else [])
     sustained = 1.0
     if timer is not None and sustain_s > 0:
