@@ -283,7 +283,8 @@ class RankProfile:
             fwd, bwd, act = self._piece(used, measured, rows, sizes, inference)
         if inference:
             return fwd * self.forward_compute_scale, bwd * self.forward_compute_scale, act
-        scale = self.step_compute_scale * self.sustained_scale * (1.0 if name in EDGE_PIECES else self.layer_compute_scale)
+        layer = 1.0 if name in EDGE_PIECES else self.layer_compute_scale
+        scale = self.step_compute_scale * self.sustained_scale * layer
         return fwd * scale, bwd * scale, act * self.activation_scale
 
     def knots(self, names: Sequence[str], memory: bool = False) -> frozenset[float]:

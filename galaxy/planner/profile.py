@@ -226,8 +226,9 @@ def calibrated(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str,
     if shallower_steps_s and m.num_hidden_layers > 1:
         shallower = dataclasses.replace(m, num_hidden_layers=m.num_hidden_layers - 1)
         shallower_optimizer = float(me.optimizer(model_params(shallower)))
-        shallower_step = predict(dataclasses.replace(alone, model=shallower), dataclasses.replace(train, model=shallower),
-                                 none, Splits.balanced(shallower, seq, 1), Layout()).time_s[0]
+        shallower_step = predict(dataclasses.replace(alone, model=shallower),
+                                 dataclasses.replace(train, model=shallower), none, Splits.balanced(shallower, seq, 1),
+                                 Layout()).time_s[0]
         predicted_layer = (step - optimizer) - (shallower_step - shallower_optimizer)
         measured_layer = (statistics.median(steps_s) - optimizer) - (statistics.median(shallower_steps_s)
                                                                      - shallower_optimizer)

@@ -143,10 +143,11 @@ def test_calibration_times_a_layer_by_the_difference_of_two_depths(layer_share, 
     plain = cluster.ranks[1]
 
     def parts(rank, layers):
-        """(predicted step, optimizer, one layer's compute) of a serial model of ``layers`` layers on ``rank``."""
+        """(predicted step, its optimizer part) of a serial model of ``layers`` layers on ``rank``."""
         model = dataclasses.replace(m, num_hidden_layers=layers)
         alone = dataclasses.replace(cluster.restrict([1]), model=model, ranks=(dataclasses.replace(rank, rank=0),))
-        step = predict(alone, Workload(model, "train", rows, seq), (NONE,) * 3, Splits.balanced(model, seq, 1)).time_s[0]
+        train = Workload(model, "train", rows, seq)
+        step = predict(alone, train, (NONE,) * 3, Splits.balanced(model, seq, 1)).time_s[0]
         return step, float(rank.optimizer(model_params(model)))
 
     def real(layers):
