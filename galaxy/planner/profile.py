@@ -223,8 +223,8 @@ def calibrated(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str,
 
     step_overhead, step_scale = split(steps_s, step, optimizer)
     layer_scale = 1.0
-    if shallower_steps_s and m.num_hidden_layers > 1:
-        shallower = dataclasses.replace(m, num_hidden_layers=m.num_hidden_layers - 1)
+    shallower = dataclasses.replace(m, num_hidden_layers=m.num_hidden_layers - 1) if m.num_hidden_layers > 1 else None
+    if shallower_steps_s and shallower is not None:
         shallower_optimizer = float(me.optimizer(model_params(shallower)))
         shallower_step = predict(dataclasses.replace(alone, model=shallower),
                                  dataclasses.replace(train, model=shallower), none, Splits.balanced(shallower, seq, 1),
@@ -241,9 +241,7 @@ def calibrated(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str,
             layer_scale = layer / step_scale  # (the compute scale multiplies every piece)
     forward_overhead, forward_scale = split(forwards_s, forward, 0.0)
     activation_scale = 1.0
-    if peak_bytes is not None and shallower_peak_bytes is not None and m.num_hidden_layers > 1:
-        shallower = dataclasses.replace(m, num_hidden_layers=m.num_hidden_layers - 1)
-
+    if peak_bytes is not None and shallower_peak_bytes is not None and shallower is not None:
         def growth(scale: float) -> float:
             return memory(m, scale) - memory(shallower, scale)
         measured = peak_bytes - shallower_peak_bytes
