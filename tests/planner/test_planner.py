@@ -260,15 +260,16 @@ def test_sustained_scale_stretches_training_compute_only():
 
 def test_sustained_steps_scale_against_the_bursts():
     """``measure_sustained`` on the training loop's own serial steps (CPU, tiny LLaMA): as many steps as fill
-    the seconds asked at the bursts' pace; bursts twice as fast as the steps give a scale of about 2, bursts
-    slower than the steps none (a sustained step is never taken as faster)."""
+    the seconds asked at the bursts' pace; bursts eight times as fast as the steps give a scale well above 1,
+    bursts slower than the steps none (a sustained step is never taken as faster). (Eight, not two: a suite on
+    two shared cores once ran the sustained steps twice as fast as the typical step timed before them.)"""
     from galaxy.planner.profile import measure_sustained, measure_serial
 
     model = GalaxyConfig.from_dict({"model": {"preset": "llama-tiny"}}).model
     cpu = torch.device("cpu")
     typical = statistics.median(measure_serial(model, 2, 16, "float32", cpu, 9, forwards=False)[0])
-    scale, steps = measure_sustained(model, 2, 16, "float32", cpu, [typical / 2] * 3, seconds=40 * typical)
-    assert len(steps) in (80, 81) and 1.2 < scale < 4, (scale, typical)  # (CPU timings vary under load)
+    scale, steps = measure_sustained(model, 2, 16, "float32", cpu, [typical / 8] * 3, seconds=10 * typical)
+    assert len(steps) in (80, 81) and scale > 2, (scale, typical)
     scale, steps = measure_sustained(model, 2, 16, "float32", cpu, [typical * 10] * 3, seconds=40 * typical)
     assert len(steps) == 5 and scale == 1.0
 
