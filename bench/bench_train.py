@@ -819,9 +819,11 @@ def megatron_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Pr
         ids, labels = next(data_iterator)
         per_token = chunk(ids, positions, None, labels=labels)
 
-        def loss_func(output):  # the schedule divides by the micro-batch count
+        def loss_func(output):
             loss = output.float().mean()
-            return loss, {"lm loss": loss.detach()}
+            # a copy: the schedule divides the returned loss by the micro-batch count in place, which a
+            # detached view would share (the rows reported 1/accumulation of the loss)
+            return loss, {"lm loss": loss.detach().clone()}
         return per_token, loss_func
 
     def step():
