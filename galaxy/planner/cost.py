@@ -27,6 +27,9 @@ from galaxy.planner.workload import LAYOUTS, edge_params, layer_params, stream_l
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 GRAD_BUCKET_BYTES = 25 * 2**20  # GradientSync's bucket size
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd": 4}
+# bytes the profile's fused AdamW step moves per fp32 parameter (reads the weight, gradient and both moments,
+# writes three): its seconds per parameter over this are the device's seconds per byte of a memory-bound copy
+ADAMW_BYTES_PER_PARAM = 28
 
 
 @dataclass(frozen=True)
@@ -469,24 +472,49 @@ def fsdp_exposed(cluster: ClusterProfile, work: Workload, layout: Layout, p: int
     precision and reduce-scatters likewise. FSDP issues a layer's collectives behind its neighbours'
     compute, so a micro-batch waits for the root's and the first layer's gather, the last
     reduce-scatters, and whatever of the rest its compute cannot cover: on NVLink a few milliseconds,
-    on a slow link most of the traffic."""
+    on a slow link most of the traffic. Its copies around them (``fsdp_copy_bytes``) run on the
+    device beside the compute and cost their bytes at the slowest member's memory-bound rate."""
     u = FsdpUnits.of(work, layout, p, params)
     M = layout.microbatches
     gathers = 2 if fsdp_reshards(work.reshard_after_forward, layout.pp) else 1
+    once = fsdp_syncs_once(work.fsdp_grad_sync, M)
     out = np.zeros_like(compute_s, dtype=float)
     for i, ranks in enumerate(dp_ranks):
         ag, rs = cluster.collective(ranks, "all_gather"), cluster.collective(ranks, "reduce_scatter")
         per_layer, edge = u.per_layer[:, i], np.full_like(u.per_layer[:, i], u.edge * u.master)
         gather, reduce = ag(per_layer * u.compute), rs(per_layer * u.master)
         root_gather, root_reduce = (ag(edge), rs(edge)) if u.edge else (0.0, 0.0)
+        copy_s_per_byte = max(cluster.ranks[r].optimizer.beta_s_per_byte for r in ranks) / ADAMW_BYTES_PER_PARAM
 
         def micro_batch(reduces: bool) -> np.ndarray:
             waited = root_gather + gather + (root_reduce + reduce if reduces else 0.0)
             total = u.layers * (gathers * gather + (reduce if reduces else 0.0)) + root_gather \
                 + (root_reduce if reduces else 0.0)
             return waited + np.maximum(0.0, total - waited - compute_s[:, i])
-        out[:, i] = micro_batch(True) + (M - 1) * micro_batch(not fsdp_syncs_once(work.fsdp_grad_sync, M))
+        copied = sum(u.layers * fsdp_copy_bytes(per_layer, u.compute, u.master, len(ranks), gathers, k, M, once)
+                     + fsdp_copy_bytes(np.full_like(per_layer, u.edge), u.master, u.master, len(ranks), 1, k, M, once)
+                     for k in range(M))
+        out[:, i] = micro_batch(True) + (M - 1) * micro_batch(not once) + copied * copy_s_per_byte
     return out
+
+
+def fsdp_copy_bytes(n: np.ndarray, held: int, master: int, dp: int, gathers: int, k: int, M: int,
+                    once: bool) -> np.ndarray:
+    """Bytes FSDP2 reads and writes around the collectives of ``n`` weights (``held`` bytes each gathered,
+    ``master`` bytes each sharded, over ``dp`` ranks) in micro-batch ``k`` of ``M``: per gather the shard
+    cast to the compute dtype where that differs and copied into the gather's input buffer, and the
+    gathered buffer split into the weights; the gradients cast into the master precision, into the
+    reduce-scatter's input, and after the first micro-batch the reduced shard added to the sharded
+    gradient (the first keeps it as it is). ``once`` (``fsdp_grad_sync: last_micro_batch``): the
+    gradients cast into an unsharded accumulator in the master precision, added to it from the second
+    micro-batch on (a gradient in that precision already, autograd accumulates itself), and the
+    accumulator copied into the reduce-scatter's input in the last."""
+    cast = n / dp * (master + held) if held != master else 0
+    gathered = gathers * (cast + n / dp * 2 * held + 2 * n * held)
+    if not once:
+        return gathered + n * (held + master) + (3 * n / dp * master if k else 0)
+    accumulated = n * (held + master) + (n * master if k else 0) if held != master else 0
+    return gathered + accumulated + (2 * n * master if k == M - 1 else 0)
 
 
 def partial_gradient_bytes(work: Workload, partial: np.ndarray, dp: int) -> np.ndarray:

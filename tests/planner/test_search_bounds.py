@@ -9,13 +9,15 @@ import dataclasses
 import itertools
 import logging
 import os
+import sys
 
 import numpy as np
 import pytest
+import torch
 
 from galaxy.config import ConfigError, GalaxyConfig, Method
 from galaxy.planner import cost
-from galaxy.planner.cluster import load_cluster
+from galaxy.planner.cluster import AlphaBeta, load_cluster
 from galaxy.planner.cost import Layout, Segments, Workload, might_fit, predict
 from galaxy.planner.search import (METHODS, SplitSearch, beats_setting, compositions, engine_workload,
                                    engine_workloads, layouts, search)
@@ -73,6 +75,10 @@ def test_search_over_dp_engines_merges_each_engines_own_search():
 
     cluster = synthetic_cluster(dict(LLAMA, num_hidden_layers=4), 4, [1.0, 1.0, 1.0, 1.0], alpha=5e-5, beta=1e-9,
                                 memory=2**20)
+    # memory-bound work free (an optimizer step of fixed time): FSDP2's copies cost nothing, so that keeping
+    # weights gathered saves no time and some FSDP2 settings are beaten by others on both time and memory
+    cluster = dataclasses.replace(cluster, ranks=tuple(dataclasses.replace(r, optimizer=AlphaBeta(1e-4, 0.0))
+                                                       for r in cluster.ranks))
     work = Workload(cluster.model, "train", 8, 8, mp_grad_reduce="sharded")
     fsdp = engine_workload(work, "fsdp2")
     assert (fsdp.dp_engine, fsdp.mp_grad_reduce) == ("fsdp2", "after_backward")
@@ -87,7 +93,7 @@ def test_search_over_dp_engines_merges_each_engines_own_search():
             c for w in variants for c in search(cluster, w, ffn_unit=8, top=500, device_margin=0.0) if c.layout.dp > 1]:
         alone.setdefault(c.key, c)  # a setting that changes nothing on a layout (one micro-batch) is one plan
     undominated = [b for b in alone.values() if not any(beats_setting(a, b) for a in alone.values())]
-    assert len(undominated) < len(alone)  # (keeping weights gathered costs memory and saves no time here)
+    assert len(undominated) < len(alone)
     assert len(merged) < 500 and sorted(map(key, merged)) == sorted(map(key, undominated))
     assert {(c.dp_engine, c.mp_grad_reduce) for c in merged if c.layout.dp > 1} \
         == {("ddp", "sharded"), ("fsdp2", "after_backward")}
@@ -148,7 +154,9 @@ def test_fsdp2_traffic_hides_behind_compute_only_as_far_as_it_lasts():
     compute a micro-batch waits only for the root's and first layer's gather and the last reduce-scatters;
     on a slow link the step takes at least the whole traffic; and there the search puts dp on DDP (one
     all-reduce of the gradients) rather than FSDP2 (every weight gathered twice and reduce-scattered per
-    micro-batch), where FSDP2 wins on the fast one."""
+    micro-batch), where FSDP2 wins on a fast one (1 GB/s here: its traffic hidden, where DDP's all-reduce after
+    the backward waits, and costs more than FSDP2's copies; on a link faster still, DDP's all-reduce costs
+    less than those copies)."""
     model = dict(LLAMA, num_hidden_layers=4)
     work = Workload(model_config_of(model), "train", 8, 8, dp_engine="fsdp2")
     layout, M, layers = Layout(dp=2, microbatches=2), 2, 4
@@ -178,10 +186,44 @@ def test_fsdp2_traffic_hides_behind_compute_only_as_far_as_it_lasts():
     assert once <= pred_kept.time_s[0] < pred.time_s[0]  # one gather a micro-batch, one reduce-scatter a step
     held = float(pred_kept.memory_bytes[0, 0] - pred.memory_bytes[0, 0])  # every layer gathered, whole fp32 grads
     assert held == pytest.approx(per_layer * 4 * (layers - 2) + params * 4 / 2, rel=1e-9)
-    for cluster, engine in ((fast, "fsdp2"), (slow, "ddp")):
+    for cluster, engine in ((synthetic_cluster(model, 2, [1.0, 1.0], alpha=1e-9, beta=1e-9), "fsdp2"), (slow, "ddp")):
         ddp = dataclasses.replace(work, dp_engine="ddp")
         plans = [c for c in search(cluster, ddp, ffn_unit=8, top=50, dp_engines=("fsdp2",)) if c.layout.dp > 1]
         assert plans[0].dp_engine == engine, [(c.dp_engine, c.time_s) for c in plans[:4]]
+
+
+def test_fsdp2_copies_cost_their_bytes_at_the_optimizers_memory_rate():
+    """FSDP2's copies around its collectives (each gather: the fp32 shard cast to bf16 and copied into the
+    gather's buffer, the gathered buffer split into the weights; each micro-batch's gradients cast to fp32
+    into the reduce-scatter's buffer, from the second on the reduced shard added to the sharded gradient)
+    cost their bytes at the rank's memory-bound rate, its fused AdamW's seconds per parameter over the 28
+    bytes it moves: on free links a rank whose optimizer runs twice as slowly pays for them twice. DDP,
+    whose all-reduce reads the gradients in place, pays only its optimizer's difference."""
+    model = dict(LLAMA, num_hidden_layers=4)
+    layout, layers = Layout(dp=2, microbatches=2), 4
+    none = (NONE, NONE, NONE)
+    fsdp = Workload(model_config_of(model), "train", 8, 8, "bfloat16", dp_engine="fsdp2")
+    split = cost.Splits.balanced(fsdp.model, 8, 1)
+
+    def step(work, s_per_param):
+        free = synthetic_cluster(model, 2, [1.0, 1.0], alpha=0.0, beta=0.0)
+        slowed = dataclasses.replace(free, ranks=tuple(dataclasses.replace(r, optimizer=AlphaBeta(0.0, s_per_param))
+                                                      for r in free.ranks))
+        return float(predict(slowed, work, none, split, layout).time_s[0])
+
+    params = cost.stage_parameters(fsdp, none, split, layout, 1)[0][0][0, 0]
+    edges = sum(cost.edge_params(fsdp.model))
+    per_layer = (params - edges) / layers
+    # a layer's bytes: 2 micro-batches x 2 gathers x (shard: read 4 + write 2 cast, read 2 + write 2 copied in;
+    # whole: read 2 + write 2 split out) + gradients (read 2, write 4) in both and the shard's add (read 8, write
+    # 4) in the second; the root's (embeddings, head) stay fp32: one gather a micro-batch, 4-byte gradients
+    layer_bytes = 2 * 2 * (per_layer / 2 * 10 + per_layer * 4) + 2 * per_layer * 6 + per_layer / 2 * 12
+    root_bytes = 2 * (edges / 2 * 8 + edges * 8) + 2 * edges * 8 + edges / 2 * 12
+    extra = 1e-9
+    slower = step(fsdp, 2 * extra) - step(fsdp, extra)
+    assert slower == pytest.approx(params / 2 * extra + (layers * layer_bytes + root_bytes) * extra / 28, rel=1e-9)
+    ddp = dataclasses.replace(fsdp, dp_engine="ddp")
+    assert step(ddp, 2 * extra) - step(ddp, extra) == pytest.approx(params * extra, rel=1e-9)
 
 
 def sampled_splits(search_: SplitSearch, rng, count=200) -> dict:
@@ -325,6 +367,111 @@ def fsdp_state_bytes(ctx, case):
     vectors = sum(p.numel() for p in params if p.dim() < 2)
     trainer.grad_sync.remove()
     return total, vectors
+
+
+# FSDP2's copies as the cost model counts them (``cost.fsdp_copy_bytes``), by the op each runs in torch's
+# fully_shard: op -> (bytes read, bytes written) of (args, kwargs, out)
+FSDP_COPIES = {
+    "fsdp.all_gather_copy_in": lambda a, k, out: (nbytes(a[0]), a[3] * a[1].element_size()),
+    "fsdp.split_with_sizes_copy": lambda a, k, out: (nbytes(a[0]), nbytes(k["out"])),
+    "fsdp.chunk_cat": lambda a, k, out: (nbytes(a[0]), nbytes(k["out"])),
+    "aten._to_copy": lambda a, k, out: (nbytes(a[0]), nbytes(out)),
+    "aten._foreach_copy_": lambda a, k, out: (nbytes(a[1]), nbytes(a[0])),
+    "aten.copy_": lambda a, k, out: (nbytes(a[1]), nbytes(a[0])),
+    "aten.add_": lambda a, k, out: (nbytes(a[:2]), nbytes(a[0])),
+}
+# what else fully_shard runs around its collectives, moving no data (views, allocations, storage resizes)
+FSDP_NO_COPY = {"aten.view", "aten._unsafe_view", "aten.as_strided", "aten.split_with_sizes", "aten.split",
+                "aten.narrow", "aten.slice", "aten.empty", "aten.empty_strided", "aten.new_empty",
+                "aten.new_empty_strided", "aten.detach", "aten.alias", "aten.set_", "aten.resize_",
+                "aten.t", "aten.reshape", "aten.expand", "aten.lift_fresh", "aten.is_same_size"}
+
+
+def nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    return sum(nbytes(t) for t in x) if isinstance(x, (list, tuple)) else 0
+
+
+def fsdp_copied_bytes(ctx, case):
+    """Bytes torch's fully_shard reads and writes in ops issued from its own code (not its collectives)
+    during a training step's forward and backward of ``case``, by op, and the ops it ran that move none."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from galaxy.models.llama import LlamaForCausalLM
+    from galaxy.train.loop import Trainer, autocast_context
+    from tests.core.test_dp_pp import LLAMA as MODEL, TRAIN, llama_batch_at
+
+    distributed = os.sep + os.path.join("torch", "distributed") + os.sep
+    inside = os.sep + os.path.join("fsdp", "_fully_shard") + os.sep
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes, self.other = {}, set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            # the innermost frame of torch.distributed: fully_shard's own code, or a collective's (Gloo
+            # emulates a reduce-scatter with copies that NCCL does not make)
+            frame = sys._getframe(1)
+            while frame is not None and distributed not in frame.f_code.co_filename:
+                frame = frame.f_back
+            op = f"{func.namespace}.{func.__name__.split('.')[0]}"
+            if frame is not None and inside in frame.f_code.co_filename and func.namespace not in ("c10d", "profiler"):
+                if op in FSDP_COPIES:
+                    read, written = FSDP_COPIES[op](args, kwargs, out)
+                    self.bytes[op] = self.bytes.get(op, 0) + read + written
+                elif op not in FSDP_NO_COPY:
+                    self.other.add(f"{op} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})")
+            return out
+
+    cfg = GalaxyConfig.from_dict(dict(MODEL, **dict(TRAIN, **case)))
+    ctx.stage_layers = cfg.stage_layers()
+    trainer = Trainer(LlamaForCausalLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=11), cfg, ctx)
+    batch = trainer.read_batch(llama_batch_at, 0)
+    with Count() as count:
+        trainer.forward_backward(batch, lambda: autocast_context(cfg, ctx.device))
+    trainer.grad_sync.remove()
+    return count.bytes, sorted(count.other)
+
+
+@pytest.mark.parametrize("sync,reshard", [("every_micro_batch", "default"), ("last_micro_batch", "never")])
+def test_fsdp2_copies_are_the_bytes_fully_shard_copies(dist_pool, sync, reshard):
+    """The bytes the cost model charges for FSDP2's copies (``cost.fsdp_copy_bytes``: casts, the gather's
+    copy-in and split, the reduce-scatter's copy-in, the sharded gradients' adds; per micro-batch, in
+    both gradient syncs and with and without resharding) are the bytes torch's fully_shard moves in
+    those ops, counted op by op in a real step on dp 2 (bf16 weights gathered, fp32 masters and
+    reductions, 2 micro-batches), and it runs no other op that moves data. The cost model counts the
+    norm scales as sharded, which FSDP leaves whole: without them its bytes are FSDP's."""
+    from tests.core.test_dp_pp import LLAMA as MODEL, TRAIN
+
+    case = dict(plan="none", dp_size=2, dp_engine="fsdp2", dtype="bfloat16", num_microbatches=2,
+                fsdp_grad_sync=sync, reshard_after_forward=reshard)
+    measured = dist_pool.run(fsdp_copied_bytes, 2, case, dp=2)
+    cfg = GalaxyConfig.from_dict(dict(MODEL, **dict(TRAIN, **case)))
+    work = Workload(cfg.model, "train", TRAIN["global_batch_size"], TRAIN["seq_length"], "bfloat16",
+                    dp_engine="fsdp2", reshard_after_forward=reshard, fsdp_grad_sync=sync)
+    layout = Layout(dp=2, microbatches=2)
+    params = cost.stage_parameters(work, (NONE, NONE, NONE), cost.Splits.balanced(cfg.model, TRAIN["seq_length"], 1),
+                                   layout, 1)[0][0]
+    u = cost.FsdpUnits.of(work, layout, 0, params)
+    gathers = 2 if cost.fsdp_reshards(reshard, 1) else 1
+    once = cost.fsdp_syncs_once(sync, 2)
+    h = MODEL["hidden_size"]  # norm scales (2 a layer, the final one in the root): whole in FSDP, sharded in the model
+
+    def predicted(per_layer, edge):
+        return float(sum(u.layers * cost.fsdp_copy_bytes(per_layer, u.compute, u.master, 2, gathers, k, 2, once)
+                         + cost.fsdp_copy_bytes(np.full(1, edge), u.master, u.master, 2, 1, k, 2, once)
+                         for k in range(2))[0])
+    for copied, other in measured:
+        assert not other, other
+        assert set(copied) >= {"fsdp.all_gather_copy_in", "fsdp.split_with_sizes_copy", "fsdp.chunk_cat"}, copied
+        total = sum(copied.values())
+        matrices = predicted(u.per_layer[:, 0] - 2 * h, u.edge - h)
+        assert matrices == pytest.approx(total, rel=1e-12), sorted(copied.items())
+        assert predicted(u.per_layer[:, 0], u.edge) > total
 
 
 def test_fsdp2_memory_is_a_dp_block_of_masters_gradients_and_moments(dist_pool):
