@@ -11,7 +11,9 @@
 # EXTRA: more --override KEY=VALUE for the profile and the plan; PLAN_EXTRA: flags of the plan alone, e.g.
 # PLAN_EXTRA="--dp_engines fsdp2" (the search also runs dp on FSDP2); CLUSTER=FILE: no profile, plan from FILE
 # Each call copies what exists so far to $OUT. Time (estimates): probe ~3 min; node at 4 GPUs: the profile
-# ~3-4 min, then each validated plan ~2-3 min (a 7B built per rank, compiled, 3 steps of ~2 s).
+# ~3-4 min, then each validated plan ~2-3 min (a 7B built per rank, compiled, STEPS=5 steps of ~1.4-2.7 s:
+# the median of the 4 after the first; at 3, of 2, and the 4-GPU pick of 2026-11-28 measured 5% above
+# bench_train's time of the same configuration on the same GPUs).
 set -o pipefail
 source "$(dirname "$0")/detached.sh"
 mode=${1:?start|wait|collect}; part=${2:?probe|node}; nproc=${3:-1}; polls=${POLLS:-55}  # 10 s polls
@@ -32,7 +34,7 @@ python3 plan_galaxy.py profile $model $compile --world 1 --rows 1 4 --reps 3 --c
         # CLUSTER=FILE (a cluster file in the tree): plan and validate from it, no profile
         [ -n "${CLUSTER:-}" ] && cluster=$CLUSTER && job=""
         job+="python3 plan_galaxy.py $model $compile ${PLAN_EXTRA:-} --cluster $cluster --out $dir/plan_$tag.json --top 12 \
---validate ${VALIDATE:-3} --validate_steps ${STEPS:-3} --log_level INFO" ;;
+--validate ${VALIDATE:-3} --validate_steps ${STEPS:-5} --log_level INFO" ;;
     *) echo "unknown part $part (probe | node)"; exit 2 ;;
 esac
 if [ "$mode" = start ]; then
