@@ -1018,7 +1018,7 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: Peak
 ROWS_SUFFIX = re.compile(r":mb(\d+)$")
 
 
-def split_rows(entry: str) -> tuple[str, Optional[int]]:
+def split_rows_suffix(entry: str) -> tuple[str, Optional[int]]:
     """A contender entry without its ``:mb<R>`` suffix (R rows per micro-batch for this contender alone: each
     recipe at its own best setting in one launch), and R (None: ``--micro_batch``)."""
     match = ROWS_SUFFIX.search(entry)
@@ -1038,7 +1038,7 @@ def select(patterns: str, skip: str) -> list[str]:
     names = contender_names()
     chosen = []
     for entry in (e for e in patterns.split(",") if e):
-        p, rows = split_rows(entry)
+        p, rows = split_rows_suffix(entry)
         mark = "" if rows is None else f":mb{rows}"
         if "@" in p and not any(c in p for c in "*?["):
             base, _ = split_suffix(p)
@@ -1048,7 +1048,7 @@ def select(patterns: str, skip: str) -> list[str]:
         else:
             matched = [n + mark for n in names if fnmatch.fnmatch(n, p)]
         chosen += [n for n in matched if n not in chosen]
-    return [n for n in chosen if not any(fnmatch.fnmatch(split_rows(n)[0], p) for p in skip.split(",") if p)]
+    return [n for n in chosen if not any(fnmatch.fnmatch(split_rows_suffix(n)[0], p) for p in skip.split(",") if p)]
 
 
 def rank_context(rank: int, world: int, local_rank: int, args, init_method: str) -> ParallelContext:
@@ -1079,7 +1079,7 @@ def run_rows(names: list[str], args, shape: dict, ctx: ParallelContext, peak: Pe
     rows = []
     for entry in names:
         torch.manual_seed(0)
-        name, micro_batch = split_rows(entry)
+        name, micro_batch = split_rows_suffix(entry)
         run_args = args if micro_batch is None else argparse.Namespace(**{**vars(args), "micro_batch": micro_batch})
         row = run_contender(name, run_args, shape, ctx, peak, flops_per_token, builder,
                             alone(name) if alone is not None else None, errors_group)

@@ -269,7 +269,7 @@ def test_sustained_steps_scale_against_the_bursts():
     cpu = torch.device("cpu")
     typical = statistics.median(measure_serial(model, 2, 16, "float32", cpu, 9, forwards=False)[0])
     scale, steps = measure_sustained(model, 2, 16, "float32", cpu, [typical / 8] * 3, seconds=10 * typical)
-    assert len(steps) in (80, 81) and scale > 2, (scale, typical)
+    assert len(steps) in (80, 81) and 2 < scale < 32, (scale, typical)  # about 8 (CPU timings vary under load)
     scale, steps = measure_sustained(model, 2, 16, "float32", cpu, [typical * 10] * 3, seconds=40 * typical)
     assert len(steps) == 5 and scale == 1.0
 
