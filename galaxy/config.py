@@ -662,7 +662,7 @@ class GalaxyConfig:
 
     def _validate_fsdp(self) -> None:
         """What torch's fully_shard (``dp_engine: fsdp2``, ``mp_grad_reduce: fsdp``) cannot be combined with."""
-        p, m = self.parallel, self.model
+        p = self.parallel
         fsdp2, mp_fsdp = p.dp_engine == "fsdp2", p.mp_grad_reduce == "fsdp"
         if p.reshard_after_forward not in RESHARD_AFTER_FORWARD:
             raise ConfigError(f"config key 'reshard_after_forward': '{p.reshard_after_forward}' is not one of "
@@ -692,9 +692,6 @@ class GalaxyConfig:
             raise ConfigError(f"config key '{key}' is '{getattr(p, key)}', which shards trainable weights of full "
                               f"tuning only, but tuning is '{self.peft.tuning}'; use tuning full, or dp_engine "
                               "ddp and mp_grad_reduce after_backward")
-        if mp_fsdp and m.compile:
-            raise ConfigError("config key 'mp_grad_reduce' is 'fsdp', whose gathers run inside each layer, which "
-                              "'compile' would trace; set compile to false or use mp_grad_reduce sharded")
 
     def stage_layers(self) -> tuple[int, ...]:
         """Hidden layers held by each pipeline stage: ``stage_num_hidden_layers_list`` checked

@@ -16,6 +16,10 @@ What runs eagerly instead, by rule:
 * a call with a KV cache (generation): its sequence grows every step, a new shape each time.
 * CoC and CCLoRA edges (``coc_parallel_num`` > 1, ``lora_fusion``): they schedule their own async
   collectives, so they run eagerly between the compiled parts of the layer (``galaxy.core.overlap.coc``).
+* FSDP's hooks (``mp_grad_reduce: fsdp``, whose units are modules inside a layer, the SP MLP): torch
+  marks them not to be traced, so the layer compiles as a graph per stretch between them, the gathers and
+  the reduce-scatters' registration eager in between (``dp_engine: fsdp2`` alone shards whole layers,
+  whose hooks run outside the compiled ``compute``).
 * Triton kernels (``kernels``) are not called inside a graph: there the torch references are traced
   and inductor generates the fused kernels; outside the layers (the head and its loss) the kernels
   run as configured.

@@ -7,6 +7,7 @@ The harness (tiny BERT / LLaMA, float64) is tests/core/test_dp_pp.py's."""
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.context import ParallelContext
@@ -93,6 +94,27 @@ def test_fsdp_equals_serial(dist_pool, name):
         assert all(traffic == 8 * (3 * layers + 2 * root) for _, traffic, layers, root in out), out
 
 
+def compiled_fsdp_equals_serial(ctx, case):
+    """``compile: true`` over FSDP units inside a layer (``mp_grad_reduce: fsdp``'s SP MLP): the serial
+    model as above, the layers traced into graphs, and dynamo's only graph breaks FSDP's own hooks (torch
+    marks them ``torch._dynamo.disable``; a layer without them traces whole, tests/core/test_compile.py)."""
+    torch._dynamo.reset()  # this test's graphs only (dynamo's recompile limit counts earlier ones)
+    counters.clear()
+    with torch._inductor.config.patch({"cpp.vec_isa_ok": False}):  # scalar C++ kernels: g++ is faster on them
+        fsdp_equals_serial(ctx, dict(case, compile=True))
+    return counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("world,case", [
+    (2, dict(model="llama", plan="galaxy2", mp_grad_reduce="fsdp", **UNEVEN2)),
+    (4, dict(FSDP2, plan="galaxy2", dp_size=2, mp_grad_reduce="fsdp", num_microbatches=2)),
+])
+def test_compiled_layers_around_fsdp_units_equal_serial(dist_pool, world, case):
+    for graphs, breaks in dist_pool.run(compiled_fsdp_equals_serial, world, case, dp=case.get("dp_size", 1)):
+        assert graphs >= 2, "each layer compiles in the stretches around its FSDP unit"
+        assert breaks and all("disable" in reason for reason in breaks), breaks
+
+
 def replicated_bytes(ctx, case):
     """Bytes this rank holds of the weights ``mp_grad_reduce: fsdp`` shards over mp (parameters and
     gradients after a backward, AdamW moments after the step), under ``after_backward`` and ``fsdp``."""
@@ -175,7 +197,6 @@ def test_bf16_gathers_bf16_weights_over_fp32_masters(dist_pool, model_type):
     (dict(dp_engine="fsdp2", mp_grad_reduce="overlap"), "'mp_grad_reduce' .* inside FSDP"),
     (dict(dp_engine="zero1", mp_grad_reduce="fsdp"), "'mp_grad_reduce' is 'fsdp', which dp_engine 'zero1'"),
     (dict(dp_engine="fsdp2", tuning="lora"), "'dp_engine' .* tuning is 'lora'"),
-    (dict(mp_grad_reduce="fsdp", compile=True), "'compile'"),
     (dict(reshard_after_forward="never"), "'reshard_after_forward' applies to FSDP only"),
     (dict(dp_engine="fsdp2", reshard_after_forward="sometimes"), "default, always, never"),
     (dict(fsdp_grad_sync="last_micro_batch"), "'fsdp_grad_sync' applies to FSDP only"),
