@@ -948,7 +948,8 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: Peak
         # what an earlier contender left allocated (megatron-core's global buffers, 2026-11-27): not this row's
         leftover = torch.cuda.memory_allocated(ctx.device)
     prepared, ledger, error, t0 = None, None, None, time.time()
-    maxed = ("median_ms", "min_ms", "q1_ms", "q3_ms", "max_ms", "peak_mib", "build_peak_mib")  # over ranks
+    maxed = ("median_ms", "min_ms", "q1_ms", "q3_ms", "max_ms", "peak_mib", "build_peak_mib", "peak_reserved_mib",
+             "alloc_retries")  # over ranks
     run_ctx = ParallelContext.serial(ctx.device, seed=1234) if alone else ctx
     try:
         prepared = builder(name, args, shape, run_ctx)
@@ -959,10 +960,14 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: Peak
             if cuda:
                 release(ctx.device)
                 torch.cuda.reset_peak_memory_stats(ctx.device)
+        retries = torch.cuda.memory_stats(ctx.device).get("num_alloc_retries", 0) if cuda else 0
         times, losses = timed_steps(prepared.step, ctx.device, args.warmup, args.iters)
         peak_mib = (torch.cuda.max_memory_allocated(ctx.device) - leftover) / 2**20 if cuda else None
         row.update(spread(times), peak_mib=peak_mib, losses=losses,
                    **({"leftover_mib": leftover / 2**20} if leftover else {}))
+        if cuda:  # near a memory cap the allocator frees its cache and retries: each retry synchronizes the GPU
+            row.update(peak_reserved_mib=torch.cuda.max_memory_reserved(ctx.device) / 2**20,
+                       alloc_retries=torch.cuda.memory_stats(ctx.device).get("num_alloc_retries", 0) - retries)
         if prepared.per_rank is not None:
             extra = prepared.per_rank()
             row.update(extra)
