@@ -1118,7 +1118,8 @@ def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> No
             "compile_backend": args.compile_backend, "memory_cap_gib": args.memory_cap_gib}
         report = {"benchmark": "train", **run_facts(ctx), "world": world, "scenario": args.scenario, "shape": shape,
                   "dtype": args.dtype, "warmup": args.warmup, "facts": facts, "env": {k: os.environ.get(k) for k in (
-                      "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")},
+                      "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
+                      "PYTORCH_CUDA_ALLOC_CONF")},
                   "rows": rows}
         publish(report, print_table, args.json)
     dist.barrier()
