@@ -74,10 +74,17 @@ def fsdp_syncs_once(fsdp_grad_sync: str, microbatches: int) -> bool:
     return fsdp_grad_sync == "last_micro_batch" and microbatches > 1
 
 
+def fsdp_sharded(work: Workload, dp: int, mp: int) -> tuple[bool, bool]:
+    """Whether FSDP shards (every weight over dp: ``dp_engine: fsdp2``; the replicated weights of SP blocks
+    over mp, over dp x mp with fsdp2: ``mp_grad_reduce: fsdp``)."""
+    return dp > 1 and work.dp_engine == "fsdp2", mp > 1 and work.mp_grad_reduce == "fsdp"
+
+
 def bytes_per_parameter(work: Workload, dp: int, mp: int, microbatches: int,
                         gradients: bool = True) -> tuple[float, float]:
     """What a rank holds per trainable parameter it has, in bytes: (a parameter of any rule, a PARTIAL one
-    under ``mp_grad_reduce: sharded``), parameters, gradients and optimizer state (activations apart);
+    under ``mp_grad_reduce: sharded``, or a replicated one of an SP block under ``mp_grad_reduce: fsdp``),
+    parameters, gradients and optimizer state (activations apart);
     ``gradients=False``: before the step's first backward has made any (``training_memory``).
 
     Weights, gradients and optimizer state are in the master precision (float32, float64 for float64
@@ -87,20 +94,25 @@ def bytes_per_parameter(work: Workload, dp: int, mp: int, microbatches: int,
     ``sharded`` PARTIAL weights: the model holds them once (in the compute dtype under autocast, no
     master there), their gradients only while micro-batches accumulate (the last backward buckets and
     drops them), and 1/mp of them as pieces with master, gradient and optimizer state (ZeRO-2 over mp).
-    ``fsdp2``: master, gradient and optimizer state as a 1/dp block (the gradient whole where it is
-    reduce-scattered once a step); the compute-dtype weights are the layers FSDP gathers
-    (``fsdp_gathered``), not autocast's copies."""
+    ``fsdp2`` (and ``fsdp`` over mp): master, gradient and optimizer state as a 1/dp block (1/mp, 1/(dp mp))
+    (the gradient whole where it is reduce-scattered once a step); the compute-dtype weights are the ones
+    FSDP gathers (``FsdpUnits.gathered_bytes``), not autocast's copies."""
     master = 8 if work.dtype == "float64" else 4
     grad = master if gradients else 0
     low = work.dtype in ("bfloat16", "float16")
     state = OPTIMIZER_STATE_BYTES[work.optimizer] * master / 4
-    if dp > 1 and work.dp_engine == "fsdp2":  # (the config refuses mp_grad_reduce sharded with it)
-        whole_grads = fsdp_syncs_once(work.fsdp_grad_sync, microbatches)
-        fsdp = (master + grad + state) / dp + (grad * (1 - 1 / dp) if whole_grads else 0)
-        return fsdp, fsdp
+    whole_grads = fsdp_syncs_once(work.fsdp_grad_sync, microbatches)
+
+    def block(shards: int) -> float:
+        return (master + grad + state) / shards + (grad * (1 - 1 / shards) if whole_grads else 0)
+    over_dp, over_mp = fsdp_sharded(work, dp, mp)
+    if over_dp:  # (the config refuses mp_grad_reduce sharded with it)
+        return block(dp), block(dp * mp) if over_mp else block(dp)
     split_state = dp if dp > 1 and work.dp_engine in ("zero1", "deepspeed") else 1
     split_grad = dp if dp > 1 and work.dp_engine == "deepspeed" and work.zero_stage == 2 else 1
     whole = master + grad / split_grad + state / split_state + (work.elem if low else 0)
+    if over_mp:
+        return whole, block(mp)
     if mp == 1 or work.mp_grad_reduce != "sharded":
         return whole, whole
     weight = work.elem if low else master
@@ -371,29 +383,36 @@ def collectives(group: GroupModel, layers: int) -> list[tuple[str, int, str]]:
 
 
 def stage_parameters(work: Workload, methods: tuple[Method, Method, Method], splits: Splits, layout: Layout,
-                     mp: int) -> tuple[dict, dict, dict]:
+                     mp: int) -> tuple[dict, dict, dict, dict]:
     """Per pipeline stage, ``[C, mp]`` parameters of each mp rank (the same in every dp replica): all it
-    holds, those whose gradient is summed over the mp group (PARTIAL), and those its optimizer steps
-    (sharded PARTIAL weights as 1/mp pieces, 1/dp under ZeRO)."""
+    holds, those whose gradient Galaxy sums over the mp group after the backward (PARTIAL), those its
+    optimizer steps (sharded PARTIAL weights as 1/mp pieces, 1/dp under ZeRO), and the replicated weights
+    of SP blocks FSDP shards over mp (``mp_grad_reduce: fsdp``: their gradients reduce-scattered by FSDP,
+    so not among the PARTIAL ones; zero otherwise)."""
     m, pp, dp = work.model, layout.pp, layout.dp
     stage_layers = balanced_split(m.num_hidden_layers, pp)
     emb, head = edge_params(m)
     per_layer = layer_params(m, methods[0], methods[2], methods[1], splits.heads, splits.ffn)
     sharded = mp > 1 and work.mp_grad_reduce == "sharded"
-    params, partial, stepped = {}, {}, {}
+    over_mp = fsdp_sharded(work, dp, mp)[1]
+    params, partial, stepped, replicated = {}, {}, {}, {}
     for p in range(pp):
         params[p] = per_layer.total * stage_layers[p] + (emb if p == 0 else 0) + (head if p == pp - 1 else 0)
         edge_partial = (emb if p == 0 else 0) + (head if p == pp - 1 else 0)
-        partial[p] = per_layer.partial * stage_layers[p] + (edge_partial if methods[1] == Method.SP else 0)
-        own = params[p] - (partial[p] * (1 - 1 / mp) if sharded else 0)
+        replicated[p] = per_layer.replicated * stage_layers[p] * (1 if over_mp else 0)
+        partial[p] = per_layer.partial * stage_layers[p] + (edge_partial if methods[1] == Method.SP else 0) \
+            - replicated[p]
+        own = params[p] - (partial[p] * (1 - 1 / mp) if sharded else 0) - replicated[p] * (1 - 1 / mp)
         stepped[p] = own / dp if dp > 1 and work.dp_engine in ("zero1", "deepspeed", "fsdp2") else own
-    return params, partial, stepped
+    return params, partial, stepped, replicated
 
 
-def training_memory(g: GroupModel, layout: Layout, p: int, params: np.ndarray, partial: np.ndarray) -> np.ndarray:
+def training_memory(g: GroupModel, layout: Layout, p: int, params: np.ndarray, partial: np.ndarray,
+                    replicated: np.ndarray) -> np.ndarray:
     """``[C, mp]`` bytes each rank of group ``g`` (pipeline stage ``p`` of ``layout``) holds in training:
-    parameters and optimizer state (``params``, of which ``partial`` PARTIAL), plus the activations held
-    at once. Every term is sized by one split variable (or none)."""
+    parameters and optimizer state (``params``, of which ``partial`` summed over mp after the backward and
+    ``replicated`` sharded over mp by FSDP; ``stage_parameters``), plus the activations held at once. Every
+    term is sized by one split variable (or none)."""
     work, m = g.work, g.work.model
     mp, pp, M = g.mp, layout.pp, layout.microbatches
     layers = balanced_split(m.num_hidden_layers, pp)[p]
@@ -411,13 +430,14 @@ def training_memory(g: GroupModel, layout: Layout, p: int, params: np.ndarray, p
         held = layers * (acts_layer - core) + core
     else:
         held = layers * acts_layer
-    own_sharded = partial if mp > 1 and work.mp_grad_reduce == "sharded" else 0
+    own_sharded = partial if mp > 1 and work.mp_grad_reduce == "sharded" else replicated
 
     def states(gradients: bool) -> np.ndarray:
         per_param, per_sharded = bytes_per_parameter(work, layout.dp, mp, M, gradients)
         return (params - own_sharded) * per_param + own_sharded * per_sharded
 
-    activations, gathered = in_flight * (held + acts_edge), fsdp_gathered(work, layout, p, params)
+    activations = in_flight * (held + acts_edge)
+    gathered = sum(u.gathered_bytes(work, layout) for u in FsdpUnits.of(work, layout, p, params, replicated))
     if M > 1 or (layout.dp > 1 and work.dp_engine == "deepspeed"):  # (DeepSpeed's buffers: kept throughout)
         return states(True) + activations + gathered
     # One micro-batch: its backward makes the gradients as it frees the activations (a step starts with
@@ -429,72 +449,94 @@ def training_memory(g: GroupModel, layout: Layout, p: int, params: np.ndarray, p
 
 @dataclass(frozen=True)
 class FsdpUnits:
-    """What FSDP2 (``dp_engine: fsdp2``) shards of pipeline stage ``p``, whose mp ranks hold ``params``: the
-    root (embeddings, head; kept in the master precision) and ``layers`` layers of ``per_layer`` weights
-    each (gathered in the compute dtype), their bytes per parameter."""
+    """One kind of FSDP unit of pipeline stage ``p``: ``edge`` root weights (embeddings, head; kept in the
+    master precision) and ``layers`` layers of ``per_layer`` weights each (``[C, mp]``; gathered in the
+    compute dtype), their bytes per parameter, and per mp rank ``i`` the ranks ``groups[i]`` its shards
+    lie over. FSDP2 over dp (``dp_engine: fsdp2``) shards each layer and the root over the dp ranks of
+    its mp rank; ``mp_grad_reduce: fsdp`` the replicated weights of SP blocks in each layer over the mp
+    group (over the stage's dp x mp ranks with fsdp2)."""
 
     edge: int
     layers: int
     per_layer: np.ndarray
     master: int
     compute: int
+    groups: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
-    def of(cls, work: Workload, layout: Layout, p: int, params: np.ndarray) -> "FsdpUnits":
+    def of(cls, work: Workload, layout: Layout, p: int, params: np.ndarray,
+           replicated: Optional[np.ndarray] = None, d: int = 0) -> list["FsdpUnits"]:
+        """The kinds of units (none without FSDP) of dp replica ``d``'s stage ``p``, whose mp ranks hold
+        ``params``, of which ``replicated`` are sharded over mp (``stage_parameters``)."""
+        mp = params.shape[1]
+        over_dp, over_mp = fsdp_sharded(work, layout.dp, mp)
+        if not (over_dp or over_mp):
+            return []
         emb, head = edge_params(work.model)
         edge = (emb if p == 0 else 0) + (head if p == layout.pp - 1 else 0)
         layers = balanced_split(work.model.num_hidden_layers, layout.pp)[p]
         master = 8 if work.dtype == "float64" else 4
         compute = work.elem if work.dtype in ("bfloat16", "float16") else master
-        return cls(edge, layers, (params - edge) / layers, master, compute)
+        replicated = np.zeros_like(params) if replicated is None else replicated
+        ranks = [[rank_of(d, p, i, layout.pp, mp) for d in range(layout.dp)] for i in range(mp)]
+        kinds = []
+        if over_dp:
+            kinds.append(cls(edge, layers, (params - edge - replicated) / layers, master, compute,
+                             tuple(tuple(r) for r in ranks)))
+        if over_mp:
+            group = sorted(r for dp_ranks in ranks for r in dp_ranks) if over_dp else \
+                [rank_of(d, p, i, layout.pp, mp) for i in range(mp)]
+            kinds.append(cls(0, layers, replicated / layers, master, compute, (tuple(group),) * mp))
+        return kinds
+
+    def gathered_bytes(self, work: Workload, layout: Layout) -> np.ndarray:
+        """Bytes of these units held gathered: the root's in the master precision for the step, the layers'
+        in the compute dtype, two at a time where they are resharded after forward (FSDP's default without
+        a pipeline: the running layer and the prefetched next), else all of them."""
+        held = min(2, self.layers) if fsdp_reshards(work.reshard_after_forward, layout.pp) else self.layers
+        return self.edge * self.master + self.per_layer * self.compute * held
 
 
-def fsdp_gathered(work: Workload, layout: Layout, p: int, params: np.ndarray) -> np.ndarray:
-    """Bytes of the weights FSDP2 (``dp_engine: fsdp2``, dp > 1) holds gathered on stage ``p`` (whose mp
-    ranks hold ``params``): the root's (embeddings, head) in the master precision for the step, and the
-    layers' in the compute dtype, two at a time where they are resharded after forward (its default
-    without a pipeline: the running layer and the prefetched next), else all of them."""
-    if layout.dp == 1 or work.dp_engine != "fsdp2":
-        return np.zeros_like(params, dtype=float)
-    u = FsdpUnits.of(work, layout, p, params)
-    held = min(2, u.layers) if fsdp_reshards(work.reshard_after_forward, layout.pp) else u.layers
-    return u.edge * u.master + u.per_layer * u.compute * held
-
-
-def fsdp_exposed(cluster: ClusterProfile, work: Workload, layout: Layout, p: int, params: np.ndarray,
-                 dp_ranks: list[list[int]], compute_s: np.ndarray) -> np.ndarray:
-    """``[C, mp]`` seconds FSDP2 (``dp_engine: fsdp2``) adds to a step's micro-batches of stage ``p``'s ranks,
-    whose mp rank i holds ``params[:, i]`` and shards them over the dp ranks ``dp_ranks[i]``, against each
-    micro-batch's ``compute_s``. Each layer's weights are all-gathered in the compute dtype before it
-    runs (again in backward where resharded after forward: FSDP2's default without a pipeline) and its
-    gradients reduce-scattered in the master precision after its backward (in the last micro-batch only
-    with ``fsdp_grad_sync: last_micro_batch``); the root (embeddings, head) gathers in the master
-    precision and reduce-scatters likewise. FSDP issues a layer's collectives behind its neighbours'
-    compute, so a micro-batch waits for the root's and the first layer's gather, the last
-    reduce-scatters, and whatever of the rest its compute cannot cover: on NVLink a few milliseconds,
-    on a slow link most of the traffic. Its copies around them (``fsdp_copy_bytes``) run on the
-    device beside the compute and cost their bytes at the slowest member's memory-bound rate."""
-    u = FsdpUnits.of(work, layout, p, params)
+def fsdp_exposed(cluster: ClusterProfile, work: Workload, layout: Layout, kinds: list[FsdpUnits],
+                 compute_s: np.ndarray) -> np.ndarray:
+    """``[C, mp]`` seconds FSDP adds to a step's micro-batches of a stage's ranks, whose units are
+    ``kinds`` (``FsdpUnits.of``), against each micro-batch's ``compute_s``. Each layer's weights are
+    all-gathered in the compute dtype before it runs (again in backward where resharded after forward:
+    FSDP2's default without a pipeline) and its gradients reduce-scattered in the master precision after
+    its backward (in the last micro-batch only with ``fsdp_grad_sync: last_micro_batch``); the root
+    (embeddings, head) gathers in the master precision and reduce-scatters likewise. FSDP issues a
+    unit's collectives behind its neighbours' compute, so a micro-batch waits for the root's and the
+    first layer's gathers, the last reduce-scatters, and whatever of the rest its compute cannot cover:
+    on NVLink a few milliseconds, on a slow link most of the traffic. Its copies around them
+    (``fsdp_copy_bytes``) run on the device beside the compute and cost their bytes at the slowest
+    member's memory-bound rate."""
     M = layout.microbatches
     gathers = 2 if fsdp_reshards(work.reshard_after_forward, layout.pp) else 1
     once = fsdp_syncs_once(work.fsdp_grad_sync, M)
     out = np.zeros_like(compute_s, dtype=float)
-    for i, ranks in enumerate(dp_ranks):
-        ag, rs = cluster.collective(ranks, "all_gather"), cluster.collective(ranks, "reduce_scatter")
-        per_layer, edge = u.per_layer[:, i], np.full_like(u.per_layer[:, i], u.edge * u.master)
-        gather, reduce = ag(per_layer * u.compute), rs(per_layer * u.master)
-        root_gather, root_reduce = (ag(edge), rs(edge)) if u.edge else (0.0, 0.0)
-        copy_s_per_byte = max(cluster.ranks[r].optimizer.beta_s_per_byte for r in ranks) / ADAMW_BYTES_PER_PARAM
+    for i in range(compute_s.shape[1]):
+        waited, traffic, copies = {}, {}, 0.0
+        for u in kinds:
+            ranks = list(u.groups[i])
+            ag, rs = cluster.collective(ranks, "all_gather"), cluster.collective(ranks, "reduce_scatter")
+            per_layer, edge = u.per_layer[:, i], np.full_like(u.per_layer[:, i], u.edge * u.master)
+            gather, reduce = ag(per_layer * u.compute), rs(per_layer * u.master)
+            root_gather, root_reduce = (ag(edge), rs(edge)) if u.edge else (0.0, 0.0)
+            for reduces in (True, False):
+                waited[reduces] = waited.get(reduces, 0.0) + root_gather + gather \
+                    + (root_reduce + reduce if reduces else 0.0)
+                traffic[reduces] = traffic.get(reduces, 0.0) + u.layers * (gathers * gather
+                                                                          + (reduce if reduces else 0.0)) \
+                    + root_gather + (root_reduce if reduces else 0.0)
+            copy_s_per_byte = max(cluster.ranks[r].optimizer.beta_s_per_byte for r in ranks) / ADAMW_BYTES_PER_PARAM
+            copies = copies + copy_s_per_byte * sum(
+                u.layers * fsdp_copy_bytes(per_layer, u.compute, u.master, len(ranks), gathers, k, M, once)
+                + fsdp_copy_bytes(np.full_like(per_layer, u.edge), u.master, u.master, len(ranks), 1, k, M, once)
+                for k in range(M))
 
         def micro_batch(reduces: bool) -> np.ndarray:
-            waited = root_gather + gather + (root_reduce + reduce if reduces else 0.0)
-            total = u.layers * (gathers * gather + (reduce if reduces else 0.0)) + root_gather \
-                + (root_reduce if reduces else 0.0)
-            return waited + np.maximum(0.0, total - waited - compute_s[:, i])
-        copied = sum(u.layers * fsdp_copy_bytes(per_layer, u.compute, u.master, len(ranks), gathers, k, M, once)
-                     + fsdp_copy_bytes(np.full_like(per_layer, u.edge), u.master, u.master, len(ranks), 1, k, M, once)
-                     for k in range(M))
-        out[:, i] = micro_batch(True) + (M - 1) * micro_batch(not once) + copied * copy_s_per_byte
+            return waited[reduces] + np.maximum(0.0, traffic[reduces] - waited[reduces] - compute_s[:, i])
+        out[:, i] = micro_batch(True) + (M - 1) * micro_batch(not once) + copies
     return out
 
 
@@ -545,7 +587,7 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
         if dp * pp != 1:
             raise ValueError("segments are recorded for dp = pp = 1 only")
         groups[(0, 0)].segments = segments
-    params, partial, stepped = stage_parameters(work, methods, splits, layout, mp)
+    params, partial, stepped, replicated = stage_parameters(work, methods, splits, layout, mp)
 
     memory = np.zeros((C, world))
     detail = {}
@@ -572,7 +614,8 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
     for (d, p), g in groups.items():
         layer, head_ev = g.layer(), g.head()
         edge = head_ev if p == pp - 1 else []
-        memory[:, g.ranks] = training_memory(g, layout, p, params[p], partial[p])
+        memory[:, g.ranks] = training_memory(g, layout, p, params[p], partial[p], replicated[p])
+        fsdp_units = FsdpUnits.of(work, layout, p, params[p], replicated[p], d)
 
         def layer_backward(clock, g=g, layer=layer):
             if layout.recompute == "full":
@@ -588,18 +631,17 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
             clock = run(g, edge, clock, backward=True)
             return f_end, g.repeat(layer_backward, clock, layers)
 
-        fsdp_ranks = [[rank_of(e, p, i, pp, mp) for e in range(dp)] for i in range(mp)]
         if pp == 1:
             start = np.stack([opt[r](stepped[0][:, i]) + cluster.ranks[r].step_overhead_s
                               for i, r in enumerate(g.ranks)], axis=1)
             clock = g.repeat(lambda c: fwd_bwd(c)[1], start, M)
-            if fsdp:
-                clock = clock + fsdp_exposed(cluster, work, layout, p, params[p], fsdp_ranks, (clock - start) / M)
+            if fsdp_units:
+                clock = clock + fsdp_exposed(cluster, work, layout, fsdp_units, (clock - start) / M)
             clocks[(d, p)] = clock
         else:
             f_end, b_end = fwd_bwd(np.zeros((C, mp)))
-            if fsdp:  # the pipeline runs each micro-batch's share
-                b_end = b_end + fsdp_exposed(cluster, work, layout, p, params[p], fsdp_ranks, b_end) / M
+            if fsdp_units:  # the pipeline runs each micro-batch's share
+                b_end = b_end + fsdp_exposed(cluster, work, layout, fsdp_units, b_end) / M
             f = f_end.max(axis=1)
             stage_f[p] = np.maximum(stage_f[p], f)
             stage_b[p] = np.maximum(stage_b[p], b_end.max(axis=1) - f)
@@ -662,8 +704,9 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
     # FSDP2's gathers and reduce-scatters over dp ran inside the micro-batches (``fsdp_exposed``)
     if dp > 1 and not fsdp:
         for p in range(pp):
-            for i in range(mp):  # a sharded PARTIAL bucket's dp sum moves this rank's piece only
-                local = params[p][:, i] - (partial[p][:, i] * (1 - 1 / mp) if sharded else 0)
+            for i in range(mp):  # a sharded PARTIAL bucket's dp sum moves this rank's piece only, as an FSDP shard's
+                local = params[p][:, i] - (partial[p][:, i] * (1 - 1 / mp) if sharded else 0) \
+                    - replicated[p][:, i] * (1 - 1 / mp)
                 sync([(d, p, i) for d in range(dp)], "all_reduce", local * grad_bytes)
     for (d, p) in groups:
         if mp > 1 and partial_bytes[p].max() > 0:
@@ -892,8 +935,8 @@ def lower_bound(cluster: ClusterProfile, work: Workload, methods: tuple[Method, 
     probe = Splits(column("heads"), column("ffn"), column("seq"))
     even = Splits.one(*(balanced_split(units[v][0] * units[v][1], mp) for v in ("heads", "ffn", "seq")))
     stage_layers = balanced_split(m.num_hidden_layers, pp)
-    _, partial, _ = stage_parameters(work, methods, even, layout, mp)  # PARTIAL weights: the same on every split
-    _, _, stepped = stage_parameters(work, methods, probe, layout, mp)  # row 0: every share at its least
+    partial = stage_parameters(work, methods, even, layout, mp)[1]  # PARTIAL weights: the same on every split
+    stepped = stage_parameters(work, methods, probe, layout, mp)[2]  # row 0: every share at its least
     sharded = mp > 1 and work.mp_grad_reduce == "sharded"
 
     def tail(ranks: list[int], p: int) -> list:
@@ -987,7 +1030,7 @@ def might_fit(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Me
         return np.repeat(shares[:, None] * unit, mp, axis=1)
 
     probe = Splits(column("heads"), column("ffn"), column("seq"))
-    params, partial, _ = stage_parameters(work, methods, probe, layout, mp)
+    params, partial, _, replicated = stage_parameters(work, methods, probe, layout, mp)
     budget = np.array([r.memory_bytes for r in cluster.ranks], dtype=float)
     for d in range(dp):
         for p in range(pp):
@@ -998,7 +1041,7 @@ def might_fit(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Me
                     positive = e.act[blocks[e.var]] > 0
                     if (positive[1:] != positive[:-1]).any():
                         return True
-            memory = training_memory(g, layout, p, params[p], partial[p])
+            memory = training_memory(g, layout, p, params[p], partial[p], replicated[p])
             ones = memory[0]
             terms = {v: memory[blocks[v]] - ones for v in uses}  # [points, mp]: each variable's own part
             least = ones + sum((t.min(axis=0) for t in terms.values()), np.zeros(mp))

@@ -37,8 +37,8 @@ import numpy as np
 
 from galaxy.config import DP_ENGINES, ConfigError, Method, balanced_split
 from galaxy.planner.cluster import ClusterProfile, device_subsets
-from galaxy.planner.cost import (Layout, Prediction, Splits, Workload, fsdp_reshards, fsdp_syncs_once, lower_bound,
-                                 might_fit, predict)
+from galaxy.planner.cost import (Layout, Prediction, Splits, Workload, fsdp_reshards, fsdp_sharded, fsdp_syncs_once,
+                                 lower_bound, might_fit, predict)
 
 logger = logging.getLogger(__name__)
 
@@ -292,7 +292,8 @@ class SplitSearch:
                       tuple(int(x) for x in s.seq[0]), time, tuple(int(x) for x in pred.memory_bytes[0]),
                       bool(pred.fits[0]), exact, self.uses, time if exact else None,
                       dp_engine=self.work.dp_engine, mp_grad_reduce=self.work.mp_grad_reduce,
-                      **dict(zip(("reshard_after_forward", "fsdp_grad_sync"), fsdp_settings(self.work, self.layout))))
+                      **dict(zip(("reshard_after_forward", "fsdp_grad_sync"),
+                                 fsdp_settings(self.work, self.layout, self.mp))))
 
 
 RECOMPUTE = ("none", "selective", "full")
@@ -402,11 +403,11 @@ def beats_setting(a: Choice, b: Choice) -> bool:
         and (a.time_s, max(a.memory_bytes), a.key) < (b.time_s, max(b.memory_bytes), b.key)
 
 
-def fsdp_settings(work: Workload, layout: Layout) -> tuple[str, str]:
-    """``work``'s FSDP2 settings as they act on ``layout``, the defaults where they change nothing (without
-    FSDP2 over dp; ``never`` is FSDP2's default with a pipeline; one micro-batch syncs once either way), so
-    that two variants of one run are one plan."""
-    fsdp = work.dp_engine == "fsdp2" and layout.dp > 1
+def fsdp_settings(work: Workload, layout: Layout, mp: int = 1) -> tuple[str, str]:
+    """``work``'s FSDP settings as they act on ``layout`` with ``mp`` ranks per group, the defaults where they
+    change nothing (without FSDP over dp or mp; ``never`` is FSDP2's default with a pipeline; one
+    micro-batch syncs once either way), so that two variants of one run are one plan."""
+    fsdp = any(fsdp_sharded(work, layout.dp, mp))
     reshards = fsdp_reshards(work.reshard_after_forward, layout.pp)
     reshard = "default" if not fsdp or reshards == fsdp_reshards("default", layout.pp) else \
         ("always" if reshards else "never")

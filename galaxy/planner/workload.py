@@ -23,10 +23,13 @@ def stream_layout(con: Method) -> str:
 
 @dataclass(frozen=True)
 class ParamCounts:
-    """Trainable parameters held by each rank, and those whose gradient is summed over the mp group."""
+    """Trainable parameters held by each rank, those whose gradient is summed over the mp group, and of those
+    the matrices of SP blocks (the replicated weights ``mp_grad_reduce: fsdp`` shards over mp; their column
+    biases counted with them, as the cost model counts FSDP's other vectors)."""
 
     total: np.ndarray
     partial: np.ndarray
+    replicated: np.ndarray
 
 
 def layer_params(m: ModelConfig, att: Method, mlp: Method, con: Method, heads, ffn) -> ParamCounts:
@@ -37,15 +40,16 @@ def layer_params(m: ModelConfig, att: Method, mlp: Method, con: Method, heads, f
     p = family(m.model_type).layer_parameters(m, nh, nf)
     zero = np.zeros_like(np.asarray(heads) + np.asarray(ffn), dtype=np.int64)
     total = zero + p.att_sharded + p.att_row_bias + p.mlp_sharded + p.mlp_row_bias + p.con
-    partial = zero.copy()
+    partial, replicated = zero.copy(), zero.copy()
     for method, sharded, row_bias in ((att, p.att_sharded, p.att_row_bias), (mlp, p.mlp_sharded, p.mlp_row_bias)):
         if method == Method.SP:
             partial = partial + sharded + row_bias
+            replicated = replicated + sharded
         elif method == Method.TP:
             partial = partial + row_bias  # a row-parallel bias is added on one rank only
     if con == Method.SP:
         partial = partial + p.con
-    return ParamCounts(total, partial)
+    return ParamCounts(total, partial, replicated)
 
 
 def edge_params(m: ModelConfig) -> tuple[int, int]:

@@ -456,7 +456,7 @@ def test_fsdp2_copies_are_the_bytes_fully_shard_copies(dist_pool, sync, reshard)
     layout = Layout(dp=2, microbatches=2)
     params = cost.stage_parameters(work, (NONE, NONE, NONE), cost.Splits.balanced(cfg.model, TRAIN["seq_length"], 1),
                                    layout, 1)[0][0]
-    u = cost.FsdpUnits.of(work, layout, 0, params)
+    u, = cost.FsdpUnits.of(work, layout, 0, params)
     gathers = 2 if cost.fsdp_reshards(reshard, 1) else 1
     once = cost.fsdp_syncs_once(sync, 2)
     h = MODEL["hidden_size"]  # norm scales (2 a layer, the final one in the root): whole in FSDP, sharded in the model
@@ -486,9 +486,105 @@ def test_fsdp2_memory_is_a_dp_block_of_masters_gradients_and_moments(dist_pool):
     work = Workload(cfg.model, "train", TRAIN["global_batch_size"], TRAIN["seq_length"], "float64",
                     dp_engine="fsdp2")
     splits = cost.Splits.balanced(cfg.model, TRAIN["seq_length"], 2)
-    params, _, stepped = cost.stage_parameters(work, (TP, SP, TP), splits, Layout(dp=2), 2)
+    params, _, stepped, _ = cost.stage_parameters(work, (TP, SP, TP), splits, Layout(dp=2), 2)
     per_param, _ = cost.bytes_per_parameter(work, 2, 2, 1)
     for rank, (total, vectors) in enumerate(measured):
         predicted = params[0][0, rank % 2] * per_param
         assert predicted <= total <= predicted + vectors * per_param, (rank, total, predicted)
         assert stepped[0][0, rank % 2] == params[0][0, rank % 2] / 2  # the optimizer steps the dp block
+
+
+@pytest.mark.parametrize("world,case", [
+    (2, dict(plan="galaxy2", mp_grad_reduce="fsdp")),
+    (4, dict(plan="galaxy2", mp_grad_reduce="fsdp", dp_size=2, dp_engine="fsdp2")),
+])
+def test_mp_fsdp_memory_is_an_mp_block_of_the_replicated_weights(dist_pool, world, case):
+    """``mp_grad_reduce: fsdp`` (galaxy2's SP MLP sharded over mp 2; with FSDP2 over dp 2 x mp 2): each rank
+    holds 1/mp (1/(dp mp)) of the MLP's master weights, gradients and AdamW moments and its own share of
+    the rest (float64), as ``stage_parameters`` and ``bytes_per_parameter`` say; FSDP leaves the vectors
+    whole, which the cost model counts as sharded where FSDP2 shards over dp."""
+    from tests.core.test_dp_pp import LLAMA as MODEL, TRAIN
+
+    case = dict(case, model="llama")
+    dp, mp = case.get("dp_size", 1), world // case.get("dp_size", 1)
+    measured = dist_pool.run(fsdp_state_bytes, world, case, dp=dp)
+    cfg = GalaxyConfig.from_dict(dict(MODEL, **TRAIN, **{k: v for k, v in case.items() if k != "model"}))
+    work = Workload(cfg.model, "train", TRAIN["global_batch_size"], TRAIN["seq_length"], "float64",
+                    mp_grad_reduce="fsdp", dp_engine=case.get("dp_engine", "ddp"))
+    splits = cost.Splits.balanced(cfg.model, TRAIN["seq_length"], mp)
+    params, partial, stepped, replicated = cost.stage_parameters(work, (TP, SP, SP), splits, Layout(dp=dp), mp)
+    mlp = 3 * MODEL["hidden_size"] * MODEL["intermediate_size"] * MODEL["num_hidden_layers"]
+    assert (replicated[0] == mlp).all()  # the MLP's three matrices of every layer
+    per_param, per_replicated = cost.bytes_per_parameter(work, dp, mp, 1)
+    assert per_replicated == 32 / (dp * mp)  # master, gradient and two moments, 8 bytes each
+    for rank, (total, vectors) in enumerate(measured):
+        i = rank % mp
+        predicted = (params[0][0, i] - replicated[0][0, i]) * per_param + replicated[0][0, i] * per_replicated
+        whole_vectors = vectors * (32 - per_param)  # FSDP2's predicted shards of what it leaves whole
+        assert predicted <= total <= predicted + whole_vectors, (rank, total, predicted)
+        assert stepped[0][0, i] == (params[0][0, i] - replicated[0][0, i] * (1 - 1 / mp)) / dp
+
+
+def test_mp_fsdp_copies_are_the_bytes_fully_shard_copies(dist_pool):
+    """The copies ``mp_grad_reduce: fsdp`` makes around its collectives (galaxy2's MLP over mp 2, bf16
+    gathers, fp32 masters and reductions, 2 micro-batches) are ``cost.fsdp_copy_bytes`` of the MLP's
+    weights over the mp group, to the byte (the unit holds no vector), and nothing else of fully_shard's
+    moves data."""
+    from tests.core.test_dp_pp import LLAMA as MODEL, TRAIN
+
+    case = dict(plan="galaxy2", mp_grad_reduce="fsdp", dtype="bfloat16", num_microbatches=2)
+    measured = dist_pool.run(fsdp_copied_bytes, 2, case)
+    cfg = GalaxyConfig.from_dict(dict(MODEL, **dict(TRAIN, **case)))
+    work = Workload(cfg.model, "train", TRAIN["global_batch_size"], TRAIN["seq_length"], "bfloat16",
+                    mp_grad_reduce="fsdp")
+    layout = Layout(microbatches=2)
+    params, _, _, replicated = cost.stage_parameters(
+        work, (TP, SP, SP), cost.Splits.balanced(cfg.model, TRAIN["seq_length"], 2), layout, 2)
+    u, = cost.FsdpUnits.of(work, layout, 0, params[0], replicated[0])
+    assert u.edge == 0 and u.groups == ((0, 1), (0, 1))
+    predicted = float(sum(u.layers * cost.fsdp_copy_bytes(u.per_layer[:, 0], 2, 4, 2, 2, k, 2, False)
+                          for k in range(2))[0])
+    for copied, other in measured:
+        assert not other, other
+        assert sum(copied.values()) == predicted, sorted(copied.items())
+
+
+def test_mp_fsdp_traffic_waits_for_a_gather_and_a_reduce_scatter_per_micro_batch():
+    """Galaxy2 at mp 2 with ``mp_grad_reduce: fsdp`` against ``after_backward``: on a link fast against the
+    compute FSDP's gathers and reduce-scatters of the MLP hide but for the first layer's gather and the
+    last reduce-scatter of each micro-batch, and the after-backward sum covers only what FSDP does not
+    shard (embeddings and head, norm scales); on a slow link the step takes at least the whole traffic;
+    memory: the MLP's states as 1/mp blocks, two layers' MLP weights gathered at a time."""
+    from galaxy.config import PLAN_PRESETS
+
+    model = dict(LLAMA, num_hidden_layers=4)
+    layout, M, layers = Layout(microbatches=2), 2, 4
+    methods = PLAN_PRESETS["galaxy2"]
+    after = Workload(model_config_of(model), "train", 8, 8, mp_grad_reduce="after_backward")
+    fsdp = dataclasses.replace(after, mp_grad_reduce="fsdp")
+    split = cost.Splits.balanced(after.model, 8, 2)
+
+    def step(work, alpha, beta):
+        cluster = synthetic_cluster(model, 2, [1.0, 1.0], alpha=alpha, beta=beta)
+        return cluster, predict(cluster, work, methods, split, layout)
+
+    fast = synthetic_cluster(model, 2, [1.0, 1.0], alpha=1e-9, beta=1e-15)
+    ab = fast.collective([0, 1], "all_gather")  # one alpha-beta for every op of the synthetic cluster
+
+    def bucketed(nbytes):
+        n = max(int(np.ceil(nbytes / cost.GRAD_BUCKET_BYTES)), 1)
+        return n * ab(nbytes / n)
+    replicated = cost.stage_parameters(fsdp, methods, split, layout, 2)[3][0][0, 0]
+    summed = {w.mp_grad_reduce: cost.stage_parameters(w, methods, split, layout, 2)[1][0][0, 0] for w in (after, fsdp)}
+    assert summed["after_backward"] - summed["fsdp"] == replicated > 0
+    n = replicated / layers
+    time = {w.mp_grad_reduce: float(step(w, 1e-9, 1e-15)[1].time_s[0] - step(w, 0.0, 0.0)[1].time_s[0])
+            for w in (after, fsdp)}
+    waited = M * (ab(n * 4) + ab(n * 4))  # float32: gathered and reduced in 4 bytes
+    assert time["fsdp"] - time["after_backward"] == pytest.approx(
+        waited - bucketed(summed["after_backward"] * 4) + bucketed(summed["fsdp"] * 4), rel=1e-6)
+    slow, pred = step(fsdp, 1e-3, 1e-6)
+    ab = slow.collective([0, 1], "all_gather")
+    assert pred.time_s[0] >= M * layers * (2 * ab(n * 4) + ab(n * 4))
+    held = step(after, 0.0, 0.0)[1].memory_bytes[0, 0] - step(fsdp, 0.0, 0.0)[1].memory_bytes[0, 0]
+    assert held == pytest.approx(replicated * 16 / 2 - 2 * n * 4, rel=1e-12)  # 16 bytes a float32 weight's states
