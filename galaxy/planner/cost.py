@@ -478,13 +478,13 @@ class FsdpUnits:
         master = 8 if work.dtype == "float64" else 4
         compute = work.elem if work.dtype in ("bfloat16", "float16") else master
         replicated = np.zeros_like(params) if replicated is None else replicated
-        ranks = [[rank_of(d, p, i, layout.pp, mp) for d in range(layout.dp)] for i in range(mp)]
+        dp_ranks = [[rank_of(e, p, i, layout.pp, mp) for e in range(layout.dp)] for i in range(mp)]
         kinds = []
         if over_dp:
             kinds.append(cls(edge, layers, (params - edge - replicated) / layers, master, compute,
-                             tuple(tuple(r) for r in ranks)))
+                             tuple(tuple(r) for r in dp_ranks)))
         if over_mp:
-            group = sorted(r for dp_ranks in ranks for r in dp_ranks) if over_dp else \
+            group = sorted(r for ranks in dp_ranks for r in ranks) if over_dp else \
                 [rank_of(d, p, i, layout.pp, mp) for i in range(mp)]
             kinds.append(cls(0, layers, replicated / layers, master, compute, (tuple(group),) * mp))
         return kinds
@@ -495,6 +495,17 @@ class FsdpUnits:
         a pipeline: the running layer and the prefetched next), else all of them."""
         held = min(2, self.layers) if fsdp_reshards(work.reshard_after_forward, layout.pp) else self.layers
         return self.edge * self.master + self.per_layer * self.compute * held
+
+    def step_bytes(self, work: Workload, layout: Layout) -> np.ndarray:
+        """A step's bytes of these units' collectives as ``galaxy.core.fsdp.Sharding.count_traffic`` records
+        them on a rank: every micro-batch the layers' whole weights gathered (twice where resharded) and the
+        root's once; each reduction (every micro-batch, or once a step) every weight's gradient."""
+        M = layout.microbatches
+        gathers = 2 if fsdp_reshards(work.reshard_after_forward, layout.pp) else 1
+        reductions = 1 if fsdp_syncs_once(work.fsdp_grad_sync, M) else M
+        layers = self.layers * self.per_layer
+        return M * (layers * self.compute * gathers + self.edge * self.master) \
+            + reductions * (layers + self.edge) * self.master
 
 
 def fsdp_exposed(cluster: ClusterProfile, work: Workload, layout: Layout, kinds: list[FsdpUnits],
@@ -675,6 +686,8 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
                 sent += times * M * e.nbytes * ((e.fwd_op is not None) + (e.bwd_op is not None))
     if pp > 1:  # stage 0 sends each micro-batch's stream forward (what it receives is not counted)
         sent += M * rows * g0.tokens[:, 0] * m.hidden_size * work.elem
+    sent += sum((u.step_bytes(work, layout)[:, 0] for u in FsdpUnits.of(work, layout, 0, params[0], replicated[0])),
+                np.zeros(C))
 
     def sync(keys: list[tuple[int, int, int]], op: str, nbytes, buckets=1) -> None:
         """One collective over the ranks ``(d, p, i)`` of ``keys``: all leave when the last arrives."""

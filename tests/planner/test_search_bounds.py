@@ -588,3 +588,41 @@ def test_mp_fsdp_traffic_waits_for_a_gather_and_a_reduce_scatter_per_micro_batch
     assert pred.time_s[0] >= M * layers * (2 * ab(n * 4) + ab(n * 4))
     held = step(after, 0.0, 0.0)[1].memory_bytes[0, 0] - step(fsdp, 0.0, 0.0)[1].memory_bytes[0, 0]
     assert held == pytest.approx(replicated * 16 / 2 - 2 * n * 4, rel=1e-12)  # 16 bytes a float32 weight's states
+
+
+def step_comm_bytes(ctx, case):
+    """Bytes this rank's communicators (FSDP's included) recorded over one training step of ``case``."""
+    from galaxy.train.loop import Trainer
+    from tests.core.test_dp_pp import build
+
+    cfg, _, model, _, batch_at = build(ctx, case)
+    trainer = Trainer(model, cfg, ctx)
+    before = trainer.comm_bytes()
+    trainer.optimizer_step(trainer.forward_backward(trainer.read_batch(batch_at, 0)), 1)
+    trainer.grad_sync.remove()
+    return trainer.comm_bytes() - before
+
+
+@pytest.mark.parametrize("reshard", ["default", "never"])
+def test_mp_fsdp_step_bytes_are_what_the_run_records(dist_pool, reshard):
+    """What ``mp_grad_reduce: fsdp`` changes in a step's bytes against ``after_backward`` (galaxy2's MLP
+    over mp 2, 2 micro-batches, float64): the MLP's weights gathered every micro-batch (twice where
+    resharded) and their gradients reduce-scattered, where after_backward all-reduced them once; the
+    cost model's ``comm_bytes`` moves by what global rank 0's communicators record."""
+    from galaxy.config import PLAN_PRESETS
+    from tests.core.test_dp_pp import LLAMA as MODEL, TRAIN
+
+    case = dict(model="llama", plan="galaxy2", num_microbatches=2)
+    modes = {"after_backward": {}, "fsdp": dict(mp_grad_reduce="fsdp", reshard_after_forward=reshard)}
+    measured = {m: dist_pool.run(step_comm_bytes, 2, dict(case, **extra))[0] for m, extra in modes.items()}
+    cfg = GalaxyConfig.from_dict(dict(MODEL, **TRAIN))
+    cluster = synthetic_cluster(dict(MODEL), 2, [1.0, 1.0], seq=TRAIN["seq_length"], rows=TRAIN["global_batch_size"])
+    predicted = {}
+    for mode, extra in modes.items():
+        work = Workload(cfg.model, "train", TRAIN["global_batch_size"], TRAIN["seq_length"], "float64",
+                        mp_grad_reduce=mode, reshard_after_forward=extra.get("reshard_after_forward", "default"))
+        pred = predict(cluster, work, PLAN_PRESETS["galaxy2"], cost.Splits.balanced(cfg.model, TRAIN["seq_length"], 2),
+                       Layout(microbatches=2))
+        predicted[mode] = float(pred.detail["comm_bytes"][0])
+    assert measured["fsdp"] != measured["after_backward"]
+    assert predicted["fsdp"] - predicted["after_backward"] == measured["fsdp"] - measured["after_backward"]
