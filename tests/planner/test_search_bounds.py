@@ -128,19 +128,22 @@ def test_search_over_dp_engines_merges_each_engines_own_search():
         search(cluster, work, ffn_unit=8, dp_engines=("zero3",))
 
 
-def test_fsdp2_settings_are_written_as_they_act():
-    """A plan's FSDP2 settings mean what the workload's did on its layout, and are the defaults wherever
-    those act alike (so two variants of one run are one plan, and configs name only what changes a run)."""
+@pytest.mark.parametrize("engine,reduce", [("fsdp2", "after_backward"), ("ddp", "fsdp")])
+def test_fsdp2_settings_are_written_as_they_act(engine, reduce):
+    """A plan's FSDP settings mean what the workload's did on its layout, and are the defaults wherever
+    those act alike (so two variants of one run are one plan, and configs name only what changes a run):
+    FSDP2 acts with dp > 1, ``mp_grad_reduce: fsdp`` with mp > 1."""
     from galaxy.planner.cost import fsdp_reshards, fsdp_syncs_once
     from galaxy.planner.search import fsdp_settings
 
     for reshard in ("default", "always", "never"):
         for sync in ("every_micro_batch", "last_micro_batch"):
-            for dp, pp, M in itertools.product((1, 2), (1, 2), (1, 2)):
-                work = Workload(None, "train", 8, 8, dp_engine="fsdp2", reshard_after_forward=reshard,
-                                fsdp_grad_sync=sync)
-                canon_reshard, canon_sync = fsdp_settings(work, Layout(dp=dp, pp=pp, microbatches=M))
-                if dp == 1:
+            for size, pp, M in itertools.product((1, 2), (1, 2), (1, 2)):
+                work = Workload(None, "train", 8, 8, dp_engine=engine, mp_grad_reduce=reduce,
+                                reshard_after_forward=reshard, fsdp_grad_sync=sync)
+                dp, mp = (size, 1) if engine == "fsdp2" else (1, size)
+                canon_reshard, canon_sync = fsdp_settings(work, Layout(dp=dp, pp=pp, microbatches=M), mp)
+                if size == 1:
                     assert (canon_reshard, canon_sync) == ("default", "every_micro_batch")
                     continue
                 assert fsdp_reshards(canon_reshard, pp) == fsdp_reshards(reshard, pp)
