@@ -983,8 +983,11 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: Peak
                    **({"leftover_mib": leftover / 2**20} if leftover else {}))
         if cuda:  # near a memory cap the allocator frees its cache and retries: each retry synchronizes the GPU
             row.update(peak_reserved_mib=torch.cuda.max_memory_reserved(ctx.device) / 2**20,
-                       alloc_retries=torch.cuda.memory_stats(ctx.device).get("num_alloc_retries", 0) - retries,
-                       reserved_by_stream=reserved_by_stream(ctx.device))
+                       alloc_retries=torch.cuda.memory_stats(ctx.device).get("num_alloc_retries", 0) - retries)
+            try:  # a diagnostic (first run on torch 2.11 pending): its failure is its field's, not the row's
+                row["reserved_by_stream"] = reserved_by_stream(ctx.device)
+            except (KeyError, TypeError, RuntimeError) as e:
+                row["reserved_by_stream"] = one_line(e)
         if prepared.per_rank is not None:
             extra = prepared.per_rank()
             row.update(extra)
