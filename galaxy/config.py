@@ -62,7 +62,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: Optional[bool] = None  # LLaMA family: q/k/v projection biases; None: the architecture's
     # How the model computes, not what it is (never written to HF configs):
-    recompute: str = "none"  # none | full (each layer's forward again in backward) | selective (attention core)
+    # none | full (each layer's forward again in backward) | selective (attention core) | mlp (the MLP block)
+    recompute: str = "none"
     recompute_num_layers: Optional[int] = None  # recompute only the first K layers of the model or stage; None: all
     fused_gate_up: bool = False  # LLaMA: gate and up in one [2, intermediate, hidden] weight, one matmul
     kernels: str = "auto"  # auto (per op, the measured winner on the device: galaxy/kernels/_backend.py) | triton | torch
@@ -388,7 +389,7 @@ MP_GRAD_REDUCE = ("after_backward", "overlap", "sharded", "fsdp")
 RESHARD_AFTER_FORWARD = ("default", "always", "never")
 FSDP_GRAD_SYNCS = ("every_micro_batch", "last_micro_batch")
 OPTIMIZERS = ("adamw", "sgd")
-RECOMPUTE_MODES = ("none", "full", "selective")
+RECOMPUTE_MODES = ("none", "full", "selective", "mlp")
 TP_OVERLAPS = ("none", "coc", "async_tp")
 COC_DEFAULT_CHUNKS = 4  # tp_overlap coc without coc_parallel_num
 KERNEL_BACKENDS = ("auto", "triton", "torch")
@@ -566,7 +567,7 @@ class GalaxyConfig:
                                   f"{m.recompute_num_layers}; leave it unset to recompute every layer")
             if m.recompute == "none":
                 raise ConfigError("config key 'recompute_num_layers' is set but 'recompute' is 'none'; "
-                                  "set recompute to full or selective, or drop recompute_num_layers")
+                                  "set recompute to full, selective or mlp, or drop recompute_num_layers")
         q = self.peft
         if q.quantize_base != "none" and q.tuning == "full":
             raise ConfigError(f"config key 'quantize_base' is '{q.quantize_base}' but tuning is 'full', which trains "

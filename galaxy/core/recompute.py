@@ -1,8 +1,11 @@
 """Activation recomputation: keep a region's inputs in forward and run it again in backward.
 
 ``recompute: full`` checkpoints each transformer layer, ``selective`` only the attention core
-(softmax(QK^T)V with its dropout, whose score matrix is the largest activation of a layer);
-``recompute_num_layers`` limits either to the first K layers of the model or pipeline stage.
+(softmax(QK^T)V with its dropout, whose score matrix is the largest activation of a layer), ``mlp``
+only the MLP between its block edges (its projections and activation: what it keeps of FFN width, the
+largest activations of a layer under fused attention, for one more pass of its matmuls; Megatron-LM's
+selective ``recompute_modules: [mlp]``); ``recompute_num_layers`` limits any of them to the first K
+layers of the model or pipeline stage.
 
 The mechanism is ``torch.utils.checkpoint`` (non-reentrant: it composes with autocast, with the
 custom autograd Functions of the transitions and CoC, and with inputs that need no gradient).
@@ -20,13 +23,15 @@ Two things it does not do for us:
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-MODES = ("none", "full", "selective")
+MODES = ("none", "full", "selective", "mlp")
+logger = logging.getLogger(__name__)
 
 
 def layer_modes(mode: str, num_layers: Optional[int], count: int) -> list[str]:
@@ -36,6 +41,14 @@ def layer_modes(mode: str, num_layers: Optional[int], count: int) -> list[str]:
         raise ValueError(f"config key 'recompute': '{mode}' is not one of {', '.join(MODES)}")
     first = count if num_layers is None else min(num_layers, count)
     return [mode if i < first else "none" for i in range(count)]
+
+
+def note_unfused_mlp_edges(modes: Sequence[str], fusable: bool) -> None:
+    """``mlp`` runs a TP MLP as one recomputed region, its edges' collectives outside CoC's or async TP's
+    overlap (``fusable``: the stack's TP MLP edges would overlap otherwise); the attention's keep it."""
+    if fusable and "mlp" in modes:
+        logger.warning("recompute 'mlp': the TP MLP runs as one recomputed region, so CoC / async TP do not "
+                       "overlap its edges (the attention's still do); use recompute selective or full to keep them")
 
 
 def generators_of(modules: Iterable[nn.Module]) -> list[torch.Generator]:

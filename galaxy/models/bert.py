@@ -32,7 +32,7 @@ from galaxy.core.context import ParallelContext
 from galaxy.core.grad_sync import mark_pipeline_tie
 from galaxy.core.layers import Dropout, GradRule, ParallelLinear, mark_module, region_rule
 from galaxy.core.pipeline import StageSpec, layer_stack
-from galaxy.core.recompute import generators_of, layer_modes, recompute
+from galaxy.core.recompute import generators_of, layer_modes, note_unfused_mlp_edges, recompute
 from galaxy.core.transitions import Layout, reduce_to_replicated
 from galaxy.kernels import fused_linear_cross_entropy, layer_norm
 from galaxy.core.overlap.coc import CocBoundaries, coc_chunks
@@ -146,7 +146,7 @@ class BertLayer(nn.Module):
         super().__init__()
         self.cfg, self.plan, self.ctx, self.edges = cfg, plan, ctx, edges
         self.coc = coc
-        self.recompute_mode = recompute_mode  # none | full | selective (galaxy.core.recompute)
+        self.recompute_mode = recompute_mode  # none | full | selective | mlp (galaxy.core.recompute)
         self.attention = BertAttention(cfg, plan, ctx)
         self.intermediate = BertIntermediate(cfg, plan, ctx)
         self.output = BertOutput(cfg, plan, ctx)
@@ -157,6 +157,10 @@ class BertLayer(nn.Module):
         if self.recompute_mode == "full":
             return recompute(run, h, key_padding_mask, generators=generators_of([self]))
         return run(h, key_padding_mask)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP block between its edges: dense, activation, dense (its residual and LayerNorm are CON's)."""
+        return self.output.dense(self.intermediate(x))
 
     def compute(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
         plan, edges, att, cfg, coc = self.plan, self.edges, self.attention, self.cfg, self.coc
@@ -173,11 +177,17 @@ class BertLayer(nn.Module):
         # CON1
         h = att.output.LayerNorm(att.output.dropout(a) + h)
         # MLP
+        coc = None if self.recompute_mode == "mlp" else coc  # one recomputed region: its edges unfused
         if coc is not None and coc.fuses(plan.mlp, self.intermediate.dense, self.output.dense):
             (i,) = coc.enter(h, [self.intermediate.dense])
             m = coc.leave(self.intermediate.act(i), self.output.dense)
         else:
-            m = edges.leave(self.output.dense(self.intermediate(edges.enter(h, plan.mlp))), plan.mlp)
+            x = edges.enter(h, plan.mlp)
+            if self.recompute_mode == "mlp":
+                m = recompute(self.mlp, x, generators=generators_of([self.intermediate, self.output.dense]))
+            else:
+                m = self.mlp(x)
+            m = edges.leave(m, plan.mlp)
         # CON2
         return self.output.LayerNorm(self.output.dropout(m) + h)
 
@@ -189,6 +199,7 @@ class BertEncoder(nn.Module):
         layers = range(cfg.num_hidden_layers) if layers is None else layers
         coc = CocBoundaries(ctx.mp, plan, coc_chunks(plan.coc_parallel_num))
         modes = layer_modes(cfg.recompute, cfg.recompute_num_layers, len(layers))
+        note_unfused_mlp_edges(modes, plan.mlp == Method.TP and coc.may_fuse())
         self.layer = layer_stack((BertLayer(cfg, plan, ctx, edges, coc, mode) for mode in modes), layers.start)
 
     def forward(self, h, key_padding_mask):

@@ -55,7 +55,7 @@ from galaxy.core.grad_sync import mark_pipeline_tie
 from galaxy.core.pipeline import StageSpec, layer_stack
 from galaxy.core.layers import (Dropout, GradRule, ParallelLinear, ShardSpec, mark_module, region_rule,
                                 set_param_meta)
-from galaxy.core.recompute import generators_of, layer_modes, recompute
+from galaxy.core.recompute import generators_of, layer_modes, note_unfused_mlp_edges, recompute
 from galaxy.core.transitions import Layout, reduce_to_replicated, transition
 from galaxy.kernels import apply_rope, fused_linear_cross_entropy, rms_norm, swiglu, swiglu_packed
 from galaxy.core.overlap.coc import CocBoundaries, coc_chunks
@@ -321,7 +321,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.cfg, self.plan, self.ctx, self.edges = cfg, plan, ctx, edges
         self.coc = coc
-        self.recompute_mode = recompute_mode  # none | full | selective (galaxy.core.recompute)
+        self.recompute_mode = recompute_mode  # none | full | selective | mlp (galaxy.core.recompute)
         self.self_attn = LlamaAttention(cfg, plan, ctx, layer_idx)
         self.mlp = LlamaMLP(cfg, plan, ctx)
         self.input_layernorm = _norm(cfg, plan)
@@ -367,6 +367,7 @@ class LlamaDecoderLayer(nn.Module):
         h = h + self.attn_dropout(a)
         # MLP
         x = self.post_attention_layernorm(h)
+        coc = None if self.recompute_mode == "mlp" else coc  # one recomputed region: its edges unfused
         if coc is not None and mlp.fused and coc.fuses(plan.mlp, mlp.down_proj) and \
                 type(mlp.gate_up_proj) is GateUpProj and plain(mlp.gate_up_proj):
             (gate_up,) = coc.enter(x, [_Columns(mlp.gate_up_proj.matrix())])
@@ -375,7 +376,9 @@ class LlamaDecoderLayer(nn.Module):
             gate, up = coc.enter(x, [mlp.gate_proj, mlp.up_proj])
             m = coc.leave(mlp.act(gate, up), mlp.down_proj)
         else:
-            m = edges.leave(mlp(edges.enter(x, plan.mlp)), plan.mlp)
+            x = edges.enter(x, plan.mlp)
+            m = recompute(mlp, x, generators=generators_of([mlp])) if self.recompute_mode == "mlp" else mlp(x)
+            m = edges.leave(m, plan.mlp)
         # CON
         return h + self.mlp_dropout(m)
 
@@ -400,6 +403,7 @@ class LlamaModel(nn.Module):
         else:
             self.embed_tokens = None
         modes = layer_modes(cfg.recompute, cfg.recompute_num_layers, stage.num_layers)
+        note_unfused_mlp_edges(modes, plan.mlp == Method.TP and coc.may_fuse())
         self.layers = layer_stack((LlamaDecoderLayer(cfg, plan, ctx, self.edges, i, coc, mode)
                                    for i, mode in zip(stage.layers, modes)), stage.first_layer)
         self.norm = _norm(cfg, plan) if stage.is_last else None

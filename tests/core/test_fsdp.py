@@ -35,6 +35,10 @@ CASES = {
     "dp2-galaxy2-mpfsdp": (4, dict(FSDP2, plan="galaxy2", dp_size=2, mp_grad_reduce="fsdp")),
     "galaxy2-mpfsdp-w2-uneven-llama": (2, dict(model="llama", plan="galaxy2", mp_grad_reduce="fsdp", **UNEVEN2)),
     "galaxy2-mpfsdp-w3-uneven": (3, dict(plan="galaxy2", mp_grad_reduce="fsdp", **UNEVEN3)),
+    # the FSDP unit (the SP MLP) inside a recomputed region: its gathers run again in backward
+    "galaxy2-mpfsdp-recompute-mlp-llama": (2, dict(model="llama", plan="galaxy2", mp_grad_reduce="fsdp",
+                                                   recompute="mlp", num_microbatches=2)),
+    "galaxy2-mpfsdp-recompute-full": (2, dict(plan="galaxy2", mp_grad_reduce="fsdp", recompute="full")),
     "ddp-dp2-sp-mpfsdp": (4, dict(plan="sp", dp_size=2, mp_grad_reduce="fsdp", reshard_after_forward="never")),
     "dp2-pp2-llama-tied": (4, dict(FSDP2, model="llama", plan="none", dp_size=2, pp_size=2,
                                    tie_word_embeddings=True, num_microbatches=2)),
