@@ -7,7 +7,9 @@ Contenders (each in a fresh process, so one's memory and Liger's patches never r
 (the same with ``compile: true``: each layer through torch.compile),
 ``galaxy-qlora`` (the same over an NF4 base), ``galaxy-qlora-compiled`` (QLoRA with ``compile: true``: each
 layer's NF4 dequantize-and-matmul traced into its graph), ``-cudagraphs`` for either (``compile_mode:
-reduce-overhead``: each layer's kernels replayed as CUDA graphs), ``peft-bf16`` (transformers + peft, base
+reduce-overhead``: each layer's kernels replayed as CUDA graphs), and a ``+<mode>[K]`` suffix on any Galaxy
+contender recomputes (``recompute: <mode>``, full | selective | mlp, on the first K layers when given), e.g.
+``galaxy-lora-compiled+mlp8``, ``peft-bf16`` (transformers + peft, base
 loaded in bf16, bf16 autocast), ``peft-bf16-liger`` (the same with Liger-Kernel's LLaMA patches), ``peft-qlora-bnb``
 (transformers + peft over a bitsandbytes NF4 base with double quantization, bf16 compute: the QLoRA
 recipe), ``unsloth-lora`` / ``unsloth-qlora`` (unsloth's recipe: ``FastLanguageModel.from_pretrained`` with
@@ -60,6 +62,19 @@ LORA = {"tuning": "lora", "lora_dim": 16, "lora_alpha": 32, "lora_dropout": 0.0,
         "lora_target_modules": ["q_proj", "v_proj"]}
 
 UNSLOTH = re.compile(r"^unsloth-(lora|qlora)(-gc)?(-sdpa)?$")
+RECOMPUTE = re.compile(r"^(full|selective|mlp)(\d*)$")
+
+
+def galaxy_recompute(name: str) -> tuple[str, dict]:
+    """A Galaxy contender's name without its ``+<mode>[K]`` suffix, and the model keys the suffix sets."""
+    base, plus, suffix = name.partition("+")
+    if not plus:
+        return name, {}
+    m = RECOMPUTE.match(suffix)
+    if m is None:
+        raise ValueError(f"contender '{name}': the suffix after '+' is a recompute mode and an optional layer "
+                         "count, e.g. +mlp8 (modes: full, selective, mlp)")
+    return base, {"recompute": m[1], **({"recompute_num_layers": int(m[2])} if m[2] else {})}
 
 
 def galaxy_compile_mode(name: str) -> Optional[str]:
@@ -96,11 +111,13 @@ def hf_step(model, cfg):
     return step
 
 
-def config(args, quantize: str = "none", compile_mode: Optional[str] = None) -> GalaxyConfig:
-    """``compile_mode``: None runs eagerly, else ``compile: true`` in that torch.compile mode."""
+def config(args, quantize: str = "none", compile_mode: Optional[str] = None,
+           recompute: Optional[dict] = None) -> GalaxyConfig:
+    """``compile_mode``: None runs eagerly, else ``compile: true`` in that torch.compile mode; ``recompute``:
+    model keys (``galaxy_recompute``)."""
     return GalaxyConfig.from_dict({
         "model": {"preset": args.preset, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
-                  "compile": compile_mode is not None, "compile_mode": compile_mode or "default"},
+                  "compile": compile_mode is not None, "compile_mode": compile_mode or "default", **(recompute or {})},
         "train": {"global_batch_size": args.batch, "seq_length": args.seq, "max_steps": args.warmup + args.steps,
                   "dtype": "bfloat16", "lr": 1e-4, "warmup_steps": 0, "grad_clip": 1.0, "log_every": 10**6},
         "peft": dict(LORA, quantize_base=quantize)})
@@ -156,7 +173,7 @@ def write_profile(prof, args) -> dict:
     return {k: (v / PROFILED_STEPS if k.endswith("_ms") else v) for k, v in figures.items()}
 
 
-def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None) -> dict:
+def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None, recompute: Optional[dict] = None) -> dict:
     """Galaxy's own training loop (``train``): step times from one step's end to the next (the loop
     reads every step's loss, a device sync)."""
     from galaxy.core.context import ParallelContext
@@ -165,7 +182,7 @@ def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None) -> dict:
     from galaxy.peft import apply_tuning
     from galaxy.train.loop import train
 
-    cfg = config(args, quantize, compile_mode)
+    cfg = config(args, quantize, compile_mode, recompute)
     ctx = ParallelContext.serial("cuda" if torch.cuda.is_available() else "cpu", seed=0)  # CPU: a smoke run
     model = apply_tuning(build_model(cfg, None, ctx), cfg)
     times, last, resident = [], [time.perf_counter()], [None]
@@ -189,7 +206,8 @@ def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None) -> dict:
     else:
         train(model, causal_lm_data(cfg), cfg, ctx, progress=False, on_step=on_step)
     nbytes, count = frozen_bytes(model)
-    return {"times": times, "resident_mib": resident[0], "frozen_bytes_per_param": nbytes / max(count, 1), **out}
+    return {"times": times, "resident_mib": resident[0], "frozen_bytes_per_param": nbytes / max(count, 1),
+            "recompute": cfg.model.recompute, "recompute_num_layers": cfg.model.recompute_num_layers, **out}
 
 
 def run_peft(args, variant: str) -> dict:
@@ -332,8 +350,12 @@ def run_one(args) -> dict:
             return {"contender": name, "error": one_line(e)}
     else:
         try:
-            out = run_galaxy(args, "nf4" if name.startswith("galaxy-qlora") else "none", galaxy_compile_mode(name)) \
-                if name.startswith("galaxy") else run_peft(args, name)
+            if name.startswith("galaxy"):
+                base, recompute = galaxy_recompute(name)
+                out = run_galaxy(args, "nf4" if base.startswith("galaxy-qlora") else "none",
+                                 galaxy_compile_mode(base), recompute)
+            else:
+                out = run_peft(args, name)
         except ImportError as e:
             return {"contender": name, "skipped": f"{type(e).__name__}: {e}"}
     times = out.pop("times")
@@ -361,6 +383,12 @@ def main() -> int:
     if args.one:
         print(json.dumps(run_one(args)), flush=True)
         return 0
+    for name in args.contenders.split(","):
+        if name.startswith("galaxy"):
+            try:
+                galaxy_recompute(name)
+            except ValueError as e:
+                p.error(str(e))
     rows = []
     for name in args.contenders.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--one", name] + [

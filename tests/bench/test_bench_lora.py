@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from bench.bench_lora import unsloth_variant
+from bench.bench_lora import galaxy_recompute, unsloth_variant
 from tests import REPO
 
 TINY = ["--preset", "llama-tiny", "--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "0"]
@@ -24,6 +24,31 @@ def test_unsloth_contender_names():
     assert unsloth_variant("unsloth-lora-sdpa") == (False, False, True)
     for other in ("peft-bf16", "galaxy-lora", "unsloth-lora-sdpa-gc", "unsloth-dora", "unsloth-lora-"):
         assert unsloth_variant(other) is None
+
+
+def test_galaxy_recompute_suffix():
+    assert galaxy_recompute("galaxy-lora-compiled") == ("galaxy-lora-compiled", {})
+    assert galaxy_recompute("galaxy-lora-compiled+mlp8") == ("galaxy-lora-compiled",
+                                                             {"recompute": "mlp", "recompute_num_layers": 8})
+    assert galaxy_recompute("galaxy-qlora+full") == ("galaxy-qlora", {"recompute": "full"})
+    for bad in ("galaxy-lora+mlp-8", "galaxy-lora+attn", "galaxy-lora+"):
+        with pytest.raises(ValueError, match="recompute mode"):
+            galaxy_recompute(bad)
+    out = subprocess.run([sys.executable, "bench/bench_lora.py", *TINY, "--contenders", "galaxy-lora+attn2"],
+                         cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=120)
+    assert out.returncode == 2 and "contender 'galaxy-lora+attn2'" in out.stderr.splitlines()[-1], out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU the bench itself is the check")
+def test_galaxy_lora_recomputing_its_mlp_trains_on_cpu(tmp_path):
+    """``galaxy-lora+mlp1``: the LoRA contender with ``recompute: mlp`` on its first layer, eager, trains and
+    says what it recomputed."""
+    out = subprocess.run([sys.executable, "bench/bench_lora.py", *TINY, "--json", str(tmp_path / "out.json"),
+                          "--contenders", "galaxy-lora+mlp1"],
+                         cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert row["step_ms"] > 0 and (row["recompute"], row["recompute_num_layers"]) == ("mlp", 1), row
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the unsloth rows run")
