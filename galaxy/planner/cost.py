@@ -30,6 +30,8 @@ OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd": 4}
 # bytes the profile's fused AdamW step moves per fp32 parameter (reads the weight, gradient and both moments,
 # writes three): its seconds per parameter over this are the device's seconds per byte of a memory-bound copy
 ADAMW_BYTES_PER_PARAM = 28
+# recompute modes that run some of a layer's pieces again in backward: the pieces' name prefix
+RECOMPUTED = {"selective": "att_core", "mlp": "mlp"}
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class Layout:
     dp: int = 1
     pp: int = 1
     microbatches: int = 1
-    recompute: str = "none"  # none | full | selective
+    recompute: str = "none"  # none | full | selective | mlp (config key recompute)
     schedule: str = "1f1b"
 
 
@@ -428,6 +430,10 @@ def training_memory(g: GroupModel, layout: Layout, p: int, params: np.ndarray, p
         core = sum((e.act for e in layer if isinstance(e, Compute) and e.name.startswith("att_core")),
                    np.zeros((C, mp)))
         held = layers * (acts_layer - core) + core
+    elif layout.recompute == "mlp":  # the MLPs' activations rebuilt one at a time, each keeping its input
+        mlp = sum((e.act for e in layer if isinstance(e, Compute) and e.name.startswith("mlp")), np.zeros((C, mp)))
+        tokens = g.splits.seq if g.mlp == Method.SP else g.full(work.seq_length)
+        held = layers * (acts_layer - mlp + g.rows * tokens * m.hidden_size * work.elem) + mlp
     else:
         held = layers * acts_layer
     own_sharded = partial if mp > 1 and work.mp_grad_reduce == "sharded" else replicated
@@ -631,8 +637,9 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
         def layer_backward(clock, g=g, layer=layer):
             if layout.recompute == "full":
                 clock = run(g, layer, clock)
-            elif layout.recompute == "selective":
-                clock = clock + sum(e.fwd for e in layer if isinstance(e, Compute) and e.name.startswith("att_core"))
+            elif layout.recompute in RECOMPUTED:
+                clock = clock + sum(e.fwd for e in layer if isinstance(e, Compute)
+                                    and e.name.startswith(RECOMPUTED[layout.recompute]))
             return run(g, layer, clock, backward=True)
 
         def fwd_bwd(clock, g=g, layer=layer, edge=edge, layers=stage_layers[p]):
@@ -818,8 +825,9 @@ class _Program:
         back = self.items("L", layer, balanced, bal_layer, True)
         if recompute == "full":
             back = forward + back
-        elif recompute == "selective":
-            back = [it for it in forward if it[0] == "c" and layer[it[1][1]].name.startswith("att_core")] + back
+        elif recompute in RECOMPUTED:
+            back = [it for it in forward
+                    if it[0] == "c" and layer[it[1][1]].name.startswith(RECOMPUTED[recompute])] + back
         self.layer_forward, self.layer_backward = forward, back
         self.edge_forward = self.items("H", head, balanced, bal_head, False)
         self.edge_backward = self.items("H", head, balanced, bal_head, True)

@@ -296,13 +296,13 @@ class SplitSearch:
                                  fsdp_settings(self.work, self.layout, self.mp))))
 
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "mlp", "full")
 
 
 def layouts(cluster: ClusterProfile, work: Workload) -> list[list[Layout]]:
     """Per dp x pp x mp of the world, its layouts in two tiers: first those worth running for speed
     (one micro-batch without a pipeline, pp or more with one; no recomputation), then the ones that
-    only save memory (more micro-batches, down to one row each; selective or full recomputation),
+    only save memory (more micro-batches, down to one row each; selective, mlp or full recomputation),
     tried when nothing in the first fits. Micro-batch counts: every divisor of the rows a dp rank
     reads (at least pp of them with a pipeline). ``dp_engine: deepspeed`` runs pure data parallelism:
     dp = the world only. Latency: one layout."""

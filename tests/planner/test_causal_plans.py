@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from galaxy.config import Method
+from galaxy.planner import cost
 from galaxy.planner.cost import Layout, Splits, Workload, bytes_per_parameter, predict
 from galaxy.planner.search import layouts, search
 from galaxy.planner.workload import edge_params, layer_params
@@ -82,15 +83,20 @@ def test_layouts_reach_one_row_micro_batches_and_selective_recompute():
     work = Workload(cluster.model, "train", 12, 8)
     every = [layout for tier in layouts(cluster, work) for layout in tier]
     assert {(l.microbatches, l.recompute) for l in every if l.dp == 1 and l.pp == 1} == \
-        {(m, r) for m in (1, 2, 3, 4, 6, 12) for r in ("none", "selective", "full")}
+        {(m, r) for m in (1, 2, 3, 4, 6, 12) for r in ("none", "selective", "mlp", "full")}
     assert {l.microbatches for l in every if l.pp == 2} == {2, 3, 4, 6, 12}
     ds = [l for tier in layouts(cluster, Workload(cluster.model, "train", 12, 8, dp_engine="deepspeed")) for l in tier]
     assert ds and {(l.dp, l.pp) for l in ds} == {(2, 1)}
-    # selective recompute keeps all but the attention cores' activations: between none and full
+    # selective recompute keeps all but the attention cores' activations, mlp all but the MLPs' and their
+    # inputs: between none and full; each costs its pieces' forward once more
     split = Splits.balanced(cluster.model, 8, 2)
-    mem = {r: predict(cluster, work, GALAXY, split, Layout(recompute=r)).memory_bytes[0, 0]
-           for r in ("none", "selective", "full")}
+    pred = {r: predict(cluster, work, GALAXY, split, Layout(recompute=r)) for r in ("none", "selective", "mlp", "full")}
+    mem = {r: p.memory_bytes[0, 0] for r, p in pred.items()}
     assert mem["full"] < mem["selective"] < mem["none"]
+    assert mem["full"] < mem["mlp"] < mem["none"]
+    g = cost.GroupModel(cluster, work, GALAXY, split, [0, 1], 12)
+    mlp_fwd = sum(e.fwd for e in g.layer() if isinstance(e, cost.Compute) and e.name.startswith("mlp"))[0].max()
+    assert pred["mlp"].time_s[0] > pred["none"].time_s[0] + cluster.model.num_hidden_layers * mlp_fwd * 0.99
 
 
 def test_search_finds_the_layout_only_the_new_candidates_fit():
