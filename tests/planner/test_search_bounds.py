@@ -255,7 +255,8 @@ def test_bounds_hold_for_every_layout(speeds, waited, beta):
     rng = np.random.default_rng(len(speeds))
     proven = 0
     workloads = [("train", "ddp", "after_backward"), ("train", "zero1", "sharded"),
-                 ("train", "fsdp2", "after_backward"), ("latency", "ddp", "after_backward")]
+                 ("train", "fsdp2", "after_backward"), ("train", "fsdp2", "fsdp"),  # FSDP over dp, mp and both
+                 ("latency", "ddp", "after_backward")]
     for memory in (2**18, 2**19):
         cluster = synthetic_cluster(dict(LLAMA, num_hidden_layers=4), len(speeds), speeds, alpha=5e-5, beta=beta,
                                     memory=memory, waited=waited)
