@@ -152,6 +152,10 @@ def plan_parser() -> argparse.ArgumentParser:
                         "dp_engine, e.g. --dp_engines fsdp2 (with and without resharding after forward, gradients "
                         "reduce-scattered every micro-batch or once); under fsdp2 mp_grad_reduce sharded or overlap "
                         "becomes after_backward, as the config requires")
+    p.add_argument("--mp_grad_reduces", nargs="+", default=[], metavar="MODE",
+                   help="with mp > 1, also search these reductions of PARTIAL gradients (after_backward, overlap, "
+                        "sharded, fsdp) beside the config's mp_grad_reduce, each under the dp engines that run it, "
+                        "e.g. --mp_grad_reduces sharded fsdp (fsdp: the SP blocks' weights sharded over mp)")
     p.add_argument("--validate", type=int, default=0, metavar="K", help="run the top K plans and print measured times")
     p.add_argument("--validate_steps", type=int, default=5,
                    help="training steps (the first untimed) or timed forwards per validated plan")
@@ -208,7 +212,8 @@ def table_rows(choices: list[Choice]) -> list[dict]:
         rows.append({"rank": i + 1, "plan": c.name, "devices": list(c.devices),
                      "att/con/mlp": "/".join(m.value for m in c.methods),
                      "dp x pp x mp": f"{c.layout.dp}x{c.layout.pp}x{len(c.seq)}",
-                     "dp engine": c.engine if c.layout.dp > 1 else None, "microbatches": c.layout.microbatches,
+                     "dp engine": c.engine if c.layout.dp > 1 else None,
+                     "mp grad": c.mp_grad_reduce if len(c.seq) > 1 else None, "microbatches": c.layout.microbatches,
                      "recompute": c.layout.recompute,
                      "heads": list(c.heads) if "heads" in c.uses else None,
                      "ffn": list(c.ffn) if "ffn" in c.uses else None,
@@ -220,8 +225,8 @@ def table_rows(choices: list[Choice]) -> list[dict]:
 
 
 def print_table(rows: list[dict], measured: Optional[list[Optional[float]]] = None) -> None:
-    cols = ["rank", "plan", "devices", "att/con/mlp", "dp x pp x mp", "dp engine", "microbatches", "recompute", "heads",
-            "ffn", "seq",
+    cols = ["rank", "plan", "devices", "att/con/mlp", "dp x pp x mp", "dp engine", "mp grad", "microbatches",
+            "recompute", "heads", "ffn", "seq",
             "predicted_ms", "lower_bound_ms", "max_memory_mb", "fits"]
     cells = [[str(r[c]) if r[c] is not None else "-" for c in cols] for r in rows]
     if measured is not None:
@@ -261,7 +266,7 @@ def plan_main(argv: list[str]) -> int:
         started = time.perf_counter()
         choices = search(cluster, work, args.ffn_unit, args.seq_unit, top=max(args.top, args.validate),
                          split_margin=args.split_margin, device_margin=args.device_margin,
-                         dp_engines=args.dp_engines)
+                         dp_engines=args.dp_engines, mp_grad_reduces=args.mp_grad_reduces)
         configs = [plan_config(cfg, c, cluster.world) for c in choices]
         for config, choice in zip(configs, choices):  # every written plan must load and resolve as the CLIs will
             GalaxyConfig.from_dict(config).resolve_plan(len(choice.devices) // (choice.layout.dp * choice.layout.pp))

@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from galaxy.config import DP_ENGINES, ConfigError, Method, balanced_split
+from galaxy.config import DP_ENGINES, MP_GRAD_REDUCE, ConfigError, Method, balanced_split
 from galaxy.planner.cluster import ClusterProfile, device_subsets
 from galaxy.planner.cost import (Layout, Prediction, Splits, Workload, fsdp_reshards, fsdp_sharded, fsdp_syncs_once,
                                  lower_bound, might_fit, predict)
@@ -329,14 +329,15 @@ def layouts(cluster: ClusterProfile, work: Workload) -> list[list[Layout]]:
 def search(cluster: ClusterProfile, work: Workload, ffn_unit: int = 1, seq_unit: int = 1, top: int = 10,
            exact_limit: int = EXACT_LIMIT, split_margin: float = SPLIT_MARGIN,
            device_margin: float = DEVICE_MARGIN, prune: bool = True,
-           dp_engines: Sequence[str] = ()) -> list[Choice]:
+           dp_engines: Sequence[str] = (), mp_grad_reduces: Sequence[str] = ()) -> list[Choice]:
     """The plans, best first (those within every memory budget before those that are not; the first
     on the fewest devices unless more win by more than ``device_margin``): one per set of devices
     (every subset of the cluster's ranks: on slow links fewer devices can be faster, one alone runs
     the plan 'none'), method combination, dp x pp and dp engine (``work``'s, and with dp > 1 each of
     ``dp_engines``; FSDP2 there with and without resharding after forward, and with its gradients
-    reduce-scattered every micro-batch or once), with its best micro-batch count and recomputation,
-    its splits even unless uneven ones win by more than ``split_margin``.
+    reduce-scattered every micro-batch or once) and mp gradient reduction (``work``'s, and with mp > 1 each of
+    ``mp_grad_reduces`` its dp engine runs with), with its best micro-batch count and recomputation, its
+    splits even unless uneven ones win by more than ``split_margin``.
 
     ``prune`` (the default) leaves out what cannot change the answer (``Pruner``): the same plans
     as ``prune=False``, which scores every layout of every group."""
@@ -348,6 +349,13 @@ def search(cluster: ClusterProfile, work: Workload, ffn_unit: int = 1, seq_unit:
         if not 0 <= margin < 1:
             raise ConfigError(f"--{key} {margin} must be a fraction from 0 to below 1, e.g. 0.03")
     works = [work] + [w for e in dict.fromkeys(dp_engines) if e != work.dp_engine for w in engine_workloads(work, e)]
+    for reduce in mp_grad_reduces:
+        if reduce not in MP_GRAD_REDUCE:
+            raise ConfigError(f"--mp_grad_reduces: '{reduce}' is not one of {', '.join(MP_GRAD_REDUCE)}")
+    other_reduce = [replace(w, mp_grad_reduce=r) for r in dict.fromkeys(mp_grad_reduces) for w in works
+                    if r != w.mp_grad_reduce and runs_with(w.dp_engine, r)]
+    works += other_reduce
+    other_reduce_ids = {id(w) for w in other_reduce}
     groups = []
     for devices in device_subsets(cluster.world):
         sub = cluster.restrict(devices)
@@ -357,11 +365,13 @@ def search(cluster: ClusterProfile, work: Workload, ffn_unit: int = 1, seq_unit:
         for w in works:
             tiers = layouts(sub, w)
             for fast, frugal in zip(tiers[::2], tiers[1::2]):
-                if w is not work and fast[0].dp == 1:  # without dp the engine changes nothing
-                    continue
                 mp = sub.world // (fast[0].dp * fast[0].pp)
+                if (w.dp_engine != work.dp_engine and fast[0].dp == 1) \
+                        or (id(w) in other_reduce_ids and mp == 1):  # the axis it varies is absent
+                    continue
                 for methods in (METHODS if mp > 1 else [(Method.NONE,) * 3]):
-                    groups.append(Group(len(groups), devices, sub, methods, fast, frugal, w))
+                    if id(w) not in other_reduce_ids or reduction_acts(methods, w.mp_grad_reduce):
+                        groups.append(Group(len(groups), devices, sub, methods, fast, frugal, w))
     found = Pruner(ffn_unit, seq_unit, exact_limit, split_margin, top if prune else None).run(groups)
     if not found:
         raise ConfigError(f"no plan fits the world of {cluster.world} ranks: the model has too few heads, "
@@ -371,16 +381,28 @@ def search(cluster: ClusterProfile, work: Workload, ffn_unit: int = 1, seq_unit:
     return [first] + [c for c in found if c is not first][:top - 1]
 
 
+def reduction_acts(methods: tuple[Method, Method, Method], mp_grad_reduce: str) -> bool:
+    """Whether ``mp_grad_reduce`` changes a run of ``methods`` from after_backward's: FSDP over mp shards
+    the matrices of SP blocks (ATT, MLP); the other reductions act on PARTIAL weights, which an SP block
+    of any kind makes (a row-parallel bias of a TP block, also PARTIAL, is left out: a vector)."""
+    att, con, mlp = methods
+    if mp_grad_reduce == "fsdp":
+        return Method.SP in (att, mlp)
+    return mp_grad_reduce != "after_backward" and Method.SP in methods
+
+
+def runs_with(dp_engine: str, mp_grad_reduce: str) -> bool:
+    """Whether the config takes this dp engine with this mp gradient reduction (``GalaxyConfig._validate_fsdp``)."""
+    return not ((dp_engine == "fsdp2" and mp_grad_reduce in ("overlap", "sharded"))
+                or (dp_engine in ("zero1", "deepspeed") and mp_grad_reduce == "fsdp"))
+
+
 def engine_workload(work: Workload, dp_engine: str) -> Workload:
     """``work`` under another dp engine, its ``mp_grad_reduce`` made one the engine runs with (FSDP2
     reduces inside FSDP: a config's sharded or overlap becomes after_backward, as the config requires)."""
     if dp_engine not in DP_ENGINES:
         raise ConfigError(f"--dp_engines: '{dp_engine}' is not one of {', '.join(DP_ENGINES)}")
-    reduce = work.mp_grad_reduce
-    if dp_engine == "fsdp2" and reduce in ("overlap", "sharded"):
-        reduce = "after_backward"
-    elif dp_engine in ("zero1", "deepspeed") and reduce == "fsdp":
-        reduce = "after_backward"
+    reduce = work.mp_grad_reduce if runs_with(dp_engine, work.mp_grad_reduce) else "after_backward"
     return replace(work, dp_engine=dp_engine, mp_grad_reduce=reduce)
 
 

@@ -20,7 +20,7 @@ from galaxy.planner import cost
 from galaxy.planner.cluster import AlphaBeta, load_cluster
 from galaxy.planner.cost import Layout, Segments, Workload, might_fit, predict
 from galaxy.planner.search import (METHODS, SplitSearch, beats_setting, compositions, engine_workload,
-                                   engine_workloads, layouts, search)
+                                   engine_workloads, layouts, reduction_acts, search)
 from tests import REPO
 from tests.planner.test_planner import BERT, LLAMA, model_config as model_config_of, synthetic_cluster
 
@@ -126,6 +126,41 @@ def test_search_over_dp_engines_merges_each_engines_own_search():
                 len(c.devices) // (c.layout.dp * c.layout.pp))
     with pytest.raises(ConfigError, match="--dp_engines: 'zero3'"):
         search(cluster, work, ffn_unit=8, dp_engines=("zero3",))
+
+
+def test_search_over_mp_grad_reduces_merges_each_reductions_own_search():
+    """``mp_grad_reduces``: beside the config's reduction, with mp > 1 the plans of each other one its dp
+    engine runs (FSDP2 takes no sharded) where it acts, each what that reduction's own search finds, an mp-1
+    plan once; every written config loads; bad names are one line."""
+    from galaxy.cli.plan import plan_config
+
+    cluster = synthetic_cluster(dict(LLAMA, num_hidden_layers=4), 2, [1.0, 1.0], alpha=5e-5, beta=1e-9, memory=2**20)
+    work = Workload(cluster.model, "train", 8, 8)
+    key = lambda c: repr((*plan_key(c), c.dp_engine, c.mp_grad_reduce))  # noqa: E731
+    merged = search(cluster, work, ffn_unit=8, top=500, device_margin=0.0, dp_engines=("fsdp2",),
+                    mp_grad_reduces=("sharded", "fsdp"))
+    # two ranks: mp 2 leaves no dp, so FSDP2 plans are dp-2 ones, which have no mp to reduce over
+    assert {(c.dp_engine, c.mp_grad_reduce) for c in merged if len(c.seq) > 1} == {
+        ("ddp", "after_backward"), ("ddp", "sharded"), ("ddp", "fsdp")}
+    assert {c.mp_grad_reduce for c in merged if len(c.seq) == 1} == {"after_backward"}
+    alone = {}
+    for w in (work, dataclasses.replace(work, mp_grad_reduce="sharded"), dataclasses.replace(work, mp_grad_reduce="fsdp")):
+        for c in search(cluster, w, ffn_unit=8, top=500, device_margin=0.0):
+            if w is work or (len(c.seq) > 1 and reduction_acts(c.methods, w.mp_grad_reduce)):
+                alone.setdefault(c.key, c)
+    ddp = sorted(key(c) for c in merged if c.dp_engine == "ddp")
+    assert ddp == sorted(map(key, alone.values()))
+    cfg = GalaxyConfig.from_dict({"model": dict(LLAMA, num_hidden_layers=4)}, {"global_batch_size": 8, "seq_length": 8})
+    for c in (c for c in merged if c.fits):
+        GalaxyConfig.from_dict(plan_config(cfg, c, 2)).resolve_plan(2 // (c.layout.dp * c.layout.pp))
+    # a reduction runs only where it acts (FSDP over mp: an SP ATT or MLP); there galaxy2's MLP sharded over
+    # mp holds less than ZeRO-2 over mp, which holds less than the whole MLP
+    assert all(reduction_acts(c.methods, c.mp_grad_reduce) for c in merged if c.mp_grad_reduce != "after_backward")
+    one = {c.mp_grad_reduce: max(c.memory_bytes) for c in merged
+           if c.name == "galaxy2" and c.layout == Layout() and c.heads == (4, 4)}
+    assert one["fsdp"] < one["sharded"] < one["after_backward"], one
+    with pytest.raises(ConfigError, match="--mp_grad_reduces: 'zero3' is not one of"):
+        search(cluster, work, ffn_unit=8, mp_grad_reduces=("zero3",))
 
 
 @pytest.mark.parametrize("engine,reduce", [("fsdp2", "after_backward"), ("ddp", "fsdp")])
