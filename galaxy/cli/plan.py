@@ -154,8 +154,9 @@ def plan_parser() -> argparse.ArgumentParser:
                         "becomes after_backward, as the config requires")
     p.add_argument("--mp_grad_reduces", nargs="+", default=[], metavar="MODE",
                    help="with mp > 1, also search these reductions of PARTIAL gradients (after_backward, overlap, "
-                        "sharded, fsdp) beside the config's mp_grad_reduce, each under the dp engines that run it, "
-                        "e.g. --mp_grad_reduces sharded fsdp (fsdp: the SP blocks' weights sharded over mp)")
+                        "sharded, fsdp) beside the config's mp_grad_reduce, each under the dp engines that run it "
+                        "and for plans it acts on, e.g. --mp_grad_reduces sharded fsdp (fsdp: the SP blocks' "
+                        "weights sharded over mp)")
     p.add_argument("--validate", type=int, default=0, metavar="K", help="run the top K plans and print measured times")
     p.add_argument("--validate_steps", type=int, default=5,
                    help="training steps (the first untimed) or timed forwards per validated plan")
