@@ -9,7 +9,8 @@ Contenders (each in a fresh process, so one's memory and Liger's patches never r
 layer's NF4 dequantize-and-matmul traced into its graph), ``-cudagraphs`` for either (``compile_mode:
 reduce-overhead``: each layer's kernels replayed as CUDA graphs; a ``+<mode>[K]`` suffix on any Galaxy
 contender recomputes, ``recompute: <mode>`` (full, selective or mlp) on the first K layers when K is given,
-e.g. ``galaxy-lora-compiled+mlp8``), ``peft-bf16`` (transformers + peft, base loaded in bf16, bf16 autocast), ``peft-bf16-liger`` (the same with Liger-Kernel's LLaMA patches), ``peft-qlora-bnb``
+e.g. ``galaxy-lora-compiled+mlp8``), ``peft-bf16`` (transformers + peft, base loaded in bf16, bf16 autocast),
+``peft-bf16-liger`` (the same with Liger-Kernel's LLaMA patches), ``peft-qlora-bnb``
 (transformers + peft over a bitsandbytes NF4 base with double quantization, bf16 compute: the QLoRA
 recipe), ``unsloth-lora`` / ``unsloth-qlora`` (unsloth's recipe: ``FastLanguageModel.from_pretrained`` with
 ``load_in_4bit`` False / True, its NF4 base being bitsandbytes' with double quantization, then

@@ -144,7 +144,7 @@ def test_search_over_mp_grad_reduces_merges_each_reductions_own_search():
         ("ddp", "after_backward"), ("ddp", "sharded"), ("ddp", "fsdp")}
     assert {c.mp_grad_reduce for c in merged if len(c.seq) == 1} == {"after_backward"}
     alone = {}
-    for w in (work, dataclasses.replace(work, mp_grad_reduce="sharded"), dataclasses.replace(work, mp_grad_reduce="fsdp")):
+    for w in (work, *(dataclasses.replace(work, mp_grad_reduce=r) for r in ("sharded", "fsdp"))):
         for c in search(cluster, w, ffn_unit=8, top=500, device_margin=0.0):
             if w is work or (len(c.seq) > 1 and reduction_acts(c.methods, w.mp_grad_reduce)):
                 alone.setdefault(c.key, c)
