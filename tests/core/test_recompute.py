@@ -164,6 +164,30 @@ def test_recompute_under_bf16_autocast_is_exact():
         assert all(torch.equal(a, b) for a, b in zip(grads, results[0][1]))
 
 
+def test_recompute_mlp_replays_lora_dropout_exactly():
+    """LoRA on the MLP's projections with its dropout on: ``recompute: mlp`` replays the LoRA streams, so the
+    loss, every LoRA gradient and the streams' end states are those without recomputation (float64)."""
+    from galaxy.peft import apply_tuning
+
+    ctx = ParallelContext.serial(seed=2)
+    start = [g.get_state() for g in streams(ctx)]
+    results = []
+    for extra in ({}, dict(recompute="mlp")):
+        for g, state in zip(streams(ctx), start):
+            g.set_state(state)
+        cfg = GalaxyConfig.from_dict(dict(LLAMA, **DROPOUT, **extra, tuning="lora", lora_dim=4, lora_dropout=0.3,
+                                          lora_target_modules=["gate_proj", "up_proj", "down_proj"]))
+        model = apply_tuning(LlamaForCausalLM(cfg.model, None, ctx, seed=3).double(), cfg).train()
+        loss = model(**make_batch()).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+                        [g.get_state() for g in streams(ctx)]))
+    (loss, grads, end), (loss_r, grads_r, end_r) = results
+    assert torch.equal(loss_r, loss) and grads and grads.keys() == grads_r.keys()
+    assert all(torch.equal(grads_r[n], g) for n, g in grads.items())
+    assert all(torch.equal(a, b) for a, b in zip(end_r, end))
+
+
 def saved_bytes(model_type, extra):
     """Bytes autograd keeps for backward outside recomputed regions (their own saved tensors are
     held by the checkpoint, which regenerates them, and never reach these hooks)."""
