@@ -532,7 +532,8 @@ def fsdp_exposed(cluster: ClusterProfile, work: Workload, layout: Layout, kinds:
     once = fsdp_syncs_once(work.fsdp_grad_sync, M)
     out = np.zeros_like(compute_s, dtype=float)
     for i in range(compute_s.shape[1]):
-        waited, traffic, copies = {}, {}, 0.0
+        # per micro-batch, with and without its gradient reduce-scatters: what it waits for, all it moves
+        waited, traffic, copies = {True: 0.0, False: 0.0}, {True: 0.0, False: 0.0}, 0.0
         for u in kinds:
             ranks = list(u.groups[i])
             ag, rs = cluster.collective(ranks, "all_gather"), cluster.collective(ranks, "reduce_scatter")
@@ -540,11 +541,10 @@ def fsdp_exposed(cluster: ClusterProfile, work: Workload, layout: Layout, kinds:
             gather, reduce = ag(per_layer * u.compute), rs(per_layer * u.master)
             root_gather, root_reduce = (ag(edge), rs(edge)) if u.edge else (0.0, 0.0)
             for reduces in (True, False):
-                waited[reduces] = waited.get(reduces, 0.0) + root_gather + gather \
-                    + (root_reduce + reduce if reduces else 0.0)
-                traffic[reduces] = traffic.get(reduces, 0.0) + u.layers * (gathers * gather
-                                                                          + (reduce if reduces else 0.0)) \
-                    + root_gather + (root_reduce if reduces else 0.0)
+                r = 1.0 if reduces else 0.0
+                waited[reduces] = waited[reduces] + root_gather + gather + r * (root_reduce + reduce)
+                traffic[reduces] = traffic[reduces] + u.layers * (gathers * gather + r * reduce) + root_gather \
+                    + r * root_reduce
             copy_s_per_byte = max(cluster.ranks[r].optimizer.beta_s_per_byte for r in ranks) / ADAMW_BYTES_PER_PARAM
             copies = copies + copy_s_per_byte * sum(
                 u.layers * fsdp_copy_bytes(per_layer, u.compute, u.master, len(ranks), gathers, k, M, once)
