@@ -36,7 +36,8 @@
 # contender's path; unsloth: the rest, first on the unsloth contenders' path only, through --unsloth_path),
 # prints which versions it found, then launches. Each call copies the JSON (when done), the log so far and the
 # console to $OUT. CONTENDERS=a,b (default: bench_lora's eight + unsloth-lora-gc and unsloth-qlora-gc, its
-# recommended checkpointing) and STEPS / WARMUP change the launch; if xformers breaks unsloth's rows, run
+# recommended checkpointing), STEPS / WARMUP and PRESET / SEQ / BATCH (llama-1b, 1024, 8 unless given) change
+# the launch; if xformers breaks unsloth's rows, run
 # CONTENDERS=unsloth-lora-sdpa,unsloth-qlora-sdpa,unsloth-lora-gc-sdpa,unsloth-qlora-gc-sdpa.
 # Expected wall time (an estimate, not measured yet): ~1 min per Galaxy or peft contender, ~2 min per unsloth
 # contender (its import, a random 1B saved and reloaded, its compiled loss): ~14 min, start + two waits.
@@ -81,11 +82,12 @@ EOF
         'cuda', torch.version.cuda)"
     profile=; floor=
     [ -n "$PROFILE" ] && profile="--profile $dir/prof" && mkdir -p "$dir/prof"
-    [ -n "$FLOOR" ] && floor="python3 bench/compute_floor.py --preset llama-1b --seq 1024 --micro_batch 8 \
-        --global_batch 8 --gpus 1 --mp 1 --lora_rank 16 --json $dir/lora.floor.json > $dir/lora.floor.log 2>&1;"
+    preset=${PRESET:-llama-1b}; seq=${SEQ:-1024}; batch=${BATCH:-8}
+    [ -n "$FLOOR" ] && floor="python3 bench/compute_floor.py --preset $preset --seq $seq --micro_batch $batch \
+        --global_batch $batch --gpus 1 --mp 1 --lora_rank 16 --json $dir/lora.floor.json > $dir/lora.floor.log 2>&1;"
     export LD_LIBRARY_PATH=$deps/cu12/nvidia/cuda_runtime/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     export GALAXY_COMMIT=$(cat COMMIT 2>/dev/null || echo unknown) PYTHONPATH=$deps/common:$PWD PYTHONUNBUFFERED=1
-    start_detached "$dir" lora "$floor python3 bench/bench_lora.py --preset llama-1b --seq 1024 --batch 8 \
+    start_detached "$dir" lora "$floor python3 bench/bench_lora.py --preset $preset --seq $seq --batch $batch \
         --steps ${STEPS:-10} --warmup ${WARMUP:-3} --contenders $contenders --unsloth_path $deps/unsloth \
         $profile --json $dir/lora.json > $dir/lora.log 2>&1"
     echo "contenders: $contenders"
