@@ -34,7 +34,7 @@ from galaxy.cli.args import load_config
 from galaxy.cli.compare_tasks import (base_tokenizer, load_base, pretrained_base, topic_documents, with_base,
                                       write_topic_task)
 from galaxy.cli.launch import Launch, check_plan_for_cli, launch_ranks, run_rank
-from galaxy.cli.output import setup_logging
+from galaxy.cli.output import bad_input, check_output_path, setup_logging
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.context import ParallelContext
 from galaxy.models import build_model, family, model_types
@@ -353,8 +353,8 @@ def main(argv=None) -> int:
     if args.world < 1 or (args.in_process and args.world != 1):
         print("error: --world must be at least 1 (and 1 with --in_process)", file=sys.stderr)
         return 2
-    os.makedirs(args.out_dir, exist_ok=True)
     try:
+        check_output_path("out_dir", args.out_dir, directory=True)
         files = task_files(args)
         base = args.base_path
         if base is None:
@@ -365,8 +365,7 @@ def main(argv=None) -> int:
                   flush=True)
         configs = {m: method_config(args, m, base) for m in methods}
     except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     jobs = []
     for method in methods:
         result_file = os.path.join(args.out_dir, f"{method}.json")

@@ -23,7 +23,7 @@ import time
 from typing import Callable, Optional
 
 from galaxy.cli.launch import check_plan_for_cli, decide_launch, launch_ranks, on_devices, rank_context
-from galaxy.cli.output import bad_input, print_summary, setup_logging
+from galaxy.cli.output import bad_input, check_output_path, print_summary, setup_logging
 from galaxy.config import MODEL_PRESETS, PLAN_PRESETS, ConfigError, GalaxyConfig, parse_override
 from galaxy.models import family, model_types
 
@@ -230,6 +230,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         cfg = load(args)
         launch = on_devices(decide_launch(args), cfg.distributed.devices)
         check(args, cfg, launch.world)
+        check_output_path("summary_json", args.summary_json)
         ids = prompt(args, cfg)
     except (ConfigError, FileNotFoundError) as e:
         return bad_input(e)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 from galaxy.cli.args import check_checkpoint_flags, check_input_files, check_profile_step, resume_path
-from galaxy.cli.output import check_metrics_flags, setup_logging
+from galaxy.cli.output import check_metrics_flags, check_output_flags, setup_logging
 from galaxy.config import PLAN_PRESETS, ConfigError, GalaxyConfig
 from galaxy.emulate import Cluster, cgroups, run_emulated
 from galaxy.emulate.launch import describe_exit
@@ -302,7 +302,8 @@ def check_tp_overlap(cfg: GalaxyConfig, world: int) -> None:
 def plan_launch(args: argparse.Namespace, cfg: GalaxyConfig, plan: str, strict: bool, fill: Optional[str]) -> Launch:
     """Decide the launch and check everything about it before any process starts: the plan for this
     CLI, the world split into dp x pp x mp, every split, the profile and checkpoint flags (what --resume
-    names), the files the config names, and the settings the device decides (dp_engine, tp_overlap)."""
+    names), the output paths (writable), the files the config names, and the settings the device decides
+    (dp_engine, tp_overlap)."""
     launch = on_devices(decide_launch(args), cfg.distributed.devices)
     check_plan_for_cli(cfg, plan, launch.world, strict)
     fill_world(cfg, launch.world, fill)
@@ -310,6 +311,7 @@ def plan_launch(args: argparse.Namespace, cfg: GalaxyConfig, plan: str, strict: 
     check_profile_step(args, cfg)
     check_checkpoint_flags(args)
     check_metrics_flags(args)
+    check_output_flags(args)
     check_input_files(cfg)
     check_engine(cfg)
     check_tp_overlap(cfg, launch.world)

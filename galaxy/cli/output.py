@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import tempfile
 from typing import Optional
 
 
@@ -19,6 +21,40 @@ def bad_input(error: Exception) -> int:
     print(f"error: {error}", file=sys.stderr)
     return 2
 
+
+
+def check_output_path(flag: str, path: Optional[str], directory: bool = False) -> None:
+    """Make sure ``path`` (the value of ``--flag``) can be written before any rank starts: its directory
+    (``directory``: the path itself) is created when missing; a file where a directory belongs, or the
+    reverse, or a place that cannot be created or written, is one ``ConfigError`` naming the flag."""
+    from galaxy.config import ConfigError
+
+    if not path:
+        return
+    folder = path if directory else os.path.dirname(os.path.abspath(path))
+    if directory and os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"--{flag} '{path}' is a file, and it must be a directory; pass a directory path")
+    if not directory and os.path.isdir(path):
+        raise ConfigError(f"--{flag} '{path}' is a directory, and it must be a file; pass a file path")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--{flag} '{path}': cannot create the directory '{folder}' ({e.strerror}); "
+                          "pass a path in a writable place") from None
+    try:  # a file made and removed there: permissions alone do not say it (root, read-only mounts, /proc)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--{flag} '{path}': cannot write in '{folder}' ({e.strerror}); pass a path in a "
+                          "writable place") from None
+
+
+def check_output_flags(args) -> None:
+    """The training CLIs' output flags, each writable (``check_output_path``) before any rank starts."""
+    for flag in ("metrics_file", "summary_json", "profile_json"):
+        check_output_path(flag, getattr(args, flag, None))
+    for flag in ("tensorboard", "save_dir"):
+        check_output_path(flag, getattr(args, flag, None), directory=True)
 
 
 def check_metrics_flags(args) -> None:

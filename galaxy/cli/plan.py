@@ -33,7 +33,7 @@ from galaxy.planner.cluster import ClusterProfile, load_cluster
 from galaxy.planner.cost import Workload
 from galaxy.planner.search import DEVICE_MARGIN, SPLIT_MARGIN, Choice, search
 from galaxy.cli.launch import decide_launch, launch_ranks, rank_context
-from galaxy.cli.output import bad_input, setup_logging
+from galaxy.cli.output import bad_input, check_output_path, setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ def profile_main(argv: list[str]) -> int:
             raise ConfigError(f"--ffn_unit {args.ffn_unit} must be a positive divisor of intermediate_size "
                               f"{cfg.model.intermediate_size}")
         launch = decide_launch(args)
+        check_output_path("out", args.out)
     except (ConfigError, FileNotFoundError) as e:
         return bad_input(e)
     return launch_ranks(_profile_rank, launch, (cfg, args), cfg)
@@ -247,6 +248,8 @@ def plan_main(argv: list[str]) -> int:
         cfg = workload_config(args)
         cluster = load_cluster(args.cluster)
         check_model(cluster, cfg, args.cluster)
+        check_output_path("out", args.out)
+        check_output_path("table", args.table)
         if args.top < 1 or args.validate < 0 or args.validate_steps < 2 or args.validate_runs < 1:
             raise ConfigError("--top must be at least 1, --validate at least 0, --validate_steps at least 2 and "
                               "--validate_runs at least 1")

@@ -26,7 +26,6 @@ import difflib
 import json
 import logging
 import os
-import sys
 from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any, Optional
@@ -39,7 +38,7 @@ from galaxy.models import build_model, family, model_types
 from galaxy.profiler import FlopsProfiler, ParallelProfiler
 from galaxy.cli.args import build_parser, load_config
 from galaxy.cli.launch import check_plan_for_cli, decide_launch, launch_ranks
-from galaxy.cli.output import setup_logging
+from galaxy.cli.output import bad_input, check_output_path, setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +244,6 @@ def profile_rank(rank: int, launch, payload) -> None:
                          f"{check['reported_redundant']['total']}: {'match' if check['match'] else 'MISMATCH'}")
         print(text, flush=True)
         if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:
                 json.dump(data, f, indent=2)
             print(f"profile written to {args.json}", flush=True)
@@ -263,8 +261,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ConfigError(f"--meta runs on one rank (shapes only, no communication), got --world {launch.world}")
         check_plan_for_cli(cfg, "galaxy" if launch.world > 1 else "none", launch.world, strict=False)
         cfg.resolve_plan(launch.world)  # split errors surface here, before any process starts
+        check_output_path("json", args.json)
     except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     return launch_ranks(profile_rank, launch, (cfg, args), cfg)
 

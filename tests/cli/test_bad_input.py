@@ -121,6 +121,53 @@ def test_save_dir_whose_only_checkpoint_is_truncated(save_dir, tmp_path, capsys,
                     f"altered: {size} bytes, the manifest says {size + 10}")
 
 
+@pytest.mark.parametrize("flag,where", [("tensorboard", "a file"), ("save_dir", "a file"),
+                                        ("metrics_file", "a directory"), ("summary_json", "under a file"),
+                                        ("profile_json", "under a file")])
+def test_an_output_path_that_cannot_be_written(tmp_path, capsys, monkeypatch, flag, where):
+    """Found before training, not when the first write comes (the summary after the whole run)."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    path = {"a file": a_file, "a directory": tmp_path, "under a file": a_file / "out.json"}[where]
+    extra = ["--profile_step", "1"] if flag == "profile_json" else []
+    line = refused_before_the_ranks([f"--{flag}", str(path), *extra], capsys, monkeypatch)
+    assert line.startswith(f"error: --{flag} '{path}'") and "; pass a" in line, line
+
+
+def test_output_directories_are_made_and_nothing_is_left_in_them(tmp_path):
+    from galaxy.cli.output import check_output_path
+
+    check_output_path("metrics_file", str(tmp_path / "a" / "b" / "m.jsonl"))
+    check_output_path("tensorboard", str(tmp_path / "tb" / "run1"), directory=True)
+    assert os.listdir(tmp_path / "a" / "b") == [] and os.listdir(tmp_path / "tb" / "run1") == []
+
+
+def test_the_other_clis_check_their_outputs_first(tmp_path, capsys, monkeypatch):
+    """The planner's, the FLOPs profiler's, inference's and the tuning comparison's output flags."""
+    from galaxy.cli import compare, infer, plan, profile
+
+    def no_ranks(*_):
+        raise AssertionError("ranks were started")
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    bad = str(a_file / "out.json")
+    cluster = os.path.join(ROOT, "docs", "results", "cluster_2026-11-28_8a042c8_h200x2_llama7b.json")
+    for module, main, argv, flag in (
+            (plan, plan.profile_main, ["--model", "llama-tiny", "--out", bad], "out"),
+            (plan, plan.plan_main, ["--model", "llama-7b", "--seq_length", "4096", "--global_batch_size", "16",
+                                    "--cluster", cluster, "--out", str(tmp_path / "plan.json"), "--table", bad],
+             "table"),
+            (profile, profile.main, ["--json", bad], "json"),
+            (infer, infer.main, ["--summary_json", bad], "summary_json"),
+            (compare, compare.main, ["--out_dir", str(a_file)], "out_dir")):
+        if hasattr(module, "launch_ranks"):
+            monkeypatch.setattr(module, "launch_ranks", no_ranks)
+        assert main(argv) == 2
+        err = lines(capsys.readouterr().err)
+        assert len(err) == 1 and err[0].startswith(f"error: --{flag} '{a_file if flag == 'out_dir' else bad}'"), err
+
+
 # ----------------------------------------------------------------------------- found inside the ranks
 
 
