@@ -493,9 +493,11 @@ class GalaxyConfig:
             raise ConfigError(f"config key 'seq_length' ({t.seq_length}) exceeds max_position_embeddings "
                               f"({m.max_position_embeddings}); shorten the sequence or raise the limit")
         self._validate_precision_and_steps()
-        if t.lr <= 0 or t.warmup_steps < 0 or t.weight_decay < 0 or t.grad_clip < 0:
-            raise ConfigError("config keys 'lr' must be positive and 'warmup_steps', 'weight_decay', "
-                              "'grad_clip' non-negative")
+        if not t.lr > 0:
+            raise ConfigError(f"config key 'lr' must be positive, got {t.lr}")
+        for key in ("warmup_steps", "weight_decay", "grad_clip"):  # grad_clip 0: no clipping
+            if getattr(t, key) < 0:
+                raise ConfigError(f"config key '{key}' must be 0 or positive, got {getattr(t, key)}")
         choices = {
             ("train", "lr_schedule"): ("linear", "cosine", "constant"),
             ("train", "dtype"): ("float32", "float64", "bfloat16", "float16"),
@@ -518,13 +520,13 @@ class GalaxyConfig:
             value = getattr(getattr(self, section), key)
             if value not in allowed:
                 raise ConfigError(f"config key '{key}': '{value}' is not one of {', '.join(allowed)}")
-        for key in ("lora_dim", "adapter_reduction_factor", "side_reduction_factor"):
+        for key in ("lora_dim", "lora_alpha", "adapter_reduction_factor", "side_reduction_factor"):  # alpha 0: LoRA off
             if getattr(self.peft, key) <= 0:
                 raise ConfigError(f"config key '{key}' must be positive, got {getattr(self.peft, key)}")
         if not 0.0 <= self.peft.lora_dropout < 1.0:
             raise ConfigError(f"config key 'lora_dropout' must be in [0, 1), got {self.peft.lora_dropout}")
         if self.distributed.timeout_s <= 0:
-            raise ConfigError("config key 'timeout_s' must be positive")
+            raise ConfigError(f"config key 'timeout_s' must be positive, got {self.distributed.timeout_s}")
         devices = self.distributed.devices
         if devices is not None and (not devices or min(devices) < 0 or len(set(devices)) != len(devices)):
             raise ConfigError(f"config key 'devices' must list distinct cluster ranks (0, 1, ...), got {devices}")

@@ -67,6 +67,10 @@ def test_default_splits_are_balanced():
     ({"hidden_size": 25}, None, "divisible by num_attention_heads"),
     ({"preset": "bert-huge"}, None, "unknown model preset"),
     ({}, {"seq_length": 5000}, "exceeds max_position_embeddings"),
+    ({"lr": 0.0}, None, "config key 'lr' must be positive, got 0.0"),
+    ({"weight_decay": -0.1}, None, "config key 'weight_decay' must be 0 or positive, got -0.1"),
+    ({"grad_clip": -1.0}, None, "config key 'grad_clip' must be 0 or positive, got -1.0"),
+    ({"use_lora": True, "lora_alpha": 0}, None, "config key 'lora_alpha' must be positive, got 0"),
 ])
 def test_bad_config_is_one_clear_error(raw, overrides, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace("'", "'")) as err:
