@@ -94,6 +94,17 @@ class _Replay:
         return False
 
 
+def recomputed_when_compiled(fn: Callable, *args):
+    """``fn(*args)``; inside a compiled graph its ops are marked for recomputation, so the compiled backward
+    rebuilds their output from the inputs instead of keeping it. Meant for a norm whose output a weight
+    gradient reads (q/k/v's, LoRA A's): the norm's own backward keeps its input anyway, so the layer keeps
+    one [tokens, hidden] tensor less, for one memory-bound pass over it. Eagerly the norm's consumer keeps
+    the output whatever happens here, so it is a plain call."""
+    if not (torch.compiler.is_compiling() and torch.is_grad_enabled()):
+        return fn(*args)
+    return checkpoint(fn, *args, use_reentrant=False)
+
+
 def recompute(fn: Callable, *args, generators: Sequence[torch.Generator] = (), **kwargs):
     """``fn(*args, **kwargs)``, keeping only its inputs for backward and running it again there with
     the dropout streams ``generators`` (and the global RNG) as they were in forward. Without

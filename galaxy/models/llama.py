@@ -55,7 +55,8 @@ from galaxy.core.grad_sync import mark_pipeline_tie
 from galaxy.core.pipeline import StageSpec, layer_stack
 from galaxy.core.layers import (Dropout, GradRule, ParallelLinear, ShardSpec, mark_module, region_rule,
                                 set_param_meta)
-from galaxy.core.recompute import generators_of, layer_modes, note_unfused_mlp_edges, recompute
+from galaxy.core.recompute import (generators_of, layer_modes, note_unfused_mlp_edges, recompute,
+                                   recomputed_when_compiled)
 from galaxy.core.transitions import Layout, reduce_to_replicated, transition
 from galaxy.kernels import apply_rope, fused_linear_cross_entropy, rms_norm, swiglu, swiglu_packed
 from galaxy.core.overlap.coc import CocBoundaries, coc_chunks
@@ -349,7 +350,7 @@ class LlamaDecoderLayer(nn.Module):
         edges = edges or self.edges
         plan, attn, mlp, coc = edges.plan, self.self_attn, self.mlp, self.coc
         # ATT (with CoC, the entry transition + q/k/v and o_proj + the exit transition are fused)
-        x = self.input_layernorm(h)
+        x = recomputed_when_compiled(self.input_layernorm, h)
         fused = cache is None and coc is not None and coc.fuses(plan.att, attn.q_proj, attn.k_proj, attn.v_proj,
                                                                   attn.o_proj)
         qkv = coc.enter(x, [attn.q_proj, attn.k_proj, attn.v_proj]) if fused else None
@@ -366,7 +367,7 @@ class LlamaDecoderLayer(nn.Module):
         # CON
         h = h + self.attn_dropout(a)
         # MLP
-        x = self.post_attention_layernorm(h)
+        x = recomputed_when_compiled(self.post_attention_layernorm, h)
         coc = None if self.recompute_mode == "mlp" else coc  # one recomputed region: its edges unfused
         if coc is not None and mlp.fused and coc.fuses(plan.mlp, mlp.down_proj) and \
                 type(mlp.gate_up_proj) is GateUpProj and plain(mlp.gate_up_proj):

@@ -269,3 +269,38 @@ def test_bench_recompute_smoke(tmp_path):
     report = json.loads(out.read_text())
     assert [r["recompute"] for r in report["rows"]] == ["none", "full"]
     assert all(r["tokens_per_s"] > 0 for r in report["rows"]) and report["commit"]
+
+
+def test_a_compiled_layer_rebuilds_its_normed_input_instead_of_keeping_it():
+    """LoRA on a bf16 base, compiled: the attention norm's output (LoRA A's input) is not among the tensors
+    saved for backward; the layer input it is rebuilt from is. Eagerly (and before this) it was kept too."""
+    from galaxy.peft import apply_tuning
+
+    cfg = GalaxyConfig.from_dict({
+        "model": dict(LLAMA, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, hidden_dropout_prob=0.0,
+                      attention_probs_dropout_prob=0.0, compile=True),
+        "train": {"seq_length": SEQ, "dtype": "bfloat16"},
+        "peft": {"tuning": "lora", "lora_dim": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+                 "lora_target_modules": ["q_proj", "v_proj"]}})
+    model = apply_tuning(LlamaForCausalLM(cfg.model, None, ParallelContext.serial("cpu"), seed=3), cfg)
+    layer = model.model.layers[1]  # the second: the first layer's input needs no gradient
+    assert layer.input_layernorm.weight.dtype == torch.bfloat16
+    inputs, saved = [], []
+    layer.register_forward_pre_hook(lambda _, args: inputs.append(args[0]))
+    batch = make_batch()
+    for _ in range(2):  # the first call compiles
+        inputs.clear(), saved.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            loss = model(**batch).loss
+        loss.backward()
+    h = inputs[0]
+    with torch.no_grad():
+        normed = layer.input_layernorm(h)
+
+    def kept(x):
+        return any(t.numel() == x.numel() and t.dtype == x.dtype  # the graph may keep it as [tokens, hidden]
+                   and torch.allclose(t.reshape(x.shape), x, rtol=2e-2, atol=1e-3) for t in saved)
+
+    assert kept(h)
+    assert not kept(normed)
