@@ -311,7 +311,7 @@ def plan_launch(args: argparse.Namespace, cfg: GalaxyConfig, plan: str, strict: 
     check_profile_step(args, cfg)
     check_checkpoint_flags(args)
     check_metrics_flags(args)
-    check_output_flags(args)
+    check_output_flags(args, rank0_here=launch.rank in (None, 0))
     check_input_files(cfg)
     check_engine(cfg)
     check_tp_overlap(cfg, launch.world)

@@ -49,12 +49,15 @@ def check_output_path(flag: str, path: Optional[str], directory: bool = False) -
                           "writable place") from None
 
 
-def check_output_flags(args) -> None:
-    """The training CLIs' output flags, each writable (``check_output_path``) before any rank starts."""
-    for flag in ("metrics_file", "summary_json", "profile_json"):
-        check_output_path(flag, getattr(args, flag, None))
-    for flag in ("tensorboard", "save_dir"):
-        check_output_path(flag, getattr(args, flag, None), directory=True)
+def check_output_flags(args, rank0_here: bool) -> None:
+    """The training CLIs' output flags, each writable (``check_output_path``) before any rank starts: the files
+    rank 0 alone writes where this launch starts rank 0 (``rank0_here``), the checkpoint directory, of which
+    every rank writes a part, everywhere."""
+    if rank0_here:
+        for flag in ("metrics_file", "summary_json", "profile_json"):
+            check_output_path(flag, getattr(args, flag, None))
+        check_output_path("tensorboard", getattr(args, "tensorboard", None), directory=True)
+    check_output_path("save_dir", getattr(args, "save_dir", None), directory=True)
 
 
 def check_metrics_flags(args) -> None:

@@ -134,6 +134,18 @@ def test_an_output_path_that_cannot_be_written(tmp_path, capsys, monkeypatch, fl
     assert line.startswith(f"error: --{flag} '{path}'") and "; pass a" in line, line
 
 
+def test_rank_0_files_are_not_checked_where_rank_0_does_not_run(tmp_path, monkeypatch):
+    """Started elsewhere, rank 1 never writes the metrics file; only --save_dir (each rank writes its part) is
+    checked there."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    started = []
+    monkeypatch.setattr(pretrain, "launch_ranks", lambda *args: started.append(args) or 0)
+    assert pretrain.main(["--world", "2", "--rank", "1", "--metrics_file", str(a_file / "m.jsonl")]) == 0
+    assert len(started) == 1
+    assert pretrain.main(["--world", "2", "--rank", "1", "--save_dir", str(a_file)]) == 2
+
+
 def test_output_directories_are_made_and_nothing_is_left_in_them(tmp_path):
     from galaxy.cli.output import check_output_path
 
