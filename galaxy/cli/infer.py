@@ -230,7 +230,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         cfg = load(args)
         launch = on_devices(decide_launch(args), cfg.distributed.devices)
         check(args, cfg, launch.world)
-        check_output_path("summary_json", args.summary_json if launch.rank in (None, 0) else None)  # rank 0 writes
+        check_output_path("summary_json", args.summary_json if launch.starts_rank_0 else None)
         ids = prompt(args, cfg)
     except (ConfigError, FileNotFoundError) as e:
         return bad_input(e)

@@ -39,6 +39,11 @@ class Launch:
     # to print once (a multiprocessing SimpleQueue); None: a rank prints its own.
     failures: Any = None
 
+    @property
+    def starts_rank_0(self) -> bool:
+        """Whether rank 0, which alone writes the metrics, summaries and profiles, starts here."""
+        return self.rank in (None, 0)
+
 
 def decide_launch(args: argparse.Namespace) -> Launch:
     env = os.environ
@@ -311,7 +316,7 @@ def plan_launch(args: argparse.Namespace, cfg: GalaxyConfig, plan: str, strict: 
     check_profile_step(args, cfg)
     check_checkpoint_flags(args)
     check_metrics_flags(args)
-    check_output_flags(args, rank0_here=launch.rank in (None, 0))
+    check_output_flags(args, rank0_here=launch.starts_rank_0)
     check_input_files(cfg)
     check_engine(cfg)
     check_tp_overlap(cfg, launch.world)

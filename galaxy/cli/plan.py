@@ -120,7 +120,7 @@ def profile_main(argv: list[str]) -> int:
             raise ConfigError(f"--ffn_unit {args.ffn_unit} must be a positive divisor of intermediate_size "
                               f"{cfg.model.intermediate_size}")
         launch = decide_launch(args)
-        check_output_path("out", args.out if launch.rank in (None, 0) else None)  # rank 0 writes it
+        check_output_path("out", args.out if launch.starts_rank_0 else None)
     except (ConfigError, FileNotFoundError) as e:
         return bad_input(e)
     return launch_ranks(_profile_rank, launch, (cfg, args), cfg)

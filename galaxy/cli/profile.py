@@ -261,7 +261,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ConfigError(f"--meta runs on one rank (shapes only, no communication), got --world {launch.world}")
         check_plan_for_cli(cfg, "galaxy" if launch.world > 1 else "none", launch.world, strict=False)
         cfg.resolve_plan(launch.world)  # split errors surface here, before any process starts
-        check_output_path("json", args.json if launch.rank in (None, 0) else None)  # rank 0 writes it
+        check_output_path("json", args.json if launch.starts_rank_0 else None)
     except (ConfigError, FileNotFoundError) as e:
         return bad_input(e)
     return launch_ranks(profile_rank, launch, (cfg, args), cfg)
