@@ -123,3 +123,38 @@ def test_metrics_comm_bytes_count_every_collective_of_a_step(dist_pool, tmp_path
     assert len(records) == TRAIN["max_steps"]
     want = expected_step_bytes(plan, mp, dp, mode, zero1, pp)
     assert [r["comm_bytes"] for r in records] == [want] * len(records), (want, records)
+
+
+def transition_records_under_bf16_autocast(ctx, plan):
+    """(op, bytes, phase) of every mp collective of a LLaMA forward + backward under bf16 autocast
+    over fp32 parameters (dtype bfloat16: the residual stream and the norms' outputs stay fp32)."""
+    from galaxy.data.pretraining import causal_lm_data
+    from galaxy.models import build_model
+    from galaxy.train.loop import Trainer
+
+    cfg = GalaxyConfig.from_dict({"model": {"preset": "llama-tiny"}, "parallel": {"plan": plan},
+                                  "train": {"global_batch_size": 2, "seq_length": 16, "dtype": "bfloat16"}})
+    trainer = Trainer(build_model(cfg, cfg.resolve_plan(ctx.mp.size), ctx), cfg, ctx)
+    records = []
+    ctx.mp.observers.append(records.append)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            trainer.forward_backward(trainer.read_batch(causal_lm_data(cfg)[0], 0))
+    finally:
+        ctx.mp.observers.remove(records.append)
+    return [(r.op, r.nbytes, r.phase) for r in records], (cfg.model.hidden_size, cfg.model.num_hidden_layers)
+
+
+@pytest.mark.parametrize("plan", ["galaxy", "tp"])
+def test_transitions_move_the_compute_dtype_under_autocast(dist_pool, plan):
+    """Every transition, into a block and out of it, forward and backward, moves 2 bytes an element
+    under bf16 autocast, as the planner charges (Workload.elem) and Megatron's bf16 collectives move:
+    the fp32 stream is cast before the entry collective, not after it."""
+    records, (hidden, layers) = dist_pool.run(transition_records_under_bf16_autocast, 2, plan)[0]
+    activation = 2 * 16 * hidden * 2  # rows x seq x hidden, bf16
+    att, con, mlp = PLANS[plan]
+    stream = IO[con][1]
+    per_layer = sum(TRANSITION[(stream, IO[m][0])] + TRANSITION[(IO[m][1], stream)] for m in (att, mlp))
+    moved = [r for r in records if r[1] > 4]  # the loss's fp32 scalar rides along
+    assert len(moved) == per_layer * layers, records
+    assert all(nbytes == activation for _, nbytes, _ in moved), records
