@@ -24,6 +24,13 @@ from galaxy.core.transitions import SEQ_DIM, Layout, transition
 LAYOUTS = {Method.TP: (Layout.T, Layout.P), Method.SP: (Layout.S, Layout.S), Method.NONE: (Layout.R, Layout.R)}
 
 
+def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the dtype a block computes in: under autocast the stream is fp32 (norms and residual adds
+    run in fp32) while the block's matmuls cast their input to the autocast dtype."""
+    device = x.device.type
+    return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
+
+
 class Boundaries:
     """The transitions of one layer stack: the residual stream lives in CON's layout."""
 
@@ -32,15 +39,9 @@ class Boundaries:
         self.stream = LAYOUTS[plan.con][1]
 
     def enter(self, h: torch.Tensor, method: Method) -> torch.Tensor:
-        """Stream -> the input layout of a block running ``method``.
-
-        Under autocast the stream is fp32 (norms and residual adds run in fp32), but the block
-        computes in the autocast dtype: cast before the collective so it moves half the bytes,
-        and so does its backward."""
-        device = h.device.type
-        if torch.is_autocast_enabled(device):
-            h = h.to(torch.get_autocast_dtype(device))
-        return transition(h, self.stream, LAYOUTS[method][0], self.comm, self.plan.seq_split)
+        """Stream -> the input layout of a block running ``method``, cast to the compute dtype first
+        so that the collective moves half the bytes, and so does its backward."""
+        return transition(in_compute_dtype(h), self.stream, LAYOUTS[method][0], self.comm, self.plan.seq_split)
 
     def leave(self, y: torch.Tensor, method: Method) -> torch.Tensor:
         """A block's output -> the stream layout."""

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from galaxy.config import ConfigError, Method, ModelConfig, Plan
 from galaxy.core.attention import attention
-from galaxy.core.blocks import Boundaries, self_attention
+from galaxy.core.blocks import Boundaries, in_compute_dtype, self_attention
 from galaxy.core.comm import Communicator
 from galaxy.core.compile import CompiledLayer
 from galaxy.core.context import ParallelContext
@@ -202,6 +202,13 @@ class LlamaRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
+def block_input(norm: LlamaRMSNorm, h: torch.Tensor) -> torch.Tensor:
+    """A block's input: the pre-norm's output in the compute dtype. Cast here, not at the block's entry, so
+    that a compiled layer rebuilds the cast copy in backward with the norm (``recomputed_when_compiled``)
+    instead of keeping it: under autocast over fp32 weights that copy is what the projections keep."""
+    return in_compute_dtype(norm(h))
+
+
 def _norm(cfg: ModelConfig, plan: Plan) -> LlamaRMSNorm:
     # Norms run on the residual stream, i.e. in CON's layout.
     return mark_module(LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.kernels), region_rule(plan.con))
@@ -350,7 +357,7 @@ class LlamaDecoderLayer(nn.Module):
         edges = edges or self.edges
         plan, attn, mlp, coc = edges.plan, self.self_attn, self.mlp, self.coc
         # ATT (with CoC, the entry transition + q/k/v and o_proj + the exit transition are fused)
-        x = recomputed_when_compiled(self.input_layernorm, h)
+        x = recomputed_when_compiled(block_input, self.input_layernorm, h)
         fused = cache is None and coc is not None and coc.fuses(plan.att, attn.q_proj, attn.k_proj, attn.v_proj,
                                                                   attn.o_proj)
         qkv = coc.enter(x, [attn.q_proj, attn.k_proj, attn.v_proj]) if fused else None
@@ -367,7 +374,7 @@ class LlamaDecoderLayer(nn.Module):
         # CON
         h = h + self.attn_dropout(a)
         # MLP
-        x = recomputed_when_compiled(self.post_attention_layernorm, h)
+        x = recomputed_when_compiled(block_input, self.post_attention_layernorm, h)
         coc = None if self.recompute_mode == "mlp" else coc  # one recomputed region: its edges unfused
         if coc is not None and mlp.fused and coc.fuses(plan.mlp, mlp.down_proj) and \
                 type(mlp.gate_up_proj) is GateUpProj and plain(mlp.gate_up_proj):

@@ -271,20 +271,23 @@ def test_bench_recompute_smoke(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in report["rows"]) and report["commit"]
 
 
-def test_a_compiled_layer_rebuilds_its_normed_input_instead_of_keeping_it():
-    """LoRA on a bf16 base, compiled: the attention norm's output (LoRA A's input) is not among the tensors
-    saved for backward; the layer input it is rebuilt from is. Eagerly (and before this) it was kept too."""
+@pytest.mark.parametrize("tuning", ["lora", "full"])
+def test_a_compiled_layer_rebuilds_its_normed_input_instead_of_keeping_it(tuning):
+    """Compiled, under bf16 autocast: the attention norm's output in the compute dtype (q/k/v's input, kept for
+    their weight gradients or LoRA A's) is not among the tensors saved for backward; the layer input it is
+    rebuilt from is. LoRA on a bf16 base (the norm computes in bf16) and full training over fp32 weights (the
+    norm computes in fp32, its bf16 copy is what the projections keep). Eagerly (and before this) it was kept."""
     from galaxy.peft import apply_tuning
 
+    peft = {"tuning": "lora", "lora_dim": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+            "lora_target_modules": ["q_proj", "v_proj"]} if tuning == "lora" else {}
     cfg = GalaxyConfig.from_dict({
         "model": dict(LLAMA, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, hidden_dropout_prob=0.0,
                       attention_probs_dropout_prob=0.0, compile=True),
-        "train": {"seq_length": SEQ, "dtype": "bfloat16"},
-        "peft": {"tuning": "lora", "lora_dim": 4, "lora_alpha": 8, "lora_dropout": 0.0,
-                 "lora_target_modules": ["q_proj", "v_proj"]}})
+        "train": {"seq_length": SEQ, "dtype": "bfloat16"}, "peft": peft})
     model = apply_tuning(LlamaForCausalLM(cfg.model, None, ParallelContext.serial("cpu"), seed=3), cfg)
     layer = model.model.layers[1]  # the second: the first layer's input needs no gradient
-    assert layer.input_layernorm.weight.dtype == torch.bfloat16
+    assert layer.input_layernorm.weight.dtype == (torch.bfloat16 if tuning == "lora" else torch.float32)
     inputs, saved = [], []
     layer.register_forward_pre_hook(lambda _, args: inputs.append(args[0]))
     batch = make_batch()
@@ -296,7 +299,7 @@ def test_a_compiled_layer_rebuilds_its_normed_input_instead_of_keeping_it():
         loss.backward()
     h = inputs[0]
     with torch.no_grad():
-        normed = layer.input_layernorm(h)
+        normed = layer.input_layernorm(h).to(torch.bfloat16)
 
     def kept(x):
         return any(t.numel() == x.numel() and t.dtype == x.dtype  # the graph may keep it as [tokens, hidden]
