@@ -287,6 +287,10 @@ class _Columns(NamedTuple):
     bias: Optional[torch.Tensor] = None
 
 
+def _gated(act_fn, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return act_fn(gate) * up
+
+
 class LlamaMLP(nn.Module):
     """SwiGLU: gate/up column-parallel and down row-parallel under MLP.tp; whole otherwise. With
     ``fused_gate_up`` gate and up are one ``gate_up_proj`` (one matmul, one weight)."""
@@ -305,17 +309,18 @@ class LlamaMLP(nn.Module):
         self.swiglu = cfg.hidden_act in ("silu", "swish")  # what the SwiGLU kernels compute
         self.kernels = cfg.kernels
 
+    # Compiled, the activation runs in a recomputed region: down_proj's weight gradient reads it, and
+    # backward rebuilds it from gate and up (kept for the activation's own backward) instead of keeping it.
     def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.swiglu and use_triton(self.kernels, gate, "swiglu"):
             return swiglu(gate, up, backend="triton")
-        return self.act_fn(gate) * up
+        return recomputed_when_compiled(_gated, self.act_fn, gate, up)
 
     def act_packed(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``act(gate) * up`` on the fused projection's ``[gate | up]`` output."""
         if self.swiglu and use_triton(self.kernels, gate_up, "swiglu_packed"):
             return swiglu_packed(gate_up, backend="triton")
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.act_fn(gate) * up
+        return recomputed_when_compiled(_gated, self.act_fn, *gate_up.chunk(2, dim=-1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
