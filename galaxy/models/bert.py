@@ -32,7 +32,8 @@ from galaxy.core.context import ParallelContext
 from galaxy.core.grad_sync import mark_pipeline_tie
 from galaxy.core.layers import Dropout, GradRule, ParallelLinear, mark_module, region_rule
 from galaxy.core.pipeline import StageSpec, layer_stack
-from galaxy.core.recompute import generators_of, layer_modes, note_unfused_mlp_edges, recompute
+from galaxy.core.recompute import (generators_of, layer_modes, note_unfused_mlp_edges, recompute,
+                                   recomputed_when_compiled)
 from galaxy.core.transitions import Layout, reduce_to_replicated
 from galaxy.kernels import fused_linear_cross_entropy, layer_norm
 from galaxy.core.overlap.coc import CocBoundaries, coc_chunks
@@ -128,7 +129,12 @@ class BertIntermediate(nn.Module):
         self.act = activation(cfg.hidden_act)
 
     def forward(self, x):
-        return self.act(self.dense(x))
+        return self.activate(self.dense(x))
+
+    def activate(self, i: torch.Tensor) -> torch.Tensor:
+        # Compiled, backward rebuilds the output dense's weight-gradient input from i (which the activation's
+        # own backward keeps) instead of keeping both.
+        return recomputed_when_compiled(self.act, i)
 
 
 class BertOutput(nn.Module):
@@ -180,7 +186,7 @@ class BertLayer(nn.Module):
         coc = None if self.recompute_mode == "mlp" else coc  # one recomputed region: its edges unfused
         if coc is not None and coc.fuses(plan.mlp, self.intermediate.dense, self.output.dense):
             (i,) = coc.enter(h, [self.intermediate.dense])
-            m = coc.leave(self.intermediate.act(i), self.output.dense)
+            m = coc.leave(self.intermediate.activate(i), self.output.dense)
         else:
             x = edges.enter(h, plan.mlp)
             if self.recompute_mode == "mlp":

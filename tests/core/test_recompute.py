@@ -309,23 +309,33 @@ def test_a_compiled_layer_rebuilds_its_normed_input_instead_of_keeping_it(tuning
     assert not kept(normed)
 
 
-def test_a_compiled_mlp_rebuilds_its_activation_instead_of_keeping_it():
-    """Full training, compiled, under bf16 autocast: down_proj's input (act(gate) * up, which its weight
-    gradient reads) is not among the tensors saved for backward; gate and up, from which backward rebuilds
-    it, are. The values to look for come from the same model run eagerly."""
+@pytest.mark.parametrize("model_type", ["llama", "bert"])
+def test_a_compiled_mlp_rebuilds_its_activation_instead_of_keeping_it(model_type):
+    """Full training, compiled, under bf16 autocast: the MLP's second projection's input (LLaMA's
+    act(gate) * up, BERT's gelu(i), which its weight gradient reads) is not among the tensors saved for
+    backward; what backward rebuilds it from (gate and up, i) is. The values to look for come from the same
+    model run eagerly."""
+    raw = LLAMA if model_type == "llama" else BERT
+    cls = LlamaForCausalLM if model_type == "llama" else BertForMaskedLM
+
     def build(compile_):
         cfg = GalaxyConfig.from_dict({
-            "model": dict(LLAMA, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, compile=compile_),
+            "model": dict(raw, hidden_size=64, num_attention_heads=4, hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0, compile=compile_),
             "train": {"seq_length": SEQ, "dtype": "bfloat16"}})
-        return LlamaForCausalLM(cfg.model, None, ParallelContext.serial("cpu"), seed=3)
+        return cls(cfg.model, None, ParallelContext.serial("cpu"), seed=3)
 
-    batch, seen, saved = make_batch(), {}, []
+    batch, seen, saved = make_batch(), {"inputs": []}, []
     eager = build(False)
-    mlp = eager.model.layers[1].mlp
-    mlp.gate_proj.register_forward_hook(lambda _, args, out: seen.setdefault("gate", out))
-    mlp.up_proj.register_forward_hook(lambda _, args, out: seen.setdefault("up", out))
-    mlp.down_proj.register_forward_pre_hook(lambda _, args: seen.setdefault("act", args[0]))
+    if model_type == "llama":
+        mlp = eager.model.layers[1].mlp
+        first, second = (mlp.gate_proj, mlp.up_proj), mlp.down_proj
+    else:
+        layer = eager.bert.encoder.layer[1]
+        first, second = (layer.intermediate.dense,), layer.output.dense
+    for m in first:
+        m.register_forward_hook(lambda _, args, out: seen["inputs"].append(out))
+    second.register_forward_pre_hook(lambda _, args: seen.setdefault("act", args[0]))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         eager(**batch)
     compiled = build(True)
@@ -340,5 +350,5 @@ def test_a_compiled_mlp_rebuilds_its_activation_instead_of_keeping_it():
         return any(t.numel() == x.numel() and t.dtype == x.dtype  # the graph may keep it as [tokens, ffn]
                    and (t.reshape(x.shape) - x).abs().max() <= 3e-2 * x.abs().max() for t in saved)
 
-    assert kept(seen["gate"]) and kept(seen["up"])
+    assert len(seen["inputs"]) == len(first) and all(kept(x) for x in seen["inputs"])
     assert not kept(seen["act"])
