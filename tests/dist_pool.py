@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import queue
 import sys
+import time
 import traceback
 
 import torch
@@ -63,26 +65,47 @@ def _worker(rank: int, world: int, port: int, tasks, results, root: str) -> None
 
 
 class DistPool:
+    """``MAX_WORLD`` worker processes joined in one Gloo group. A task whose ranks do not all answer (a worker
+    died, or ranks stuck in a collective that others left) fails at once with the ranks named, and the pool
+    is replaced before the next task: one broken task costs one test, not a timeout in every later one."""
+
     def __init__(self, world: int = MAX_WORLD):
         self.world = world
+        self.procs: list = []
+        self._start()
+
+    def _start(self):
         spawn = mp.get_context("spawn")
-        self.tasks = [spawn.Queue() for _ in range(world)]
+        self.tasks = [spawn.Queue() for _ in range(self.world)]
         self.results = spawn.Queue()
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         port = free_port()
-        self.procs = [spawn.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results, root),
-                                    daemon=True) for r in range(world)]
+        self.procs = [spawn.Process(target=_worker, args=(r, self.world, port, self.tasks[r], self.results, root),
+                                    daemon=True) for r in range(self.world)]
         for p in self.procs:
             p.start()
 
     def run(self, fn, size: int, *args, dp: int = 1, pp: int = 1):
         """``fn(ctx, *args)`` on ranks 0..size-1; returns their results in rank order."""
         assert 1 <= size <= self.world and size % (dp * pp) == 0
+        if not all(p.is_alive() for p in self.procs):
+            self._replace()
         for q in self.tasks:
             q.put((fn.__module__, fn.__name__, size, args, (dp, pp)))
-        out, errors = [None] * size, []
-        for _ in range(self.world):
-            rank, status, value = self.results.get(timeout=TASK_TIMEOUT_S)
+        out, errors, waiting = [None] * size, [], set(range(self.world))
+        deadline = time.monotonic() + TASK_TIMEOUT_S
+        while waiting:
+            try:
+                rank, status, value = self.results.get(timeout=1)
+            except queue.Empty:
+                dead = [r for r in sorted(waiting) if not self.procs[r].is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self._replace()
+                    why = (f"pool worker(s) {dead} died (exit codes {[self.exitcodes[r] for r in dead]})" if dead
+                           else f"ranks {sorted(waiting)} did not answer in {TASK_TIMEOUT_S} s")
+                    raise AssertionError(f"{fn.__name__}: {why}; the pool was replaced") from None
+                continue
+            waiting.discard(rank)
             if status == "ok":
                 out[rank] = value
             elif status == "error":
@@ -90,6 +113,14 @@ class DistPool:
         if errors:
             raise AssertionError(f"{fn.__name__} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
         return out
+
+    def _replace(self):
+        """Kill every worker (some may be inside a collective that will never finish) and start new ones."""
+        self.exitcodes = [p.exitcode for p in self.procs]
+        for p in self.procs:
+            p.kill()
+            p.join(timeout=10)
+        self._start()
 
     def close(self):
         for q in self.tasks:
