@@ -100,9 +100,9 @@ class DistPool:
             except queue.Empty:
                 dead = [r for r in sorted(waiting) if not self.procs[r].is_alive()]
                 if dead or time.monotonic() > deadline:
+                    why = (f"pool worker(s) {dead} died (exit codes {[self.procs[r].exitcode for r in dead]})"
+                           if dead else f"ranks {sorted(waiting)} did not answer in {TASK_TIMEOUT_S} s")
                     self._replace()
-                    why = (f"pool worker(s) {dead} died (exit codes {[self.exitcodes[r] for r in dead]})" if dead
-                           else f"ranks {sorted(waiting)} did not answer in {TASK_TIMEOUT_S} s")
                     raise AssertionError(f"{fn.__name__}: {why}; the pool was replaced") from None
                 continue
             waiting.discard(rank)
@@ -116,7 +116,6 @@ class DistPool:
 
     def _replace(self):
         """Kill every worker (some may be inside a collective that will never finish) and start new ones."""
-        self.exitcodes = [p.exitcode for p in self.procs]
         for p in self.procs:
             p.kill()
             p.join(timeout=10)

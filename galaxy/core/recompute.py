@@ -96,10 +96,11 @@ class _Replay:
 
 def recomputed_when_compiled(fn: Callable, *args):
     """``fn(*args)``; inside a compiled graph its ops are marked for recomputation, so the compiled backward
-    rebuilds their output from the inputs instead of keeping it. Meant for a norm whose output a weight
-    gradient reads (q/k/v's, LoRA A's): the norm's own backward keeps its input anyway, so the layer keeps
-    one [tokens, hidden] tensor less, for one memory-bound pass over it. Eagerly the norm's consumer keeps
-    the output whatever happens here, so it is a plain call."""
+    rebuilds their output from the inputs instead of keeping it. Meant for a cheap op whose output a weight
+    gradient reads while its own backward keeps its inputs anyway (a norm before q/k/v or LoRA A, with the
+    cast to the compute dtype; an MLP's activation before its second projection): one tensor less kept,
+    for one memory-bound pass in backward. Eagerly the consumer keeps the output whatever happens here, so
+    it is a plain call."""
     if not (torch.compiler.is_compiling() and torch.is_grad_enabled()):
         return fn(*args)
     return checkpoint(fn, *args, use_reentrant=False)
