@@ -7,7 +7,9 @@ Contenders (each in a fresh process, so one's memory and Liger's patches never r
 (the same with ``compile: true``: each layer through torch.compile),
 ``galaxy-qlora`` (the same over an NF4 base), ``galaxy-qlora-compiled`` (QLoRA with ``compile: true``: each
 layer's NF4 dequantize-and-matmul traced into its graph), ``-cudagraphs`` for either (``compile_mode:
-reduce-overhead``: each layer's kernels replayed as CUDA graphs; a ``+<mode>[K]`` suffix on any Galaxy
+reduce-overhead``: each layer's kernels replayed as CUDA graphs), ``-autotune`` for either (``compile_mode:
+max-autotune-no-cudagraphs``: inductor times Triton GEMM templates, with the pointwise ops after them fused
+into their epilogues, against cuBLAS and keeps the fastest per product; a ``+<mode>[K]`` suffix on any Galaxy
 contender recomputes, ``recompute: <mode>`` (full, selective or mlp) on the first K layers when K is given,
 e.g. ``galaxy-lora-compiled+mlp8``), ``peft-bf16`` (transformers + peft, base loaded in bf16, bf16 autocast),
 ``peft-bf16-liger`` (the same with Liger-Kernel's LLaMA patches), ``peft-qlora-bnb``
@@ -78,8 +80,10 @@ def galaxy_recompute(name: str) -> tuple[str, dict]:
 
 
 def galaxy_compile_mode(name: str) -> Optional[str]:
-    """A Galaxy contender's torch.compile mode: ``-compiled`` the default, ``-cudagraphs`` reduce-overhead."""
-    return {"compiled": "default", "cudagraphs": "reduce-overhead"}.get(name.rsplit("-", 1)[-1])
+    """A Galaxy contender's torch.compile mode: ``-compiled`` the default, ``-cudagraphs`` reduce-overhead,
+    ``-autotune`` max-autotune-no-cudagraphs; None (eager) for any other name."""
+    return {"compiled": "default", "cudagraphs": "reduce-overhead",
+            "autotune": "max-autotune-no-cudagraphs"}.get(name.rsplit("-", 1)[-1])
 
 
 def unsloth_variant(name: str):

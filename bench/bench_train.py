@@ -397,7 +397,8 @@ def galaxy_config(shape: dict, args, plan: str = "none", reduce: str = "after_ba
         "model": {"preset": "llama-7b", "num_hidden_layers": shape["layers"], "hidden_size": shape["hidden"],
                   "intermediate_size": shape["ffn"], "num_attention_heads": shape["heads"],
                   "num_key_value_heads": shape.get("kv_heads", shape["heads"]), "vocab_size": shape["vocab"],
-                  "max_position_embeddings": max(4096, shape["seq"]), "compile": compiled, **(model or {})},
+                  "max_position_embeddings": max(4096, shape["seq"]), "compile": compiled,
+                  "compile_mode": compile_mode(args) if compiled else "default", **(model or {})},
         "parallel": {"plan": plan, "mp_grad_reduce": reduce, "dp_size": dp, "dp_engine": engine,
                      "reshard_after_forward": reshard, "fsdp_grad_sync": grad_sync},
         "train": {"global_batch_size": shape["global_batch"], "micro_batch_size": micro_batch,
@@ -510,8 +511,14 @@ def check_tp_shapes(shape: dict, tp: int) -> None:
         raise Unavailable(f"TP {tp} needs seq, heads, ffn and vocab divisible by {tp}")
 
 
+def compile_mode(args) -> str:
+    """The torch.compile mode of every compiled contender (bench_peft_mp's arguments name none)."""
+    return getattr(args, "compile_mode", "default")
+
+
 def compile_block(layer: nn.Module, args) -> nn.Module:
-    return torch.compile(layer, dynamic=False, backend=args.compile_backend)
+    mode = compile_mode(args)
+    return torch.compile(layer, dynamic=False, backend=args.compile_backend, mode=None if mode == "default" else mode)
 
 
 def accumulate(micro: list, forward_loss: Callable, loss_context=contextlib.nullcontext,
@@ -1135,7 +1142,8 @@ def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> No
             "timed_step": "forward and backward of every micro-batch, every gradient reduction, clip 1.0, AdamW",
             "model_flops_per_token": flops_per_token, "matmul_weights": model_matmul_weights(model_cfg).total,
             "mfu_formula": MFU_FORMULA, "peak_tflops": peak.tflops, "peak_source": peak.source,
-            "compile_backend": args.compile_backend, "memory_cap_gib": args.memory_cap_gib}
+            "compile_backend": args.compile_backend, "compile_mode": args.compile_mode,
+            "memory_cap_gib": args.memory_cap_gib}
         report = {"benchmark": "train", **run_facts(ctx), "world": world, "scenario": args.scenario, "shape": shape,
                   "dtype": args.dtype, "warmup": args.warmup, "facts": facts, "env": {k: os.environ.get(k) for k in (
                       "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
@@ -1207,6 +1215,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--compile_backend", default="inductor",
                    help="torch.compile backend of the per-block compiled contenders (eager: CPU checks of the "
                         "wiring without code generation; timings then are not the recipe's)")
+    p.add_argument("--compile_mode", choices=("default", "max-autotune-no-cudagraphs"), default="default",
+                   help="torch.compile mode of every compiled contender, Galaxy's layers and the anchors' blocks "
+                        "alike (max-autotune-no-cudagraphs: inductor's Triton GEMM templates timed against "
+                        "cuBLAS, pointwise epilogues fused)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="profile one more step of every contender (bench/step_profile.py: GPU time by kernel "
                         "category, idle and exposed communication per rank, in the row's 'profile'); rank 0's "
