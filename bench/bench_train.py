@@ -1021,9 +1021,12 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: Peak
     if error:  # how far it got: build_s is there when the build succeeded
         return {"name": name, "ranks": ranks, "gpus": ranks, "error": error,
                 **{k: row[k] for k in ("build_s",) if k in row}}
-    sequences, tokens = ledger.distinct(gather=not alone and ctx.world_size > 1)
+    gather = not alone and ctx.world_size > 1 and not fake_world(args)  # a fake world's ranks are this one
+    sequences, tokens = ledger.distinct(gather=gather)
+    if fake_world(args):  # every rank's rows are this rank's: its dp group's share, times the dp ranks
+        sequences, tokens = sequences * row["dp"], tokens * row["dp"]
     row.update(sequences_per_step=sequences, tokens_per_step=tokens)
-    if not alone and ctx.world_size > 1:
+    if gather:
         gathered = [None] * ctx.world_size
         dist.all_gather_object(gathered, row)
         row["per_rank_median_ms"] = [g["median_ms"] for g in gathered]
@@ -1083,8 +1086,9 @@ def select(patterns: str, skip: str) -> list[str]:
     return [n for n in chosen if not any(fnmatch.fnmatch(split_rows_suffix(n)[0], p) for p in skip.split(",") if p)]
 
 
-def rank_context(rank: int, world: int, local_rank: int, args, init_method: str) -> ParallelContext:
-    """This rank's process group (NCCL on its GPU, or Gloo with ``--cpu`` or no GPU) and context: mp = world."""
+def rank_context(rank: int, world: int, local_rank: int, args, init_method: Optional[str]) -> ParallelContext:
+    """This rank's process group (NCCL on its GPU, or Gloo with ``--cpu`` or no GPU; torch's fake one with
+    ``--fake_world``) and context: mp = world."""
     use_cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -1094,11 +1098,22 @@ def rank_context(rank: int, world: int, local_rank: int, args, init_method: str)
             torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total), device)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    backend = "nccl" if use_cuda else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=30), **({"device_id": device} if use_cuda else {}))
+    if fake_world(args):  # collectives that return at once, their outputs filled from this rank's inputs
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        backend = "fake"
+        dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world)
+    else:
+        backend = "nccl" if use_cuda else "gloo"
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(minutes=30), **({"device_id": device} if use_cuda else {}))
     return ParallelContext(rank=rank, world_size=world, device=device, seed=1234, backend=backend,
                            **build_groups(rank, world, 1, 1))
+
+
+def fake_world(args) -> bool:
+    """Whether this process plays rank 0 of ``--fake_world`` ranks alone (bench_peft_mp's arguments name none)."""
+    return bool(getattr(args, "fake_world", None))
 
 
 def run_rows(names: list[str], args, shape: dict, ctx: ParallelContext, peak: PeakFlops, flops_per_token: float,
@@ -1107,7 +1122,8 @@ def run_rows(names: list[str], args, shape: dict, ctx: ParallelContext, peak: Pe
     """``run_contender`` for each name in turn (``alone(name)``: it runs on rank 0 by itself); rank 0 prints
     each row as it lands (``ROW {json}``: a killed launch keeps them) and returns them all. Failures are told
     over a Gloo group of their own that waits ``error_wait`` (``first_error``)."""
-    errors_group = dist.new_group(backend="gloo", timeout=error_wait) if ctx.world_size > 1 else None
+    alone_in_world = ctx.world_size == 1 or fake_world(args)  # a fake world's failures are this process's
+    errors_group = None if alone_in_world else dist.new_group(backend="gloo", timeout=error_wait)
     rows = []
     for entry in names:
         torch.manual_seed(0)
@@ -1143,7 +1159,7 @@ def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> No
             "model_flops_per_token": flops_per_token, "matmul_weights": model_matmul_weights(model_cfg).total,
             "mfu_formula": MFU_FORMULA, "peak_tflops": peak.tflops, "peak_source": peak.source,
             "compile_backend": args.compile_backend, "compile_mode": args.compile_mode,
-            "memory_cap_gib": args.memory_cap_gib}
+            "memory_cap_gib": args.memory_cap_gib, "fake_world": args.fake_world}
         report = {"benchmark": "train", **run_facts(ctx), "world": world, "scenario": args.scenario, "shape": shape,
                   "dtype": args.dtype, "warmup": args.warmup, "facts": facts, "env": {k: os.environ.get(k) for k in (
                       "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
@@ -1166,6 +1182,9 @@ def print_table(report: dict) -> None:
           f"per optimizer step); whole training steps; {report['world']} x {report['device']}, torch "
           f"{report['torch']}, {report['date']}, {report['commit']}; peak {f['peak_tflops']} TFLOP/s "
           f"({f['peak_source']})")
+    if f.get("fake_world"):
+        print(f"rank 0 of {f['fake_world']} alone over torch's fake process group: peak MiB is a rank's; the times "
+              "leave out every collective")
     head = (f"{'contender':<38}{'gpus':>5}{'dp x mb x acc':>15}{'median ms':>11}{'q1-q3 ms':>18}{'tok/s/GPU':>11}"
             f"{'MFU':>7}{'peak MiB':>10}{'comm MiB':>10}  loss first -> last step")
     print(head + "\n" + "-" * len(head))
@@ -1226,6 +1245,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--memory_cap_gib", type=float, default=None, metavar="GIB",
                    help="cap each GPU's caching allocator at GIB (torch.cuda.set_per_process_memory_fraction), to "
                         "show a contender fits a smaller card; the CUDA context and NCCL's buffers sit outside it")
+    p.add_argument("--fake_world", type=int, default=None, metavar="N",
+                   help="one process plays rank 0 of N over torch's fake process group (as torchtitan's "
+                        "fake_backend dry run): what a rank of an N-GPU launch allocates, on one GPU; collectives "
+                        "take no time and move no bytes, so the rows' times are compute alone")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.memory_cap_gib is not None and (args.memory_cap_gib <= 0 or args.cpu or not torch.cuda.is_available()):
@@ -1243,6 +1266,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         p.error(f"--contenders {args.contenders!r} matches none of: {', '.join(contender_names())}")
     if args.iters < 1 or args.warmup < 0 or args.micro_batch < 1 or (args.global_batch or 1) < 1:
         p.error("--iters, --micro_batch and --global_batch must be at least 1, --warmup at least 0")
+    if args.fake_world is not None:
+        if args.fake_world < 2 or args.world is not None:
+            p.error("--fake_world N plays rank 0 of N >= 2 ranks in this one process; drop --world")
+        worker(0, args.fake_world, 0, args, None)
+        return
     launch(worker, args, p, on_cpu=args.cpu)
 
 

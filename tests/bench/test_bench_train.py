@@ -114,6 +114,31 @@ def test_each_contender_at_its_own_rows_in_one_launch(tmp_path):
     assert rows["galaxy-tp:mb2"]["losses"] == pytest.approx(rows["galaxy-tp"]["losses"], rel=1e-4)
 
 
+def test_a_fake_world_runs_the_program_of_one_rank_of_a_real_one(tmp_path):
+    """``--fake_world 2``: this one process plays rank 0 of 2 over torch's fake process group (what a rank of a
+    2-GPU launch allocates, measured on one GPU). It runs the program rank 0 runs in a real world of 2: the same
+    layout, the same collectives of the same sizes (counted where they are dispatched), the whole global batch
+    accounted for (rank 0's dp share times dp)."""
+    names = "galaxy-galaxy@dp2-fsdp2,fsdp2-compile,galaxy-tp"
+    real, _ = bench(tmp_path, "--contenders", names)
+    out = tmp_path / "fake.json"
+    run = subprocess.run([sys.executable, "bench/bench_train.py", "--cpu", "--fake_world", "2", "--scenario", "smoke",
+                          "--warmup", "0", "--iters", "1", "--compile_backend", "eager", "--contenders", names,
+                          "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    fake = json.loads(out.read_text())
+    assert fake["world"] == 2 and fake["facts"]["fake_world"] == 2 and "fake process group" in run.stdout
+    for r, f in zip(real["rows"], fake["rows"]):
+        assert "error" not in r and "error" not in f, (r, f)
+        for key in ("ranks", "dp", "micro_batch", "accumulation", "sequences_per_step", "tokens_per_step"):
+            assert f[key] == r[key], (f["name"], key)
+        assert f["comm_bytes"] == r["comm_bytes_per_rank"][0] > 0, f["name"]
+    with pytest.raises(SystemExit):
+        from bench.bench_train import main
+        main(["--fake_world", "2", "--world", "2"])
+
+
 def test_a_global_batch_out_of_reach_is_refused():
     """Refused before anything is built or any collective runs (run_contender makes it the row's error)."""
     import argparse
