@@ -1248,7 +1248,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--fake_world", type=int, default=None, metavar="N",
                    help="one process plays rank 0 of N over torch's fake process group (as torchtitan's "
                         "fake_backend dry run): what a rank of an N-GPU launch allocates, on one GPU; collectives "
-                        "take no time and move no bytes, so the rows' times are compute alone")
+                        "take no time and move no bytes, so the rows' times are compute alone (torch 2.11's fake "
+                        "reduce-scatter leaves its output unwritten: a Galaxy row may stop on non-finite "
+                        "gradients there)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.memory_cap_gib is not None and (args.memory_cap_gib <= 0 or args.cpu or not torch.cuda.is_available()):

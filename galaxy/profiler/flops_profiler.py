@@ -301,6 +301,16 @@ class FlopsProfiler:
         self.started = True
         logger.info("Flops profiler started")
 
+    def __enter__(self) -> "FlopsProfiler":
+        """``with profiler:`` opens a window and closes it on the way out, an exception's way included (an open
+        window keeps its dispatch mode entered: every later op of the process would be counted, and dynamo
+        runs compiled code eagerly under it)."""
+        self.start_profile()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_profile()
+
     def stop_profile(self) -> None:
         """Close the window; its numbers stay readable."""
         if not self.started:

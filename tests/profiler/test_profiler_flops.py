@@ -157,6 +157,23 @@ def test_frozen_weights_cost_no_weight_gradients(tiny_llama, ids):
 # ----------------------------------------------------------------------------- windows
 
 
+def test_a_window_left_by_an_exception_is_closed(tiny_llama, ids):
+    """``with profiler:`` closes the window on the way out of a failing step: no counting mode stays entered
+    (it would count every later op of the process, and dynamo runs compiled code eagerly under it)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    prof = FlopsProfiler(tiny_llama)
+    with pytest.raises(ValueError, match="the step failed"):
+        with prof:
+            _train_step(tiny_llama, ids)
+            raise ValueError("the step failed")
+    assert _get_current_dispatch_mode() is None and not prof.started
+    counted = prof.get_total_flops()
+    assert counted > 0
+    _train_step(tiny_llama, ids)
+    assert prof.get_total_flops() == counted  # nothing counted after the window
+
+
 def test_repeated_windows_give_identical_numbers(tiny_llama, ids):
     prof = FlopsProfiler(tiny_llama)
     snapshots = []
@@ -306,9 +323,12 @@ def test_every_attention_backend_forward_and_backward(kernel, halving):
     prof = FlopsProfiler(nn.Identity(), causal_halving=halving)
     for causal in (False, True):
         q, k, v = _qkv("meta", layout, torch.float16)
-        prof.start_profile()
-        call(getattr(aten, op_name).default, q, k, v, causal).sum().backward()
-        prof.stop_profile()
+        with prof:
+            try:
+                call(getattr(aten, op_name).default, q, k, v, causal).sum().backward()
+            except NotImplementedError as e:  # torch 2.11: no meta backward for the overrideable backend
+                pytest.skip(f"aten.{op_name} cannot run forward and backward on meta in torch {torch.__version__}: "
+                            f"{str(e).splitlines()[0][:120]}")
         factor = 2 if (halving and causal) else 1
         assert prof.get_total_flops(phase="fwd") == ATT_FWD // factor, kernel
         assert prof.get_total_flops(phase="bwd") == ATT_BWD // factor, kernel
