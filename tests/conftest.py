@@ -1,7 +1,9 @@
 """Shared by every test folder. Triton kernels run on CPU through the Triton interpreter, which reads
 TRITON_INTERPRET when a kernel is defined (``@triton.jit``, at import): it is set here, before any test
-module of any folder imports galaxy (tests/kernels and tests/loralib run the kernels)."""
+module of any folder imports galaxy (tests/kernels and tests/loralib run the kernels); ``triton_cpu``
+skips, with the reason, where they cannot."""
 
+import functools
 import os
 import sys
 
@@ -19,3 +21,48 @@ def dist_pool():
     pool = DistPool()
     yield pool
     pool.close()
+
+
+@functools.lru_cache(maxsize=1)
+def _interpreter_problem() -> str | None:
+    """Why Triton-path tests cannot run here, or None when they can."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return "triton is not installed (`pip install triton`): Triton-path tests skipped"
+    from galaxy.kernels import triton_interpret_enabled
+
+    if not triton_interpret_enabled():
+        return "TRITON_INTERPRET is not 1, so Triton kernels cannot run on CPU tensors"
+    import torch
+
+    # A loop with a runtime bound: triton<=3.6's interpreter breaks on it under numpy>=2.4
+    # (triton-lang/triton#9171), which every kernel with a vocab/row loop relies on.
+    @triton.jit
+    def _probe(X, n, BLOCK: tl.constexpr):
+        for start in range(0, n, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            tl.store(X + offs, offs.to(tl.float32), mask=offs < n)
+
+    x = torch.zeros(10)
+    try:
+        _probe[(1,)](x, 10, BLOCK=4)
+    except Exception as err:  # noqa: BLE001 - any failure means the interpreter is unusable
+        import numpy
+
+        return (
+            f"the Triton {triton.__version__} interpreter fails with numpy {numpy.__version__} "
+            f"({err!r}); use triton>=3.7 or numpy<2.4 for CPU kernel tests"
+        )
+    if not torch.equal(x, torch.arange(10, dtype=torch.float32)):
+        return "the Triton interpreter probe kernel computed a wrong result"
+    return None
+
+
+@pytest.fixture
+def triton_cpu():
+    """Skip (with the reason) unless Triton kernels can run on CPU tensors here."""
+    problem = _interpreter_problem()
+    if problem is not None:
+        pytest.skip(problem)

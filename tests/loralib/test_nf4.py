@@ -170,7 +170,7 @@ def test_nf4_linear_under_autocast_computes_in_the_autocast_dtype():
 
 
 @pytest.mark.parametrize("quantize_base", ["none", "nf4"])
-def test_bf16_and_nf4_bases_run_the_fused_kernels(quantize_base):
+def test_bf16_and_nf4_bases_run_the_fused_kernels(quantize_base, triton_cpu):
     """LoRA over a bf16-stored (or NF4) base with kernels=triton (RMSNorm, RoPE, SwiGLU, cross-entropy,
     NF4 dequantize) equals kernels=torch to bf16 rounding: loss and every LoRA gradient."""
     from galaxy.config import GalaxyConfig
