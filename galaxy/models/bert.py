@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from galaxy.config import Method, ModelConfig, Plan
-from galaxy.core.blocks import Boundaries, self_attention
+from galaxy.core.blocks import Boundaries, in_compute_dtype, self_attention
 from galaxy.core.compile import CompiledLayer
 from galaxy.core.context import ParallelContext
 from galaxy.core.grad_sync import mark_pipeline_tie
@@ -137,6 +137,15 @@ class BertIntermediate(nn.Module):
         return recomputed_when_compiled(self.act, i)
 
 
+def normed_and_block_input(norm: nn.LayerNorm, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Post-LN's ``norm(x)`` (the residual stream) and its copy in the compute dtype (the next block's input).
+    Made together so that a compiled layer rebuilds the copy in backward with the norm
+    (``recomputed_when_compiled``), from ``x``, which the norm's backward keeps, instead of keeping it: under
+    autocast over fp32 weights that copy is what the MLP's first dense keeps for its weight gradient."""
+    y = norm(x)
+    return y, in_compute_dtype(y)
+
+
 class BertOutput(nn.Module):
     def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
         super().__init__()
@@ -181,14 +190,14 @@ class BertLayer(nn.Module):
                            projected=qkv, recompute_core=self.recompute_mode == "selective")
         a = coc.leave(a, att.output.dense) if fused else edges.leave(att.output.dense(a), plan.att)
         # CON1
-        h = att.output.LayerNorm(att.output.dropout(a) + h)
+        h, x = recomputed_when_compiled(normed_and_block_input, att.output.LayerNorm, att.output.dropout(a) + h)
         # MLP
         coc = None if self.recompute_mode == "mlp" else coc  # one recomputed region: its edges unfused
         if coc is not None and coc.fuses(plan.mlp, self.intermediate.dense, self.output.dense):
-            (i,) = coc.enter(h, [self.intermediate.dense])
+            (i,) = coc.enter(x, [self.intermediate.dense])
             m = coc.leave(self.intermediate.activate(i), self.output.dense)
         else:
-            x = edges.enter(h, plan.mlp)
+            x = edges.enter(x, plan.mlp)
             if self.recompute_mode == "mlp":
                 m = recompute(self.mlp, x, generators=generators_of([self.intermediate, self.output.dense]))
             else:

@@ -317,6 +317,30 @@ def test_a_compiled_layer_rebuilds_its_normed_input_instead_of_keeping_it(tuning
     assert not kept(saved, normed)
 
 
+def test_a_compiled_bert_layer_rebuilds_its_mlp_input_instead_of_keeping_it():
+    """Full training, compiled, under bf16 autocast over fp32 weights: BERT's post-LN output in bf16 (the MLP's
+    first dense keeps it for its weight gradient) is not among the tensors saved for backward (backward rebuilds
+    it with the norm); the attention's bf16 input, which nothing can rebuild, is. The values come from the model
+    run eagerly."""
+    def build(compile_):
+        cfg = GalaxyConfig.from_dict({  # weights large enough that each layer's LayerNorm outputs differ
+            "model": dict(BERT, hidden_size=64, num_attention_heads=4, hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0, initializer_range=0.5, compile=compile_),
+            "train": {"seq_length": SEQ, "dtype": "bfloat16"}})
+        return BertForMaskedLM(cfg.model, None, ParallelContext.serial("cpu"), seed=3)
+
+    batch, seen = make_batch(), {}
+    eager = build(False)
+    layer = eager.bert.encoder.layer[1]
+    layer.attention.self.query.register_forward_pre_hook(lambda _, args: seen.setdefault("att", args[0]))
+    layer.intermediate.dense.register_forward_pre_hook(lambda _, args: seen.setdefault("mlp", args[0]))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        eager(**batch)
+    saved = saved_by_a_compiled_step(build(True), batch)
+    assert kept(saved, seen["att"].to(torch.bfloat16))
+    assert not kept(saved, seen["mlp"].to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("model_type", ["llama", "llama-fused_gate_up", "bert"])
 def test_a_compiled_mlp_rebuilds_its_activation_instead_of_keeping_it(model_type):
     """Full training, compiled, under bf16 autocast: the MLP's second projection's input (LLaMA's
