@@ -284,10 +284,14 @@ def saved_by_a_compiled_step(model, batch) -> list:
 
 
 def kept(saved: list, x: torch.Tensor) -> bool:
-    """``x`` is among ``saved`` (in any shape of its size): a bf16 tensor computed by other kernels differs
-    by a rounding here and there, so within 3% of its scale."""
-    return any(t.numel() == x.numel() and t.dtype == x.dtype
-               and (t.reshape(x.shape) - x).abs().max() <= 3e-2 * x.abs().max() for t in saved)
+    """``x`` is among ``saved`` (in any shape of its size): a tensor computed by other kernels (compiled
+    against eager) differs by a bf16 rounding here and there, and past the first layer by what the roundings
+    before it added up to, so at least 70% of its elements within one rounding (seen: 78-100%; another
+    tensor of the same shape and scale, at most 51%)."""
+    def close(t):
+        t, y = t.reshape(x.shape).float(), x.float()
+        return ((t - y).abs() <= 2**-7 * y.abs() + 1e-3).float().mean() >= 0.7
+    return any(t.numel() == x.numel() and t.dtype == x.dtype and close(t) for t in saved)
 
 
 @pytest.mark.parametrize("tuning", ["lora", "full"])
@@ -359,12 +363,12 @@ def test_a_compiled_mlp_rebuilds_its_activation_instead_of_keeping_it(model_type
 
     batch, seen = make_batch(), {"inputs": []}
     eager = build(False)
-    if model_type != "bert":
-        mlp = eager.model.layers[1].mlp
+    if model_type != "bert":  # the first layer: its input is the embedding, the same eager and compiled
+        mlp = eager.model.layers[0].mlp
         first = (mlp.gate_up_proj,) if mlp.fused else (mlp.gate_proj, mlp.up_proj)
         second = mlp.down_proj
     else:
-        layer = eager.bert.encoder.layer[1]
+        layer = eager.bert.encoder.layer[0]
         first, second = (layer.intermediate.dense,), layer.output.dense
     for m in first:
         m.register_forward_hook(lambda _, args, out: seen["inputs"].append(out))
