@@ -40,7 +40,7 @@ from galaxy.core.grad_sync import GradReducer, check_replicated, clip_grads_with
 from galaxy.core.pipeline import PipelineRunner, PipelineStepResult, StageSpec, analytic_bubble
 from galaxy.models import family
 from galaxy.train.evaluate import evaluate
-from galaxy.train.metrics import PeakFlops, TensorBoardWriter, peak_flops_per_device, step_model_flops, throughput
+from galaxy.train.metrics import PeakFlops, SteadyState, TensorBoardWriter, peak_flops_per_device
 from galaxy.train.microbatch import split_rows, without_needless_mask
 from galaxy.train.precision import LossScaler, first_nonfinite_module, first_nonfinite_parameter
 
@@ -56,6 +56,8 @@ class TrainResult:
     tokens_per_s: float = 0.0
     tokens_per_s_per_gpu: float = 0.0  # tokens_per_s over the world size (galaxy.train.metrics)
     mfu: Optional[float] = None  # model FLOPs utilisation; None without a known peak (then ``peak`` says why)
+    mfu_causal: Optional[float] = None  # the same with causal attention's FLOPs (galaxy.train.metrics)
+    timed_steps: int = 0  # the steady-state steps the rates are over (galaxy.train.metrics.SteadyState)
     peak: Optional[PeakFlops] = None
     step_time_s: float = 0.0
     peak_mem_mb: float = 0.0
@@ -77,6 +79,8 @@ class TrainResult:
             "tokens_per_s": round(self.tokens_per_s, 1),
             "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 1),
             "mfu": None if self.mfu is None else round(self.mfu, 4),
+            "mfu_causal": None if self.mfu_causal is None else round(self.mfu_causal, 4),
+            "timed_steps": self.timed_steps,
         }
         if self.mfu is None and self.peak is not None:
             fields["mfu_note"] = self.peak.source  # why there is none
@@ -532,8 +536,9 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
     them are evaluated after every N-th step and the last (``galaxy.train.evaluate``).
     Every step's tokens/s, tokens/s per device and MFU (``galaxy.train.metrics``; MFU against
     ``peak_tflops``, else the config's, else the table's peak for the GPU, None on CPU) go into the
-    metrics and the progress bar, their means over the timed steps into the result; rank 0 writes
-    every metric to TensorBoard event files in ``tensorboard_dir``."""
+    metrics and the progress bar, their steady state (the steps after the warm-up,
+    ``galaxy.train.metrics.SteadyState``) into the result; rank 0 writes every metric to TensorBoard
+    event files in ``tensorboard_dir``."""
     t = cfg.train
     if (save_dir or resume) and cfg.parallel.dp_engine == "deepspeed":
         raise ConfigError("config key 'dp_engine' is 'deepspeed', whose engine keeps the optimizer state in its own "
@@ -570,8 +575,7 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
 
         bar = tqdm(total=t.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
     result = TrainResult()
-    timed_steps, timed_seconds, timed_tokens, timed_flops = 0, 0.0, 0, 0.0
-    bubble_sum = 0.0
+    steady = SteadyState(cfg, ctx.world_size, peak)
     pending = None  # checkpoint_async_mode 'async': the save still being written
     model.train()
     batch = None  # the step's rows, read during the step before it
@@ -592,13 +596,9 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
             if profiler is not None and profiler.after_step(step + 1) is not None:  # a collective at step K
                 result.profile, result.profile_report = profiler.result, profiler.report
             tokens = batch["input_ids"].numel() * ctx.dp.size
-            flops = step_model_flops(cfg, tokens, batch["input_ids"].shape[-1])
-            rates = throughput(tokens, flops, elapsed, ctx.world_size, peak)
             profiled = step + 1 == profile_step and t.max_steps > 1  # its hooks slow it down
-            if (step > start_step or t.max_steps == 1) and not profiled:  # the first step pays for warm-up
-                timed_steps, timed_seconds, timed_tokens = timed_steps + 1, timed_seconds + elapsed, timed_tokens + tokens
-                timed_flops += flops
-                bubble_sum += trainer.last_step.bubble
+            rates = steady.add(elapsed, tokens, batch["input_ids"].shape[-1], skip=profiled,
+                               bubble=trainer.last_step.bubble)
             result.losses.append(loss)
             comm_bytes = trainer.comm_bytes() - bytes_before
             grad_norm = outcome.grad_norm.item()
@@ -667,13 +667,12 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
             tensorboard.close()
         trainer.grad_sync.remove()
     result.steps = t.max_steps
-    result.step_time_s = timed_seconds / max(timed_steps, 1)
-    totals = throughput(timed_tokens, timed_flops, timed_seconds, ctx.world_size, peak)
-    result.tokens_per_s, result.tokens_per_s_per_gpu, result.mfu = (totals["tokens_per_s"],
-                                                                    totals["tokens_per_s_per_gpu"], totals["mfu"])
+    totals = steady.summary()  # the steps after the warm-up, as bench_train times them
+    for key in ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "mfu_causal", "timed_steps"):
+        setattr(result, key, totals[key])
     result.peak = peak
     result.peak_mem_mb = peak_memory_mb(ctx.device)
     if ctx.pp.size > 1:
-        result.bubble_measured = trainer.gather_over_stages(bubble_sum / max(timed_steps, 1))
+        result.bubble_measured = trainer.gather_over_stages(steady.mean("bubble"))
         result.bubble_analytic = analytic_bubble(ctx.pp.size, trainer.num_microbatches)
     return result
