@@ -21,7 +21,7 @@ scaled); with one batch size it is proportional. Collective bytes are the full t
 A group's ``ops`` are the seconds from the last member's arrival at a collective until it leaves,
 ``early_leave`` until the members that were waiting for it leave: not the same over Gloo's TCP
 transport, where an all-gather lets the waiting members go ~0.4-0.5x its time before the last one
-(its peers' pieces reach the last member only after its own have left; docs/benchmarks.md). Files
+(its peers' pieces reach the last member only after its own have left; docs/benchmarks-log.md). Files
 without ``early_leave`` (older ones) have every member leave together.
 The overheads are what the fastest of a few real serial training steps / batch-1 forwards of the
 model took on the rank beyond the cost model's prediction from its pieces; every prediction adds
