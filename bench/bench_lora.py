@@ -337,8 +337,11 @@ def saved_model(args):
 
 
 def save_model(cfg: GalaxyConfig, path: str) -> None:
+    """The random model, drawn on the GPU where there is one (an 8B drawn on the host takes minutes), saved in bf16."""
     torch.manual_seed(0)
-    base = hf_model("llama", _hf_config(cfg), torch.device("cpu")).to(torch.bfloat16)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with device:
+        base = hf_model("llama", _hf_config(cfg), device).to(torch.bfloat16)
     base.save_pretrained(path)
     del base
     _save_tokenizer(path)
@@ -420,8 +423,16 @@ def one_line(e: BaseException) -> str:
 
 
 def card_gib() -> Optional[float]:
-    """This GPU's memory in GiB: the budget of ``+auto`` contenders (None without a GPU)."""
+    """This GPU's memory in GiB: the budget of ``+auto`` contenders (None without a GPU). Asked in a child process by
+    the launch's own process (``in_child``), which then holds no CUDA context of its own beside the contenders'."""
     return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
+
+
+def in_child(*args: str) -> str:
+    """This file run with ``args`` in a fresh process; its last line of output."""
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True,
+                         check=True).stdout
+    return out.strip().splitlines()[-1]
 
 
 def run_one(args) -> dict:
@@ -495,10 +506,10 @@ def predicted_peak_bytes(cfg: GalaxyConfig) -> Optional[float]:
 def search_start(args, name: str) -> tuple[int, str]:
     """The first length ``--max_seq`` tries: for Galaxy the longest power of two its memory model predicts within
     the card, else (and for every other contender) ``--max_seq_start``."""
-    if name.startswith("galaxy") and torch.cuda.is_available():
-        base, keys = galaxy_recompute(name, card_gib())
+    if name.startswith("galaxy") and args.card_gib:
+        base, keys = galaxy_recompute(name, args.card_gib)
         quantize = "nf4" if base.startswith("galaxy-qlora") else "none"
-        budget = torch.cuda.get_device_properties(0).total_memory
+        budget = args.card_gib * 2**30
         fitting, seq = None, args.max_seq_floor
         while seq <= args.max_seq_limit:
             peak = predicted_peak_bytes(config(argparse.Namespace(**{**vars(args), "seq": seq}), quantize,
@@ -583,9 +594,16 @@ def main() -> int:
     p.add_argument("--max_seq_limit", type=int, default=262144, help="with --max_seq: the longest length tried")
     p.add_argument("--model_dir", default=None, help=argparse.SUPPRESS)  # the checkpoint saved once per launch
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=("save_model", "card_gib"), default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
         print(json.dumps(run_one(args)), flush=True)
+        return 0
+    if args.child == "save_model":
+        save_model(config(args), args.model_dir)
+        return 0
+    if args.child == "card_gib":
+        print(json.dumps(card_gib()))
         return 0
     for name in args.contenders.split(","):
         if name.startswith("galaxy"):
@@ -597,19 +615,20 @@ def main() -> int:
         p.error("--max_seq searches from --max_seq_start between --max_seq_floor and --max_seq_limit: give "
                 "1 <= floor <= start <= limit")
     names = args.contenders.split(",")
+    args.card_gib = json.loads(in_child("--child", "card_gib"))
     rows = []
     with contextlib.ExitStack() as stack:
         if any(unsloth_variant(n) or n == "peft-qlora-bnb" for n in names):  # their checkpoint, saved once
             args.model_dir = stack.enter_context(tempfile.TemporaryDirectory())
-            longest = argparse.Namespace(**{**vars(args), "seq": max(args.seq, args.max_seq_limit if args.max_seq
-                                                                     else 0)})
-            save_model(config(longest), args.model_dir)
+            longest = max(args.seq, args.max_seq_limit if args.max_seq else 0)
+            in_child("--child", "save_model", f"--model_dir={args.model_dir}", f"--preset={args.preset}",
+                     f"--seq={longest}")
         for name in names:
             row = longest_sequence(args, name) if args.max_seq else run_child(args, name)
             rows.append(row)
             print(json.dumps(row), flush=True)
     facts = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (no CUDA device)",
-             "memory_gib": card_gib(), "torch": torch.__version__, "preset": args.preset,
+             "memory_gib": args.card_gib, "torch": torch.__version__, "preset": args.preset,
              "seq": args.seq, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
              "max_seq": args.max_seq and {k: getattr(args, f"max_seq_{k}") for k in ("start", "floor", "limit")},
              "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("GALAXY_COMMIT", "unknown"),
