@@ -243,7 +243,7 @@ def interrupted_line(error: KeyboardInterrupt) -> str:
     from galaxy.train.interrupts import TrainingInterrupted
 
     if not isinstance(error, TrainingInterrupted):
-        return "interrupted outside the training steps; no checkpoint was saved"
+        return "interrupted before a training step ended; nothing was saved"
     if error.checkpoint is None:
         return f"interrupted at step {error.step}; no checkpoint was saved ({error.why_not}: pass --save_dir)"
     return f"interrupted at step {error.step}; checkpoint '{error.checkpoint}' saved; resume with --resume"
@@ -397,7 +397,7 @@ class RankReports:
                 return exit_code
         stopped_ranks = [(rank, line) for rank, kind, line in self.lines if kind == "interrupted"]
         if stopped_ranks or (interrupted and failed is not None):  # a failure that follows from the stop is no news
-            print(min(stopped_ranks)[1] if stopped_ranks else "interrupted; no checkpoint was saved", file=sys.stderr)
+            print(min(stopped_ranks)[1] if stopped_ranks else "interrupted; nothing was saved", file=sys.stderr)
             return INTERRUPTED
         if failed is None:
             return 0

@@ -19,6 +19,7 @@ import torch
 
 from tests import REPO
 from tests.train.test_checkpoint_sharded import checkpoint_tensors
+from tests.train.test_save_failures import mounted_tmpfs
 
 TINY = ["--no_progress", "--override", "global_batch_size=4", "--override", "seq_length=16", "--override",
         "hidden_size=32", "--override", "num_attention_heads=2", "--override", "intermediate_size=64",
@@ -164,18 +165,9 @@ def test_ctrl_c_stops_every_rank_after_a_saved_step_and_the_run_resumes_exactly(
 
 @pytest.fixture
 def full_disk(tmp_path):
-    """A 1 MB tmpfs: one checkpoint of TINY (about 0.7 MB) fits, a second does not. Unmounted whatever
-    happens."""
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (root and mount(8) needed): {done.stderr.strip()}")
-    try:
+    """A 1 MB tmpfs: one checkpoint of TINY (about 0.7 MB) fits, a second does not."""
+    with mounted_tmpfs(tmp_path / "tmpfs", "1m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 def test_a_save_that_fills_the_disk_fails_in_one_line_and_keeps_the_last_good_checkpoint(full_disk, tmp_path):

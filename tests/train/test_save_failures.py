@@ -4,6 +4,7 @@ and keeps the checkpoint before it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 
@@ -15,11 +16,12 @@ from galaxy.train.loop import train
 from tests.train.test_checkpoint_sharded import build
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    mount = tmp_path / "tmpfs"
+@contextlib.contextmanager
+def mounted_tmpfs(mount, size: str):
+    """A tmpfs of ``size`` (mount(8)'s, e.g. "1m") at the new folder ``mount``, unmounted whatever happens;
+    the test is skipped, saying why, where mounting is not permitted."""
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], capture_output=True,
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True,
                           text=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (root and mount(8) needed): {done.stderr.strip()}")
@@ -27,6 +29,12 @@ def small_tmpfs(tmp_path):
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    with mounted_tmpfs(tmp_path / "tmpfs", "16m") as mount:
+        yield mount
 
 
 def test_a_save_on_a_file_system_made_read_only_fails_in_one_line(small_tmpfs):

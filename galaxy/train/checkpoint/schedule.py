@@ -20,7 +20,7 @@ class CheckpointSchedule:
         self.directory, self.every, self.keep_last, self.last = directory, every, keep_last, last
         self.asynchronous, self.before_write = asynchronous, before_write
         self.pending: Optional[PendingCheckpoint] = None
-        self.saved: dict[int, str] = {}  # step -> its checkpoint (when it is complete, or being written)
+        self.latest: Optional[tuple[int, str]] = None  # the newest save's step and path (complete or being written)
 
     def due(self, step: int) -> bool:
         """Whether the schedule saves after ``step`` (1-based)."""
@@ -34,10 +34,10 @@ class CheckpointSchedule:
     def on_interrupt(self, step: int, trainer) -> str:
         """Save the state after ``step`` (the step every rank stopped at) unless a save of it is there
         already; returns its path once it is complete."""
-        if step not in self.saved:
+        if self.latest is None or self.latest[0] != step:
             self.save(step, trainer, asynchronous=False)
         self.finish()
-        return self.saved[step]
+        return self.latest[1]
 
     def save(self, step: int, trainer, asynchronous: bool) -> None:
         """Save the state after ``step`` from ``trainer`` (its model, optimizer, LR schedule, loss scaler
@@ -52,9 +52,8 @@ class CheckpointSchedule:
                                 trainer.cfg, extra=extra, keep_last=self.keep_last, grad_reducer=trainer.grad_sync,
                                 async_save=asynchronous)
         if asynchronous:
-            self.pending, self.saved[step] = saved, saved.final
-        else:
-            self.saved[step] = saved
+            self.pending, saved = saved, saved.final
+        self.latest = (step, saved)
 
     def finish(self) -> None:
         """Wait for the save in flight, if any (a collective: every rank calls it)."""
