@@ -95,11 +95,6 @@ def causal_flops_per_token(cfg: GalaxyConfig, seq_length: int) -> float:
     return weights_only + (whole - weights_only) / 2
 
 
-def step_model_flops(cfg: GalaxyConfig, tokens: int, seq_length: int) -> float:
-    """Model FLOPs of a training step over ``tokens`` tokens in sequences of ``seq_length``."""
-    return tokens * model_flops_per_token(cfg, seq_length)
-
-
 def throughput(tokens: float, model_flops: float, seconds: float, world_size: int, peak: PeakFlops,
                causal_flops: Optional[float] = None) -> dict:
     """``tokens_per_s``, ``tokens_per_s_per_gpu`` and ``mfu`` (None without a peak) of ``tokens``
