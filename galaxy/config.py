@@ -837,6 +837,12 @@ def _flatten(raw: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
+def canonical_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """A raw config, nested or flat, as {canonical key: value} (aliases and tuning flags resolved, a preset
+    left as its name), checked as ``GalaxyConfig.from_dict`` checks it: what the CLIs merge configs by."""
+    return _flatten(raw)
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """``KEY=VALUE`` from the command line; VALUE is read as JSON when it parses, else as a string."""
     if "=" not in text:

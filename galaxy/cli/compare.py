@@ -25,18 +25,23 @@ import json
 import logging
 import multiprocessing
 import os
+import shutil
 import sys
 from dataclasses import replace
+from typing import Optional
 
 import torch
 
-from galaxy.cli.args import load_config
-from galaxy.cli.compare_tasks import (base_tokenizer, load_base, pretrained_base, topic_documents, with_base,
-                                      write_topic_task)
-from galaxy.cli.launch import Launch, check_plan_for_cli, launch_ranks, run_rank
+from galaxy.cli.args import (build_config, checkpoint_model, flag_overrides, load_config, new_parser,
+                             read_config_file)
+from galaxy.cli.compare_tasks import base_tokenizer, load_base, pretrained_base, topic_documents, write_topic_task
+from galaxy.cli.launch import Launch, launch_ranks, rank_context, run_rank
 from galaxy.cli.output import bad_input, check_output_path, setup_logging
-from galaxy.config import ConfigError, GalaxyConfig
+from galaxy.cli.run import check_plan_for_cli
+from galaxy.config import PLAN_PRESETS, ConfigError, GalaxyConfig, canonical_keys
 from galaxy.core.context import ParallelContext
+from galaxy.data.files import check_text_file
+from galaxy.errors import UserError
 from galaxy.models import build_model, family, model_types
 from galaxy.peft import METHODS, apply_tuning, trainable_parameters
 from galaxy.train.evaluate import evaluate
@@ -90,52 +95,79 @@ def defaults(model_type: str) -> dict:
     return dict(task, model=dict(task["model"], **family(model_type).tiny_config))
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=model_types(), default=model_types(causal=False)[0])
-    p.add_argument("--plan", default="none", help="parallel plan preset when the config names none")
+DESCRIPTION = "full / LoRA / adapter / side tuning from one base on a held-out task"
+
+
+def parse_args(argv=None, prog: Optional[str] = None) -> argparse.Namespace:
+    p = new_parser(prog, DESCRIPTION)
+    p.add_argument("--model", choices=model_types(), default=None,
+                   help="model family (default: the --model_path checkpoint's, else "
+                        f"{model_types(causal=False)[0]})")
+    p.add_argument("--plan", choices=sorted(PLAN_PRESETS), default=None,
+                   help="parallel plan (default: the config's, else none)")
     p.add_argument("--world", type=int, default=1, help="model-parallel ranks (local processes)")
     p.add_argument("--max_steps", type=int, default=None, help="tuning steps per method (default: the model's)")
     p.add_argument("--methods", default=",".join(COMPARED), help="comma-separated subset of " + ",".join(COMPARED))
-    p.add_argument("--config_file", default=None, help="JSON config; omitted: the small defaults above")
-    p.add_argument("--model_path", default=None, help="the base: a local HF checkpoint (default: pretrain one here)")
-    p.add_argument("--data", default=None, help="the task's training file (BERT: {text, label} JSONL; LLaMA: "
-                                                "Alpaca JSON/JSONL); default: generated topics / the Alpaca sample")
+    p.add_argument("--config_file", "--config", dest="config_file", default=None,
+                   help="JSON config; omitted: the small defaults of the model's task")
+    p.add_argument("--model_path", dest="base_path", default=None,
+                   help="the base: a local HF checkpoint, whose config.json sets the model (default: pretrain one "
+                        "here)")
+    p.add_argument("--data", dest="task_data", default=None,
+                   help="the task's training file (BERT: {text, label} JSONL; LLaMA: Alpaca JSON/JSONL); default: "
+                        "generated topics / the Alpaca sample")
     p.add_argument("--eval_data", default=None, help="held-out file of the same kind (default: generated topics / "
                                                      "the last tenth of --data)")
     p.add_argument("--pretrain_steps", type=int, default=None, help="steps of the base pretrained here")
     p.add_argument("--cache_dir", default=None, help="where pretrained bases are kept (default ~/.cache/galaxy)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="any config key")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--out_dir", default="compare_tuning_out")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: the config's)")
+    p.add_argument("--out_dir", default="compare_tuning_out", help="the table, JSON and PNG go here")
     p.add_argument("--shared_processes", action="store_true",
                    help="run all methods in one set of rank processes (faster; CPU peak memory then accumulates)")
     p.add_argument("--in_process", action="store_true",
                    help="world 1 only: run every method in this process (no start-up cost; memory accumulates)")
-    p.add_argument("--log_level", default="WARNING")
-    args = p.parse_args(argv)
-    # load_config reads these CLI flags too: the base and the task files are set per method below
-    args.tokenizer = args.eval_every = None
-    args.task_data, args.data = args.data, None
-    args.base_path, args.model_path = args.model_path, None
-    return args
+    p.add_argument("--log_level", default="WARNING", help="python logging level")
+    return p.parse_args(argv)
+
+
+def model_family(args: argparse.Namespace) -> str:
+    """The model compared: ``--model``, else the family of the ``--model_path`` checkpoint or of the config
+    file, else the first masked LM (the two must agree)."""
+    named = args.model
+    if args.base_path:
+        found = checkpoint_model(args.base_path).model_type
+        if named is not None and named != found:
+            raise ConfigError(f"--model is {named} but the checkpoint '{args.base_path}' holds a {found} model; drop "
+                              "--model or pass a checkpoint of that family")
+        return found
+    if named is None and args.config_file:
+        named = canonical_keys(read_config_file(args.config_file)).get("model_type")
+    return named or model_types(causal=False)[0]
+
+
+def base_config(args: argparse.Namespace, base: str) -> GalaxyConfig:
+    """The run's config with the model section of the base checkpoint ``base``: a checkpoint given with
+    --model_path must agree with a config file's model keys; one pretrained here was made from this config
+    (its vocabulary is the tokenizer's it trained)."""
+    if args.base_path:
+        return build_config(args.config_file, defaults(args.model), {**flag_overrides(args), "model_path": base})
+    return build_config(None, load_config(args, defaults(args.model)).to_dict(), {"model_path": base})
 
 
 def method_config(args: argparse.Namespace, method: str, base: str) -> GalaxyConfig:
-    cfg = with_base(load_config(args, defaults(args.model)), base)
+    cfg = base_config(args, base)
     if cfg.model.model_type != args.model:
         raise ConfigError(f"config key 'model_type' is '{cfg.model.model_type}' but --model is {args.model}")
     if cfg.parallel.dp_size > 1 or cfg.parallel.pp_size > 1:
         raise ConfigError("compare_tuning.py runs one model-parallel group; set dp_size = pp_size = 1")
-    check_plan_for_cli(cfg, args.plan, args.world, strict=False)
+    check_plan_for_cli(cfg, "none", args.world, strict=False)
     tuning, train_keys, peft_keys = VARIANTS.get(method, (method, {}, {}))
     cfg.peft.tuning = tuning
     for key, value in train_keys.items():
         setattr(cfg.train, key, value)
     for key, value in peft_keys.items():
         setattr(cfg.peft, key, value)
-    cfg.data.model_path = base
     if not args.config_file and not any(o.split("=")[0].strip() in ("lr", "train.lr") for o in args.override):
         cfg.train.lr = METHOD_LR[tuning]
     cfg.validate()
@@ -265,12 +297,7 @@ def run_one(cfg: GalaxyConfig, method: str, files, ctx: ParallelContext, world: 
 def compare_rank(rank: int, launch: Launch, payload) -> None:
     """Every method of ``payload`` in turn on one rank; rank 0 writes each row to its JSON file."""
     jobs, files, log_level = payload
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.world))
-    setup_logging(log_level)
-    first = jobs[0][0]
-    dist_cfg = replace(first.distributed, init_method=launch.init_method or first.distributed.init_method)
-    base = ParallelContext.initialize(dist_cfg, rank, launch.world, first.train.device, seed=first.train.seed)
-    try:
+    with rank_context(rank, launch, jobs[0][0], log_level) as base:
         for cfg, method, result_file in jobs:
             # Fresh dropout streams per method (same groups): every method sees the same randomness.
             ctx = base.with_fresh_streams()
@@ -279,8 +306,6 @@ def compare_rank(rank: int, launch: Launch, payload) -> None:
                 with open(result_file, "w") as f:
                     json.dump(row, f)
             gc.collect()
-    finally:
-        base.shutdown()
 
 
 def _single(launch: Launch, payload) -> None:
@@ -342,18 +367,20 @@ def plot(rows: list[dict], title: str, metric: str, path: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: Optional[str] = None) -> int:
+    args = parse_args(argv, prog)
     setup_logging(args.log_level)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in COMPARED]
-    if bad or not methods:
-        print(f"error: --methods {args.methods}: use a subset of {','.join(COMPARED)}", file=sys.stderr)
-        return 2
-    if args.world < 1 or (args.in_process and args.world != 1):
-        print("error: --world must be at least 1 (and 1 with --in_process)", file=sys.stderr)
-        return 2
+    made_out_dir = not os.path.exists(args.out_dir)
     try:
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        if not methods or any(m not in COMPARED for m in methods):
+            raise ConfigError(f"--methods {args.methods}: use a subset of {','.join(COMPARED)}")
+        if args.world < 1 or (args.in_process and args.world != 1):
+            raise ConfigError("--world must be at least 1 (and 1 with --in_process)")
+        args.model = model_family(args)  # reads the --model_path checkpoint: a bad one is refused here
+        for flag, path in (("--data", args.task_data), ("--eval_data", args.eval_data)):
+            if path:
+                check_text_file(path, flag)
         check_output_path("out_dir", args.out_dir, directory=True)
         files = task_files(args)
         base = args.base_path
@@ -364,7 +391,9 @@ def main(argv=None) -> int:
             print(f"-- base: {base} ({f'pretrained here, {steps} steps' if trained else 'an earlier run pretrained it'})",
                   flush=True)
         configs = {m: method_config(args, m, base) for m in methods}
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (UserError, FileNotFoundError, ValueError) as e:
+        if made_out_dir:  # bad input leaves nothing behind
+            shutil.rmtree(args.out_dir, ignore_errors=True)
         return bad_input(e)
     jobs = []
     for method in methods:
