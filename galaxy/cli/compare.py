@@ -27,7 +27,7 @@ import multiprocessing
 import os
 import shutil
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -38,7 +38,7 @@ from galaxy.cli.compare_tasks import base_tokenizer, load_base, pretrained_base,
 from galaxy.cli.launch import Launch, launch_ranks, rank_context, run_rank
 from galaxy.cli.output import bad_input, check_output_path, setup_logging
 from galaxy.cli.run import check_plan_for_cli
-from galaxy.config import PLAN_PRESETS, ConfigError, GalaxyConfig, canonical_keys
+from galaxy.config import PLAN_PRESETS, ConfigError, GalaxyConfig, Plan, canonical_keys
 from galaxy.core.context import ParallelContext
 from galaxy.data.files import check_text_file
 from galaxy.errors import UserError
@@ -155,7 +155,17 @@ def base_config(args: argparse.Namespace, base: str) -> GalaxyConfig:
     return build_config(None, load_config(args, defaults(args.model)).to_dict(), {"model_path": base})
 
 
-def method_config(args: argparse.Namespace, method: str, base: str) -> GalaxyConfig:
+@dataclass(frozen=True)
+class MethodRun:
+    """One method's run: its config, the plan resolved before any process starts, where rank 0 writes its row."""
+
+    method: str
+    cfg: GalaxyConfig
+    plan: Plan
+    result_file: str
+
+
+def method_run(args: argparse.Namespace, method: str, base: str) -> MethodRun:
     cfg = base_config(args, base)
     if cfg.model.model_type != args.model:
         raise ConfigError(f"config key 'model_type' is '{cfg.model.model_type}' but --model is {args.model}")
@@ -171,8 +181,7 @@ def method_config(args: argparse.Namespace, method: str, base: str) -> GalaxyCon
     if not args.config_file and not any(o.split("=")[0].strip() in ("lr", "train.lr") for o in args.override):
         cfg.train.lr = METHOD_LR[tuning]
     cfg.validate()
-    cfg.resolve_plan(args.world)  # split errors surface before any process starts
-    return cfg
+    return MethodRun(method, cfg, cfg.resolve_plan(args.world), os.path.join(args.out_dir, f"{method}.json"))
 
 
 def task_files(args: argparse.Namespace) -> tuple[str, str | None]:
@@ -262,13 +271,13 @@ def saved_activation_mb(model, batch: dict, autocast) -> float:
     return sum(storages.values()) / 2**20
 
 
-def run_one(cfg: GalaxyConfig, method: str, files, ctx: ParallelContext, world: int) -> dict:
+def run_one(job: MethodRun, files, ctx: ParallelContext, world: int) -> dict:
     """Load the base, add the method, score it on the held-out data, tune it, score it again; rank 0's
     row of the table."""
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(ctx.device)
-    plan = cfg.resolve_plan(ctx.mp.size)
+    cfg, method, plan = job.cfg, job.method, job.plan
     batch_at, eval_at, eval_iters = task_batches(cfg, plan, files)
     task = "classify" if task_of(cfg.model.model_type) == "classification" else "lm"  # the model's head
     model = build_model(replace(cfg, data=replace(cfg.data, model_path=None)), plan, ctx, task=task)
@@ -297,13 +306,13 @@ def run_one(cfg: GalaxyConfig, method: str, files, ctx: ParallelContext, world: 
 def compare_rank(rank: int, launch: Launch, payload) -> None:
     """Every method of ``payload`` in turn on one rank; rank 0 writes each row to its JSON file."""
     jobs, files, log_level = payload
-    with rank_context(rank, launch, jobs[0][0], log_level) as base:
-        for cfg, method, result_file in jobs:
+    with rank_context(rank, launch, jobs[0].cfg, log_level) as base:
+        for job in jobs:
             # Fresh dropout streams per method (same groups): every method sees the same randomness.
             ctx = base.with_fresh_streams()
-            row = run_one(cfg, method, files, ctx, launch.world)
+            row = run_one(job, files, ctx, launch.world)
             if rank == 0:
-                with open(result_file, "w") as f:
+                with open(job.result_file, "w") as f:
                     json.dump(row, f)
             gc.collect()
 
@@ -313,14 +322,14 @@ def _single(launch: Launch, payload) -> None:
 
 
 def run_methods(jobs: list, files, world: int, log_level: str, in_process: bool = False) -> int:
-    """Run ``jobs`` ([(cfg, method, result_file)]) on the task ``files`` on ``world`` fresh local
+    """Run ``jobs`` (``MethodRun``s) on the task ``files`` on ``world`` fresh local
     processes (``in_process``: world 1 in this process)."""
     payload = (jobs, files, log_level)
     launch = Launch(world, None, None, None)
     if in_process:
         return run_rank(compare_rank, 0, launch, payload)
     if world > 1:
-        return launch_ranks(compare_rank, launch, payload, jobs[0][0])
+        return launch_ranks(compare_rank, launch, payload, jobs[0].cfg)
     # One rank still gets its own process, so its peak memory is its own.
     proc = multiprocessing.get_context("spawn").Process(target=_single, args=(launch, payload))
     proc.start()
@@ -390,34 +399,31 @@ def main(argv=None, prog: Optional[str] = None) -> int:
                                             steps, args.cache_dir)
             print(f"-- base: {base} ({f'pretrained here, {steps} steps' if trained else 'an earlier run pretrained it'})",
                   flush=True)
-        configs = {m: method_config(args, m, base) for m in methods}
+        jobs = [method_run(args, m, base) for m in methods]
     except (UserError, FileNotFoundError, ValueError) as e:
         if made_out_dir:  # bad input leaves nothing behind
             shutil.rmtree(args.out_dir, ignore_errors=True)
         return bad_input(e)
-    jobs = []
-    for method in methods:
-        result_file = os.path.join(args.out_dir, f"{method}.json")
-        if os.path.exists(result_file):
-            os.remove(result_file)
-        jobs.append((configs[method], method, result_file))
-    steps = configs[methods[0]].train.max_steps
+    for job in jobs:
+        if os.path.exists(job.result_file):
+            os.remove(job.result_file)
+    first = jobs[0].cfg
     # --shared_processes: one launch for all methods (faster to start; on CPU the resident peak then
     # only grows from method to method, on CUDA it is reset per method).
     groups = [jobs] if (args.shared_processes or args.in_process) else [[job] for job in jobs]
     for group in groups:
-        print(f"-- {', '.join(j[1] for j in group)}: {args.model}, plan {configs[methods[0]].parallel.plan}, "
-              f"world {args.world}, {steps} steps", flush=True)
+        print(f"-- {', '.join(j.method for j in group)}: {args.model}, plan {first.parallel.plan}, "
+              f"world {args.world}, {first.train.max_steps} steps", flush=True)
         code = run_methods(group, files, args.world, args.log_level, args.in_process)
-        missing = [j[1] for j in group if not os.path.exists(j[2])]
+        missing = [j.method for j in group if not os.path.exists(j.result_file)]
         if code != 0 or missing:
-            print(f"error: method(s) {missing or [j[1] for j in group]} failed (exit code {code})", file=sys.stderr)
+            print(f"error: method(s) {missing or [j.method for j in group]} failed (exit code {code})",
+                  file=sys.stderr)
             return 1
     rows = []
-    for _, _, result_file in jobs:
-        with open(result_file) as f:
+    for job in jobs:
+        with open(job.result_file) as f:
             rows.append(json.load(f))
-    first = configs[methods[0]]
     metric = METRIC[task_of(args.model)][1]
     title = (f"{args.model} from {'its pretrained base' if args.base_path is None else args.base_path}, "
              f"plan {rows[0]['plan']}, world {args.world}, {first.train.max_steps} steps, "
