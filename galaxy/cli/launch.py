@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
-from galaxy.cli.args import resume_path
+from galaxy.cli.args import RunOptions, resume_path
 from galaxy.cli.output import setup_logging
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.emulate import Cluster, cgroups, run_emulated
@@ -240,8 +240,8 @@ def rank_context(rank: int, launch: Launch, cfg: GalaxyConfig, log_level: str):
 
 
 
-def train_from_args(model, batch_at, cfg: GalaxyConfig, ctx, args: argparse.Namespace, eval_at=None):
-    """The shared loop with the common flags (metrics, profiling, checkpoints, evaluation on the
+def train_from_args(model, batch_at, cfg: GalaxyConfig, ctx, args: RunOptions, eval_at=None):
+    """The shared loop with the run's options (metrics, profiling, checkpoints, evaluation on the
     held-out batches of ``eval_at``); rank 0 prints the step profile when one was asked for. A
     failure caused by a dead peer rank comes back from ``train`` as a ``RankFailure`` that names it."""
     from galaxy.train.loop import train
