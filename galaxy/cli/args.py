@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from galaxy.config import (COMPUTE_KEYS, KEY_SECTION, MODEL_PRESETS, PLAN_PRESETS, ConfigError, GalaxyConfig,
-                           ModelConfig, canonical_keys, parse_override)
+                           ModelConfig, canonical_keys, parse_override, read_config_file, read_json_object)
 from galaxy.models import check_config, hf_model_class
 
 logger = logging.getLogger(__name__)
@@ -136,20 +135,6 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
-def read_config_file(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file '{path}' does not exist; pass --config_file with a JSON file "
-                          "(see train_config/)")
-    with open(path) as f:
-        try:
-            raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config file '{path}' is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config file '{path}' must hold a JSON object")
-    return raw
-
-
 def checkpoint_model(path: str) -> ModelConfig:
     """The model section of the local HF checkpoint in ``path``: its ``config.json`` read by the family its
     ``model_type`` names (the model registry), with the weights checked to be there."""
@@ -163,12 +148,7 @@ def checkpoint_model(path: str) -> ModelConfig:
                for f in os.listdir(path)):
         raise ConfigError(f"config key 'model_path' (--model_path): '{path}' holds no *.safetensors or "
                           "pytorch_model*.bin weights; pass a local HF model directory")
-    with open(config_file) as f:
-        try:
-            hf = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config key 'model_path' (--model_path): '{config_file}' is not valid JSON: {e}") \
-                from None
+    hf = read_json_object(config_file, "config key 'model_path' (--model_path): the checkpoint's config")
     try:
         return hf_model_class(hf, f"model_path '{path}'").config_from_hf(hf)
     except ValueError as e:  # ConfigError included: the family cannot read this config.json

@@ -32,13 +32,12 @@ from typing import Optional
 
 import torch
 
-from galaxy.cli.args import (build_config, checkpoint_model, flag_overrides, load_config, new_parser,
-                             read_config_file)
+from galaxy.cli.args import build_config, checkpoint_model, flag_overrides, load_config, new_parser
 from galaxy.cli.compare_tasks import base_tokenizer, load_base, pretrained_base, topic_documents, write_topic_task
 from galaxy.cli.launch import Launch, launch_ranks, rank_context, run_rank
 from galaxy.cli.output import bad_input, check_output_path, setup_logging
 from galaxy.cli.run import check_plan_for_cli
-from galaxy.config import PLAN_PRESETS, ConfigError, GalaxyConfig, Plan, canonical_keys
+from galaxy.config import PLAN_PRESETS, ConfigError, GalaxyConfig, Plan, canonical_keys, read_config_file
 from galaxy.core.context import ParallelContext
 from galaxy.data.files import check_text_file
 from galaxy.errors import UserError
