@@ -60,12 +60,10 @@ def add_launch_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def add_config_flags(p: argparse.ArgumentParser, config_file: bool = True) -> argparse.ArgumentParser:
-    """What the run is: the config (``config_file``: a --config_file flag), any key set on the command line,
-    a checkpoint to start from."""
-    if config_file:
-        p.add_argument("--config_file", "--config", dest="config_file", default=None,
-                       help="JSON config (nested sections or flat Galaxy-LM keys); omitted: the embedded small default")
+def add_config_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """What the run is: the config, any key set on the command line, a checkpoint to start from."""
+    p.add_argument("--config_file", "--config", dest="config_file", default=None,
+                   help="JSON config (nested sections or flat Galaxy-LM keys); omitted: the embedded small default")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="set any config key, flat names included (repeatable), e.g. hidden_dropout_prob=0")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: the config's)")
@@ -193,11 +191,6 @@ def build_config(config_file: Optional[str], default: dict, overrides: dict, giv
         raw = with_checkpoint_model(raw, checkpoint, path, given, overrides)
     cfg = GalaxyConfig.from_dict(raw, overrides)
     check_config(cfg.model)
-    if checkpoint is not None:
-        differs = [k for k, v in architecture(checkpoint).items() if getattr(cfg.model, k) != v]
-        if differs:  # the loaders build the model of config.json, taking only RUN_MODEL_KEYS from the run
-            logger.warning("--override %s: the weights of '%s' are loaded into the model its config.json "
-                           "describes, with its own value of %s", ", ".join(differs), path, ", ".join(differs))
     return cfg
 
 
