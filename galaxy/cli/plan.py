@@ -104,7 +104,7 @@ class ClusterMeasurement:
         if self.calibration_layers is not None and self.calibration_layers < 1:
             raise ConfigError(f"--calibration_layers must be at least 1, got {self.calibration_layers}")
         if self.ffn_unit < 1:
-            raise ConfigError(f"--ffn_unit {self.ffn_unit} must be a positive divisor of intermediate_size")
+            raise ConfigError(f"--ffn_unit must be at least 1, got {self.ffn_unit}")
 
 
 def cluster_profile_body(ctx, run: Run) -> None:
