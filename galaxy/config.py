@@ -451,17 +451,7 @@ class GalaxyConfig:
 
     @classmethod
     def from_file(cls, path: str, overrides: Optional[dict[str, Any]] = None) -> "GalaxyConfig":
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file '{path}' does not exist; pass --config_file with a JSON file "
-                              "(see train_config/)")
-        with open(path) as f:
-            try:
-                raw = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"config file '{path}' is not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file '{path}' must hold a JSON object")
-        return cls.from_dict(raw, overrides)
+        return cls.from_dict(read_config_file(path), overrides)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -835,6 +825,32 @@ def _flatten(raw: dict[str, Any]) -> dict[str, Any]:
                               f"'{flat['tuning']}'; keep one")
         flat["tuning"] = chosen
     return flat
+
+
+def read_json_object(path: str, what: str) -> dict[str, Any]:
+    """The JSON object in the file ``path`` (``what`` names it in the one-line error of a file that is not one)."""
+    with open(path) as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{what} '{path}' is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what} '{path}' must hold a JSON object")
+    return raw
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """A config file's raw JSON object (nested or flat; ``GalaxyConfig.from_dict`` reads it)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file '{path}' does not exist; pass --config_file with a JSON file "
+                          "(see train_config/)")
+    return read_json_object(path, "config file")
+
+
+def canonical_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """A raw config, nested or flat, as {canonical key: value} (aliases and tuning flags resolved, a preset
+    left as its name), checked as ``GalaxyConfig.from_dict`` checks it: what the CLIs merge configs by."""
+    return _flatten(raw)
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -1,4 +1,4 @@
-"""Starting the ranks of a run, and everything checked before any starts.
+"""Starting the ranks of a run (what is checked before any starts: ``galaxy.cli.run.prepare``).
 
 Launch modes: under ``torchrun`` the RANK/WORLD_SIZE/LOCAL_RANK variables are used; ``--world N
 --rank r`` runs one rank (rendezvous through ``init_method`` or MASTER_ADDR/MASTER_PORT, so ranks
@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
-from galaxy.cli.args import check_checkpoint_flags, check_input_files, check_profile_step, resume_path
-from galaxy.cli.output import LOG_FORMAT, bad_input, check_metrics_flags, check_output_flags, setup_logging
-from galaxy.config import PLAN_PRESETS, ConfigError, GalaxyConfig
+from galaxy.cli.args import RunOptions, resume_path
+from galaxy.cli.output import LOG_FORMAT, bad_input, setup_logging
+from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.emulate import Cluster, cgroups, run_emulated
 from galaxy.emulate.launch import describe_exit
 from galaxy.errors import UserError
@@ -436,23 +436,6 @@ def first_failure(procs) -> Optional[int]:
 
 
 
-def check_plan_for_cli(cfg: GalaxyConfig, cli_plan: str, world: int, strict: bool) -> None:
-    """A config that names no plan gets the CLI's; a plan-specific CLI (``strict``, e.g.
-    pretrain_tp_bert.py) refuses a config that names another plan."""
-    p = cfg.parallel
-    explicit = p.plan or any(getattr(p, k) for k in ("att_parallel_method", "con_parallel_method",
-                                                    "mlp_parallel_method"))
-    if not explicit:
-        p.plan = cli_plan
-    elif strict and cfg.methods() != PLAN_PRESETS[cli_plan]:
-        raise ConfigError(f"this CLI runs the '{cli_plan}' plan but the config asks for "
-                          f"{'/'.join(m.value for m in cfg.methods())} (att/con/mlp); use pretrain_galaxy.py "
-                          "or drop the plan keys from the config")
-    if strict and cli_plan == "none" and world != 1:
-        raise ConfigError(f"the serial CLI runs on one rank, got --world {world}; use pretrain_galaxy.py for more")
-
-
-
 def rank_context(rank: int, launch: Launch, cfg: GalaxyConfig, log_level: str):
     """This rank's ParallelContext (dp/pp/mp groups from the config); local processes share the cores."""
     import torch
@@ -470,81 +453,12 @@ def rank_context(rank: int, launch: Launch, cfg: GalaxyConfig, log_level: str):
 
 
 
-def fill_world(cfg: GalaxyConfig, world: int, fill: Optional[str]) -> None:
-    """``fill`` ('dp' or 'pp', from pretrain_dp_bert.py / pretrain_pp_bert.py): a config that leaves
-    that size at 1 and runs no mp plan gets every rank the other dimension leaves, so
-    ``pretrain_pp_bert.py --world 4`` is a 4-stage pipeline."""
-    p = cfg.parallel
-    if fill is None or any(m.value != "None" for m in cfg.methods()):
-        return
-    if fill == "dp" and p.dp_size == 1 and world % p.pp_size == 0:
-        p.dp_size = world // p.pp_size
-    elif fill == "pp" and p.pp_size == 1 and world % p.dp_size == 0 and p.stage_num_hidden_layers_list is None:
-        p.pp_size = world // p.dp_size
-    cfg.validate()
-
-
-
-def check_engine(cfg: GalaxyConfig) -> None:
-    """``dp_engine: deepspeed`` needs CUDA: refuse it before any process starts where none is visible."""
-    if cfg.parallel.dp_engine != "deepspeed" or cfg.parallel.dp_size == 1:
-        return
-    device = cfg.train.device
-    import torch
-
-    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
-        raise ConfigError(f"config key 'dp_engine' is 'deepspeed' but the device is "
-                          f"{'cpu' if device == 'cpu' else 'cpu (no CUDA GPU is visible)'}: DeepSpeed ZeRO needs "
-                          "CUDA GPUs; use dp_engine 'zero1' (torch ZeroRedundancyOptimizer) or 'ddp' here")
-
-
-
-def check_tp_overlap(cfg: GalaxyConfig, world: int) -> None:
-    """``tp_overlap: async_tp`` runs torch's symmetric-memory ops, CUDA + NCCL only: refuse it before any
-    process starts where the model-parallel group would use another device (a group of one rank has
-    nothing to overlap and runs unfused anywhere)."""
-    if cfg.parallel.tp_overlap != "async_tp" or cfg.mp_size(world) == 1:
-        return
-    device, backend = cfg.train.device, cfg.distributed.distributed_backend
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu (no CUDA GPU is visible)"
-    if device != "cuda" or backend not in ("auto", "nccl"):
-        where = f"backend {backend}" if device == "cuda" else f"device {device}"
-        raise ConfigError(f"config key 'tp_overlap' is 'async_tp', which runs on CUDA GPUs over NCCL (symmetric "
-                          f"memory), but this run uses {where}; use tp_overlap coc or none")
-
-
-
-def plan_launch(args: argparse.Namespace, cfg: GalaxyConfig, plan: str, strict: bool, fill: Optional[str]) -> Launch:
-    """Decide the launch and check everything about it before any process starts: the plan for this
-    CLI, the world split into dp x pp x mp, every split, the profile and checkpoint flags (what --resume
-    names), the output paths (writable), the files the config names, and the settings the device decides
-    (dp_engine, tp_overlap)."""
-    launch = on_devices(decide_launch(args), cfg.distributed.devices)
-    check_plan_for_cli(cfg, plan, launch.world, strict)
-    fill_world(cfg, launch.world, fill)
-    cfg.resolve_plan(cfg.mp_size(launch.world))
-    check_profile_step(args, cfg)
-    check_checkpoint_flags(args)
-    check_metrics_flags(args)
-    check_output_flags(args, rank0_here=launch.starts_rank_0)
-    check_input_files(cfg)
-    check_engine(cfg)
-    check_tp_overlap(cfg, launch.world)
-    launch.save_dir = getattr(args, "save_dir", None)
-    return launch
-
-
-
-def train_from_args(model, batch_at, cfg: GalaxyConfig, ctx, args: argparse.Namespace, eval_at=None,
-                    launch: Optional[Launch] = None):
-    """The shared loop with the common flags (metrics, profiling, checkpoints, evaluation on the
+def train_from_args(model, batch_at, cfg: GalaxyConfig, ctx, args: RunOptions, eval_at=None):
+    """The shared loop with the run's options (metrics, profiling, checkpoints, evaluation on the
     held-out batches of ``eval_at``); rank 0 prints the step profile when one was asked for. A
     failure caused by a dead peer rank comes back from ``train`` as a ``RankFailure`` that names it.
     Ctrl-C and SIGTERM stop every rank after the same step, saved with ``--save_dir`` (``TrainingInterrupted``);
-    a rank whose launcher died (``launch.launcher_pid``) writes no checkpoint."""
+    a rank whose launcher died (``RunOptions.launcher_pid``) writes no checkpoint."""
     from galaxy.train.interrupts import Interrupts
     from galaxy.train.loop import train
 
@@ -556,7 +470,7 @@ def train_from_args(model, batch_at, cfg: GalaxyConfig, ctx, args: argparse.Name
                    profile_step=args.profile_step, profile_json=args.profile_json, save_dir=args.save_dir,
                    save_every=args.save_every, resume=resume_path(args), keep_last=args.keep_last, eval_at=eval_at,
                    tensorboard_dir=args.tensorboard, peak_tflops=args.peak_tflops, on_resume=resumed,
-                   interrupts=Interrupts(launch.launcher_pid if launch is not None else None))
+                   interrupts=Interrupts(args.launcher_pid))
     if ctx.rank == 0 and result.profile_report is not None:
         print(result.profile_report, flush=True)
     return result

@@ -28,14 +28,24 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from galaxy.config import MODEL_PRESETS, ConfigError, GalaxyConfig, ParallelConfig, parse_override
+from galaxy.cli.args import add_launch_flags, model_flag_config, new_parser
+from galaxy.cli.launch import launch_ranks
+from galaxy.cli.output import bad_input, check_output_path, setup_logging, stage
+from galaxy.cli.run import Run, prepare, ranks_of
+from galaxy.config import MODEL_PRESETS, ConfigError, GalaxyConfig, ParallelConfig
+from galaxy.errors import UserError
 from galaxy.planner.cluster import ClusterProfile, load_cluster
 from galaxy.planner.workload import Workload
 from galaxy.planner.search import DEVICE_MARGIN, SPLIT_MARGIN, Choice, search
-from galaxy.cli.launch import decide_launch, launch_ranks, rank_context
-from galaxy.cli.output import bad_input, check_output_path, setup_logging
 
 logger = logging.getLogger(__name__)
+
+DESCRIPTION = "profile a cluster, then search the plans for it and write the config"
+STEPS = """Two steps:
+  1. {prog} profile --model M --world N --out cluster.json
+     measures each rank's block times, memory and collectives (its flags: below, and {prog} profile --help)
+  2. {prog} --model M --cluster cluster.json --out plan.json [--validate K]
+     searches the plans of that cluster and writes the best as a config the training commands take"""
 
 
 def model_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,31 +54,18 @@ def model_arguments(p: argparse.ArgumentParser) -> None:
                    help="set any config key (repeatable), e.g. vocab_size=512")
     p.add_argument("--seq_length", type=int, default=None, help="tokens per sequence (default: the config's)")
     p.add_argument("--global_batch_size", type=int, default=None, help="rows per step (default: the config's)")
-    p.add_argument("--log_level", default="WARNING")
 
 
 def workload_config(args: argparse.Namespace) -> GalaxyConfig:
-    overrides = dict(parse_override(o) for o in args.override)
-    for key in ("seq_length", "global_batch_size"):
-        if getattr(args, key, None) is not None:
-            overrides[key] = getattr(args, key)
-    if args.model in MODEL_PRESETS:
-        return GalaxyConfig.from_dict({"model": {"preset": args.model}}, overrides)
-    if not os.path.isfile(args.model):
-        raise ConfigError(f"--model '{args.model}' is neither a preset ({', '.join(MODEL_PRESETS)}) nor a config "
-                          "file")
-    return GalaxyConfig.from_file(args.model, overrides)
+    return model_flag_config(args, None)
 
 
 # ----------------------------------------------------------------------------- profile
 
 
-def profile_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="plan_galaxy.py profile", description="measure the ranks and links of a cluster",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def profile_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    p = new_parser(prog, "measure the ranks and links of a cluster (step 1 of the planner)")
     model_arguments(p)
-    p.add_argument("--world", type=int, default=None, help="ranks; without --rank all start here as local processes")
-    p.add_argument("--rank", type=int, default=None, help="run only this rank (the others start elsewhere)")
     p.add_argument("--rows", type=int, nargs="+", default=None,
                    help="batch sizes to measure the blocks at (the cost model interpolates between them); "
                         "default: 1 and the config's global_batch_size")
@@ -85,54 +82,74 @@ def profile_parser() -> argparse.ArgumentParser:
                         "over the short runs (a card at its power limit clocks lower) scales every training "
                         "prediction (the cluster file's sustained_scale; 0: not measured)")
     p.add_argument("--out", required=True, help="cluster profile to write (JSON)")
-    return p
+    return add_launch_flags(p)
 
 
-def _profile_rank(rank: int, launch, payload) -> None:
+@dataclass(frozen=True)
+class ClusterMeasurement:
+    """What ``plan profile`` measures and where it writes it."""
+
+    rows: tuple[int, ...]
+    out: str
+    reps: int = 5
+    window_s: float = 0.2
+    memory_gb: Optional[float] = None
+    ffn_unit: int = 1
+    calibration_layers: Optional[int] = None
+    sustain_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        if min(self.rows) < 1 or self.reps < 1 or self.window_s < 0 or self.sustain_s < 0:
+            raise ConfigError("--rows and --reps must be at least 1, --window_ms and --sustain_s at least 0")
+        if self.calibration_layers is not None and self.calibration_layers < 1:
+            raise ConfigError(f"--calibration_layers must be at least 1, got {self.calibration_layers}")
+        if self.ffn_unit < 1:
+            raise ConfigError(f"--ffn_unit must be at least 1, got {self.ffn_unit}")
+
+
+def cluster_profile_body(ctx, run: Run) -> None:
     from galaxy.planner.profile import profile_rank
 
-    cfg, args = payload
-    ctx = rank_context(rank, launch, cfg, args.log_level)
-    try:
-        cluster = profile_rank(ctx, cfg.model, args.rows, cfg.train.seq_length, cfg.train.dtype, args.reps,
-                               args.memory_gb, args.ffn_unit, window_s=args.window_ms / 1e3,
-                               calibration_layers=args.calibration_layers, sustain_s=args.sustain_s)
-        if cluster is not None:
-            cluster.save(args.out)
-            print(f"wrote {args.out}: {cluster.world} ranks, {len(cluster.groups)} groups", flush=True)
-    except BaseException:
-        ctx.shutdown(wait_for_peers=False)
-        raise
-    ctx.shutdown()
+    cfg, job = run.cfg, run.job
+    if ctx.rank == 0:
+        stage(f"profile: {cfg.model.model_type} of {cfg.model.num_hidden_layers} layers (hidden "
+              f"{cfg.model.hidden_size}) on {ctx.world_size} rank(s), rows {list(job.rows)}, seq_length "
+              f"{cfg.train.seq_length}")
+    started = time.perf_counter()
+    cluster = profile_rank(ctx, cfg.model, job.rows, cfg.train.seq_length, cfg.train.dtype, job.reps,
+                           job.memory_gb, job.ffn_unit, window_s=job.window_s,
+                           calibration_layers=job.calibration_layers, sustain_s=job.sustain_s)
+    if cluster is not None:
+        cluster.save(job.out)
+        stage(f"profile: done in {time.perf_counter() - started:.1f}s")
+        print(f"wrote {job.out}: {cluster.world} ranks, {len(cluster.groups)} groups", flush=True)
 
 
-def profile_main(argv: list[str]) -> int:
-    args = profile_parser().parse_args(argv)
+def profile_main(argv: list[str], prog: Optional[str] = None) -> int:
+    args = profile_parser(prog).parse_args(argv)
     setup_logging(args.log_level)
     try:
         cfg = workload_config(args)
-        args.rows = args.rows or [1, cfg.train.global_batch_size]
-        if min(args.rows) < 1 or args.reps < 1 or args.window_ms < 0 or args.sustain_s < 0:
-            raise ConfigError("--rows and --reps must be at least 1, --window_ms and --sustain_s at least 0")
-        if args.calibration_layers is not None and args.calibration_layers < 1:
-            raise ConfigError(f"--calibration_layers must be at least 1, got {args.calibration_layers}")
-        if args.ffn_unit < 1 or cfg.model.intermediate_size % args.ffn_unit:
-            raise ConfigError(f"--ffn_unit {args.ffn_unit} must be a positive divisor of intermediate_size "
+        job = ClusterMeasurement(tuple(args.rows or (1, cfg.train.global_batch_size)), args.out, args.reps,
+                                 args.window_ms / 1e3, args.memory_gb, args.ffn_unit, args.calibration_layers,
+                                 args.sustain_s)
+        if cfg.model.intermediate_size % job.ffn_unit:
+            raise ConfigError(f"--ffn_unit {job.ffn_unit} must be a positive divisor of intermediate_size "
                               f"{cfg.model.intermediate_size}")
-        launch = decide_launch(args)
-        check_output_path("out", args.out if launch.starts_rank_0 else None)
-    except (ConfigError, FileNotFoundError) as e:
+        cfg.parallel = ParallelConfig()  # the workload is the model and train sections: every group is measured
+        launch, run = prepare(args, cfg, plan="none", rank0_files={"out": job.out}, job=job)
+    except (UserError, FileNotFoundError) as e:
         return bad_input(e)
-    return launch_ranks(_profile_rank, launch, (cfg, args), cfg)
+    return launch_ranks(ranks_of(cluster_profile_body), launch, run, cfg)
 
 
 # ----------------------------------------------------------------------------- plan
 
 
-def plan_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="plan_galaxy.py", description="pick the best parallel plan for a cluster "
-                                "(first run: plan_galaxy.py profile ...)",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def plan_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    name = prog or os.path.basename(sys.argv[0])
+    p = new_parser(prog, f"{DESCRIPTION}.\n\n{STEPS.format(prog=name)}\n\nThe flags of step 2:")
+    p.epilog = f"The flags of step 1:\n\n{profile_parser(f'{name} profile').format_help()}"
     model_arguments(p)
     p.add_argument("--cluster", required=True, help="cluster profile from plan_galaxy.py profile")
     p.add_argument("--objective", choices=("train", "latency"), default="train",
@@ -167,6 +184,7 @@ def plan_parser() -> argparse.ArgumentParser:
                         "(a process's own speed varies by a few percent from launch to launch)")
     p.add_argument("--emulate", default=None, metavar="CLUSTER_JSON",
                    help="validate on this emulated cluster (galaxy/emulate), the one the profile was measured on")
+    p.add_argument("--log_level", default="WARNING", help="python logging level")
     return p
 
 
@@ -242,8 +260,8 @@ def print_table(rows: list[dict], measured: Optional[list[Optional[float]]] = No
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
 
 
-def plan_main(argv: list[str]) -> int:
-    args = plan_parser().parse_args(argv)
+def plan_main(argv: list[str], prog: Optional[str] = None) -> int:
+    args = plan_parser(prog).parse_args(argv)
     setup_logging(args.log_level)
     try:
         cfg = workload_config(args)
@@ -268,6 +286,8 @@ def plan_main(argv: list[str]) -> int:
         work = Workload(cfg.model, args.objective, cfg.train.global_batch_size, cfg.train.seq_length,
                         cfg.train.dtype, cfg.train.optimizer, cfg.parallel.mp_grad_reduce, cfg.parallel.dp_engine,
                         cfg.parallel.zero_stage, cfg.parallel.reshard_after_forward, cfg.parallel.fsdp_grad_sync)
+        stage(f"search: plans of {cfg.model.model_type} ({cfg.model.num_hidden_layers} layers) on the "
+              f"{cluster.world} ranks of '{args.cluster}', objective {args.objective}")
         started = time.perf_counter()
         choices = search(cluster, work, args.ffn_unit, args.seq_unit, top=max(args.top, args.validate),
                          split_margin=args.split_margin, device_margin=args.device_margin,
@@ -275,7 +295,7 @@ def plan_main(argv: list[str]) -> int:
         configs = [plan_config(cfg, c, cluster.world) for c in choices]
         for config, choice in zip(configs, choices):  # every written plan must load and resolve as the CLIs will
             GalaxyConfig.from_dict(config).resolve_plan(len(choice.devices) // (choice.layout.dp * choice.layout.pp))
-    except (ConfigError, FileNotFoundError) as e:
+    except (UserError, FileNotFoundError) as e:
         return bad_input(e)
     with open(args.out, "w") as f:
         json.dump(configs[0], f, indent=2)
@@ -324,11 +344,19 @@ def validate_all(configs: list[dict], choices: list[Choice], args: argparse.Name
     the machine then touches every plan alike), the mean of the launches' seconds and the largest
     peak; None for a plan whose every launch failed."""
     runs: list[list[Measured]] = [[] for _ in configs]
-    for _ in range(args.validate_runs):
-        for taken, config, choice in zip(runs, configs, choices):
+    total = args.validate_runs * len(configs)
+    for turn in range(args.validate_runs):
+        for i, (taken, config, choice) in enumerate(zip(runs, configs, choices)):
+            done = turn * len(configs) + i + 1
+            stage(f"validate {done}/{total}: plan {i + 1} ({choice.name}, {'/'.join(m.value for m in choice.methods)}) "
+                  f"on {len(choice.devices)} rank(s), {args.validate_steps} "
+                  f"{'steps' if args.objective == 'train' else 'forwards'}")
             measured = validate(config, len(choice.devices), args)
             if measured is not None:
                 taken.append(measured)
+            stage(f"validate {done}/{total}: " + (f"{measured.seconds * 1e3:.1f} ms measured, "
+                                                  f"{choice.time_s * 1e3:.1f} ms predicted"
+                                                  if measured is not None else "the run failed"))
     peaks = [[m.peak_mb for m in t if m.peak_mb is not None] for t in runs]
     return [Measured(statistics.mean(m.seconds for m in t), max(p) if p else None) if t else None
             for t, p in zip(runs, peaks)]
@@ -374,8 +402,9 @@ def validate(config: dict, world: int, args: argparse.Namespace) -> Optional[Mea
             return Measured(json.load(f)["step_time_s"], max(line["peak_mem_mb"] for line in lines))
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
+    """``profile ...``: step 1 (``profile_main``); anything else: step 2, the search (``plan_main``)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "profile":
-        return profile_main(argv[1:])
-    return plan_main(argv)
+        return profile_main(argv[1:], f"{prog or os.path.basename(sys.argv[0])} profile")
+    return plan_main(argv, prog)

@@ -391,12 +391,18 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
         window_s = 0.0  # the window averages over CPU-quota periods; a GPU's events time what they time
     calibration = m if calibration_layers is None else \
         dataclasses.replace(m, num_hidden_layers=min(m.num_hidden_layers, calibration_layers))
+    # Stages at INFO: the CLI shows them on rank 0 (galaxy.cli.output.STAGE_LOGGERS).
+    logger.info("profile: whole serial training steps of %d layers (calibration)", calibration.num_hidden_layers)
     before = measure_serial(calibration, max(rows), seq, dtype, ctx.device, reps, window_s)
-    pieces = {n: measure_blocks(m, n, seq, ctx.device, dtype, reps, barrier, ffn_unit, window_s, agree, timer)
-              for n in rows}
+    pieces = {}
+    for n in rows:
+        logger.info("profile: each block at %d row(s), every shard size", n)
+        pieces[n] = measure_blocks(m, n, seq, ctx.device, dtype, reps, barrier, ffn_unit, window_s, agree, timer)
+    logger.info("profile: the optimizer step")
     optimizer = measure_optimizer(ctx.device, min(model_params(m), 2**24), reps, barrier, window_s, timer)
     barrier()
     # timed again after the pieces: a burst of load during one timing is then one of two, not all
+    logger.info("profile: the serial training steps again")
     after = measure_serial(calibration, max(rows), seq, dtype, ctx.device, reps, window_s)
     peaks = [p for p in (before[2], after[2]) if p is not None]
     serial = (before[0] + after[0], before[1] + after[1], min(peaks) if peaks else None)
@@ -423,6 +429,7 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
     groups = {}
     if world > 1:
         sizes = collective_sizes(m, max(rows), seq, world, most_bytes)
+        logger.info("profile: each collective by message size, on every group of the %d ranks", world)
         for members, group in probe_groups(run_group, world):
             if rank in members:
                 comm = Communicator("probe", members.index(rank), len(members), group)
