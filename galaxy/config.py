@@ -280,6 +280,14 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                      max_position_embeddings=131072, hidden_act="silu", tie_word_embeddings=True,
                      rope_theta=500000.0, rms_norm_eps=1e-5, pad_token_id=None,
                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    # Llama-3.1-8B shapes: 8.03B parameters, 128k vocabulary, untied, llama3 RoPE scaling to 128k positions.
+    "llama-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                     max_position_embeddings=131072, hidden_act="silu", tie_word_embeddings=False,
+                     rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                            high_freq_factor=4.0,
+                                                            original_max_position_embeddings=8192),
+                     rms_norm_eps=1e-5, pad_token_id=None, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
     "llama-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
                      num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
                      max_position_embeddings=4096, hidden_act="silu", tie_word_embeddings=False,
@@ -450,7 +458,7 @@ class GalaxyConfig:
                                   f"use one of {', '.join(MODEL_PRESETS)}")
             cfg.model.preset = preset
             for key, value in MODEL_PRESETS[preset].items():
-                setattr(cfg.model, key, value)
+                setattr(cfg.model, key, dict(value) if isinstance(value, dict) else value)  # the preset's own stays
         for key, value in flat.items():
             section = getattr(cfg, KEY_SECTION[key])
             setattr(section, key, _coerce(type(section), key, value))

@@ -384,3 +384,15 @@ def side_tuned_ring(ctx):
 
 def test_side_tuning_refuses_the_zigzag_order(dist_pool):
     assert all(dist_pool.run(side_tuned_ring, 2))
+
+
+def test_the_profiler_names_each_flavours_exchanges():
+    from galaxy.profiler import transition_label
+
+    def plan(flavour):
+        return Plan(Method.SP, Method.SP, Method.SP, (4, 4), (8, 8), (6, 6), sp_attention=flavour)
+
+    assert transition_label("all_gather", "fwd", plan("allgather")) == "S->T (ATT.sp K/V gather)"
+    assert transition_label("send_recv", "bwd", plan("ring")) == "ATT.sp ring attention"
+    assert transition_label("all_to_all", "fwd", plan("ulysses")) == "ATT.sp ulysses attention"
+    assert transition_label("all_gather", "fwd", plan("ring")) == "not a transition of this plan"
