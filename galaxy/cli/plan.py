@@ -30,7 +30,7 @@ from typing import Optional
 
 from galaxy.config import MODEL_PRESETS, ConfigError, GalaxyConfig, ParallelConfig, parse_override
 from galaxy.planner.cluster import ClusterProfile, load_cluster
-from galaxy.planner.cost import Workload
+from galaxy.planner.workload import Workload
 from galaxy.planner.search import DEVICE_MARGIN, SPLIT_MARGIN, Choice, search
 from galaxy.cli.launch import decide_launch, launch_ranks, rank_context
 from galaxy.cli.output import bad_input, check_output_path, setup_logging

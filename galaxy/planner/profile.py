@@ -25,7 +25,8 @@ from galaxy.core.comm import Communicator
 from galaxy.core.context import ParallelContext
 from galaxy.planner.blocks import DeviceTimer, measure_blocks, synchronize, windowed
 from galaxy.planner.cluster import OPS, AlphaBeta, ClusterProfile, RankProfile, candidate_groups
-from galaxy.planner.cost import GRAD_BUCKET_BYTES, Layout, Splits, Workload, predict
+from galaxy.planner.simulate import GRAD_BUCKET_BYTES, predict
+from galaxy.planner.workload import Layout, Splits, Workload
 
 logger = logging.getLogger(__name__)
 

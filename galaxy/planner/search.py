@@ -11,7 +11,7 @@ from the exact min-max split of its own blocks' per-rank times (bisection on the
 ``min_max_split``), then coordinate descent improves one split at a time against the full cost
 model, each step exhaustive when its splits are few, else by moves of 1, 2, 4, ... units between two
 ranks (it starts from the even split instead where that scores better); the plan is then marked
-``exact: false`` and carries a lower bound on every split's time (``cost.lower_bound``), so its
+``exact: false`` and carries a lower bound on every split's time (``bounds.lower_bound``), so its
 distance from the optimum is bounded by ``time - lower_bound``.
 
 An uneven split is kept only where it is predicted faster than the even split of the same methods by
@@ -37,8 +37,9 @@ import numpy as np
 
 from galaxy.config import DP_ENGINES, MP_GRAD_REDUCE, ConfigError, Method, balanced_split
 from galaxy.planner.cluster import ClusterProfile, device_subsets
-from galaxy.planner.cost import (Layout, Prediction, Splits, Workload, fsdp_reshards, fsdp_sharded, fsdp_syncs_once,
-                                 lower_bound, might_fit, predict)
+from galaxy.planner.bounds import lower_bound, might_fit
+from galaxy.planner.simulate import Prediction, predict
+from galaxy.planner.workload import Layout, Splits, Workload, fsdp_reshards, fsdp_sharded, fsdp_syncs_once
 
 logger = logging.getLogger(__name__)
 

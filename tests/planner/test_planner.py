@@ -18,7 +18,9 @@ import torch
 from galaxy.config import ConfigError, GalaxyConfig, Method
 from galaxy.planner.cluster import (OPS, PIECES, AlphaBeta, ClusterProfile, Curve, Piece, RankProfile,
                                     cluster_from_dict, isotonic, load_cluster)
-from galaxy.planner.cost import GroupModel, Layout, Segments, Splits, Workload, collectives, predict
+from galaxy.planner.group import GroupModel, Segments, collectives
+from galaxy.planner.simulate import predict
+from galaxy.planner.workload import Layout, Splits, Workload
 from galaxy.planner.blocks import BlockBench, grid, off_the_line, time_pieces
 from galaxy.planner.cluster import candidate_groups
 from galaxy.planner.search import SplitSearch, compositions, min_max_split, search
@@ -629,7 +631,7 @@ def test_the_last_member_leaves_a_collective_after_the_ones_that_waited():
     (5.004) and rank 1 0.5 s (3.510), so rank 0 is last: 5.014, rank 1 leaves at 5.008. A file
     without the waiting time has both leave together (3.010, then 5.010 + 0.010). The segments keep
     each rank's compute, and their sum of maxima plus the 4 ms stays below the time."""
-    from galaxy.planner.cost import Collective, Compute, Segments, run
+    from galaxy.planner.group import Collective, Compute, Segments, run
 
     def model(waited):
         cluster = synthetic_cluster(BERT, 2, [1.0, 1.0], alpha=0.010, beta=0.0, waited=waited)
@@ -958,7 +960,7 @@ def test_profiler_writes_a_valid_file(dist_pool):
 def test_all_reduce_is_timed_up_to_a_gradient_bucket():
     """Activation collectives up to world x K and V of the largest batch; all-reduce also up to the
     25 MiB bucket the gradient sync sends (or the whole gradient, when smaller)."""
-    from galaxy.planner.cost import GRAD_BUCKET_BYTES
+    from galaxy.planner.simulate import GRAD_BUCKET_BYTES
     from galaxy.planner.profile import collective_sizes, model_params
 
     large = model_config({**BERT, "hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16,
