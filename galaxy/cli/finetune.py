@@ -84,7 +84,7 @@ def finetune_rank(rank: int, launch, payload) -> None:
         fixed = cfg.train.seq_length if shards_sequence(plan) else None
         batch_at = instruction_batches(batcher, fixed)
         eval_at = instruction_batches(eval_batcher, fixed) if eval_batcher is not None else None
-        result = train_from_args(model, batch_at, cfg, ctx, args, eval_at)
+        result = train_from_args(model, batch_at, cfg, ctx, args, eval_at, launch)
         answer = None
         if args.prompt is not None:
             answer = greedy_answer(model, batcher.tokenizer, args.prompt, args.prompt_input, args.max_new_tokens)

@@ -10,9 +10,12 @@ import tempfile
 from typing import Optional
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.WARNING),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(format=LOG_FORMAT)  # no-op where the process has its handlers (a local rank's)
+    logging.getLogger().setLevel(getattr(logging, level.upper(), logging.WARNING))
 
 
 

@@ -165,7 +165,8 @@ def plan_parser() -> argparse.ArgumentParser:
                         "ulysses; default all three; the config's sp_attention is always among them)")
     p.add_argument("--validate", type=int, default=0, metavar="K", help="run the top K plans and print measured times")
     p.add_argument("--validate_steps", type=int, default=5,
-                   help="training steps (the first untimed) or timed forwards per validated plan")
+                   help="training steps (the run's steady state: the first two untimed, as bench_train's "
+                        "--warmup 2) or timed forwards per validated plan")
     p.add_argument("--validate_runs", type=int, default=1,
                    help="launches per validated plan, taking turns with the other plans; the mean of their medians "
                         "(a process's own speed varies by a few percent from launch to launch)")
@@ -355,23 +356,24 @@ def failure_said(stderr: str) -> str:
 def validate(config: dict, world: int, args: argparse.Namespace) -> Optional[Measured]:
     """Run one plan through the CLI a user would run it with (``pretrain_galaxy.py`` for training,
     ``infer_galaxy.py`` for latency), on ``world`` local processes or on the emulated cluster of
-    ``--emulate`` (a plan on some of its devices starts there); its median measured step (every
-    step after the first) or batch-1 forward, in seconds, robust to a few disturbed steps, and a
-    training run's peak memory on rank 0."""
+    ``--emulate`` (a plan on some of its devices starts there); its median measured step (the run's
+    steady state: galaxy.train.metrics.SteadyState, bench_train's definition) or batch-1 forward, in
+    seconds, robust to a few disturbed steps, and a training run's peak memory on rank 0."""
     with tempfile.TemporaryDirectory() as tmp:
-        path, out = os.path.join(tmp, "plan.json"), os.path.join(tmp, "measured.json")
+        path, out, summary = (os.path.join(tmp, name) for name in ("plan.json", "measured.json", "summary.json"))
         with open(path, "w") as f:
             json.dump(config, f)
         where = ["--emulate", args.emulate] if args.emulate else ["--world", str(world)]
         if args.objective == "train":
             argv = ["pretrain_galaxy.py", "--max_steps", str(args.validate_steps), "--metrics_file", out,
-                    "--no_progress", "--override", "log_every=1000000"]
+                    "--summary_json", summary, "--no_progress", "--override", "log_every=1000000"]
         else:
             argv = ["infer_galaxy.py", "--warmup", "2", "--reps", str(args.validate_steps), "--summary_json", out]
         run = subprocess.run([sys.executable, os.path.join(ROOT, argv[0]), "--config", path, *where, *argv[1:],
                               "--log_level", args.log_level], capture_output=True, text=True,
                              env={**os.environ, "PYTHONPATH": ROOT})
-        if run.returncode != 0 or not os.path.isfile(out):
+        wrote = [out] + ([summary] if args.objective == "train" else [])
+        if run.returncode != 0 or not all(map(os.path.isfile, wrote)):
             logger.warning("validation run of %s failed (exit %s): %s", config["parallel"], run.returncode,
                            failure_said(run.stderr))
             return None
@@ -379,8 +381,8 @@ def validate(config: dict, world: int, args: argparse.Namespace) -> Optional[Mea
             if args.objective == "latency":
                 return Measured(json.load(f)["forward"]["median_ms"] / 1e3)
             lines = [json.loads(line) for line in f]
-        return Measured(statistics.median(line["step_time_s"] for line in lines[1:]),
-                        max(line["peak_mem_mb"] for line in lines))
+        with open(summary) as f:
+            return Measured(json.load(f)["step_time_s"], max(line["peak_mem_mb"] for line in lines))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -49,7 +49,7 @@ def pretrain_rank(rank: int, launch, payload) -> None:
             cfg.model.vocab_size = vocab_size
         plan = cfg.resolve_plan(ctx.mp.size)
         model = apply_tuning(build_base(cfg, plan, ctx, task="classify" if task == "classify" else "lm"), cfg)
-        result = train_from_args(model, batch_at, cfg, ctx, args, eval_at)
+        result = train_from_args(model, batch_at, cfg, ctx, args, eval_at, launch)
         if rank == 0:
             fields = {"plan": plan.name, "world": launch.world, "device": str(ctx.device),
                       "att/con/mlp": "/".join(m.value for m in (plan.att, plan.con, plan.mlp)),

@@ -56,7 +56,7 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` laid out contiguously: ``t`` itself where it already is, not ``t.contiguous()``. Under torch
     2.11's dynamo an autograd.Function whose forward returns a no-op ``.contiguous()`` of a tensor it made
     gets an all-zero gradient (2.13 is right); the transitions return these results, and with one sequence
-    per micro-batch the sequence dim's ``movedim`` and ``narrow`` are contiguous already (docs/benchmarks.md,
+    per micro-batch the sequence dim's ``movedim`` and ``narrow`` are contiguous already (docs/benchmarks-log.md,
     "Rows per micro-batch on 2 GPUs")."""
     return t if t.is_contiguous() else t.contiguous()
 

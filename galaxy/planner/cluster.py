@@ -21,7 +21,7 @@ scaled); with one batch size it is proportional. Collective bytes are the full t
 A group's ``ops`` (``OPS``) are the seconds from the last member's arrival at a collective until it leaves,
 ``early_leave`` until the members that were waiting for it leave: not the same over Gloo's TCP
 transport, where an all-gather lets the waiting members go ~0.4-0.5x its time before the last one
-(its peers' pieces reach the last member only after its own have left; docs/benchmarks.md). Files
+(its peers' pieces reach the last member only after its own have left; docs/benchmarks-log.md). Files
 without ``early_leave`` (older ones) have every member leave together. ``all_to_all`` is timed by the whole
 input a rank sends (its own piece included, as ``galaxy.core.comm`` records it), ``send_recv`` by the bytes each
 member sends to the next while it receives from the one before (a ring shift, as ring attention's steps). Files

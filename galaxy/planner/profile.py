@@ -162,7 +162,7 @@ def measure_sustained(m: ModelConfig, rows: int, seq: int, dtype: str, device: t
     the median of their last fifth over the median of ``burst_steps_s`` (the calibration's steps, the
     short runs the pieces match), at least 1. A training run holds a GPU at its power limit, where it
     clocks lower than in the profile's bursts (an H200 at 700 W: ~1,560 MHz against 1,980 for a burst;
-    the 4-GPU plans it ran were predicted 14-17% fast, docs/benchmarks.md)."""
+    the 4-GPU plans it ran were predicted 14-17% fast, docs/benchmarks-log.md)."""
     reps = max(5, math.ceil(seconds / min(burst_steps_s)))
     steps, _, _ = measure_serial(m, rows, seq, dtype, device, reps, forwards=False)
     late = statistics.median(steps[-max(3, len(steps) // 5):])
@@ -187,14 +187,14 @@ def calibrated(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str,
     to match. One layer's difference, not the whole peak: the embeddings, head and loss of a shallow
     calibration model, whose transients the cost model does not place, made a 2-layer LLaMA-7B step's
     peak read as 0.37 of its activations, and 4-GPU plans then held 23-33% more than predicted
-    (docs/benchmarks.md).
+    (docs/benchmarks-log.md).
 
     ``shallower_steps_s``: that step's times (a GPU's; a CPU's are too noisy for a difference). A layer's
     time is then the two steps' difference, less the optimizer's share of one layer: the layer pieces are
     scaled to it (``layer_compute_scale``) and the rest of the step (embeddings, head, loss) is calibrated
     as above on what remains. Fitted as a whole, a 2-layer step spread its error over the layers and the
     head: on an H200 the pieces under-predicted a 7B layer by 7% and over-predicted the head, so that 32
-    layers ran 6% slower than predicted (docs/benchmarks.md)."""
+    layers ran 6% slower than predicted (docs/benchmarks-log.md)."""
     me = dataclasses.replace(me, step_overhead_s=0.0, forward_overhead_s=0.0, step_compute_scale=1.0,
                              forward_compute_scale=1.0, activation_scale=1.0, sustained_scale=1.0,
                              layer_compute_scale=1.0)
@@ -289,7 +289,7 @@ def collective_sizes(m: ModelConfig, rows: int, seq: int, world: int,
     (K and V gathered, padded to a shard that holds every token: world x the whole activation, twice),
     and for all-reduce up to a gradient sync's bucket: extrapolated to 25 MiB along the slope between
     2 and 4 MiB (237 ms/MiB at 50 Mbit, where 16-25 MiB run at 201), it put every replicated training
-    step 13% high (docs/benchmarks.md).
+    step 13% high (docs/benchmarks-log.md).
     ``most_bytes``: one limit for every op instead."""
     largest = most_bytes or min(max(2 * world * rows * seq * m.hidden_size * 4, 2**20), 2**26)
     sizes = {op: message_sizes(largest) for op in OPS}

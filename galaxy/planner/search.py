@@ -17,7 +17,7 @@ distance from the optimum is bounded by ``time - lower_bound``.
 An uneven split is kept only where it is predicted faster than the even split of the same methods by
 more than ``split_margin`` (default 3%): the profiles of two equal devices differ by their noise, and
 a split fitted to that noise ran 13% slower than the even one it was predicted to beat by 2.4%
-(docs/benchmarks.md, BERT-large 1:1). The even choice then carries the optimum's time as its
+(docs/benchmarks-log.md, BERT-large 1:1). The even choice then carries the optimum's time as its
 ``lower_bound_s``. In the same way a plan on more devices comes first only where it is predicted
 faster than the best plan on fewer by more than ``device_margin`` (default 3%): every device added
 brings its collectives and its noise, and two-device plans predicted 2-3% ahead of one device alone
