@@ -156,7 +156,6 @@ def timings(ctx, args) -> list[dict]:
                          "median_ms": slowest[0].item(), "peak_mib": slowest[1].item() or None})
         except torch.OutOfMemoryError:
             rows.append({"flavour": flavour, "seq": args.seq, "error": "out of memory"})
-        del q, k, v, dout
         release(dev)
     return rows
 

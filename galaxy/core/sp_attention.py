@@ -21,7 +21,8 @@ head) and returns its own queries' outputs over the whole sequence. Three flavou
 Key padding masks work in every flavour; attention dropout in allgather and ulysses (the ring attends
 block by block without it: ``galaxy.config`` refuses the combination). The ring's blocks attend with
 torch's flash-attention op on CUDA (bf16/fp16, no mask) and with an exact reference elsewhere
-(``attend_block``); both return the block's log-sum-exp, which the merge and the backward need.
+(``attend_block``: CPU, float32/float64, and a block whose keys a padding mask hides, whose scores it then
+holds for the block); both return the block's log-sum-exp, which the merge and the backward need.
 """
 
 from __future__ import annotations

@@ -196,10 +196,11 @@ class SplitSearch:
         """Per-rank forward+backward seconds of the pieces that ``var`` sizes, by unit count."""
         unit, count = self.units[var]
         att, con, mlp = self.methods
+        sp_att = (["att_proj.tokens"] + ([] if self.ulysses else ["att_core.tokens"])) if att == Method.SP else []
         pieces = {"heads": ["att_core.heads"] if self.ulysses else ["att_proj.heads", "att_core.heads"],
                   "ffn": ["mlp.ffn"],
-                  "seq": (["att_proj.tokens"] + ([] if self.ulysses else ["att_core.tokens"]) if att == Method.SP else [])
-                  + (["mlp.tokens"] if mlp == Method.SP else []) + (["con.tokens"] * 2 if con == Method.SP else [])}[var]
+                  "seq": sp_att + (["mlp.tokens"] if mlp == Method.SP else []) + (["con.tokens"] * 2 if con == Method.SP
+                                                                                  else [])}[var]
         sizes = np.arange(count + 1) * unit
         costs = np.zeros((self.mp, count + 1))
         rows = 1 if self.work.objective == "latency" else \

@@ -1,7 +1,7 @@
 """The planner prices the SP attention flavours (``sp_attention``: allgather, ring, ulysses) and chooses.
 
 References: the collectives the cost model charges for each flavour are the ones the real model records
-(op, bytes, phase: galaxy.core.comm's Communicator on Gloo); the bounds hold against predictions of sampled
+(tests/planner/test_planner.py, ``SP_ATTENTION_PLANS``); a step's bytes hold them; the bounds hold against predictions of sampled
 splits; the search's choice is the flavour the simulator itself prices fastest, on made-up clusters where
 each flavour should win: ring attention where long causal sequences give the attention compute that hides
 its transfers (a slow link, few kv heads), Ulysses where the link is the cost and K/V are as large as Q (no
@@ -19,38 +19,11 @@ from galaxy.planner.group import GroupModel, collectives
 from galaxy.planner.search import SplitSearch, search
 from galaxy.planner.simulate import predict
 from galaxy.planner.workload import Layout, Splits, Workload
-from tests.planner.test_planner import BERT, LLAMA, record_collectives, synthetic_cluster
+from tests.planner.test_planner import LLAMA, synthetic_cluster
 from tests.planner.test_search_bounds import every_layout, sampled_splits
 
 TP, SP, NONE = Method.TP, Method.SP, Method.NONE
 FLAVOURS = ("allgather", "ring", "ulysses")
-
-CASES = [("llama", (SP, SP, SP), [3, 5], [10, 6]),  # Ulysses: a GQA group of 4 split over both ranks
-         ("llama", (SP, SP, TP), [4, 4], [7, 9]),
-         ("llama", (SP, NONE, TP), [2, 6], [8, 8]),
-         ("bert", (SP, SP, SP), [1, 3], [11, 5])]
-
-
-@pytest.mark.parametrize("flavour", ["ring", "ulysses"])
-@pytest.mark.parametrize("model_type,methods,heads,seq", CASES)
-def test_charged_collectives_are_the_ones_the_model_records(dist_pool, flavour, model_type, methods, heads, seq):
-    """Same op, bytes and phase as the real model's Communicator records: the ring's point-to-point blocks
-    (LLaMA's in the zigzag order) and dK/dV accumulators, Ulysses' two all-to-alls each way."""
-    raw = BERT if model_type == "bert" else LLAMA
-    names = ("att_parallel_method", "con_parallel_method", "mlp_parallel_method")
-    config = {"model": raw, "train": {"seq_length": 16, "global_batch_size": 2},
-              "parallel": {**{k: m.value for k, m in zip(names, methods)}, "tp_num_attention_heads_list": heads,
-                           "seq_scatter_list": seq, "sp_attention": flavour}}
-    real = dist_pool.run(record_collectives, 2, config, 0)[0]
-    cluster = synthetic_cluster(raw, 2, [1.0, 1.0], seq=16)
-    work = Workload(cluster.model, "train", 2, 16, sp_attention=flavour)
-    ffn = [cluster.model.intermediate_size // 2] * 2
-    g = GroupModel(cluster, work, methods, Splits.one(heads, ffn, seq), [0, 1], rows=2)
-    predicted = collectives(g, cluster.model.num_hidden_layers)
-    assert sorted(predicted) == sorted(real)
-    assert [p for p in predicted if p[2] == "fwd"] == [r for r in real if r[2] == "fwd"]
-    assert {op for op, _, _ in predicted} >= {"send_recv" if flavour == "ring" else "all_to_all"}
-
 
 def test_step_bytes_count_the_flavours_exchanges():
     """``comm_bytes`` (global rank 0's bytes of a step) holds every record ``collectives`` lists, the step's
