@@ -8,7 +8,8 @@ LoRA, selective and full recomputation, composed with dp (dp 2 x mp 2) and pp (p
 evaluation and compiled layers (the ring running eagerly inside them) too. The ring's point-to-point bytes
 and Ulysses' all-to-all bytes equal the count derived here from the shapes; the attention FLOPs of every
 flavour are torch's FlopCounterMode's, and those of BERT equal the allgather flavour's. Plus the pieces: the
-zigzag order, the ring's block pairs (every visible key once, equal work per step), the block attention with its log-sum-exp."""
+zigzag order, the ring's block pairs (every visible key once, equal work per step), the block attention with
+its log-sum-exp."""
 
 import math
 
