@@ -96,6 +96,12 @@ class ParallelConfig:
     # 4 when unset) | async_tp (symmetric-memory fused all-gather/reduce-scatter matmuls, torchtitan's
     # async TP: CUDA + NCCL, sequence-sharded stream, even seq splits). None: coc_parallel_num alone decides.
     tp_overlap: Optional[str] = None
+    # How an SP attention block (ATT.sp) attends over the whole sequence from its sequence shard
+    # (galaxy.core.sp_attention): allgather (K and V gathered in one collective, Llama 3's context
+    # parallelism) | ring (K/V blocks passed around the mp ranks, overlapped with the blocks' attention,
+    # merged by their log-sum-exp; causal models in the load-balanced zigzag order) | ulysses
+    # (DeepSpeed-Ulysses: all-to-all to head shards, whole-sequence attention on this rank's heads, back).
+    sp_attention: str = "allgather"
     # Data and pipeline parallelism around the mp group: world = dp_size x pp_size x mp.
     dp_size: int = 1
     pp_size: int = 1
@@ -274,6 +280,14 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                      max_position_embeddings=131072, hidden_act="silu", tie_word_embeddings=True,
                      rope_theta=500000.0, rms_norm_eps=1e-5, pad_token_id=None,
                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    # Llama-3.1-8B shapes: 8.03B parameters, 128k vocabulary, untied, llama3 RoPE scaling to 128k positions.
+    "llama-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                     max_position_embeddings=131072, hidden_act="silu", tie_word_embeddings=False,
+                     rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                            high_freq_factor=4.0,
+                                                            original_max_position_embeddings=8192),
+                     rms_norm_eps=1e-5, pad_token_id=None, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
     "llama-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
                      num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
                      max_position_embeddings=4096, hidden_act="silu", tie_word_embeddings=False,
@@ -363,6 +377,7 @@ class Plan:
     seq_split: tuple[int, ...]
     coc_parallel_num: Optional[int] = None  # as configured; galaxy.core.overlap.coc.coc_chunks resolves it
     tp_overlap: Optional[str] = None  # "async_tp" selects galaxy.core.overlap.async_tp at the TP edges
+    sp_attention: str = "allgather"  # ATT.sp's flavour (galaxy.core.sp_attention); heads_split is Ulysses' split
 
     @property
     def size(self) -> int:
@@ -391,6 +406,7 @@ FSDP_GRAD_SYNCS = ("every_micro_batch", "last_micro_batch")
 OPTIMIZERS = ("adamw", "sgd")
 RECOMPUTE_MODES = ("none", "full", "selective", "mlp")
 TP_OVERLAPS = ("none", "coc", "async_tp")
+SP_ATTENTIONS = ("allgather", "ring", "ulysses")
 COC_DEFAULT_CHUNKS = 4  # tp_overlap coc without coc_parallel_num
 KERNEL_BACKENDS = ("auto", "triton", "torch")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -442,7 +458,7 @@ class GalaxyConfig:
                                   f"use one of {', '.join(MODEL_PRESETS)}")
             cfg.model.preset = preset
             for key, value in MODEL_PRESETS[preset].items():
-                setattr(cfg.model, key, value)
+                setattr(cfg.model, key, dict(value) if isinstance(value, dict) else value)  # the preset's own stays
         for key, value in flat.items():
             section = getattr(cfg, KEY_SECTION[key])
             setattr(section, key, _coerce(type(section), key, value))
@@ -528,6 +544,7 @@ class GalaxyConfig:
                               f"1 = no overlap), got {p.coc_parallel_num}")
         self._validate_tp_overlap()
         self.methods()  # method names are checked here, splits once the world size is known
+        self._validate_sp_attention()
         self._validate_dp_pp()
         self._validate_compute()
 
@@ -550,6 +567,23 @@ class GalaxyConfig:
             raise ConfigError("config key 'tp_overlap' async_tp does not combine with lora_fusion (CCLoRA overlaps "
                               "the LoRA branch with its own chunked collectives); set tp_overlap to coc or "
                               "lora_fusion to false")
+
+    def _validate_sp_attention(self) -> None:
+        """What the SP attention flavours cannot do (resolve_plan checks Ulysses' heads per rank)."""
+        p, m = self.parallel, self.model
+        if p.sp_attention not in SP_ATTENTIONS:
+            raise ConfigError(f"config key 'sp_attention': '{p.sp_attention}' is not one of {', '.join(SP_ATTENTIONS)}")
+        if p.sp_attention == "allgather":
+            return
+        att = self.methods()[0]
+        if att != Method.SP:
+            raise ConfigError(f"config key 'sp_attention' is '{p.sp_attention}', which chooses how an SP attention "
+                              f"block attends, but att_parallel_method is {att.value}; use a plan with ATT SP (e.g. "
+                              "sp) or drop sp_attention")
+        if p.sp_attention == "ring" and m.attention_probs_dropout_prob > 0:
+            raise ConfigError(f"config key 'sp_attention' ring attends block by block without attention dropout, but "
+                              f"attention_probs_dropout_prob is {m.attention_probs_dropout_prob}; set it to 0 or use "
+                              "sp_attention allgather or ulysses")
 
     def _validate_compute(self) -> None:
         m = self.model
@@ -754,8 +788,13 @@ class GalaxyConfig:
                                   f"make the splits add up to {total}")
             return tuple(given)
 
+        ulysses = att == Method.SP and p.sp_attention == "ulysses" and mp_size > 1
+        if ulysses and m.num_attention_heads < mp_size:
+            raise ConfigError(f"config key 'sp_attention' ulysses splits the attention heads over the model-parallel "
+                              f"ranks, but there are {m.num_attention_heads} heads for {mp_size} ranks; use "
+                              "sp_attention ring or allgather, or at most as many ranks as heads")
         heads = splits("tp_num_attention_heads_list", p.tp_num_attention_heads_list, m.num_attention_heads,
-                       att == Method.TP, "num_attention_heads")
+                       att == Method.TP or ulysses, "num_attention_heads")
         ffn = splits("tp_intermediate_size_list", p.tp_intermediate_size_list, m.intermediate_size,
                      mlp == Method.TP, "intermediate_size")
         seqs = splits("seq_scatter_list", p.seq_scatter_list, seq, uses_seq, "seq_length")
@@ -769,7 +808,7 @@ class GalaxyConfig:
             p.tp_overlap, p.coc_parallel_num)
         if p.tp_overlap == "async_tp":
             self._check_async_tp_plan(att, con, mlp, seqs)
-        return Plan(att, con, mlp, heads, ffn, seqs, chunks, p.tp_overlap)
+        return Plan(att, con, mlp, heads, ffn, seqs, chunks, p.tp_overlap, p.sp_attention)
 
     @staticmethod
     def _check_async_tp_plan(att: Method, con: Method, mlp: Method, seqs: tuple[int, ...]) -> None:

@@ -28,6 +28,7 @@ from galaxy.adapters.side import SideSpec
 from galaxy.config import ConfigError, GalaxyConfig, Method, ModelConfig, Plan, fused_gate_up_targets
 from galaxy.core.grad_sync import gather_full
 from galaxy.core.layers import region_rule
+from galaxy.core.sp_attention import load_balanced
 from galaxy.loralib import (inject_lora, load_lora_pretrained, mark_only_lora_as_trainable, merge_and_unload,
                             save_lora_pretrained)
 from galaxy.loralib.model import lora_keeps, lora_target_names
@@ -251,6 +252,10 @@ def side_spec(model: nn.Module, reduction_factor: int) -> SideSpec:
     if stage is not None and not stage.is_whole:
         raise ValueError("side-tuning under pipeline parallelism is not supported: the side network runs beside "
                          "every layer; use pp_size 1")
+    if load_balanced(model.plan, getattr(model, "causal", False)):
+        raise ConfigError("config key 'tuning' is side, whose side network attends in the natural token order, but "
+                          "sp_attention ring runs this causal model's stream in the zigzag order; use sp_attention "
+                          "allgather or ulysses")
     scfg = side_config(model.config, reduction_factor)
     return model.side_spec(scfg, side_plan(model.plan, scfg))
 

@@ -11,7 +11,8 @@ the top plans as a table (printed, and as JSON beside it). ``--validate K`` runs
 ``--objective latency``, ``infer_galaxy.py``, prints the measured times beside the predicted, and writes
 the fastest of them as the plan (the cost model ranks, the measurement picks: what a prediction leaves out,
 the measurement sees). The search runs the config's ``dp_engine``; ``--dp_engines fsdp2`` (or others)
-searches those too wherever dp > 1, and each plan's config names its engine.
+searches those too wherever dp > 1, and each plan's config names its engine. Plans whose ATT is SP are
+priced in every SP attention flavour (``--sp_attentions``: allgather, ring, ulysses) and name the one chosen.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from galaxy.cli.args import add_launch_flags, model_flag_config, new_parser
 from galaxy.cli.launch import launch_ranks
 from galaxy.cli.output import bad_input, check_output_path, setup_logging, stage
 from galaxy.cli.run import Run, prepare, ranks_of
-from galaxy.config import MODEL_PRESETS, ConfigError, GalaxyConfig, ParallelConfig
+from galaxy.config import MODEL_PRESETS, SP_ATTENTIONS, ConfigError, GalaxyConfig, Method, ParallelConfig
 from galaxy.errors import UserError
 from galaxy.planner.cluster import ClusterProfile, load_cluster
 from galaxy.planner.workload import Workload
@@ -175,6 +176,9 @@ def plan_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                         "sharded, fsdp) beside the config's mp_grad_reduce, each under the dp engines that run it "
                         "and for plans it acts on, e.g. --mp_grad_reduces sharded fsdp (fsdp: the SP blocks' "
                         "weights sharded over mp)")
+    p.add_argument("--sp_attentions", nargs="+", default=list(SP_ATTENTIONS), metavar="FLAVOUR",
+                   help="for plans whose ATT is SP, the attention flavours to price and choose from (allgather, ring, "
+                        "ulysses; default all three; the config's sp_attention is always among them)")
     p.add_argument("--validate", type=int, default=0, metavar="K", help="run the top K plans and print measured times")
     p.add_argument("--validate_steps", type=int, default=5,
                    help="training steps (the run's steady state: the first two untimed, as bench_train's "
@@ -208,7 +212,8 @@ def plan_config(cfg: GalaxyConfig, choice: Choice, world: int) -> dict:
     parallel = {"att_parallel_method": att.value, "con_parallel_method": con.value,
                 "mlp_parallel_method": mlp.value, "dp_size": choice.layout.dp, "pp_size": choice.layout.pp,
                 "num_microbatches": choice.layout.microbatches, "pipeline_schedule": choice.layout.schedule,
-                "mp_grad_reduce": choice.mp_grad_reduce, "dp_engine": choice.dp_engine}
+                "mp_grad_reduce": choice.mp_grad_reduce, "dp_engine": choice.dp_engine,
+                "sp_attention": choice.sp_attention}
     if choice.dp_engine == "deepspeed":
         parallel["zero_stage"] = cfg.parallel.zero_stage
     if choice.dp_engine == "fsdp2" or choice.mp_grad_reduce == "fsdp":  # FSDP's settings, where not its defaults
@@ -234,7 +239,9 @@ def table_rows(choices: list[Choice]) -> list[dict]:
                      "att/con/mlp": "/".join(m.value for m in c.methods),
                      "dp x pp x mp": f"{c.layout.dp}x{c.layout.pp}x{len(c.seq)}",
                      "dp engine": c.engine if c.layout.dp > 1 else None,
-                     "mp grad": c.mp_grad_reduce if len(c.seq) > 1 else None, "microbatches": c.layout.microbatches,
+                     "mp grad": c.mp_grad_reduce if len(c.seq) > 1 else None,
+                     "sp attention": c.sp_attention if c.methods[0] == Method.SP and len(c.seq) > 1 else None,
+                     "microbatches": c.layout.microbatches,
                      "recompute": c.layout.recompute,
                      "heads": list(c.heads) if "heads" in c.uses else None,
                      "ffn": list(c.ffn) if "ffn" in c.uses else None,
@@ -246,7 +253,8 @@ def table_rows(choices: list[Choice]) -> list[dict]:
 
 
 def print_table(rows: list[dict], measured: Optional[list[Optional[float]]] = None) -> None:
-    cols = ["rank", "plan", "devices", "att/con/mlp", "dp x pp x mp", "dp engine", "mp grad", "microbatches",
+    cols = ["rank", "plan", "devices", "att/con/mlp", "dp x pp x mp", "dp engine", "mp grad", "sp attention",
+            "microbatches",
             "recompute", "heads", "ffn", "seq",
             "predicted_ms", "lower_bound_ms", "max_memory_mb", "fits"]
     cells = [[str(r[c]) if r[c] is not None else "-" for c in cols] for r in rows]
@@ -285,13 +293,15 @@ def plan_main(argv: list[str], prog: Optional[str] = None) -> int:
             cgroups.placement(emulated, cgroups.host_cpus())
         work = Workload(cfg.model, args.objective, cfg.train.global_batch_size, cfg.train.seq_length,
                         cfg.train.dtype, cfg.train.optimizer, cfg.parallel.mp_grad_reduce, cfg.parallel.dp_engine,
-                        cfg.parallel.zero_stage, cfg.parallel.reshard_after_forward, cfg.parallel.fsdp_grad_sync)
+                        cfg.parallel.zero_stage, cfg.parallel.reshard_after_forward, cfg.parallel.fsdp_grad_sync,
+                        cfg.parallel.sp_attention)
         stage(f"search: plans of {cfg.model.model_type} ({cfg.model.num_hidden_layers} layers) on the "
               f"{cluster.world} ranks of '{args.cluster}', objective {args.objective}")
         started = time.perf_counter()
         choices = search(cluster, work, args.ffn_unit, args.seq_unit, top=max(args.top, args.validate),
                          split_margin=args.split_margin, device_margin=args.device_margin,
-                         dp_engines=args.dp_engines, mp_grad_reduces=args.mp_grad_reduces)
+                         dp_engines=args.dp_engines, mp_grad_reduces=args.mp_grad_reduces,
+                         sp_attentions=args.sp_attentions)
         configs = [plan_config(cfg, c, cluster.world) for c in choices]
         for config, choice in zip(configs, choices):  # every written plan must load and resolve as the CLIs will
             GalaxyConfig.from_dict(config).resolve_plan(len(choice.devices) // (choice.layout.dp * choice.layout.pp))

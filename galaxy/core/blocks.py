@@ -3,7 +3,7 @@ transition at each boundary, and the self-attention computation every model shar
 
     block.method   input  output
     ATT/MLP.tp     T      P
-    ATT/MLP.sp     S      S      (ATT.sp gathers K and V: S -> T, so their gradient is reduce-scattered)
+    ATT/MLP.sp     S      S      (ATT.sp attends over the whole sequence: galaxy.core.sp_attention)
     */.none        R      R
     CON.sp         S      S
 """
@@ -19,7 +19,8 @@ from galaxy.core.attention import attention
 from galaxy.core.comm import Communicator
 from galaxy.core.layers import Dropout
 from galaxy.core.recompute import generators_of, recompute
-from galaxy.core.transitions import SEQ_DIM, Layout, transition
+from galaxy.core.sp_attention import sequence_parallel_attention
+from galaxy.core.transitions import SEQ_DIM, Layout, SequenceOrder, transition
 
 LAYOUTS = {Method.TP: (Layout.T, Layout.P), Method.SP: (Layout.S, Layout.S), Method.NONE: (Layout.R, Layout.R)}
 
@@ -34,9 +35,12 @@ def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
 class Boundaries:
     """The transitions of one layer stack: the residual stream lives in CON's layout."""
 
-    def __init__(self, comm: Communicator, plan: Plan):
+    def __init__(self, comm: Communicator, plan: Plan, order: Optional[SequenceOrder] = None):
+        """``order``: which tokens each rank's stream holds (default contiguous; causal ring attention's zigzag:
+        ``sp_attention.stream_order``); the stream runs on the sequence in that order from the embeddings on."""
         self.comm, self.plan = comm, plan
         self.stream = LAYOUTS[plan.con][1]
+        self.order = order or SequenceOrder(plan.seq_split)
 
     def enter(self, h: torch.Tensor, method: Method) -> torch.Tensor:
         """Stream -> the input layout of a block running ``method``, cast to the compute dtype first
@@ -49,6 +53,7 @@ class Boundaries:
 
     def to_stream(self, x: torch.Tensor) -> torch.Tensor:
         """A replicated full-sequence tensor (e.g. input ids) -> this rank's part of the stream."""
+        x = self.order.to_stream_order(x)
         return self.comm.split(x, SEQ_DIM, self.plan.seq_split) if self.stream == Layout.S else x
 
     def stream_offset(self) -> int:
@@ -57,7 +62,7 @@ class Boundaries:
 
     def to_replicated(self, x: torch.Tensor) -> torch.Tensor:
         """A stream tensor -> the full sequence on every rank (e.g. for a report or a test)."""
-        return transition(x, self.stream, Layout.R, self.comm, self.plan.seq_split)
+        return self.order.to_natural_order(transition(x, self.stream, Layout.R, self.comm, self.plan.seq_split))
 
 
 def local_offset(method: Method, comm: Communicator, seq_split) -> int:
@@ -73,7 +78,8 @@ def self_attention(x: torch.Tensor, q_proj, k_proj, v_proj, *, method: Method, c
     """Attention of an ATT block in its input layout; returns ``[b, s_local, num_heads * head_dim]``.
 
     ``num_heads``/``num_kv_heads`` are this rank's heads (a TP shard, or all of them).
-    ``rope(q, k, positions)`` rotates q and k at global ``positions`` before K/V leave the rank.
+    ``rope(q, k, positions)`` rotates q and k at ``positions`` before K/V leave the rank: indices into the
+    sequence in the stream's order (``Boundaries.order``), which the model's RoPE tables follow.
     ``projected``: q, k, v already computed from the input (CoC fuses the block's entry transition
     with the projections); ``x`` and the ``*_proj`` modules are then not used.
     ``recompute_core``: keep only q, k, v for backward and recompute the attention core there
@@ -89,13 +95,10 @@ def self_attention(x: torch.Tensor, q_proj, k_proj, v_proj, *, method: Method, c
     offset = local_offset(method, comm, plan.seq_split)
     if rope is not None:
         q, k = rope(q, k, torch.arange(offset, offset + s, device=q.device))
-    if method == Method.SP:
-        # Every local query needs every key: gather K and V (one collective) along the sequence.
-        kv = torch.cat([k, v], dim=-1).transpose(1, 2)
-        kv = transition(kv, Layout.S, Layout.T, comm, plan.seq_split).transpose(1, 2)
-        k, v = kv.split(head_dim, dim=-1)
     core = dict(key_padding_mask=key_padding_mask, causal=causal, q_offset=offset, dropout=dropout)
-    if recompute_core:
+    if method == Method.SP:  # every local query needs every key: the plan's sp_attention flavour
+        out = sequence_parallel_attention(q, k, v, comm, plan, recompute_core=recompute_core, **core)
+    elif recompute_core:
         out = recompute(attention, q, k, v, generators=generators_of([dropout] if dropout is not None else []),
                         **core)
     else:

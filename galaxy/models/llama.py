@@ -57,6 +57,7 @@ from galaxy.core.layers import (Dropout, GradRule, ParallelLinear, ShardSpec, ma
                                 set_param_meta)
 from galaxy.core.recompute import (generators_of, layer_modes, note_unfused_mlp_edges, recompute,
                                    recomputed_when_compiled)
+from galaxy.core.sp_attention import stream_order
 from galaxy.core.transitions import Layout, reduce_to_replicated, transition
 from galaxy.kernels import apply_rope, fused_linear_cross_entropy, rms_norm, swiglu, swiglu_packed
 from galaxy.core.overlap.coc import CocBoundaries, coc_chunks
@@ -401,7 +402,10 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg, self.plan, self.ctx = cfg, plan, ctx
         self.stage = stage = stage or StageSpec.whole(cfg.num_hidden_layers)
-        self.edges = Boundaries(ctx.mp, plan)
+        # Causal ring attention runs the stream in the load-balanced zigzag order (galaxy.core.sp_attention);
+        # the KV cache's prefill gathers K and V (allgather) in the natural order.
+        self.edges = Boundaries(ctx.mp, plan, stream_order(plan, causal=True))
+        self.prefill_edges = Boundaries(ctx.mp, plan)
         # Decode steps after an SP prefill: the new tokens replicated on every rank, SP blocks (whose
         # weights are whole) computing them as 'none' blocks do, TP blocks keeping their shards.
         self.decode_edges = Boundaries(ctx.mp, replace(plan, **{block: Method.NONE for block in ("att", "con", "mlp")
@@ -438,7 +442,7 @@ class LlamaModel(nn.Module):
                              "pass the previous stage's output as hidden_states")
         seq = input_ids.shape[1]
         past = cache.length if cache is not None else 0
-        edges = self.decode_edges if past else self.edges
+        edges = self.decode_edges if past else self.edges if cache is None else self.prefill_edges
         if self.uses_seq and not past:
             if seq != sum(self.plan.seq_split):
                 raise ValueError(f"input has {seq} tokens but the plan splits {sum(self.plan.seq_split)} "
@@ -451,7 +455,7 @@ class LlamaModel(nn.Module):
         if position_ids.dim() == 1:
             position_ids = position_ids[None]
         h = self.embed_tokens(edges.to_stream(input_ids)) if self.stage.is_first else hidden_states
-        rope = RopeAt(*self.rotary_emb(position_ids, h.dtype), self.cfg.kernels)
+        rope = RopeAt(*self.rotary_emb(edges.order.to_stream_order(position_ids), h.dtype), self.cfg.kernels)
         for layer in self.layers:
             h = layer(h, attention_mask, rope, cache, edges)
         return self.norm(h) if self.stage.is_last else h

@@ -95,7 +95,8 @@ class _Program:
             else:
                 op = b.bwd_op if backward else b.fwd_op
                 if op is not None:
-                    waited, slowest = (float(t[0]) for t in balanced.link_seconds(op, b.wire))
+                    wire = b.wire if b.least_wire is None else b.least_wire
+                    waited, slowest = (float(t[0]) for t in balanced.link_seconds(op, wire))
                     out.append(("s", (where, k, "b" if backward else "f"), waited, slowest))
         return out[::-1] if backward else out
 

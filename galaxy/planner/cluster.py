@@ -18,11 +18,16 @@ function of one size (``PIECES``); the other sizes are the model's full ones, or
 the measured batch sizes a piece is linear in rows (so a fixed per-call overhead is kept, not
 scaled); with one batch size it is proportional. Collective bytes are the full tensor's bytes
 (``galaxy.core.comm`` pads uneven pieces to the largest one; the cost model charges that).
-A group's ``ops`` are the seconds from the last member's arrival at a collective until it leaves,
+A group's ``ops`` (``OPS``) are the seconds from the last member's arrival at a collective until it leaves,
 ``early_leave`` until the members that were waiting for it leave: not the same over Gloo's TCP
 transport, where an all-gather lets the waiting members go ~0.4-0.5x its time before the last one
 (its peers' pieces reach the last member only after its own have left; docs/benchmarks-log.md). Files
-without ``early_leave`` (older ones) have every member leave together.
+without ``early_leave`` (older ones) have every member leave together. ``all_to_all`` is timed by the whole
+input a rank sends (its own piece included, as ``galaxy.core.comm`` records it), ``send_recv`` by the bytes each
+member sends to the next while it receives from the one before (a ring shift, as ring attention's steps). Files
+from before these were measured derive them from the group's all-gather: an all-to-all of B bytes as an all-gather
+of B (each moves (N-1)/N of it per rank), a ring shift of B as an all-gather of N/(N-1) x B (whose ring moves
+(N-1)/N of its output through every link).
 The overheads are what the fastest of a few real serial training steps / batch-1 forwards of the
 model took on the rank beyond the cost model's prediction from its pieces; every prediction adds
 them. Where the real model took less than its pieces (blocks timed one by one run a little slower than inside the
@@ -69,7 +74,10 @@ PIECES = {
     "head.tokens": "tokens; embeddings + output head + loss",
 }
 EDGE_PIECES = frozenset({"head.tokens"})  # the model's ends, once a step: the rest run once per layer
-OPS = ("all_reduce", "all_gather", "reduce_scatter")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+# Measured since the SP attention flavours (sp_attention: ulysses's all-to-alls, ring's point-to-point
+# exchanges); a file from before holds the first three, and these are derived from its all-gather.
+LATER_OPS = ("all_to_all", "send_recv")
 
 
 def layout_groups(world: int) -> list[tuple[int, ...]]:
@@ -444,16 +452,21 @@ class _Reader:
             raise self.fail(f"{path}samples", "must be a list of [size, seconds] pairs")
         return tuple((float(a), float(b)) for a, b in raw)
 
-    def fits(self, group: Any, key: str, path: str) -> dict[str, AlphaBeta]:
-        """One AlphaBeta per collective op under ``group[key]``."""
+    def fits(self, group: Any, key: str, path: str, size: int) -> dict[str, AlphaBeta]:
+        """One AlphaBeta per collective op under ``group[key]`` (a group of ``size`` ranks); ``LATER_OPS`` that a
+        file from before them lacks are derived from its all-gather (the module docstring says how)."""
         ops_raw, ops = self.get(group, key, path, dict), {}
         for op in OPS:
             entry = ops_raw.get(op)
+            if entry is None and op in LATER_OPS:
+                continue
             if entry is None:
                 raise self.fail(f"{path}{key}.{op}", "is missing")
             p = f"{path}{key}.{op}."
             ops[op] = AlphaBeta(self.get(entry, "alpha_s", p, float), self.get(entry, "beta_s_per_byte", p, float),
                                 self.samples(entry, p))
+        ops.setdefault("all_to_all", ops["all_gather"])
+        ops.setdefault("send_recv", ops["all_gather"].scaled_bytes(size / (size - 1)))
         return ops
 
 
@@ -534,9 +547,9 @@ def cluster_from_dict(raw: Any, source: str = "<dict>") -> ClusterProfile:
         if len(members) < 2 or not all(isinstance(m, int) and 0 <= m < world for m in members) \
                 or len(set(members)) != len(members):
             raise r.fail(f"{path}ranks", f"must list at least two distinct ranks of 0..{world - 1}, got {members}")
-        groups[tuple(members)] = r.fits(g, "ops", path)
+        groups[tuple(members)] = r.fits(g, "ops", path, len(members))
         if "early_leave" in g:  # older files: every member leaves together
-            early[tuple(members)] = r.fits(g, "early_leave", path)
+            early[tuple(members)] = r.fits(g, "early_leave", path, len(members))
     return ClusterProfile(world, str(raw.get("backend", "")), str(raw.get("device", "")), model,
                           tuple(int(v) for v in rows), seq, str(raw.get("dtype", "float32")), tuple(ranks),
                           groups, early)

@@ -15,6 +15,7 @@ import numpy as np
 
 from galaxy.config import Method
 from galaxy.core.transitions import TRANSITION_OPS
+from galaxy.models import family
 from galaxy.planner.cluster import ClusterProfile
 from galaxy.planner.workload import LAYOUTS, Splits, Workload, stream_layout
 
@@ -35,9 +36,46 @@ class Compute:
 class Collective:
     fwd_op: Optional[str]
     bwd_op: Optional[str]
-    nbytes: int  # the full tensor (what galaxy.core.comm records)
+    nbytes: int  # the full tensor (what galaxy.core.comm records; an all-to-all: rank 0's input, [C])
     wire: np.ndarray  # [C] bytes charged (uneven pieces are padded to the largest)
     name: str = ""
+    bwd_nbytes: Optional[np.ndarray] = None  # the backward's record where it differs (an all-to-all's)
+    least_wire: Optional[np.ndarray] = None  # [C] what no split charges less (None: the even split's ``wire``)
+
+
+@dataclass
+class Ring(Compute):
+    """ATT.sp's ring attention (``sp_attention: ring``): the attention core (``fwd``/``bwd``: every step's
+    block together) in N steps, each overlapped with the transfer of the next K/V block to the next rank, and
+    in backward of the next block and of the dK/dV accumulator. The members enter together (a step needs the
+    neighbour's block) and go at the pace of the slowest: per step the larger of the slowest member's share of
+    the compute and the transfer, the last step's compute alone (backward: and the accumulators' last hop
+    home). ``kv``/``dkv``: ``[C, mp]`` bytes of each rank's K/V block and of its accumulator."""
+
+    kv: Optional[np.ndarray] = None
+    dkv: Optional[np.ndarray] = None
+
+    def seconds(self, group: "GroupModel", backward: bool) -> np.ndarray:
+        n = self.kv.shape[1]
+        link = group.cluster.collective(group.ranks, "send_recv")
+        block = link(self.kv.max(axis=1))
+        step = (self.bwd if backward else self.fwd).max(axis=1) / n
+        if not backward:
+            return (n - 1) * np.maximum(step, block) + step
+        home = link(self.dkv.max(axis=1))
+        return (n - 1) * np.maximum(step, block + home) + step + home
+
+    def records(self, rank: int) -> list[tuple[str, np.ndarray, str]]:
+        """(op, bytes [C], phase) of every exchange rank ``rank`` makes, in order (``galaxy.core.sp_attention``):
+        forward the blocks of ranks r, r-1, ... (every one but r+1's); backward the blocks of r, r+1, ... (every
+        one but r-1's) each followed by its accumulator, and the last accumulator (r-1's block)."""
+        n = self.kv.shape[1]
+        out = [("send_recv", self.kv[:, (rank - t) % n], "fwd") for t in range(n - 1)]
+        for t in range(n):
+            if t < n - 1:
+                out.append(("send_recv", self.kv[:, (rank + t) % n], "bwd"))
+            out.append(("send_recv", self.dkv[:, (rank + t) % n], "bwd"))
+        return out
 
 
 class Segments:
@@ -144,11 +182,7 @@ class GroupModel:
         H, F = m.num_attention_heads, m.intermediate_size
         events = [self.transition(self.stream, LAYOUTS[self.att][0], "enter ATT")]
         if self.att == Method.SP and self.mp > 1:
-            kv = self.rows * self.work.seq_length * 2 * m.kv_heads * m.head_dim * self.work.elem
-            kv_wire = self.padded / self.h * 2 * m.kv_heads * m.head_dim
-            events += [self.piece("att_proj.tokens", s.seq, "seq"),
-                       Collective("all_gather", "reduce_scatter", kv, kv_wire, "K,V gather"),
-                       self.piece("att_core.tokens", s.seq, "seq")]
+            events += [self.piece("att_proj.tokens", s.seq, "seq")] + self._sequence_parallel_attention()
         else:
             heads, var = (s.heads, "heads") if self.att == Method.TP else (self.full(H), None)
             events += [self.piece("att_proj.heads", heads, var), self.piece("att_core.heads", heads, var)]
@@ -164,6 +198,44 @@ class GroupModel:
         events += [self.transition(LAYOUTS[self.mlp][1], self.stream, "leave MLP"),
                    self.piece("con.tokens", self.tokens, self.tokens_var)]
         return [e for e in events if e is not None]
+
+    def _sequence_parallel_attention(self) -> list:
+        """ATT.sp's core and collectives in the workload's ``sp_attention`` flavour (``galaxy.core.sp_attention``),
+        bytes as galaxy.core.comm records them. allgather: K and V gathered (each rank then holds all of
+        them: the core piece keeps the whole K/V). ring: the core piece's compute (a causal model's zigzag
+        steps skip the blocks the mask hides: about half the dense core the piece times, whose output
+        projection is in that half too) overlapped with N-1 point-to-point blocks; it keeps this rank's K/V
+        only. ulysses: q, k and v to head shards in one all-to-all (a GQA kv head to every rank whose query
+        heads read it), the core of this rank's heads over every token, the output back in another; each
+        charged at the larger of its forward and backward inputs of the most loaded rank."""
+        m, s, work, rows = self.work.model, self.splits, self.work, self.rows
+        S, d = work.seq_length, m.head_dim
+        kv_token = 2 * m.kv_heads * d * work.elem  # one token's K and V
+        if work.sp_attention == "ulysses":
+            H, group = m.num_attention_heads, m.num_attention_heads // m.kv_heads
+            first = np.cumsum(s.heads, axis=1) - s.heads
+            kv_heads = (first + s.heads - 1) // group - first // group + 1  # the kv heads each rank's queries read
+            qkv = rows * s.seq * d * (H + 2 * kv_heads.sum(axis=1, keepdims=True)) * work.elem
+            qkv_back = rows * S * d * (s.heads + 2 * kv_heads) * work.elem
+            out, out_back = rows * s.heads * S * d * work.elem, rows * H * s.seq * d * work.elem
+            # no split does better than the most tokens and heads a rank must take, each kv head sent once
+            tokens, heads = -(-S // self.mp), -(-H // self.mp)
+            least_qkv = rows * d * max(tokens * (H + 2 * m.kv_heads), S * (heads + 2 * -(-heads // group))) * work.elem
+            least_out = rows * d * max(heads * S, H * tokens) * work.elem
+            C = len(s.seq)
+            return [Collective("all_to_all", "all_to_all", qkv[:, 0], np.maximum(qkv, qkv_back).max(axis=1),
+                               "q,k,v to heads", qkv_back[:, 0], np.full(C, least_qkv)),
+                    self.piece("att_core.heads", s.heads, "heads"),
+                    Collective("all_to_all", "all_to_all", out[:, 0], np.maximum(out, out_back).max(axis=1),
+                               "output to tokens", out_back[:, 0], np.full(C, least_out))]
+        core = self.piece("att_core.tokens", s.seq, "seq")
+        if work.sp_attention == "ring":
+            share = (S + 1) / (2 * S) if family(m.model_type).causal else 1.0
+            accumulated = 2 * m.kv_heads * d * max(work.elem, 4)  # dK/dV accumulate in fp32 at least
+            return [Ring(core.fwd * share, core.bwd * share, np.maximum(core.act - rows * (S - s.seq) * kv_token, 0),
+                         "ring attention", "seq", rows * s.seq * kv_token, rows * s.seq * accumulated)]
+        kv_wire = self.padded / self.h * 2 * m.kv_heads * m.head_dim
+        return [Collective("all_gather", "reduce_scatter", rows * S * kv_token, kv_wire, "K,V gather"), core]
 
     def head(self) -> list:
         if self._head is None:
@@ -240,7 +312,10 @@ class GroupModel:
 def run(group: GroupModel, events: list, clock: np.ndarray, backward: bool = False) -> np.ndarray:
     """Advance per-rank clocks ``[C, mp]`` through ``events`` (in backward order when ``backward``)."""
     for e in (reversed(events) if backward else events):
-        if isinstance(e, Compute):
+        if isinstance(e, Ring):
+            seconds = e.seconds(group, backward)
+            clock = group.leave("send_recv", None, clock, (seconds, seconds))
+        elif isinstance(e, Compute):
             clock = clock + (e.bwd if backward else e.fwd)
         else:
             op = e.bwd_op if backward else e.fwd_op
@@ -253,6 +328,12 @@ def collectives(group: GroupModel, layers: int) -> list[tuple[str, int, str]]:
     """(op, bytes, phase) of every activation collective of one forward and backward, in the
     order a rank issues them (the backward's in reverse), as galaxy.core.comm records them."""
     events = [e for _ in range(layers) for e in group.layer()] + group.head()
-    fwd = [(e.fwd_op, e.nbytes, "fwd") for e in events if isinstance(e, Collective) and e.fwd_op]
-    bwd = [(e.bwd_op, e.nbytes, "bwd") for e in reversed(events) if isinstance(e, Collective) and e.bwd_op]
-    return fwd + bwd
+
+    def records(e, backward: bool) -> list:
+        if isinstance(e, Ring):
+            return [(op, int(n[0]), phase) for op, n, phase in e.records(0) if (phase == "bwd") == backward]
+        if not isinstance(e, Collective) or (e.bwd_op if backward else e.fwd_op) is None:
+            return []
+        nbytes = e.bwd_nbytes if backward and e.bwd_nbytes is not None else e.nbytes
+        return [(e.bwd_op if backward else e.fwd_op, int(np.asarray(nbytes).flat[0]), "bwd" if backward else "fwd")]
+    return [r for e in events for r in records(e, False)] + [r for e in reversed(events) for r in records(e, True)]

@@ -1,7 +1,8 @@
 """Measure a cluster on the ranks it runs on: each rank times the real ATT, CON and MLP blocks of
 the model at the candidate shard sizes (``galaxy.planner.blocks``), its optimizer step by parameter
 count, what a real training step takes beyond those, and its memory budget; every group a plan can
-use times all-reduce, all-gather and reduce-scatter by message size (alpha-beta fits).
+use times all-reduce, all-gather, reduce-scatter, all-to-all and a ring shift of point-to-point exchanges
+(the SP attention flavours' collectives) by message size (alpha-beta fits).
 
 All ranks measure at the same time, as they compute during training, so shared cores and links
 are measured under the contention a run sees. Any backend works: CPU/Gloo, CUDA/NCCL, emulated.
@@ -321,10 +322,14 @@ def measure_group(comm: Communicator, device: torch.device, sizes: dict[str, lis
             full = torch.randn(piece * comm.size, device=device)
             local = full[:piece].contiguous()
             even = [piece] * comm.size
+            shift = torch.empty_like(full)  # a ring shift sends the whole buffer to the next member
             runs.append((float(full.numel() * 4), {
                 "all_reduce": lambda full=full: comm.all_reduce(full),
                 "all_gather": lambda local=local, even=even: comm.all_gather(local, 0, even),
-                "reduce_scatter": lambda full=full, even=even: comm.reduce_scatter(full, 0, even)}[op]))
+                "reduce_scatter": lambda full=full, even=even: comm.reduce_scatter(full, 0, even),
+                "all_to_all": lambda full=full, even=even: comm.all_to_all(full.split(even), [(n,) for n in even]),
+                "send_recv": lambda full=full, shift=shift: comm.start_exchange(
+                    full, shift, (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size).wait()}[op]))
         as_last, as_waiting = [[] for _ in runs], [[] for _ in runs]
         for i in range(reps + 1):
             late = comm.rank == i % comm.size

@@ -20,7 +20,7 @@ import numpy as np
 from galaxy.config import Method, balanced_split
 from galaxy.core.context import rank_of
 from galaxy.planner.cluster import ClusterProfile
-from galaxy.planner.group import RECOMPUTED, Collective, Compute, GroupModel, Segments, run
+from galaxy.planner.group import RECOMPUTED, Collective, Compute, GroupModel, Ring, Segments, run
 from galaxy.planner.memory import FsdpUnits, partial_gradient_bytes, stage_parameters, training_memory
 from galaxy.planner.workload import Layout, Splits, Workload, fsdp_reshards, fsdp_syncs_once, tied_params
 
@@ -204,8 +204,11 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
     g0 = groups[(0, 0)]
     for events, times in ((g0.layer(), stage_layers[0]), (g0.head() if pp == 1 else [], 1)):
         for e in events:
-            if isinstance(e, Collective):
-                sent += times * M * e.nbytes * ((e.fwd_op is not None) + (e.bwd_op is not None))
+            if isinstance(e, Ring):
+                sent += times * M * sum(nbytes for _, nbytes, _ in e.records(0))
+            elif isinstance(e, Collective):
+                back = e.nbytes if e.bwd_nbytes is None else e.bwd_nbytes
+                sent += times * M * (e.nbytes * (e.fwd_op is not None) + back * (e.bwd_op is not None))
     if pp > 1:  # stage 0 sends each micro-batch's stream forward (what it receives is not counted)
         sent += M * rows * g0.tokens[:, 0] * m.hidden_size * work.elem
     sent += sum((u.step_bytes(work, layout)[:, 0] for u in FsdpUnits.of(work, layout, 0, params[0], replicated[0])),

@@ -93,6 +93,7 @@ class Workload:
     # kept to backward; gradients reduce-scattered every micro-batch or once, unsharded ones accumulating
     reshard_after_forward: str = "default"
     fsdp_grad_sync: str = "every_micro_batch"
+    sp_attention: str = "allgather"  # config key of the same name: how an ATT.sp block attends (group.py prices it)
 
     @property
     def elem(self) -> int:

@@ -127,10 +127,10 @@ def test_generate_on_tp_plan_equals_serial(dist_pool, plan_spec):
     dist_pool.run(generate_on_plan, 3, plan_spec, True)
 
 
-def generate_on_sp_plan(ctx, plan_spec, uneven):
+def generate_on_sp_plan(ctx, plan_spec, uneven, extra=None):
     """The prefill splits the whole prompt (SEQ tokens, left-padded rows included) as the plan says;
     every later step runs its token replicated against the cache."""
-    serial, par = build(ctx, plan_spec, uneven)
+    serial, par = build(ctx, plan_spec, uneven, extra)
     batch = make_batch()
     ids, mask = batch["input_ids"], torch.ones_like(batch["input_ids"])
     mask[2, :3] = 0

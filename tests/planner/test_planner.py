@@ -451,18 +451,28 @@ PLANS = [("bert", (TP, NONE, TP), [3, 1], [40, 24], [8, 8]),
          ("llama", (TP, NONE, SP), [4, 4], [24, 24], [7, 9])]
 
 
-@pytest.mark.parametrize("model_type,methods,heads,ffn,seq", PLANS)
-def test_predicted_collectives_match_the_model(dist_pool, model_type, methods, heads, ffn, seq):
+# The SP attention flavours' own exchanges: the ring's point-to-point blocks (LLaMA's in the zigzag order) and
+# dK/dV accumulators, Ulysses' all-to-alls (heads [3, 5]: a GQA group of 4 split over both ranks).
+SP_ATTENTION_PLANS = [(model_type, methods, heads, ffn, seq, flavour) for flavour in ("ring", "ulysses")
+                      for model_type, methods, heads, ffn, seq in [("llama", (SP, SP, SP), [3, 5], [24, 24], [10, 6]),
+                                                                   ("llama", (SP, SP, TP), [4, 4], [20, 28], [7, 9]),
+                                                                   ("llama", (SP, NONE, TP), [2, 6], [24, 24], [8, 8]),
+                                                                   ("bert", (SP, SP, SP), [1, 3], [32, 32], [11, 5])]]
+
+
+@pytest.mark.parametrize("model_type,methods,heads,ffn,seq,sp_attention",
+                         [p + ("allgather",) for p in PLANS] + SP_ATTENTION_PLANS)
+def test_predicted_collectives_match_the_model(dist_pool, model_type, methods, heads, ffn, seq, sp_attention):
     """Every activation collective the cost model charges is one the real model issues, same op,
     same bytes, same phase (forward or backward), and nothing else is issued."""
     raw = BERT if model_type == "bert" else LLAMA
     names = ("att_parallel_method", "con_parallel_method", "mlp_parallel_method")
     config = {"model": raw, "train": {"seq_length": 16, "global_batch_size": 2},
               "parallel": {**{k: m.value for k, m in zip(names, methods)}, "tp_num_attention_heads_list": heads,
-                           "tp_intermediate_size_list": ffn, "seq_scatter_list": seq}}
+                           "tp_intermediate_size_list": ffn, "seq_scatter_list": seq, "sp_attention": sp_attention}}
     real = dist_pool.run(record_collectives, 2, config, 0)[0]
     cluster = synthetic_cluster(raw, 2, [1.0, 1.0], seq=16)
-    work = Workload(cluster.model, "train", 2, 16)
+    work = Workload(cluster.model, "train", 2, 16, sp_attention=sp_attention)
     g = GroupModel(cluster, work, methods, Splits.one(heads, ffn, seq), [0, 1], rows=2)
     predicted = collectives(g, cluster.model.num_hidden_layers)
     assert sorted(predicted) == sorted(real)
