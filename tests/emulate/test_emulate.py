@@ -18,7 +18,7 @@ import pytest
 from galaxy.config import ConfigError
 from galaxy.emulate import (Cluster, EmulatedCluster, HostCommandError, RankSpec, cgroups, missing_prerequisite,
                             network, remove_stale_runs, run_emulated)
-from galaxy.emulate.emulator import LOCK_DIR, _wait_joined, run_names
+from galaxy.emulate.emulator import LOCK_DIR, NAME_PATTERN, _wait_joined
 from galaxy.planner.cluster import OPS
 from tests import REPO  # noqa: E402
 
@@ -451,12 +451,13 @@ def test_cleanup_after_a_rank_is_sigkilled(tmp_path, caplog):
 @needs_host
 def test_cleanup_when_building_fails():
     """tc refuses this rate (the cluster file's validation would have refused it too): the half-built
-    cluster is removed and the tool's error comes through."""
-    before = run_names()
+    cluster is removed and the tool's error comes through. (Its own name is looked for: another run on the
+    machine, a colleague's test, may be up meanwhile.)"""
+    emu = EmulatedCluster(Cluster(ranks=(RankSpec(None, None), RankSpec(None, 1e15))))
     with pytest.raises(HostCommandError, match="tbf"):
-        with EmulatedCluster(Cluster(ranks=(RankSpec(None, None), RankSpec(None, 1e15)))):
+        with emu:
             pass
-    assert run_names() <= before
+    assert NAME_PATTERN.fullmatch(emu.name) and leftovers(emu.name) == []
 
 
 def start_launcher(tmp_path, *command):
