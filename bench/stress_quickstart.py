@@ -18,16 +18,19 @@ import argparse
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_once(index: int, args: argparse.Namespace) -> tuple[int, int, float, str]:
-    """(index, exit code, seconds, the log's last error line) of one quickstart run in ``out/run_<index>``."""
+def run_once(index: int, args: argparse.Namespace) -> tuple[int, Optional[int], float, str]:
+    """(index, exit code (None: killed at the timeout), seconds, why it failed) of one quickstart run in
+    ``out/run_<index>``."""
     where = os.path.join(args.out, f"run_{index:04d}")
     os.makedirs(where, exist_ok=True)
     cmd = [sys.executable, os.path.join(ROOT, "pretrain_galaxy.py"), "--world", "2"]
@@ -43,20 +46,25 @@ def run_once(index: int, args: argparse.Namespace) -> tuple[int, int, float, str
     with open(os.path.join(where, "log.txt"), "w") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()
+        # a session of its own: a run past the timeout is killed with its ranks
+        run = subprocess.Popen(cmd, cwd=where, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=cores_on,
+                               start_new_session=True)
         try:
-            code = subprocess.run(cmd, cwd=where, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  preexec_fn=cores_on, timeout=args.timeout_s).returncode
+            code = run.wait(timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
-            code = -1
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+            code = None
     seconds = time.monotonic() - start
     with open(os.path.join(where, "log.txt"), errors="replace") as log:
         text = log.read()
     if code == 0 and "pretraining summary" in text:
         shutil.rmtree(where)
         return index, 0, seconds, ""
+    if code is None:
+        return index, None, seconds, f"timed out after {args.timeout_s:g} s (a busy host, or a hang: see its log)"
     errors = [line for line in text.splitlines() if "error" in line.lower() or "malloc" in line or "Fatal" in line]
-    why = errors[-1] if errors else ("timed out" if code == -1 else f"exit code {code}")
-    return index, code or 1, seconds, why
+    return index, code or 1, seconds, errors[-1] if errors else f"exit code {code}"
 
 
 def main() -> int:
@@ -66,22 +74,25 @@ def main() -> int:
     parser.add_argument("--max_steps", type=int, default=None, help="default: the quickstart's 600")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="for the ranks (repeatable)")
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "stress_quickstart"))
-    parser.add_argument("--timeout_s", type=float, default=1800.0, help="a run longer than this counts as failed")
+    parser.add_argument("--timeout_s", type=float, default=3600.0, help="a run longer than this is killed and counted apart")
     args = parser.parse_args()
     bad = [kv for kv in args.env if "=" not in kv]
     if bad:
         parser.error(f"--env {bad[0]}: expected KEY=VALUE")
     os.makedirs(args.out, exist_ok=True)
-    failures = []
+    failures, timeouts = [], []
     with ThreadPoolExecutor(args.jobs) as pool:
         for index, code, seconds, why in pool.map(lambda i: run_once(i, args), range(args.runs)):
-            verdict = "ok" if code == 0 else f"FAILED (exit {code}): {why}"
+            verdict = "ok" if code == 0 else f"TIMED OUT: {why}" if code is None else f"FAILED (exit {code}): {why}"
             print(f"run {index + 1}/{args.runs}: {seconds:.0f} s, {verdict}", flush=True)
-            if code:
+            if code is None:
+                timeouts.append(index)
+            elif code:
                 failures.append(index)
-    print(f"{args.runs - len(failures)} of {args.runs} runs passed; {len(failures)} failed"
-          + (f": logs and cores kept in {args.out}/run_<n> for n in {failures}" if failures else ""), flush=True)
-    return 1 if failures else 0
+    kept = failures + timeouts
+    print(f"{args.runs - len(kept)} of {args.runs} runs passed; {len(failures)} failed, {len(timeouts)} timed out"
+          + (f": logs and cores kept in {args.out}/run_<n> for n in {sorted(kept)}" if kept else ""), flush=True)
+    return 1 if kept else 0
 
 
 if __name__ == "__main__":
