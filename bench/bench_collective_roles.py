@@ -18,13 +18,11 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import textwrap
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from galaxy.emulate import Cluster, missing_prerequisite, run_emulated  # noqa: E402
+from bench.bench_link import run_on_two_ranks  # noqa: E402
 
 RANK = textwrap.dedent("""
     import json, os, torch, torch.distributed as dist
@@ -51,23 +49,10 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=5, help="rounds (the median is reported)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
-    missing = missing_prerequisite()
-    if missing:
-        print(f"error: {missing}", file=sys.stderr)
+    times, why = run_on_two_ranks(RANK, args.mbit, {"NBYTES": str(int(args.mbytes * 1e6)), "REPS": str(args.reps)})
+    if times is None:
+        print(f"error: {why}", file=sys.stderr)
         return 1
-    cluster = Cluster.from_dict({"ranks": [{"compute_share": 1.0}] * 2, "links": {"bandwidth_mbit": args.mbit}})
-    with tempfile.TemporaryDirectory() as tmp:
-        script, result = os.path.join(tmp, "rank.py"), os.path.join(tmp, "roles.json")
-        with open(script, "w") as f:
-            f.write(RANK)
-        env = {**os.environ, "PYTHONPATH": ROOT, "NBYTES": str(int(args.mbytes * 1e6)), "REPS": str(args.reps),
-               "RESULT": result}
-        code = run_emulated(cluster, lambda rank: [sys.executable, script], env)
-        if code:
-            print(f"error: the emulated ranks failed (exit code {code})", file=sys.stderr)
-            return 1
-        with open(result) as f:
-            times = json.load(f)
     out = {"link_mbit": args.mbit, "mbytes": args.mbytes, "reps": args.reps, "load_1min": os.getloadavg()[0],
            "ops": {op: {"last_s": last, "waited_s": waited, "last_over_waited": last / waited if waited else None,
                         "gap": (last - waited) / last} for op, (last, waited) in times.items()}}
