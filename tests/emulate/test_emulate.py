@@ -470,7 +470,7 @@ def start_launcher(tmp_path, *command):
         lines.append(launcher.stderr.readline())
         assert lines[-1], f"the launcher ended: {''.join(lines)}"
     name = run_name(lines[-1])
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 300  # a hang guard: starting `sleep` takes a busy host seconds, not minutes
     while not all(cgroups.members(cgroups.rank_group(name, r)) for r in range(2)):
         assert time.monotonic() < deadline, "the ranks did not start"
         time.sleep(0.02)
@@ -494,7 +494,7 @@ def test_a_sigkilled_launcher_takes_its_ranks_along_and_the_next_run_removes_its
     launcher, name, ranks = start_launcher(tmp_path, "sleep", "60")
     launcher.kill()
     launcher.wait(timeout=30)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a hang guard: the kernel kills them as the launcher dies
     while any(alive(pid) for pid in ranks):  # --pdeathsig KILL
         assert time.monotonic() < deadline, "ranks outlived their launcher"
         time.sleep(0.02)
