@@ -24,7 +24,7 @@ from galaxy.core.heartbeat import Schedule
 from tests import REPO  # noqa: E402
 
 ROOT = REPO
-TIMEOUT_S = 15  # the collective timeout the runs get; survivors must be gone within it
+TIMEOUT_S = 15  # the collective timeout the runs get (the heartbeat schedule ends a survivor within it)
 # Hang guards, not verdicts on speed: a rank still starting, or a survivor still running, this long after is
 # stuck, not slow (a host busy to a load of 40 takes minutes to start three ranks).
 START_S, HANG_S = 600, 8 * TIMEOUT_S
