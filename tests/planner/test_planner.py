@@ -262,17 +262,18 @@ def test_sustained_scale_stretches_training_compute_only():
 
 def test_sustained_steps_scale_against_the_bursts():
     """``measure_sustained`` on the training loop's own serial steps (CPU, tiny LLaMA): as many steps as fill
-    the seconds asked at the bursts' pace; bursts eight times as fast as the steps give a scale well above 1,
-    bursts slower than the steps none (a sustained step is never taken as faster). (Eight, not two: a suite on
-    two shared cores once ran the sustained steps twice as fast as the typical step timed before them.)"""
+    the seconds asked at the bursts' pace; bursts a thousand times as fast as the steps give a scale well above
+    1, bursts a thousand times slower none (a sustained step is never taken as faster). (A thousand: a busy
+    host stretches the steps, and a suite on two shared cores once ran the sustained steps twice as fast as the
+    typical step timed before them.)"""
     from galaxy.planner.profile import measure_sustained, measure_serial
 
     model = GalaxyConfig.from_dict({"model": {"preset": "llama-tiny"}}).model
     cpu = torch.device("cpu")
     typical = statistics.median(measure_serial(model, 2, 16, "float32", cpu, 9, forwards=False)[0])
-    scale, steps = measure_sustained(model, 2, 16, "float32", cpu, [typical / 8] * 3, seconds=10 * typical)
-    assert len(steps) in (80, 81) and 2 < scale < 32, (scale, typical)  # about 8 (CPU timings vary under load)
-    scale, steps = measure_sustained(model, 2, 16, "float32", cpu, [typical * 10] * 3, seconds=40 * typical)
+    scale, steps = measure_sustained(model, 2, 16, "float32", cpu, [typical / 1000] * 3, seconds=0.08 * typical)
+    assert len(steps) in (80, 81) and scale > 10, (scale, typical)  # about 1000
+    scale, steps = measure_sustained(model, 2, 16, "float32", cpu, [typical * 1000] * 3, seconds=40 * typical)
     assert len(steps) == 5 and scale == 1.0
 
 
@@ -325,18 +326,24 @@ def test_calibration_takes_an_overhead_from_the_fastest_run_only():
 
 def test_windowed_timing_shares_the_wall_time_by_the_parts():
     """A run whose parts report 1 ms and 3 ms but take 10 ms of wall time (the rest: time the rank
-    was stopped, as under a CPU quota) is charged the wall time, split 1:3."""
+    was stopped, as under a CPU quota) is charged the wall time, split 1:3: at least the 10 ms it
+    slept, at most the loop's wall time over the runs (a busy host may stretch both, never break them)."""
     import time
 
     from galaxy.planner.blocks import windowed
 
+    runs = []
+
     def once():
+        runs.append(1)
         time.sleep(0.01)
         return 0.001, 0.003
 
+    start = time.perf_counter()
     fwd, bwd = windowed(once, 0.05)
+    wall = time.perf_counter() - start
     assert bwd == pytest.approx(3 * fwd, rel=1e-9)
-    assert 0.009 < fwd + bwd < 0.05
+    assert 0.01 - 1e-9 <= fwd + bwd <= wall / len(runs), (fwd + bwd, wall, len(runs))
     assert windowed(once, 0.0) == (0.001, 0.003)
 
 
@@ -353,9 +360,10 @@ def test_off_the_line_flags_a_sample_its_neighbours_disagree_with():
 
 
 def test_time_pieces_times_a_size_again_where_a_burst_hit_every_sample():
-    """Pieces that sleep 2 ms per size unit; the size-4 one 40 ms more in every call of the first
+    """Pieces that sleep 2 ms per size unit; the size-4 one 200 ms more in every call of the first
     pass (a burst longer than the repetitions, which their median keeps). It comes back near 8 ms,
-    timed again with its neighbours; a size another rank asks for (``agree``) is timed again too."""
+    timed again with its neighbours; a size another rank asks for (``agree``) is timed again too. (The
+    burst is long, so that a busy host, which stretches the sleeps, cannot make the 8 ms look like it.)"""
     import time
 
     bench = BlockBench(model_config(BERT), 1, 8, torch.device("cpu"), "float32")
@@ -364,7 +372,7 @@ def test_time_pieces_times_a_size_again_where_a_burst_hit_every_sample():
     def make(n, burst):
         def fn(x):
             calls[n] = calls.get(n, 0) + 1
-            time.sleep(0.002 * n + (0.04 if burst and n == 4 and calls[n] <= 8 else 0.0))
+            time.sleep(0.002 * n + (0.2 if burst and n == 4 and calls[n] <= 8 else 0.0))
             return x * 2
         return lambda: ([torch.ones(2, requires_grad=True)], fn)
 
@@ -372,7 +380,7 @@ def test_time_pieces_times_a_size_again_where_a_burst_hit_every_sample():
     out = time_pieces(bench, [make(n, True) for n in sizes], sizes, 3, lambda: None)
     # warm-up + 3 rounds, a training and an inference forward each (8), 3 rounds again (6), saved bytes (1)
     assert calls[3] == calls[4] == calls[5] == 15
-    assert out[3][0] < 0.025 and out[3][2] < 0.025  # 48 ms with the burst
+    assert out[3][0] < 0.1 and out[3][2] < 0.1  # 208 ms with the burst
     calls.clear()
     asked = []
     time_pieces(bench, [make(n, False) for n in sizes], sizes, 3, lambda: None,
