@@ -624,6 +624,10 @@ class GalaxyConfig:
                 raise ConfigError("config key 'float8_training' runs the parallel linears in float8, but "
                                   "fused_gate_up makes gate and up one [2, I, H] weight that is none; set "
                                   "fused_gate_up to false")
+            if p.dp_engine == "deepspeed":
+                raise ConfigError("config key 'float8_training' runs on Galaxy's Trainer, and dp_engine 'deepspeed' "
+                                  "keeps its own bf16 weights; use dp_engine fsdp2 (torchtitan's float8 recipe), "
+                                  "ddp or zero1")
             if p.tp_overlap not in (None, "none") or (p.coc_parallel_num or 1) > 1:
                 raise ConfigError("config key 'float8_training' runs each linear through torchao's float8 matmul, "
                                   "which the overlapped TP edges (tp_overlap, coc_parallel_num) do not call; "

@@ -63,7 +63,7 @@ def quantize_rows(a: torch.Tensor, col_scale: Optional[torch.Tensor] = None, bac
     if resolve_backend_for(backend, a.device, a.dtype) == "triton":
         from galaxy.kernels.triton_fp8 import fp8_quantize_rows
 
-        return fp8_quantize_rows(a, col_scale)
+        return fp8_quantize_rows(a, col_scale, E4M3, E4M3_MAX, AMAX_FLOOR)
     return quantize_rows_reference(a, col_scale)
 
 

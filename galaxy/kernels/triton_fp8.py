@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from galaxy.kernels._triton_utils import as_rows, row_block
-from galaxy.kernels.fp8 import AMAX_FLOOR, E4M3, E4M3_MAX
 
 
 @triton.jit
@@ -45,21 +44,22 @@ def _fp8_quantize_rows_kernel(a_ptr, col_scale_ptr, codes_ptr, scale_ptr, cols, 
     tl.store(scale_ptr + row, scale)
 
 
-def fp8_quantize_rows(a: torch.Tensor, col_scale: Optional[torch.Tensor] = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes ``[rows, cols]`` e4m3, fp32 scales ``[rows, 1]``) of ``a`` (fp32/bf16/fp16, ``[..., cols]``
-    flattened to rows), each row first multiplied by ``col_scale`` ``[cols]`` when given."""
+def fp8_quantize_rows(a: torch.Tensor, col_scale: Optional[torch.Tensor], codes_dtype: torch.dtype, limit: float,
+                      floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes ``[rows, cols]`` in ``codes_dtype`` (e4m3: ``limit`` 448), fp32 scales ``[rows, 1]``, each
+    ``max(amax, floor) / limit``) of ``a`` (fp32/bf16/fp16, ``[..., cols]`` flattened to rows), each row first
+    multiplied by ``col_scale`` ``[cols]`` when given."""
     if a.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"the Triton fp8 quantization reads fp32/bf16/fp16, not {a.dtype}")
     rows_of_a = as_rows(a)
     rows, cols = rows_of_a.shape
-    codes = torch.empty(rows, cols, dtype=E4M3, device=a.device)
+    codes = torch.empty(rows, cols, dtype=codes_dtype, device=a.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=a.device)
     if rows == 0:
         return codes, scale
     block, warps = row_block(cols)
     col = col_scale.float().contiguous() if col_scale is not None else rows_of_a
     _fp8_quantize_rows_kernel[(rows,)](rows_of_a, col, codes, scale, cols, rows_of_a.stride(0), codes.stride(0),
-                                       FLOOR=AMAX_FLOOR, LIMIT=E4M3_MAX, HAS_COL_SCALE=col_scale is not None,
+                                       FLOOR=floor, LIMIT=limit, HAS_COL_SCALE=col_scale is not None,
                                        BLOCK=block, num_warps=warps)
     return codes, scale
