@@ -6,7 +6,9 @@ Contenders (each in a fresh process, so one's memory and Liger's patches never r
 ``galaxy-lora`` (frozen base in bf16, fp32 LoRA factors and AdamW state, kernels auto), ``galaxy-lora-compiled``
 (the same with ``compile: true``: each layer through torch.compile),
 ``galaxy-qlora`` (the same over an NF4 base), ``galaxy-qlora-compiled`` (QLoRA with ``compile: true``: each
-layer's NF4 dequantize-and-matmul traced into its graph), ``-cudagraphs`` for either (``compile_mode:
+layer's NF4 dequantize-and-matmul traced into its graph), ``galaxy-lora-fp8`` / ``galaxy-lora-fp8-compiled``
+(the same over an fp8 base, ``quantize_base: fp8``: its products on the fp8 tensor cores, each activation
+quantized per row, in the compiled layer fused into the op that makes it), ``-cudagraphs`` for any (``compile_mode:
 reduce-overhead``: each layer's kernels replayed as CUDA graphs), ``-autotune`` for either (``compile_mode:
 max-autotune-no-cudagraphs``: inductor times Triton GEMM templates, with the pointwise ops after them fused
 into their epilogues, against cuBLAS and keeps the fastest per product; a ``+<mode>[K]`` suffix on any Galaxy
@@ -56,7 +58,8 @@ from bench.bench_plans import causal_lm_data, hf_model  # noqa: E402
 from galaxy.config import GalaxyConfig  # noqa: E402
 
 CONTENDERS = ("galaxy-lora", "galaxy-lora-compiled", "galaxy-lora-cudagraphs", "galaxy-qlora",
-              "galaxy-qlora-compiled", "galaxy-qlora-cudagraphs", "peft-bf16",
+              "galaxy-qlora-compiled", "galaxy-qlora-cudagraphs", "galaxy-lora-fp8", "galaxy-lora-fp8-compiled",
+              "peft-bf16",
               "peft-bf16-liger", "peft-qlora-bnb", "unsloth-lora", "unsloth-qlora")
 
 # Every contender's LoRA (and bench_peft_mp's): r16, alpha 32 on q_proj / v_proj, no dropout.
@@ -84,6 +87,12 @@ def galaxy_compile_mode(name: str) -> Optional[str]:
     ``-autotune`` max-autotune-no-cudagraphs; None (eager) for any other name."""
     return {"compiled": "default", "cudagraphs": "reduce-overhead",
             "autotune": "max-autotune-no-cudagraphs"}.get(name.rsplit("-", 1)[-1])
+
+
+def galaxy_base_format(name: str) -> str:
+    """The frozen base's ``quantize_base`` of a Galaxy contender: nf4 (``galaxy-qlora*``), fp8
+    (``galaxy-lora-fp8*``), else none (bf16)."""
+    return "nf4" if name.startswith("galaxy-qlora") else "fp8" if name.startswith("galaxy-lora-fp8") else "none"
 
 
 def unsloth_variant(name: str):
@@ -356,8 +365,7 @@ def run_one(args) -> dict:
         try:
             if name.startswith("galaxy"):
                 base, recompute = galaxy_recompute(name)
-                out = run_galaxy(args, "nf4" if base.startswith("galaxy-qlora") else "none",
-                                 galaxy_compile_mode(base), recompute)
+                out = run_galaxy(args, galaxy_base_format(base), galaxy_compile_mode(base), recompute)
             else:
                 out = run_peft(args, name)
         except ImportError as e:
