@@ -27,7 +27,8 @@ def nearest_e4m3(x: torch.Tensor) -> torch.Tensor:
 def activations(dtype=torch.float32, rows=23, cols=300, seed=0):
     """Rows over eight decades, a block of tiny values (e4m3 subnormals after scaling), a zero row, a -0."""
     g = torch.Generator().manual_seed(seed)
-    a = torch.randn(rows, cols, generator=g, dtype=torch.float64) * torch.logspace(-4, 4, rows, dtype=torch.float64)[:, None]
+    decades = torch.logspace(-4, 4, rows, dtype=torch.float64)[:, None]
+    a = torch.randn(rows, cols, generator=g, dtype=torch.float64) * decades
     a[:, :30] *= 1e-4
     a[3] = 0.0
     a[4, 5] = -0.0

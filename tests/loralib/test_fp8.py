@@ -37,7 +37,8 @@ from galaxy.models.llama import LlamaForCausalLM  # noqa: E402
 from galaxy.peft import apply_tuning, build_base, export_merged, frozen_bytes, save_tuning  # noqa: E402
 from tests.core.test_llama_equivalence import RTOL, backward_both, rel_err  # noqa: E402
 from tests.kernels.test_fp8_kernels import nearest_e4m3  # noqa: E402
-from tests.loralib.test_qlora import HF_LLAMA, TARGETS, _same_quantized_buffers, batch, cfg_for, qlora_equals_serial  # noqa: E402,E501
+from tests.loralib.test_qlora import (HF_LLAMA, TARGETS, _same_quantized_buffers, batch, cfg_for,  # noqa: E402
+                                      qlora_equals_serial)
 from tests.peft.test_peft_equivalence import MODELS, UNEVEN, edges, make_batch  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
