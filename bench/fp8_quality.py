@@ -9,6 +9,9 @@
     ``compare_tuning.py`` (LLaMA instruction tuning from one base pretrained there and cached), their
     held-out loss after tuning.
 
+The runs go side by side, each in its own one-thread process (the WordPiece trained once first, so every
+pretraining run reads the same vocabulary).
+
     nice -n 19 python bench/fp8_quality.py --out docs/results/fp8_quality_2026-12-01_<commit>_cpu.json
 
 The verdicts (fp8 / bf16) are in the JSON's ``summary``: the final training loss (mean of the last
@@ -28,12 +31,13 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 # llama-tiny's shape (every linear's dims multiples of 16, so all of them run in float8), a WordPiece of 1024
 # trained on the text; 1,024 tokens a step. About 0.05 s of CPU a step in bf16 and 0.1 s in fp8 (torchao's
 # float8 on the CPU runs torch._scaled_mm's emulation).
 PRETRAIN = dict(preset="llama-tiny", vocab_size=1024, seq_length=128, global_batch_size=8, dtype="bfloat16",
-                lr=1e-3, warmup_steps=50, lr_schedule="cosine", weight_decay=0.01, eval_iters=8, plan="none",
+                lr=1e-3, warmup_steps=50, lr_schedule="cosine", weight_decay=0.01, eval_iters=4, plan="none",
                 seed=1234)
 VARIANTS = {"bf16": {}, "fp8-tensorwise": {"float8_training": "tensorwise"},
             "fp8-rowwise": {"float8_training": "rowwise"}}
@@ -52,25 +56,44 @@ def write_corpus(path: str, sources: str) -> int:
     return len(files)
 
 
-def run(cmd: list[str], log: str) -> float:
-    """Run ``cmd`` from the repository root, its output to ``log``; returns its wall seconds."""
-    start = time.time()
-    with open(log, "w") as out:
-        code = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                              env=dict(os.environ, PYTHONPATH=REPO)).returncode
-    if code != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({code}); see {log}")
-    return time.time() - start
+class Run:
+    """``cmd`` started from the repository root in a process of its own (one thread: the runs go side by side
+    on shared cores), its output to ``log``."""
+
+    def __init__(self, cmd: list[str], log: str):
+        self.cmd, self.log, self.start = cmd, log, time.time()
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                         env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))
+
+    def wait(self) -> float:
+        """Its wall seconds, once it ended well."""
+        if self.proc.wait() != 0:
+            raise SystemExit(f"{' '.join(self.cmd)} failed ({self.proc.returncode}); see {self.log}")
+        return time.time() - self.start
 
 
-def pretrain(name: str, overrides: dict, corpus: str, args) -> dict:
+def shared_tokenizer(corpus: str) -> None:
+    """The WordPiece every run reads, trained here once into Galaxy's tokenizer cache (runs side by side would
+    each train one, and equally good vocabularies can differ: ``galaxy.data.tokenizer.train_wordpiece``)."""
+    from galaxy.data.corpus import read_documents
+    from galaxy.data.tokenizer import shared_wordpiece
+
+    shared_wordpiece(read_documents(corpus), PRETRAIN["vocab_size"], lambda make: make())
+
+
+def start_pretrain(name: str, overrides: dict, corpus: str, args) -> tuple[Run, dict, str]:
     metrics = os.path.join(args.work_dir, f"{name}.metrics.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
     keys = dict(PRETRAIN, eval_every=args.eval_every, **overrides)
     cmd = [sys.executable, "pretrain_galaxy.py", "--world", "1", "--max_steps", str(args.steps), "--data", corpus,
            "--metrics_file", metrics, "--no_progress", *sum((["--override", f"{k}={v}"] for k, v in keys.items()), [])]
-    seconds = run(cmd, os.path.join(args.work_dir, f"{name}.log"))
+    return Run(cmd, os.path.join(args.work_dir, f"{name}.log")), keys, metrics
+
+
+def pretrain_result(run: Run, keys: dict, metrics: str, args) -> dict:
+    seconds = run.wait()
     with open(metrics) as f:
         records = [json.loads(line) for line in f]
     losses = [r["loss"] for r in records]
@@ -80,13 +103,17 @@ def pretrain(name: str, overrides: dict, corpus: str, args) -> dict:
             "step_time_s_median": sorted(r["step_time_s"] for r in records)[len(records) // 2]}
 
 
-def lora(args) -> dict:
+def start_lora(args) -> Run:
     out = os.path.join(args.work_dir, "lora")
     cmd = [sys.executable, "compare_tuning.py", "--model", "llama", "--methods", ",".join(LORA_METHODS),
            "--max_steps", str(args.lora_steps), "--out_dir", out, "--cache_dir", os.path.join(args.work_dir, "bases"),
            "--in_process"]
-    seconds = run(cmd, os.path.join(args.work_dir, "lora.log"))
-    with open(os.path.join(out, "compare_tuning.json")) as f:
+    return Run(cmd, os.path.join(args.work_dir, "lora.log"))
+
+
+def lora_result(run: Run, args) -> dict:
+    seconds = run.wait()
+    with open(os.path.join(args.work_dir, "lora", "compare_tuning.json")) as f:
         table = json.load(f)
     rows = {r["method"]: {k: r[k] for k in ("eval_loss_before", "eval_loss_after", "metric_before", "metric_after",
                                             "trainable_params", "losses")} for r in table["results"]}
@@ -116,7 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--work_dir", default="/tmp/fp8_quality", help="corpus, metrics, logs, the cached LoRA base")
     p.add_argument("--sources", default="/usr/lib/python3.11", help="a directory of *.py files: the text")
     p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--eval_every", type=int, default=100)
+    p.add_argument("--eval_every", type=int, default=250)
     p.add_argument("--tail", type=int, default=50, help="steps averaged for the final training loss")
     p.add_argument("--lora_steps", type=int, default=200)
     p.add_argument("--parts", default="pretrain,lora", help="pretrain, lora or both")
@@ -135,20 +162,25 @@ def main(argv=None) -> int:
     report = {"date": datetime.date.today().isoformat(), "commit": commit, "device": "cpu",
               "torch": torch.__version__, "torchao": torchao_version, "cpus": os.cpu_count(),
               "load_average_at_start": os.getloadavg()}
-    runs = {}
+    started = {}
     if "pretrain" in parts:
         corpus = os.path.join(args.work_dir, "stdlib.jsonl")
         report["corpus"] = {"sources": args.sources, "documents": write_corpus(corpus, args.sources),
                             "bytes": os.path.getsize(corpus), "held_out": "the last tenth of the documents"}
+        shared_tokenizer(corpus)
         for name, overrides in VARIANTS.items():
             print(f"-- {name}: {args.steps} steps", flush=True)
-            runs[name] = pretrain(name, overrides, corpus, args)
-            print(f"   final training loss {runs[name]['final_train_loss']:.4f}, held-out "
-                  f"{runs[name]['final_eval_loss']:.4f} ({runs[name]['wall_s']:.0f} s)", flush=True)
-    tuned = {}
+            started[name] = start_pretrain(name, overrides, corpus, args)
+    lora_run = None
     if "lora" in parts:
         print(f"-- {', '.join(LORA_METHODS)}: {args.lora_steps} steps", flush=True)
-        tuned = lora(args)
+        lora_run = start_lora(args)
+    runs = {}
+    for name, (run, keys, metrics) in started.items():
+        runs[name] = pretrain_result(run, keys, metrics, args)
+        print(f"   {name}: final training loss {runs[name]['final_train_loss']:.4f}, held-out "
+              f"{runs[name]['final_eval_loss']:.4f} ({runs[name]['wall_s']:.0f} s)", flush=True)
+    tuned = lora_result(lora_run, args) if lora_run is not None else {}
     report.update(pretraining=runs, lora=tuned, summary=summarize(runs, tuned))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
