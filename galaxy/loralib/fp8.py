@@ -62,10 +62,6 @@ class FP8Rows:
     scale: torch.Tensor  # fp32 [rows]: amax / 448
 
     @property
-    def rows(self) -> int:
-        return self.codes.shape[0]
-
-    @property
     def cols(self) -> int:
         return self.codes.shape[1]
 

@@ -37,7 +37,7 @@ from galaxy.models.llama import LlamaForCausalLM  # noqa: E402
 from galaxy.peft import apply_tuning, build_base, export_merged, frozen_bytes, save_tuning  # noqa: E402
 from tests.core.test_llama_equivalence import RTOL, backward_both, rel_err  # noqa: E402
 from tests.kernels.test_fp8_kernels import nearest_e4m3  # noqa: E402
-from tests.loralib.test_qlora import (HF_LLAMA, TARGETS, _same_quantized_buffers, batch, cfg_for,  # noqa: E402
+from tests.loralib.test_qlora import (TARGETS, _same_quantized_buffers, batch, cfg_for, hf_llama,  # noqa: E402,F401
                                       qlora_equals_serial)
 from tests.peft.test_peft_equivalence import MODELS, UNEVEN, edges, make_batch  # noqa: E402
 
@@ -314,14 +314,6 @@ def test_a_compiled_layer_fuses_the_quantization_into_the_activations_producer()
 
 
 # ----------------------------------------------------------------------------- checkpoints in and out
-
-
-@pytest.fixture(scope="module")
-def hf_llama(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("hf_llama_fp8")
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_LLAMA)).save_pretrained(path)
-    return str(path)
 
 
 def test_quantized_on_load_is_load_then_quantize(hf_llama):
