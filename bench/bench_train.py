@@ -648,10 +648,6 @@ def fsdp2_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepa
     mesh = init_device_mesh(ctx.device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
     with torch.device("meta"):
         model = PlainLM(shape)
-    loss_context = contextlib.nullcontext
-    if tp > 1:
-        plain_tp_plan(model, mesh["tp"])
-        loss_context = loss_parallel
     recipe = float8_recipe(args)
     gather_fp8 = bool(recipe and getattr(args, "float8_all_gather", False))
     if recipe is not None:  # torchtitan's order: float8 linears, then (TP,) compile, FSDP
@@ -664,6 +660,10 @@ def fsdp2_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepa
         if gather_fp8:
             config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
         convert_to_float8_training(model.stack, config=config)
+    loss_context = contextlib.nullcontext
+    if tp > 1:
+        plain_tp_plan(model, mesh["tp"])
+        loss_context = loss_parallel
     dtype = getattr(torch, args.dtype)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     reshard = "noreshard" not in base
