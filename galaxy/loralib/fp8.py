@@ -27,12 +27,13 @@ token row of its operand is split over the mp ranks: its amax is the maximum ove
 ranks are serial's up to float summation order. The direct product's operand is whole on every rank
 (replicated, or the rank's own tokens under SP).
 
-Where the product runs: ``torch._scaled_mm`` (row-wise scales, fp32 accumulation, bf16 output; the same
-call in torch 2.11 and 2.13) on a CUDA device of compute capability 8.9+ when both dims of the stored
-matrix are multiples of 16; else (other dims, fp32/fp64 compute, the CPU) the same fp8 values multiplied in
-the compute dtype (exact products of e4m3 values; fp32 for fp16) and scaled after: the fallback's numbers
-are the tensor cores' up to summation order, and bf16 rounds the unscaled product once more. A weight
-whose dims keep it off the tensor cores says so once, when it is made.
+Where the product runs: ``torch._scaled_mm`` (row-wise scales, bf16 output; fast accumulation forward and
+full fp32 accumulation for the input gradient, as torchao's float8 recipes; the same call in torch 2.11 and
+2.13) on a CUDA device of compute capability 8.9+ when both dims of the stored matrix are multiples of 16;
+else (other dims, fp32/fp64 compute, the CPU) the same fp8 values multiplied in the compute dtype (exact
+products of e4m3 values; fp32 for fp16) and scaled after: the fallback's numbers are the tensor cores' up to
+summation order, and bf16 rounds the unscaled product once more. A weight whose dims keep it off the tensor
+cores says so once, when it is made.
 
 The activation's quantization: eager, the Triton kernel (one pass); in a compiled layer, torch ops that
 inductor fuses into the op that produced the activation (a norm, the MLP's activation).
@@ -107,15 +108,18 @@ def note_off_tensor_cores(rows: int, cols: int) -> None:
 
 
 def scaled_product(a_codes: torch.Tensor, a_scale: torch.Tensor, b_codes: torch.Tensor,
-                   b_scale: Optional[torch.Tensor], out_dtype: torch.dtype, tensor_cores: bool) -> torch.Tensor:
+                   b_scale: Optional[torch.Tensor], out_dtype: torch.dtype, tensor_cores: bool,
+                   fast_accum: bool = False) -> torch.Tensor:
     """``(a_codes @ b_codes) * a_scale * b_scale`` in ``out_dtype``: e4m3 ``a_codes [M, K]`` (row-major),
     ``b_codes [K, N]``, ``a_scale [M, 1]``, ``b_scale [1, N]`` (None: ones). ``tensor_cores``: through
-    ``torch._scaled_mm`` when ``out_dtype`` is bf16 (``b_codes`` made column-major if it is not)."""
+    ``torch._scaled_mm`` when ``out_dtype`` is bf16 (``b_codes`` made column-major if it is not), with its
+    fast accumulation when ``fast_accum`` (torchao's recipes take it for the forward product only)."""
     if tensor_cores and out_dtype == torch.bfloat16:
         n = b_codes.shape[1]
         b = b_codes if b_codes.stride(0) == 1 else b_codes.t().contiguous().t()
         sb = b_scale if b_scale is not None else torch.ones(1, n, dtype=torch.float32, device=b.device)
-        return torch._scaled_mm(a_codes, b, a_scale.float(), sb.float().contiguous(), out_dtype=out_dtype)
+        return torch._scaled_mm(a_codes, b, a_scale.float(), sb.float().contiguous(), out_dtype=out_dtype,
+                                use_fast_accum=fast_accum)
     compute = torch.float32 if out_dtype == torch.float16 else out_dtype  # fp16 would overflow at 448 * 448 * K
     y = (a_codes.to(compute) @ b_codes.to(compute)).to(a_scale.dtype) * a_scale
     if b_scale is not None:
@@ -130,10 +134,11 @@ def _row_max_over(amax: torch.Tensor, comm: Communicator, phase: str) -> torch.T
                       lambda: funcol.wait_tensor(funcol.all_reduce(amax, "max", comm.process_group)), amax.device)
 
 
-def direct(a: torch.Tensor, q: FP8Rows, quantizer: str, tensor_cores: bool) -> torch.Tensor:
-    """``a S^T`` for ``a [M, cols]``: ``[M, rows]``."""
+def direct(a: torch.Tensor, q: FP8Rows, quantizer: str, tensor_cores: bool, phase: str) -> torch.Tensor:
+    """``a S^T`` for ``a [M, cols]``: ``[M, rows]`` (``phase``: fwd | bwd)."""
     a_codes, a_scale = quantize_rows(a, None, quantizer)
-    return scaled_product(a_codes, a_scale, q.values().t(), q.scale.view(1, -1), a.dtype, tensor_cores)
+    return scaled_product(a_codes, a_scale, q.values().t(), q.scale.view(1, -1), a.dtype, tensor_cores,
+                          phase == "fwd")
 
 
 def folded(a: torch.Tensor, q: FP8Rows, comm: Optional[Communicator], quantizer: str, tensor_cores: bool,
@@ -145,7 +150,7 @@ def folded(a: torch.Tensor, q: FP8Rows, comm: Optional[Communicator], quantizer:
         a_codes, a_scale = cast_rows(a, amax, q.scale)
     else:
         a_codes, a_scale = quantize_rows(a, q.scale, quantizer)
-    return scaled_product(a_codes, a_scale, q.values(), None, a.dtype, tensor_cores)
+    return scaled_product(a_codes, a_scale, q.values(), None, a.dtype, tensor_cores, phase == "fwd")
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -156,7 +161,7 @@ class _FP8Linear(torch.autograd.Function):
         if transposed:
             y = folded(x2, q, comm, quantizer, tensor_cores, "fwd")
         else:
-            y = direct(x2, q, quantizer, tensor_cores)
+            y = direct(x2, q, quantizer, tensor_cores, "fwd")
         if bias is not None:
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(codes, scale)  # the stored buffers themselves: nothing of x is kept
@@ -172,7 +177,7 @@ class _FP8Linear(torch.autograd.Function):
         dx = dbias = None
         if ctx.needs_input_grad[0]:  # dx = dy W: the other product of the same stored matrix
             if ctx.transposed:
-                dx = direct(dy2, q, ctx.quantizer, ctx.tensor_cores)
+                dx = direct(dy2, q, ctx.quantizer, ctx.tensor_cores, "bwd")
             else:
                 dx = folded(dy2, q, ctx.comm, ctx.quantizer, ctx.tensor_cores, "bwd")
             dx = dx.view(ctx.x_shape)
