@@ -285,6 +285,25 @@ def test_adapters_and_side_networks_on_an_fp8_base_equal_serial(dist_pool, metho
     dist_pool.run(frozen_base_method_equals_serial, world, method, plan)
 
 
+def built_stored_on_a_plan(ctx):
+    """build_base (materialize: each rank quantizes its slices of the seeded init) on a TP plan gives the
+    fp8 model apply_tuning makes from the fp32 build on that plan: the same buffers, each sharded weight
+    knowing its mp group, the same loss."""
+    cfg = GalaxyConfig.from_dict(dict(preset="llama-tiny", seq_length=13, tuning="lora", quantize_base="fp8",
+                                      plan="tp"))
+    plan = cfg.resolve_plan(ctx.mp.size)
+    stored = apply_tuning(build_base(cfg, plan, ctx), cfg, init_std=0.2)
+    built = apply_tuning(LlamaForCausalLM(cfg.model, plan, ctx, seed=cfg.train.seed), cfg, init_std=0.2)
+    weights = [m for m in stored.modules() if isinstance(m, FP8Weight)]
+    assert weights and all(m.comm is ctx.mp for m in weights if m.spec is not None)
+    assert all(torch.equal(b, dict(built.named_buffers())[n]) for n, b in stored.named_buffers())
+    assert torch.equal(stored(**batch()).loss, built(**batch()).loss)
+
+
+def test_a_base_built_stored_on_a_plan_is_the_one_quantized_after(dist_pool):
+    dist_pool.run(built_stored_on_a_plan, 2)
+
+
 # ----------------------------------------------------------------------------- compiled
 
 
