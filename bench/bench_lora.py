@@ -7,7 +7,9 @@ Contenders (each in a fresh process, so one's memory and Liger's patches never r
 ``galaxy-lora`` (frozen base in bf16, fp32 LoRA factors and AdamW state, kernels auto), ``galaxy-lora-compiled``
 (the same with ``compile: true``: each layer through torch.compile),
 ``galaxy-qlora`` (the same over an NF4 base), ``galaxy-qlora-compiled`` (QLoRA with ``compile: true``: each
-layer's NF4 dequantize-and-matmul traced into its graph), ``-cudagraphs`` for either (``compile_mode:
+layer's NF4 dequantize-and-matmul traced into its graph), ``galaxy-lora-fp8`` / ``galaxy-lora-fp8-compiled``
+(the same over an fp8 base, ``quantize_base: fp8``: its products on the fp8 tensor cores, each activation
+quantized per row, in the compiled layer fused into the op that makes it), ``-cudagraphs`` for any (``compile_mode:
 reduce-overhead``: each layer's kernels replayed as CUDA graphs), ``-autotune`` for either (``compile_mode:
 max-autotune-no-cudagraphs``: inductor times Triton GEMM templates, with the pointwise ops after them fused
 into their epilogues, against cuBLAS and keeps the fastest per product; a ``+<mode>[K]`` suffix on any Galaxy
@@ -75,7 +77,8 @@ from galaxy.train.metrics import (PeakFlops, causal_flops_per_token, model_flops
 # unsloth with both its attention paths (xformers where it loads, PyTorch's SDPA with -sdpa): its faster row is
 # the anchor of its family (``best_per_family``).
 CONTENDERS = ("galaxy-lora", "galaxy-lora-compiled", "galaxy-lora-cudagraphs", "galaxy-qlora",
-              "galaxy-qlora-compiled", "galaxy-qlora-cudagraphs", "peft-bf16",
+              "galaxy-qlora-compiled", "galaxy-qlora-cudagraphs", "galaxy-lora-fp8",
+              "galaxy-lora-fp8-compiled", "peft-bf16",
               "peft-bf16-liger", "peft-qlora-bnb", "unsloth-lora", "unsloth-lora-sdpa", "unsloth-qlora",
               "unsloth-qlora-sdpa")
 
@@ -140,6 +143,12 @@ def galaxy_compile_mode(name: str) -> Optional[str]:
     ``-autotune`` max-autotune-no-cudagraphs; None (eager) for any other name."""
     return {"compiled": "default", "cudagraphs": "reduce-overhead",
             "autotune": "max-autotune-no-cudagraphs"}.get(name.rsplit("-", 1)[-1])
+
+
+def galaxy_base_format(name: str) -> str:
+    """The frozen base's ``quantize_base`` of a Galaxy contender: nf4 (``galaxy-qlora*``), fp8
+    (``galaxy-lora-fp8*``), else none (bf16)."""
+    return "nf4" if name.startswith("galaxy-qlora") else "fp8" if name.startswith("galaxy-lora-fp8") else "none"
 
 
 def unsloth_variant(name: str):
@@ -445,8 +454,7 @@ def run_one(args) -> dict:
             out = run_unsloth(args, name)
         elif name.startswith("galaxy"):
             base, keys = galaxy_recompute(name, card_gib())
-            quantize = "nf4" if base.startswith("galaxy-qlora") else "none"
-            out = run_galaxy(args, quantize, galaxy_compile_mode(base), keys)
+            out = run_galaxy(args, galaxy_base_format(base), galaxy_compile_mode(base), keys)
         else:
             out = run_peft(args, name)
     except ImportError as e:
@@ -508,7 +516,7 @@ def search_start(args, name: str) -> tuple[int, str]:
     the card, else (and for every other contender) ``--max_seq_start``."""
     if name.startswith("galaxy") and args.card_gib:
         base, keys = galaxy_recompute(name, args.card_gib)
-        quantize = "nf4" if base.startswith("galaxy-qlora") else "none"
+        quantize = galaxy_base_format(base)
         budget = args.card_gib * 2**30
         fitting, seq = None, args.max_seq_floor
         while seq <= args.max_seq_limit:

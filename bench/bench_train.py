@@ -94,6 +94,14 @@ Contenders (``--list``; the default ``--contenders`` is the 4-GPU 7B comparison,
                                         --recompute-activations: its local attention is unfused), the
                                         micro-batches through its own forward_backward_func
 
+``--float8 tensorwise|rowwise`` trains the layers' linears in float8 (torchao's float8 training): Galaxy's
+contenders through ``float8_training`` (galaxy.core.float8), the ``fsdp2-compile*`` anchors as torchtitan
+does (``convert_to_float8_training`` on the blocks before compile and ``fully_shard``; the head stays
+bf16); ``--float8_all_gather`` (tensorwise) gathers their weights as fp8 under FSDP (Galaxy's
+``float8_fsdp_all_gather``; the anchors with ``enable_fsdp_float8_all_gather`` and torchtitan's
+``precompute_float8_dynamic_scale_for_fsdp`` after each optimizer step). Each row states its ``float8``;
+the other contenders run without it.
+
 A contender that cannot run here gets one line saying why in its JSON row (``error``), and the launch
 goes on. ``--sweep_rows 1,2,4`` runs every contender named at each rows-per-micro-batch, each point a launch
 of its own (a child process), so a point that runs out of memory on any rank is a row saying so; the
@@ -114,6 +122,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import fnmatch
 import hashlib
@@ -440,8 +449,32 @@ def galaxy_config(shape: dict, args, plan: str = "none", reduce: str = "after_ba
                   "seq_length": shape["seq"], "dtype": args.dtype,
                   "lr": getattr(args, "lr", LR),  # bench_peft_mp's arguments name no lr
                   "weight_decay": WEIGHT_DECAY, "grad_clip": CLIP, "warmup_steps": 0, "lr_schedule": "constant",
-                  "max_steps": 10**6},
+                  "max_steps": 10**6, **galaxy_float8(args, engine)},
         **({"peft": peft} if peft else {})})
+
+
+def torchao_version() -> Optional[str]:
+    try:
+        import torchao
+    except ImportError:
+        return None
+    return torchao.__version__
+
+
+def float8_recipe(args) -> Optional[str]:
+    """``--float8``'s recipe, None without it (bench_peft_mp's arguments name none)."""
+    recipe = getattr(args, "float8", "none")
+    return None if recipe == "none" else recipe
+
+
+def galaxy_float8(args, engine: str) -> dict:
+    """The train keys of ``--float8`` / ``--float8_all_gather`` for a Galaxy contender (the fp8 gather only under
+    fsdp2, where it applies)."""
+    recipe = float8_recipe(args)
+    if recipe is None:
+        return {}
+    return {"float8_training": recipe,
+            "float8_fsdp_all_gather": bool(getattr(args, "float8_all_gather", False)) and engine == "fsdp2"}
 
 
 def galaxy_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
@@ -469,7 +502,8 @@ def galaxy_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prep
     model = build_model(cfg, cfg.resolve_plan(run_ctx.mp.size), run_ctx)
     return galaxy_steps(model, cfg, shape, batching, run_ctx, layout={
         "mp": run_ctx.mp.size, "dp_engine": engine, "reshard_after_forward": cfg.parallel.reshard_after_forward,
-        "fsdp_grad_sync": cfg.parallel.fsdp_grad_sync})
+        "fsdp_grad_sync": cfg.parallel.fsdp_grad_sync, "float8": float8_recipe(args),
+        "float8_all_gather": cfg.train.float8_fsdp_all_gather})
 
 
 def galaxy_steps(model: nn.Module, cfg: GalaxyConfig, shape: dict, batching: Batching, ctx: ParallelContext,
@@ -743,6 +777,18 @@ def fsdp2_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepa
     shard_mesh = mesh["dp"] if cp == 1 else init_device_mesh(ctx.device.type, (world,))
     with torch.device("meta"):
         model = PlainLM(shape)
+    recipe = float8_recipe(args)
+    gather_fp8 = bool(recipe and getattr(args, "float8_all_gather", False))
+    if recipe is not None:  # torchtitan's order: float8 linears, then (TP,) compile, FSDP
+        if tp > 1:
+            raise Unavailable("--float8 with TP needs torchao's float8 TP styles (Float8ColwiseParallel, ...), "
+                              "which this anchor does not wire; its pure-FSDP rows (fsdp2-compile*) run float8")
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        if gather_fp8:
+            config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+        convert_to_float8_training(model.stack, config=config)
     loss_context = contextlib.nullcontext
     if tp > 1:
         plain_tp_plan(model, mesh["tp"])
@@ -778,6 +824,10 @@ def fsdp2_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepa
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if gather_fp8:  # torchtitan: every float8 weight's scale in one all-reduce, for the next step's gathers
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)
         return mean_over(shard_group, loss)
 
     note = ("unsharded fp32 gradients accumulated, reduce-scattered in the last micro-batch's backward" if sync else
@@ -786,7 +836,8 @@ def fsdp2_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepa
         note += f"; context_parallel over {cp} ranks (K/V all-gathered), fully_shard over all {world}"
     return Prepared(step, batching, entry=entry, note=note,
                     layout={"tp": tp, "cp": cp, "reshard_after_forward": reshard,
-                            "activation_checkpointing": shape.get("recompute") == "full"})
+                            "activation_checkpointing": shape.get("recompute") == "full",
+                            "float8": recipe, "float8_all_gather": gather_fp8})
 
 
 def torchtitan_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
@@ -1302,7 +1353,8 @@ def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> No
             "matmul_weights": model_matmul_weights(model_cfg).total,
             "mfu_formula": MFU_FORMULA, "peak_tflops": peak.tflops, "peak_source": peak.source,
             "compile_backend": args.compile_backend, "compile_mode": args.compile_mode,
-            "memory_cap_gib": args.memory_cap_gib, "fake_world": args.fake_world}
+            "memory_cap_gib": args.memory_cap_gib, "fake_world": args.fake_world,
+            "float8": args.float8, "float8_all_gather": args.float8_all_gather, "torchao": torchao_version()}
         report = {"benchmark": "train", **run_facts(ctx), "world": world, "scenario": args.scenario, "shape": shape,
                   "dtype": args.dtype, "warmup": args.warmup, "facts": facts, "env": {k: os.environ.get(k) for k in (
                       "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
@@ -1505,6 +1557,12 @@ def main(argv: Optional[list[str]] = None) -> None:
                         "so, and the report states each recipe at its best (its 'summary'); not under torchrun")
     p.add_argument("--sweep_timeout_s", type=float, default=1200.0,
                    help="with --sweep_rows: a point's launch is killed (and its row says so) after this long")
+    p.add_argument("--float8", choices=("none", "tensorwise", "rowwise"), default="none",
+                   help="float8 training (torchao) of the layers' linears in Galaxy's contenders and the fsdp2-compile "
+                        "anchors")
+    p.add_argument("--float8_all_gather", action="store_true",
+                   help="with --float8 tensorwise: FSDP gathers the float8 weights as fp8 (Galaxy @dp...-fsdp2 rows "
+                        "and the fsdp2-compile anchors)")
     p.add_argument("--json", default=None)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
@@ -1521,6 +1579,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         p.error(str(e))
     if not args.contenders:
         p.error(f"--contenders {args.contenders!r} matches none of: {', '.join(contender_names())}")
+    if args.float8_all_gather and args.float8 != "tensorwise":
+        p.error("--float8_all_gather needs --float8 tensorwise (torchao gathers tensorwise-scaled weights only)")
     if args.iters < 1 or args.warmup < 0 or args.micro_batch < 1 or (args.global_batch or 1) < 1:
         p.error("--iters, --micro_batch and --global_batch must be at least 1, --warmup at least 0")
     if args.sweep_rows is not None:

@@ -170,6 +170,14 @@ class TrainConfig:
     # Peak dense TFLOP/s of one device, for MFU (also --peak_tflops); None: looked up for known GPUs
     # (galaxy/profiler/devices.py), none on CPU, where MFU is then not reported.
     peak_tflops: Optional[float] = None
+    # Full training with the transformer layers' linears on float8 tensor cores (torchao's float8 training:
+    # inputs, weights and output gradients cast to e4m3 each step, galaxy.core.float8): none | tensorwise
+    # (one scale a tensor) | rowwise (one scale a row: more accurate, slower); the output head and linears with
+    # a dim that is not a multiple of 16 stay in the compute dtype.
+    float8_training: str = "none"
+    # With float8_training tensorwise and dp_engine fsdp2: FSDP all-gathers the weights already cast to fp8
+    # (torchao's enable_fsdp_float8_all_gather: half of bf16's bytes).
+    float8_fsdp_all_gather: bool = False
 
 
 @dataclass
@@ -215,7 +223,8 @@ class PeftConfig:
     frozen_dtype: str = "compute"
     # QLoRA: frozen linear weights (all but the LM head and modules_to_save) in 4-bit NF4, blocks of 64 with
     # double-quantized absmax (galaxy.loralib.nf4), or 'int8' (row-wise absmax, LLM.int8 weights,
-    # galaxy.loralib.int8); 'none' keeps them in frozen_dtype.
+    # galaxy.loralib.int8), or 'fp8' (row-wise e4m3, 1 byte a weight, multiplied on the fp8 tensor cores with
+    # the activations quantized per token row, galaxy.loralib.fp8); 'none' keeps them in frozen_dtype.
     quantize_base: str = "none"
 
 
@@ -516,7 +525,8 @@ class GalaxyConfig:
             ("peft", "adapter_type"): ("houlsby", "pfeiffer"),
             ("peft", "adapter_non_linearity"): ("relu", "gelu", "gelu_new", "silu", "swish", "tanh"),
             ("peft", "frozen_dtype"): ("compute", "float32"),
-            ("peft", "quantize_base"): ("none", "nf4", "int8"),
+            ("peft", "quantize_base"): ("none", "nf4", "int8", "fp8"),
+            ("train", "float8_training"): ("none", "tensorwise", "rowwise"),
             ("model", "recompute"): RECOMPUTE_MODES,
             ("model", "kernels"): KERNEL_BACKENDS,
             ("model", "compile_mode"): COMPILE_MODES,
@@ -604,6 +614,7 @@ class GalaxyConfig:
         if q.quantize_base != "none" and q.lora_fusion:
             raise ConfigError("config key 'lora_fusion' (CCLoRA) merges W + BA, which a quantized base cannot hold; "
                               "set lora_fusion to false or quantize_base to none")
+        self._validate_float8()
         if m.compile_mode != "default" and not m.compile:
             raise ConfigError(f"config key 'compile_mode' is '{m.compile_mode}' but compile is false; set compile "
                               "to true or drop compile_mode")
@@ -622,6 +633,33 @@ class GalaxyConfig:
             raise ConfigError(f"config key 'lora_target_modules' names {clash}, but with fused_gate_up the gate "
                               "and up projections are one fused weight that LoRA cannot wrap; drop them from "
                               "lora_target_modules or set fused_gate_up to false")
+
+    def _validate_float8(self) -> None:
+        t, p = self.train, self.parallel
+        if t.float8_training != "none":
+            if self.peft.tuning != "full":
+                raise ConfigError(f"config key 'float8_training' is '{t.float8_training}' but tuning is "
+                                  f"'{self.peft.tuning}', which freezes the base; for an fp8 frozen base set "
+                                  "quantize_base to fp8 and float8_training to none")
+            if t.dtype == "float64":
+                raise ConfigError("config key 'float8_training' rounds the linears' operands to float8, which a "
+                                  "float64 run would not measure; set dtype to bfloat16 or float32")
+            if self.model.fused_gate_up:
+                raise ConfigError("config key 'float8_training' runs the parallel linears in float8, but "
+                                  "fused_gate_up makes gate and up one [2, I, H] weight that is none; set "
+                                  "fused_gate_up to false")
+            if p.dp_engine == "deepspeed":
+                raise ConfigError("config key 'float8_training' runs on Galaxy's Trainer, and dp_engine 'deepspeed' "
+                                  "keeps its own bf16 weights; use dp_engine fsdp2 (torchtitan's float8 recipe), "
+                                  "ddp or zero1")
+            if p.tp_overlap not in (None, "none") or (p.coc_parallel_num or 1) > 1:
+                raise ConfigError("config key 'float8_training' runs each linear through torchao's float8 matmul, "
+                                  "which the overlapped TP edges (tp_overlap, coc_parallel_num) do not call; "
+                                  "drop tp_overlap and coc_parallel_num")
+        if t.float8_fsdp_all_gather and (t.float8_training != "tensorwise" or p.dp_engine != "fsdp2"):
+            raise ConfigError("config key 'float8_fsdp_all_gather' needs float8_training 'tensorwise' (torchao "
+                              f"gathers tensorwise-scaled weights only) and dp_engine 'fsdp2', got "
+                              f"'{t.float8_training}' and '{p.dp_engine}'")
 
     def _validate_precision_and_steps(self) -> None:
         t = self.train

@@ -68,7 +68,7 @@ class TuningOptions:
     modules_to_save: Optional[list[str]] = None  # None: the task head (classifier) when there is one
     init_std: float = 0.0  # > 0: zero-initialised factors (LoRA B, adapter/side up) drawn N(0, std); tests
     frozen_dtype: Optional[str] = None  # 'bfloat16' / 'float16': frozen weights stored so; None: left as built
-    quantize_base: str = "none"  # 'nf4' (QLoRA) / 'int8': frozen linears quantized, galaxy.loralib.quantized
+    quantize_base: str = "none"  # 'nf4' (QLoRA) / 'int8' / 'fp8': frozen linears quantized, galaxy.loralib.quantized
 
     @classmethod
     def from_config(cls, cfg: GalaxyConfig, **overrides: Any) -> "TuningOptions":
@@ -95,7 +95,7 @@ def frozen_dtype_name(cfg: GalaxyConfig) -> Optional[str]:
 def build_base(cfg: GalaxyConfig, plan: Optional[Plan], ctx, task: str = "lm", init_on_device: bool = False,
                **overrides: Any) -> nn.Module:
     """``galaxy.models.build_model``, except that a base the tuning method freezes and stores small
-    (``frozen_dtype`` bf16/fp16, ``quantize_base`` nf4/int8) is made tensor by tensor in that format
+    (``frozen_dtype`` bf16/fp16, ``quantize_base`` nf4/int8/fp8) is made tensor by tensor in that format
     (``galaxy.loralib.quantized.materialize``): laid out on the meta device, then each tensor drawn from
     the seeded init (or read from ``model_path``, slice by slice), stored as the method keeps it
     (frozen: bf16 / quantized; trainable: fp32) and the fp32 tensor freed, so no fp32 copy of the model

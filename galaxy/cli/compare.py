@@ -1,8 +1,8 @@
-"""Compare tuning methods (full, LoRA, adapters, side-tuning, LoRA over a bf16 base, QLoRA over an NF4 base)
-as fine-tuning methods: each starts from
-the same pretrained base and is tuned on the same downstream task, same seed, same steps, then scored on
-held-out data. Prints a table (held-out metric of the un-tuned base and after tuning, trainable / total
-parameters, peak memory, saved activations, step time, tokens/s) and writes it as JSON plus a PNG.
+"""Compare tuning methods (full, LoRA, adapters, side-tuning, LoRA over a bf16 base, QLoRA over an NF4 base,
+LoRA over an fp8 base) as fine-tuning methods: each starts from the same pretrained base and is tuned on
+the same downstream task, same seed, same steps, then scored on held-out data. Prints a table (held-out
+metric of the un-tuned base and after tuning, trainable / total parameters, peak memory, saved
+activations, step time, tokens/s) and writes it as JSON plus a PNG.
 
     python compare_tuning.py                                   # BERT, topic classification, CPU minutes
     python compare_tuning.py --model bert --plan galaxy --world 2 --data my_labels.jsonl
@@ -70,9 +70,11 @@ PRETRAIN_STEPS = {"classification": 300, "instruction": 200}
 # Learning rates as researchers set them: PEFT methods train few parameters from zero and take a larger
 # one than full fine-tuning (used unless a config file or --override sets lr).
 METHOD_LR = {"full": 1e-3, "lora": 5e-3, "adapter": 5e-3, "side": 5e-3}
-# LoRA over a frozen base held in bf16 (bf16 autocast), and QLoRA over the NF4-quantized base.
+# LoRA over a frozen base held in bf16 (bf16 autocast), QLoRA over the NF4-quantized base, and LoRA over the
+# fp8 base (galaxy.loralib.fp8: its products on fp8 values, the activations quantized per row).
 VARIANTS = {"lora-bf16": ("lora", {"dtype": "bfloat16"}, {}),
-            "qlora": ("lora", {"dtype": "bfloat16"}, {"quantize_base": "nf4"})}
+            "qlora": ("lora", {"dtype": "bfloat16"}, {"quantize_base": "nf4"}),
+            "lora-fp8": ("lora", {"dtype": "bfloat16"}, {"quantize_base": "fp8"})}
 COMPARED = METHODS + tuple(VARIANTS)
 METRIC = {"classification": ("eval_accuracy", "held-out accuracy"),
           "instruction": ("eval_perplexity", "held-out perplexity")}

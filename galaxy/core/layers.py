@@ -87,7 +87,11 @@ class ParallelLinear(nn.Module):
                     added on rank 0 only, so it is added once; its gradient rule is PARTIAL.
     style="whole":  W is ``[out, in]`` with gradient rule ``rule`` (PARTIAL under SP, else REPLICATED).
     Parameter names are ``weight`` and ``bias`` as in ``nn.Linear``, so HF names carry over.
+    ``float8``: None, or the float8 matmul the product runs through (``galaxy.core.float8``, config key
+    ``float8_training``), on these same Parameters.
     """
+
+    float8 = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, style: str = "whole",
                  split: Optional[Sequence[int]] = None, rank: int = 0,
@@ -127,10 +131,13 @@ class ParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if (self.style != "row" or self.rank == 0) else None
+        if self.float8 is not None:
+            return self.float8(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def extra_repr(self) -> str:
-        return f"style={self.style}, weight={tuple(self.weight.shape)}, bias={self.bias is not None}"
+        float8 = f", {self.float8}" if self.float8 is not None else ""
+        return f"style={self.style}, weight={tuple(self.weight.shape)}, bias={self.bias is not None}{float8}"
 
 
 @contextlib.contextmanager

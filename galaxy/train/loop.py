@@ -205,13 +205,18 @@ class Trainer:
         if par.dp_engine == "deepspeed":
             raise ConfigError("config key 'dp_engine' is 'deepspeed': build the trainer with make_trainer()")
         low = DTYPES[t.dtype] if t.dtype in ("bfloat16", "float16") else None  # autocast's compute dtype
+        if t.float8_training != "none":  # before FSDP, which gathers float8-cast weights with float8_fsdp_all_gather
+            from galaxy.core.float8 import enable_float8_training
+
+            enable_float8_training(model, t.float8_training, t.float8_fsdp_all_gather)
         if par.dp_engine == "fsdp2" or par.mp_grad_reduce == "fsdp":
             from galaxy.core.fsdp import shard_model
 
             reshard = {"always": True, "never": False}.get(par.reshard_after_forward, ctx.pp.size == 1)
             self.sharding = shard_model(model, ctx, over_dp=par.dp_engine == "fsdp2",
                                         replicated_over_mp=par.mp_grad_reduce == "fsdp", reshard_after_forward=reshard,
-                                        param_dtype=low, reduce_dtype=reduce_dtype(cfg) or (low and torch.float32))
+                                        param_dtype=low, reduce_dtype=reduce_dtype(cfg) or (low and torch.float32),
+                                        float8_all_gather=t.float8_fsdp_all_gather)
         # With FSDP over dp, the norm sums the squares of the dp shards over dp.
         self.norm_dp = ctx.dp if self.sharding is not None and self.sharding.over_dp else None
         trainable = [p for p in model.parameters() if p.requires_grad]

@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from bench.bench_lora import CONTENDERS, best_per_family, family_of, galaxy_recompute, search_lengths, unsloth_variant
+from bench.bench_lora import (CONTENDERS, best_per_family, family_of, galaxy_base_format, galaxy_compile_mode,
+                               galaxy_recompute, search_lengths, unsloth_variant)
 from tests import REPO
 
 TINY = ["--preset", "llama-tiny", "--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "0"]
@@ -24,6 +25,25 @@ def test_unsloth_contender_names():
     assert unsloth_variant("unsloth-lora-sdpa") == (False, False, True)
     for other in ("peft-bf16", "galaxy-lora", "unsloth-lora-sdpa-gc", "unsloth-dora", "unsloth-lora-"):
         assert unsloth_variant(other) is None
+
+
+def test_galaxy_base_formats():
+    assert [galaxy_base_format(n) for n in ("galaxy-lora", "galaxy-lora-compiled", "galaxy-qlora-cudagraphs",
+                                            "galaxy-lora-fp8", "galaxy-lora-fp8-compiled")] == \
+        ["none", "none", "nf4", "fp8", "fp8"]
+    assert galaxy_compile_mode("galaxy-lora-fp8") is None
+    assert galaxy_compile_mode("galaxy-lora-fp8-compiled") == "default"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU the bench itself is the check")
+def test_galaxy_lora_fp8_trains_on_cpu(tmp_path):
+    """``galaxy-lora-fp8``: LoRA over the fp8 base (1 byte a weight + a scale a row), eager, trains."""
+    out = subprocess.run([sys.executable, "bench/bench_lora.py", *TINY, "--json", str(tmp_path / "out.json"),
+                          "--contenders", "galaxy-lora-fp8"],
+                         cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert row["step_ms"] > 0 and 1.0 < row["frozen_bytes_per_param"] < 2.0, row  # fp8 linears, bf16 rest
 
 
 def test_galaxy_recompute_suffix():

@@ -6,6 +6,7 @@ dispatcher for Galaxy's plans equal what Galaxy's own metrics report for the sam
 recipe cannot reach is refused in its row."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -100,6 +101,24 @@ def test_rows_that_start_alike_train_alike(tmp_path):
         assert got == pytest.approx(reference, rel=1e-4), name
     still = losses("1e-9")
     assert abs(still["galaxy-none"][2] - trained["galaxy-none"][2]) > 100 * 1e-4 * trained["galaxy-none"][2]
+
+
+def test_float8_rows_train_galaxy_and_the_fsdp2_anchor_in_float8(tmp_path):
+    """``--float8 rowwise``: Galaxy's rows (float8_training) and the fsdp2-compile anchor (torchao's
+    convert_to_float8_training, as torchtitan) state it and train; float8 moves Galaxy's losses off the
+    un-converted run's, and an anchor that cannot take it (fsdp2-tp: float8 TP styles not wired) says why."""
+    names = "galaxy-none,galaxy-tp,galaxy-galaxy@dp2-fsdp2,fsdp2-compile,fsdp2-tp"
+    report, _ = bench(tmp_path, "--contenders", names, "--dtype", "float32", "--iters", "2", "--lr", "1e-2",
+                      "--float8", "rowwise")
+    plain, _ = bench(tmp_path, "--contenders", "galaxy-none", "--dtype", "float32", "--iters", "2", "--lr", "1e-2")
+    rows = {r["name"]: r for r in report["rows"]}
+    assert report["facts"]["float8"] == "rowwise" and report["facts"]["torchao"]
+    assert "float8 with TP" in rows["fsdp2-tp"]["error"]
+    for name in ("galaxy-none", "galaxy-tp", "galaxy-galaxy@dp2-fsdp2", "fsdp2-compile"):
+        assert "error" not in rows[name] and rows[name]["float8"] == "rowwise", rows[name]
+        assert all(math.isfinite(x) for x in rows[name]["losses"]), rows[name]
+    assert rows["galaxy-tp"]["losses"] == pytest.approx(rows["galaxy-none"]["losses"], rel=1e-2)
+    assert rows["galaxy-none"]["losses"][1] != plain["rows"][0]["losses"][1]
 
 
 def test_each_contender_at_its_own_rows_in_one_launch(tmp_path):
