@@ -3,8 +3,8 @@
 
 - every mode and mixes of modes give exactly the loss and every gradient of no recompute (float64, dropout on:
   the recomputes replay the streams), LLaMA and BERT, on plans none / tp / sp / galaxy at world 2 (and uneven
-  splits at world 3); LoRA and QLoRA; compiled (offload and full recompute do not change the compiled graph:
-  bitwise; mlp / selective recompute inside it: float64 to 1e-12) and eager; an MLP over sequence chunks
+  splits at world 3); LoRA and QLoRA; compiled (float32: offload and full recompute do not change the compiled
+  graph: bitwise; mlp / selective recompute inside it: to 1e-5) and eager; an MLP over sequence chunks
   equals it whole to 1e-12 (other GEMM shapes);
 - offload moves what a layer saves to host copies: the bytes packed are the bytes autograd saves in the layer
   without offload (less its parameters and buffers: frozen bases and NF4 buffers are never copied), every byte
@@ -25,6 +25,7 @@ from galaxy.core.recompute import MemoryMode, layer_memory_modes, run_layer_with
 from galaxy.models.bert import BertForMaskedLM
 from galaxy.models.llama import LlamaForCausalLM
 from galaxy.peft import apply_tuning
+from tests.core.test_llama_equivalence import rel_err
 from tests.core.test_recompute import BERT, DROPOUT, LLAMA, UNEVEN, make_batch, same, streams
 
 LAYERS = 3
@@ -128,8 +129,6 @@ def compiled_step(model_type, extra, tuning):
     cfg = GalaxyConfig.from_dict(dict(base, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, seq_length=11,
                                       num_hidden_layers=2, compile=True, **tuning, **extra))
     model = apply_tuning(cls(cfg.model, None, ParallelContext.serial(seed=2), seed=3), cfg, init_std=0.1)
-    if tuning.get("quantize_base", "none") == "none":
-        model = model.double()
     for _ in range(2):  # the second step runs the compiled graphs the first one made
         model.zero_grad(set_to_none=True)
         loss = model(**make_batch()).loss
@@ -143,15 +142,16 @@ def compiled_step(model_type, extra, tuning):
 def test_memory_modes_of_compiled_layers(model_type, tuning):
     """The hooks set around a compiled layer take its compiled autograd function's saved tensors: offload and
     full recompute (around the compiled call) give bitwise the compiled model's loss and gradients; mlp and
-    selective recompute (inside the compiled graph) to 1e-12 (float64; QLoRA float32 to 1e-5)."""
+    selective recompute (inside the compiled graph, which inductor then fuses otherwise) to a relative error of
+    1e-5 (as tests/loralib/test_qlora_compile.py). In float32:
+    torch 2.11's inductor cannot compile a float64 attention backward with a mask on CPU."""
     torch._dynamo.reset()  # each model compiles its own layers: the recompile limit counts them all
     with torch._inductor.config.patch({"cpp.vec_isa_ok": False}):  # scalar C++ kernels compile faster
         loss, grads = compiled_step(model_type, {}, tuning)
         for mix, exact in ((["none+offload", "full+offload"], True), (["mlp+offload", "selective+offload"], False)):
             loss_r, grads_r = compiled_step(model_type, dict(layer_memory=mix), tuning)
-            rtol = CHUNKS_RTOL if tuning.get("quantize_base", "none") == "none" else FP32_RTOL
             for a, b in [(loss_r, loss)] + [(grads_r[n], g) for n, g in grads.items()]:
-                assert torch.equal(a, b) if exact else torch.allclose(a, b, rtol=rtol, atol=rtol * 1e-3), mix
+                assert torch.equal(a, b) if exact else rel_err(a, b) <= FP32_RTOL, mix
 
 
 # ----------------------------------------------------------------------------- what offload moves
