@@ -14,6 +14,7 @@ from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.data.instruction import InstructionBatcher, load_instruction_data
 from galaxy.models import family, model_types
 from galaxy.peft import apply_tuning, build_base
+from galaxy.planner.activation import resolve_activation_memory
 from galaxy.train.finetune import (DEFAULT_DATA, check_prompt_length, encode_prompt, finetune_tokenizer,
                                    greedy_answer, instruction_batches, match_vocab, shards_sequence)
 
@@ -80,6 +81,7 @@ def finetune_rank(rank: int, launch, payload) -> None:
     ctx = rank_context(rank, launch, cfg, args.log_level)
     try:
         plan = cfg.resolve_plan(ctx.mp.size)
+        cfg = resolve_activation_memory(cfg, ctx)
         model = apply_tuning(build_base(cfg, plan, ctx), cfg)
         fixed = cfg.train.seq_length if shards_sequence(plan) else None
         batch_at = instruction_batches(batcher, fixed)

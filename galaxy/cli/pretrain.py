@@ -16,6 +16,7 @@ from galaxy.data.pretraining import causal_lm_data, classification_data, mlm_cor
 from galaxy.errors import UserError
 from galaxy.models import family, model_types
 from galaxy.peft import apply_tuning, build_base
+from galaxy.planner.activation import resolve_activation_memory
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ def pretrain_rank(rank: int, launch, payload) -> None:
                            cfg.model.vocab_size)
             cfg.model.vocab_size = vocab_size
         plan = cfg.resolve_plan(ctx.mp.size)
+        cfg = resolve_activation_memory(cfg, ctx)
         model = apply_tuning(build_base(cfg, plan, ctx, task="classify" if task == "classify" else "lm"), cfg)
         result = train_from_args(model, batch_at, cfg, ctx, args, eval_at)
         if rank == 0:

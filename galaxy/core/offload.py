@@ -22,6 +22,7 @@ the same code path, no streams.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import weakref
 from dataclasses import dataclass, field
@@ -39,6 +40,17 @@ _CURRENT: contextvars.ContextVar[Optional["HostCopies"]] = contextvars.ContextVa
 def offloading() -> Optional["HostCopies"]:
     """The store of the offloading layer whose forward is running, if any."""
     return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def not_offloading():
+    """Inside a checkpointed region no store: what the region saves is the checkpoint's (not kept in forward,
+    rebuilt in backward), its own inner regions' inputs too, the same in its forward and its recompute."""
+    token = _CURRENT.set(None)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
 
 
 @dataclass

@@ -25,8 +25,8 @@ A layer's *memory mode* (``MemoryMode``: config ``layer_memory``, or ``recompute
 ``recompute_num_layers`` for every layer) is its recompute mode, ``+offload`` for a layer whose saved
 tensors (and checkpointed regions' inputs) go to host memory during its forward and come back ahead of its
 backward (``galaxy.core.offload``), and the number of sequence chunks its MLP runs in (``mlp_chunks``: with
-``mlp`` recompute each chunk is its own recomputed region, so the MLP's backward rebuilds one chunk's FFN-wide
-tensors at a time). A model runs each layer through ``run_layer_with_memory_mode`` and its MLP through
+``mlp`` or ``full`` recompute each chunk is its own recomputed region, so the MLP's backward rebuilds one chunk's
+FFN-wide tensors at a time). A model runs each layer through ``run_layer_with_memory_mode`` and its MLP through
 ``MemoryMode.mlp``; ``layer_memory_modes`` gives a stack's modes.
 """
 
@@ -42,7 +42,8 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from galaxy.config import LAYER_MEMORY_MODES, OFFLOAD, RECOMPUTE_MODES, ConfigError, ModelConfig
 from galaxy.core.compile import draws_random
-from galaxy.core.offload import HostCopies, OffloadTraffic, Offloaded, end_layer, offloading, previous_store
+from galaxy.core.offload import (HostCopies, OffloadTraffic, Offloaded, end_layer, not_offloading, offloading,
+                                 previous_store)
 
 MODES = RECOMPUTE_MODES
 logger = logging.getLogger(__name__)
@@ -152,11 +153,12 @@ def _inputs_on_host(fn: Callable, args: tuple, copies: HostCopies) -> tuple[Call
     originals = [args]
 
     def region(**kwargs):
-        if originals:
-            return fn(*originals.pop(), **kwargs)
-        # as the checkpoint's own inputs are in a recompute: detached, needing a gradient where they did
-        return fn(*(a if grad is None else copies.unpack(a).detach().requires_grad_(grad) for a, grad in held),
-                  **kwargs)
+        with not_offloading():
+            if originals:
+                return fn(*originals.pop(), **kwargs)
+            # as the checkpoint's own inputs are in a recompute: detached, needing a gradient where they did
+            return fn(*(a if grad is None else copies.unpack(a).detach().requires_grad_(grad) for a, grad in held),
+                      **kwargs)
 
     return region, ()
 
@@ -183,11 +185,13 @@ class MemoryMode:
         return self.recompute + (OFFLOAD if self.offload else "")
 
     def mlp(self, fn: Callable, x: torch.Tensor, modules: Sequence[nn.Module]) -> torch.Tensor:
-        """The MLP region ``fn(x)`` (``modules``: those it runs, whose dropout streams a recompute replays),
-        recomputed under ``mlp`` and over ``mlp_chunks`` sequence chunks (dim -2) where it has that many tokens
-        and draws no dropout mask (chunks would draw them in another order; the config says so once)."""
+        """The MLP region ``fn(x)`` (``modules``: those it runs, whose dropout streams a recompute replays)
+        over ``mlp_chunks`` sequence chunks (dim -2) where it has that many tokens and draws no dropout mask
+        (chunks would draw them in another order; the config says so once), each chunk recomputed under
+        ``mlp``, and under ``full`` too where chunked: the layer rebuilt in backward then holds one chunk's
+        FFN-wide tensors at a time, not the whole MLP's, for one more pass of the MLP."""
         chunks = 1 if any(draws_random(m) for m in modules) else min(self.mlp_chunks, x.shape[-2])
-        if self.recompute != "mlp":
+        if self.recompute != "mlp" and not (self.recompute == "full" and chunks > 1):
             run = fn
         else:
             generators = generators_of(modules)

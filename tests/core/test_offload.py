@@ -256,6 +256,23 @@ def test_each_layer_comes_back_while_the_next_layer_runs_backward():
     assert traffic.prefetched_bytes == 3 * per_layer > 0
 
 
+@pytest.mark.parametrize("mode,chunks,backward_calls", [("full", 1, 1), ("full", 2, 4), ("full+offload", 2, 4),
+                                                         ("mlp", 2, 2), ("none", 2, 0)])
+def test_a_rebuilt_layer_rebuilds_its_chunked_mlp_a_chunk_at_a_time(mode, chunks, backward_calls):
+    """Under full recompute a chunked MLP's chunks are recomputed regions of their own inside the rebuilt layer
+    (it never holds the whole MLP's FFN-wide tensors): a layer's gate projection runs per chunk in forward,
+    then in backward once per chunk as the layer is rebuilt and once more per chunk as each chunk is."""
+    cfg = GalaxyConfig.from_dict(dict(LLAMA, num_hidden_layers=1, seq_length=11, mlp_chunks=chunks,
+                                      layer_memory=[mode]))
+    model = LlamaForCausalLM(cfg.model, None, ParallelContext.serial(seed=2), seed=3).double().train()
+    calls = []
+    model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda *_: calls.append(1))
+    loss = model(**make_batch()).loss
+    forward = len(calls)
+    loss.backward()
+    assert (forward, len(calls) - forward) == (chunks, backward_calls)
+
+
 def test_mlp_chunks_run_whole_where_the_mlp_draws_dropout(caplog):
     """LoRA dropout on an MLP projection: chunks would draw its masks in another order; the MLP runs whole
     (the exact loss of mlp_chunks 1) and says so."""
