@@ -65,6 +65,16 @@ class ModelConfig:
     # none | full (each layer's forward again in backward) | selective (attention core) | mlp (the MLP block)
     recompute: str = "none"
     recompute_num_layers: Optional[int] = None  # recompute only the first K layers of the model or stage; None: all
+    # Per-layer activation memory (galaxy.core.recompute.MemoryMode): manual (recompute / recompute_num_layers, or
+    # layer_memory) | auto (the planner picks the fastest per-layer mix within memory_budget_gib)
+    activation_memory: str = "manual"
+    # one mode per model layer: none | selective | mlp | full, each optionally +offload (what the layer still
+    # saves for backward is held in host memory, copied during forward and brought back ahead of its backward)
+    layer_memory: Optional[list[str]] = None
+    memory_budget_gib: Optional[float] = None  # auto: one device's memory for the run; unset: the device's total
+    host_memory_budget_gib: Optional[float] = None  # auto: pinned host memory one rank may offload to
+    host_link_gb_per_s: Optional[float] = None  # auto without a profile: the host link's GB/s (unset: a default)
+    mlp_chunks: int = 1  # the MLP over this many sequence chunks (with mlp recompute: one chunk rebuilt at a time)
     fused_gate_up: bool = False  # LLaMA: gate and up in one [2, intermediate, hidden] weight, one matmul
     kernels: str = "auto"  # auto (per op, the measured winner on the device: galaxy/kernels/_backend.py) | triton | torch
     compile: bool = False  # torch.compile each transformer layer (rules: galaxy.core.compile)
@@ -414,6 +424,8 @@ RESHARD_AFTER_FORWARD = ("default", "always", "never")
 FSDP_GRAD_SYNCS = ("every_micro_batch", "last_micro_batch")
 OPTIMIZERS = ("adamw", "sgd")
 RECOMPUTE_MODES = ("none", "full", "selective", "mlp")
+OFFLOAD = "+offload"  # a layer memory mode's suffix: what the layer still saves is held on the host
+LAYER_MEMORY_MODES = RECOMPUTE_MODES + tuple(m + OFFLOAD for m in RECOMPUTE_MODES)
 TP_OVERLAPS = ("none", "coc", "async_tp")
 SP_ATTENTIONS = ("allgather", "ring", "ulysses")
 COC_DEFAULT_CHUNKS = 4  # tp_overlap coc without coc_parallel_num
@@ -422,7 +434,10 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 # ModelConfig keys that choose how a model computes, not what it is: a model loaded from a
 # checkpoint directory takes them from the run's config (e.g. ``cfg.model = config_from_hf(...)``
 # should carry them over).
-COMPUTE_KEYS = ("recompute", "recompute_num_layers", "fused_gate_up", "kernels", "compile", "compile_mode")
+ACTIVATION_MEMORY_KEYS = ("activation_memory", "layer_memory", "memory_budget_gib", "host_memory_budget_gib",
+                          "host_link_gb_per_s", "mlp_chunks")
+COMPUTE_KEYS = ("recompute", "recompute_num_layers", *ACTIVATION_MEMORY_KEYS, "fused_gate_up", "kernels", "compile",
+                "compile_mode")
 FUSED_GATE_UP_NAMES = ("gate_proj", "up_proj", "gate_up_proj")
 
 
@@ -528,6 +543,7 @@ class GalaxyConfig:
             ("peft", "quantize_base"): ("none", "nf4", "int8", "fp8"),
             ("train", "float8_training"): ("none", "tensorwise", "rowwise"),
             ("model", "recompute"): RECOMPUTE_MODES,
+            ("model", "activation_memory"): ("manual", "auto"),
             ("model", "kernels"): KERNEL_BACKENDS,
             ("model", "compile_mode"): COMPILE_MODES,
             ("model", "classifier_pooling"): ("cls", "mean"),
@@ -604,6 +620,7 @@ class GalaxyConfig:
             if m.recompute == "none":
                 raise ConfigError("config key 'recompute_num_layers' is set but 'recompute' is 'none'; "
                                   "set recompute to full, selective or mlp, or drop recompute_num_layers")
+        self._validate_activation_memory()
         q = self.peft
         if q.quantize_base != "none" and q.tuning == "full":
             raise ConfigError(f"config key 'quantize_base' is '{q.quantize_base}' but tuning is 'full', which trains "
@@ -660,6 +677,44 @@ class GalaxyConfig:
             raise ConfigError("config key 'float8_fsdp_all_gather' needs float8_training 'tensorwise' (torchao "
                               f"gathers tensorwise-scaled weights only) and dp_engine 'fsdp2', got "
                               f"'{t.float8_training}' and '{p.dp_engine}'")
+
+    def _validate_activation_memory(self) -> None:
+        m = self.model
+        for key in ("memory_budget_gib", "host_memory_budget_gib", "host_link_gb_per_s"):
+            value = getattr(m, key)
+            if value is not None and not value > 0:
+                raise ConfigError(f"config key '{key}' must be positive, got {value}")
+        if m.mlp_chunks < 1:
+            raise ConfigError(f"config key 'mlp_chunks' must be at least 1 (1: the MLP whole), got {m.mlp_chunks}")
+        if m.layer_memory is not None:
+            bad = [x for x in m.layer_memory if x not in LAYER_MEMORY_MODES]
+            if bad:
+                raise ConfigError(f"config key 'layer_memory': '{bad[0]}' is not one of "
+                                  f"{', '.join(LAYER_MEMORY_MODES)}")
+            if len(m.layer_memory) != m.num_hidden_layers:
+                raise ConfigError(f"config key 'layer_memory' lists {len(m.layer_memory)} modes for "
+                                  f"{m.num_hidden_layers} layers; give one per layer")
+        manual_keys = [k for k, on in (("recompute", m.recompute != "none"),
+                                       ("recompute_num_layers", m.recompute_num_layers is not None),
+                                       ("layer_memory", m.layer_memory is not None)) if on]
+        if m.activation_memory == "auto" and manual_keys:
+            raise ConfigError(f"config key 'activation_memory' is auto, which picks each layer's mode, but "
+                              f"{manual_keys[0]} is set; drop it or set activation_memory to manual")
+        if m.activation_memory == "manual":
+            if m.layer_memory is not None and len(manual_keys) > 1:
+                raise ConfigError(f"config key 'layer_memory' gives every layer's mode, but {manual_keys[0]} is "
+                                  "set too; drop one of them")
+            for key in ("memory_budget_gib", "host_memory_budget_gib", "host_link_gb_per_s"):
+                if getattr(m, key) is not None:
+                    raise ConfigError(f"config key '{key}' is set but activation_memory is manual (it is what auto "
+                                      "plans with); set activation_memory to auto or drop it")
+        if m.mlp_chunks > 1 and self.peft.tuning == "lora" and self.peft.lora_dropout > 0:
+            logger.warning("config key 'mlp_chunks' is %d, but lora_dropout is on: an MLP whose LoRA projections "
+                           "draw dropout masks runs whole (chunks would draw them in another order)", m.mlp_chunks)
+        offloads = m.activation_memory == "auto" or any(x.endswith(OFFLOAD) for x in m.layer_memory or ())
+        if offloads and m.compile and m.compile_mode in ("reduce-overhead", "max-autotune"):
+            raise ConfigError(f"config key 'compile_mode' {m.compile_mode} replays layers as CUDA graphs, whose "
+                              "saved tensors cannot go to the host; use compile_mode default, or no +offload mode")
 
     def _validate_precision_and_steps(self) -> None:
         t = self.train

@@ -17,6 +17,7 @@ from galaxy.data.instruction import InstructionBatcher, load_instruction_data
 from galaxy.errors import UserError
 from galaxy.models import family, model_types
 from galaxy.peft import apply_tuning, build_base
+from galaxy.planner.activation import resolve_activation_memory
 from galaxy.train.finetune import (DEFAULT_DATA, check_prompt_length, encode_prompt, finetune_tokenizer,
                                    greedy_answer, instruction_batches, match_vocab, shards_sequence)
 
@@ -97,6 +98,7 @@ def prepare_data(args: argparse.Namespace) -> tuple[GalaxyConfig, InstructionBat
 
 def finetune_body(ctx, run: Run) -> None:
     cfg, plan, job = run.cfg, run.plan, run.job
+    cfg = resolve_activation_memory(cfg, ctx)
     model = apply_tuning(build_base(cfg, plan, ctx), cfg)
     fixed = cfg.train.seq_length if shards_sequence(plan) else None
     batch_at = instruction_batches(job.batcher, fixed)

@@ -19,6 +19,7 @@ from galaxy.data.pretraining import causal_lm_data, classification_data, mlm_cor
 from galaxy.errors import UserError
 from galaxy.models import family, model_types
 from galaxy.peft import apply_tuning, build_base
+from galaxy.planner.activation import resolve_activation_memory
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ def pretrain_body(ctx, run: Run) -> None:
         logger.warning("vocab_size set to %d to match the tokenizer (config had %d)", vocab_size,
                        cfg.model.vocab_size)
         cfg.model.vocab_size = vocab_size
+    cfg = resolve_activation_memory(cfg, ctx)
     model = apply_tuning(build_base(cfg, plan, ctx, task="classify" if task == "classify" else "lm"), cfg)
     result = train_from_args(model, batch_at, cfg, ctx, options, eval_at)
     if ctx.rank == 0:

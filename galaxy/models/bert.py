@@ -32,8 +32,8 @@ from galaxy.core.context import ParallelContext
 from galaxy.core.grad_sync import mark_pipeline_tie
 from galaxy.core.layers import Dropout, GradRule, ParallelLinear, mark_module, region_rule
 from galaxy.core.pipeline import StageSpec, layer_stack
-from galaxy.core.recompute import (generators_of, layer_modes, note_unfused_mlp_edges, recompute,
-                                   recomputed_when_compiled)
+from galaxy.core.recompute import (MemoryMode, layer_memory_modes, note_unfused_mlp_edges, recomputed_when_compiled,
+                                   run_layer_with_memory_mode)
 from galaxy.core.transitions import Layout, reduce_to_replicated
 from galaxy.kernels import fused_linear_cross_entropy, layer_norm
 from galaxy.core.overlap.coc import CocBoundaries, coc_chunks
@@ -161,17 +161,15 @@ class BertLayer(nn.Module):
         super().__init__()
         self.cfg, self.plan, self.ctx, self.edges = cfg, plan, ctx, edges
         self.coc = coc
-        self.recompute_mode = recompute_mode  # none | full | selective | mlp (galaxy.core.recompute)
+        self.memory_mode = MemoryMode.parse(recompute_mode, cfg.mlp_chunks)  # galaxy.core.recompute
+        self.recompute_mode = self.memory_mode.recompute  # none | full | selective | mlp
         self.attention = BertAttention(cfg, plan, ctx)
         self.intermediate = BertIntermediate(cfg, plan, ctx)
         self.output = BertOutput(cfg, plan, ctx)
         self.compiled = CompiledLayer(self, ctx.mp, cfg.compile_mode) if cfg.compile else None
 
     def forward(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        run = self.compiled or self.compute
-        if self.recompute_mode == "full":
-            return recompute(run, h, key_padding_mask, generators=generators_of([self]))
-        return run(h, key_padding_mask)
+        return run_layer_with_memory_mode(self.memory_mode, self, self.compiled or self.compute, h, key_padding_mask)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP block between its edges: dense, activation, dense (its residual and LayerNorm are CON's)."""
@@ -198,10 +196,7 @@ class BertLayer(nn.Module):
             m = coc.leave(self.intermediate.activate(i), self.output.dense)
         else:
             x = edges.enter(x, plan.mlp)
-            if self.recompute_mode == "mlp":
-                m = recompute(self.mlp, x, generators=generators_of([self.intermediate, self.output.dense]))
-            else:
-                m = self.mlp(x)
+            m = self.memory_mode.mlp(self.mlp, x, [self.intermediate, self.output.dense])
             m = edges.leave(m, plan.mlp)
         # CON2
         return self.output.LayerNorm(self.output.dropout(m) + h)
@@ -213,7 +208,7 @@ class BertEncoder(nn.Module):
         super().__init__()
         layers = range(cfg.num_hidden_layers) if layers is None else layers
         coc = CocBoundaries(ctx.mp, plan, coc_chunks(plan.coc_parallel_num))
-        modes = layer_modes(cfg.recompute, cfg.recompute_num_layers, len(layers))
+        modes = layer_memory_modes(cfg, layers)
         note_unfused_mlp_edges(modes, plan.mlp == Method.TP and coc.may_fuse())
         self.layer = layer_stack((BertLayer(cfg, plan, ctx, edges, coc, mode) for mode in modes), layers.start)
 

@@ -55,8 +55,8 @@ from galaxy.core.grad_sync import mark_pipeline_tie
 from galaxy.core.pipeline import StageSpec, layer_stack
 from galaxy.core.layers import (Dropout, GradRule, ParallelLinear, ShardSpec, mark_module, region_rule,
                                 set_param_meta)
-from galaxy.core.recompute import (generators_of, layer_modes, note_unfused_mlp_edges, recompute,
-                                   recomputed_when_compiled)
+from galaxy.core.recompute import (MemoryMode, layer_memory_modes, note_unfused_mlp_edges, recomputed_when_compiled,
+                                   run_layer_with_memory_mode)
 from galaxy.core.sp_attention import stream_order
 from galaxy.core.transitions import Layout, reduce_to_replicated, transition
 from galaxy.kernels import apply_rope, fused_linear_cross_entropy, rms_norm, swiglu, swiglu_packed
@@ -335,7 +335,8 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.cfg, self.plan, self.ctx, self.edges = cfg, plan, ctx, edges
         self.coc = coc
-        self.recompute_mode = recompute_mode  # none | full | selective | mlp (galaxy.core.recompute)
+        self.memory_mode = MemoryMode.parse(recompute_mode, cfg.mlp_chunks)  # galaxy.core.recompute
+        self.recompute_mode = self.memory_mode.recompute  # none | full | selective | mlp
         self.self_attn = LlamaAttention(cfg, plan, ctx, layer_idx)
         self.mlp = LlamaMLP(cfg, plan, ctx)
         self.input_layernorm = _norm(cfg, plan)
@@ -351,10 +352,8 @@ class LlamaDecoderLayer(nn.Module):
                 cache: Optional[KVCache] = None, edges: Optional[Boundaries] = None) -> torch.Tensor:
         if cache is not None:  # generation: eager (the cache grows every step, a new shape to compile);
             return self.compute(h, key_padding_mask, rope, cache, edges)  # SP decode steps pass replicated edges
-        run = self.compiled or self.compute
-        if self.recompute_mode == "full":
-            return recompute(run, h, key_padding_mask, rope, generators=generators_of([self]))
-        return run(h, key_padding_mask, rope)
+        return run_layer_with_memory_mode(self.memory_mode, self, self.compiled or self.compute, h, key_padding_mask,
+                                          rope)
 
     def compute(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor], rope: RopeAt,
                 cache: Optional[KVCache] = None, edges: Optional[Boundaries] = None) -> torch.Tensor:
@@ -391,7 +390,7 @@ class LlamaDecoderLayer(nn.Module):
             m = coc.leave(mlp.act(gate, up), mlp.down_proj)
         else:
             x = edges.enter(x, plan.mlp)
-            m = recompute(mlp, x, generators=generators_of([mlp])) if self.recompute_mode == "mlp" else mlp(x)
+            m = self.memory_mode.mlp(mlp, x, [mlp])
             m = edges.leave(m, plan.mlp)
         # CON
         return h + self.mlp_dropout(m)
@@ -419,7 +418,7 @@ class LlamaModel(nn.Module):
                 mark_pipeline_tie(self.embed_tokens.weight, "embed_tokens", copy=not stage.is_first)
         else:
             self.embed_tokens = None
-        modes = layer_modes(cfg.recompute, cfg.recompute_num_layers, stage.num_layers)
+        modes = layer_memory_modes(cfg, stage.layers)
         note_unfused_mlp_edges(modes, plan.mlp == Method.TP and coc.may_fuse())
         self.layers = layer_stack((LlamaDecoderLayer(cfg, plan, ctx, self.edges, i, coc, mode)
                                    for i, mode in zip(stage.layers, modes)), stage.first_layer)

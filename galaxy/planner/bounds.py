@@ -225,7 +225,8 @@ def lower_bound(cluster: ClusterProfile, work: Workload, methods: tuple[Method, 
         ranks = [rank_of(d, p, i, pp, mp) for i in range(mp)]
         prog = _Program(GroupModel(cluster, work, methods, probe, ranks, rows),
                         GroupModel(cluster, work, methods, even, ranks, rows), points,
-                        "none" if latency else layout.recompute, latency or p == pp - 1)
+                        # per-layer memory modes only add time: the bound runs them without
+                        "none" if latency or layout.layer_memory else layout.recompute, latency or p == pp - 1)
         L = stage_layers[p]
         if latency:
             items = [("rep", prog.layer_forward, L)] + prog.edge_forward

@@ -41,6 +41,9 @@ against the same step with one layer less, both timed) over what its layer piece
 scale; every piece but the head's is multiplied by it in training. A 2-layer calibration step fitted as a whole
 leaves the layers' share wrong: on an H200 the pieces under-predicted a 7B layer by 7% and over-predicted the
 head, so 32 layers ran 6% slower than a plan predicted (docs/benchmarks.md).
+``host_link_bytes_per_s`` (absent: ``DEFAULT_HOST_LINK_BYTES_PER_S``): on a GPU, the rank's pinned host copies'
+bytes per second, the slower direction (what an offloading layer's copies run at); elsewhere the default.
+``host_memory_bytes`` (absent: no limit): the pinned host memory the rank may offload to.
 ``sustained_scale`` (at least 1; absent: 1): a serial training step's time after some seconds of steps
 back to back over its time in the short runs the pieces and the calibration were timed in; a GPU held at
 its power limit by a training run clocks lower than in a burst (an H200 at 700 W: 1,550-1,600 MHz
@@ -62,6 +65,7 @@ from galaxy.config import ConfigError, ModelConfig
 from galaxy.core.context import rank_of
 
 VERSION = 1
+DEFAULT_HOST_LINK_BYTES_PER_S = 20e9  # a rank's host link where unmeasured (a CPU: configured, not measured)
 # piece name -> the size it varies (the others are full)
 PIECES = {
     "att_proj.heads": "query heads; q/k/v projections (and RoPE) on all tokens",
@@ -258,6 +262,8 @@ class RankProfile:
     # a real layer's training time (a serial step against the same with one layer less) over its pieces' after
     # the compute scale; scales every piece but the head's in training; 1 where unmeasured (CPU: too noisy)
     layer_compute_scale: float = 1.0
+    host_link_bytes_per_s: float = DEFAULT_HOST_LINK_BYTES_PER_S  # pinned copies to/from the host (GPU: measured)
+    host_memory_bytes: Optional[int] = None  # pinned host memory the rank may offload to; None: no limit
     # the serial runs those came from (seconds; the peak bytes, None where unmeasured; empty in older files)
     serial_steps_s: tuple[float, ...] = ()
     serial_forwards_s: tuple[float, ...] = ()
@@ -393,7 +399,8 @@ class ClusterProfile:
                        "step_compute_scale": r.step_compute_scale, "forward_compute_scale": r.forward_compute_scale,
                        "activation_scale": r.activation_scale, "sustained_scale": r.sustained_scale,
                        "serial_steps_s": list(r.serial_steps_s), "serial_forwards_s": list(r.serial_forwards_s),
-                       "layer_compute_scale": r.layer_compute_scale,
+                       "layer_compute_scale": r.layer_compute_scale, "host_link_bytes_per_s": r.host_link_bytes_per_s,
+                       "host_memory_bytes": r.host_memory_bytes,
                        "serial_peak_bytes": r.serial_peak_bytes, "shallower_peak_bytes": r.shallower_peak_bytes,
                        "shallower_steps_s": list(r.shallower_steps_s)}
                       for r in self.ranks],
@@ -531,6 +538,10 @@ def cluster_from_dict(raw: Any, source: str = "<dict>") -> ClusterProfile:
                          f"got {scales['sustained_scale']}")
         scales["layer_compute_scale"] = r.get(rank_raw, "layer_compute_scale", path, float, positive=True) \
             if "layer_compute_scale" in rank_raw else 1.0  # older files: 1
+        scales["host_link_bytes_per_s"] = r.get(rank_raw, "host_link_bytes_per_s", path, float, positive=True) \
+            if "host_link_bytes_per_s" in rank_raw else DEFAULT_HOST_LINK_BYTES_PER_S  # older files, CPUs
+        if rank_raw.get("host_memory_bytes") is not None:
+            scales["host_memory_bytes"] = r.get(rank_raw, "host_memory_bytes", path, int, positive=True)
         serial = {key: r.numbers(rank_raw, key, path) if rank_raw.get(key, []) != [] else ()
                   for key in ("serial_steps_s", "serial_forwards_s", "shallower_steps_s")}  # older files: none
         for key in ("serial_peak_bytes", "shallower_peak_bytes"):

@@ -25,7 +25,8 @@ from galaxy.config import Method, ModelConfig, Plan
 from galaxy.core.comm import Communicator
 from galaxy.core.context import ParallelContext
 from galaxy.planner.blocks import DeviceTimer, measure_blocks, synchronize, windowed
-from galaxy.planner.cluster import OPS, AlphaBeta, ClusterProfile, RankProfile, candidate_groups
+from galaxy.planner.cluster import (DEFAULT_HOST_LINK_BYTES_PER_S, OPS, AlphaBeta, ClusterProfile, RankProfile,
+                                    candidate_groups)
 from galaxy.planner.simulate import GRAD_BUCKET_BYTES, predict
 from galaxy.planner.workload import Layout, Splits, Workload
 
@@ -94,6 +95,33 @@ def memory_budget(device: torch.device, local_ranks: int, override_gb: Optional[
         info = dict(line.split(":", 1) for line in f)
     available = int(info["MemAvailable"].split()[0]) * 1024
     return int(available * 0.9 / max(local_ranks, 1))
+
+
+def measure_host_link(device: torch.device, nbytes: int = 256 * 2**20, reps: int = 5) -> float:
+    """Bytes per second of pinned host copies to and from ``device`` (the slower direction, the median of
+    ``reps``; every rank of a host at once, as offloading layers copy during training). A CPU: the default
+    (``cluster.DEFAULT_HOST_LINK_BYTES_PER_S``), its "host copy" being a copy in the same memory."""
+    if device.type != "cuda":
+        return DEFAULT_HOST_LINK_BYTES_PER_S
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    seconds = {"to_host": [], "to_device": []}
+    for _ in range(reps + 1):  # the first warms up
+        for direction, (dst, src) in (("to_host", (host, on_device)), ("to_device", (on_device, host))):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            seconds[direction].append(start.elapsed_time(end) / 1e3)
+    return nbytes / max(statistics.median(t[1:]) for t in seconds.values())
+
+
+def host_memory_share(local_ranks: int) -> int:
+    """Pinned host memory one of ``local_ranks`` ranks may offload to: half the host's available memory, shared."""
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(int(info["MemAvailable"].split()[0]) * 1024 * 0.5 / max(local_ranks, 1))
 
 
 # ----------------------------------------------------------------------------- the rest of a step
@@ -440,9 +468,11 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
                 comm = Communicator("probe", members.index(rank), len(members), group)
                 groups[members] = measure_group(comm, ctx.device, sizes, max(reps, COLLECTIVE_REPS), timer)
             barrier()
+    offload = {"host_link_bytes_per_s": measure_host_link(ctx.device),
+               "host_memory_bytes": host_memory_share(hosts.count(host)) if ctx.device.type == "cuda" else None}
     mine = dataclasses.replace(calibrated(RankProfile(rank, host, memory, pieces, optimizer), calibration,
                                           max(rows), seq, dtype, *serial, shallower_peak, shallower_steps),
-                               sustained_scale=sustained)
+                               sustained_scale=sustained, **offload)
     everyone = [(mine, groups)]
     if world > 1:
         everyone = [None] * world

@@ -12,16 +12,18 @@ Pipelines (pp > 1) use the usual schedule bound: the sum of the stages' times pl
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 
-from galaxy.config import Method, balanced_split
+from galaxy.config import OFFLOAD, Method, balanced_split
 from galaxy.core.context import rank_of
 from galaxy.planner.cluster import ClusterProfile
 from galaxy.planner.group import RECOMPUTED, Collective, Compute, GroupModel, Ring, Segments, run
-from galaxy.planner.memory import FsdpUnits, partial_gradient_bytes, stage_parameters, training_memory
+from galaxy.planner.memory import (FsdpUnits, host_memory, partial_gradient_bytes, stage_mode_costs, stage_parameters,
+                                   training_memory)
 from galaxy.planner.workload import Layout, Splits, Workload, fsdp_reshards, fsdp_syncs_once, tied_params
 
 GRAD_BUCKET_BYTES = 25 * 2**20  # GradientSync's bucket size
@@ -121,7 +123,7 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
         groups[(0, 0)].segments = segments
     params, partial, stepped, replicated = stage_parameters(work, methods, splits, layout, mp)
 
-    memory = np.zeros((C, world))
+    memory, host = np.zeros((C, world)), np.zeros((C, world))
     detail = {}
     if latency:
         g = groups[(0, 0)]
@@ -147,22 +149,33 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
         layer, head_ev = g.layer(), g.head()
         edge = head_ev if p == pp - 1 else []
         memory[:, g.ranks] = training_memory(g, layout, p, params[p], partial[p], replicated[p])
+        host[:, g.ranks] = host_memory(g, layout, p)
         fsdp_units = FsdpUnits.of(work, layout, p, params[p], replicated[p], d)
+        modes = layout.stage_modes(stage_layers, p)
+        runs = [(mode, len(list(same))) for mode, same in itertools.groupby(modes)]  # layers in a row alike
+        costs = dict(zip(dict.fromkeys(modes), stage_mode_costs(g, layout, p)[0]))
 
-        def layer_backward(clock, g=g, layer=layer):
-            if layout.recompute == "full":
+        def layer_forward(clock, mode, g=g, layer=layer, costs=costs):
+            return run(g, layer, clock) + costs[mode].exposed_fwd_s
+
+        def layer_backward(clock, mode, g=g, layer=layer, costs=costs):
+            recompute = mode[: -len(OFFLOAD)] if mode.endswith(OFFLOAD) else mode
+            if recompute == "full":
                 clock = run(g, layer, clock)
-            elif layout.recompute in RECOMPUTED:
+            elif recompute in RECOMPUTED:
                 clock = clock + sum(e.fwd for e in layer if isinstance(e, Compute)
-                                    and e.name.startswith(RECOMPUTED[layout.recompute]))
-            return run(g, layer, clock, backward=True)
+                                    and e.name.startswith(RECOMPUTED[recompute]))
+            return run(g, layer, clock + costs[mode].exposed_bwd_s, backward=True)
 
-        def fwd_bwd(clock, g=g, layer=layer, edge=edge, layers=stage_layers[p]):
-            clock = g.repeat(lambda c: run(g, layer, c), clock, layers)
+        def fwd_bwd(clock, g=g, edge=edge, runs=runs):
+            for mode, count in runs:
+                clock = g.repeat(lambda c: layer_forward(c, mode), clock, count)
             clock = run(g, edge, clock)
             f_end = clock
             clock = run(g, edge, clock, backward=True)
-            return f_end, g.repeat(layer_backward, clock, layers)
+            for mode, count in reversed(runs):
+                clock = g.repeat(lambda c: layer_backward(c, mode), clock, count)
+            return f_end, clock
 
         if pp == 1:
             start = np.stack([opt[r](stepped[0][:, i]) + cluster.ranks[r].step_overhead_s
@@ -281,9 +294,15 @@ def predict(cluster: ClusterProfile, work: Workload, methods: tuple[Method, Meth
             g.segments.finish(clocks[(d, p)])
         end = np.maximum(end, clocks[(d, p)].max(axis=1))
     detail["comm_bytes"] = sent
+    detail["host_bytes"] = host
     return _finish(cluster, end, memory, detail)
 
 
 def _finish(cluster: ClusterProfile, time: np.ndarray, memory: np.ndarray, detail: dict) -> Prediction:
     budget = np.array([r.memory_bytes for r in cluster.ranks], dtype=float)
-    return Prediction(time, memory, (memory <= budget).all(axis=1), detail)
+    fits = (memory <= budget).all(axis=1)
+    if "host_bytes" in detail:  # offloaded layers within each rank's host memory
+        host_budget = np.array([np.inf if r.host_memory_bytes is None else r.host_memory_bytes
+                                for r in cluster.ranks], dtype=float)
+        fits = fits & (detail["host_bytes"] <= host_budget).all(axis=1)
+    return Prediction(time, memory, fits, detail)

@@ -76,6 +76,15 @@ class Layout:
     microbatches: int = 1
     recompute: str = "none"  # none | full | selective | mlp (config key recompute)
     schedule: str = "1f1b"
+    # one memory mode per model layer (config key layer_memory: a recompute mode, +offload); empty: recompute
+    layer_memory: tuple[str, ...] = ()
+
+    def stage_modes(self, stage_layers: list[int], p: int) -> list[str]:
+        """The memory modes of pipeline stage ``p``'s layers (``stage_layers``: each stage's count)."""
+        if not self.layer_memory:
+            return [self.recompute] * stage_layers[p]
+        first = sum(stage_layers[:p])
+        return list(self.layer_memory[first:first + stage_layers[p]])
 
 
 @dataclass(frozen=True)
