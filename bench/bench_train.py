@@ -1261,7 +1261,7 @@ def select(patterns: str, skip: str) -> list[str]:
     its contender, so it goes last): each name or layout variant (``galaxy-...@dp2``, ``fsdp2-tp@tp4``,
     ``megatron-dp@tp1``) where it stands, each glob's matches in the listed contenders' order; less ``skip``.
     A ``:mb<R>`` suffix (``fsdp2-compile:mb2``) stays on each name it selects. Raises ValueError for a variant
-    of no listed contender or with an unknown suffix."""
+    of no listed contender or with an unknown suffix, and for a name or glob that matches none."""
     names = contender_names()
     chosen = []
     for entry in (e for e in patterns.split(",") if e):
@@ -1274,6 +1274,8 @@ def select(patterns: str, skip: str) -> list[str]:
             matched = [p + mark]
         else:
             matched = [n + mark for n in names if fnmatch.fnmatch(n, p)]
+            if not matched:  # a typo or a retired name is said, not dropped from the launch in silence
+                raise ValueError(f"contender '{p}' matches none of the contenders (--list names them)")
         chosen += [n for n in matched if n not in chosen]
     return [n for n in chosen if not any(fnmatch.fnmatch(split_rows_suffix(n)[0], p) for p in skip.split(",") if p)]
 

@@ -216,6 +216,8 @@ def test_contender_selection():
     assert select("fsdp2-compile:mb2,galaxy-tp+compile@dp2-fsdp2:mb4,galaxy-galaxy2-s*:mb1", "*+compile") == [
         "fsdp2-compile:mb2", "galaxy-tp+compile@dp2-fsdp2:mb4", "galaxy-galaxy2-sharded:mb1"]
     from bench.bench_train import main
+    with pytest.raises(ValueError, match="'galaxy-none[+]compile' matches none"):  # not dropped beside a good name
+        select("fsdp2-compile,galaxy-none+compile", "")
     for bad in ("no-such-contender", "galaxy-none@dp2", "fsdp2-compile@tp2", "galaxy-nope@dp2", "galaxy-tp:mb0",
                 "galaxy-nope:mb2"):
         with pytest.raises(SystemExit):
