@@ -99,21 +99,26 @@ LORA = {"tuning": "lora", "lora_dim": 16, "lora_alpha": 32, "lora_dropout": 0.0,
 
 UNSLOTH = re.compile(r"^unsloth-(lora|qlora)(-gc)?(-sdpa)?$")
 RECOMPUTE = re.compile(r"^(full|selective|mlp)(\d*)$")
+AUTO = re.compile(r"^auto(\d+(?:\.\d+)?)?$")
 
 
 def galaxy_recompute(name: str, budget_gib: Optional[float] = None) -> tuple[str, dict]:
     """A Galaxy contender's name without its ``+<mode>[K]`` suffix, and the model keys the suffix sets: a recompute
-    mode on the first K layers, or ``+auto`` (``activation_memory: auto``: the planner picks each layer's memory
-    mode within ``memory_budget_gib``, ``budget_gib``: the card's memory where given)."""
+    mode on the first K layers, or ``+auto[G]`` (``activation_memory: auto``: the planner picks each layer's memory
+    mode within ``memory_budget_gib``: G GiB where named, e.g. ``+auto5.5`` for another contender's peak, else
+    ``budget_gib``, the card's memory where given)."""
     base, plus, suffix = name.partition("+")
     if not plus:
         return name, {}
-    if suffix == "auto":
-        return base, {"activation_memory": "auto", **({"memory_budget_gib": budget_gib} if budget_gib else {})}
+    auto = AUTO.match(suffix)
+    if auto:
+        budget = float(auto[1]) if auto[1] else budget_gib
+        return base, {"activation_memory": "auto", **({"memory_budget_gib": budget} if budget else {})}
     m = RECOMPUTE.match(suffix)
     if m is None:
         raise ValueError(f"contender '{name}': the suffix after '+' is a recompute mode and an optional layer "
-                         "count, e.g. +mlp8 (modes: full, selective, mlp), or auto (activation_memory: auto)")
+                         "count, e.g. +mlp8 (modes: full, selective, mlp), or auto with an optional budget in GiB, e.g. +auto5.5 "
+                         "(activation_memory: auto)")
     return base, {"recompute": m[1], **({"recompute_num_layers": int(m[2])} if m[2] else {})}
 
 

@@ -56,6 +56,10 @@ def test_galaxy_recompute_suffix():
             galaxy_recompute(bad)
     assert galaxy_recompute("galaxy-lora-compiled+auto", 139.8) == (
         "galaxy-lora-compiled", {"activation_memory": "auto", "memory_budget_gib": 139.8})
+    assert galaxy_recompute("galaxy-qlora+auto4.25", 139.8) == (  # a named budget wins over the card's
+        "galaxy-qlora", {"activation_memory": "auto", "memory_budget_gib": 4.25})
+    with pytest.raises(ValueError, match="recompute mode"):
+        galaxy_recompute("galaxy-lora+auto-1")
     out = subprocess.run([sys.executable, "bench/bench_lora.py", *TINY, "--contenders", "galaxy-lora+attn2"],
                          cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=120)
     assert out.returncode == 2 and "contender 'galaxy-lora+attn2'" in out.stderr.splitlines()[-1], out.stderr

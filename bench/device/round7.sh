@@ -1,0 +1,55 @@
+#!/bin/bash
+# GPU round 7 (one H200; issues 50 and 51), one detached launch of three parts back to back, so the card never
+# idles between them (a session has 30 minutes of device time):
+#   fp8    the fp8 LoRA table: bench_lora's fp8-base rows beside Galaxy's compiled bf16 LoRA and unsloth's LoRA
+#          (both attention paths), Llama-3.2-1B shapes, 1024 x 8, r16 on q/v, 20 timed steps after 3
+#   long   LoRA and QLoRA at 32,768 tokens, batch 1: Galaxy's compiled rows with activation_memory auto within the
+#          card (+auto) and within a budget under unsloth's measured peak (+auto<G>), beside unsloth's offloaded
+#          checkpointing (-gc) on both attention paths; 3 timed steps after 1
+#   f8t    full training in float8 (torchao) against bf16: bench_train's stack4 (LLaMA-7B shapes, 4 layers, 4 x 4096
+#          tokens a step) on one GPU, Galaxy's compiled model beside the fsdp2-compile anchor (torchtitan's order:
+#          convert_to_float8_training, compile, fully_shard), --float8 none | tensorwise | rowwise
+# Carry: the lora set and torchao (installed beside bitsandbytes and liger-kernel on every contender's path):
+#   WHEELS=unsloth bash bench/device/prepare_carry.sh /work/main r7 && \
+#     python3 bench/device/slim_wheel.py /work/main/.whl/torchao-*.whl /work/main/.carry/r7/wheels
+# On nvidia-h200, carry [".carry/r7"]:
+#   cd .carry/r7 && bash bench/device/round7.sh start && bash bench/device/round7.sh wait
+#   cd .carry/r7 && bash bench/device/round7.sh wait     # again, at once, until it prints "done"
+# PARTS="fp8 long f8t" (the default) picks and orders the parts. Each wait copies the JSON so far, the logs and
+# the clocks to $OUT.
+set -o pipefail
+source "$(dirname "$0")/detached.sh"
+source "$(dirname "$0")/lora_deps.sh"
+mode=${1:?start|wait}; polls=${POLLS:-55}  # 10 s polls
+dir=/root/round7; deps=$dir/deps; mkdir -p "$dir"
+if [ "$mode" = start ]; then
+    refuse_if_running "$dir" r7
+    enter_own_tree "$dir"
+    rm -f "$dir"/r7.* "$dir"/*.json "$dir"/*.log
+    install_lora_deps "$deps" || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$deps/common" wheels/torchao-*.whl || exit 1
+    lora_env "$deps"
+    lora="python3 bench/bench_lora.py --preset llama-1b --unsloth_path $deps/unsloth"
+    train="python3 bench/bench_train.py --scenario stack4 --world 1 --contenders galaxy-tp+compile,fsdp2-compile \
+--iters 8 --warmup 2"
+    cmd=""
+    for part in ${PARTS:-fp8 long f8t}; do
+        case $part in
+            fp8) cmd="$cmd $lora --seq 1024 --batch 8 --steps 20 --warmup 3 --contenders galaxy-lora-compiled,\
+galaxy-lora-fp8-compiled,galaxy-lora-fp8,unsloth-lora,unsloth-lora-sdpa --json $dir/fp8_lora.json > $dir/fp8_lora.log 2>&1;" ;;
+            long) cmd="$cmd $lora --seq 32768 --batch 1 --steps 3 --warmup 1 --contenders galaxy-lora-compiled+auto,\
+galaxy-lora-compiled+auto5.5,unsloth-lora-gc,unsloth-lora-gc-sdpa,galaxy-qlora-compiled+auto,galaxy-qlora-compiled+auto4.2,\
+unsloth-qlora-gc,unsloth-qlora-gc-sdpa --json $dir/long32k.json > $dir/long32k.log 2>&1;" ;;
+            f8t) for f in none tensorwise rowwise; do
+                     cmd="$cmd $train --float8 $f --json $dir/float8_$f.json > $dir/float8_$f.log 2>&1;"
+                 done ;;
+            *) echo "unknown part $part (fp8 | long | f8t)"; exit 2 ;;
+        esac
+    done
+    start_detached "$dir" r7 "$cmd"
+    exit 0
+fi
+[ "$mode" = wait ] && wait_done "$dir" r7 "$polls"
+cp "$dir"/*.json "$dir"/*.log "$dir"/r7.console "$dir"/clocks_r7.csv "${OUT:-/tmp}/" 2>/dev/null
+for f in "$dir"/*.log; do echo "== $(basename "$f")"; grep -v '^ROW\|Warn' "$f" | tail -${TAIL:-8}; done
+[ -e "$dir/r7.done" ] && echo done || echo "still running: call wait again"
