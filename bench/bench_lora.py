@@ -443,10 +443,11 @@ def card_gib() -> Optional[float]:
 
 
 def in_child(*args: str) -> str:
-    """This file run with ``args`` in a fresh process; its last line of output."""
+    """This file run with ``args`` in a fresh process; its last line of output ("" where it printed none)."""
     out = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True,
                          check=True).stdout
-    return out.strip().splitlines()[-1]
+    lines = out.strip().splitlines()
+    return lines[-1] if lines else ""  # saving the model prints nothing
 
 
 def run_one(args) -> dict:
