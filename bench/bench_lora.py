@@ -260,10 +260,12 @@ def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None, recomput
     from galaxy.loralib.quantized import frozen_bytes
     from galaxy.models import build_model
     from galaxy.peft import apply_tuning
+    from galaxy.planner.activation import resolve_activation_memory
     from galaxy.train.loop import train
 
-    cfg = config(args, quantize, compile_mode, recompute)
     ctx = ParallelContext.serial("cuda" if torch.cuda.is_available() else "cpu", seed=0)  # CPU: a smoke run
+    # as the CLIs: activation_memory auto becomes each layer's memory mode before the model is built
+    cfg = resolve_activation_memory(config(args, quantize, compile_mode, recompute), ctx)
     model = apply_tuning(build_model(cfg, None, ctx), cfg)
     times, last, resident = [], [time.perf_counter()], [None]
     prof = profiler(args)
@@ -287,7 +289,8 @@ def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None, recomput
         train(model, causal_lm_data(cfg), cfg, ctx, progress=False, on_step=on_step)
     nbytes, count = frozen_bytes(model)
     return {"times": times, "resident_mib": resident[0], "frozen_bytes_per_param": nbytes / max(count, 1),
-            "recompute": cfg.model.recompute, "recompute_num_layers": cfg.model.recompute_num_layers, **out}
+            "recompute": cfg.model.recompute, "recompute_num_layers": cfg.model.recompute_num_layers,
+            "layer_memory": cfg.model.layer_memory, **out}
 
 
 def run_peft(args, variant: str) -> dict:

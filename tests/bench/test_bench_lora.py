@@ -12,9 +12,11 @@ import torch
 
 from bench.bench_lora import (CONTENDERS, best_per_family, family_of, galaxy_base_format, galaxy_compile_mode,
                                galaxy_recompute, search_lengths, unsloth_variant)
+from galaxy.config import MODEL_PRESETS
 from tests import REPO
 
 TINY = ["--preset", "llama-tiny", "--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "0"]
+TINY_LAYERS = MODEL_PRESETS["llama-tiny"]["num_hidden_layers"]
 
 
 def test_unsloth_contender_names():
@@ -68,13 +70,15 @@ def test_galaxy_recompute_suffix():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU the bench itself is the check")
 def test_galaxy_lora_recomputing_its_mlp_trains_on_cpu(tmp_path):
     """``galaxy-lora+mlp1``: the LoRA contender with ``recompute: mlp`` on its first layer, eager, trains and
-    says what it recomputed."""
+    says what it recomputed; ``galaxy-lora+auto1`` plans each layer's memory mode within 1 GiB first, as the CLIs
+    do (the bench once built the model without the plan: every +auto row was an error on the H200)."""
     out = subprocess.run([sys.executable, "bench/bench_lora.py", *TINY, "--json", str(tmp_path / "out.json"),
-                          "--contenders", "galaxy-lora+mlp1"],
+                          "--contenders", "galaxy-lora+mlp1,galaxy-lora+auto1"],
                          cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    (row,) = json.loads((tmp_path / "out.json").read_text())["rows"]
-    assert row["step_ms"] > 0 and (row["recompute"], row["recompute_num_layers"]) == ("mlp", 1), row
+    mlp, auto = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert mlp["step_ms"] > 0 and (mlp["recompute"], mlp["recompute_num_layers"]) == ("mlp", 1), mlp
+    assert auto.get("step_ms", 0) > 0 and auto["layer_memory"] and len(auto["layer_memory"]) == TINY_LAYERS, auto
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the unsloth rows run")
