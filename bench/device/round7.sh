@@ -15,7 +15,8 @@
 # On nvidia-h200, carry [".carry/r7"]:
 #   cd .carry/r7 && bash bench/device/round7.sh start && bash bench/device/round7.sh wait
 #   cd .carry/r7 && bash bench/device/round7.sh wait     # again, at once, until it prints "done"
-# PARTS="fp8 long f8t" (the default) picks and orders the parts. Each wait copies the JSON so far, the logs and
+# PARTS="fp8 long f8t" (the default) picks and orders the parts; LONG_UNSLOTH_LORA / LONG_UNSLOTH_QLORA narrow the
+# unsloth rows of part long (e.g. to the SDPA path, where a launch measured it the faster at 32k). Each wait copies the JSON so far, the logs and
 # the clocks to $OUT.
 set -o pipefail
 source "$(dirname "$0")/detached.sh"
@@ -38,8 +39,9 @@ if [ "$mode" = start ]; then
             fp8) cmd="$cmd $lora --seq 1024 --batch 8 --steps 20 --warmup 3 --contenders galaxy-lora-compiled,\
 galaxy-lora-fp8-compiled,galaxy-lora-fp8,unsloth-lora,unsloth-lora-sdpa --json $dir/fp8_lora.json > $dir/fp8_lora.log 2>&1;" ;;
             long) cmd="$cmd $lora --seq 32768 --batch 1 --steps 3 --warmup 1 --contenders galaxy-lora-compiled+auto,\
-galaxy-lora-compiled+auto5.5,unsloth-lora-gc,unsloth-lora-gc-sdpa,galaxy-qlora-compiled+auto,galaxy-qlora-compiled+auto4.2,\
-unsloth-qlora-gc,unsloth-qlora-gc-sdpa --json $dir/long32k.json > $dir/long32k.log 2>&1;" ;;
+galaxy-lora-compiled+auto5.5,${LONG_UNSLOTH_LORA:-unsloth-lora-gc,unsloth-lora-gc-sdpa},galaxy-qlora-compiled+auto,\
+galaxy-qlora-compiled+auto4.2,\
+${LONG_UNSLOTH_QLORA:-unsloth-qlora-gc,unsloth-qlora-gc-sdpa} --json $dir/long32k.json > $dir/long32k.log 2>&1;" ;;
             f8t) for f in none tensorwise rowwise; do
                      cmd="$cmd $train --float8 $f --json $dir/float8_$f.json > $dir/float8_$f.log 2>&1;"
                  done ;;
