@@ -32,11 +32,31 @@ from galaxy.planner.memory import ModeCost, choose_layer_memory, with_offload
 
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten
-# a CPU's fused attention, which FlopCounterMode does not count by itself, counted as on a GPU
-CPU_ATTENTION_FLOPS = {
-    aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *_, **__: sdpa_flop_count(q, k, v),
-    aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        lambda grad, q, k, v, *_, **__: sdpa_backward_flop_count(grad, q, k, v)}
+
+
+def _heads_of(q: tuple, kv: tuple) -> tuple:
+    """A key / value shape [batch, heads, seq, dim] with the query's heads: grouped-query attention (fewer K/V
+    heads, each serving a group of query heads) computes as many scores as the query has heads, and torch's
+    formulas assert equal heads."""
+    return (kv[0], q[1], *kv[2:])
+
+
+def _forward_flops(q, k, v, *_, **__) -> int:
+    return sdpa_flop_count(q, _heads_of(q, k), _heads_of(q, v))
+
+
+def _backward_flops(grad, q, k, v, *_, **__) -> int:
+    return sdpa_backward_flop_count(grad, q, _heads_of(q, k), _heads_of(q, v))
+
+
+# The fused attention kernels counted with grouped-query K/V (a GPU's flash, memory-efficient and cuDNN kernels),
+# and a CPU's, which FlopCounterMode does not count by itself, as on a GPU.
+ATTENTION_FLOPS = {op: _forward_flops for op in (
+    aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention)}
+ATTENTION_FLOPS.update({op: _backward_flops for op in (
+    aten._scaled_dot_product_flash_attention_for_cpu_backward, aten._scaled_dot_product_flash_attention_backward,
+    aten._scaled_dot_product_efficient_attention_backward, aten._scaled_dot_product_cudnn_attention_backward)})
 
 PROBE_TOKENS = 1024  # the longer probe's tokens (the run's seq_length where shorter); the other has half
 ACHIEVED_FRACTION = 0.5  # of a device's peak FLOP/s a layer's matmuls and attention run at
@@ -115,7 +135,7 @@ def probe_at(cfg: GalaxyConfig, device: torch.device, seq: int, rows: int) -> La
         hook.remove()
         h, *rest = seen[0]
         traffic = OffloadTraffic()
-        forward, backward = (FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) for _ in range(2))
+        forward, backward = (FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS) for _ in range(2))
         with autocast(), forward:
             out = run_layer_with_memory_mode(layer.memory_mode, layer, layer.compute, h.detach().requires_grad_(),
                                              *rest, traffic=traffic)

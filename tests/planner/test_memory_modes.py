@@ -249,3 +249,32 @@ def test_long_context_script_smoke(tmp_path):
     assert rows["64"]["modes"]["none"]["kept_bytes"] > rows["32"]["modes"]["none"]["kept_bytes"] > 0
     assert rows["64"]["auto"] == ["none"] * 2  # a GiB holds everything
     assert any(t["shape"][-1] == 512 for t in report["largest"]["64"])
+
+
+def test_fused_attention_flops_count_grouped_query_heads_as_torch_counts_repeated_ones():
+    """The probe's formulas for every fused attention kernel (a GPU's flash / efficient / cuDNN, a CPU's): with
+    grouped-query K/V (8 query heads, 2 K/V heads) the count is torch's for the same attention with the K/V heads
+    repeated (torch's own formulas assert equal heads: every Galaxy row of a GQA model failed so on the H200)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count
+
+    from galaxy.planner.activation import ATTENTION_FLOPS
+
+    q, k, v = (torch.randn(1, h, 64, 16, requires_grad=True) for h in (8, 2, 2))
+    k8, v8 = (t.detach().repeat_interleave(4, 1).requires_grad_() for t in (k, v))
+    with sdpa_kernel(SDPBackend.MATH):  # its matmuls, which torch counts on any device
+        with FlopCounterMode(display=False) as counted:
+            out = F.scaled_dot_product_attention(q, k8, v8, is_causal=False)
+
+    shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
+    forward_ops = [op for op, f in ATTENTION_FLOPS.items() if "backward" not in str(op)]
+    backward_ops = [op for op in ATTENTION_FLOPS if "backward" in str(op)]
+    assert len(forward_ops) == len(backward_ops) == 4
+    for op in forward_ops:
+        assert ATTENTION_FLOPS[op](*shapes) == counted.get_total_flops(), op
+    # backward as torch's formula counts the repeated heads (a flash backward rebuilds the scores: not the math
+    # path's four matmuls)
+    repeated = sdpa_backward_flop_count(tuple(out.shape), tuple(q.shape), tuple(k8.shape), tuple(v8.shape))
+    for op in backward_ops:
+        assert ATTENTION_FLOPS[op](tuple(out.shape), *shapes) == repeated, op
