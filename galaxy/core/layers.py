@@ -87,13 +87,17 @@ class ParallelLinear(nn.Module):
                     added on rank 0 only, so it is added once; its gradient rule is PARTIAL.
     style="whole":  W is ``[out, in]`` with gradient rule ``rule`` (PARTIAL under SP, else REPLICATED).
     Parameter names are ``weight`` and ``bias`` as in ``nn.Linear``, so HF names carry over.
+    ``tp_form``: how tensor parallelism splits this linear ('column' / 'row'), also while it is whole
+    (a block running SP or None), or None for a linear TP never splits (a head); a frozen base is
+    stored by it (``galaxy.loralib.quantized``).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, style: str = "whole",
                  split: Optional[Sequence[int]] = None, rank: int = 0,
-                 rule: GradRule = GradRule.REPLICATED, device=None, dtype=None):
+                 rule: GradRule = GradRule.REPLICATED, device=None, dtype=None, tp_form: Optional[str] = None):
         super().__init__()
         self.style, self.rank = style, rank
+        self.tp_form = style if style in ("column", "row") else tp_form
         kw = dict(device=device, dtype=dtype)
         if style == "column":
             spec = ShardSpec(0, tuple(split), rank)
@@ -123,7 +127,7 @@ class ParallelLinear(nn.Module):
         """The linear a block running ``method`` needs; ``shard`` ('column'/'row') is its TP form."""
         if method == Method.TP:
             return cls(in_features, out_features, bias, shard, split, rank, **kw)
-        return cls(in_features, out_features, bias, "whole", rule=region_rule(method), **kw)
+        return cls(in_features, out_features, bias, "whole", rule=region_rule(method), tp_form=shard, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if (self.style != "row" or self.rank == 0) else None
@@ -131,6 +135,47 @@ class ParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"style={self.style}, weight={tuple(self.weight.shape)}, bias={self.bias is not None}"
+
+
+class StackedLinear(nn.Module):
+    """``parts`` linears sharing one input (a gated MLP's gate and up), held as one weight
+    ``[parts, out, in]`` and computed as one matmul whose output is the parts side by side
+    (``[..., parts * out]``). Column-parallel under TP: every rank holds the same ``split[rank]`` rows
+    of each part, a slice of dim 1, so a checkpoint stores the full tensor like any sharded parameter.
+    No bias."""
+
+    bias = None
+    tp_form = "column"
+
+    def __init__(self, parts: int, in_features: int, out_features: int, style: str = "whole",
+                 split: Optional[Sequence[int]] = None, rank: int = 0, rule: GradRule = GradRule.REPLICATED):
+        super().__init__()
+        self.style, self.rank = style, rank
+        if style == "column":
+            self.weight = nn.Parameter(torch.empty(parts, split[rank], in_features))
+            set_param_meta(self.weight, GradRule.SHARDED, ShardSpec(1, tuple(split), rank))
+        elif style == "whole":
+            self.weight = nn.Parameter(torch.empty(parts, out_features, in_features))
+            set_param_meta(self.weight, rule)
+        else:
+            raise ValueError(f"a stacked linear is column-parallel or whole, not '{style}'")
+
+    @classmethod
+    def for_method(cls, method: Method, parts: int, in_features: int, out_features: int, split: Sequence[int],
+                   rank: int) -> "StackedLinear":
+        if method == Method.TP:
+            return cls(parts, in_features, out_features, "column", split, rank)
+        return cls(parts, in_features, out_features, rule=region_rule(method))
+
+    def matrix(self) -> torch.Tensor:
+        """The weight as one column-parallel linear's ``[parts * local out, in]`` (a view)."""
+        return self.weight.view(-1, self.weight.shape[-1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.matrix())
+
+    def extra_repr(self) -> str:
+        return f"style={self.style}, weight={tuple(self.weight.shape)}"
 
 
 @contextlib.contextmanager

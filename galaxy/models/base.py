@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from galaxy.config import ConfigError, Method, ModelConfig, Plan
 from galaxy.core.context import ParallelContext, param_seed
 from galaxy.core.grad_sync import gather_full
-from galaxy.core.pipeline import gather_stage_states, stage_of
 from galaxy.core.layers import shard_spec
+from galaxy.core.parallelize import parallelize as parallelize_layers
+from galaxy.core.pipeline import gather_stage_states, stage_of
 from galaxy.kernels import cross_entropy, resolve_backend, resolve_backend_for
 
 logger = logging.getLogger(__name__)
@@ -205,6 +206,19 @@ class GalaxyModel(nn.Module):
             resolve_backend_for(config.kernels, ctx.device)
         except (ImportError, ValueError) as e:
             raise ConfigError(f"config key 'kernels' is '{config.kernels}' but {e}") from None
+
+    # -- how the layers compute
+
+    lora_fusion = False  # the PEFT setting the block edges are picked with (``parallelize``)
+
+    def parallelize(self, lora_fusion: Optional[bool] = None) -> None:
+        """Configure how the layers compute, from this model's plan and config (``galaxy.core.parallelize``):
+        their block edges, memory modes (``recompute``) and ``compile``. The constructor applies it;
+        ``lora_fusion`` (kept until given again) picks the edges again for that PEFT setting
+        (``galaxy.loralib.set_lora_fusion``)."""
+        if lora_fusion is not None:
+            self.lora_fusion = lora_fusion
+        parallelize_layers(self, self.plan, self.ctx.mp, self.config, self.lora_fusion)
 
     # -- init
 

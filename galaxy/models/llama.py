@@ -1,30 +1,31 @@
 """LLaMA (pre-norm, RMSNorm, RoPE, SwiGLU, GQA, causal LM) with the module tree and parameter
 names of HF ``LlamaForCausalLM``, on any plan.
 
-A layer is the chain ATT -> CON -> MLP -> CON, the residual stream living in CON's layout:
+A layer is the chain ATT -> CON -> MLP -> CON, the residual stream living in CON's layout; each block
+meets the stream through its edges (``galaxy.core.edges``: the transition and the linears):
 
-    x = input_layernorm(h)            (CON's layout)
-    a = o_proj(self_attention(enter(x, ATT)))  -> leave(a, ATT);  h = h + a
+    x = input_layernorm(h)
+    q, k, v = att.enter(x, [q_proj, k_proj, v_proj]);  h = h + att.leave(attention(q, k, v), o_proj)
     x = post_attention_layernorm(h)
-    m = down(silu(gate(x)) * up(x))   (enter(x, MLP) ... leave(m, MLP));  h = h + m
+    gate, up = mlp.enter(x, [gate_proj, up_proj]);     h = h + mlp.leave(silu(gate) * up, down_proj)
 
-``ParallelLinear.for_method`` picks whole / column / row weights for each block's method, and
-``Boundaries`` applies the transition at every block edge, exactly as in ``bert.py``. Under
-ATT.tp, rank i holds ``heads_split[i]`` query heads and ``heads_split[i] // group`` key/value
+``ParallelLinear.for_method`` picks whole / column / row weights for each block's method; how the
+edges run, what is recomputed and what is compiled is set from outside (``galaxy.core.parallelize``).
+Under ATT.tp, rank i holds ``heads_split[i]`` query heads and ``heads_split[i] // group`` key/value
 heads, so a GQA group never straddles two ranks (``resolve_plan`` rejects splits that would).
 
 Rotary embeddings are applied inside the shared ``self_attention`` through its ``rope`` callback,
 which receives the *global* sequence positions of the local queries (SP included), so one
 cos/sin table per forward serves every plan. A KV cache (``past_key_values``/``use_cache``)
 serves ``model.generate`` (``galaxy.models.generation``) on every plan: the cache holds the whole
-sequence of each rank's heads (ATT.sp gathers K and V in the prefill, as its forward does), and
-under SP the steps after the prefill run their new tokens replicated (``LlamaModel.decode_edges``).
+sequence of each rank's heads (ATT.sp gathers K and V in the prefill, as its forward does), the
+layers run eagerly on plain edges, and under SP the steps after the prefill run their new tokens
+replicated (``LlamaModel.decode_edges``).
 
 Options of how it computes (``ModelConfig``): ``fused_gate_up`` holds gate and up as one
 ``mlp.gate_up_proj.weight`` ``[2, intermediate, hidden]`` (one matmul; HF checkpoints are
-converted both ways by ``state_from_hf`` / ``state_to_hf``); ``recompute`` checkpoints each layer or
-its attention core (``galaxy.core.recompute``); ``kernels`` runs RMSNorm, RoPE, SwiGLU and the head
-with its loss on the Triton kernels of ``galaxy.kernels``.
+converted both ways by ``state_from_hf`` / ``state_to_hf``); ``kernels`` runs RMSNorm, RoPE, SwiGLU
+and the head with its loss on the Triton kernels of ``galaxy.kernels``.
 
 Under pipeline parallelism (``ctx.pp.size > 1``) a model is one stage (``galaxy.core.pipeline``):
 ``model.layers.i`` under their global indices, ``embed_tokens`` on the first stage, the final
@@ -39,7 +40,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -47,19 +48,16 @@ import torch.nn.functional as F
 
 from galaxy.config import ConfigError, Method, ModelConfig, Plan
 from galaxy.core.attention import attention
-from galaxy.core.blocks import Boundaries, in_compute_dtype, self_attention
-from galaxy.core.comm import Communicator
-from galaxy.core.compile import CompiledLayer
+from galaxy.core.blocks import gather_kv, merge_heads, self_attention, split_heads
 from galaxy.core.context import ParallelContext
+from galaxy.core.edges import Edge, LayerEdges, LocalEdge, Stream, in_compute_dtype
 from galaxy.core.grad_sync import mark_pipeline_tie
+from galaxy.core.layers import Dropout, GradRule, ParallelLinear, StackedLinear, mark_module, region_rule
+from galaxy.core.parallelize import TransformerLayer
 from galaxy.core.pipeline import StageSpec, layer_stack
-from galaxy.core.layers import (Dropout, GradRule, ParallelLinear, ShardSpec, mark_module, region_rule,
-                                set_param_meta)
-from galaxy.core.recompute import (generators_of, layer_modes, note_unfused_mlp_edges, recompute,
-                                   recomputed_when_compiled)
-from galaxy.core.transitions import Layout, reduce_to_replicated, transition
+from galaxy.core.recompute import recomputed_when_compiled
+from galaxy.core.transitions import reduce_to_replicated
 from galaxy.kernels import apply_rope, fused_linear_cross_entropy, rms_norm, swiglu, swiglu_packed
-from galaxy.core.overlap.coc import CocBoundaries, coc_chunks
 from galaxy.models.generation import generate
 from galaxy.models.base import (GalaxyModel, LayerParameters, ModelOutput, activation, at_least_fp32,
                                 default_plan_and_context, plain, token_loss_sum, use_triton)
@@ -163,6 +161,10 @@ class KVCache:
     def length(self) -> int:
         return self.layers[0][0].shape[2] if self.layers else 0
 
+    def seen(self, idx: int) -> int:
+        """Tokens layer ``idx`` holds (before this step's, while the step runs the layers in order)."""
+        return self.layers[idx][0].shape[2] if idx < len(self.layers) else 0
+
     def update(self, idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if idx < len(self.layers):
             past_k, past_v = self.layers[idx]
@@ -231,60 +233,32 @@ class LlamaAttention(nn.Module):
         self.o_proj = ParallelLinear.for_method(plan.att, cfg.num_attention_heads * d, h, False, "row", q_split, rank)
         self.dropout = Dropout(cfg.attention_probs_dropout_prob, ctx.generator(sharded=plan.att != Method.NONE))
 
-    def cached(self, x: torch.Tensor, rope: RopeAt, cache: KVCache, key_padding_mask,
-               sp: Optional[tuple[Communicator, tuple[int, ...]]] = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edge: Edge, key_padding_mask,
+                rope: "RopeAt", cache: Optional[KVCache] = None, core=attention) -> torch.Tensor:
+        """Causal attention of the projections in the block's layout (``edge``), the output projection's input."""
+        if cache is not None:
+            return self.cached(q, k, v, edge, key_padding_mask, rope, cache)
+        return self_attention(q, k, v, shard=edge.shard, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                              head_dim=self.head_dim, key_padding_mask=key_padding_mask, causal=True,
+                              dropout=self.dropout, rope=rope, core=core)
+
+    def cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edge: Edge, key_padding_mask,
+               rope: "RopeAt", cache: KVCache) -> torch.Tensor:
         """Attention of new tokens against cached + new keys. The cache always holds the whole
-        sequence of this rank's heads: ``x`` is the whole sequence (every step of plans without
-        SP, and every step after the prefill of plans with SP, whose new tokens run replicated),
-        or, for the prefill of ATT.sp, this rank's tokens (``sp``: the group and the sequence
-        split), whose K and V are gathered as ``self_attention`` gathers them."""
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        offset = 0 if sp is None else sum(sp[1][: sp[0].rank])
-        q, k = rope(q, k, torch.arange(offset, offset + s, device=x.device))
-        if sp is not None:
-            kv = transition(torch.cat([k, v], dim=-1).transpose(1, 2), Layout.S, Layout.T, *sp).transpose(1, 2)
-            k, v = kv.split(self.head_dim, dim=-1)
-        past = cache.length
+        sequence of this rank's heads: the new tokens are the whole sequence (every step of plans
+        without SP, and every step after the prefill of plans with SP, whose new tokens run
+        replicated), or, for the prefill of ATT.sp, this rank's tokens (``edge.shard``), whose K and V
+        are gathered as ``self_attention`` gathers them."""
+        q, k, v = (split_heads(t, n, self.head_dim) for t, n in ((q, self.num_heads), (k, self.num_kv_heads),
+                                                                  (v, self.num_kv_heads)))
+        offset = edge.shard.offset if edge.shard is not None else 0
+        q, k = rope(q, k, torch.arange(offset, offset + q.shape[2], device=q.device))
+        if edge.shard is not None:
+            k, v = gather_kv(k, v, edge.shard)
+        past = cache.seen(self.layer_idx)
         k, v = cache.update(self.layer_idx, k, v)
-        out = attention(q, k, v, key_padding_mask=key_padding_mask, causal=True, q_offset=past + offset,
-                        dropout=self.dropout)
-        return out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
-
-
-class GateUpProj(nn.Module):
-    """``gate_proj`` and ``up_proj`` as one weight ``[2, intermediate, hidden]`` (gate first) and one
-    matmul whose output is ``[gate | up]``. The shard of MLP.tp is a slice of dim 1, so each rank
-    holds the same ``ffn_split[rank]`` rows of both, contiguous, and checkpoints store the full
-    tensor like any other sharded parameter."""
-
-    def __init__(self, method: Method, hidden: int, intermediate: int, split, rank: int):
-        super().__init__()
-        if method == Method.TP:
-            self.weight = nn.Parameter(torch.empty(2, split[rank], hidden))
-            set_param_meta(self.weight, GradRule.SHARDED, ShardSpec(1, tuple(split), rank))
-        else:
-            self.weight = nn.Parameter(torch.empty(2, intermediate, hidden))
-            set_param_meta(self.weight, region_rule(method))
-
-    def matrix(self) -> torch.Tensor:
-        """The weight as one column-parallel linear's ``[2 * local intermediate, hidden]`` (a view)."""
-        return self.weight.view(-1, self.weight.shape[-1])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.matrix())
-
-    def extra_repr(self) -> str:
-        return f"weight={tuple(self.weight.shape)}"
-
-
-class _Columns(NamedTuple):
-    """What ``CocBoundaries.enter`` reads of a column-parallel linear: the fused gate/up matrix."""
-
-    weight: torch.Tensor
-    bias: Optional[torch.Tensor] = None
+        return merge_heads(attention(q, k, v, key_padding_mask=key_padding_mask, causal=True, q_offset=past + offset,
+                                     dropout=self.dropout))
 
 
 def _gated(act_fn, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -293,14 +267,15 @@ def _gated(act_fn, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 class LlamaMLP(nn.Module):
     """SwiGLU: gate/up column-parallel and down row-parallel under MLP.tp; whole otherwise. With
-    ``fused_gate_up`` gate and up are one ``gate_up_proj`` (one matmul, one weight)."""
+    ``fused_gate_up`` gate and up are one ``gate_up_proj`` (one matmul, one ``[2, intermediate,
+    hidden]`` weight, ``StackedLinear``)."""
 
     def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
         super().__init__()
         rank, h, i = ctx.mp.rank, cfg.hidden_size, cfg.intermediate_size
         self.fused = cfg.fused_gate_up
         if self.fused:
-            self.gate_up_proj = GateUpProj(plan.mlp, h, i, plan.ffn_split, rank)
+            self.gate_up_proj = StackedLinear.for_method(plan.mlp, 2, h, i, plan.ffn_split, rank)
         else:
             self.gate_proj = ParallelLinear.for_method(plan.mlp, h, i, False, "column", plan.ffn_split, rank)
             self.up_proj = ParallelLinear.for_method(plan.mlp, h, i, False, "column", plan.ffn_split, rank)
@@ -322,19 +297,18 @@ class LlamaMLP(nn.Module):
             return swiglu_packed(gate_up, backend="triton")
         return recomputed_when_compiled(_gated, self.act_fn, *gate_up.chunk(2, dim=-1))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, edge: Edge) -> torch.Tensor:
+        """The MLP block between its edges."""
         if self.fused:
-            return self.down_proj(self.act_packed(self.gate_up_proj(x)))
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+            (gate_up,) = edge.enter(x, [self.gate_up_proj])
+            return edge.leave(self.act_packed(gate_up), self.down_proj)
+        gate, up = edge.enter(x, [self.gate_proj, self.up_proj])
+        return edge.leave(self.act(gate, up), self.down_proj)
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext, edges: Boundaries, layer_idx: int,
-                 coc: Optional[CocBoundaries] = None, recompute_mode: str = "none"):
-        super().__init__()
-        self.cfg, self.plan, self.ctx, self.edges = cfg, plan, ctx, edges
-        self.coc = coc
-        self.recompute_mode = recompute_mode  # none | full | selective | mlp (galaxy.core.recompute)
+class LlamaDecoderLayer(TransformerLayer):
+    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext, layer_idx: int):
+        super().__init__(ctx.mp, plan)
         self.self_attn = LlamaAttention(cfg, plan, ctx, layer_idx)
         self.mlp = LlamaMLP(cfg, plan, ctx)
         self.input_layernorm = _norm(cfg, plan)
@@ -344,56 +318,24 @@ class LlamaDecoderLayer(nn.Module):
         generator = ctx.generator(sharded=plan.con == Method.SP)
         self.attn_dropout = Dropout(cfg.hidden_dropout_prob, generator)
         self.mlp_dropout = Dropout(cfg.hidden_dropout_prob, generator)
-        self.compiled = CompiledLayer(self, ctx.mp, cfg.compile_mode) if cfg.compile else None
 
     def forward(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor], rope: RopeAt,
-                cache: Optional[KVCache] = None, edges: Optional[Boundaries] = None) -> torch.Tensor:
-        if cache is not None:  # generation: eager (the cache grows every step, a new shape to compile);
-            return self.compute(h, key_padding_mask, rope, cache, edges)  # SP decode steps pass replicated edges
-        run = self.compiled or self.compute
-        if self.recompute_mode == "full":
-            return recompute(run, h, key_padding_mask, rope, generators=generators_of([self]))
-        return run(h, key_padding_mask, rope)
+                cache: Optional[KVCache] = None, edges: Optional[LayerEdges] = None) -> torch.Tensor:
+        if cache is not None:  # generation: eager (the cache grows every step, a new shape to compile)
+            return self.compute(h, key_padding_mask, rope, cache, edges)
+        return super().forward(h, key_padding_mask, rope)
 
     def compute(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor], rope: RopeAt,
-                cache: Optional[KVCache] = None, edges: Optional[Boundaries] = None) -> torch.Tensor:
-        """``edges``: the transitions to run (default the layer's own; decode steps of SP plans
-        pass the replicated ones, whose plan is ``edges.plan``)."""
-        edges = edges or self.edges
-        plan, attn, mlp, coc = edges.plan, self.self_attn, self.mlp, self.coc
-        # ATT (with CoC, the entry transition + q/k/v and o_proj + the exit transition are fused)
+                cache: Optional[KVCache] = None, edges: Optional[LayerEdges] = None) -> torch.Tensor:
+        """``edges``: the block edges to run (default the layer's own; generation passes plain ones)."""
+        att_edge, mlp_edge = edges or self.edges
+        attn = self.self_attn
         x = recomputed_when_compiled(block_input, self.input_layernorm, h)
-        fused = cache is None and coc is not None and coc.fuses(plan.att, attn.q_proj, attn.k_proj, attn.v_proj,
-                                                                  attn.o_proj)
-        qkv = coc.enter(x, [attn.q_proj, attn.k_proj, attn.v_proj]) if fused else None
-        x = x if fused else edges.enter(x, plan.att)
-        if cache is None:
-            a = self_attention(x, attn.q_proj, attn.k_proj, attn.v_proj, method=plan.att, comm=self.ctx.mp, plan=plan,
-                               num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-                               key_padding_mask=key_padding_mask, causal=True, dropout=attn.dropout, rope=rope,
-                               projected=qkv, recompute_core=self.recompute_mode == "selective")
-        else:
-            a = attn.cached(x, rope, cache, key_padding_mask,
-                            (self.ctx.mp, plan.seq_split) if plan.att == Method.SP else None)
-        a = coc.leave(a, attn.o_proj) if fused else edges.leave(attn.o_proj(a), plan.att)
-        # CON
-        h = h + self.attn_dropout(a)
-        # MLP
+        q, k, v = att_edge.enter(x, [attn.q_proj, attn.k_proj, attn.v_proj])
+        a = attn(q, k, v, att_edge, key_padding_mask, rope, cache, self.attention_core)
+        h = h + self.attn_dropout(att_edge.leave(a, attn.o_proj))
         x = recomputed_when_compiled(block_input, self.post_attention_layernorm, h)
-        coc = None if self.recompute_mode == "mlp" else coc  # one recomputed region: its edges unfused
-        if coc is not None and mlp.fused and coc.fuses(plan.mlp, mlp.down_proj) and \
-                type(mlp.gate_up_proj) is GateUpProj and plain(mlp.gate_up_proj):
-            (gate_up,) = coc.enter(x, [_Columns(mlp.gate_up_proj.matrix())])
-            m = coc.leave(mlp.act_packed(gate_up), mlp.down_proj)
-        elif coc is not None and not mlp.fused and coc.fuses(plan.mlp, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-            gate, up = coc.enter(x, [mlp.gate_proj, mlp.up_proj])
-            m = coc.leave(mlp.act(gate, up), mlp.down_proj)
-        else:
-            x = edges.enter(x, plan.mlp)
-            m = recompute(mlp, x, generators=generators_of([mlp])) if self.recompute_mode == "mlp" else mlp(x)
-            m = edges.leave(m, plan.mlp)
-        # CON
-        return h + self.mlp_dropout(m)
+        return h + self.mlp_dropout(mlp_edge.run(self.mlp, x))
 
 
 class LlamaModel(nn.Module):
@@ -401,12 +343,14 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg, self.plan, self.ctx = cfg, plan, ctx
         self.stage = stage = stage or StageSpec.whole(cfg.num_hidden_layers)
-        self.edges = Boundaries(ctx.mp, plan)
-        # Decode steps after an SP prefill: the new tokens replicated on every rank, SP blocks (whose
-        # weights are whole) computing them as 'none' blocks do, TP blocks keeping their shards.
-        self.decode_edges = Boundaries(ctx.mp, replace(plan, **{block: Method.NONE for block in ("att", "con", "mlp")
-                                                                 if getattr(plan, block) == Method.SP}))
-        coc = CocBoundaries(ctx.mp, plan, coc_chunks(plan.coc_parallel_num))
+        self.stream = Stream(ctx.mp, plan)
+        # Generation runs plain edges: the prefill's on the plan, and after an SP prefill the new tokens
+        # replicated on every rank, SP blocks (whose weights are whole) computing them as 'none' blocks
+        # do, TP blocks keeping their shards.
+        decode_plan = replace(plan, **{block: Method.NONE for block in ("att", "con", "mlp")
+                                       if getattr(plan, block) == Method.SP})
+        self.prefill_edges = LayerEdges.plain(ctx.mp, plan)
+        self.decode_edges, self.decode_stream = LayerEdges.plain(ctx.mp, decode_plan), Stream(ctx.mp, decode_plan)
         tied = cfg.tie_word_embeddings and not stage.is_whole
         if stage.is_first or (tied and stage.is_last):
             self.embed_tokens = mark_module(nn.Embedding(cfg.vocab_size, cfg.hidden_size,
@@ -415,10 +359,7 @@ class LlamaModel(nn.Module):
                 mark_pipeline_tie(self.embed_tokens.weight, "embed_tokens", copy=not stage.is_first)
         else:
             self.embed_tokens = None
-        modes = layer_modes(cfg.recompute, cfg.recompute_num_layers, stage.num_layers)
-        note_unfused_mlp_edges(modes, plan.mlp == Method.TP and coc.may_fuse())
-        self.layers = layer_stack((LlamaDecoderLayer(cfg, plan, ctx, self.edges, i, coc, mode)
-                                   for i, mode in zip(stage.layers, modes)), stage.first_layer)
+        self.layers = layer_stack((LlamaDecoderLayer(cfg, plan, ctx, i) for i in stage.layers), stage.first_layer)
         self.norm = _norm(cfg, plan) if stage.is_last else None
         self.rotary_emb = LlamaRotaryEmbedding(cfg, ctx.device)
 
@@ -438,7 +379,8 @@ class LlamaModel(nn.Module):
                              "pass the previous stage's output as hidden_states")
         seq = input_ids.shape[1]
         past = cache.length if cache is not None else 0
-        edges = self.decode_edges if past else self.edges
+        edges = None if cache is None else self.decode_edges if past else self.prefill_edges
+        stream = self.decode_stream if past else self.stream
         if self.uses_seq and not past:
             if seq != sum(self.plan.seq_split):
                 raise ValueError(f"input has {seq} tokens but the plan splits {sum(self.plan.seq_split)} "
@@ -450,7 +392,7 @@ class LlamaModel(nn.Module):
             position_ids = torch.arange(past, past + seq, device=input_ids.device)
         if position_ids.dim() == 1:
             position_ids = position_ids[None]
-        h = self.embed_tokens(edges.to_stream(input_ids)) if self.stage.is_first else hidden_states
+        h = self.embed_tokens(stream.to_stream(input_ids)) if self.stage.is_first else hidden_states
         rope = RopeAt(*self.rotary_emb(position_ids, h.dtype), self.cfg.kernels)
         for layer in self.layers:
             h = layer(h, attention_mask, rope, cache, edges)
@@ -513,11 +455,21 @@ class LlamaQKV(nn.Module):
         self.rope = RopeAt(cos, sin, cfg.kernels)
 
     def forward(self, x):
-        a, (b, s, _) = self.attn, x.shape
-        q = a.q_proj(x).view(b, s, a.num_heads, a.head_dim).transpose(1, 2)
-        k = a.k_proj(x).view(b, s, a.num_kv_heads, a.head_dim).transpose(1, 2)
-        q, k = self.rope(q, k, torch.arange(s, device=x.device))
+        a = self.attn
+        q, k = split_heads(a.q_proj(x), a.num_heads, a.head_dim), split_heads(a.k_proj(x), a.num_kv_heads, a.head_dim)
+        q, k = self.rope(q, k, torch.arange(x.shape[1], device=x.device))
         return q, k, a.v_proj(x)
+
+
+class LlamaMLPBlock(nn.Module):
+    """The MLP between local edges, no transition (the planner's ``mlp`` piece)."""
+
+    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
+        super().__init__()
+        self.mlp, self.edge = LlamaMLP(cfg, plan, ctx), LocalEdge(ctx.mp, plan, plan.mlp)
+
+    def forward(self, x):
+        return self.mlp(x, self.edge)
 
 
 class LlamaCon(nn.Module):
@@ -597,7 +549,7 @@ class LlamaForCausalLM(GalaxyModel):
 
     @classmethod
     def mlp_probe(cls, cfg, plan, ctx):
-        return LlamaMLP(cfg, plan, ctx)
+        return LlamaMLPBlock(cfg, plan, ctx)
 
     @classmethod
     def con_probe(cls, cfg, plan, ctx):
@@ -611,11 +563,9 @@ class LlamaForCausalLM(GalaxyModel):
         from galaxy.adapters.side import SideSpec
 
         layers = list(self.model.layers)
-        edges = Boundaries(self.ctx.mp, side_plan)
         dtype = torch.promote_types(next(self.parameters()).dtype, torch.float32)  # trainable: fp32 masters
         with torch.device(self.ctx.device):
-            side_layers = [LlamaDecoderLayer(side_cfg, side_plan, self.ctx, edges, i).to(dtype)
-                           for i in range(len(layers))]
+            side_layers = [LlamaDecoderLayer(side_cfg, side_plan, self.ctx, i).to(dtype) for i in range(len(layers))]
             final_norm = LlamaRMSNorm(side_cfg.hidden_size, self.config.rms_norm_eps).to(dtype)
         rotary = LlamaRotaryEmbedding(side_cfg)  # the side heads are narrower: their own RoPE tables
 
@@ -655,6 +605,7 @@ class LlamaForCausalLM(GalaxyModel):
         if not meta:
             self.init_weights(seed)
         mark_module(self, GradRule.REPLICATED)
+        self.parallelize()
 
     @staticmethod
     def num_loss_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -691,13 +642,13 @@ class LlamaForCausalLM(GalaxyModel):
             # slice, so every shard scores its own logits and nothing gathers the full logits.
             shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
             count = (shifted != IGNORE_INDEX).sum().clamp(min=1)
-            local = self.model.edges.to_stream(shifted)
+            local = self.model.stream.to_stream(shifted)
             if fused:
                 loss = fused_linear_cross_entropy(h, self.lm_head.weight, local, IGNORE_INDEX, "mean",
                                                   num_targets=count, backend="triton")
             else:
                 loss = token_loss_sum(logits, local, count, self.config.kernels, IGNORE_INDEX)
-            if self.model.edges.stream == Layout.S and self.ctx.mp.size > 1:
+            if self.model.stream.sharded:
                 loss = reduce_to_replicated(loss, self.ctx.mp)  # per-rank sums are partial
         return CausalLMOutput(loss=loss, logits=logits, hidden_states=h, past_key_values=cache)
 

@@ -72,7 +72,7 @@ def backward_both(serial, par, batch, ctx, edges):
 
 def compare_with_serial(ctx, plan_spec, uneven, extra=None):
     serial, par = build(ctx, plan_spec, uneven, extra)
-    _, worst = backward_both(serial, par, make_batch(), ctx, par.model.edges)
+    _, worst = backward_both(serial, par, make_batch(), ctx, par.model.stream)
     grads_s = dict(serial.named_parameters())
     assert set(grads_s) == {n for n, _ in par.named_parameters()}
     for name, p in par.named_parameters():

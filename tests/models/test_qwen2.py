@@ -161,7 +161,7 @@ def compare_with_serial(ctx, plan_spec, uneven, tuning=None):
     out_p.loss.backward()
     sync()
     assert abs(out_p.loss.item() - out_s.loss.item()) <= RTOL * abs(out_s.loss.item())
-    worst = rel_err(par.model.edges.to_replicated(out_p.logits).detach(), out_s.logits.detach())
+    worst = rel_err(par.model.stream.to_replicated(out_p.logits).detach(), out_s.logits.detach())
     grads = {n: p.grad for n, p in serial.named_parameters() if p.requires_grad}
     assert grads and set(grads) == {n for n, p in par.named_parameters() if p.requires_grad}
     for name, p in par.named_parameters():
