@@ -144,7 +144,7 @@ def frozen_by(model: nn.Module, opts: TuningOptions):
     if opts.method == "full":
         return lambda name: False
     if opts.method == "lora":
-        targets = opts.lora_target_modules or list(getattr(model, "lora_targets", ()))
+        targets = opts.lora_target_modules or _default_lora_targets(model)
         keep = lora_keeps(opts.lora_bias, also, lora_target_names(model, targets) if targets else ())
     else:
         def keep(name: str) -> bool:
@@ -174,7 +174,7 @@ def apply_options(model: nn.Module, opts: TuningOptions) -> nn.Module:
         for p in model.parameters():
             p.requires_grad_(True)
     elif opts.method == "lora":
-        targets = opts.lora_target_modules or list(getattr(model, "lora_targets", ()))
+        targets = opts.lora_target_modules or _default_lora_targets(model)
         if not targets:
             raise ValueError(f"no default LoRA targets for model type '{model.config.model_type}'; "
                              "set lora_target_modules")
@@ -189,7 +189,8 @@ def apply_options(model: nn.Module, opts: TuningOptions) -> nn.Module:
         mark_only_lora_as_trainable(model, opts.lora_bias, also=also)
     elif opts.method == "adapter":
         add_adapters(model, opts.adapter_type, opts.adapter_reduction_factor, opts.adapter_non_linearity,
-                     opts.adapter_residual, seed=opts.seed, init_up_std=opts.init_std)
+                     opts.adapter_residual, seed=opts.seed, init_up_std=opts.init_std,
+                     points=getattr(_family_of(model), "adapter_points", None))
         mark_only_adapters_as_trainable(model, also=also)
     else:
         add_side_network(model, side_spec(model, opts.side_reduction_factor), region_rule(model.plan.con),
@@ -252,14 +253,29 @@ def side_spec(model: nn.Module, reduction_factor: int) -> SideSpec:
         raise ValueError("side-tuning under pipeline parallelism is not supported: the side network runs beside "
                          "every layer; use pp_size 1")
     scfg = side_config(model.config, reduction_factor)
-    return model.side_spec(scfg, side_plan(model.plan, scfg))
+    known = _family_of(model)
+    if known is None:
+        raise ValueError(f"side-tuning is not supported for {type(model).__name__}: it is no registered model family")
+    return known.side_spec(model, scfg, side_plan(model.plan, scfg))
 
 
 # ----------------------------------------------------------------------------- checkpoints
 
 
+def _family_of(model: nn.Module):
+    """The registered family of ``model`` (``galaxy.models.family``), or None for another module."""
+    from galaxy.models import MODEL_FAMILIES
+
+    return MODEL_FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
+
+
+def _default_lora_targets(model: nn.Module) -> list[str]:
+    """HF PEFT's default LoRA targets for the model's architecture (none for an unregistered module)."""
+    return list(getattr(_family_of(model), "lora_targets", ()))
+
+
 def _task_type(model: nn.Module) -> Optional[str]:
-    if getattr(model, "causal", False):
+    if getattr(_family_of(model), "causal", False):
         return "CAUSAL_LM"
     return "SEQ_CLS" if "classifier" in {n for n, _ in model.named_modules()} else None
 

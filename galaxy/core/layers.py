@@ -138,37 +138,40 @@ class ParallelLinear(nn.Module):
 
 
 class StackedLinear(nn.Module):
-    """``parts`` linears sharing one input (a gated MLP's gate and up), held as one weight
-    ``[parts, out, in]`` and computed as one matmul whose output is the parts side by side
-    (``[..., parts * out]``). Column-parallel under TP: every rank holds the same ``split[rank]`` rows
-    of each part, a slice of dim 1, so a checkpoint stores the full tensor like any sharded parameter.
-    No bias."""
+    """``parts`` linears sharing one input (a gated MLP's gate and up; the q/k/v heads of each key/value
+    group), held as one weight ``[parts, *out_shape, in]`` and computed as one matmul whose output is the
+    parts side by side (``[..., parts * prod(out_shape)]``). Column-parallel under TP along ``shard_dim``
+    (1: every rank holds the same ``split[rank]`` rows of each part; 0: ``split[rank]`` whole parts), a
+    slice of one dim, so a checkpoint stores the full tensor like any sharded parameter. No bias."""
 
     bias = None
     tp_form = "column"
 
-    def __init__(self, parts: int, in_features: int, out_features: int, style: str = "whole",
-                 split: Optional[Sequence[int]] = None, rank: int = 0, rule: GradRule = GradRule.REPLICATED):
+    def __init__(self, parts: int, in_features: int, out_shape, style: str = "whole",
+                 split: Optional[Sequence[int]] = None, rank: int = 0, rule: GradRule = GradRule.REPLICATED,
+                 shard_dim: int = 1):
         super().__init__()
         self.style, self.rank = style, rank
+        shape = [parts, *((out_shape,) if isinstance(out_shape, int) else out_shape), in_features]
         if style == "column":
-            self.weight = nn.Parameter(torch.empty(parts, split[rank], in_features))
-            set_param_meta(self.weight, GradRule.SHARDED, ShardSpec(1, tuple(split), rank))
+            shape[shard_dim] = split[rank]
+            self.weight = nn.Parameter(torch.empty(shape))
+            set_param_meta(self.weight, GradRule.SHARDED, ShardSpec(shard_dim, tuple(split), rank))
         elif style == "whole":
-            self.weight = nn.Parameter(torch.empty(parts, out_features, in_features))
+            self.weight = nn.Parameter(torch.empty(shape))
             set_param_meta(self.weight, rule)
         else:
             raise ValueError(f"a stacked linear is column-parallel or whole, not '{style}'")
 
     @classmethod
-    def for_method(cls, method: Method, parts: int, in_features: int, out_features: int, split: Sequence[int],
-                   rank: int) -> "StackedLinear":
+    def for_method(cls, method: Method, parts: int, in_features: int, out_shape, split: Sequence[int], rank: int,
+                   shard_dim: int = 1) -> "StackedLinear":
         if method == Method.TP:
-            return cls(parts, in_features, out_features, "column", split, rank)
-        return cls(parts, in_features, out_features, rule=region_rule(method))
+            return cls(parts, in_features, out_shape, "column", split, rank, shard_dim=shard_dim)
+        return cls(parts, in_features, out_shape, rule=region_rule(method))
 
     def matrix(self) -> torch.Tensor:
-        """The weight as one column-parallel linear's ``[parts * local out, in]`` (a view)."""
+        """The weight as one column-parallel linear's ``[local rows, in]`` (a view)."""
         return self.weight.view(-1, self.weight.shape[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

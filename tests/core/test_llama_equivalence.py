@@ -9,7 +9,7 @@ import torch
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.grad_sync import GradientSync, gather_full
 from galaxy.models.generation import generate
-from galaxy.models.llama import LlamaForCausalLM
+from galaxy.models import model_class
 
 # 8 query heads sharing 4 key/value heads: GQA groups of 2.
 TINY = dict(model_type="llama", vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=8,
@@ -51,8 +51,9 @@ def build(ctx, plan_spec, uneven, extra=None):
     if uneven:
         raw.update(UNEVEN[ctx.mp.size])
     cfg = GalaxyConfig.from_dict(raw)
-    serial = LlamaForCausalLM(cfg.model, seed=3).double()
-    par = LlamaForCausalLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=3).double()
+    cls = model_class(cfg.model.model_type)  # LLaMA, or a family with LLaMA's config keys (extra model_type)
+    serial = cls(cfg.model, seed=3).double()
+    par = cls(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=3).double()
     return serial, par
 
 
@@ -111,8 +112,8 @@ def test_tied_and_scaled_rope_equal_serial(dist_pool, plan):
     dist_pool.run(compare_with_serial, 4, plan, True, extra)
 
 
-def generate_on_plan(ctx, plan_spec, uneven):
-    serial, par = build(ctx, plan_spec, uneven)
+def generate_on_plan(ctx, plan_spec, uneven, extra=None):
+    serial, par = build(ctx, plan_spec, uneven, extra)
     ids = make_batch()["input_ids"][:, :5]
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
@@ -127,10 +128,10 @@ def test_generate_on_tp_plan_equals_serial(dist_pool, plan_spec):
     dist_pool.run(generate_on_plan, 3, plan_spec, True)
 
 
-def generate_on_sp_plan(ctx, plan_spec, uneven):
+def generate_on_sp_plan(ctx, plan_spec, uneven, extra=None):
     """The prefill splits the whole prompt (SEQ tokens, left-padded rows included) as the plan says;
     every later step runs its token replicated against the cache."""
-    serial, par = build(ctx, plan_spec, uneven)
+    serial, par = build(ctx, plan_spec, uneven, extra)
     batch = make_batch()
     ids, mask = batch["input_ids"], torch.ones_like(batch["input_ids"])
     mask[2, :3] = 0

@@ -35,10 +35,8 @@ norm and ``lm_head`` on the last. With tied embeddings the last stage holds its 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -50,7 +48,7 @@ from galaxy.config import ConfigError, Method, ModelConfig, Plan
 from galaxy.core.attention import attention
 from galaxy.core.blocks import gather_kv, merge_heads, self_attention, split_heads
 from galaxy.core.context import ParallelContext
-from galaxy.core.edges import Edge, LayerEdges, LocalEdge, Stream, in_compute_dtype
+from galaxy.core.edges import Edge, LayerEdges, Stream, in_compute_dtype
 from galaxy.core.grad_sync import mark_pipeline_tie
 from galaxy.core.layers import Dropout, GradRule, ParallelLinear, StackedLinear, mark_module, region_rule
 from galaxy.core.parallelize import TransformerLayer
@@ -58,28 +56,14 @@ from galaxy.core.pipeline import StageSpec, layer_stack
 from galaxy.core.recompute import recomputed_when_compiled
 from galaxy.core.transitions import reduce_to_replicated
 from galaxy.kernels import apply_rope, fused_linear_cross_entropy, rms_norm, swiglu, swiglu_packed
+from galaxy.models.base import (GalaxyModel, ModelOutput, activation, at_least_fp32, default_plan_and_context, plain,
+                                token_loss_sum, use_triton)
 from galaxy.models.generation import generate
-from galaxy.models.base import (GalaxyModel, LayerParameters, ModelOutput, activation, at_least_fp32,
-                                default_plan_and_context, plain, token_loss_sum, use_triton)
+from galaxy.models.llama.hf import ROPE_TYPES, LlamaHF
 
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-ROPE_TYPES = ("default", "linear", "llama3")
-# HF config keys that map one-to-one onto ModelConfig fields.
-HF_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-           "intermediate_size", "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps",
-           "tie_word_embeddings")
-# HF LlamaConfig defaults, for keys a config.json leaves out.
-HF_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                   num_attention_heads=32, hidden_act="silu", max_position_embeddings=2048, initializer_range=0.02,
-                   rms_norm_eps=1e-6, tie_word_embeddings=False)
-# Kept from a loaded checkpoint and written back on save (HF falls back to LLaMA-1's ids otherwise).
-SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id")
-# fused_gate_up: one parameter in place of HF's two (gate first).
-GATE, UP, GATE_UP = "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.gate_up_proj.weight"
-
-
 # ----------------------------------------------------------------------------- RoPE
 
 
@@ -217,21 +201,30 @@ def _norm(cfg: ModelConfig, plan: Plan) -> LlamaRMSNorm:
 
 
 class LlamaAttention(nn.Module):
+    """GQA: under ATT.tp this rank's ``heads_split[rank]`` query heads and their key/value heads, whole
+    otherwise; the query, key and value projections are ``project_in``'s (a variant fuses them)."""
+
     def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext, layer_idx: int):
         super().__init__()
         rank, h, d = ctx.mp.rank, cfg.hidden_size, cfg.head_dim
-        group = cfg.num_attention_heads // cfg.kv_heads
+        self.group = cfg.num_attention_heads // cfg.kv_heads
         self.layer_idx, self.head_dim = layer_idx, d
         self.num_heads = plan.heads_split[rank] if plan.att == Method.TP else cfg.num_attention_heads
-        self.num_kv_heads = self.num_heads // group
+        self.num_kv_heads = self.num_heads // self.group
+        self.project_in(cfg, plan, rank)
         q_split = [n * d for n in plan.heads_split]
-        kv_split = [n // group * d for n in plan.heads_split]
+        self.o_proj = ParallelLinear.for_method(plan.att, cfg.num_attention_heads * d, h, False, "row", q_split, rank)
+        self.dropout = Dropout(cfg.attention_probs_dropout_prob, ctx.generator(sharded=plan.att != Method.NONE))
+
+    def project_in(self, cfg: ModelConfig, plan: Plan, rank: int) -> None:
+        """``q_proj``, ``k_proj`` and ``v_proj``, their columns split by heads under ATT.tp."""
+        h, d = cfg.hidden_size, cfg.head_dim
+        q_split = [n * d for n in plan.heads_split]
+        kv_split = [n // self.group * d for n in plan.heads_split]
         bias = bool(cfg.qkv_bias)  # column-parallel biases are sharded with their columns
         self.q_proj = ParallelLinear.for_method(plan.att, h, cfg.num_attention_heads * d, bias, "column", q_split, rank)
         self.k_proj = ParallelLinear.for_method(plan.att, h, cfg.kv_heads * d, bias, "column", kv_split, rank)
         self.v_proj = ParallelLinear.for_method(plan.att, h, cfg.kv_heads * d, bias, "column", kv_split, rank)
-        self.o_proj = ParallelLinear.for_method(plan.att, cfg.num_attention_heads * d, h, False, "row", q_split, rank)
-        self.dropout = Dropout(cfg.attention_probs_dropout_prob, ctx.generator(sharded=plan.att != Method.NONE))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edge: Edge, key_padding_mask,
                 rope: "RopeAt", cache: Optional[KVCache] = None, core=attention) -> torch.Tensor:
@@ -307,9 +300,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(TransformerLayer):
+    attention_class = LlamaAttention
+
     def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext, layer_idx: int):
         super().__init__(ctx.mp, plan)
-        self.self_attn = LlamaAttention(cfg, plan, ctx, layer_idx)
+        self.self_attn = self.attention_class(cfg, plan, ctx, layer_idx)
         self.mlp = LlamaMLP(cfg, plan, ctx)
         self.input_layernorm = _norm(cfg, plan)
         self.post_attention_layernorm = _norm(cfg, plan)
@@ -339,7 +334,8 @@ class LlamaDecoderLayer(TransformerLayer):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext, stage: Optional[StageSpec] = None):
+    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext, stage: Optional[StageSpec] = None,
+                 layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer):
         super().__init__()
         self.cfg, self.plan, self.ctx = cfg, plan, ctx
         self.stage = stage = stage or StageSpec.whole(cfg.num_hidden_layers)
@@ -359,7 +355,7 @@ class LlamaModel(nn.Module):
                 mark_pipeline_tie(self.embed_tokens.weight, "embed_tokens", copy=not stage.is_first)
         else:
             self.embed_tokens = None
-        self.layers = layer_stack((LlamaDecoderLayer(cfg, plan, ctx, i) for i in stage.layers), stage.first_layer)
+        self.layers = layer_stack((layer_class(cfg, plan, ctx, i) for i in stage.layers), stage.first_layer)
         self.norm = _norm(cfg, plan) if stage.is_last else None
         self.rotary_emb = LlamaRotaryEmbedding(cfg, ctx.device)
 
@@ -399,33 +395,6 @@ class LlamaModel(nn.Module):
         return self.norm(h) if self.stage.is_last else h
 
 
-def fuse_gate_up(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF's ``mlp.gate_proj.weight`` / ``mlp.up_proj.weight`` pairs -> ``mlp.gate_up_proj.weight`` [2, I, H].
-    Also maps per-parameter optimizer states: a 0-dim one (a step count) is the gate's."""
-    out = {}
-    for name, tensor in state.items():
-        stem = name[: -len(GATE)] if name.endswith(GATE) else name[: -len(UP)] if name.endswith(UP) else None
-        if stem is None or stem + GATE not in state or stem + UP not in state:
-            out[name] = tensor  # not a complete pair: left for the loader to name
-        elif name.endswith(GATE):
-            out[stem + GATE_UP] = tensor if tensor.dim() == 0 else torch.stack([tensor, state[stem + UP]])
-    return out
-
-
-def split_gate_up(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``mlp.gate_up_proj.weight`` -> HF's separate ``gate_proj`` and ``up_proj`` weights (a 0-dim
-    optimizer state goes to both)."""
-    out = {}
-    for name, tensor in state.items():
-        if name.endswith(GATE_UP):
-            stem = name[: -len(GATE_UP)]
-            halves = (tensor, tensor) if tensor.dim() == 0 else (tensor[0], tensor[1])
-            out[stem + GATE], out[stem + UP] = (t.clone() for t in halves)  # own storage: safetensors
-        else:
-            out[name] = tensor
-    return out
-
-
 class TiedLMHead(nn.Module):
     """``lm_head`` when ``tie_word_embeddings``: the embedding matrix, no parameter of its own."""
 
@@ -441,147 +410,14 @@ class TiedLMHead(nn.Module):
         return F.linear(h, self.weight)
 
 
-# ----------------------------------------------------------------------------- planner probes
-
-
-class LlamaQKV(nn.Module):
-    """ATT's q/k/v projections with RoPE on q and k (the planner's ``att_proj`` piece): q, k
-    ``[b, heads, s, d]`` rotated at positions 0..s-1, v ``[b, s, kv_heads * d]``."""
-
-    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext, seq: int):
-        super().__init__()
-        self.attn = LlamaAttention(cfg, plan, ctx, 0)
-        cos, sin = LlamaRotaryEmbedding(cfg, ctx.device)(torch.arange(seq, device=ctx.device)[None], torch.float32)
-        self.rope = RopeAt(cos, sin, cfg.kernels)
-
-    def forward(self, x):
-        a = self.attn
-        q, k = split_heads(a.q_proj(x), a.num_heads, a.head_dim), split_heads(a.k_proj(x), a.num_kv_heads, a.head_dim)
-        q, k = self.rope(q, k, torch.arange(x.shape[1], device=x.device))
-        return q, k, a.v_proj(x)
-
-
-class LlamaMLPBlock(nn.Module):
-    """The MLP between local edges, no transition (the planner's ``mlp`` piece)."""
-
-    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
-        super().__init__()
-        self.mlp, self.edge = LlamaMLP(cfg, plan, ctx), LocalEdge(ctx.mp, plan, plan.mlp)
-
-    def forward(self, x):
-        return self.mlp(x, self.edge)
-
-
-class LlamaCon(nn.Module):
-    """CON: the residual add (after the optional dropout), then the next block's RMSNorm (pre-norm)."""
-
-    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
-        super().__init__()
-        self.norm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.kernels)
-        self.dropout = Dropout(cfg.hidden_dropout_prob, ctx.generator(sharded=plan.con == Method.SP))
-
-    def forward(self, a, h):
-        h = h + self.dropout(a)
-        return h, self.norm(h)
-
-
-class LlamaEmbeddingsAndHead(nn.Module):
-    """The token embeddings, the final norm and ``lm_head`` (the embedding matrix when tied)."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.norm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.kernels)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    def forward(self, ids):
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(self.norm(self.embed_tokens(ids)), head.weight)
-
-
 # ----------------------------------------------------------------------------- the model
 
 
-class LlamaForCausalLM(GalaxyModel):
-    hf_architecture = "LlamaForCausalLM"
+class LlamaForCausalLM(LlamaHF, GalaxyModel):
     model_type = "llama"
-    causal = True
-    rotary = True
-    tiny_config = dict(preset="llama-tiny")
-    lora_targets = ("q_proj", "v_proj")
-    # The block outputs before ``h + .``.
-    adapter_points = {"attn": r"(.+\.)?layers\.\d+\.attn_dropout", "mlp": r"(.+\.)?layers\.\d+\.mlp_dropout"}
+    hf_architecture = "LlamaForCausalLM"
     gate_up_fusable = True
-    qkv_bias = False  # HF's architecture has q/k/v biases (a config's qkv_bias None takes this)
-    hf_defaults = HF_DEFAULTS
-
-    @classmethod
-    def own_config(cls, config: ModelConfig) -> ModelConfig:
-        """``config`` with what it leaves to the architecture filled in (``qkv_bias``)."""
-        return config if config.qkv_bias is not None else replace(config, qkv_bias=cls.qkv_bias)
-
-    @classmethod
-    def matmul_weights(cls, cfg: ModelConfig, task: str = "lm") -> tuple[int, int]:
-        h, kv = cfg.hidden_size, cfg.kv_heads * cfg.head_dim
-        return 2 * h * h + 2 * h * kv + 3 * h * cfg.intermediate_size, h * cfg.vocab_size  # q, o, k, v, MLP; lm_head
-
-    @classmethod
-    def layer_parameters(cls, cfg: ModelConfig, heads, ffn) -> LayerParameters:
-        cfg = cls.own_config(cfg)
-        h, d = cfg.hidden_size, cfg.head_dim
-        kv = heads // (cfg.num_attention_heads // cfg.kv_heads)
-        qkv = (heads + 2 * kv) * d
-        return LayerParameters(att_sharded=qkv * h + (qkv if cfg.qkv_bias else 0) + h * heads * d, att_row_bias=0,
-                               mlp_sharded=3 * ffn * h, mlp_row_bias=0, con=2 * h)  # two RMSNorms
-
-    @classmethod
-    def edge_parameters(cls, cfg: ModelConfig) -> tuple[int, int]:
-        h, v = cfg.hidden_size, cfg.vocab_size
-        return v * h, h + (0 if cfg.tie_word_embeddings else v * h)  # embeddings; final norm + lm_head
-
-    @classmethod
-    def att_proj_probe(cls, cfg, plan, ctx, seq):
-        return LlamaQKV(cls.own_config(cfg), plan, ctx, seq)
-
-    @classmethod
-    def att_out_probe(cls, cfg, plan, ctx):
-        return LlamaAttention(cls.own_config(cfg), plan, ctx, 0).o_proj
-
-    @classmethod
-    def mlp_probe(cls, cfg, plan, ctx):
-        return LlamaMLPBlock(cfg, plan, ctx)
-
-    @classmethod
-    def con_probe(cls, cfg, plan, ctx):
-        return LlamaCon(cfg, plan, ctx)
-
-    @classmethod
-    def head_probe(cls, cfg, plan, ctx):
-        return LlamaEmbeddingsAndHead(cfg)
-
-    def side_spec(self, side_cfg: ModelConfig, side_plan: Plan):
-        from galaxy.adapters.side import SideSpec
-
-        layers = list(self.model.layers)
-        dtype = torch.promote_types(next(self.parameters()).dtype, torch.float32)  # trainable: fp32 masters
-        with torch.device(self.ctx.device):
-            side_layers = [LlamaDecoderLayer(side_cfg, side_plan, self.ctx, i).to(dtype) for i in range(len(layers))]
-            final_norm = LlamaRMSNorm(side_cfg.hidden_size, self.config.rms_norm_eps).to(dtype)
-        rotary = LlamaRotaryEmbedding(side_cfg)  # the side heads are narrower: their own RoPE tables
-
-        def prepare(call: dict, s: torch.Tensor) -> dict:
-            if call.get("cache") is not None:
-                raise ValueError("side-tuning keeps no KV cache for its side network; generate with use_cache=False")
-            positions = call.get("position_ids")
-            if positions is None:
-                positions = torch.arange(call["input_ids"].shape[1], device=s.device)
-            if positions.dim() == 1:
-                positions = positions[None]
-            return {"side_rope": RopeAt(*rotary(positions, s.dtype))}
-
-        return SideSpec(self.model, layers, side_layers, self.config.hidden_size, side_cfg.hidden_size,
-                        run_layer=lambda layer, s, call: layer(s, call["attention_mask"], call["side_rope"]),
-                        prepare=prepare, final_norm=final_norm, init_full=self._init_full)
+    decoder_layer = LlamaDecoderLayer  # a variant with other projections builds its own layers
 
     def __init__(self, config: ModelConfig, plan: Optional[Plan] = None, ctx: Optional[ParallelContext] = None,
                  seed: int = 0, meta: bool = False):
@@ -593,7 +429,7 @@ class LlamaForCausalLM(GalaxyModel):
         self.special_token_ids: dict = {}
         self.fused_gate_up = config.fused_gate_up  # the layout built, whatever the config says later
         with self.parameter_device(meta):
-            self.model = LlamaModel(config, plan, ctx, self.stage)
+            self.model = LlamaModel(config, plan, ctx, self.stage, self.decoder_layer)
             if not self.stage.is_last:
                 self.lm_head = None
             elif config.tie_word_embeddings:
@@ -652,20 +488,7 @@ class LlamaForCausalLM(GalaxyModel):
                 loss = reduce_to_replicated(loss, self.ctx.mp)  # per-rank sums are partial
         return CausalLMOutput(loss=loss, logits=logits, hidden_states=h, past_key_values=cache)
 
-    # -- init and HF conversion
-
-    def _init_param(self, name: str, shape, seed: int, device: Optional[torch.device] = None) -> torch.Tensor:
-        if name.endswith(GATE_UP):  # each half drawn as the unfused model draws it
-            stem, init = name[: -len(GATE_UP)], super()._init_param
-            return torch.stack([init(stem + part, tuple(shape[1:]), seed, device) for part in (GATE, UP)])
-        return super()._init_param(name, shape, seed, device)
-
-    def state_from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return fuse_gate_up(state) if self.fused_gate_up else split_gate_up(state)
-
-    @classmethod
-    def state_to_hf(cls, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return split_gate_up(state)
+    # -- init (HF LlamaPreTrainedModel's; HF names and layouts: ``LlamaHF``)
 
     def _init_full(self, name: str, shape, gen: torch.Generator) -> torch.Tensor:
         # HF LlamaPreTrainedModel._init_weights: N(0, initializer_range) linears and embeddings,
@@ -678,60 +501,3 @@ class LlamaForCausalLM(GalaxyModel):
         if name == "model.embed_tokens.weight" and self.config.pad_token_id is not None:
             full[self.config.pad_token_id] = 0
         return full
-
-    @classmethod
-    def config_from_hf(cls, hf: dict) -> ModelConfig:
-        if hf.get("model_type", cls.model_type) != cls.model_type:
-            raise ValueError(f"model_path holds a '{hf.get('model_type')}' model, not {cls.model_type}")
-        for key in ("attention_bias", "mlp_bias"):
-            if hf.get(key):
-                raise ValueError(f"HF config has {key}=true; Galaxy's {cls.hf_architecture} has no such biases")
-        hf = dict(cls.hf_defaults, **hf)
-        if hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
-            raise ValueError(f"HF config has head_dim={hf['head_dim']} but Galaxy derives it as "
-                             "hidden_size / num_attention_heads")
-        # transformers 5 writes `rope_parameters` (theta inside); 4.x writes `rope_scaling` + `rope_theta`.
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-        kind = rope.pop("rope_type", rope.pop("type", "default"))
-        if kind not in ROPE_TYPES:
-            raise ValueError(f"HF config uses rope type '{kind}'; supported: {', '.join(ROPE_TYPES)}")
-        cfg = ModelConfig(model_type=cls.model_type, qkv_bias=cls.qkv_bias, **{k: hf[k] for k in HF_KEYS if k in hf})
-        cfg.num_key_value_heads = hf.get("num_key_value_heads") or cfg.num_attention_heads
-        cfg.rope_theta = float(theta)
-        cfg.rope_scaling = None if kind == "default" else dict(rope, rope_type=kind)
-        cfg.pad_token_id = hf.get("pad_token_id")  # HF LLaMA usually has none: no padding row
-        cfg.hidden_dropout_prob = 0.0
-        cfg.attention_probs_dropout_prob = float(hf.get("attention_dropout", 0.0))
-        return cfg
-
-    @classmethod
-    def hf_config(cls, config: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict:
-        c = cls.own_config(config)
-        if c.qkv_bias != cls.qkv_bias:
-            raise ConfigError(f"config key 'qkv_bias' is {c.qkv_bias}, but HF's {cls.hf_architecture} "
-                              f"{'always' if cls.qkv_bias else 'never'} has q/k/v biases; it has no HF form")
-        hf = {k: getattr(c, k) for k in HF_KEYS}
-        rope_parameters = dict(c.rope_scaling or {}, rope_theta=c.rope_theta)
-        rope_parameters["rope_type"] = rope_parameters.pop("type", rope_parameters.get("rope_type", "default"))
-        hf.update(model_type=cls.model_type, architectures=[cls.hf_architecture], num_key_value_heads=c.kv_heads,
-                  head_dim=c.head_dim, attention_bias=False, mlp_bias=False,
-                  attention_dropout=c.attention_probs_dropout_prob, pad_token_id=c.pad_token_id,
-                  # Both spellings: transformers 5 reads rope_parameters, 4.x rope_theta/rope_scaling.
-                  rope_parameters=rope_parameters, rope_theta=c.rope_theta,
-                  rope_scaling=dict(c.rope_scaling) if c.rope_scaling else None)
-        if dtype is not None:
-            hf["dtype"] = str(dtype).removeprefix("torch.")
-        return hf
-
-    def config_to_hf(self) -> dict:
-        return dict(super().config_to_hf(), **self.special_token_ids)
-
-    def loaded_from(self, path: str) -> None:
-        with open(os.path.join(path, "config.json")) as f:
-            hf = json.load(f)
-        self.special_token_ids = {k: hf[k] for k in SPECIAL_TOKEN_KEYS if k in hf}
-        c = self.config
-        logger.info("loaded %s from %s: %d layers, %d query / %d key-value heads, rope %s, plan %s", self.model_type,
-                    path, c.num_hidden_layers, c.num_attention_heads, c.kv_heads,
-                    (c.rope_scaling or {}).get("rope_type", "default"), self.plan.name)

@@ -36,13 +36,9 @@ from galaxy.core.pipeline import StageSpec, layer_stack
 from galaxy.core.recompute import recomputed_when_compiled
 from galaxy.core.transitions import reduce_to_replicated
 from galaxy.kernels import fused_linear_cross_entropy, layer_norm
-from galaxy.models.base import (GalaxyModel, LayerParameters, ModelOutput, activation, at_least_fp32,
-                                default_plan_and_context, plain, token_loss_sum, use_triton)
-
-HF_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-           "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "hidden_dropout_prob",
-           "attention_probs_dropout_prob", "initializer_range", "pad_token_id")
-
+from galaxy.models.base import (GalaxyModel, ModelOutput, activation, at_least_fp32, default_plan_and_context, plain,
+                                token_loss_sum, use_triton)
+from galaxy.models.bert.hf import BertHF
 
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` (same parameters, names and class name, which profiles report) that runs the
@@ -304,127 +300,13 @@ class BertOnlyMLMHead(nn.Module):
         return self.predictions(h)
 
 
-# ----------------------------------------------------------------------------- planner probes
-
-
-class BertQKV(nn.Module):
-    """ATT's q/k/v projections (the planner's ``att_proj`` piece)."""
-
-    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
-        super().__init__()
-        self.attn = BertSelfAttention(cfg, plan, ctx)
-
-    def forward(self, x):
-        return self.attn.query(x), self.attn.key(x), self.attn.value(x)
-
-
-class BertMLP(nn.Module):
-    """MLP's two linears and the activation (the planner's ``mlp`` piece)."""
-
-    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
-        super().__init__()
-        self.intermediate, self.output = BertIntermediate(cfg, plan, ctx), BertOutput(cfg, plan, ctx)
-
-    def forward(self, x):
-        return self.output.dense(self.intermediate(x))
-
-
-class BertCon(nn.Module):
-    """CON: dropout, residual add, LayerNorm (post-LN)."""
-
-    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
-        super().__init__()
-        self.norm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, cfg.kernels)
-        self.dropout = Dropout(cfg.hidden_dropout_prob, ctx.generator(sharded=plan.con == Method.SP))
-
-    def forward(self, a, h):
-        return self.norm(self.dropout(a) + h)
-
-
-class BertEmbeddingsAndHead(nn.Module):
-    """The embeddings and the MLM head with its tied decoder."""
-
-    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
-        super().__init__()
-        self.embeddings = BertEmbeddings(cfg, plan, ctx)
-        self.head = BertOnlyMLMHead(cfg, plan, self.embeddings.word_embeddings)
-
-    def forward(self, ids):
-        return self.head(self.embeddings(ids, torch.zeros_like(ids), 0))
-
-
 # ----------------------------------------------------------------------------- the models
 
 
-class BertPreTrainedModel(GalaxyModel):
-    """The BERT family: what it is (registry facts), init and HF conversion shared by its heads."""
+class BertPreTrainedModel(BertHF, GalaxyModel):
+    """What BERT's heads share: the encoder's init (HF conversion: ``BertHF``)."""
 
     model_type = "bert"
-    tasks = ("lm", "classify")
-    tiny_config = dict(preset="bert-tiny")
-    lora_targets = ("query", "value")
-    # The outputs of ATT and MLP after their dropout, before ``LayerNorm(. + h)``.
-    adapter_points = {"attn": r"(.+\.)?layer\.\d+\.attention\.output\.dropout",
-                      "mlp": r"(.+\.)?layer\.\d+\.output\.dropout"}
-
-    @classmethod
-    def matmul_weights(cls, cfg: ModelConfig, task: str = "lm") -> tuple[int, int]:
-        h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-        return 4 * h * h + 2 * h * i, 0 if task == "classify" else h * h + h * v  # MLM transform + decoder
-
-    @classmethod
-    def for_task(cls, task: str) -> type[GalaxyModel]:
-        super().for_task(task)
-        return BertForSequenceClassification if task == "classify" else BertForMaskedLM
-
-    @classmethod
-    def layer_parameters(cls, cfg: ModelConfig, heads, ffn) -> LayerParameters:
-        h, d = cfg.hidden_size, cfg.head_dim
-        return LayerParameters(att_sharded=3 * (heads * d * h + heads * d) + h * heads * d,  # q, k, v + biases; dense
-                               att_row_bias=h, mlp_sharded=ffn * h + ffn + h * ffn, mlp_row_bias=h,
-                               con=2 * 2 * h)  # two LayerNorms
-
-    @classmethod
-    def edge_parameters(cls, cfg: ModelConfig) -> tuple[int, int]:
-        h, v = cfg.hidden_size, cfg.vocab_size
-        emb = v * h + cfg.max_position_embeddings * h + cfg.type_vocab_size * h + 2 * h
-        head = h * h + h + 2 * h + v  # transform dense, its LayerNorm, the decoder bias (weight tied)
-        return emb, head
-
-    @classmethod
-    def ties_embeddings(cls, cfg: ModelConfig) -> bool:
-        return True  # the MLM decoder is the word embeddings
-
-    @classmethod
-    def att_proj_probe(cls, cfg, plan, ctx, seq):
-        return BertQKV(cfg, plan, ctx)
-
-    @classmethod
-    def att_out_probe(cls, cfg, plan, ctx):
-        return BertSelfOutput(cfg, plan, ctx).dense
-
-    @classmethod
-    def mlp_probe(cls, cfg, plan, ctx):
-        return BertMLP(cfg, plan, ctx)
-
-    @classmethod
-    def con_probe(cls, cfg, plan, ctx):
-        return BertCon(cfg, plan, ctx)
-
-    @classmethod
-    def head_probe(cls, cfg, plan, ctx):
-        return BertEmbeddingsAndHead(cfg, plan, ctx)
-
-    def side_spec(self, side_cfg: ModelConfig, side_plan: Plan):
-        from galaxy.adapters.side import SideSpec
-
-        layers = list(self.bert.encoder.layer)
-        dtype = torch.promote_types(next(self.parameters()).dtype, torch.float32)  # trainable: fp32 masters
-        with torch.device(self.ctx.device):
-            side_layers = [BertLayer(side_cfg, side_plan, self.ctx).to(dtype) for _ in layers]
-        return SideSpec(self.bert, layers, side_layers, self.config.hidden_size, side_cfg.hidden_size,
-                        run_layer=lambda layer, s, call: layer(s, call["attention_mask"]),
-                        init_full=self._init_full)
 
     def _init_full(self, name: str, shape, gen: torch.Generator) -> torch.Tensor:
         # HF BertPreTrainedModel._init_weights: N(0, initializer_range) matrices and embeddings,
@@ -438,23 +320,6 @@ class BertPreTrainedModel(GalaxyModel):
         if name.endswith("word_embeddings.weight"):
             full[self.config.pad_token_id] = 0
         return full
-
-    @classmethod
-    def config_from_hf(cls, hf: dict) -> ModelConfig:
-        if hf.get("model_type", "bert") != "bert":
-            raise ValueError(f"model_path holds a '{hf.get('model_type')}' model, not BERT")
-        cfg = ModelConfig(model_type="bert", **{k: hf[k] for k in HF_KEYS if k in hf})
-        cfg.classifier_pooling = hf.get("classifier_pooling", "cls")
-        if "id2label" in hf:
-            cfg.num_labels = len(hf["id2label"])
-        return cfg
-
-    @classmethod
-    def hf_config(cls, config: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict:
-        # No dtype recorded, as Galaxy's BERT files never had one: exports load in transformers as before.
-        hf = {k: getattr(config, k) for k in HF_KEYS}
-        hf.update(model_type="bert", architectures=[cls.hf_architecture], tie_word_embeddings=True)
-        return hf
 
     def _post_init(self, seed: int, meta: bool) -> None:
         if not meta:
