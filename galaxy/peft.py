@@ -113,15 +113,17 @@ def build_base(cfg: GalaxyConfig, plan: Optional[Plan], ctx, task: str = "lm", i
     if (opts.method == "full" or (opts.frozen_dtype is None and opts.quantize_base == "none")) \
             and not (init_on_device and not path):
         return build_model(cfg, plan, ctx, task)
-    if path and opts.quantize_base == "none" and not _streamable(path, cfg.model.fused_gate_up):
-        logger.info("'%s' is read whole (no safetensors, or fused_gate_up), then its frozen weights cast", path)
-        return build_model(cfg, plan, ctx, task)
     check_config(cfg.model)
     cls = model_class(cfg.model.model_type, task)
+    if path and opts.quantize_base == "none" and not _streamable(path, cls.hf_layout_differs(cfg.model)):
+        logger.info("'%s' is read whole (no safetensors, or another layout than HF's), then its frozen weights "
+                    "cast", path)
+        return build_model(cfg, plan, ctx, task)
     if path:
         config = cls.config_from_dir(path, {k: getattr(cfg.model, k) for k in COMPUTE_KEYS})
-        if config.fused_gate_up and opts.quantize_base != "none":
-            raise ConfigError("quantize-on-load quantizes each linear on its own; set fused_gate_up to false")
+        differs = cls.hf_layout_differs(config)
+        if differs and opts.quantize_base != "none":
+            raise ConfigError(f"quantize-on-load quantizes each linear as the checkpoint stores it, but {differs}")
     else:
         config = cfg.model
     model = cls(config, plan, ctx, seed=cfg.train.seed, meta=True)  # laid out, no storage: filled below
@@ -132,9 +134,10 @@ def build_base(cfg: GalaxyConfig, plan: Optional[Plan], ctx, task: str = "lm", i
                        init_device=ctx.device if init_on_device and not path else None)
 
 
-def _streamable(path: str, fused_gate_up: bool) -> bool:
-    """The checkpoint can be read tensor by tensor under the model's own names."""
-    return not fused_gate_up and os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path))
+def _streamable(path: str, layout_differs: Optional[str]) -> bool:
+    """The checkpoint can be read tensor by tensor under the model's own names (``layout_differs``: why not,
+    ``GalaxyModel.hf_layout_differs``)."""
+    return not layout_differs and os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path))
 
 
 def frozen_by(model: nn.Module, opts: TuningOptions):

@@ -18,12 +18,14 @@ from galaxy.models.base import GalaxyModel
 from galaxy.models.bert import BERT
 from galaxy.models.family import Family
 from galaxy.models.llama import LLAMA
+from galaxy.models.phi3 import PHI3
 from galaxy.models.qwen2 import QWEN2
 
 MODEL_FAMILIES: dict[str, Family] = {
     "bert": BERT,
     "llama": LLAMA,
     "qwen2": QWEN2,
+    "phi3": PHI3,
 }
 
 

@@ -242,6 +242,12 @@ class GalaxyModel(nn.Module):
         raise NotImplementedError
 
     @classmethod
+    def hf_layout_differs(cls, config: ModelConfig) -> Optional[str]:
+        """None when every parameter of a model of ``config`` is the HF checkpoint's tensor of the same name
+        and shape (a loader may read them one by one); else why not, and what to set instead."""
+        return None
+
+    @classmethod
     def hf_config(cls, config: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict:
         """HF's ``config.json`` for a model of this class and ``config`` whose weights are stored in
         ``dtype``: what ``save_pretrained`` writes, and the checkpoint export without building a model."""

@@ -86,6 +86,10 @@ class LlamaHF:
         return split_gate_up(state)
 
     @classmethod
+    def hf_layout_differs(cls, config: ModelConfig) -> Optional[str]:
+        return "fused_gate_up fuses HF's gate_proj/up_proj; set fused_gate_up to false" if config.fused_gate_up else None
+
+    @classmethod
     def config_from_hf(cls, hf: dict) -> ModelConfig:
         if hf.get("model_type", cls.model_type) != cls.model_type:
             raise ValueError(f"model_path holds a '{hf.get('model_type')}' model, not {cls.model_type}")

@@ -24,8 +24,8 @@ replicated (``LlamaModel.decode_edges``).
 
 Options of how it computes (``ModelConfig``): ``fused_gate_up`` holds gate and up as one
 ``mlp.gate_up_proj.weight`` ``[2, intermediate, hidden]`` (one matmul; HF checkpoints are
-converted both ways by ``state_from_hf`` / ``state_to_hf``); ``kernels`` runs RMSNorm, RoPE, SwiGLU
-and the head with its loss on the Triton kernels of ``galaxy.kernels``.
+converted both ways by ``galaxy.models.llama.hf``); ``kernels`` runs RMSNorm, RoPE, SwiGLU and the
+head with its loss on the Triton kernels of ``galaxy.kernels``.
 
 Under pipeline parallelism (``ctx.pp.size > 1``) a model is one stage (``galaxy.core.pipeline``):
 ``model.layers.i`` under their global indices, ``embed_tokens`` on the first stage, the final
@@ -64,6 +64,8 @@ from galaxy.models.llama.hf import ROPE_TYPES, LlamaHF
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
+
+
 # ----------------------------------------------------------------------------- RoPE
 
 
@@ -227,7 +229,7 @@ class LlamaAttention(nn.Module):
         self.v_proj = ParallelLinear.for_method(plan.att, h, cfg.kv_heads * d, bias, "column", kv_split, rank)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edge: Edge, key_padding_mask,
-                rope: "RopeAt", cache: Optional[KVCache] = None, core=attention) -> torch.Tensor:
+                rope: RopeAt, cache: Optional[KVCache] = None, core=attention) -> torch.Tensor:
         """Causal attention of the projections in the block's layout (``edge``), the output projection's input."""
         if cache is not None:
             return self.cached(q, k, v, edge, key_padding_mask, rope, cache)
@@ -236,7 +238,7 @@ class LlamaAttention(nn.Module):
                               dropout=self.dropout, rope=rope, core=core)
 
     def cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edge: Edge, key_padding_mask,
-               rope: "RopeAt", cache: KVCache) -> torch.Tensor:
+               rope: RopeAt, cache: KVCache) -> torch.Tensor:
         """Attention of new tokens against cached + new keys. The cache always holds the whole
         sequence of this rank's heads: the new tokens are the whole sequence (every step of plans
         without SP, and every step after the prefill of plans with SP, whose new tokens run
