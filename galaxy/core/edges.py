@@ -152,7 +152,8 @@ class PlainEdge(Edge):
 
 class LocalEdge(Edge):
     """The linears alone, without the transitions: the inside of a region that keeps its edges'
-    collectives out of it (``recompute: mlp``, ``galaxy.core.parallelize``)."""
+    collectives out of it (``recompute: mlp``, ``galaxy.core.parallelize``), or a block timed alone (the
+    planner's probes)."""
 
     def enter(self, x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
         return [m(x) for m in linears]

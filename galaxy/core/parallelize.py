@@ -23,7 +23,7 @@ what it sharded.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch.nn as nn
 
@@ -79,30 +79,24 @@ class EdgeChoice:
 
 def block_edge(comm: Communicator, plan: Plan, method: Method, choice: EdgeChoice) -> Edge:
     """The edge of a block running ``method``: overlapped where ``choice`` overlaps a TP block's
-    collectives (``galaxy.core.overlap``, imported only then), else plain."""
+    collectives (``galaxy.core.overlap.edges``, imported only then), else plain."""
     if method != Method.TP or not choice.overlaps(comm):
         return PlainEdge(comm, plan, method)
     if choice.async_tp:
         if choice.lora_fusion:
             raise ConfigError("config key 'tp_overlap' async_tp does not combine with lora_fusion (CCLoRA); "
                               "set tp_overlap to coc or lora_fusion to false")
-        from galaxy.core.overlap.async_tp import async_tp_edge
+        from galaxy.core.overlap.edges import async_tp_edge
 
         return async_tp_edge(comm, plan, method)
-    if choice.lora_fusion:
-        from galaxy.core.overlap.cclora import CcloraEdge
+    from galaxy.core.overlap.edges import CcloraEdge, CocEdge
 
-        return CcloraEdge(comm, plan, method, choice.chunks)
-    from galaxy.core.overlap.coc import CocEdge
-
-    return CocEdge(comm, plan, method, choice.chunks)
+    return (CcloraEdge if choice.lora_fusion else CocEdge)(comm, plan, method, choice.chunks)
 
 
-def layer_edges(comm: Communicator, plan: Plan, choice: EdgeChoice, plain_mlp: bool = False) -> LayerEdges:
-    """The edges of one layer: ``block_edge`` for ATT and MLP (``plain_mlp``: the MLP's plain, for a
-    region that recomputes the MLP between its edges)."""
-    mlp = PlainEdge(comm, plan, plan.mlp) if plain_mlp else block_edge(comm, plan, plan.mlp, choice)
-    return LayerEdges(block_edge(comm, plan, plan.att, choice), mlp)
+def layer_edges(comm: Communicator, plan: Plan, choice: EdgeChoice) -> LayerEdges:
+    """The edges of one layer: ``block_edge`` for ATT and for MLP."""
+    return LayerEdges(block_edge(comm, plan, plan.att, choice), block_edge(comm, plan, plan.mlp, choice))
 
 
 # ----------------------------------------------------------------------------- regions recomputed in backward
@@ -163,7 +157,8 @@ MODES: dict[str, LayerMode] = {
 
 
 def stack_modes(cfg: ModelConfig, count: int) -> list[str]:
-    """The memory mode of each of a stack's ``count`` layers (``recompute``, ``recompute_num_layers``)."""
+    """The memory mode (a key of ``MODES``) of each of a stack's ``count`` layers (``recompute``,
+    ``recompute_num_layers``)."""
     return layer_modes(cfg.recompute, cfg.recompute_num_layers, count)
 
 
@@ -174,8 +169,8 @@ def configure_layer(layer: TransformerLayer, comm: Communicator, plan: Plan, cho
                     cfg: ModelConfig) -> None:
     """Set one layer's edges, memory ``mode`` and compile (``cfg.compile``, ``cfg.compile_mode``)."""
     applied = MODES[mode]
-    att, mlp = layer_edges(comm, plan, choice, plain_mlp=applied.mlp)
-    layer.edges = LayerEdges(att, RecomputedEdge(comm, plan, plan.mlp) if applied.mlp else mlp)
+    mlp = RecomputedEdge(comm, plan, plan.mlp) if applied.mlp else block_edge(comm, plan, plan.mlp, choice)
+    layer.edges = LayerEdges(block_edge(comm, plan, plan.att, choice), mlp)
     layer.attention_core = applied.core
     inner = CompiledLayer(layer, comm, cfg.compile_mode) if cfg.compile else None
     if applied.whole is not None:
@@ -184,20 +179,13 @@ def configure_layer(layer: TransformerLayer, comm: Communicator, plan: Plan, cho
     layer.recompute_mode = mode
 
 
-def parallelize(model: nn.Module, plan: Plan, comm: Communicator, cfg: ModelConfig, lora_fusion: bool = False,
-                modes: Optional[Sequence[Sequence[str]]] = None) -> None:
-    """Configure every layer of ``model``'s layer stacks (see the module docstring). ``modes``: the memory
-    mode of each layer of each stack (default ``stack_modes``). Applying it again replaces what it set."""
+def parallelize(model: nn.Module, plan: Plan, comm: Communicator, cfg: ModelConfig, lora_fusion: bool = False) -> None:
+    """Configure every layer of ``model``'s layer stacks (see the module docstring); applying it again
+    replaces what it set."""
     choice = EdgeChoice.of(plan, lora_fusion)
-    stacks = layer_stacks(model)
-    for i, stack in enumerate(stacks):
-        stack_mode = list(modes[i]) if modes is not None else stack_modes(cfg, len(stack))
-        unknown = [m for m in stack_mode if m not in MODES]
-        if unknown or len(stack_mode) != len(stack):
-            raise ValueError(f"layer modes {stack_mode} for a stack of {len(stack)} layers; each one of "
-                             f"{', '.join(MODES)}")
-        overlapped = type(block_edge(comm, plan, plan.mlp, choice)) is not PlainEdge
-        note_unfused_mlp_edges(stack_mode, overlapped)
-        for layer, mode in zip(stack, stack_mode):
+    overlapped = type(block_edge(comm, plan, plan.mlp, choice)) is not PlainEdge
+    for stack in layer_stacks(model):
+        modes = stack_modes(cfg, len(stack))
+        note_unfused_mlp_edges(modes, overlapped)
+        for layer, mode in zip(stack, modes):
             configure_layer(layer, comm, plan, choice, mode, cfg)
-

@@ -88,7 +88,7 @@ def fused_equals_serial_unfused(ctx, plan, extra):
     par = LlamaForCausalLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=3).double()
     layer, plan = par.model.layers[0], par.plan
     if cfg.parallel.coc_parallel_num:  # the CoC path is the one exercised
-        from galaxy.core.overlap.coc import CocEdge, plain_operands
+        from galaxy.core.overlap.edges import CocEdge, plain_operands
         assert isinstance(layer.edges.mlp, CocEdge) and layer.edges.mlp.chunks > 1
         assert plain_operands([layer.mlp.gate_up_proj, layer.mlp.down_proj]) is not None
     rows = plan.ffn_split[ctx.mp.rank] if plan.mlp.value == "TP" else TINY["intermediate_size"]

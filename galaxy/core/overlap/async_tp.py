@@ -35,21 +35,18 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
-from galaxy.config import ConfigError, Method, Plan
+from galaxy.config import ConfigError
 from galaxy.core.comm import Communicator
-from galaxy.core.edges import PlainEdge
-from galaxy.core.overlap.coc import plain_operands
 from galaxy.core.overlap.common import apply_as_autocast
 
 logger = logging.getLogger(__name__)
 
 MULTICAST_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 
-__all__ = ["AsyncTpEdge", "AsyncTpEdges", "FusedOps", "all_gather_matmul", "async_tp_edge", "edges_for",
-           "matmul_reduce_scatter", "reference_ops", "symm_mem_ops"]
+__all__ = ["AsyncTpEdges", "FusedOps", "all_gather_matmul", "edges_for", "matmul_reduce_scatter", "reference_ops",
+           "symm_mem_ops"]
 
 SEQ = 1  # activations are [batch, seq, features]; the shards are along the sequence
 
@@ -239,35 +236,3 @@ class AsyncTpEdges:
 
     def leave(self, y: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return matmul_reduce_scatter(y, weight, bias, self.comm, self.ops)
-
-
-class AsyncTpEdge(PlainEdge):
-    """A TP block's edges on the fused ops (``fused``: an ``AsyncTpEdges``); linears that are not plain
-    (``plain_operands``: LoRA, hooks) keep the plain path."""
-
-    def __init__(self, comm: Communicator, plan: Plan, method: Method, fused: AsyncTpEdges):
-        super().__init__(comm, plan, method)
-        self.fused = fused
-
-    def enter(self, x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
-        ops = plain_operands(linears)
-        return super().enter(x, linears) if ops is None else self.fused_enter(x, *ops)
-
-    def leave(self, y: torch.Tensor, linear: nn.Module) -> torch.Tensor:
-        ops = plain_operands([linear])
-        return super().leave(y, linear) if ops is None else self.fused_leave(y, ops[0][0], ops[1][0])
-
-    @torch.compiler.disable  # symmetric-memory ops launched by hand: eager between a compiled layer's graphs
-    def fused_enter(self, x, weights, biases) -> list[torch.Tensor]:
-        return self.fused.enter(x, weights, biases)
-
-    @torch.compiler.disable
-    def fused_leave(self, y, weight, bias) -> torch.Tensor:
-        return self.fused.leave(y, weight, bias)
-
-
-def async_tp_edge(comm: Communicator, plan: Plan, method: Method, ops: Optional[FusedOps] = None) -> PlainEdge:
-    """The edge of a TP block under ``tp_overlap: async_tp`` (``ops``: torch's symm_mem ops by default),
-    plain where the group has nothing to overlap (``edges_for``)."""
-    fused = AsyncTpEdges(comm, ops) if ops is not None else edges_for(comm)
-    return PlainEdge(comm, plan, method) if fused is None else AsyncTpEdge(comm, plan, method, fused)

@@ -23,8 +23,8 @@ can do: such a linear runs base + branch on x' = x * M. The mask M is drawn as p
 so fused and unfused training take the same steps; it is kept for dx = dY W + ((dY B) A_s) * M and
 dA = s (dY B)^T x'.
 
-At a TP block edge (``CcloraEdge``, which ``galaxy.core.edges.layer_edges`` picks for the TP blocks
-while ``lora_fusion`` is on) the branch runs while the base linear's collective is in flight:
+At a TP block edge (``galaxy.core.overlap.edges.CcloraEdge``, which ``galaxy.core.parallelize`` picks
+for the TP blocks while ``lora_fusion`` is on) the branch runs while the base linear's collective is in flight:
 
     S -> T + column linears   forward: the all-gather of x is launched first; under it each LoRA
                               weight is merged, or (unmerged) the LOCAL tokens meet A_s and only
@@ -54,14 +54,12 @@ from torch.autograd.function import once_differentiable
 
 from galaxy.core.comm import Communicator
 from galaxy.core.layers import Dropout, ParallelLinear
-from galaxy.core.overlap.coc import CocEdge
-from galaxy.core.transitions import Layout
 from galaxy.core.overlap.common import (apply_as_autocast, batch_major, finish_into, seq_major, start_all_gather,
                                         start_all_reduce, start_reduce_scatter)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LinearOperands", "CcloraEdge", "merges", "operands_of", "cclora_linear", "all_gather_cclora",
+__all__ = ["LinearOperands", "merges", "operands_of", "cclora_linear", "all_gather_cclora",
            "copy_cclora", "cclora_reduce_scatter", "cclora_all_reduce"]
 
 
@@ -438,39 +436,3 @@ def cclora_reduce_scatter(x: torch.Tensor, op: LinearOperands, comm: Communicato
 def cclora_all_reduce(x: torch.Tensor, op: LinearOperands, comm: Communicator) -> torch.Tensor:
     """A row-parallel LoRA linear, then P -> R (the gradient passes through)."""
     return _row(x, op, comm, None, "reduce")
-
-
-# ----------------------------------------------------------------------------- block boundaries
-
-
-class CcloraEdge(CocEdge):
-    """A TP block's edges when LoRA fusion is on: an edge whose linears include a LoRA linear (a module
-    offering ``cclora_operands()``) runs the CCLoRA functions above, unchunked; an edge without one is
-    CoC's (chunked when ``chunks`` > 1, else plain). A hooked module anywhere on the edge keeps it unfused."""
-
-    @staticmethod
-    def _lora_operands(linears) -> Optional[list[LinearOperands]]:
-        ops = [operands_of(m) for m in linears]
-        if ops and all(op is not None for op in ops) and any(op.has_lora for op in ops):
-            return ops
-        return None
-
-    def enter(self, x: torch.Tensor, linears) -> list[torch.Tensor]:
-        ops = self._lora_operands(linears)
-        return super().enter(x, linears) if ops is None else self.lora_enter(x, ops)
-
-    def leave(self, y: torch.Tensor, linear) -> torch.Tensor:
-        ops = self._lora_operands([linear])
-        return super().leave(y, linear) if ops is None else self.lora_leave(y, ops[0])
-
-    @torch.compiler.disable  # its own async collectives: eager between a compiled layer's graphs
-    def lora_enter(self, x: torch.Tensor, ops: list[LinearOperands]) -> list[torch.Tensor]:
-        if self.stream == Layout.S:
-            return all_gather_cclora(x, ops, self.comm, self.plan.seq_split)
-        return copy_cclora(x, ops, self.comm)
-
-    @torch.compiler.disable
-    def lora_leave(self, y: torch.Tensor, op: LinearOperands) -> torch.Tensor:
-        if self.stream == Layout.S:
-            return cclora_reduce_scatter(y, op, self.comm, self.plan.seq_split)
-        return cclora_all_reduce(y, op, self.comm)

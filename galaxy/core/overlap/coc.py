@@ -53,14 +53,12 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from galaxy.config import Method, Plan, balanced_split
+from galaxy.config import balanced_split
 from galaxy.core.comm import Communicator
-from galaxy.core.edges import COC_CHOICES, COC_ENV, PlainEdge, coc_chunks
-from galaxy.core.layers import ParallelLinear, StackedLinear
+from galaxy.core.edges import COC_CHOICES, COC_ENV, coc_chunks
 from galaxy.core.overlap.common import (apply_as_autocast, batch_major, finish_into, seq_major, start_all_gather,
                                         start_all_reduce, start_reduce_scatter)
 from galaxy.core.transitions import Layout, transition
@@ -71,13 +69,11 @@ __all__ = [
     "COC_CHOICES",
     "COC_ENV",
     "ChunkSchedule",
-    "CocEdge",
     "all_gather_linear",
     "coc_chunks",
     "copy_linear",
     "linear_all_reduce",
     "linear_reduce_scatter",
-    "plain_operands",
 ]
 
 
@@ -482,56 +478,3 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias_on_rank0: Opti
         y = F.linear(x, weight, bias_on_rank0 if comm.rank == 0 else None)
         return transition(y, Layout.P, Layout(dst), comm, ())
     return apply_as_autocast(_LinearAllReduce, x, weight, bias_on_rank0 if comm.rank == 0 else None, comm, chunks, dst)
-
-
-# ----------------------------------------------------------------------------- block edges
-
-
-def plain_operands(linears: Sequence[nn.Module]) -> Optional[tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]]:
-    """The weights and biases of ``linears`` as the fused functions take them, or None when one of them
-    is not a plain parallel linear: a wrapped or hooked module (LoRA, an FSDP unit) adds work the fused
-    matmul would skip, so such an edge keeps the plain path."""
-    weights, biases = [], []
-    for m in linears:
-        if type(m) not in (ParallelLinear, StackedLinear) or m._forward_hooks or m._forward_pre_hooks:
-            return None
-        weights.append(m.matrix() if type(m) is StackedLinear else m.weight)
-        biases.append(m.bias)
-    return weights, biases
-
-
-class CocEdge(PlainEdge):
-    """A TP block's edges with CoC: the entry transition and the block's first linears, and its last
-    linear and the exit transition, each one overlapped call cut into ``chunks`` pieces (``chunks`` 1:
-    the plain path). Linears that are not plain (``plain_operands``) keep the plain path."""
-
-    def __init__(self, comm: Communicator, plan: Plan, method: Method, chunks: int):
-        super().__init__(comm, plan, method)
-        self.chunks = chunks
-        logger.debug("CoC edge: %d chunk(s), plan %s, stream %s, group of %d", chunks, plan.name,
-                     self.stream.value, comm.size)
-
-    def enter(self, x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
-        ops = plain_operands(linears) if self.chunks > 1 else None
-        return super().enter(x, linears) if ops is None else self.fused_enter(x, *ops)
-
-    def leave(self, y: torch.Tensor, linear: nn.Module) -> torch.Tensor:
-        ops = plain_operands([linear]) if self.chunks > 1 else None
-        return super().leave(y, linear) if ops is None else self.fused_leave(y, ops[0][0], ops[1][0])
-
-    # The fused calls launch and wait for their own async collectives, which torch.compile cannot trace:
-    # in a compiled layer (model key ``compile``) they run eagerly between its graphs.
-    @torch.compiler.disable
-    def fused_enter(self, x: torch.Tensor, weights: list[torch.Tensor],
-                    biases: list[Optional[torch.Tensor]]) -> list[torch.Tensor]:
-        """Stream (S or R) -> T, then the column-parallel linears on it."""
-        if self.stream == Layout.S:
-            return all_gather_linear(x, weights, biases, self.comm, self.plan.seq_split, self.chunks)
-        return copy_linear(x, weights, biases, self.comm, self.chunks)
-
-    @torch.compiler.disable
-    def fused_leave(self, y: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        """The row-parallel linear on ``y``, then P -> stream (S or R)."""
-        if self.stream == Layout.S:
-            return linear_reduce_scatter(y, weight, bias, self.comm, self.plan.seq_split, self.chunks)
-        return linear_all_reduce(y, weight, bias, self.comm, self.chunks, dst="R")

@@ -103,8 +103,7 @@ def model_case(ctx, plan, fused_gate_up):
     model: loss, logits and every gradient (fp64), uneven heads/ffn shards, even sequence shards."""
     from galaxy.core.edges import LayerEdges, PlainEdge
     from galaxy.core.grad_sync import gather_full
-    from galaxy.core.overlap.async_tp import AsyncTpEdge, async_tp_edge
-    from galaxy.core.overlap.coc import plain_operands
+    from galaxy.core.overlap.edges import AsyncTpEdge, async_tp_edge, plain_operands
     from galaxy.models.llama import LlamaForCausalLM
     from tests.core.test_llama_equivalence import RTOL as MODEL_RTOL
     from tests.core.test_llama_equivalence import TINY, UNEVEN, backward_both, rel_err

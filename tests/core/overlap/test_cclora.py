@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.grad_sync import GradientSync, gather_full
 from galaxy.core.layers import Dropout, ParallelLinear
+from galaxy.core.overlap.edges import CcloraEdge
 from galaxy.core.pipeline import layer_stacks
 from galaxy.core.transitions import Layout, transition
-from galaxy.core.overlap.cclora import (CcloraEdge, LinearOperands, all_gather_cclora, cclora_all_reduce,
+from galaxy.core.overlap.cclora import (LinearOperands, all_gather_cclora, cclora_all_reduce,
                                    cclora_reduce_scatter, copy_cclora, merges)
 from galaxy.loralib import LoRALinear, MergedLoRALinear, lora_modules, merge_lora, set_lora_fusion, unmerge_lora
 from galaxy.peft import apply_tuning, save_tuning

@@ -23,8 +23,7 @@ def edge_types(model):
 
 
 def factory_case(ctx):
-    from galaxy.core.overlap.cclora import CcloraEdge
-    from galaxy.core.overlap.coc import CocEdge
+    from galaxy.core.overlap.edges import CcloraEdge, CocEdge
 
     def build(**extra):
         cfg = GalaxyConfig.from_dict(dict(TINY, seq_length=11, **extra))
