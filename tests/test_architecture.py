@@ -68,7 +68,8 @@ def model_type_branches(root: str) -> list[str]:
                     found.append(f"{rel}:{node.lineno} compares with a model_type")
                 elif isinstance(node, ast.Dict) and any(named(k) for k in node.keys if k is not None):
                     found.append(f"{rel}:{node.lineno} keys a dict by model_type")
-                elif isinstance(node, ast.ImportFrom) and any(node.module == m or (node.module or "").startswith(m + ".")
+                elif isinstance(node, ast.ImportFrom) and any((node.module or "").startswith(m)
+                                                              and (node.module or "")[len(m):][:1] in ("", ".")
                                                               for m in family_modules):
                     found.append(f"{rel}:{node.lineno} imports {node.module}")
     return found

@@ -113,8 +113,9 @@ def async_tp_edge(comm: Communicator, plan: Plan, method: Method, ops: Optional[
 
 class CcloraEdge(CocEdge):
     """A TP block's edges when LoRA fusion is on: an edge whose linears include a LoRA linear (a module
-    offering ``cclora_operands()``) runs the CCLoRA functions (``galaxy.core.overlap.cclora``), unchunked; an edge without one is
-    CoC's (chunked when ``chunks`` > 1, else plain). A hooked module anywhere on the edge keeps it unfused."""
+    offering ``cclora_operands()``) runs the CCLoRA functions (``galaxy.core.overlap.cclora``), unchunked;
+    an edge without one is CoC's (chunked when ``chunks`` > 1, else plain). A hooked module anywhere on the
+    edge keeps it unfused."""
 
     @staticmethod
     def _lora_operands(linears) -> Optional[list[LinearOperands]]:

@@ -87,7 +87,9 @@ class LlamaHF:
 
     @classmethod
     def hf_layout_differs(cls, config: ModelConfig) -> Optional[str]:
-        return "fused_gate_up fuses HF's gate_proj/up_proj; set fused_gate_up to false" if config.fused_gate_up else None
+        if config.fused_gate_up:
+            return "fused_gate_up fuses HF's gate_proj/up_proj; set fused_gate_up to false"
+        return None
 
     @classmethod
     def config_from_hf(cls, hf: dict) -> ModelConfig:

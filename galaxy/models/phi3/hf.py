@@ -84,8 +84,8 @@ class Phi3HF(LlamaHF):
         positions = hf.get("max_position_embeddings", cls.hf_defaults["max_position_embeddings"])
         if hf.get("sliding_window") is not None and hf["sliding_window"] < positions:
             raise ValueError(f"HF config has sliding_window={hf['sliding_window']} below max_position_embeddings "
-                             f"{positions}; Galaxy's Phi-3 attends over the whole sequence: set max_position_embeddings "
-                             "to the window at most")
+                             f"{positions}; Galaxy's Phi-3 attends over the whole sequence: set "
+                             "max_position_embeddings to the window at most")
         cfg = super().config_from_hf({k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling")}
                                      | ({"rope_parameters": rope} if rope else {}))
         cfg.hidden_dropout_prob = float(hf.get("resid_pdrop", 0.0))  # after attention and after the MLP, as ours

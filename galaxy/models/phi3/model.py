@@ -34,8 +34,8 @@ class Phi3Attention(LlamaAttention):
 
     def project_in(self, cfg: ModelConfig, plan: Plan, rank: int) -> None:
         groups = [n // self.group for n in plan.heads_split]
-        self.qkv_proj = StackedLinear.for_method(plan.att, cfg.kv_heads, cfg.hidden_size, (self.group + 2, self.head_dim),
-                                                 groups, rank, shard_dim=0)
+        self.qkv_proj = StackedLinear.for_method(plan.att, cfg.kv_heads, cfg.hidden_size,
+                                                 (self.group + 2, self.head_dim), groups, rank, shard_dim=0)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``qkv_proj``'s output -> q ``[b, s, heads * d]``, k and v ``[b, s, kv_heads * d]`` (query head

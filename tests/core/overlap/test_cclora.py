@@ -333,7 +333,8 @@ def model_case(ctx, model_type, plan, uneven, coc=None):
         elif coc is not None:
             os.environ["COC_PARALLEL_NUM"] = old
     set_lora_fusion(serial, False)  # the reference is plain LoRA
-    fused_edges = [e for stack in layer_stacks(par) for layer in stack for e in layer.edges if isinstance(e, CcloraEdge)]
+    fused_edges = [e for stack in layer_stacks(par) for layer in stack for e in layer.edges
+                   if isinstance(e, CcloraEdge)]
     assert fused_edges and all(c.chunks == (coc or 1) for c in fused_edges)
     assert all(layer.fusion for name, layer in lora_modules(par).items() if "embed" not in name)
     sync = GradientSync(par.parameters(), ctx.mp)
