@@ -37,7 +37,7 @@ class BertMLP(nn.Module):
         self.intermediate, self.output = BertIntermediate(cfg, plan, ctx), BertOutput(cfg, plan, ctx)
 
     def forward(self, x):
-        return self.output.dense(self.intermediate(x))
+        return self.output.dense(self.intermediate.activate(self.intermediate.dense(x)))
 
 
 class BertCon(nn.Module):

@@ -117,14 +117,14 @@ class BertAttention(nn.Module):
 
 
 class BertIntermediate(nn.Module):
+    """The MLP's first dense (the MLP block's entry edge calls it) and the activation. No ``forward``: FSDP
+    gathers in the forward hooks of the modules called, so the dense is the unit (``galaxy.core.fsdp``)."""
+
     def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
         super().__init__()
         self.dense = ParallelLinear.for_method(plan.mlp, cfg.hidden_size, cfg.intermediate_size, True, "column",
                                                plan.ffn_split, ctx.mp.rank)
         self.act = activation(cfg.hidden_act)
-
-    def forward(self, x):
-        return self.activate(self.dense(x))
 
     def activate(self, i: torch.Tensor) -> torch.Tensor:
         # Compiled, backward rebuilds the output dense's weight-gradient input from i (which the activation's

@@ -204,7 +204,9 @@ def _norm(cfg: ModelConfig, plan: Plan) -> LlamaRMSNorm:
 
 class LlamaAttention(nn.Module):
     """GQA: under ATT.tp this rank's ``heads_split[rank]`` query heads and their key/value heads, whole
-    otherwise; the query, key and value projections are ``project_in``'s (a variant fuses them)."""
+    otherwise; the query, key and value projections are ``project_in``'s (a variant fuses them). No
+    ``forward``: the block's edges call the projections, and FSDP gathers in the forward hooks of the
+    modules called, so the projections are the units (``galaxy.core.fsdp``)."""
 
     def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext, layer_idx: int):
         super().__init__()
@@ -228,8 +230,8 @@ class LlamaAttention(nn.Module):
         self.k_proj = ParallelLinear.for_method(plan.att, h, cfg.kv_heads * d, bias, "column", kv_split, rank)
         self.v_proj = ParallelLinear.for_method(plan.att, h, cfg.kv_heads * d, bias, "column", kv_split, rank)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edge: Edge, key_padding_mask,
-                rope: RopeAt, cache: Optional[KVCache] = None, core=attention) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edge: Edge, key_padding_mask,
+               rope: RopeAt, cache: Optional[KVCache] = None, core=attention) -> torch.Tensor:
         """Causal attention of the projections in the block's layout (``edge``), the output projection's input."""
         if cache is not None:
             return self.cached(q, k, v, edge, key_padding_mask, rope, cache)
@@ -329,7 +331,7 @@ class LlamaDecoderLayer(TransformerLayer):
         attn = self.self_attn
         x = recomputed_when_compiled(block_input, self.input_layernorm, h)
         q, k, v = att_edge.enter(x, [attn.q_proj, attn.k_proj, attn.v_proj])
-        a = attn(q, k, v, att_edge, key_padding_mask, rope, cache, self.attention_core)
+        a = attn.attend(q, k, v, att_edge, key_padding_mask, rope, cache, self.attention_core)
         h = h + self.attn_dropout(att_edge.leave(a, attn.o_proj))
         x = recomputed_when_compiled(block_input, self.post_attention_layernorm, h)
         return h + self.mlp_dropout(mlp_edge.run(self.mlp, x))

@@ -58,7 +58,7 @@ class Phi3DecoderLayer(LlamaDecoderLayer):
         attn = self.self_attn
         x = recomputed_when_compiled(block_input, self.input_layernorm, h)
         (qkv,) = att_edge.enter(x, [attn.qkv_proj])
-        a = attn(*attn.split_qkv(qkv), att_edge, key_padding_mask, rope, cache, self.attention_core)
+        a = attn.attend(*attn.split_qkv(qkv), att_edge, key_padding_mask, rope, cache, self.attention_core)
         h = h + self.attn_dropout(att_edge.leave(a, attn.o_proj))
         x = recomputed_when_compiled(block_input, self.post_attention_layernorm, h)
         return h + self.mlp_dropout(mlp_edge.run(self.mlp, x))

@@ -93,3 +93,15 @@ def test_no_model_names_the_overlapped_edges_and_nothing_is_monkey_patched():
     async TP (nor the keys that select them); nothing in galaxy swaps an attribute found through vars()
     or rebinds a method on an instance."""
     assert monkey_patches(REPO) == []
+
+
+def test_an_fsdp_unit_is_a_module_an_edge_calls(dist_pool):
+    """``mp_grad_reduce: fsdp`` shards the whole weights of SP blocks over mp with FSDP, whose gathers run
+    in the forward hooks of the modules called: the SP attention's projections (its edge calls them, the
+    attention module has no forward), equal to serial over training steps (seen to fail while LLaMA's
+    attention had a forward: its weights stayed sharded when the edge called its projections)."""
+    from tests.core.test_fsdp import fsdp_equals_serial
+
+    case = dict(model="llama", att_parallel_method="SP", con_parallel_method="SP", mlp_parallel_method="TP",
+                mp_grad_reduce="fsdp", seq_scatter_list=[7, 5])
+    dist_pool.run(fsdp_equals_serial, 2, case)
