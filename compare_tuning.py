@@ -1,6 +1,4 @@
-"""Compare tuning methods (full, LoRA, adapters, side-tuning) on one model and plan: same data, same
-
-The command lives in ``galaxy.cli.compare``; ``--help`` lists its flags."""
+"""Full / LoRA / adapter / side tuning from one base on a held-out task: ``galaxy compare``."""
 
 import sys
 

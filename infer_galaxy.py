@@ -1,4 +1,4 @@
-"""Single-request (batch 1) forward and generation latency of BERT or LLaMA on any plan (see galaxy/cli/infer.py)."""
+"""Single-request latency and greedy generation on any plan: ``galaxy infer``."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""Profile a cluster and pick the best parallel plan for it (see galaxy/cli/plan.py)."""
+"""Profile a cluster, then search the plans for it and write the best as a config: ``galaxy plan``."""
 
 import sys
 

@@ -1,8 +1,9 @@
-"""BERT pretraining with tensor parallelism (ATT TP, CON None, MLP TP)."""
+"""BERT pretraining with tensor parallelism (ATT TP, CON None, MLP TP): ``galaxy pretrain --plan tp``, for masked
+LMs only, refusing a config that names another plan."""
 
 import sys
 
 from galaxy.cli.pretrain import main
 
 if __name__ == "__main__":
-    sys.exit(main(masked_only=True, plan="tp", strict=True, description="BERT pretraining with tensor parallelism (ATT TP, CON None, MLP TP)"))
+    sys.exit(main(plan="tp", strict=True, masked_only=True, description=__doc__))

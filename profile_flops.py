@@ -1,6 +1,4 @@
-"""Profile one step of a Galaxy BERT or LLaMA: FLOPs (forward and backward measured), parameters,
-
-The command lives in ``galaxy.cli.profile``; ``--help`` lists its flags."""
+"""FLOPs, parameters and communication of one step of a model on a plan: ``galaxy profile``."""
 
 import sys
 

@@ -21,7 +21,7 @@ scenario, in one run of this script:
    greedy generation with the KV cache); training: ``pretrain_galaxy.py`` (BERT MLM, median step
    time after the first) — LLaMA is timed for latency only;
 3. the cost model's prediction is recorded beside each measurement (even-split plans and the serial
-   model alone through ``galaxy.planner.cost.predict`` on the same profile).
+   model alone through ``galaxy.planner.simulate.predict`` on the same profile).
 
 Raw JSON goes to ``--out/edge_<model>.json`` (every measurement, prediction, the planner's table and
 the host's load average at the start and end of each scenario), PNG plots beside it, and a markdown
@@ -177,7 +177,8 @@ def profile_and_plan(work: str, cfg_path: str, cluster: str, objectives: list[st
 def predict_even(profile: str, cfg: GalaxyConfig, objective: str, plan: str, mp: int) -> Optional[float]:
     """The cost model's milliseconds for an even-split preset plan on the profiled cluster."""
     from galaxy.planner.cluster import load_cluster
-    from galaxy.planner.cost import Splits, predict
+    from galaxy.planner.simulate import predict
+    from galaxy.planner.workload import Splits
 
     try:
         pred = predict(load_cluster(profile), workload(cfg, objective), PLAN_PRESETS[plan],
@@ -191,7 +192,8 @@ def predict_even(profile: str, cfg: GalaxyConfig, objective: str, plan: str, mp:
 def predict_alone(profile: str, cfg: GalaxyConfig, objective: str) -> float:
     """The cost model's milliseconds for the serial model on the device it predicts fastest."""
     from galaxy.planner.cluster import load_cluster
-    from galaxy.planner.cost import Splits, predict
+    from galaxy.planner.simulate import predict
+    from galaxy.planner.workload import Splits
 
     cluster = load_cluster(profile)
     serial = Splits.balanced(cfg.model, cfg.train.seq_length, 1)
@@ -200,7 +202,7 @@ def predict_alone(profile: str, cfg: GalaxyConfig, objective: str) -> float:
 
 
 def workload(cfg: GalaxyConfig, objective: str):
-    from galaxy.planner.cost import Workload
+    from galaxy.planner.workload import Workload
 
     return Workload(cfg.model, objective, cfg.train.global_batch_size, cfg.train.seq_length, cfg.train.dtype,
                     cfg.train.optimizer)

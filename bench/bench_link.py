@@ -5,7 +5,7 @@ Two ranks on an emulated cluster (``galaxy.emulate``, a core each) whose links a
 measured (median, and each), and its ratio to the link's rate in MB/s. TCP/IP headers take ~4%, so a
 quiet machine gives ~0.96; a busy one less (the ranks are not sent data as fast as the link allows).
 The test suite checks only what load cannot change: no transfer beats the link
-(tests/test_emulate.py); this measures how near it comes.
+(tests/emulate/test_emulate.py); this measures how near it comes.
 
     python bench/bench_link.py --mbit 50 --mbytes 4 --out link.json
 """
@@ -47,6 +47,25 @@ RANK = textwrap.dedent("""
 """)
 
 
+def run_on_two_ranks(rank_script: str, mbit: float, env: dict) -> tuple[object, str]:
+    """``rank_script`` as both ranks of an emulated cluster (a core each, links shaped to ``mbit``); returns
+    what a rank wrote to the JSON file named by $RESULT, or None and one line saying why there is none."""
+    missing = missing_prerequisite()
+    if missing:
+        return None, missing
+    cluster = Cluster.from_dict({"ranks": [{"compute_share": 1.0}] * 2, "links": {"bandwidth_mbit": mbit}})
+    with tempfile.TemporaryDirectory() as tmp:
+        script, result = os.path.join(tmp, "rank.py"), os.path.join(tmp, "result.json")
+        with open(script, "w") as f:
+            f.write(rank_script)
+        code = run_emulated(cluster, lambda rank: [sys.executable, script],
+                            {**os.environ, "PYTHONPATH": ROOT, **env, "RESULT": result})
+        if code:
+            return None, f"the emulated ranks failed (exit code {code})"
+        with open(result) as f:
+            return json.load(f), ""
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mbit", type=float, default=50.0, help="the links' rate (Mbit/s)")
@@ -54,23 +73,10 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=5, help="transfers")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
-    missing = missing_prerequisite()
-    if missing:
-        print(f"error: {missing}", file=sys.stderr)
+    rates, why = run_on_two_ranks(RANK, args.mbit, {"NBYTES": str(int(args.mbytes * 1e6)), "REPS": str(args.reps)})
+    if rates is None:
+        print(f"error: {why}", file=sys.stderr)
         return 1
-    cluster = Cluster.from_dict({"ranks": [{"compute_share": 1.0}] * 2, "links": {"bandwidth_mbit": args.mbit}})
-    with tempfile.TemporaryDirectory() as tmp:
-        script, result = os.path.join(tmp, "rank.py"), os.path.join(tmp, "rates.json")
-        with open(script, "w") as f:
-            f.write(RANK)
-        env = {**os.environ, "PYTHONPATH": ROOT, "NBYTES": str(int(args.mbytes * 1e6)), "REPS": str(args.reps),
-               "RESULT": result}
-        code = run_emulated(cluster, lambda rank: [sys.executable, script], env)
-        if code:
-            print(f"error: the emulated ranks failed (exit code {code})", file=sys.stderr)
-            return 1
-        with open(result) as f:
-            rates = json.load(f)
     link = args.mbit / 8
     median = statistics.median(rates)
     out = {"link_mbit": args.mbit, "link_mb_per_s": link, "mbytes": args.mbytes, "mb_per_s": rates,

@@ -1,12 +1,15 @@
 """LoRA and QLoRA fine-tuning on one GPU: Galaxy against what a PEFT user runs, in one launch.
 
     python bench/bench_lora.py --preset llama-1b --seq 1024 --batch 8 --steps 10 --warmup 3 --json out.json
+    python bench/bench_lora.py --preset llama-8b --batch 1 --max_seq --json longest.json
 
 Contenders (each in a fresh process, so one's memory and Liger's patches never reach another):
 ``galaxy-lora`` (frozen base in bf16, fp32 LoRA factors and AdamW state, kernels auto), ``galaxy-lora-compiled``
 (the same with ``compile: true``: each layer through torch.compile),
 ``galaxy-qlora`` (the same over an NF4 base), ``galaxy-qlora-compiled`` (QLoRA with ``compile: true``: each
-layer's NF4 dequantize-and-matmul traced into its graph), ``-cudagraphs`` for either (``compile_mode:
+layer's NF4 dequantize-and-matmul traced into its graph), ``galaxy-lora-fp8`` / ``galaxy-lora-fp8-compiled``
+(the same over an fp8 base, ``quantize_base: fp8``: its products on the fp8 tensor cores, each activation
+quantized per row, in the compiled layer fused into the op that makes it), ``-cudagraphs`` for any (``compile_mode:
 reduce-overhead``: each layer's kernels replayed as CUDA graphs), ``-autotune`` for either (``compile_mode:
 max-autotune-no-cudagraphs``: inductor times Triton GEMM templates, with the pointwise ops after them fused
 into their epilogues, against cuBLAS and keeps the fastest per product; a ``+<mode>[K]`` suffix on any Galaxy
@@ -21,12 +24,25 @@ fastest setting where memory allows, as at these shapes (peft-bf16 runs them wit
 ``-gc`` suffix runs its recommended default ``"unsloth"`` instead (from seq 512 on: checkpointing that
 offloads the saved activations to host memory), and a ``-sdpa`` suffix hides xformers so that its
 attention is PyTorch's SDPA, e.g. ``unsloth-qlora-gc-sdpa``; each row names the ``attention`` it ran and
-its checkpointing). Every contender: LoRA r16 alpha 32 on q_proj / v_proj, dropout 0,
+its checkpointing; the default launch runs both attention paths). ``+auto`` on a Galaxy contender sets
+``activation_memory: auto`` with the card's memory as ``memory_budget_gib`` (each layer's memory mode chosen
+by the planner: the long-context recipe). Every contender: LoRA r16 alpha 32 on q_proj / v_proj, dropout 0,
 random tokens with labels = inputs, fused AdamW lr 1e-4, clipping at 1.0; a timed step is forward, backward,
 clipping and the optimizer step under bf16 autocast (Galaxy: its own loop), ended by reading the loss (a
 device sync). Peak memory is counted from the first training step on (building the model is left out, for
-every contender alike). A contender whose package does not import says so in its row; an unsloth contender
-that cannot run says why in its row's ``error`` (one line), and the launch goes on.
+every contender alike). A contender whose package does not import says so in its row; a contender that
+cannot run (out of memory among the reasons) says why in its row's ``error`` (one line), and the launch goes on.
+Each row states tokens/s and MFU both ways (``mfu``: 4 N + 12 L H S per token, LoRA computing no weight gradient
+of the frozen base; ``mfu_causal``: 6 L H S, the scores a causal kernel computes), and the report's ``summary``
+puts Galaxy's fastest row of each family (bf16, NF4, fp8 base) beside the fastest other row of that family,
+whichever recipe or attention path it is.
+
+``--max_seq``: the longest sequence each contender trains at (at ``--batch``), the same search for all: powers
+of two from a start (up while they fit, down while they fail), then one bisection step between the last that
+fit and the first that failed; a length counts when two whole training steps complete, each try in a fresh
+process (an out-of-memory is that try's row, and its memory goes with the process). Galaxy's search starts at
+the longest power of two its memory model predicts within the card; the others' at ``--max_seq_start``. Rows:
+the longest length, its step time, tokens/s, MFU and peak, and every try's.
 
 unsloth patches transformers, peft and trl when imported, so it is imported first in its own process;
 ``--unsloth_path DIR`` puts DIR (its carried packages) first on that process's path only, so the other
@@ -38,6 +54,7 @@ directory and loaded from there offline.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -46,18 +63,35 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
 from bench.bench_plans import causal_lm_data, hf_model  # noqa: E402
-from galaxy.config import GalaxyConfig  # noqa: E402
+from galaxy.config import MODEL_PRESETS, GalaxyConfig  # noqa: E402
+from galaxy.train.metrics import (PeakFlops, causal_flops_per_token, model_flops_per_token,  # noqa: E402
+                                  peak_flops_per_device, throughput)
 
+# unsloth with both its attention paths (xformers where it loads, PyTorch's SDPA with -sdpa): its faster row is
+# the anchor of its family (``best_per_family``).
 CONTENDERS = ("galaxy-lora", "galaxy-lora-compiled", "galaxy-lora-cudagraphs", "galaxy-qlora",
-              "galaxy-qlora-compiled", "galaxy-qlora-cudagraphs", "peft-bf16",
-              "peft-bf16-liger", "peft-qlora-bnb", "unsloth-lora", "unsloth-qlora")
+              "galaxy-qlora-compiled", "galaxy-qlora-cudagraphs", "galaxy-lora-fp8",
+              "galaxy-lora-fp8-compiled", "peft-bf16",
+              "peft-bf16-liger", "peft-qlora-bnb", "unsloth-lora", "unsloth-lora-sdpa", "unsloth-qlora",
+              "unsloth-qlora-sdpa")
+
+# Each contender's family, by the frozen base's format (first match): Galaxy's best row of a family against the
+# best of the others (``best_per_family``). The fp8 slot: fp8 contenders name "fp8" (issue 50's fp8 table).
+FAMILIES = (("fp8 base", re.compile(r"fp8")), ("nf4 base", re.compile(r"^(galaxy-qlora|peft-qlora|unsloth-qlora)")),
+            ("bf16 base", re.compile(r"^(galaxy-lora|peft-bf16|unsloth-lora)")))
+
+# Model shapes not (yet) among galaxy.config's presets: config keys over a preset. LLaMA-3-8B (GQA, 128k vocabulary).
+LOCAL_PRESETS = {
+    "llama-8b": dict(preset="llama-7b", vocab_size=128256, intermediate_size=14336, num_key_value_heads=8,
+                     rope_theta=500000.0, max_position_embeddings=131072),
+}
 
 # Every contender's LoRA (and bench_peft_mp's): r16, alpha 32 on q_proj / v_proj, no dropout.
 LORA = {"tuning": "lora", "lora_dim": 16, "lora_alpha": 32, "lora_dropout": 0.0,
@@ -67,16 +101,41 @@ UNSLOTH = re.compile(r"^unsloth-(lora|qlora)(-gc)?(-sdpa)?$")
 RECOMPUTE = re.compile(r"^(full|selective|mlp)(\d*)$")
 
 
-def galaxy_recompute(name: str) -> tuple[str, dict]:
-    """A Galaxy contender's name without its ``+<mode>[K]`` suffix, and the model keys the suffix sets."""
+def galaxy_recompute(name: str, budget_gib: Optional[float] = None) -> tuple[str, dict]:
+    """A Galaxy contender's name without its ``+<mode>[K]`` suffix, and the model keys the suffix sets: a recompute
+    mode on the first K layers, or ``+auto`` (``activation_memory: auto``: the planner picks each layer's memory
+    mode within ``memory_budget_gib``, ``budget_gib``: the card's memory where given)."""
     base, plus, suffix = name.partition("+")
     if not plus:
         return name, {}
+    if suffix == "auto":
+        return base, {"activation_memory": "auto", **({"memory_budget_gib": budget_gib} if budget_gib else {})}
     m = RECOMPUTE.match(suffix)
     if m is None:
         raise ValueError(f"contender '{name}': the suffix after '+' is a recompute mode and an optional layer "
-                         "count, e.g. +mlp8 (modes: full, selective, mlp)")
+                         "count, e.g. +mlp8 (modes: full, selective, mlp), or auto (activation_memory: auto)")
     return base, {"recompute": m[1], **({"recompute_num_layers": int(m[2])} if m[2] else {})}
+
+
+def family_of(name: str) -> Optional[str]:
+    return next((family for family, pattern in FAMILIES if pattern.search(name)), None)
+
+
+def best_per_family(rows: list) -> dict:
+    """For each family with a Galaxy row and another: Galaxy's fastest row (steps/s) against the fastest other (its
+    anchor, whichever attention path or recipe that is), and the ratios of their steps/s and peaks."""
+    out = {}
+    for family, _ in FAMILIES:
+        timed = [r for r in rows if "step_ms" in r and family_of(r["contender"]) == family]
+        galaxy = [r for r in timed if r["contender"].startswith("galaxy")]
+        anchors = [r for r in timed if not r["contender"].startswith("galaxy")]
+        if galaxy and anchors:
+            g, a = (max(rs, key=lambda r: r["steps_per_s"]) for rs in (galaxy, anchors))
+            out[family] = {"galaxy": g["contender"], "anchor": a["contender"],
+                           "steps_per_s_ratio": g["steps_per_s"] / a["steps_per_s"],
+                           "peak_ratio": g["peak_mib"] / a["peak_mib"] if g.get("peak_mib") and a.get("peak_mib")
+                           else None}
+    return out
 
 
 def galaxy_compile_mode(name: str) -> Optional[str]:
@@ -84,6 +143,12 @@ def galaxy_compile_mode(name: str) -> Optional[str]:
     ``-autotune`` max-autotune-no-cudagraphs; None (eager) for any other name."""
     return {"compiled": "default", "cudagraphs": "reduce-overhead",
             "autotune": "max-autotune-no-cudagraphs"}.get(name.rsplit("-", 1)[-1])
+
+
+def galaxy_base_format(name: str) -> str:
+    """The frozen base's ``quantize_base`` of a Galaxy contender: nf4 (``galaxy-qlora*``), fp8
+    (``galaxy-lora-fp8*``), else none (bf16)."""
+    return "nf4" if name.startswith("galaxy-qlora") else "fp8" if name.startswith("galaxy-lora-fp8") else "none"
 
 
 def unsloth_variant(name: str):
@@ -118,9 +183,15 @@ def hf_step(model, cfg):
 def config(args, quantize: str = "none", compile_mode: Optional[str] = None,
            recompute: Optional[dict] = None) -> GalaxyConfig:
     """``compile_mode``: None runs eagerly, else ``compile: true`` in that torch.compile mode; ``recompute``:
-    model keys (``galaxy_recompute``)."""
+    model keys (``galaxy_recompute``). A preset of LOCAL_PRESETS is its keys over the preset it names; positions
+    reach the sequence length wherever it is longer than the preset's."""
+    shape = dict(LOCAL_PRESETS.get(args.preset, {"preset": args.preset}))
+    longest = shape.get("max_position_embeddings") or MODEL_PRESETS.get(shape["preset"], {}).get(
+        "max_position_embeddings", 0)
+    if args.seq > longest:
+        shape["max_position_embeddings"] = args.seq
     return GalaxyConfig.from_dict({
-        "model": {"preset": args.preset, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+        "model": {**shape, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
                   "compile": compile_mode is not None, "compile_mode": compile_mode or "default", **(recompute or {})},
         "train": {"global_batch_size": args.batch, "seq_length": args.seq, "max_steps": args.warmup + args.steps,
                   "dtype": "bfloat16", "lr": 1e-4, "warmup_steps": 0, "grad_clip": 1.0, "log_every": 10**6},
@@ -225,14 +296,11 @@ def run_peft(args, variant: str) -> dict:
         apply_liger_kernel_to_llama()
     torch.manual_seed(0)
     if variant == "peft-qlora-bnb":
-        base = hf_model("llama", _hf_config(cfg), torch.device("cpu")).to(torch.bfloat16)
-        with tempfile.TemporaryDirectory() as tmp:  # bitsandbytes quantizes on load
-            base.save_pretrained(tmp)
-            del base
+        with saved_model(args) as path:  # bitsandbytes quantizes on load
             quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                     bnb_4bit_use_double_quant=True,
                                                     bnb_4bit_compute_dtype=torch.bfloat16)
-            base = transformers.LlamaForCausalLM.from_pretrained(tmp, quantization_config=quant,
+            base = transformers.LlamaForCausalLM.from_pretrained(path, quantization_config=quant,
                                                                  torch_dtype=torch.bfloat16, device_map={"": 0})
     else:
         base = hf_model("llama", _hf_config(cfg), torch.device("cuda")).to(torch.bfloat16)
@@ -263,6 +331,29 @@ def versions(*names: str) -> dict:
         except PackageNotFoundError:
             out[name] = None
     return out
+
+
+@contextlib.contextmanager
+def saved_model(args):
+    """The preset's random LlamaForCausalLM (seed 0, bf16) with a small tokenizer in a directory, for the recipes
+    that load a checkpoint (unsloth, bitsandbytes): ``--model_dir`` when the launch saved it once, else saved here."""
+    if args.model_dir:
+        yield args.model_dir
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        save_model(config(args), tmp)
+        yield tmp
+
+
+def save_model(cfg: GalaxyConfig, path: str) -> None:
+    """The random model, drawn on the GPU where there is one (an 8B drawn on the host takes minutes), saved in bf16."""
+    torch.manual_seed(0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with device:
+        base = hf_model("llama", _hf_config(cfg), device).to(torch.bfloat16)
+    base.save_pretrained(path)
+    del base
+    _save_tokenizer(path)
 
 
 def _save_tokenizer(path: str) -> None:
@@ -296,14 +387,9 @@ def run_unsloth(args, variant: str) -> dict:
     from unsloth import FastLanguageModel
 
     cfg = config(args)
-    torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:  # kept until the end: weights may be read lazily
-        base = hf_model("llama", _hf_config(cfg), torch.device("cpu")).to(torch.bfloat16)
-        base.save_pretrained(tmp)
-        del base
-        _save_tokenizer(tmp)
+    with saved_model(args) as path:  # kept until the end: weights may be read lazily
         model, _ = FastLanguageModel.from_pretrained(
-            model_name=tmp, max_seq_length=args.seq, dtype=torch.bfloat16, load_in_4bit=four_bit,
+            model_name=path, max_seq_length=args.seq, dtype=torch.bfloat16, load_in_4bit=four_bit,
             use_gradient_checkpointing=checkpointing, local_files_only=True)
         model = FastLanguageModel.get_peft_model(
             model, r=16, target_modules=["q_proj", "v_proj"], lora_alpha=32, lora_dropout=0, bias="none",
@@ -345,34 +431,158 @@ def one_line(e: BaseException) -> str:
     return " ".join(text.split())[:400]
 
 
+def card_gib() -> Optional[float]:
+    """This GPU's memory in GiB: the budget of ``+auto`` contenders (None without a GPU). Asked in a child process by
+    the launch's own process (``in_child``), which then holds no CUDA context of its own beside the contenders'."""
+    return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
+
+
+def in_child(*args: str) -> str:
+    """This file run with ``args`` in a fresh process; its last line of output."""
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True,
+                         check=True).stdout
+    return out.strip().splitlines()[-1]
+
+
 def run_one(args) -> dict:
+    """One contender in this process: its row (step times, tokens/s, MFU both ways, peak memory), or its one-line
+    ``error`` (an out-of-memory among them: ``--max_seq`` reads a length that fails so), or ``skipped`` where a
+    package does not import."""
     name = args.one
-    if unsloth_variant(name):
-        try:
+    try:
+        if unsloth_variant(name):
             out = run_unsloth(args, name)
-        except Exception as e:  # noqa: BLE001 -- a contender that cannot run is a row, not the end of the launch
+        elif name.startswith("galaxy"):
+            base, keys = galaxy_recompute(name, card_gib())
+            out = run_galaxy(args, galaxy_base_format(base), galaxy_compile_mode(base), keys)
+        else:
+            out = run_peft(args, name)
+    except ImportError as e:
+        if unsloth_variant(name):  # unsloth's own imports failing is its row's reason
             return {"contender": name, "error": one_line(e)}
-    else:
-        try:
-            if name.startswith("galaxy"):
-                base, recompute = galaxy_recompute(name)
-                out = run_galaxy(args, "nf4" if base.startswith("galaxy-qlora") else "none",
-                                 galaxy_compile_mode(base), recompute)
-            else:
-                out = run_peft(args, name)
-        except ImportError as e:
-            return {"contender": name, "skipped": f"{type(e).__name__}: {e}"}
+        return {"contender": name, "skipped": f"{type(e).__name__}: {e}"}
+    except Exception as e:  # noqa: BLE001 -- a contender that cannot run is a row, not the end of the launch
+        return {"contender": name, "error": one_line(e),
+                "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None}
     times = out.pop("times")
     median = statistics.median(times)
+    tokens = args.batch * args.seq
+    cfg = config(args)  # LoRA's FLOPs: forward and input gradients of the frozen base (any base format)
+    peak = (peak_flops_per_device(torch.device("cuda", 0), "bfloat16") if torch.cuda.is_available()
+            else PeakFlops(None, "no GPU"))
+    rates = throughput(tokens, tokens * model_flops_per_token(cfg, args.seq), median, 1, peak,
+                       tokens * causal_flops_per_token(cfg, args.seq))
     return {"contender": name, "step_ms": median * 1e3, "step_ms_min": min(times) * 1e3,
-            "step_ms_max": max(times) * 1e3, "steps_per_s": 1 / median,
-            "tokens_per_s": args.batch * args.seq / median,
+            "step_ms_max": max(times) * 1e3, "steps_per_s": 1 / median, "tokens_per_s": rates["tokens_per_s"],
+            "mfu": rates["mfu"], "mfu_causal": rates["mfu_causal"],
             "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None, **out}
+
+
+CHILD_ARGS = ("preset", "seq", "batch", "steps", "warmup", "profile", "model_dir")
+
+
+def run_child(args, name: str, **override) -> dict:
+    """``name`` in a fresh process (``--one``), with ``override`` on this launch's arguments: its memory, Liger's
+    patches and unsloth's imports end with it. A process that dies without a row (a crash, a kill) is a row
+    whose ``error`` is its exit and last line."""
+    values = {**{k: getattr(args, k) for k in CHILD_ARGS}, **override}
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", name] + [
+        f"--{k}={v}" for k, v in values.items() if v is not None]
+    env = None
+    if unsloth_variant(name) and args.unsloth_path:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [os.path.abspath(args.unsloth_path)] + [x for x in [os.environ.get("PYTHONPATH")] if x]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if line:
+        return json.loads(line[-1])
+    tail = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    return {"contender": name, "error": f"exit {proc.returncode}: " + (" ".join(tail[-1].split())[:400] if tail
+                                                                       else "no output")}
+
+
+def predicted_peak_bytes(cfg: GalaxyConfig) -> Optional[float]:
+    """The memory model's peak of one training step of ``cfg`` on one device: the planner's public prediction (one
+    call), or None where this tree's planner has none."""
+    try:
+        from galaxy.planner import predict_peak_bytes
+    except ImportError:
+        return None
+    return predict_peak_bytes(cfg)
+
+
+def search_start(args, name: str) -> tuple[int, str]:
+    """The first length ``--max_seq`` tries: for Galaxy the longest power of two its memory model predicts within
+    the card, else (and for every other contender) ``--max_seq_start``."""
+    if name.startswith("galaxy") and args.card_gib:
+        base, keys = galaxy_recompute(name, args.card_gib)
+        quantize = galaxy_base_format(base)
+        budget = args.card_gib * 2**30
+        fitting, seq = None, args.max_seq_floor
+        while seq <= args.max_seq_limit:
+            peak = predicted_peak_bytes(config(argparse.Namespace(**{**vars(args), "seq": seq}), quantize,
+                                               galaxy_compile_mode(base), keys))
+            if peak is None:
+                break
+            if peak > budget:
+                return (fitting or seq), "Galaxy's memory model"
+            fitting, seq = seq, seq * 2
+        if fitting is not None:
+            return fitting, "Galaxy's memory model"
+    return args.max_seq_start, "--max_seq_start" + ("" if not name.startswith("galaxy") else
+                                                    " (no memory-model prediction on this tree or device)")
+
+
+def search_lengths(start: int, floor: int, limit: int, fits: Callable[[int], bool]) -> tuple:
+    """The search ``--max_seq`` runs for every contender: lengths doubling from ``start`` while they fit (or halving
+    while they fail, down to ``floor``), then one bisection step between the last that fit and the first that
+    failed. (longest that fit or None, first that failed or None when ``limit`` fit)."""
+    seq = min(max(start, floor), limit)
+    if fits(seq):
+        while seq * 2 <= limit and fits(seq * 2):
+            seq *= 2
+        low, high = seq, (seq * 2 if seq * 2 <= limit else None)
+    else:
+        while seq // 2 >= floor and not fits(seq // 2):
+            seq //= 2
+        low, high = (seq // 2 if seq // 2 >= floor else None), seq
+    if low is not None and high is not None and fits((low + high) // 2):
+        low = (low + high) // 2
+    return low, high
+
+
+def longest_sequence(args, name: str) -> dict:
+    """``--max_seq``: the longest sequence ``name`` trains at, a length counting when two whole training steps
+    complete in a fresh process (an out-of-memory, any failure, is that length's row). The same search for every
+    contender: powers of two from its start (up while they fit, down while they fail), then one bisection step
+    between the last that fit and the first that failed. The row: the longest length with its step time, tokens/s,
+    MFU and peak, and every try."""
+    tries: dict[int, dict] = {}
+
+    def fits(seq: int) -> bool:
+        if seq not in tries:
+            row = run_child(args, name, seq=seq, steps=2, warmup=0, profile=None)
+            tries[seq] = row
+            print(json.dumps({"contender": name, "try_seq": seq, "fits": "step_ms" in row,
+                              **{k: row[k] for k in ("step_ms", "peak_mib", "error") if k in row}}), flush=True)
+        return "step_ms" in tries[seq]
+
+    start, source = search_start(args, name)
+    low, high = search_lengths(start, args.max_seq_floor, args.max_seq_limit, fits)
+    failed = [n for n in tries if n > (low or 0) and "step_ms" not in tries[n]]
+    row = {"contender": name, "max_seq": low, "first_failed": min(failed) if failed else None,
+           "reached_limit": high is None, "start": start, "start_source": source,
+           "tries": [{"seq": n, **{k: r[k] for k in ("step_ms", "tokens_per_s", "mfu", "mfu_causal", "peak_mib",
+                                                     "error") if k in r}} for n, r in sorted(tries.items())]}
+    if low is not None:
+        row.update({k: v for k, v in tries[low].items() if k != "contender"})
+    return row
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="llama-1b")
+    p.add_argument("--preset", default="llama-1b", help="a galaxy.config preset, or one of LOCAL_PRESETS "
+                   f"({', '.join(LOCAL_PRESETS)})")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
@@ -382,10 +592,26 @@ def main() -> int:
     p.add_argument("--profile", default=None, metavar="DIR", help="write each contender's kernel table here")
     p.add_argument("--unsloth_path", default=None, metavar="DIR",
                    help="put DIR (unsloth and the packages carried for it) first on the unsloth contenders' path")
+    p.add_argument("--max_seq", action="store_true",
+                   help="instead of timing at --seq: each contender's longest sequence (at --batch), the same search "
+                        "for all (powers of two, then one bisection step; a length counts when two whole training "
+                        "steps complete, each try a process of its own); Galaxy's starts at its memory model's "
+                        "prediction")
+    p.add_argument("--max_seq_start", type=int, default=8192, help="with --max_seq: the first length tried")
+    p.add_argument("--max_seq_floor", type=int, default=512, help="with --max_seq: the shortest length tried")
+    p.add_argument("--max_seq_limit", type=int, default=262144, help="with --max_seq: the longest length tried")
+    p.add_argument("--model_dir", default=None, help=argparse.SUPPRESS)  # the checkpoint saved once per launch
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=("save_model", "card_gib"), default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
         print(json.dumps(run_one(args)), flush=True)
+        return 0
+    if args.child == "save_model":
+        save_model(config(args), args.model_dir)
+        return 0
+    if args.child == "card_gib":
+        print(json.dumps(card_gib()))
         return 0
     for name in args.contenders.split(","):
         if name.startswith("galaxy"):
@@ -393,39 +619,49 @@ def main() -> int:
                 galaxy_recompute(name)
             except ValueError as e:
                 p.error(str(e))
+    if args.max_seq and not 1 <= args.max_seq_floor <= args.max_seq_start <= args.max_seq_limit:
+        p.error("--max_seq searches from --max_seq_start between --max_seq_floor and --max_seq_limit: give "
+                "1 <= floor <= start <= limit")
+    names = args.contenders.split(",")
+    args.card_gib = json.loads(in_child("--child", "card_gib"))
     rows = []
-    for name in args.contenders.split(","):
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", name] + [
-            f"--{k}={getattr(args, k)}" for k in ("preset", "seq", "batch", "steps", "warmup", "profile")
-            if getattr(args, k) is not None]
-        env = None
-        if unsloth_variant(name) and args.unsloth_path:
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-                [os.path.abspath(args.unsloth_path)] + [x for x in [os.environ.get("PYTHONPATH")] if x]))
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-        row = json.loads(line[-1]) if line else {"contender": name, "failed": proc.stderr[-1500:]}
-        if unsloth_variant(name) and "failed" in row:  # died outside Python's reach (a crash, a kill): one line
-            tail = [ln for ln in row.pop("failed").splitlines() if ln.strip()]
-            row["error"] = f"exit {proc.returncode}: " + (" ".join(tail[-1].split())[:400] if tail else "no output")
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    with contextlib.ExitStack() as stack:
+        if any(unsloth_variant(n) or n == "peft-qlora-bnb" for n in names):  # their checkpoint, saved once
+            args.model_dir = stack.enter_context(tempfile.TemporaryDirectory())
+            longest = max(args.seq, args.max_seq_limit if args.max_seq else 0)
+            in_child("--child", "save_model", f"--model_dir={args.model_dir}", f"--preset={args.preset}",
+                     f"--seq={longest}")
+        for name in names:
+            row = longest_sequence(args, name) if args.max_seq else run_child(args, name)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     facts = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (no CUDA device)",
-             "torch": torch.__version__, "preset": args.preset,
+             "memory_gib": args.card_gib, "torch": torch.__version__, "preset": args.preset,
              "seq": args.seq, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+             "max_seq": args.max_seq and {k: getattr(args, f"max_seq_{k}") for k in ("start", "floor", "limit")},
              "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("GALAXY_COMMIT", "unknown"),
              "versions": versions("transformers", "peft", "accelerate", "bitsandbytes", "liger_kernel", "triton"),
-             "unsloth_path": args.unsloth_path}
-    print(f"\n{facts}\n{'contender':<18} {'step ms':>9} {'steps/s':>8} {'peak MiB':>9}")
+             "unsloth_path": args.unsloth_path,
+             "mfu": "mfu = (4*N + 12*L*H*S) * tokens / s / peak (LoRA: no weight gradients of the frozen base); "
+                    "mfu_causal: 6*L*H*S (galaxy.train.metrics)"}
+    summary = best_per_family(rows)
+    print(f"\n{facts}\n{'contender':<28} {'max seq':>8} {'step ms':>9} {'steps/s':>8} {'MFU':>6} {'causal':>6} "
+          f"{'peak MiB':>9}")
     for r in rows:
         if "step_ms" in r:
             peak = f"{r['peak_mib']:9.0f}" if r["peak_mib"] is not None else f"{'-':>9}"
-            print(f"{r['contender']:<18} {r['step_ms']:9.1f} {r['steps_per_s']:8.2f} {peak}")
+            mfu = " ".join(f"{r[k]:6.1%}" if r.get(k) is not None else f"{'-':>6}" for k in ("mfu", "mfu_causal"))
+            print(f"{r['contender']:<28} {r.get('max_seq', args.seq):>8} {r['step_ms']:9.1f} {r['steps_per_s']:8.2f} "
+                  f"{mfu} {peak}")
         else:
-            print(f"{r['contender']:<18} {(r.get('error') or r.get('skipped') or r.get('failed', ''))[-200:]}")
+            print(f"{r['contender']:<28} {(r.get('error') or r.get('skipped') or '')[-200:]}")
+    for family, best in summary.items():
+        peak = f", {best['peak_ratio']:.3f}x its peak" if best["peak_ratio"] else ""
+        print(f"{family}: {best['galaxy']} {best['steps_per_s_ratio']:.3f}x the steps/s of the fastest other, "
+              f"{best['anchor']}{peak}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"facts": facts, "rows": rows}, f, indent=2)
+            json.dump({"facts": facts, "rows": rows, "summary": summary}, f, indent=2)
     return 0
 
 

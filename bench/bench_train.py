@@ -30,18 +30,26 @@ Throughput: ``tokens_per_s`` = tokens_per_step / median step time, ``tokens_per_
 the row's GPUs (``gpus``), and ``mfu`` = model FLOPs per second per GPU over the GPU's dense peak:
 
     mfu = (6 N + 12 L H S) x tokens_per_step / step_s / gpus / peak_flops
+    mfu_causal = (6 N + 6 L H S) x tokens_per_step / step_s / gpus / peak_flops
 
 N: the matmul weights a token passes through (q, k, v, o and the three MLP projections of every layer,
 plus the H x V output head; galaxy.train.metrics.model_flops_per_token on the Galaxy LLaMA
 config of the scenario's shapes, which every contender's model has), L layers, H hidden, S sequence
-length; peak: galaxy.train.metrics.peak_flops_per_device (galaxy.profiler.devices.PEAK_TFLOPS, dense
+length (``mfu`` counts the whole S x S score matrix, as torchtitan; ``mfu_causal`` the half a causal kernel
+computes); peak: galaxy.train.metrics.peak_flops_per_device (galaxy.profiler.devices.PEAK_TFLOPS, dense
 bf16 tensor-core peak of the GPU; H100 SXM / H200: 989.4 TFLOP/s) or ``--peak_tflops``. A CPU has no
-peak: ``mfu`` is null and ``mfu_reason`` says why. The JSON header's ``facts`` states both.
+peak: ``mfu`` is null and ``mfu_reason`` says why. The JSON header's ``facts`` states both. The timed
+steps are a training run's steady state (galaxy.train.metrics.SteadyState): ``--warmup`` defaults to
+its WARMUP_STEPS, so the CLI's summary and this bench state the same figure for the same configuration.
 
 Scenarios (``--global_batch`` overrides the default): ``stack4`` (LLaMA-7B shapes with 4 layers: hidden
 4096, ffn 11008, 32 heads, seq 4096, vocab 32000; global batch 4), ``llama7b`` (all 32 layers; global batch
-16), ``smoke`` (tiny, for CPU and one-GPU checks; global batch 4). Contenders (``--list``; the default
-``--contenders`` is the 4-GPU 7B comparison, DEFAULT_CONTENDERS):
+16), ``smoke`` (tiny, for CPU and one-GPU checks; global batch 4); long sequences, LLaMA-3-8B shapes (32
+heads, 8 kv heads, ffn 14336, vocab 128256), 131,072 tokens a step, every contender recomputing whole
+layers (torchtitan's full activation checkpointing; Galaxy's ``recompute: full``): ``llama8b-32k`` (4
+sequences of 32k), ``llama8b-128k`` (1 of 128k), ``smoke-long`` (the same recipe at tiny shapes). Every
+plain model (serial, native TP, FSDP2) starts from one serial init: each rank holds its slice of it.
+Contenders (``--list``; the default ``--contenders`` is the 4-GPU 7B comparison, DEFAULT_CONTENDERS):
 
     serial-eager, serial-compiled       plain PyTorch LLaMA (bench_coc's layers), rank 0 alone (dp 1)
     galaxy-none                         Galaxy's model, plan none, rank 0 alone (dp 1)
@@ -58,8 +66,7 @@ Scenarios (``--global_batch`` overrides the default): ``stack4`` (LLaMA-7B shape
                                         the plain model under parallelize_module (torchtitan's plan:
                                         Colwise/Rowwise + SequenceParallel, loss parallel) on all ranks (dp 1);
                                         compiled per block; + inductor micro-pipeline TP over symmetric memory
-    fsdp2-compile, fsdp2-compile-noreshard, fsdp2-compile-noreshard-onesync
-                                        the anchor recipe (../shared/anchors/anchor_fsdp2.py, torchtitan's
+    fsdp2-compile[-noreshard][-onesync] the anchor recipe (../shared/anchors/anchor_fsdp2.py, torchtitan's
                                         default for a 7B on one node): the plain model, fully_shard per block
                                         over all ranks (dp = world), MixedPrecisionPolicy bf16 params / fp32
                                         reduce, torch.compile per block, fused AdamW, clip 1.0,
@@ -67,6 +74,10 @@ Scenarios (``--global_batch`` overrides the default): ``stack4`` (LLaMA-7B shape
                                         -onesync: set_requires_gradient_sync(False) but in the last
                                         micro-batch: unsharded fp32 gradients accumulate, one
                                         reduce-scatter per step, as DDP's no_sync)
+    fsdp2-cp[@cp<C>]                    torchtitan's long-context recipe with torch's APIs: context_parallel
+                                        over C ranks (C = 2 unless given; each sequence split along its length,
+                                        K/V all-gathered in attention), dp = world / C, fully_shard over all
+                                        ranks, compile per block (CUDA only: its row says so elsewhere)
     fsdp2-tp[@tp<T>]                    torchtitan's 2D recipe with torch's APIs: DeviceMesh dp x tp (T = 2
                                         unless given), the native-tp-sp plan on tp, compile per block,
                                         fully_shard over dp, loss parallel
@@ -83,8 +94,19 @@ Scenarios (``--global_batch`` overrides the default): ``stack4`` (LLaMA-7B shape
                                         --recompute-activations: its local attention is unfused), the
                                         micro-batches through its own forward_backward_func
 
+``--float8 tensorwise|rowwise`` trains the layers' linears in float8 (torchao's float8 training): Galaxy's
+contenders through ``float8_training`` (galaxy.core.float8), the ``fsdp2-compile*`` anchors as torchtitan
+does (``convert_to_float8_training`` on the blocks before compile and ``fully_shard``; the head stays
+bf16); ``--float8_all_gather`` (tensorwise) gathers their weights as fp8 under FSDP (Galaxy's
+``float8_fsdp_all_gather``; the anchors with ``enable_fsdp_float8_all_gather`` and torchtitan's
+``precompute_float8_dynamic_scale_for_fsdp`` after each optimizer step). Each row states its ``float8``;
+the other contenders run without it.
+
 A contender that cannot run here gets one line saying why in its JSON row (``error``), and the launch
-goes on. Per contender: median step ms with min / quartiles / max over ``--iters`` steps after
+goes on. ``--sweep_rows 1,2,4`` runs every contender named at each rows-per-micro-batch, each point a launch
+of its own (a child process), so a point that runs out of memory on any rank is a row saying so; the
+report's ``summary`` states each recipe at its best, the best anchor, Galaxy's best and their ratio.
+Per contender: median step ms with min / quartiles / max over ``--iters`` steps after
 ``--warmup`` (CUDA events; the slowest rank counts), peak memory (max over ranks, weights and
 optimizer state included; memory an earlier contender of the launch left allocated is
 subtracted and stated as ``leftover_mib``: megatron-core's buffers outlive its contender, so it
@@ -100,6 +122,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import fnmatch
 import hashlib
@@ -107,8 +130,11 @@ import json
 import logging
 import os
 import re
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -127,13 +153,14 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from bench.step_profile import profile_step  # noqa: E402
-from bench.bench_coc import PlainStack, RMSNorm, launch, publish, pytorch_tp_sp, release, run_facts  # noqa: E402
+from bench.bench_coc import (PlainStack, RMSNorm, launch, publish, pytorch_tp_sp, release, rotate_half,  # noqa: E402
+                             run_facts)
 from galaxy.config import DP_ENGINES, GalaxyConfig  # noqa: E402
 from galaxy.core.context import ParallelContext, build_groups  # noqa: E402
 from galaxy.models import build_model  # noqa: E402
-from galaxy.train.metrics import model_flops_per_token, model_matmul_weights  # noqa: E402
 from galaxy.train.loop import autocast_context, make_trainer  # noqa: E402
-from galaxy.train.metrics import PeakFlops, peak_flops_per_device, throughput  # noqa: E402
+from galaxy.train.metrics import (WARMUP_STEPS, PeakFlops, causal_flops_per_token, model_flops_per_token,  # noqa: E402
+                                  model_matmul_weights, peak_flops_per_device, throughput)
 
 # global_batch: sequences per optimizer step (every contender); batch: sequences per rank of the anchor
 # scripts (../shared/anchors/anchor_fsdp2.py reads it), not used here.
@@ -141,6 +168,16 @@ SCENARIOS = {
     "stack4": dict(hidden=4096, ffn=11008, heads=32, layers=4, seq=4096, global_batch=4, vocab=32000, batch=1),
     "llama7b": dict(hidden=4096, ffn=11008, heads=32, layers=32, seq=4096, global_batch=16, vocab=32000, batch=1),
     "smoke": dict(hidden=64, ffn=176, heads=4, layers=2, seq=32, global_batch=4, vocab=256, batch=2),
+    # Long sequences (issue 50): LLaMA-3-8B shapes (GQA, 128k vocabulary), 131,072 tokens per optimizer step at
+    # 32k and at 128k tokens a sequence, every contender recomputing whole layers (torchtitan's long-context
+    # recipe: full activation checkpointing; Galaxy's recompute: full). A local shape table until
+    # galaxy/config.py has a llama-8b preset. ``smoke-long``: the same recipe at tiny shapes, for CPU checks.
+    "llama8b-32k": dict(hidden=4096, ffn=14336, heads=32, kv_heads=8, layers=32, seq=32768, global_batch=4,
+                        vocab=128256, batch=1, recompute="full"),
+    "llama8b-128k": dict(hidden=4096, ffn=14336, heads=32, kv_heads=8, layers=32, seq=131072, global_batch=1,
+                         vocab=128256, batch=1, recompute="full"),
+    "smoke-long": dict(hidden=64, ffn=176, heads=4, kv_heads=2, layers=2, seq=64, global_batch=2, vocab=256,
+                       batch=1, recompute="full"),
 }
 PLANS = ("tp", "galaxy", "galaxy2", "sp")
 REDUCES = ("after_backward", "overlap", "sharded", "fsdp")
@@ -152,7 +189,13 @@ DEFAULT_CONTENDERS = ("galaxy-galaxy-sharded+compile,galaxy-tp+compile,galaxy-ga
 MFU_FORMULA = ("mfu = (6*N + 12*L*H*S) * tokens_per_step / step_s / gpus / peak_flops; N = matmul weights a token "
                "passes through (q,k,v,o + 3 MLP projections per layer, + H x V head), L layers, H hidden, S seq "
                "(galaxy.train.metrics.model_flops_per_token); peak_flops: dense peak of one GPU in the "
-               "run's dtype (galaxy.train.metrics.peak_flops_per_device, galaxy.profiler.devices.PEAK_TFLOPS)")
+               "run's dtype (galaxy.train.metrics.peak_flops_per_device, galaxy.profiler.devices.PEAK_TFLOPS); "
+               "mfu_causal: the same with 6*L*H*S, the scores a causal kernel computes "
+               "(galaxy.train.metrics.causal_flops_per_token)")
+
+
+# FSDP2 over every rank, resharding after forward and not, reduce-scattering every micro-batch and once a step.
+FSDP2_ANCHORS = ("fsdp2-compile", "fsdp2-compile-onesync", "fsdp2-compile-noreshard", "fsdp2-compile-noreshard-onesync")
 
 
 def contender_names() -> list[str]:
@@ -161,8 +204,8 @@ def contender_names() -> list[str]:
         for plan in PLANS:
             for reduce in (("after_backward",) if plan == "tp" else REDUCES):  # tp has no PARTIAL gradients
                 names.append(f"galaxy-{plan}" + ("" if reduce == "after_backward" else f"-{reduce}") + compiled)
-    names += ["native-tp-sp-eager", "native-tp-sp-compiled", "native-tp-sp-asynctp",
-              "fsdp2-compile", "fsdp2-compile-noreshard", "fsdp2-compile-noreshard-onesync", "fsdp2-tp",
+    names += ["native-tp-sp-eager", "native-tp-sp-compiled", "native-tp-sp-asynctp", *FSDP2_ANCHORS, "fsdp2-tp",
+              "fsdp2-cp",
               "torchtitan-compile-asynctp", "megatron-tp", "megatron-tp-sp", "megatron-tp-sp-overlap", "megatron-dp"]
     return names
 
@@ -170,6 +213,7 @@ def contender_names() -> list[str]:
 # A listed name with a layout suffix: galaxy-...@dp<D>[-<engine>], fsdp2-tp@tp<T>, megatron-dp@tp<T>.
 SUFFIXES = {"galaxy-": re.compile(r"@dp(\d+)(?:-(\w+))?(-noreshard)?(-onesync)?$"),
             "fsdp2-tp": re.compile(r"@tp(\d+)$"),
+            "fsdp2-cp": re.compile(r"@cp(\d+)$"),
             "megatron-dp": re.compile(r"@tp(\d+)$")}
 
 
@@ -184,8 +228,7 @@ def split_suffix(name: str) -> tuple[str, Optional[re.Match]]:
             if match and match.start() == len(base):
                 return base, match
     raise ValueError(f"contender '{name}': unknown layout suffix (galaxy-...@dp<D>[-<engine>[-noreshard]"
-                     "[-onesync]], fsdp2-tp@tp<T>, "
-                     "megatron-dp@tp<T>)")
+                     "[-onesync]], fsdp2-tp@tp<T>, fsdp2-cp@cp<C>, megatron-dp@tp<T>)")
 
 
 class Unavailable(Exception):
@@ -398,6 +441,7 @@ def galaxy_config(shape: dict, args, plan: str = "none", reduce: str = "after_ba
                   "intermediate_size": shape["ffn"], "num_attention_heads": shape["heads"],
                   "num_key_value_heads": shape.get("kv_heads", shape["heads"]), "vocab_size": shape["vocab"],
                   "max_position_embeddings": max(4096, shape["seq"]), "compile": compiled,
+                  "recompute": shape.get("recompute", "none"),
                   "compile_mode": compile_mode(args) if compiled else "default", **(model or {})},
         "parallel": {"plan": plan, "mp_grad_reduce": reduce, "dp_size": dp, "dp_engine": engine,
                      "reshard_after_forward": reshard, "fsdp_grad_sync": grad_sync},
@@ -405,8 +449,32 @@ def galaxy_config(shape: dict, args, plan: str = "none", reduce: str = "after_ba
                   "seq_length": shape["seq"], "dtype": args.dtype,
                   "lr": getattr(args, "lr", LR),  # bench_peft_mp's arguments name no lr
                   "weight_decay": WEIGHT_DECAY, "grad_clip": CLIP, "warmup_steps": 0, "lr_schedule": "constant",
-                  "max_steps": 10**6},
+                  "max_steps": 10**6, **galaxy_float8(args, engine)},
         **({"peft": peft} if peft else {})})
+
+
+def torchao_version() -> Optional[str]:
+    try:
+        import torchao
+    except ImportError:
+        return None
+    return torchao.__version__
+
+
+def float8_recipe(args) -> Optional[str]:
+    """``--float8``'s recipe, None without it (bench_peft_mp's arguments name none)."""
+    recipe = getattr(args, "float8", "none")
+    return None if recipe == "none" else recipe
+
+
+def galaxy_float8(args, engine: str) -> dict:
+    """The train keys of ``--float8`` / ``--float8_all_gather`` for a Galaxy contender (the fp8 gather only under
+    fsdp2, where it applies)."""
+    recipe = float8_recipe(args)
+    if recipe is None:
+        return {}
+    return {"float8_training": recipe,
+            "float8_fsdp_all_gather": bool(getattr(args, "float8_all_gather", False)) and engine == "fsdp2"}
 
 
 def galaxy_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
@@ -434,7 +502,8 @@ def galaxy_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prep
     model = build_model(cfg, cfg.resolve_plan(run_ctx.mp.size), run_ctx)
     return galaxy_steps(model, cfg, shape, batching, run_ctx, layout={
         "mp": run_ctx.mp.size, "dp_engine": engine, "reshard_after_forward": cfg.parallel.reshard_after_forward,
-        "fsdp_grad_sync": cfg.parallel.fsdp_grad_sync})
+        "fsdp_grad_sync": cfg.parallel.fsdp_grad_sync, "float8": float8_recipe(args),
+        "float8_all_gather": cfg.train.float8_fsdp_all_gather})
 
 
 def galaxy_steps(model: nn.Module, cfg: GalaxyConfig, shape: dict, batching: Batching, ctx: ParallelContext,
@@ -465,13 +534,37 @@ def galaxy_steps(model: nn.Module, cfg: GalaxyConfig, shape: dict, batching: Bat
                     teardown=[grad_sync.remove] if grad_sync is not None else [], **prepared)
 
 
+class GroupedQueryAttention(nn.Module):
+    """bench_coc's attention with ``kv_heads`` key/value heads (GQA, LLaMA-3's), each repeated over its query
+    heads before SDPA, as torchtitan's llama3 model does (torch's context_parallel shards plain SDPA calls)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.head_dim, self.groups = hidden // heads, heads // kv_heads
+        self.wq, self.wo = nn.Linear(hidden, hidden, bias=False), nn.Linear(hidden, hidden, bias=False)
+        self.wk, self.wv = (nn.Linear(hidden, kv_heads * self.head_dim, bias=False) for _ in range(2))
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        # -1 heads: under PyTorch TP the column-parallel projections hold this rank's heads only
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = (t.repeat_interleave(self.groups, dim=1) for t in (k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
 class PlainLM(nn.Module):
-    """bench_coc's plain PyTorch LLaMA layers with an embedding, final norm and head: a whole causal LM."""
+    """bench_coc's plain PyTorch LLaMA layers with an embedding, final norm and head: a whole causal LM
+    (grouped-query attention where the shape names fewer ``kv_heads`` than heads)."""
 
     def __init__(self, shape: dict):
         super().__init__()
         self.embed = nn.Embedding(shape["vocab"], shape["hidden"])
         self.stack = PlainStack(shape)
+        if shape.get("kv_heads", shape["heads"]) != shape["heads"]:
+            for layer in self.stack.layers:
+                layer.attention = GroupedQueryAttention(shape["hidden"], shape["heads"], shape["kv_heads"])
         self.norm = RMSNorm(shape["hidden"])
         self.head = nn.Linear(shape["hidden"], shape["vocab"], bias=False)
 
@@ -479,15 +572,38 @@ class PlainLM(nn.Module):
         return self.head(self.norm(self.stack(self.embed(ids))))
 
 
+def prepare_blocks(model: PlainLM, shape: dict, args, compiled: bool) -> None:
+    """Each block as torchtitan prepares it: wrapped for full activation checkpointing where the scenario
+    recomputes (``recompute: full``, its long-context recipe), then compiled (``compiled``)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, layer in enumerate(model.stack.layers):
+        if shape.get("recompute") == "full":
+            layer = checkpoint_wrapper(layer, preserve_rng_state=False)
+        model.stack.layers[i] = compile_block(layer, args) if compiled else layer
+
+
 def init_plain_weights(model: PlainLM, shape: dict, device: torch.device) -> None:
-    """N(0, 0.02) weights, unit norm scales, the rotary tables (a meta-built model's buffers are empty):
-    the same draws on every rank (a sharded weight draws its own piece)."""
+    """One serial init on every rank: N(0, 0.02) weights drawn whole, parameter by parameter in the model's
+    order from one seeded generator on ``device``, unit norm scales, the rotary tables (a meta-built model's
+    buffers are empty). A sharded parameter (FSDP's, TP's DTensor) keeps its own slice of the whole draw, so
+    the sharded model is the serial one whatever the layout (drawing into each local shard instead gave every
+    dp rank the same block of values: a model that depended on dp)."""
     gen = torch.Generator(device).manual_seed(0)
     tables = PlainStack(dict(shape, layers=0))
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            local.fill_(1.0) if pname.endswith("norm.weight") else local.normal_(0.0, 0.02, generator=gen)
+            if pname.endswith("norm.weight"):
+                (p.to_local() if hasattr(p, "to_local") else p).fill_(1.0)
+                continue
+            whole = torch.empty(p.shape, dtype=p.dtype, device=device).normal_(0.0, 0.02, generator=gen)
+            if hasattr(p, "to_local"):  # a DTensor: this rank's slice of the whole, by its placements (no comm)
+                from torch.distributed.tensor import DTensor, Replicate
+
+                whole = DTensor.from_local(whole, p.device_mesh, [Replicate()] * p.device_mesh.ndim,
+                                           run_check=False).redistribute(p.device_mesh, p.placements).to_local()
+                p = p.to_local()
+            p.copy_(whole)
         model.stack.cos.copy_(tables.cos)
         model.stack.sin.copy_(tables.sin)
 
@@ -507,8 +623,8 @@ def plain_tp_plan(model: PlainLM, mesh) -> None:
 
 
 def check_tp_shapes(shape: dict, tp: int) -> None:
-    if shape["seq"] % tp or shape["heads"] % tp or shape["ffn"] % tp or shape["vocab"] % tp:
-        raise Unavailable(f"TP {tp} needs seq, heads, ffn and vocab divisible by {tp}")
+    if any(shape[k] % tp for k in ("seq", "heads", "ffn", "vocab")) or shape.get("kv_heads", tp) % tp:
+        raise Unavailable(f"TP {tp} needs seq, heads, kv heads, ffn and vocab divisible by {tp}")
 
 
 def compile_mode(args) -> str:
@@ -522,15 +638,20 @@ def compile_block(layer: nn.Module, args) -> nn.Module:
 
 
 def accumulate(micro: list, forward_loss: Callable, loss_context=contextlib.nullcontext,
-               sync: Optional[Callable[[bool], None]] = None) -> torch.Tensor:
+               sync: Optional[Callable[[bool], None]] = None, enter: Optional[Callable] = None) -> torch.Tensor:
     """Forward and backward of every micro-batch, each loss over the accumulation count (the mean);
-    ``sync(False)`` before the first and ``sync(True)`` before the last when given (gradient sync once).
-    Returns the mean loss over the micro-batches (detached)."""
+    ``sync(False)`` before the first and ``sync(True)`` before the last when given (gradient sync once);
+    ``enter(stack, ids, labels)``: contexts a micro-batch's forward and backward run in (entered on ``stack``),
+    and the ids and labels to run (context_parallel's shards). Returns the mean loss over the micro-batches
+    (detached)."""
     total = 0.0
     for i, (ids, labels) in enumerate(micro):
         if sync is not None and i in (0, len(micro) - 1):
             sync(i == len(micro) - 1)
-        with loss_context():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(loss_context())
+            if enter is not None:
+                ids, labels = enter(stack, ids, labels)
             loss = forward_loss(ids, labels) / len(micro)
             loss.backward()
         total = total + loss.detach()
@@ -560,9 +681,7 @@ def plain_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepa
             enable_symm_mem_for_group(dist.group.WORLD.group_name)
             inductor_config._micro_pipeline_tp = True
             teardown.append(lambda: setattr(inductor_config, "_micro_pipeline_tp", False))
-    if name.endswith(("compiled", "asynctp")):
-        for i, layer in enumerate(model.stack.layers):  # per block, as torchtitan compiles
-            model.stack.layers[i] = compile_block(layer, args)
+    prepare_blocks(model, shape, args, name.endswith(("compiled", "asynctp")))  # per block, as torchtitan compiles
     params = list(model.parameters())
     optimizer = adamw(params, ctx.device, args.lr)
     data = GlobalBatches(shape, batching, ctx.device)
@@ -587,12 +706,47 @@ def plain_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepa
     return Prepared(step, batching, entry=model, teardown=teardown)
 
 
+def mean_over(group, loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` (a DTensor's whole value: loss_parallel's) averaged over ``group``'s ranks: the loss of the step's
+    global batch where each rank holds its rows' (a SUM, then a division: Gloo has no AVG)."""
+    loss = (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).clone()
+    dist.all_reduce(loss, group=group)
+    return loss / dist.get_world_size(group)
+
+
+def context_parallel_step(cp_mesh, buffers: list, seq_dims: list, entry: nn.Module) -> Callable:
+    """``accumulate``'s ``enter`` for torch's context_parallel as torchtitan's ``create_context_parallel_ctx`` and
+    train context run it: a micro-batch's ids and labels (copies: the context shards them in place and keeps
+    them sharded) and the rotary tables split along the sequence over ``cp_mesh`` (load-balanced for causal
+    attention; K/V all-gathered in attention), forward and backward inside, SDPA limited to the kernels its
+    ring attention shards. The whole sequences pass ``entry`` first (TokenLedger counts them there). CUDA only
+    (it shards CUDA's attention kernels), so imported here, not at the top: this file imports on CPU."""
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+
+    def enter(stack: contextlib.ExitStack, ids: torch.Tensor, labels: torch.Tensor) -> tuple:
+        entry(ids)
+        ids, labels = ids.clone(), labels.clone()
+        stack.enter_context(sdpa_kernel(kernels))
+        stack.enter_context(context_parallel(cp_mesh, buffers=[ids, labels, *buffers],
+                                             buffer_seq_dims=[1, 1, *seq_dims], no_restore_buffers={ids, labels}))
+        return ids, labels
+    return enter
+
+
 def fsdp2_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
     """FSDP2 as torchtitan applies it (the anchor's recipe): the plain LM built on meta, (``fsdp2-tp``: the
-    TP + SP plan on the mesh's tp dim, loss parallel), torch.compile per block, fully_shard per block and
-    at the root over the dp dim with bf16 params and fp32 gradient reductions, materialized and drawn
-    on the device; fused AdamW, clip 1.0. Gradient accumulation as torchtitan's: every micro-batch's
-    backward reduce-scatters into the sharded fp32 gradients (no unsharded gradient kept)."""
+    TP + SP plan on the mesh's tp dim, loss parallel), full activation checkpointing where the scenario
+    recomputes, torch.compile per block, fully_shard per block and at the root with bf16 params and fp32
+    gradient reductions, materialized and drawn on the device (each rank its slice of one serial init);
+    fused AdamW, clip 1.0. Gradient accumulation as torchtitan's: every micro-batch's backward reduce-scatters
+    into the sharded fp32 gradients (``-onesync``: unsharded fp32 gradients accumulate, one reduce-scatter in
+    the last micro-batch). ``fsdp2-cp@cp<C>``: torch's context_parallel over C ranks (each sequence split
+    along its length, K/V all-gathered in attention) beside dp = world / C, fully_shard over all ranks
+    (torchtitan's dp_shard x cp), as its long-context recipe. The reported loss is the global batch's
+    (averaged over the data ranks)."""
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -605,15 +759,36 @@ def fsdp2_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepa
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     base, suffix = split_suffix(name)
     world = ctx.world_size
-    tp = (int(suffix.group(1)) if suffix else 2) if base == "fsdp2-tp" else 1
-    if world % tp:
-        raise Unavailable(f"TP {tp} does not divide the world of {world} ranks")
+    inner = int(suffix.group(1)) if suffix else (2 if base in ("fsdp2-tp", "fsdp2-cp") else 1)
+    tp, cp = (inner, 1) if base == "fsdp2-tp" else (1, inner) if base == "fsdp2-cp" else (1, 1)
+    if world % inner:
+        raise Unavailable(f"{'TP' if tp > 1 else 'CP'} {inner} does not divide the world of {world} ranks")
     if tp > 1:
         check_tp_shapes(shape, tp)
-    batching = Batching.reach(shape["global_batch"], world // tp, args.micro_batch)
-    mesh = init_device_mesh(ctx.device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    if cp > 1:
+        if ctx.device.type != "cuda":
+            raise Unavailable("torch's context_parallel shards CUDA's SDPA kernels (flash, efficient, cuDNN); "
+                              "no CPU path: run it on GPUs")
+        if shape["seq"] % (2 * cp):
+            raise Unavailable(f"CP {cp} needs a sequence length divisible by {2 * cp} (its causal load balancing)")
+    batching = Batching.reach(shape["global_batch"], world // inner, args.micro_batch)
+    mesh = init_device_mesh(ctx.device.type, (world // inner, inner), mesh_dim_names=("dp", "tp" if tp > 1 else "cp"))
+    # FSDP shards over every rank that holds different tokens: dp, or dp x cp (one flat mesh)
+    shard_mesh = mesh["dp"] if cp == 1 else init_device_mesh(ctx.device.type, (world,))
     with torch.device("meta"):
         model = PlainLM(shape)
+    recipe = float8_recipe(args)
+    gather_fp8 = bool(recipe and getattr(args, "float8_all_gather", False))
+    if recipe is not None:  # torchtitan's order: float8 linears, then (TP,) compile, FSDP
+        if tp > 1:
+            raise Unavailable("--float8 with TP needs torchao's float8 TP styles (Float8ColwiseParallel, ...), "
+                              "which this anchor does not wire; its pure-FSDP rows (fsdp2-compile*) run float8")
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        if gather_fp8:
+            config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+        convert_to_float8_training(model.stack, config=config)
     loss_context = contextlib.nullcontext
     if tp > 1:
         plain_tp_plan(model, mesh["tp"])
@@ -621,11 +796,10 @@ def fsdp2_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepa
     dtype = getattr(torch, args.dtype)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     reshard = "noreshard" not in base
-    for i, layer in enumerate(model.stack.layers):
-        block = compile_block(layer, args)
-        model.stack.layers[i] = block
-        fully_shard(block, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+    prepare_blocks(model, shape, args, compiled=True)
+    for block in model.stack.layers:
+        fully_shard(block, mesh=shard_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=shard_mesh, mp_policy=policy)
     sync = model.set_requires_gradient_sync if base.endswith("onesync") else None
     model.to_empty(device=ctx.device)
     init_plain_weights(model, shape, ctx.device)
@@ -633,22 +807,37 @@ def fsdp2_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepa
     optimizer = adamw(params, ctx.device, args.lr)
     data = GlobalBatches(shape, batching, ctx.device)
     dp_rank = mesh["dp"].get_local_rank()
-    count = [0]
+    shard_group = shard_mesh.get_group()
+    entry, enter = model, None
+    if cp > 1:  # the sequences enter whole (counted there), context_parallel splits them
+        entry = nn.Identity()
+        enter = context_parallel_step(mesh["cp"], [model.stack.cos, model.stack.sin], [0, 0], entry)
 
     def forward_loss(ids, labels):
         return F.cross_entropy(model(ids).flatten(0, 1).float(), labels.flatten())
 
+    count = [0]
+
     def step():
         count[0] += 1
-        loss = accumulate(data.micro_batches(count[0], dp_rank), forward_loss, loss_context, sync)
+        loss = accumulate(data.micro_batches(count[0], dp_rank), forward_loss, loss_context, sync, enter)
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss
+        if gather_fp8:  # torchtitan: every float8 weight's scale in one all-reduce, for the next step's gathers
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)
+        return mean_over(shard_group, loss)
 
     note = ("unsharded fp32 gradients accumulated, reduce-scattered in the last micro-batch's backward" if sync else
             "gradients reduce-scattered (fp32) at every micro-batch's backward, as torchtitan accumulates")
-    return Prepared(step, batching, entry=model, layout={"tp": tp, "reshard_after_forward": reshard}, note=note)
+    if cp > 1:
+        note += f"; context_parallel over {cp} ranks (K/V all-gathered), fully_shard over all {world}"
+    return Prepared(step, batching, entry=entry, note=note,
+                    layout={"tp": tp, "cp": cp, "reshard_after_forward": reshard,
+                            "activation_checkpointing": shape.get("recompute") == "full",
+                            "float8": recipe, "float8_all_gather": gather_fp8})
 
 
 def torchtitan_contender(name: str, args, shape: dict, ctx: ParallelContext) -> Prepared:
@@ -953,10 +1142,12 @@ def first_error(error: Optional[str], ctx: ParallelContext, alone: bool, name: s
 
 def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: PeakFlops,
                   flops_per_token: float, builder: Optional[Callable[..., Prepared]] = None,
-                  alone: Optional[bool] = None, errors_group=None) -> dict:
+                  alone: Optional[bool] = None, errors_group=None,
+                  causal_flops_per_token: Optional[float] = None) -> dict:
     """Build, warm up, time, count tokens, bytes and peak memory; any failure becomes the row's ``error``
     (``first_error``, over ``errors_group``). ``builder(name, args, shape, ctx)``: the contender (default: this
-    file's ``build``); ``alone``: it runs on rank 0 by itself (default: the serial and galaxy-none contenders)."""
+    file's ``build``); ``alone``: it runs on rank 0 by itself (default: the serial and galaxy-none contenders);
+    ``causal_flops_per_token``: the row's ``mfu_causal`` too."""
     builder = builder or build
     alone = name.startswith(("serial", "galaxy-none")) if alone is None else alone
     ranks = 1 if alone else ctx.world_size
@@ -1037,7 +1228,8 @@ def run_contender(name: str, args, shape: dict, ctx: ParallelContext, peak: Peak
             row["peak_mib_per_rank"] = [g["peak_mib"] for g in gathered]
         for key in (k for k in maxed if k in row):  # the slowest rank counts, and the fullest
             row[key] = max(g[key] for g in gathered) if row[key] is not None else None
-    row.update(throughput(tokens, flops_per_token * tokens, row["median_ms"] / 1e3, ranks, peak))
+    row.update(throughput(tokens, flops_per_token * tokens, row["median_ms"] / 1e3, ranks, peak,
+                          None if causal_flops_per_token is None else causal_flops_per_token * tokens))
     if row["mfu"] is None:
         row["mfu_reason"] = peak.source
     want = (shape["global_batch"], shape["global_batch"] * shape["seq"])
@@ -1118,7 +1310,7 @@ def fake_world(args) -> bool:
 
 def run_rows(names: list[str], args, shape: dict, ctx: ParallelContext, peak: PeakFlops, flops_per_token: float,
              builder: Optional[Callable[..., Prepared]] = None, alone: Optional[Callable[[str], bool]] = None,
-             error_wait: datetime.timedelta = ERROR_WAIT) -> list:
+             error_wait: datetime.timedelta = ERROR_WAIT, causal_flops_per_token: Optional[float] = None) -> list:
     """``run_contender`` for each name in turn (``alone(name)``: it runs on rank 0 by itself); rank 0 prints
     each row as it lands (``ROW {json}``: a killed launch keeps them) and returns them all. Failures are told
     over a Gloo group of their own that waits ``error_wait`` (``first_error``)."""
@@ -1130,7 +1322,7 @@ def run_rows(names: list[str], args, shape: dict, ctx: ParallelContext, peak: Pe
         name, micro_batch = split_rows_suffix(entry)
         run_args = args if micro_batch is None else argparse.Namespace(**{**vars(args), "micro_batch": micro_batch})
         row = run_contender(name, run_args, shape, ctx, peak, flops_per_token, builder,
-                            alone(name) if alone is not None else None, errors_group)
+                            alone(name) if alone is not None else None, errors_group, causal_flops_per_token)
         row["name"] = entry
         dist.barrier()
         if ctx.rank == 0:
@@ -1146,8 +1338,9 @@ def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> No
         shape["global_batch"] = args.global_batch
     model_cfg = galaxy_config(shape, args)  # the plain LLaMA's shapes: the FLOP count of every contender
     flops_per_token = model_flops_per_token(model_cfg, shape["seq"])
+    causal = causal_flops_per_token(model_cfg, shape["seq"])
     peak = peak_flops_per_device(ctx.device, args.dtype, args.peak_tflops)
-    rows = run_rows(args.contenders, args, shape, ctx, peak, flops_per_token)
+    rows = run_rows(args.contenders, args, shape, ctx, peak, flops_per_token, causal_flops_per_token=causal)
     if rank == 0:
         facts = {
             "global_batch": shape["global_batch"], "seq": shape["seq"],
@@ -1156,18 +1349,43 @@ def worker(rank: int, world: int, local_rank: int, args, init_method: str) -> No
                          "accumulation = global_batch sequences (rows: dp, micro_batch, accumulation; "
                          "sequences_per_step and tokens_per_step as counted where the token ids enter the model)",
             "timed_step": "forward and backward of every micro-batch, every gradient reduction, clip 1.0, AdamW",
-            "model_flops_per_token": flops_per_token, "matmul_weights": model_matmul_weights(model_cfg).total,
+            "model_flops_per_token": flops_per_token, "causal_flops_per_token": causal,
+            "matmul_weights": model_matmul_weights(model_cfg).total,
             "mfu_formula": MFU_FORMULA, "peak_tflops": peak.tflops, "peak_source": peak.source,
             "compile_backend": args.compile_backend, "compile_mode": args.compile_mode,
-            "memory_cap_gib": args.memory_cap_gib, "fake_world": args.fake_world}
+            "memory_cap_gib": args.memory_cap_gib, "fake_world": args.fake_world,
+            "float8": args.float8, "float8_all_gather": args.float8_all_gather, "torchao": torchao_version()}
         report = {"benchmark": "train", **run_facts(ctx), "world": world, "scenario": args.scenario, "shape": shape,
                   "dtype": args.dtype, "warmup": args.warmup, "facts": facts, "env": {k: os.environ.get(k) for k in (
                       "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
                       "PYTORCH_CUDA_ALLOC_CONF")},
-                  "rows": rows}
+                  "rows": rows, "summary": summarize(rows)}
         publish(report, print_table, args.json)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def summarize(rows: list) -> dict:
+    """Each recipe at its best: every contender's fastest row (its name without ``:mb<R>``; tokens/s per GPU),
+    the fastest anchor (every contender not Galaxy's) and Galaxy's fastest, and Galaxy's over the anchor."""
+    best: dict[str, dict] = {}
+    for r in rows:
+        if "error" not in r and r.get("tokens_per_s_per_gpu"):
+            base = split_rows_suffix(r["name"])[0]
+            if base not in best or r["tokens_per_s_per_gpu"] > best[base]["tokens_per_s_per_gpu"]:
+                best[base] = r
+    keys = ("name", "median_ms", "tokens_per_s_per_gpu", "mfu", "mfu_causal", "peak_mib", "dp", "micro_batch")
+    out: dict = {"best_per_contender": {base: r["name"] for base, r in best.items()}}
+    for label, galaxy in (("best_anchor", False), ("best_galaxy", True)):
+        chosen = [r for base, r in best.items() if base.startswith("galaxy-") == galaxy]
+        if chosen:
+            out[label] = {k: v for k, v in max(chosen, key=lambda r: r["tokens_per_s_per_gpu"]).items() if k in keys}
+    if "best_anchor" in out and "best_galaxy" in out:
+        a, g = out["best_anchor"], out["best_galaxy"]
+        out["galaxy_over_anchor"] = g["tokens_per_s_per_gpu"] / a["tokens_per_s_per_gpu"]
+        if a.get("peak_mib") and g.get("peak_mib"):
+            out["galaxy_peak_over_anchor"] = g["peak_mib"] / a["peak_mib"]
+    return out
 
 
 def loss_span(losses: Optional[list]) -> str:
@@ -1186,18 +1404,28 @@ def print_table(report: dict) -> None:
         print(f"rank 0 of {f['fake_world']} alone over torch's fake process group: peak MiB is a rank's; the times "
               "leave out every collective")
     head = (f"{'contender':<38}{'gpus':>5}{'dp x mb x acc':>15}{'median ms':>11}{'q1-q3 ms':>18}{'tok/s/GPU':>11}"
-            f"{'MFU':>7}{'peak MiB':>10}{'comm MiB':>10}  loss first -> last step")
+            f"{'MFU':>7}{'causal':>7}{'peak MiB':>10}{'comm MiB':>10}  loss first -> last step")
     print(head + "\n" + "-" * len(head))
     for r in report["rows"]:
         if "error" in r:
             print(f"{r['name']:<38}{r['gpus']:>5}  not run: {r['error']}")
             continue
         peak = f"{r['peak_mib']:.0f}" if r["peak_mib"] is not None else "-"
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        mfu, causal = (f"{r[k]:.1%}" if r.get(k) is not None else "-" for k in ("mfu", "mfu_causal"))
         layout = f"{r['dp']} x {r['micro_batch']} x {r['accumulation']}"
         print(f"{r['name']:<38}{r['gpus']:>5}{layout:>15}{r['median_ms']:>11.2f}{r['q1_ms']:>9.2f}-{r['q3_ms']:<8.2f}"
-              f"{r['tokens_per_s_per_gpu']:>11.0f}{mfu:>7}{peak:>10}{r['comm_bytes'] / 2**20:>10.1f}  "
+              f"{r['tokens_per_s_per_gpu']:>11.0f}{mfu:>7}{causal:>7}{peak:>10}{r['comm_bytes'] / 2**20:>10.1f}  "
               f"{loss_span(r.get('losses'))}")
+    best = report.get("summary", {})
+    for label in ("best_anchor", "best_galaxy"):
+        if label in best:
+            r = best[label]
+            mfu = "/".join(f"{r[k]:.1%}" if r.get(k) is not None else "-" for k in ("mfu", "mfu_causal"))
+            print(f"{label.replace('_', ' ')}: {r['name']} {r['median_ms']:.1f} ms, {r['tokens_per_s_per_gpu']:.0f} "
+                  f"tok/s/GPU, MFU {mfu} (12*L*H*S / causal 6*L*H*S)")
+    if "galaxy_over_anchor" in best:
+        print(f"Galaxy's best over the best anchor: {best['galaxy_over_anchor']:.3f}x tokens/s per GPU"
+              + (f", {best['galaxy_peak_over_anchor']:.3f}x its peak" if "galaxy_peak_over_anchor" in best else ""))
     profiled = [r for r in report["rows"] if r.get("profile")]
     if profiled:  # where the profiled step's GPU time went, on its slowest rank (by window)
         keys = ("window", "idle", "exposed_comm", "gemm", "attention", "fused", "elementwise", "optimizer",
@@ -1209,6 +1437,76 @@ def print_table(report: dict) -> None:
             if ranks:
                 worst = max(ranks, key=lambda p: p["window_ms"])
                 print(f"{'':<33}{r['name']:<38}" + "".join(f"{worst[k + '_ms']:>13.1f}" for k in keys))
+
+
+def without_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """``argv`` less each of ``flags`` and its value (``--flag value`` or ``--flag=value``)."""
+    out, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token in flags:
+            skip = True
+        elif not token.startswith(tuple(f + "=" for f in flags)):
+            out.append(token)
+    return out
+
+
+def run_point(command: list[str], timeout_s: float) -> tuple[int, str, str]:
+    """One launch in its own process group (its spawned ranks with it): (exit code, stdout, stderr); past
+    ``timeout_s`` the whole group is killed and the code is None."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return None, out, err
+
+
+def sweep(args, argv: list[str], rows_per_micro_batch: list[int]) -> None:
+    """``--sweep_rows``: every contender at every R rows per micro-batch, each point a launch of its own (a
+    child process with this one's arguments and ``--contenders <name>:mb<R>``). A point that fails is a row with
+    its one-line reason, whether its launch wrote it (a refused layout, out of memory on every rank), ended
+    (out of memory on one rank ends a launch: its ROW line says which and why), or timed out (killed after
+    ``--sweep_timeout_s``); every point starts with every GPU empty. Then one report of all the rows, and each
+    recipe at its best (``summary``)."""
+    child = without_flags(argv, ("--sweep_rows", "--contenders", "--skip", "--json", "--sweep_timeout_s"))
+    rows, report = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in dict.fromkeys(split_rows_suffix(n)[0] for n in args.contenders):
+            for r in rows_per_micro_batch:
+                entry, out = f"{name}:mb{r}", os.path.join(tmp, f"point{len(rows)}.json")
+                code, stdout, stderr = run_point([sys.executable, os.path.abspath(__file__), *child, "--contenders",
+                                                  entry, "--json", out], args.sweep_timeout_s)
+                said = [json.loads(line[4:]) for line in stdout.splitlines() if line.startswith("ROW ")]
+                if code == 0 and os.path.isfile(out):
+                    with open(out) as f:
+                        point = json.load(f)
+                    report = report or point
+                    row = point["rows"][0]
+                elif said:
+                    row = said[-1]
+                else:
+                    tail = [ln for ln in stderr.splitlines() if ln.strip()]
+                    why = (f"killed after {args.sweep_timeout_s:g} s" if code is None else f"exit {code}")
+                    row = {"name": entry, "error": f"{why}: " + (" ".join(tail[-1].split())[:300] if tail else
+                                                                 "no output")}
+                row["name"] = entry
+                rows.append(row)
+                print("ROW " + json.dumps(row), flush=True)
+    if report is None:  # no point ran to its end: the rows alone
+        report = {"benchmark": "train", "scenario": args.scenario, "rows": rows}
+        print("\n".join(f"{r['name']}: {r['error']}" for r in rows))
+    report.update(rows=rows, summary=summarize(rows))
+    report.setdefault("facts", {})["sweep_rows"] = rows_per_micro_batch
+    if "shape" in report:
+        publish(report, print_table, args.json)
+    elif args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -1226,7 +1524,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--world", type=int, default=None, help="self-spawn this many ranks (ignored under torchrun)")
     p.add_argument("--cpu", action="store_true", help="CPU + Gloo even where GPUs are present")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=WARMUP_STEPS,
+                   help="untimed steps first (default: galaxy.train.metrics.WARMUP_STEPS, the steps a training run's "
+                        "steady-state summary leaves out)")
     p.add_argument("--lr", type=float, default=LR, help="every contender's AdamW learning rate (constant)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--peak_tflops", type=float, default=None, help="dense peak TFLOP/s of one device, for MFU "
@@ -1251,7 +1551,20 @@ def main(argv: Optional[list[str]] = None) -> None:
                         "take no time and move no bytes, so the rows' times are compute alone (torch 2.11's fake "
                         "reduce-scatter leaves its output unwritten: a Galaxy row may stop on non-finite "
                         "gradients there)")
+    p.add_argument("--sweep_rows", default=None, metavar="R,R,...",
+                   help="every contender at each of these rows per micro-batch (e.g. 1,2,4), each point a launch of "
+                        "its own (a child process): a point that runs out of memory or is refused is a row saying "
+                        "so, and the report states each recipe at its best (its 'summary'); not under torchrun")
+    p.add_argument("--sweep_timeout_s", type=float, default=1200.0,
+                   help="with --sweep_rows: a point's launch is killed (and its row says so) after this long")
+    p.add_argument("--float8", choices=("none", "tensorwise", "rowwise"), default="none",
+                   help="float8 training (torchao) of the layers' linears in Galaxy's contenders and the fsdp2-compile "
+                        "anchors")
+    p.add_argument("--float8_all_gather", action="store_true",
+                   help="with --float8 tensorwise: FSDP gathers the float8 weights as fp8 (Galaxy @dp...-fsdp2 rows "
+                        "and the fsdp2-compile anchors)")
     p.add_argument("--json", default=None)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     if args.memory_cap_gib is not None and (args.memory_cap_gib <= 0 or args.cpu or not torch.cuda.is_available()):
         p.error("--memory_cap_gib caps a GPU's allocator: give a positive GiB, on GPUs (not with --cpu)")
@@ -1266,8 +1579,21 @@ def main(argv: Optional[list[str]] = None) -> None:
         p.error(str(e))
     if not args.contenders:
         p.error(f"--contenders {args.contenders!r} matches none of: {', '.join(contender_names())}")
+    if args.float8_all_gather and args.float8 != "tensorwise":
+        p.error("--float8_all_gather needs --float8 tensorwise (torchao gathers tensorwise-scaled weights only)")
     if args.iters < 1 or args.warmup < 0 or args.micro_batch < 1 or (args.global_batch or 1) < 1:
         p.error("--iters, --micro_batch and --global_batch must be at least 1, --warmup at least 0")
+    if args.sweep_rows is not None:
+        try:
+            rows = [int(r) for r in args.sweep_rows.split(",") if r]
+        except ValueError:
+            rows = []
+        if not rows or min(rows) < 1:
+            p.error(f"--sweep_rows takes rows per micro-batch, each at least 1, e.g. 1,2,4 (got {args.sweep_rows!r})")
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            p.error("--sweep_rows launches each point itself: run it without torchrun (--world N, or --fake_world N)")
+        sweep(args, argv, rows)
+        return
     if args.fake_world is not None:
         if args.fake_world < 2 or args.world is not None:
             p.error("--fake_world N plays rank 0 of N >= 2 ranks in this one process; drop --world")

@@ -4,7 +4,7 @@ Galaxy's kernel (``galaxy/kernels/triton_cross_entropy.py``) gives one program a
 softmax over vocab blocks, the last block kept in registers, the others re-read from L2 last to
 first to write the gradient. At 128k vocab it trails the copy floor by ~25% on H100 (0.85 against
 0.66 ms). Each design here tests one explanation of that gap; all were slower or level (numbers and
-the Nsight Compute profile: docs/benchmarks.md, issue 17). Kept so they are not tried again blind.
+the Nsight Compute profile: docs/benchmarks-log.md, issue 17). Kept so they are not tried again blind.
 
 ``lane``        the online softmax kept per lane (a running max and sum per element slot, one exp per
                 element: ``exp(-|x - m|)`` serves both the rescale and the new term), reduced across

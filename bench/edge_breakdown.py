@@ -63,7 +63,9 @@ def predicted(profile: dict, cfg, methods: tuple, splits) -> list[dict]:
     import numpy as np
 
     from galaxy.planner.cluster import cluster_from_dict
-    from galaxy.planner.cost import Segments, Workload, predict
+    from galaxy.planner.group import Segments
+    from galaxy.planner.simulate import predict
+    from galaxy.planner.workload import Workload
 
     segments = Segments()
     work = Workload(cfg.model, "latency", cfg.train.global_batch_size, cfg.train.seq_length, cfg.train.dtype)
@@ -97,7 +99,7 @@ def main() -> int:
         return 0
     from bench_edge import ENV, cluster_file  # the scenario's cluster, built as bench_edge built it
     from galaxy.config import ConfigError, GalaxyConfig
-    from galaxy.planner.cost import Splits
+    from galaxy.planner.workload import Splits
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("result", help="a bench_edge.py JSON")

@@ -65,6 +65,16 @@ class ModelConfig:
     # none | full (each layer's forward again in backward) | selective (attention core) | mlp (the MLP block)
     recompute: str = "none"
     recompute_num_layers: Optional[int] = None  # recompute only the first K layers of the model or stage; None: all
+    # Per-layer activation memory (galaxy.core.recompute.MemoryMode): manual (recompute / recompute_num_layers, or
+    # layer_memory) | auto (the planner picks the fastest per-layer mix within memory_budget_gib)
+    activation_memory: str = "manual"
+    # one mode per model layer: none | selective | mlp | full, each optionally +offload (what the layer still
+    # saves for backward is held in host memory, copied during forward and brought back ahead of its backward)
+    layer_memory: Optional[list[str]] = None
+    memory_budget_gib: Optional[float] = None  # auto: one device's memory for the run; unset: the device's total
+    host_memory_budget_gib: Optional[float] = None  # auto: pinned host memory one rank may offload to
+    host_link_gb_per_s: Optional[float] = None  # auto without a profile: the host link's GB/s (unset: a default)
+    mlp_chunks: int = 1  # the MLP over this many sequence chunks (with mlp recompute: one chunk rebuilt at a time)
     fused_gate_up: bool = False  # LLaMA: gate and up in one [2, intermediate, hidden] weight, one matmul
     kernels: str = "auto"  # auto (per op, the measured winner on the device: galaxy/kernels/_backend.py) | triton | torch
     compile: bool = False  # torch.compile each transformer layer (rules: galaxy.core.compile)
@@ -96,6 +106,12 @@ class ParallelConfig:
     # 4 when unset) | async_tp (symmetric-memory fused all-gather/reduce-scatter matmuls, torchtitan's
     # async TP: CUDA + NCCL, sequence-sharded stream, even seq splits). None: coc_parallel_num alone decides.
     tp_overlap: Optional[str] = None
+    # How an SP attention block (ATT.sp) attends over the whole sequence from its sequence shard
+    # (galaxy.core.sp_attention): allgather (K and V gathered in one collective, Llama 3's context
+    # parallelism) | ring (K/V blocks passed around the mp ranks, overlapped with the blocks' attention,
+    # merged by their log-sum-exp; causal models in the load-balanced zigzag order) | ulysses
+    # (DeepSpeed-Ulysses: all-to-all to head shards, whole-sequence attention on this rank's heads, back).
+    sp_attention: str = "allgather"
     # Data and pipeline parallelism around the mp group: world = dp_size x pp_size x mp.
     dp_size: int = 1
     pp_size: int = 1
@@ -164,6 +180,14 @@ class TrainConfig:
     # Peak dense TFLOP/s of one device, for MFU (also --peak_tflops); None: looked up for known GPUs
     # (galaxy/profiler/devices.py), none on CPU, where MFU is then not reported.
     peak_tflops: Optional[float] = None
+    # Full training with the transformer layers' linears on float8 tensor cores (torchao's float8 training:
+    # inputs, weights and output gradients cast to e4m3 each step, galaxy.core.float8): none | tensorwise
+    # (one scale a tensor) | rowwise (one scale a row: more accurate, slower); the output head and linears with
+    # a dim that is not a multiple of 16 stay in the compute dtype.
+    float8_training: str = "none"
+    # With float8_training tensorwise and dp_engine fsdp2: FSDP all-gathers the weights already cast to fp8
+    # (torchao's enable_fsdp_float8_all_gather: half of bf16's bytes).
+    float8_fsdp_all_gather: bool = False
 
 
 @dataclass
@@ -209,7 +233,8 @@ class PeftConfig:
     frozen_dtype: str = "compute"
     # QLoRA: frozen linear weights (all but the LM head and modules_to_save) in 4-bit NF4, blocks of 64 with
     # double-quantized absmax (galaxy.loralib.nf4), or 'int8' (row-wise absmax, LLM.int8 weights,
-    # galaxy.loralib.int8); 'none' keeps them in frozen_dtype.
+    # galaxy.loralib.int8), or 'fp8' (row-wise e4m3, 1 byte a weight, multiplied on the fp8 tensor cores with
+    # the activations quantized per token row, galaxy.loralib.fp8); 'none' keeps them in frozen_dtype.
     quantize_base: str = "none"
 
 
@@ -274,6 +299,14 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                      max_position_embeddings=131072, hidden_act="silu", tie_word_embeddings=True,
                      rope_theta=500000.0, rms_norm_eps=1e-5, pad_token_id=None,
                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    # Llama-3.1-8B shapes: 8.03B parameters, 128k vocabulary, untied, llama3 RoPE scaling to 128k positions.
+    "llama-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                     max_position_embeddings=131072, hidden_act="silu", tie_word_embeddings=False,
+                     rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                            high_freq_factor=4.0,
+                                                            original_max_position_embeddings=8192),
+                     rms_norm_eps=1e-5, pad_token_id=None, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
     "llama-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
                      num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
                      max_position_embeddings=4096, hidden_act="silu", tie_word_embeddings=False,
@@ -363,6 +396,7 @@ class Plan:
     seq_split: tuple[int, ...]
     coc_parallel_num: Optional[int] = None  # as configured; galaxy.core.overlap.coc.coc_chunks resolves it
     tp_overlap: Optional[str] = None  # "async_tp" selects galaxy.core.overlap.async_tp at the TP edges
+    sp_attention: str = "allgather"  # ATT.sp's flavour (galaxy.core.sp_attention); heads_split is Ulysses' split
 
     @property
     def size(self) -> int:
@@ -390,14 +424,20 @@ RESHARD_AFTER_FORWARD = ("default", "always", "never")
 FSDP_GRAD_SYNCS = ("every_micro_batch", "last_micro_batch")
 OPTIMIZERS = ("adamw", "sgd")
 RECOMPUTE_MODES = ("none", "full", "selective", "mlp")
+OFFLOAD = "+offload"  # a layer memory mode's suffix: what the layer still saves is held on the host
+LAYER_MEMORY_MODES = RECOMPUTE_MODES + tuple(m + OFFLOAD for m in RECOMPUTE_MODES)
 TP_OVERLAPS = ("none", "coc", "async_tp")
+SP_ATTENTIONS = ("allgather", "ring", "ulysses")
 COC_DEFAULT_CHUNKS = 4  # tp_overlap coc without coc_parallel_num
 KERNEL_BACKENDS = ("auto", "triton", "torch")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # ModelConfig keys that choose how a model computes, not what it is: a model loaded from a
 # checkpoint directory takes them from the run's config (e.g. ``cfg.model = config_from_hf(...)``
 # should carry them over).
-COMPUTE_KEYS = ("recompute", "recompute_num_layers", "fused_gate_up", "kernels", "compile", "compile_mode")
+ACTIVATION_MEMORY_KEYS = ("activation_memory", "layer_memory", "memory_budget_gib", "host_memory_budget_gib",
+                          "host_link_gb_per_s", "mlp_chunks")
+COMPUTE_KEYS = ("recompute", "recompute_num_layers", *ACTIVATION_MEMORY_KEYS, "fused_gate_up", "kernels", "compile",
+                "compile_mode")
 FUSED_GATE_UP_NAMES = ("gate_proj", "up_proj", "gate_up_proj")
 
 
@@ -442,7 +482,7 @@ class GalaxyConfig:
                                   f"use one of {', '.join(MODEL_PRESETS)}")
             cfg.model.preset = preset
             for key, value in MODEL_PRESETS[preset].items():
-                setattr(cfg.model, key, value)
+                setattr(cfg.model, key, dict(value) if isinstance(value, dict) else value)  # the preset's own stays
         for key, value in flat.items():
             section = getattr(cfg, KEY_SECTION[key])
             setattr(section, key, _coerce(type(section), key, value))
@@ -451,17 +491,7 @@ class GalaxyConfig:
 
     @classmethod
     def from_file(cls, path: str, overrides: Optional[dict[str, Any]] = None) -> "GalaxyConfig":
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file '{path}' does not exist; pass --config_file with a JSON file "
-                              "(see train_config/)")
-        with open(path) as f:
-            try:
-                raw = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"config file '{path}' is not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file '{path}' must hold a JSON object")
-        return cls.from_dict(raw, overrides)
+        return cls.from_dict(read_config_file(path), overrides)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -510,8 +540,10 @@ class GalaxyConfig:
             ("peft", "adapter_type"): ("houlsby", "pfeiffer"),
             ("peft", "adapter_non_linearity"): ("relu", "gelu", "gelu_new", "silu", "swish", "tanh"),
             ("peft", "frozen_dtype"): ("compute", "float32"),
-            ("peft", "quantize_base"): ("none", "nf4", "int8"),
+            ("peft", "quantize_base"): ("none", "nf4", "int8", "fp8"),
+            ("train", "float8_training"): ("none", "tensorwise", "rowwise"),
             ("model", "recompute"): RECOMPUTE_MODES,
+            ("model", "activation_memory"): ("manual", "auto"),
             ("model", "kernels"): KERNEL_BACKENDS,
             ("model", "compile_mode"): COMPILE_MODES,
             ("model", "classifier_pooling"): ("cls", "mean"),
@@ -538,6 +570,7 @@ class GalaxyConfig:
                               f"1 = no overlap), got {p.coc_parallel_num}")
         self._validate_tp_overlap()
         self.methods()  # method names are checked here, splits once the world size is known
+        self._validate_sp_attention()
         self._validate_dp_pp()
         self._validate_compute()
 
@@ -561,6 +594,23 @@ class GalaxyConfig:
                               "the LoRA branch with its own chunked collectives); set tp_overlap to coc or "
                               "lora_fusion to false")
 
+    def _validate_sp_attention(self) -> None:
+        """What the SP attention flavours cannot do (resolve_plan checks Ulysses' heads per rank)."""
+        p, m = self.parallel, self.model
+        if p.sp_attention not in SP_ATTENTIONS:
+            raise ConfigError(f"config key 'sp_attention': '{p.sp_attention}' is not one of {', '.join(SP_ATTENTIONS)}")
+        if p.sp_attention == "allgather":
+            return
+        att = self.methods()[0]
+        if att != Method.SP:
+            raise ConfigError(f"config key 'sp_attention' is '{p.sp_attention}', which chooses how an SP attention "
+                              f"block attends, but att_parallel_method is {att.value}; use a plan with ATT SP (e.g. "
+                              "sp) or drop sp_attention")
+        if p.sp_attention == "ring" and m.attention_probs_dropout_prob > 0:
+            raise ConfigError(f"config key 'sp_attention' ring attends block by block without attention dropout, but "
+                              f"attention_probs_dropout_prob is {m.attention_probs_dropout_prob}; set it to 0 or use "
+                              "sp_attention allgather or ulysses")
+
     def _validate_compute(self) -> None:
         m = self.model
         if m.recompute_num_layers is not None:
@@ -570,6 +620,7 @@ class GalaxyConfig:
             if m.recompute == "none":
                 raise ConfigError("config key 'recompute_num_layers' is set but 'recompute' is 'none'; "
                                   "set recompute to full, selective or mlp, or drop recompute_num_layers")
+        self._validate_activation_memory()
         q = self.peft
         if q.quantize_base != "none" and q.tuning == "full":
             raise ConfigError(f"config key 'quantize_base' is '{q.quantize_base}' but tuning is 'full', which trains "
@@ -580,6 +631,7 @@ class GalaxyConfig:
         if q.quantize_base != "none" and q.lora_fusion:
             raise ConfigError("config key 'lora_fusion' (CCLoRA) merges W + BA, which a quantized base cannot hold; "
                               "set lora_fusion to false or quantize_base to none")
+        self._validate_float8()
         if m.compile_mode != "default" and not m.compile:
             raise ConfigError(f"config key 'compile_mode' is '{m.compile_mode}' but compile is false; set compile "
                               "to true or drop compile_mode")
@@ -598,6 +650,71 @@ class GalaxyConfig:
             raise ConfigError(f"config key 'lora_target_modules' names {clash}, but with fused_gate_up the gate "
                               "and up projections are one fused weight that LoRA cannot wrap; drop them from "
                               "lora_target_modules or set fused_gate_up to false")
+
+    def _validate_float8(self) -> None:
+        t, p = self.train, self.parallel
+        if t.float8_training != "none":
+            if self.peft.tuning != "full":
+                raise ConfigError(f"config key 'float8_training' is '{t.float8_training}' but tuning is "
+                                  f"'{self.peft.tuning}', which freezes the base; for an fp8 frozen base set "
+                                  "quantize_base to fp8 and float8_training to none")
+            if t.dtype == "float64":
+                raise ConfigError("config key 'float8_training' rounds the linears' operands to float8, which a "
+                                  "float64 run would not measure; set dtype to bfloat16 or float32")
+            if self.model.fused_gate_up:
+                raise ConfigError("config key 'float8_training' runs the parallel linears in float8, but "
+                                  "fused_gate_up makes gate and up one [2, I, H] weight that is none; set "
+                                  "fused_gate_up to false")
+            if p.dp_engine == "deepspeed":
+                raise ConfigError("config key 'float8_training' runs on Galaxy's Trainer, and dp_engine 'deepspeed' "
+                                  "keeps its own bf16 weights; use dp_engine fsdp2 (torchtitan's float8 recipe), "
+                                  "ddp or zero1")
+            if p.tp_overlap not in (None, "none") or (p.coc_parallel_num or 1) > 1:
+                raise ConfigError("config key 'float8_training' runs each linear through torchao's float8 matmul, "
+                                  "which the overlapped TP edges (tp_overlap, coc_parallel_num) do not call; "
+                                  "drop tp_overlap and coc_parallel_num")
+        if t.float8_fsdp_all_gather and (t.float8_training != "tensorwise" or p.dp_engine != "fsdp2"):
+            raise ConfigError("config key 'float8_fsdp_all_gather' needs float8_training 'tensorwise' (torchao "
+                              f"gathers tensorwise-scaled weights only) and dp_engine 'fsdp2', got "
+                              f"'{t.float8_training}' and '{p.dp_engine}'")
+
+    def _validate_activation_memory(self) -> None:
+        m = self.model
+        for key in ("memory_budget_gib", "host_memory_budget_gib", "host_link_gb_per_s"):
+            value = getattr(m, key)
+            if value is not None and not value > 0:
+                raise ConfigError(f"config key '{key}' must be positive, got {value}")
+        if m.mlp_chunks < 1:
+            raise ConfigError(f"config key 'mlp_chunks' must be at least 1 (1: the MLP whole), got {m.mlp_chunks}")
+        if m.layer_memory is not None:
+            bad = [x for x in m.layer_memory if x not in LAYER_MEMORY_MODES]
+            if bad:
+                raise ConfigError(f"config key 'layer_memory': '{bad[0]}' is not one of "
+                                  f"{', '.join(LAYER_MEMORY_MODES)}")
+            if len(m.layer_memory) != m.num_hidden_layers:
+                raise ConfigError(f"config key 'layer_memory' lists {len(m.layer_memory)} modes for "
+                                  f"{m.num_hidden_layers} layers; give one per layer")
+        manual_keys = [k for k, on in (("recompute", m.recompute != "none"),
+                                       ("recompute_num_layers", m.recompute_num_layers is not None),
+                                       ("layer_memory", m.layer_memory is not None)) if on]
+        if m.activation_memory == "auto" and manual_keys:
+            raise ConfigError(f"config key 'activation_memory' is auto, which picks each layer's mode, but "
+                              f"{manual_keys[0]} is set; drop it or set activation_memory to manual")
+        if m.activation_memory == "manual":
+            if m.layer_memory is not None and len(manual_keys) > 1:
+                raise ConfigError(f"config key 'layer_memory' gives every layer's mode, but {manual_keys[0]} is "
+                                  "set too; drop one of them")
+            for key in ("memory_budget_gib", "host_memory_budget_gib", "host_link_gb_per_s"):
+                if getattr(m, key) is not None:
+                    raise ConfigError(f"config key '{key}' is set but activation_memory is manual (it is what auto "
+                                      "plans with); set activation_memory to auto or drop it")
+        if m.mlp_chunks > 1 and self.peft.tuning == "lora" and self.peft.lora_dropout > 0:
+            logger.warning("config key 'mlp_chunks' is %d, but lora_dropout is on: an MLP whose LoRA projections "
+                           "draw dropout masks runs whole (chunks would draw them in another order)", m.mlp_chunks)
+        offloads = m.activation_memory == "auto" or any(x.endswith(OFFLOAD) for x in m.layer_memory or ())
+        if offloads and m.compile and m.compile_mode in ("reduce-overhead", "max-autotune"):
+            raise ConfigError(f"config key 'compile_mode' {m.compile_mode} replays layers as CUDA graphs, whose "
+                              "saved tensors cannot go to the host; use compile_mode default, or no +offload mode")
 
     def _validate_precision_and_steps(self) -> None:
         t = self.train
@@ -764,8 +881,13 @@ class GalaxyConfig:
                                   f"make the splits add up to {total}")
             return tuple(given)
 
+        ulysses = att == Method.SP and p.sp_attention == "ulysses" and mp_size > 1
+        if ulysses and m.num_attention_heads < mp_size:
+            raise ConfigError(f"config key 'sp_attention' ulysses splits the attention heads over the model-parallel "
+                              f"ranks, but there are {m.num_attention_heads} heads for {mp_size} ranks; use "
+                              "sp_attention ring or allgather, or at most as many ranks as heads")
         heads = splits("tp_num_attention_heads_list", p.tp_num_attention_heads_list, m.num_attention_heads,
-                       att == Method.TP, "num_attention_heads")
+                       att == Method.TP or ulysses, "num_attention_heads")
         ffn = splits("tp_intermediate_size_list", p.tp_intermediate_size_list, m.intermediate_size,
                      mlp == Method.TP, "intermediate_size")
         seqs = splits("seq_scatter_list", p.seq_scatter_list, seq, uses_seq, "seq_length")
@@ -779,7 +901,7 @@ class GalaxyConfig:
             p.tp_overlap, p.coc_parallel_num)
         if p.tp_overlap == "async_tp":
             self._check_async_tp_plan(att, con, mlp, seqs)
-        return Plan(att, con, mlp, heads, ffn, seqs, chunks, p.tp_overlap)
+        return Plan(att, con, mlp, heads, ffn, seqs, chunks, p.tp_overlap, p.sp_attention)
 
     @staticmethod
     def _check_async_tp_plan(att: Method, con: Method, mlp: Method, seqs: tuple[int, ...]) -> None:
@@ -835,6 +957,32 @@ def _flatten(raw: dict[str, Any]) -> dict[str, Any]:
                               f"'{flat['tuning']}'; keep one")
         flat["tuning"] = chosen
     return flat
+
+
+def read_json_object(path: str, what: str) -> dict[str, Any]:
+    """The JSON object in the file ``path`` (``what`` names it in the one-line error of a file that is not one)."""
+    with open(path) as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{what} '{path}' is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what} '{path}' must hold a JSON object")
+    return raw
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """A config file's raw JSON object (nested or flat; ``GalaxyConfig.from_dict`` reads it)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file '{path}' does not exist; pass --config_file with a JSON file "
+                          "(see train_config/)")
+    return read_json_object(path, "config file")
+
+
+def canonical_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """A raw config, nested or flat, as {canonical key: value} (aliases and tuning flags resolved, a preset
+    left as its name), checked as ``GalaxyConfig.from_dict`` checks it: what the CLIs merge configs by."""
+    return _flatten(raw)
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -28,6 +28,7 @@ from galaxy.adapters.side import SideSpec
 from galaxy.config import ConfigError, GalaxyConfig, Method, ModelConfig, Plan, fused_gate_up_targets
 from galaxy.core.grad_sync import gather_full
 from galaxy.core.layers import region_rule
+from galaxy.core.sp_attention import load_balanced
 from galaxy.loralib import (inject_lora, load_lora_pretrained, mark_only_lora_as_trainable, merge_and_unload,
                             save_lora_pretrained)
 from galaxy.loralib.model import lora_keeps, lora_target_names
@@ -67,7 +68,7 @@ class TuningOptions:
     modules_to_save: Optional[list[str]] = None  # None: the task head (classifier) when there is one
     init_std: float = 0.0  # > 0: zero-initialised factors (LoRA B, adapter/side up) drawn N(0, std); tests
     frozen_dtype: Optional[str] = None  # 'bfloat16' / 'float16': frozen weights stored so; None: left as built
-    quantize_base: str = "none"  # 'nf4' (QLoRA) / 'int8': frozen linears quantized, galaxy.loralib.quantized
+    quantize_base: str = "none"  # 'nf4' (QLoRA) / 'int8' / 'fp8': frozen linears quantized, galaxy.loralib.quantized
 
     @classmethod
     def from_config(cls, cfg: GalaxyConfig, **overrides: Any) -> "TuningOptions":
@@ -94,7 +95,7 @@ def frozen_dtype_name(cfg: GalaxyConfig) -> Optional[str]:
 def build_base(cfg: GalaxyConfig, plan: Optional[Plan], ctx, task: str = "lm", init_on_device: bool = False,
                **overrides: Any) -> nn.Module:
     """``galaxy.models.build_model``, except that a base the tuning method freezes and stores small
-    (``frozen_dtype`` bf16/fp16, ``quantize_base`` nf4/int8) is made tensor by tensor in that format
+    (``frozen_dtype`` bf16/fp16, ``quantize_base`` nf4/int8/fp8) is made tensor by tensor in that format
     (``galaxy.loralib.quantized.materialize``): laid out on the meta device, then each tensor drawn from
     the seeded init (or read from ``model_path``, slice by slice), stored as the method keeps it
     (frozen: bf16 / quantized; trainable: fp32) and the fp32 tensor freed, so no fp32 copy of the model
@@ -255,10 +256,14 @@ def side_spec(model: nn.Module, reduction_factor: int) -> SideSpec:
     if stage is not None and not stage.is_whole:
         raise ValueError("side-tuning under pipeline parallelism is not supported: the side network runs beside "
                          "every layer; use pp_size 1")
-    scfg = side_config(model.config, reduction_factor)
     known = _family_of(model)
     if known is None:
         raise ValueError(f"side-tuning is not supported for {type(model).__name__}: it is no registered model family")
+    if load_balanced(model.plan, known.causal):
+        raise ConfigError("config key 'tuning' is side, whose side network attends in the natural token order, but "
+                          "sp_attention ring runs this causal model's stream in the zigzag order; use sp_attention "
+                          "allgather or ulysses")
+    scfg = side_config(model.config, reduction_factor)
     return known.side_spec(model, scfg, side_plan(model.plan, scfg))
 
 

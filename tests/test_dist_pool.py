@@ -2,7 +2,6 @@
 the rank, and the next task runs on a fresh pool (before, every later test waited out the timeout)."""
 
 import os
-import time
 
 import pytest
 import torch
@@ -27,10 +26,9 @@ def test_a_dead_worker_fails_its_task_and_the_pool_is_replaced():
     pool = DistPool(world=2)
     try:
         assert pool.run(rank_plus_world, 2) == [2, 3]
-        start = time.monotonic()
+        # the dead worker's exit, not the task timeout, ends the wait: the error says which
         with pytest.raises(AssertionError, match=r"rank_one_dies: pool worker\(s\) \[1\] died \(exit codes \[3\]\)"):
             pool.run(rank_one_dies, 2)
-        assert time.monotonic() - start < 30
         assert pool.run(rank_plus_world, 2) == [2, 3]
     finally:
         pool.close()

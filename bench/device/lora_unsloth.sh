@@ -40,53 +40,27 @@
 # the launch; if xformers breaks unsloth's rows, run
 # CONTENDERS=unsloth-lora-sdpa,unsloth-qlora-sdpa,unsloth-lora-gc-sdpa,unsloth-qlora-gc-sdpa.
 # Expected wall time (an estimate, not measured yet): ~1 min per Galaxy or peft contender, ~2 min per unsloth
-# contender (its import, a random 1B saved and reloaded, its compiled loss): ~14 min, start + two waits.
+# contender (its import, a random 1B reloaded from the launch's one saved copy, its compiled loss): ~18 min for the
+# default sixteen, start + two waits; CONTENDERS narrows it.
 set -o pipefail
 source "$(dirname "$0")/detached.sh"
+source "$(dirname "$0")/lora_deps.sh"
 mode=${1:?start|wait|collect}; polls=${POLLS:-50}  # 10 s polls
 dir=/root/bench_lora; deps=$dir/deps; mkdir -p "$dir"
 contenders=${CONTENDERS:-galaxy-lora,galaxy-lora-compiled,galaxy-qlora,peft-bf16,peft-bf16-liger,peft-qlora-bnb}
-contenders=${CONTENDERS:-$contenders,unsloth-lora,unsloth-qlora,unsloth-lora-gc,unsloth-qlora-gc}
+# unsloth with both attention paths (xformers, SDPA): its faster row is its family's anchor in the report's summary
+contenders=${CONTENDERS:-$contenders,unsloth-lora,unsloth-lora-sdpa,unsloth-qlora,unsloth-qlora-sdpa,unsloth-lora-gc,unsloth-qlora-gc}
 if [ "$mode" = start ]; then
     refuse_if_running "$dir" lora
     enter_own_tree "$dir"
-    pip="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
-    rm -rf "$deps" "$dir"/lora.* && mkdir -p "$deps/common" "$deps/unsloth" "$deps/cu12"
-    $pip --target "$deps/common" wheels/bitsandbytes-*.whl wheels/liger_kernel-*.whl || exit 1
-    $pip --target "$deps/cu12" wheels/nvidia_cuda_runtime_cu12-*.whl || exit 1
-    $pip --target "$deps/unsloth" wheels/unsloth-*.whl wheels/unsloth_zoo-*.whl wheels/trl-*.whl \
-        wheels/datasets-*.whl wheels/dill-*.whl wheels/multiprocess-*.whl wheels/xformers-*.whl || exit 1
-    # peft / transformers of the image where they meet unsloth's own requirements, else the carried ones
-    need=$(PYTHONPATH=$deps/unsloth python3 - <<'EOF'
-import importlib.metadata as md
-from packaging.requirements import Requirement
-need = []
-for req in map(Requirement, md.requires("unsloth") or []):
-    if req.name in ("transformers", "peft") and req.marker is None:
-        try:
-            have = md.version(req.name)
-        except md.PackageNotFoundError:
-            have = None
-        ok = have is not None and req.specifier.contains(have, prereleases=True)
-        print(f"image {req.name} {have}: {'meets' if ok else 'fails'} unsloth's {req.specifier}", flush=True,
-              file=__import__("sys").stderr)
-        need += [] if ok else [req.name]
-print(" ".join(need))
-EOF
-) || exit 1
-    for n in $need; do
-        $pip --target "$deps/unsloth" wheels/"$n"-*.whl || exit 1
-        echo "carried $n for unsloth"
-    done
-    python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__,
-        'cuda', torch.version.cuda)"
+    rm -f "$dir"/lora.*
+    install_lora_deps "$deps" || exit 1
     profile=; floor=
     [ -n "$PROFILE" ] && profile="--profile $dir/prof" && mkdir -p "$dir/prof"
     preset=${PRESET:-llama-1b}; seq=${SEQ:-1024}; batch=${BATCH:-8}
     [ -n "$FLOOR" ] && floor="python3 bench/compute_floor.py --preset $preset --seq $seq --micro_batch $batch \
         --global_batch $batch --gpus 1 --mp 1 --lora_rank 16 --json $dir/lora.floor.json > $dir/lora.floor.log 2>&1;"
-    export LD_LIBRARY_PATH=$deps/cu12/nvidia/cuda_runtime/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-    export GALAXY_COMMIT=$(cat COMMIT 2>/dev/null || echo unknown) PYTHONPATH=$deps/common:$PWD PYTHONUNBUFFERED=1
+    lora_env "$deps"
     start_detached "$dir" lora "$floor python3 bench/bench_lora.py --preset $preset --seq $seq --batch $batch \
         --steps ${STEPS:-10} --warmup ${WARMUP:-3} --contenders $contenders --unsloth_path $deps/unsloth \
         $profile --json $dir/lora.json > $dir/lora.log 2>&1"
@@ -94,11 +68,5 @@ EOF
     exit 0
 fi
 [ "$mode" = wait ] && wait_done "$dir" lora "$polls"  # up to ~8 minutes per call
-cp "$dir"/lora.* "$dir/clocks_lora.csv" "${OUT:-/tmp}/" 2>/dev/null
 [ -d "$dir/prof" ] && tar czf "${OUT:-/tmp}/lora_profile.tgz" -C "$dir" prof
-grep -c '^{"contender"' "$dir/lora.log" 2>/dev/null | sed 's/^/rows so far: /'
-if [ -e "$dir/lora.done" ]; then
-    echo done; tail -16 "$dir/lora.log"
-else
-    echo "still running: call wait again"; tail -3 "$dir/lora.log"
-fi
+collect_lora "$dir" lora

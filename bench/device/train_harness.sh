@@ -1,7 +1,7 @@
 #!/bin/bash
 # bench/bench_train.py on the GPU machine: every contender of one scenario in one torchrun launch.
 #   bash bench/device/train_harness.sh NPROC SCENARIO [extra bench_train.py flags...]
-# Run from the root of a carried worktree whose wheels/ holds the anchors' wheels (see docs/benchmarks.md,
+# Run from the root of a carried worktree whose wheels/ holds the anchors' wheels (see docs/benchmarks-log.md,
 # "Full-cost training steps"). Writes $OUT/train_<scenario>_<nproc>[_<TAG>].json and .log (TAG: optional env,
 # e.g. the part of a split launch).
 set -o pipefail

@@ -1,8 +1,8 @@
-"""Compare tuning methods (full, LoRA, adapters, side-tuning, LoRA over a bf16 base, QLoRA over an NF4 base)
-as fine-tuning methods: each starts from
-the same pretrained base and is tuned on the same downstream task, same seed, same steps, then scored on
-held-out data. Prints a table (held-out metric of the un-tuned base and after tuning, trainable / total
-parameters, peak memory, saved activations, step time, tokens/s) and writes it as JSON plus a PNG.
+"""Compare tuning methods (full, LoRA, adapters, side-tuning, LoRA over a bf16 base, QLoRA over an NF4 base,
+LoRA over an fp8 base) as fine-tuning methods: each starts from the same pretrained base and is tuned on
+the same downstream task, same seed, same steps, then scored on held-out data. Prints a table (held-out
+metric of the un-tuned base and after tuning, trainable / total parameters, peak memory, saved
+activations, step time, tokens/s) and writes it as JSON plus a PNG.
 
     python compare_tuning.py                                   # BERT, topic classification, CPU minutes
     python compare_tuning.py --model bert --plan galaxy --world 2 --data my_labels.jsonl
@@ -25,18 +25,22 @@ import json
 import logging
 import multiprocessing
 import os
+import shutil
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Optional
 
 import torch
 
-from galaxy.cli.args import load_config
-from galaxy.cli.compare_tasks import (base_tokenizer, load_base, pretrained_base, topic_documents, with_base,
-                                      write_topic_task)
-from galaxy.cli.launch import Launch, check_plan_for_cli, launch_ranks, run_rank
+from galaxy.cli.args import build_config, checkpoint_model, flag_overrides, load_config, new_parser
+from galaxy.cli.compare_tasks import base_tokenizer, load_base, pretrained_base, topic_documents, write_topic_task
+from galaxy.cli.launch import Launch, launch_ranks, rank_context, run_rank
 from galaxy.cli.output import bad_input, check_output_path, setup_logging
-from galaxy.config import ConfigError, GalaxyConfig
+from galaxy.cli.run import check_plan_for_cli
+from galaxy.config import PLAN_PRESETS, ConfigError, GalaxyConfig, Plan, canonical_keys, read_config_file
 from galaxy.core.context import ParallelContext
+from galaxy.data.files import check_text_file
+from galaxy.errors import UserError
 from galaxy.models import build_model, family, model_types
 from galaxy.peft import METHODS, apply_tuning, trainable_parameters
 from galaxy.train.evaluate import evaluate
@@ -66,9 +70,11 @@ PRETRAIN_STEPS = {"classification": 300, "instruction": 200}
 # Learning rates as researchers set them: PEFT methods train few parameters from zero and take a larger
 # one than full fine-tuning (used unless a config file or --override sets lr).
 METHOD_LR = {"full": 1e-3, "lora": 5e-3, "adapter": 5e-3, "side": 5e-3}
-# LoRA over a frozen base held in bf16 (bf16 autocast), and QLoRA over the NF4-quantized base.
+# LoRA over a frozen base held in bf16 (bf16 autocast), QLoRA over the NF4-quantized base, and LoRA over the
+# fp8 base (galaxy.loralib.fp8: its products on fp8 values, the activations quantized per row).
 VARIANTS = {"lora-bf16": ("lora", {"dtype": "bfloat16"}, {}),
-            "qlora": ("lora", {"dtype": "bfloat16"}, {"quantize_base": "nf4"})}
+            "qlora": ("lora", {"dtype": "bfloat16"}, {"quantize_base": "nf4"}),
+            "lora-fp8": ("lora", {"dtype": "bfloat16"}, {"quantize_base": "fp8"})}
 COMPARED = METHODS + tuple(VARIANTS)
 METRIC = {"classification": ("eval_accuracy", "held-out accuracy"),
           "instruction": ("eval_perplexity", "held-out perplexity")}
@@ -90,57 +96,93 @@ def defaults(model_type: str) -> dict:
     return dict(task, model=dict(task["model"], **family(model_type).tiny_config))
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=model_types(), default=model_types(causal=False)[0])
-    p.add_argument("--plan", default="none", help="parallel plan preset when the config names none")
+DESCRIPTION = "full / LoRA / adapter / side tuning from one base on a held-out task"
+
+
+def parse_args(argv=None, prog: Optional[str] = None) -> argparse.Namespace:
+    p = new_parser(prog, DESCRIPTION)
+    p.add_argument("--model", choices=model_types(), default=None,
+                   help="model family (default: the --model_path checkpoint's, else "
+                        f"{model_types(causal=False)[0]})")
+    p.add_argument("--plan", choices=sorted(PLAN_PRESETS), default=None,
+                   help="parallel plan (default: the config's, else none)")
     p.add_argument("--world", type=int, default=1, help="model-parallel ranks (local processes)")
     p.add_argument("--max_steps", type=int, default=None, help="tuning steps per method (default: the model's)")
     p.add_argument("--methods", default=",".join(COMPARED), help="comma-separated subset of " + ",".join(COMPARED))
-    p.add_argument("--config_file", default=None, help="JSON config; omitted: the small defaults above")
-    p.add_argument("--model_path", default=None, help="the base: a local HF checkpoint (default: pretrain one here)")
-    p.add_argument("--data", default=None, help="the task's training file (BERT: {text, label} JSONL; LLaMA: "
-                                                "Alpaca JSON/JSONL); default: generated topics / the Alpaca sample")
+    p.add_argument("--config_file", "--config", dest="config_file", default=None,
+                   help="JSON config; omitted: the small defaults of the model's task")
+    p.add_argument("--model_path", dest="base_path", default=None,
+                   help="the base: a local HF checkpoint, whose config.json sets the model (default: pretrain one "
+                        "here)")
+    p.add_argument("--data", dest="task_data", default=None,
+                   help="the task's training file (BERT: {text, label} JSONL; LLaMA: Alpaca JSON/JSONL); default: "
+                        "generated topics / the Alpaca sample")
     p.add_argument("--eval_data", default=None, help="held-out file of the same kind (default: generated topics / "
                                                      "the last tenth of --data)")
     p.add_argument("--pretrain_steps", type=int, default=None, help="steps of the base pretrained here")
     p.add_argument("--cache_dir", default=None, help="where pretrained bases are kept (default ~/.cache/galaxy)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="any config key")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--out_dir", default="compare_tuning_out")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: the config's)")
+    p.add_argument("--out_dir", default="compare_tuning_out", help="the table, JSON and PNG go here")
     p.add_argument("--shared_processes", action="store_true",
                    help="run all methods in one set of rank processes (faster; CPU peak memory then accumulates)")
     p.add_argument("--in_process", action="store_true",
                    help="world 1 only: run every method in this process (no start-up cost; memory accumulates)")
-    p.add_argument("--log_level", default="WARNING")
-    args = p.parse_args(argv)
-    # load_config reads these CLI flags too: the base and the task files are set per method below
-    args.tokenizer = args.eval_every = None
-    args.task_data, args.data = args.data, None
-    args.base_path, args.model_path = args.model_path, None
-    return args
+    p.add_argument("--log_level", default="WARNING", help="python logging level")
+    return p.parse_args(argv)
 
 
-def method_config(args: argparse.Namespace, method: str, base: str) -> GalaxyConfig:
-    cfg = with_base(load_config(args, defaults(args.model)), base)
+def model_family(args: argparse.Namespace) -> str:
+    """The model compared: ``--model``, else the family of the ``--model_path`` checkpoint or of the config
+    file, else the first masked LM (the two must agree)."""
+    named = args.model
+    if args.base_path:
+        found = checkpoint_model(args.base_path).model_type
+        if named is not None and named != found:
+            raise ConfigError(f"--model is {named} but the checkpoint '{args.base_path}' holds a {found} model; drop "
+                              "--model or pass a checkpoint of that family")
+        return found
+    if named is None and args.config_file:
+        named = canonical_keys(read_config_file(args.config_file)).get("model_type")
+    return named or model_types(causal=False)[0]
+
+
+def base_config(args: argparse.Namespace, base: str) -> GalaxyConfig:
+    """The run's config with the model section of the base checkpoint ``base``: a checkpoint given with
+    --model_path must agree with a config file's model keys; one pretrained here was made from this config
+    (its vocabulary is the tokenizer's it trained)."""
+    if args.base_path:
+        return build_config(args.config_file, defaults(args.model), {**flag_overrides(args), "model_path": base})
+    return build_config(None, load_config(args, defaults(args.model)).to_dict(), {"model_path": base})
+
+
+@dataclass(frozen=True)
+class MethodRun:
+    """One method's run: its config, the plan resolved before any process starts, where rank 0 writes its row."""
+
+    method: str
+    cfg: GalaxyConfig
+    plan: Plan
+    result_file: str
+
+
+def method_run(args: argparse.Namespace, method: str, base: str) -> MethodRun:
+    cfg = base_config(args, base)
     if cfg.model.model_type != args.model:
         raise ConfigError(f"config key 'model_type' is '{cfg.model.model_type}' but --model is {args.model}")
     if cfg.parallel.dp_size > 1 or cfg.parallel.pp_size > 1:
         raise ConfigError("compare_tuning.py runs one model-parallel group; set dp_size = pp_size = 1")
-    check_plan_for_cli(cfg, args.plan, args.world, strict=False)
+    check_plan_for_cli(cfg, "none", args.world, strict=False)
     tuning, train_keys, peft_keys = VARIANTS.get(method, (method, {}, {}))
     cfg.peft.tuning = tuning
     for key, value in train_keys.items():
         setattr(cfg.train, key, value)
     for key, value in peft_keys.items():
         setattr(cfg.peft, key, value)
-    cfg.data.model_path = base
     if not args.config_file and not any(o.split("=")[0].strip() in ("lr", "train.lr") for o in args.override):
         cfg.train.lr = METHOD_LR[tuning]
     cfg.validate()
-    cfg.resolve_plan(args.world)  # split errors surface before any process starts
-    return cfg
+    return MethodRun(method, cfg, cfg.resolve_plan(args.world), os.path.join(args.out_dir, f"{method}.json"))
 
 
 def task_files(args: argparse.Namespace) -> tuple[str, str | None]:
@@ -230,13 +272,13 @@ def saved_activation_mb(model, batch: dict, autocast) -> float:
     return sum(storages.values()) / 2**20
 
 
-def run_one(cfg: GalaxyConfig, method: str, files, ctx: ParallelContext, world: int) -> dict:
+def run_one(job: MethodRun, files, ctx: ParallelContext, world: int) -> dict:
     """Load the base, add the method, score it on the held-out data, tune it, score it again; rank 0's
     row of the table."""
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(ctx.device)
-    plan = cfg.resolve_plan(ctx.mp.size)
+    cfg, method, plan = job.cfg, job.method, job.plan
     batch_at, eval_at, eval_iters = task_batches(cfg, plan, files)
     task = "classify" if task_of(cfg.model.model_type) == "classification" else "lm"  # the model's head
     model = build_model(replace(cfg, data=replace(cfg.data, model_path=None)), plan, ctx, task=task)
@@ -265,22 +307,15 @@ def run_one(cfg: GalaxyConfig, method: str, files, ctx: ParallelContext, world: 
 def compare_rank(rank: int, launch: Launch, payload) -> None:
     """Every method of ``payload`` in turn on one rank; rank 0 writes each row to its JSON file."""
     jobs, files, log_level = payload
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.world))
-    setup_logging(log_level)
-    first = jobs[0][0]
-    dist_cfg = replace(first.distributed, init_method=launch.init_method or first.distributed.init_method)
-    base = ParallelContext.initialize(dist_cfg, rank, launch.world, first.train.device, seed=first.train.seed)
-    try:
-        for cfg, method, result_file in jobs:
+    with rank_context(rank, launch, jobs[0].cfg, log_level) as base:
+        for job in jobs:
             # Fresh dropout streams per method (same groups): every method sees the same randomness.
             ctx = base.with_fresh_streams()
-            row = run_one(cfg, method, files, ctx, launch.world)
+            row = run_one(job, files, ctx, launch.world)
             if rank == 0:
-                with open(result_file, "w") as f:
+                with open(job.result_file, "w") as f:
                     json.dump(row, f)
             gc.collect()
-    finally:
-        base.shutdown()
 
 
 def _single(launch: Launch, payload) -> None:
@@ -288,14 +323,14 @@ def _single(launch: Launch, payload) -> None:
 
 
 def run_methods(jobs: list, files, world: int, log_level: str, in_process: bool = False) -> int:
-    """Run ``jobs`` ([(cfg, method, result_file)]) on the task ``files`` on ``world`` fresh local
+    """Run ``jobs`` (``MethodRun``s) on the task ``files`` on ``world`` fresh local
     processes (``in_process``: world 1 in this process)."""
     payload = (jobs, files, log_level)
     launch = Launch(world, None, None, None)
     if in_process:
         return run_rank(compare_rank, 0, launch, payload)
     if world > 1:
-        return launch_ranks(compare_rank, launch, payload, jobs[0][0])
+        return launch_ranks(compare_rank, launch, payload, jobs[0].cfg)
     # One rank still gets its own process, so its peak memory is its own.
     proc = multiprocessing.get_context("spawn").Process(target=_single, args=(launch, payload))
     proc.start()
@@ -342,18 +377,20 @@ def plot(rows: list[dict], title: str, metric: str, path: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: Optional[str] = None) -> int:
+    args = parse_args(argv, prog)
     setup_logging(args.log_level)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in COMPARED]
-    if bad or not methods:
-        print(f"error: --methods {args.methods}: use a subset of {','.join(COMPARED)}", file=sys.stderr)
-        return 2
-    if args.world < 1 or (args.in_process and args.world != 1):
-        print("error: --world must be at least 1 (and 1 with --in_process)", file=sys.stderr)
-        return 2
+    made_out_dir = not os.path.exists(args.out_dir)
     try:
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        if not methods or any(m not in COMPARED for m in methods):
+            raise ConfigError(f"--methods {args.methods}: use a subset of {','.join(COMPARED)}")
+        if args.world < 1 or (args.in_process and args.world != 1):
+            raise ConfigError("--world must be at least 1 (and 1 with --in_process)")
+        args.model = model_family(args)  # reads the --model_path checkpoint: a bad one is refused here
+        for flag, path in (("--data", args.task_data), ("--eval_data", args.eval_data)):
+            if path:
+                check_text_file(path, flag)
         check_output_path("out_dir", args.out_dir, directory=True)
         files = task_files(args)
         base = args.base_path
@@ -363,32 +400,31 @@ def main(argv=None) -> int:
                                             steps, args.cache_dir)
             print(f"-- base: {base} ({f'pretrained here, {steps} steps' if trained else 'an earlier run pretrained it'})",
                   flush=True)
-        configs = {m: method_config(args, m, base) for m in methods}
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+        jobs = [method_run(args, m, base) for m in methods]
+    except (UserError, FileNotFoundError, ValueError) as e:
+        if made_out_dir:  # bad input leaves nothing behind
+            shutil.rmtree(args.out_dir, ignore_errors=True)
         return bad_input(e)
-    jobs = []
-    for method in methods:
-        result_file = os.path.join(args.out_dir, f"{method}.json")
-        if os.path.exists(result_file):
-            os.remove(result_file)
-        jobs.append((configs[method], method, result_file))
-    steps = configs[methods[0]].train.max_steps
+    for job in jobs:
+        if os.path.exists(job.result_file):
+            os.remove(job.result_file)
+    first = jobs[0].cfg
     # --shared_processes: one launch for all methods (faster to start; on CPU the resident peak then
     # only grows from method to method, on CUDA it is reset per method).
     groups = [jobs] if (args.shared_processes or args.in_process) else [[job] for job in jobs]
     for group in groups:
-        print(f"-- {', '.join(j[1] for j in group)}: {args.model}, plan {configs[methods[0]].parallel.plan}, "
-              f"world {args.world}, {steps} steps", flush=True)
+        print(f"-- {', '.join(j.method for j in group)}: {args.model}, plan {first.parallel.plan}, "
+              f"world {args.world}, {first.train.max_steps} steps", flush=True)
         code = run_methods(group, files, args.world, args.log_level, args.in_process)
-        missing = [j[1] for j in group if not os.path.exists(j[2])]
+        missing = [j.method for j in group if not os.path.exists(j.result_file)]
         if code != 0 or missing:
-            print(f"error: method(s) {missing or [j[1] for j in group]} failed (exit code {code})", file=sys.stderr)
+            print(f"error: method(s) {missing or [j.method for j in group]} failed (exit code {code})",
+                  file=sys.stderr)
             return 1
     rows = []
-    for _, _, result_file in jobs:
-        with open(result_file) as f:
+    for job in jobs:
+        with open(job.result_file) as f:
             rows.append(json.load(f))
-    first = configs[methods[0]]
     metric = METRIC[task_of(args.model)][1]
     title = (f"{args.model} from {'its pretrained base' if args.base_path is None else args.base_path}, "
              f"plan {rows[0]['plan']}, world {args.world}, {first.train.max_steps} steps, "

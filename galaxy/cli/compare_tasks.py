@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import random
-from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
@@ -158,19 +157,6 @@ def load_base(model: torch.nn.Module, directory: str) -> list[str]:
     own = {name for name, _ in model.named_parameters()}
     state = {k: v for k, v in model.state_from_hf(load_weights(directory)).items() if k in own}
     return model.load_full_state_dict(state, source=f"base '{directory}'", keep_fresh=model.fresh_for_task)
-
-
-def with_base(cfg: GalaxyConfig, directory: str) -> GalaxyConfig:
-    """``cfg`` with the model section of the base checkpoint (how it computes stays ``cfg``'s)."""
-    from galaxy.config import COMPUTE_KEYS
-    from galaxy.models import model_class
-
-    with open(os.path.join(directory, "config.json")) as f:
-        model = model_class(cfg.model.model_type).config_from_hf(json.load(f))
-    for key in COMPUTE_KEYS:
-        setattr(model, key, getattr(cfg.model, key))
-    model.num_labels, model.classifier_pooling = cfg.model.num_labels, cfg.model.classifier_pooling  # the task's
-    return replace(cfg, model=model)
 
 
 def base_tokenizer(directory: str):

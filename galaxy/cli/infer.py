@@ -16,27 +16,32 @@ local processes, ``--rank`` per shell, torchrun, or ``--emulate cluster.json``.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
-import os
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
-from galaxy.cli.launch import check_plan_for_cli, decide_launch, launch_ranks, on_devices, rank_context
-from galaxy.cli.output import bad_input, check_output_path, print_summary, setup_logging
-from galaxy.config import MODEL_PRESETS, PLAN_PRESETS, ConfigError, GalaxyConfig, parse_override
+from galaxy.cli.args import add_config_flags, add_launch_flags, model_flag_config, new_parser
+from galaxy.cli.launch import launch_ranks
+from galaxy.cli.output import bad_input, print_summary, setup_logging
+from galaxy.cli.run import Run, prepare, ranks_of
+from galaxy.config import MODEL_PRESETS, PLAN_PRESETS, ConfigError, GalaxyConfig
+from galaxy.errors import UserError
 from galaxy.models import family, model_types
 
 logger = logging.getLogger(__name__)
 
+DESCRIPTION = "single-request latency and greedy generation on any plan"
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="infer_galaxy.py", description="single-request latency on any plan",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+def parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    p = new_parser(prog, DESCRIPTION)
     p.add_argument("--model", default=None,
-                   help=f"a model preset ({', '.join(MODEL_PRESETS)}) or a JSON config file (--config_file too)")
-    p.add_argument("--config_file", "--config", dest="config_file", default=None, help="JSON config")
-    p.add_argument("--model_path", default=None, help="a local HF checkpoint directory")
+                   help=f"a model preset ({', '.join(MODEL_PRESETS)}) or a JSON config file (--config_file too); "
+                        "default: bert-tiny")
+    add_config_flags(p)
     p.add_argument("--plan", choices=sorted(PLAN_PRESETS), default=None,
                    help="parallel plan; omitted: the config's, else galaxy on several ranks and none on one")
     p.add_argument("--seq_length", type=int, default=None, help="prompt tokens (default: the config's seq_length)")
@@ -46,33 +51,29 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=10, help="timed repetitions")
     p.add_argument("--generate", type=int, default=0, metavar="N",
                    help="LLaMA: also time greedy generation of N new tokens (KV cache)")
-    p.add_argument("--world", type=int, default=None, help="ranks; without --rank all start here")
-    p.add_argument("--rank", type=int, default=None, help="run only this rank (the others start elsewhere)")
-    p.add_argument("--emulate", default=None, metavar="CLUSTER_JSON",
-                   help="start every rank here inside an emulated heterogeneous cluster (galaxy/emulate)")
-    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="set any config key (repeatable), e.g. num_hidden_layers=4")
-    p.add_argument("--seed", type=int, default=None, help="weights and prompt seed (overrides the config)")
     p.add_argument("--summary_json", default=None, help="write the summary as JSON here (rank 0)")
-    p.add_argument("--log_level", default="WARNING")
+    add_launch_flags(p)
     return p
 
 
+@dataclass(frozen=True)
+class Request:
+    """The request timed, and how: batch 1 of ``ids``; ``warmup`` untimed runs, then ``reps`` timed ones;
+    ``generate`` new tokens greedily after the prompt (0: the forward alone)."""
+
+    ids: list[int]
+    warmup: int = 2
+    reps: int = 10
+    generate: int = 0
+
+    def __post_init__(self) -> None:
+        if self.warmup < 0 or self.reps < 1 or self.generate < 0:
+            raise ConfigError("--warmup and --generate must be at least 0 and --reps at least 1")
+
+
 def load(args: argparse.Namespace) -> GalaxyConfig:
-    """The config: ``--model`` preset or file (or ``--config_file``), then the flags."""
-    if args.model and args.config_file:
-        raise ConfigError("give the model as --model or as --config_file, not both")
-    source = args.model or args.config_file
-    overrides = dict(parse_override(o) for o in args.override)
-    for flag, key in (("seq_length", "seq_length"), ("seed", "seed"), ("model_path", "model_path"), ("plan", "plan")):
-        if getattr(args, flag) is not None:
-            overrides[key] = getattr(args, flag)
-    overrides["global_batch_size"] = 1
-    if source is None or source in MODEL_PRESETS:
-        return GalaxyConfig.from_dict({"model": {"preset": source or "bert-tiny"}}, overrides)
-    if not os.path.isfile(source):
-        raise ConfigError(f"--model '{source}' is neither a preset ({', '.join(MODEL_PRESETS)}) nor a config file")
-    return GalaxyConfig.from_file(source, overrides)
+    """The config: ``--model`` preset or file (or ``--config_file``), then the flags; one request."""
+    return model_flag_config(args, "bert-tiny", fixed={"global_batch_size": 1})
 
 
 def prompt(args: argparse.Namespace, cfg: GalaxyConfig) -> list[int]:
@@ -94,10 +95,8 @@ def prompt(args: argparse.Namespace, cfg: GalaxyConfig) -> list[int]:
     return ids
 
 
-def check(args: argparse.Namespace, cfg: GalaxyConfig, world: int) -> None:
-    """Everything about the request and the plan that can fail, before any rank starts."""
-    if args.warmup < 0 or args.reps < 1 or args.generate < 0:
-        raise ConfigError("--warmup and --generate must be at least 0 and --reps at least 1")
+def check(args: argparse.Namespace, cfg: GalaxyConfig) -> None:
+    """What only a latency run asks of the config, before any rank starts (the rest: ``prepare``)."""
     if cfg.parallel.dp_size != 1 or cfg.parallel.pp_size != 1:
         raise ConfigError("inference latency runs one request on one model-parallel group: set dp_size and pp_size "
                           "to 1")
@@ -109,8 +108,6 @@ def check(args: argparse.Namespace, cfg: GalaxyConfig, world: int) -> None:
         raise ConfigError(f"the prompt ({cfg.train.seq_length}) and --generate ({args.generate}) need {total} "
                           f"positions but max_position_embeddings is {cfg.model.max_position_embeddings}; "
                           "shorten one or raise max_position_embeddings")
-    check_plan_for_cli(cfg, "galaxy" if world > 1 else "none", world, strict=False)
-    cfg.resolve_plan(world)
 
 
 def spread(seconds: list[float]) -> dict:
@@ -144,66 +141,57 @@ def timed(run: Callable[[], object], ctx, warmup: int, reps: int) -> list[float]
     return times
 
 
-def infer_rank(rank: int, launch, payload) -> None:
+def infer_body(ctx, run: Run) -> None:
     import torch
 
     from galaxy.models import build_model
     from galaxy.train.loop import autocast_context
 
-    cfg, args, ids = payload
-    ctx = rank_context(rank, launch, cfg, args.log_level)
-    try:
-        plan = cfg.resolve_plan(ctx.mp.size)
-        model = build_model(cfg, plan, ctx).eval()
-        if cfg.train.dtype == "float64":
-            model.double()
-        request = torch.tensor([ids], device=ctx.device)
-        amp = autocast_context(cfg, ctx.device)
+    cfg, plan, request = run.cfg, run.plan, run.job
+    model = build_model(cfg, plan, ctx).eval()
+    if cfg.train.dtype == "float64":
+        model.double()
+    ids = torch.tensor([request.ids], device=ctx.device)
+    amp = autocast_context(cfg, ctx.device)
 
-        def forward():
-            with torch.no_grad(), amp:
-                model(request)
+    def forward():
+        with torch.no_grad(), amp:
+            model(ids)
 
-        fields = {"model": cfg.model.model_type, "layers": cfg.model.num_hidden_layers,
-                  "hidden": cfg.model.hidden_size, "plan": plan.name,
-                  "att/con/mlp": "/".join(m.value for m in (plan.att, plan.con, plan.mlp)), "world": ctx.mp.size,
-                  "heads_split": list(plan.heads_split), "ffn_split": list(plan.ffn_split),
-                  "seq_split": list(plan.seq_split), "seq_length": cfg.train.seq_length, "dtype": cfg.train.dtype,
-                  "device": str(ctx.device),
-                  "forward": spread(timed(forward, ctx, args.warmup, args.reps))}
-        if args.generate:
-            fields.update(generation_latency(model, request, args, ctx, amp))
-        if rank == 0:
-            print_summary("inference latency (batch 1)", summary_lines(fields), None)
-            if args.summary_json:
-                import json
-
-                with open(args.summary_json, "w") as f:
-                    json.dump(fields, f, indent=2)
-    except BaseException:
-        ctx.shutdown(wait_for_peers=False)
-        raise
-    ctx.shutdown()
+    fields = {"model": cfg.model.model_type, "layers": cfg.model.num_hidden_layers,
+              "hidden": cfg.model.hidden_size, "plan": plan.name,
+              "att/con/mlp": "/".join(m.value for m in (plan.att, plan.con, plan.mlp)), "world": ctx.mp.size,
+              "heads_split": list(plan.heads_split), "ffn_split": list(plan.ffn_split),
+              "seq_split": list(plan.seq_split), "seq_length": cfg.train.seq_length, "dtype": cfg.train.dtype,
+              "device": str(ctx.device),
+              "forward": spread(timed(forward, ctx, request.warmup, request.reps))}
+    if request.generate:
+        fields.update(generation_latency(model, ids, request, ctx, amp))
+    if ctx.rank == 0:
+        print_summary("inference latency (batch 1)", summary_lines(fields), None)
+        if run.options.summary_json:
+            with open(run.options.summary_json, "w") as f:
+                json.dump(fields, f, indent=2)
 
 
-def generation_latency(model, request, args, ctx, amp) -> dict:
+def generation_latency(model, ids, request: Request, ctx, amp) -> dict:
     """Greedy generation of ``--generate`` tokens: the whole request, the prefill with its first
     token, and the mean of each later token ((whole - prefill) / (N - 1), per repetition)."""
     import torch
 
-    n = args.generate
+    n = request.generate
     tokens = []
 
     def whole():
         with torch.no_grad(), amp:
-            tokens.append(model.generate(request, max_new_tokens=n)[0, request.shape[1]:].tolist())
+            tokens.append(model.generate(ids, max_new_tokens=n)[0, ids.shape[1]:].tolist())
 
     def first():
         with torch.no_grad(), amp:
-            model.generate(request, max_new_tokens=1)
+            model.generate(ids, max_new_tokens=1)
 
-    total = timed(whole, ctx, args.warmup, args.reps)
-    prefill = timed(first, ctx, args.warmup, args.reps)
+    total = timed(whole, ctx, request.warmup, request.reps)
+    prefill = timed(first, ctx, request.warmup, request.reps)
     out = {"generate_tokens": n, "generate": spread(total), "first_token": spread(prefill),
            "new_tokens": tokens[-1]}
     if n > 1:
@@ -223,15 +211,14 @@ def summary_lines(fields: dict) -> dict:
     return lines
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    args = parser().parse_args(argv)
+def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
+    args = parser(prog).parse_args(argv)
     setup_logging(args.log_level)
     try:
         cfg = load(args)
-        launch = on_devices(decide_launch(args), cfg.distributed.devices)
-        check(args, cfg, launch.world)
-        check_output_path("summary_json", args.summary_json if launch.starts_rank_0 else None)
-        ids = prompt(args, cfg)
-    except (ConfigError, FileNotFoundError) as e:
+        check(args, cfg)
+        request = Request(prompt(args, cfg), args.warmup, args.reps, args.generate)
+        launch, run = prepare(args, cfg, plan=None, job=request)
+    except (UserError, FileNotFoundError) as e:
         return bad_input(e)
-    return launch_ranks(infer_rank, launch, (cfg, args, ids), cfg)
+    return launch_ranks(ranks_of(infer_body), launch, run, cfg)

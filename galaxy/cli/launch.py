@@ -1,4 +1,4 @@
-"""Starting the ranks of a run, and everything checked before any starts.
+"""Starting the ranks of a run (what is checked before any starts: ``galaxy.cli.run.prepare``).
 
 Launch modes: under ``torchrun`` the RANK/WORLD_SIZE/LOCAL_RANK variables are used; ``--world N
 --rank r`` runs one rank (rendezvous through ``init_method`` or MASTER_ADDR/MASTER_PORT, so ranks
@@ -8,19 +8,23 @@ can sit on different machines); ``--world N`` alone starts all N ranks as local 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import logging
 import multiprocessing
 import multiprocessing.util
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
-from galaxy.cli.args import check_checkpoint_flags, check_input_files, check_profile_step, resume_path
-from galaxy.cli.output import check_metrics_flags, check_output_flags, setup_logging
-from galaxy.config import PLAN_PRESETS, ConfigError, GalaxyConfig
+from galaxy.cli.args import RunOptions, resume_path
+from galaxy.cli.output import LOG_FORMAT, bad_input, setup_logging
+from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.emulate import Cluster, cgroups, run_emulated
 from galaxy.emulate.launch import describe_exit
 from galaxy.errors import UserError
@@ -35,9 +39,11 @@ class Launch:
     local_rank: Optional[int]
     init_method: Optional[str]  # set when the launch mode decides it (torchrun, local processes)
     emulate: Optional[Cluster] = None  # start every rank inside this emulated cluster (--emulate)
-    # Local processes (--world N): where each rank sends the one line of its failure, for the launcher
-    # to print once (a multiprocessing SimpleQueue); None: a rank prints its own.
-    failures: Any = None
+    # Local processes (--world N): where each rank sends the one line of its failure or interruption and
+    # its warnings, for the launcher to print once (a multiprocessing SimpleQueue); None: a rank prints its own.
+    reports: Any = None
+    launcher_pid: Optional[int] = None  # a rank the local launcher started: that launcher, which it must not outlive
+    save_dir: Optional[str] = None  # the run's checkpoints (--save_dir), locked for the run where rank 0 starts
 
     @property
     def starts_rank_0(self) -> bool:
@@ -96,7 +102,70 @@ def free_port() -> int:
 
 
 
+# An interrupted rank's exit code, and the launcher's: 128 + SIGINT, as a shell reports Ctrl-C.
+INTERRUPTED = 130
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# The longest line a rank sends the launcher: a pipe write up to PIPE_BUF (4096 bytes) is atomic.
+_REPORT_CHARS = 1000
+
+
+def die_with_launcher(launcher_pid: Optional[int]) -> None:
+    """Make this rank end when the launcher that started it ends, however it ends (``kill -9`` included):
+    on Linux the kernel sends SIGKILL when the parent dies (``PR_SET_PDEATHSIG``); everywhere a thread
+    watches the parent and kills this process once it is another (``watch_launcher``). A rank left alone
+    would go on training and writing checkpoints that nobody asked for."""
+    if launcher_pid is None:
+        return
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # no effect if it fails: the watch remains
+    if os.getppid() != launcher_pid:  # the launcher died before the line above
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch_launcher, args=(launcher_pid,), name="galaxy-launcher-watch", daemon=True).start()
+
+
+def watch_launcher(launcher_pid: int, interval_s: float = 0.5) -> None:
+    """Kill this process (SIGKILL) once its parent is no longer ``launcher_pid``: the launcher died and this
+    process was handed to another parent."""
+    while os.getppid() == launcher_pid:
+        time.sleep(interval_s)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class WarningsToLauncher(logging.Handler):
+    """A local rank's warnings (and errors), sent to the launcher, which prints each once for the run: the
+    same warning from every rank (``vocab_size set to ...``) is one line, not one per rank."""
+
+    def __init__(self, reports, rank: int):
+        super().__init__(logging.WARNING)
+        self.reports, self.rank = reports, rank
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            if record.exc_info:
+                text += "\n" + logging.Formatter().formatException(record.exc_info)
+            self.reports.put((self.rank, "log", (record.levelno, record.name, text[:_REPORT_CHARS], record.created)))
+        except Exception:
+            self.handleError(record)
+
+
+def log_through_launcher(reports, rank: int) -> None:
+    """This rank's logging: records below WARNING on its own stderr, warnings and errors (Python's
+    ``warnings`` among them) to the launcher (``WarningsToLauncher``). ``setup_logging`` later sets the level."""
+    root = logging.getLogger()
+    local = logging.StreamHandler()
+    local.setFormatter(logging.Formatter(LOG_FORMAT))
+    local.addFilter(lambda record: record.levelno < logging.WARNING)
+    root.addHandler(local)
+    root.addHandler(WarningsToLauncher(reports, rank))
+    logging.captureWarnings(True)
+
+
 def _child(fn, rank: int, launch: Launch, payload) -> None:
+    die_with_launcher(launch.launcher_pid)
+    log_through_launcher(launch.reports, rank)
     code = run_rank(fn, rank, launch, payload)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
@@ -111,17 +180,35 @@ def _child(fn, rank: int, launch: Launch, payload) -> None:
     os._exit(code)
 
 
+@contextlib.contextmanager
+def sigterm_interrupts():
+    """SIGTERM raises KeyboardInterrupt, as SIGINT does, while a rank runs (the main thread only; the
+    training loop takes both over to stop between steps); the stop signals are unblocked, which a local
+    launcher blocks while it starts its ranks."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if main else None
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        yield
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
 
 def run_rank(fn, rank: int, launch: Launch, payload) -> int:
     """Run one rank, turning expected failures into one line: bad input (``UserError``, a missing
-    file) exits with code 2, another expected failure with 1 (see ``report_failure``). On an
-    emulated cluster under ``cpu_emulation`` "dilate" its ops are stretched to the rank's share."""
+    file) exits with code 2, another expected failure with 1 (see ``report_failure``), an interrupt
+    (Ctrl-C, SIGTERM) with 130 (``report_interrupt``). On an emulated cluster under ``cpu_emulation``
+    "dilate" its ops are stretched to the rank's share."""
     try:
-        from galaxy.emulate.slowdown import slowdown_from_env, slowed_compute  # imports torch: ranks only
+        with sigterm_interrupts():
+            from galaxy.emulate.slowdown import slowdown_from_env, slowed_compute  # imports torch: ranks only
 
-        with slowed_compute(slowdown_from_env()):
-            fn(rank, launch, payload)
+            with slowed_compute(slowdown_from_env()):
+                fn(rank, launch, payload)
         return 0
+    except KeyboardInterrupt as e:
+        return report_interrupt(rank, launch, e)
     except (UserError, FileNotFoundError) as e:
         return report_failure(rank, launch, e, user=True)
     except (ValueError, RuntimeError, FloatingPointError) as e:
@@ -129,71 +216,197 @@ def run_rank(fn, rank: int, launch: Launch, payload) -> int:
 
 
 
-# The longest failure line sent to the launcher: a pipe write up to PIPE_BUF (4096 bytes) is atomic.
-_REPORT_CHARS = 1000
-
 
 def report_failure(rank: int, launch: Launch, error: BaseException, user: bool) -> int:
     """The exit code of a rank that failed with ``error`` (2 for bad input, else 1), after its one
     line: sent to the local launcher that started it, which prints one line for the whole run, or
-    printed here (``error: ...`` when this process is the whole run, else naming the rank)."""
+    printed here (``error: ...`` when this process is the whole run, else naming the rank). A failed
+    save fails every rank alike (``CheckpointError``): the run's error, printed without a rank."""
+    from galaxy.train.checkpoint.files import CheckpointError
+
     text = str(error) or type(error).__name__
     if user:  # bad input is one line by contract
         text = " ".join(text.split("\n"))
-    if launch.failures is not None:
-        launch.failures.put((rank, user, text[:_REPORT_CHARS]))
-    elif user and launch.rank is None:
+    whole_run = user or isinstance(error, CheckpointError)
+    if launch.reports is not None:
+        launch.reports.put((rank, "bad_input" if user else "run_error" if whole_run else "error",
+                            text[:_REPORT_CHARS]))
+    elif whole_run and launch.rank is None:
         print(f"error: {text}", file=sys.stderr, flush=True)
     else:
         print(f"error (rank {rank}): {text}", file=sys.stderr, flush=True)
     return 2 if user else 1
 
 
+def interrupted_line(error: KeyboardInterrupt) -> str:
+    """The one line of an interrupted run: the step every rank stopped at and its checkpoint."""
+    from galaxy.train.interrupts import TrainingInterrupted
+
+    if not isinstance(error, TrainingInterrupted):
+        return "interrupted before a training step ended; nothing was saved"
+    if error.checkpoint is None:
+        return f"interrupted at step {error.step}; no checkpoint was saved ({error.why_not}: pass --save_dir)"
+    return f"interrupted at step {error.step}; checkpoint '{error.checkpoint}' saved; resume with --resume"
+
+
+def report_interrupt(rank: int, launch: Launch, error: KeyboardInterrupt) -> int:
+    """Exit code 130 for an interrupted rank, after its line: sent to the local launcher, or printed here
+    by rank 0 (every rank stopped at the same step)."""
+    line = interrupted_line(error)
+    if launch.reports is not None:
+        launch.reports.put((rank, "interrupted", line))
+    elif rank == 0:
+        print(line, file=sys.stderr, flush=True)
+    return INTERRUPTED
+
 
 def launch_ranks(fn: Callable, launch: Launch, payload, cfg: GalaxyConfig) -> int:
-    """Start ``fn(rank, launch, payload)`` for the ranks this process is responsible for."""
-    if launch.emulate is not None:
-        return launch_emulated(launch)
-    if launch.rank is not None:
-        return run_rank(fn, launch.rank, launch, payload)
-    if launch.world == 1:
-        return run_rank(fn, 0, launch, payload)
+    """Start ``fn(rank, launch, payload)`` for the ranks this process is responsible for, holding the
+    save directory's lock (``launch.save_dir``) where rank 0 starts: a second run on the same directory
+    is refused (one line, exit code 2) before any of its ranks starts."""
+    from galaxy.train.checkpoint.lock import SaveDirLock
+
+    try:
+        lock = SaveDirLock.acquire(launch.save_dir) if launch.save_dir and launch.starts_rank_0 else None
+    except UserError as e:
+        return bad_input(e)
+    try:
+        if launch.emulate is not None:
+            return launch_emulated(launch)
+        if launch.rank is not None:
+            return run_rank(fn, launch.rank, launch, payload)
+        if launch.world == 1:
+            return run_rank(fn, 0, launch, payload)
+        return launch_local(fn, launch, payload, cfg)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+class CaughtSignals:
+    """SIGINT and SIGTERM sent to the launcher, noted instead of raised while it watches its ranks (the
+    main thread only; elsewhere they act as usual)."""
+
+    def __init__(self):
+        self.signals: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "CaughtSignals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, lambda signum, frame: self.signals.append(signum))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def launch_local(fn: Callable, launch: Launch, payload, cfg: GalaxyConfig) -> int:
+    """Every rank as a local process (``--world N``), each dying with this launcher. Ctrl-C or SIGTERM
+    asks every rank to stop after the step in flight, saving it (SIGTERM to each: the training loop
+    takes it over); a second one kills them."""
     init = cfg.distributed.init_method
     launch.init_method = init if init.startswith("tcp://") else f"tcp://127.0.0.1:{free_port()}"
     spawn = multiprocessing.get_context("spawn")
-    launch.failures = spawn.SimpleQueue()
-    procs = [spawn.Process(target=_child, args=(fn, r, launch, payload), name=f"rank{r}")
-             for r in range(launch.world)]
-    for p in procs:
-        p.start()
-    failed = first_failure(procs)
-    while failed is None and any(p.is_alive() for p in procs):
-        time.sleep(0.1)
+    launch.reports = spawn.SimpleQueue()
+    child = replace(launch, launcher_pid=os.getpid())
+    with CaughtSignals() as caught:
+        # Started with the stop signals blocked: one that comes while a rank starts up waits for its
+        # handler (sigterm_interrupts) instead of printing a traceback from the middle of an import.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            procs = [spawn.Process(target=_child, args=(fn, r, child, payload), name=f"rank{r}")
+                     for r in range(launch.world)]
+            for p in procs:
+                p.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        return supervise(procs, launch.reports, caught)
+
+
+def supervise(procs: list, queue, caught: CaughtSignals) -> int:
+    """Wait for the ranks, printing their warnings once as they come; returns the run's exit code after
+    its one line: bad input (2), a failure (1: the rank to blame, the others killed), an interrupt (130)."""
+    reports = RankReports()
+    asked_to_stop = False
+    while True:
+        reports.take(queue)
+        if len(caught.signals) > 1:  # asked again: stop at once
+            for p in procs:
+                p.kill()
+            for p in procs:
+                p.join()
+            print("interrupted again: the ranks were killed without saving a checkpoint", file=sys.stderr)
+            return INTERRUPTED
+        interrupted = bool(caught.signals) or any(p.exitcode == INTERRUPTED for p in procs)
+        if interrupted and not asked_to_stop:  # the first rank interrupted alone (kill -INT) stops them all
+            for p in procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGTERM)
+            asked_to_stop = True
         failed = first_failure(procs)
-    if failed is not None:
-        code = procs[failed].exitcode  # read before the others are stopped, for the report
-        running = [p for p in procs if p.is_alive()]
-        for p in running:
-            p.terminate()
-        for p in procs:
-            p.join()
-        reports = []  # (rank, bad input?, line), in the order the ranks sent them
-        while not launch.failures.empty():
-            reports.append(launch.failures.get())
-        bad = [text for _, user, text in reports if user]
-        if bad:  # bad input: the same line whichever rank found it, once, as before any rank starts
-            print(f"error: {bad[0]}", file=sys.stderr)
-            return 2
-        for rank, _, text in reports:
-            if rank == failed:
-                print(f"error (rank {rank}): {text}", file=sys.stderr)
-        print(f"error: rank {failed} {describe_exit(code)}; "
-              f"{'the other ranks were stopped' if running else 'the other ranks have ended'}", file=sys.stderr)
-        return 1
+        if failed is not None or not any(p.is_alive() for p in procs):
+            break
+        time.sleep(0.1)
+    code = procs[failed].exitcode if failed is not None else 0  # read before the others are stopped
+    running = [p for p in procs if p.is_alive()]
+    for p in running:  # SIGKILL: a rank ignores SIGTERM while it trains, stopping only between steps
+        p.kill()
     for p in procs:
         p.join()
-    return 0
+    reports.take(queue)
+    return reports.verdict(failed, code, bool(running), interrupted)
 
+
+class RankReports:
+    """What the ranks sent the launcher (``report_failure``, ``report_interrupt``, ``WarningsToLauncher``).
+    Log records are printed here as they come, as the ranks format them, each once: the n-th copy of a
+    record is printed for the first rank to send its n-th copy."""
+
+    def __init__(self):
+        self.lines: list[tuple[int, str, str]] = []  # (rank, kind, line) of failures and interruptions
+        self._copies: dict[tuple, dict[int, int]] = {}  # record -> rank -> copies sent
+        self._format = logging.Formatter(LOG_FORMAT)
+
+    def take(self, queue) -> None:
+        while not queue.empty():
+            rank, kind, payload = queue.get()
+            if kind == "log":
+                self._log(rank, *payload)
+            else:
+                self.lines.append((rank, kind, payload))
+
+    def _log(self, rank: int, levelno: int, name: str, text: str, created: float) -> None:
+        copies = self._copies.setdefault((levelno, name, text), {})
+        copies[rank] = copies.get(rank, 0) + 1
+        if copies[rank] > max((n for r, n in copies.items() if r != rank), default=0):
+            record = logging.makeLogRecord({"name": name, "levelno": levelno, "msg": text, "created": created,
+                                            "levelname": logging.getLevelName(levelno)})
+            print(self._format.format(record), file=sys.stderr, flush=True)
+
+    def first(self, kind: str) -> Optional[tuple[int, str]]:
+        return next(((rank, line) for rank, k, line in self.lines if k == kind), None)
+
+    def verdict(self, failed: Optional[int], code: int, stopped: bool, interrupted: bool) -> int:
+        """Print the run's one line and return its exit code."""
+        for kind, exit_code in (("bad_input", 2), ("run_error", 1)):  # the same line whichever rank found it
+            found = self.first(kind)
+            if found is not None:
+                print(f"error: {found[1]}", file=sys.stderr)
+                return exit_code
+        stopped_ranks = [(rank, line) for rank, kind, line in self.lines if kind == "interrupted"]
+        if stopped_ranks or (interrupted and failed is not None):  # a failure that follows from the stop is no news
+            print(min(stopped_ranks)[1] if stopped_ranks else "interrupted; nothing was saved", file=sys.stderr)
+            return INTERRUPTED
+        if failed is None:
+            return 0
+        for rank, kind, line in self.lines:
+            if rank == failed and kind == "error":
+                print(f"error (rank {rank}): {line}", file=sys.stderr)
+        print(f"error: rank {failed} {describe_exit(code)}; "
+              f"{'the other ranks were stopped' if stopped else 'the other ranks have ended'}", file=sys.stderr)
+        return 1
 
 
 def launch_emulated(launch: Launch) -> int:
@@ -216,27 +429,10 @@ def launch_emulated(launch: Launch) -> int:
 
 
 def first_failure(procs) -> Optional[int]:
-    """The rank to blame among the processes that ended badly: one killed by a signal (its peers'
-    errors follow from it), else the lowest; None while none has."""
-    ended = [(p.exitcode >= 0, r) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+    """The rank to blame among the processes that ended badly (not interrupted): one killed by a signal
+    (its peers' errors follow from it), else the lowest; None while none has."""
+    ended = [(p.exitcode >= 0, r) for r, p in enumerate(procs) if p.exitcode not in (None, 0, INTERRUPTED)]
     return min(ended)[1] if ended else None
-
-
-
-def check_plan_for_cli(cfg: GalaxyConfig, cli_plan: str, world: int, strict: bool) -> None:
-    """A config that names no plan gets the CLI's; a plan-specific CLI (``strict``, e.g.
-    pretrain_tp_bert.py) refuses a config that names another plan."""
-    p = cfg.parallel
-    explicit = p.plan or any(getattr(p, k) for k in ("att_parallel_method", "con_parallel_method",
-                                                    "mlp_parallel_method"))
-    if not explicit:
-        p.plan = cli_plan
-    elif strict and cfg.methods() != PLAN_PRESETS[cli_plan]:
-        raise ConfigError(f"this CLI runs the '{cli_plan}' plan but the config asks for "
-                          f"{'/'.join(m.value for m in cfg.methods())} (att/con/mlp); use pretrain_galaxy.py "
-                          "or drop the plan keys from the config")
-    if strict and cli_plan == "none" and world != 1:
-        raise ConfigError(f"the serial CLI runs on one rank, got --world {world}; use pretrain_galaxy.py for more")
 
 
 
@@ -257,77 +453,13 @@ def rank_context(rank: int, launch: Launch, cfg: GalaxyConfig, log_level: str):
 
 
 
-def fill_world(cfg: GalaxyConfig, world: int, fill: Optional[str]) -> None:
-    """``fill`` ('dp' or 'pp', from pretrain_dp_bert.py / pretrain_pp_bert.py): a config that leaves
-    that size at 1 and runs no mp plan gets every rank the other dimension leaves, so
-    ``pretrain_pp_bert.py --world 4`` is a 4-stage pipeline."""
-    p = cfg.parallel
-    if fill is None or any(m.value != "None" for m in cfg.methods()):
-        return
-    if fill == "dp" and p.dp_size == 1 and world % p.pp_size == 0:
-        p.dp_size = world // p.pp_size
-    elif fill == "pp" and p.pp_size == 1 and world % p.dp_size == 0 and p.stage_num_hidden_layers_list is None:
-        p.pp_size = world // p.dp_size
-    cfg.validate()
-
-
-
-def check_engine(cfg: GalaxyConfig) -> None:
-    """``dp_engine: deepspeed`` needs CUDA: refuse it before any process starts where none is visible."""
-    if cfg.parallel.dp_engine != "deepspeed" or cfg.parallel.dp_size == 1:
-        return
-    device = cfg.train.device
-    import torch
-
-    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
-        raise ConfigError(f"config key 'dp_engine' is 'deepspeed' but the device is "
-                          f"{'cpu' if device == 'cpu' else 'cpu (no CUDA GPU is visible)'}: DeepSpeed ZeRO needs "
-                          "CUDA GPUs; use dp_engine 'zero1' (torch ZeroRedundancyOptimizer) or 'ddp' here")
-
-
-
-def check_tp_overlap(cfg: GalaxyConfig, world: int) -> None:
-    """``tp_overlap: async_tp`` runs torch's symmetric-memory ops, CUDA + NCCL only: refuse it before any
-    process starts where the model-parallel group would use another device (a group of one rank has
-    nothing to overlap and runs unfused anywhere)."""
-    if cfg.parallel.tp_overlap != "async_tp" or cfg.mp_size(world) == 1:
-        return
-    device, backend = cfg.train.device, cfg.distributed.distributed_backend
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu (no CUDA GPU is visible)"
-    if device != "cuda" or backend not in ("auto", "nccl"):
-        where = f"backend {backend}" if device == "cuda" else f"device {device}"
-        raise ConfigError(f"config key 'tp_overlap' is 'async_tp', which runs on CUDA GPUs over NCCL (symmetric "
-                          f"memory), but this run uses {where}; use tp_overlap coc or none")
-
-
-
-def plan_launch(args: argparse.Namespace, cfg: GalaxyConfig, plan: str, strict: bool, fill: Optional[str]) -> Launch:
-    """Decide the launch and check everything about it before any process starts: the plan for this
-    CLI, the world split into dp x pp x mp, every split, the profile and checkpoint flags (what --resume
-    names), the output paths (writable), the files the config names, and the settings the device decides
-    (dp_engine, tp_overlap)."""
-    launch = on_devices(decide_launch(args), cfg.distributed.devices)
-    check_plan_for_cli(cfg, plan, launch.world, strict)
-    fill_world(cfg, launch.world, fill)
-    cfg.resolve_plan(cfg.mp_size(launch.world))
-    check_profile_step(args, cfg)
-    check_checkpoint_flags(args)
-    check_metrics_flags(args)
-    check_output_flags(args, rank0_here=launch.starts_rank_0)
-    check_input_files(cfg)
-    check_engine(cfg)
-    check_tp_overlap(cfg, launch.world)
-    return launch
-
-
-
-def train_from_args(model, batch_at, cfg: GalaxyConfig, ctx, args: argparse.Namespace, eval_at=None):
-    """The shared loop with the common flags (metrics, profiling, checkpoints, evaluation on the
+def train_from_args(model, batch_at, cfg: GalaxyConfig, ctx, args: RunOptions, eval_at=None):
+    """The shared loop with the run's options (metrics, profiling, checkpoints, evaluation on the
     held-out batches of ``eval_at``); rank 0 prints the step profile when one was asked for. A
-    failure caused by a dead peer rank comes back from ``train`` as a ``RankFailure`` that names it."""
+    failure caused by a dead peer rank comes back from ``train`` as a ``RankFailure`` that names it.
+    Ctrl-C and SIGTERM stop every rank after the same step, saved with ``--save_dir`` (``TrainingInterrupted``);
+    a rank whose launcher died (``RunOptions.launcher_pid``) writes no checkpoint."""
+    from galaxy.train.interrupts import Interrupts
     from galaxy.train.loop import train
 
     def resumed(path: str, step: int) -> None:
@@ -337,7 +469,8 @@ def train_from_args(model, batch_at, cfg: GalaxyConfig, ctx, args: argparse.Name
     result = train(model, batch_at, cfg, ctx, metrics_file=args.metrics_file, progress=not args.no_progress,
                    profile_step=args.profile_step, profile_json=args.profile_json, save_dir=args.save_dir,
                    save_every=args.save_every, resume=resume_path(args), keep_last=args.keep_last, eval_at=eval_at,
-                   tensorboard_dir=args.tensorboard, peak_tflops=args.peak_tflops, on_resume=resumed)
+                   tensorboard_dir=args.tensorboard, peak_tflops=args.peak_tflops, on_resume=resumed,
+                   interrupts=Interrupts(args.launcher_pid))
     if ctx.rank == 0 and result.profile_report is not None:
         print(result.profile_report, flush=True)
     return result

@@ -1,4 +1,5 @@
-"""What a CLI shows people: logging set-up, the one-line bad-input error, the final summary (and its JSON)."""
+"""What a CLI shows people: logging set-up, a line per stage of long work, the one-line bad-input error, the
+final summary (and its JSON)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,27 @@ import tempfile
 from typing import Optional
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.WARNING),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+# The library modules whose work takes long (reading and tokenizing a corpus, training a tokenizer, profiling a
+# cluster): each logs its stages at INFO, which a command shows on stderr (on rank 0) whatever --log_level says.
+STAGE_LOGGERS = ("galaxy.data", "galaxy.planner.profile")
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def setup_logging(level: str, stages: bool = False) -> None:
+    """Python logging at ``level``; ``stages``: the INFO lines of ``STAGE_LOGGERS`` too."""
+    logging.basicConfig(format=LOG_FORMAT)  # no-op where the process has its handlers (a local rank's)
+    logging.getLogger().setLevel(getattr(logging, level.upper(), logging.WARNING))
+    if stages:
+        for name in STAGE_LOGGERS:
+            logger = logging.getLogger(name)
+            logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
+
+
+def stage(text: str) -> None:
+    """One line on stderr as a long piece of a command's own work starts or ends."""
+    print(f"-- {text}", file=sys.stderr, flush=True)
 
 
 
@@ -49,27 +68,22 @@ def check_output_path(flag: str, path: Optional[str], directory: bool = False) -
                           "writable place") from None
 
 
-def check_output_flags(args, rank0_here: bool) -> None:
-    """The training CLIs' output flags, each writable (``check_output_path``) before any rank starts: the files
-    rank 0 alone writes where this launch starts rank 0 (``rank0_here``), the checkpoint directory, of which
-    every rank writes a part, everywhere."""
-    if rank0_here:
-        for flag in ("metrics_file", "summary_json", "profile_json"):
-            check_output_path(flag, getattr(args, flag, None))
-        check_output_path("tensorboard", getattr(args, "tensorboard", None), directory=True)
-    check_output_path("save_dir", getattr(args, "save_dir", None), directory=True)
+def check_output_flags(options, rank0_here: bool, rank0_files: Optional[dict[str, Optional[str]]] = None) -> None:
+    """A run's output flags (``RunOptions``), each writable (``check_output_path``) before any rank starts: the
+    files rank 0 alone writes (and a command's own, ``rank0_files``: flag -> path) where this launch starts rank
+    0 (``rank0_here``), the checkpoint directory, of which every rank writes a part, everywhere;
+    ``--tensorboard`` needs the tensorboard package."""
+    if options.tensorboard:
+        from galaxy.train.metrics import check_tensorboard_installed
 
-
-def check_metrics_flags(args) -> None:
-    """``--tensorboard`` needs the tensorboard package; ``--peak_tflops`` must be positive (ConfigError)."""
-    from galaxy.config import ConfigError
-    from galaxy.train.metrics import check_tensorboard_installed
-
-    if getattr(args, "tensorboard", None):
         check_tensorboard_installed()
-    peak = getattr(args, "peak_tflops", None)
-    if peak is not None and not peak > 0:
-        raise ConfigError(f"--peak_tflops must be positive (dense TFLOP/s of one device), got {peak}")
+    if rank0_here:
+        files = {"metrics_file": options.metrics_file, "summary_json": options.summary_json,
+                 "profile_json": options.profile_json, **(rank0_files or {})}
+        for flag, path in files.items():
+            check_output_path(flag, path)
+        check_output_path("tensorboard", options.tensorboard, directory=True)
+    check_output_path("save_dir", options.save_dir, directory=True)
 
 
 

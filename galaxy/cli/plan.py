@@ -11,7 +11,8 @@ the top plans as a table (printed, and as JSON beside it). ``--validate K`` runs
 ``--objective latency``, ``infer_galaxy.py``, prints the measured times beside the predicted, and writes
 the fastest of them as the plan (the cost model ranks, the measurement picks: what a prediction leaves out,
 the measurement sees). The search runs the config's ``dp_engine``; ``--dp_engines fsdp2`` (or others)
-searches those too wherever dp > 1, and each plan's config names its engine.
+searches those too wherever dp > 1, and each plan's config names its engine. Plans whose ATT is SP are
+priced in every SP attention flavour (``--sp_attentions``: allgather, ring, ulysses) and name the one chosen.
 """
 
 from __future__ import annotations
@@ -28,14 +29,24 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from galaxy.config import MODEL_PRESETS, ConfigError, GalaxyConfig, ParallelConfig, parse_override
+from galaxy.cli.args import add_launch_flags, model_flag_config, new_parser
+from galaxy.cli.launch import launch_ranks
+from galaxy.cli.output import bad_input, check_output_path, setup_logging, stage
+from galaxy.cli.run import Run, prepare, ranks_of
+from galaxy.config import MODEL_PRESETS, SP_ATTENTIONS, ConfigError, GalaxyConfig, Method, ParallelConfig
+from galaxy.errors import UserError
 from galaxy.planner.cluster import ClusterProfile, load_cluster
-from galaxy.planner.cost import Workload
+from galaxy.planner.workload import Workload
 from galaxy.planner.search import DEVICE_MARGIN, SPLIT_MARGIN, Choice, search
-from galaxy.cli.launch import decide_launch, launch_ranks, rank_context
-from galaxy.cli.output import bad_input, check_output_path, setup_logging
 
 logger = logging.getLogger(__name__)
+
+DESCRIPTION = "profile a cluster, then search the plans for it and write the config"
+STEPS = """Two steps:
+  1. {prog} profile --model M --world N --out cluster.json
+     measures each rank's block times, memory and collectives (its flags: below, and {prog} profile --help)
+  2. {prog} --model M --cluster cluster.json --out plan.json [--validate K]
+     searches the plans of that cluster and writes the best as a config the training commands take"""
 
 
 def model_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,31 +55,18 @@ def model_arguments(p: argparse.ArgumentParser) -> None:
                    help="set any config key (repeatable), e.g. vocab_size=512")
     p.add_argument("--seq_length", type=int, default=None, help="tokens per sequence (default: the config's)")
     p.add_argument("--global_batch_size", type=int, default=None, help="rows per step (default: the config's)")
-    p.add_argument("--log_level", default="WARNING")
 
 
 def workload_config(args: argparse.Namespace) -> GalaxyConfig:
-    overrides = dict(parse_override(o) for o in args.override)
-    for key in ("seq_length", "global_batch_size"):
-        if getattr(args, key, None) is not None:
-            overrides[key] = getattr(args, key)
-    if args.model in MODEL_PRESETS:
-        return GalaxyConfig.from_dict({"model": {"preset": args.model}}, overrides)
-    if not os.path.isfile(args.model):
-        raise ConfigError(f"--model '{args.model}' is neither a preset ({', '.join(MODEL_PRESETS)}) nor a config "
-                          "file")
-    return GalaxyConfig.from_file(args.model, overrides)
+    return model_flag_config(args, None)
 
 
 # ----------------------------------------------------------------------------- profile
 
 
-def profile_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="plan_galaxy.py profile", description="measure the ranks and links of a cluster",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def profile_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    p = new_parser(prog, "measure the ranks and links of a cluster (step 1 of the planner)")
     model_arguments(p)
-    p.add_argument("--world", type=int, default=None, help="ranks; without --rank all start here as local processes")
-    p.add_argument("--rank", type=int, default=None, help="run only this rank (the others start elsewhere)")
     p.add_argument("--rows", type=int, nargs="+", default=None,
                    help="batch sizes to measure the blocks at (the cost model interpolates between them); "
                         "default: 1 and the config's global_batch_size")
@@ -85,54 +83,74 @@ def profile_parser() -> argparse.ArgumentParser:
                         "over the short runs (a card at its power limit clocks lower) scales every training "
                         "prediction (the cluster file's sustained_scale; 0: not measured)")
     p.add_argument("--out", required=True, help="cluster profile to write (JSON)")
-    return p
+    return add_launch_flags(p)
 
 
-def _profile_rank(rank: int, launch, payload) -> None:
+@dataclass(frozen=True)
+class ClusterMeasurement:
+    """What ``plan profile`` measures and where it writes it."""
+
+    rows: tuple[int, ...]
+    out: str
+    reps: int = 5
+    window_s: float = 0.2
+    memory_gb: Optional[float] = None
+    ffn_unit: int = 1
+    calibration_layers: Optional[int] = None
+    sustain_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        if min(self.rows) < 1 or self.reps < 1 or self.window_s < 0 or self.sustain_s < 0:
+            raise ConfigError("--rows and --reps must be at least 1, --window_ms and --sustain_s at least 0")
+        if self.calibration_layers is not None and self.calibration_layers < 1:
+            raise ConfigError(f"--calibration_layers must be at least 1, got {self.calibration_layers}")
+        if self.ffn_unit < 1:
+            raise ConfigError(f"--ffn_unit must be at least 1, got {self.ffn_unit}")
+
+
+def cluster_profile_body(ctx, run: Run) -> None:
     from galaxy.planner.profile import profile_rank
 
-    cfg, args = payload
-    ctx = rank_context(rank, launch, cfg, args.log_level)
-    try:
-        cluster = profile_rank(ctx, cfg.model, args.rows, cfg.train.seq_length, cfg.train.dtype, args.reps,
-                               args.memory_gb, args.ffn_unit, window_s=args.window_ms / 1e3,
-                               calibration_layers=args.calibration_layers, sustain_s=args.sustain_s)
-        if cluster is not None:
-            cluster.save(args.out)
-            print(f"wrote {args.out}: {cluster.world} ranks, {len(cluster.groups)} groups", flush=True)
-    except BaseException:
-        ctx.shutdown(wait_for_peers=False)
-        raise
-    ctx.shutdown()
+    cfg, job = run.cfg, run.job
+    if ctx.rank == 0:
+        stage(f"profile: {cfg.model.model_type} of {cfg.model.num_hidden_layers} layers (hidden "
+              f"{cfg.model.hidden_size}) on {ctx.world_size} rank(s), rows {list(job.rows)}, seq_length "
+              f"{cfg.train.seq_length}")
+    started = time.perf_counter()
+    cluster = profile_rank(ctx, cfg.model, job.rows, cfg.train.seq_length, cfg.train.dtype, job.reps,
+                           job.memory_gb, job.ffn_unit, window_s=job.window_s,
+                           calibration_layers=job.calibration_layers, sustain_s=job.sustain_s)
+    if cluster is not None:
+        cluster.save(job.out)
+        stage(f"profile: done in {time.perf_counter() - started:.1f}s")
+        print(f"wrote {job.out}: {cluster.world} ranks, {len(cluster.groups)} groups", flush=True)
 
 
-def profile_main(argv: list[str]) -> int:
-    args = profile_parser().parse_args(argv)
+def profile_main(argv: list[str], prog: Optional[str] = None) -> int:
+    args = profile_parser(prog).parse_args(argv)
     setup_logging(args.log_level)
     try:
         cfg = workload_config(args)
-        args.rows = args.rows or [1, cfg.train.global_batch_size]
-        if min(args.rows) < 1 or args.reps < 1 or args.window_ms < 0 or args.sustain_s < 0:
-            raise ConfigError("--rows and --reps must be at least 1, --window_ms and --sustain_s at least 0")
-        if args.calibration_layers is not None and args.calibration_layers < 1:
-            raise ConfigError(f"--calibration_layers must be at least 1, got {args.calibration_layers}")
-        if args.ffn_unit < 1 or cfg.model.intermediate_size % args.ffn_unit:
-            raise ConfigError(f"--ffn_unit {args.ffn_unit} must be a positive divisor of intermediate_size "
+        job = ClusterMeasurement(tuple(args.rows or (1, cfg.train.global_batch_size)), args.out, args.reps,
+                                 args.window_ms / 1e3, args.memory_gb, args.ffn_unit, args.calibration_layers,
+                                 args.sustain_s)
+        if cfg.model.intermediate_size % job.ffn_unit:
+            raise ConfigError(f"--ffn_unit {job.ffn_unit} must be a positive divisor of intermediate_size "
                               f"{cfg.model.intermediate_size}")
-        launch = decide_launch(args)
-        check_output_path("out", args.out if launch.starts_rank_0 else None)
-    except (ConfigError, FileNotFoundError) as e:
+        cfg.parallel = ParallelConfig()  # the workload is the model and train sections: every group is measured
+        launch, run = prepare(args, cfg, plan="none", rank0_files={"out": job.out}, job=job)
+    except (UserError, FileNotFoundError) as e:
         return bad_input(e)
-    return launch_ranks(_profile_rank, launch, (cfg, args), cfg)
+    return launch_ranks(ranks_of(cluster_profile_body), launch, run, cfg)
 
 
 # ----------------------------------------------------------------------------- plan
 
 
-def plan_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="plan_galaxy.py", description="pick the best parallel plan for a cluster "
-                                "(first run: plan_galaxy.py profile ...)",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def plan_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    name = prog or os.path.basename(sys.argv[0])
+    p = new_parser(prog, f"{DESCRIPTION}.\n\n{STEPS.format(prog=name)}\n\nThe flags of step 2:")
+    p.epilog = f"The flags of step 1:\n\n{profile_parser(f'{name} profile').format_help()}"
     model_arguments(p)
     p.add_argument("--cluster", required=True, help="cluster profile from plan_galaxy.py profile")
     p.add_argument("--objective", choices=("train", "latency"), default="train",
@@ -158,14 +176,19 @@ def plan_parser() -> argparse.ArgumentParser:
                         "sharded, fsdp) beside the config's mp_grad_reduce, each under the dp engines that run it "
                         "and for plans it acts on, e.g. --mp_grad_reduces sharded fsdp (fsdp: the SP blocks' "
                         "weights sharded over mp)")
+    p.add_argument("--sp_attentions", nargs="+", default=list(SP_ATTENTIONS), metavar="FLAVOUR",
+                   help="for plans whose ATT is SP, the attention flavours to price and choose from (allgather, ring, "
+                        "ulysses; default all three; the config's sp_attention is always among them)")
     p.add_argument("--validate", type=int, default=0, metavar="K", help="run the top K plans and print measured times")
     p.add_argument("--validate_steps", type=int, default=5,
-                   help="training steps (the first untimed) or timed forwards per validated plan")
+                   help="training steps (the run's steady state: the first two untimed, as bench_train's "
+                        "--warmup 2) or timed forwards per validated plan")
     p.add_argument("--validate_runs", type=int, default=1,
                    help="launches per validated plan, taking turns with the other plans; the mean of their medians "
                         "(a process's own speed varies by a few percent from launch to launch)")
     p.add_argument("--emulate", default=None, metavar="CLUSTER_JSON",
                    help="validate on this emulated cluster (galaxy/emulate), the one the profile was measured on")
+    p.add_argument("--log_level", default="WARNING", help="python logging level")
     return p
 
 
@@ -189,7 +212,8 @@ def plan_config(cfg: GalaxyConfig, choice: Choice, world: int) -> dict:
     parallel = {"att_parallel_method": att.value, "con_parallel_method": con.value,
                 "mlp_parallel_method": mlp.value, "dp_size": choice.layout.dp, "pp_size": choice.layout.pp,
                 "num_microbatches": choice.layout.microbatches, "pipeline_schedule": choice.layout.schedule,
-                "mp_grad_reduce": choice.mp_grad_reduce, "dp_engine": choice.dp_engine}
+                "mp_grad_reduce": choice.mp_grad_reduce, "dp_engine": choice.dp_engine,
+                "sp_attention": choice.sp_attention}
     if choice.dp_engine == "deepspeed":
         parallel["zero_stage"] = cfg.parallel.zero_stage
     if choice.dp_engine == "fsdp2" or choice.mp_grad_reduce == "fsdp":  # FSDP's settings, where not its defaults
@@ -215,7 +239,9 @@ def table_rows(choices: list[Choice]) -> list[dict]:
                      "att/con/mlp": "/".join(m.value for m in c.methods),
                      "dp x pp x mp": f"{c.layout.dp}x{c.layout.pp}x{len(c.seq)}",
                      "dp engine": c.engine if c.layout.dp > 1 else None,
-                     "mp grad": c.mp_grad_reduce if len(c.seq) > 1 else None, "microbatches": c.layout.microbatches,
+                     "mp grad": c.mp_grad_reduce if len(c.seq) > 1 else None,
+                     "sp attention": c.sp_attention if c.methods[0] == Method.SP and len(c.seq) > 1 else None,
+                     "microbatches": c.layout.microbatches,
                      "recompute": c.layout.recompute,
                      "heads": list(c.heads) if "heads" in c.uses else None,
                      "ffn": list(c.ffn) if "ffn" in c.uses else None,
@@ -227,7 +253,8 @@ def table_rows(choices: list[Choice]) -> list[dict]:
 
 
 def print_table(rows: list[dict], measured: Optional[list[Optional[float]]] = None) -> None:
-    cols = ["rank", "plan", "devices", "att/con/mlp", "dp x pp x mp", "dp engine", "mp grad", "microbatches",
+    cols = ["rank", "plan", "devices", "att/con/mlp", "dp x pp x mp", "dp engine", "mp grad", "sp attention",
+            "microbatches",
             "recompute", "heads", "ffn", "seq",
             "predicted_ms", "lower_bound_ms", "max_memory_mb", "fits"]
     cells = [[str(r[c]) if r[c] is not None else "-" for c in cols] for r in rows]
@@ -241,8 +268,8 @@ def print_table(rows: list[dict], measured: Optional[list[Optional[float]]] = No
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
 
 
-def plan_main(argv: list[str]) -> int:
-    args = plan_parser().parse_args(argv)
+def plan_main(argv: list[str], prog: Optional[str] = None) -> int:
+    args = plan_parser(prog).parse_args(argv)
     setup_logging(args.log_level)
     try:
         cfg = workload_config(args)
@@ -266,15 +293,19 @@ def plan_main(argv: list[str]) -> int:
             cgroups.placement(emulated, cgroups.host_cpus())
         work = Workload(cfg.model, args.objective, cfg.train.global_batch_size, cfg.train.seq_length,
                         cfg.train.dtype, cfg.train.optimizer, cfg.parallel.mp_grad_reduce, cfg.parallel.dp_engine,
-                        cfg.parallel.zero_stage, cfg.parallel.reshard_after_forward, cfg.parallel.fsdp_grad_sync)
+                        cfg.parallel.zero_stage, cfg.parallel.reshard_after_forward, cfg.parallel.fsdp_grad_sync,
+                        cfg.parallel.sp_attention)
+        stage(f"search: plans of {cfg.model.model_type} ({cfg.model.num_hidden_layers} layers) on the "
+              f"{cluster.world} ranks of '{args.cluster}', objective {args.objective}")
         started = time.perf_counter()
         choices = search(cluster, work, args.ffn_unit, args.seq_unit, top=max(args.top, args.validate),
                          split_margin=args.split_margin, device_margin=args.device_margin,
-                         dp_engines=args.dp_engines, mp_grad_reduces=args.mp_grad_reduces)
+                         dp_engines=args.dp_engines, mp_grad_reduces=args.mp_grad_reduces,
+                         sp_attentions=args.sp_attentions)
         configs = [plan_config(cfg, c, cluster.world) for c in choices]
         for config, choice in zip(configs, choices):  # every written plan must load and resolve as the CLIs will
             GalaxyConfig.from_dict(config).resolve_plan(len(choice.devices) // (choice.layout.dp * choice.layout.pp))
-    except (ConfigError, FileNotFoundError) as e:
+    except (UserError, FileNotFoundError) as e:
         return bad_input(e)
     with open(args.out, "w") as f:
         json.dump(configs[0], f, indent=2)
@@ -323,11 +354,19 @@ def validate_all(configs: list[dict], choices: list[Choice], args: argparse.Name
     the machine then touches every plan alike), the mean of the launches' seconds and the largest
     peak; None for a plan whose every launch failed."""
     runs: list[list[Measured]] = [[] for _ in configs]
-    for _ in range(args.validate_runs):
-        for taken, config, choice in zip(runs, configs, choices):
+    total = args.validate_runs * len(configs)
+    for turn in range(args.validate_runs):
+        for i, (taken, config, choice) in enumerate(zip(runs, configs, choices)):
+            done = turn * len(configs) + i + 1
+            stage(f"validate {done}/{total}: plan {i + 1} ({choice.name}, {'/'.join(m.value for m in choice.methods)}) "
+                  f"on {len(choice.devices)} rank(s), {args.validate_steps} "
+                  f"{'steps' if args.objective == 'train' else 'forwards'}")
             measured = validate(config, len(choice.devices), args)
             if measured is not None:
                 taken.append(measured)
+            stage(f"validate {done}/{total}: " + (f"{measured.seconds * 1e3:.1f} ms measured, "
+                                                  f"{choice.time_s * 1e3:.1f} ms predicted"
+                                                  if measured is not None else "the run failed"))
     peaks = [[m.peak_mb for m in t if m.peak_mb is not None] for t in runs]
     return [Measured(statistics.mean(m.seconds for m in t), max(p) if p else None) if t else None
             for t, p in zip(runs, peaks)]
@@ -344,23 +383,24 @@ def failure_said(stderr: str) -> str:
 def validate(config: dict, world: int, args: argparse.Namespace) -> Optional[Measured]:
     """Run one plan through the CLI a user would run it with (``pretrain_galaxy.py`` for training,
     ``infer_galaxy.py`` for latency), on ``world`` local processes or on the emulated cluster of
-    ``--emulate`` (a plan on some of its devices starts there); its median measured step (every
-    step after the first) or batch-1 forward, in seconds, robust to a few disturbed steps, and a
-    training run's peak memory on rank 0."""
+    ``--emulate`` (a plan on some of its devices starts there); its median measured step (the run's
+    steady state: galaxy.train.metrics.SteadyState, bench_train's definition) or batch-1 forward, in
+    seconds, robust to a few disturbed steps, and a training run's peak memory on rank 0."""
     with tempfile.TemporaryDirectory() as tmp:
-        path, out = os.path.join(tmp, "plan.json"), os.path.join(tmp, "measured.json")
+        path, out, summary = (os.path.join(tmp, name) for name in ("plan.json", "measured.json", "summary.json"))
         with open(path, "w") as f:
             json.dump(config, f)
         where = ["--emulate", args.emulate] if args.emulate else ["--world", str(world)]
         if args.objective == "train":
             argv = ["pretrain_galaxy.py", "--max_steps", str(args.validate_steps), "--metrics_file", out,
-                    "--no_progress", "--override", "log_every=1000000"]
+                    "--summary_json", summary, "--no_progress", "--override", "log_every=1000000"]
         else:
             argv = ["infer_galaxy.py", "--warmup", "2", "--reps", str(args.validate_steps), "--summary_json", out]
         run = subprocess.run([sys.executable, os.path.join(ROOT, argv[0]), "--config", path, *where, *argv[1:],
                               "--log_level", args.log_level], capture_output=True, text=True,
                              env={**os.environ, "PYTHONPATH": ROOT})
-        if run.returncode != 0 or not os.path.isfile(out):
+        wrote = [out] + ([summary] if args.objective == "train" else [])
+        if run.returncode != 0 or not all(map(os.path.isfile, wrote)):
             logger.warning("validation run of %s failed (exit %s): %s", config["parallel"], run.returncode,
                            failure_said(run.stderr))
             return None
@@ -368,12 +408,13 @@ def validate(config: dict, world: int, args: argparse.Namespace) -> Optional[Mea
             if args.objective == "latency":
                 return Measured(json.load(f)["forward"]["median_ms"] / 1e3)
             lines = [json.loads(line) for line in f]
-        return Measured(statistics.median(line["step_time_s"] for line in lines[1:]),
-                        max(line["peak_mem_mb"] for line in lines))
+        with open(summary) as f:
+            return Measured(json.load(f)["step_time_s"], max(line["peak_mem_mb"] for line in lines))
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
+    """``profile ...``: step 1 (``profile_main``); anything else: step 2, the search (``plan_main``)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "profile":
-        return profile_main(argv[1:])
-    return plan_main(argv)
+        return profile_main(argv[1:], f"{prog or os.path.basename(sys.argv[0])} profile")
+    return plan_main(argv, prog)

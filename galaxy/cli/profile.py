@@ -27,31 +27,34 @@ import json
 import logging
 import os
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from galaxy.config import MODEL_PRESETS, PLAN_PRESETS, ConfigError, GalaxyConfig
+from galaxy.cli.args import add_config_flags, add_launch_flags, build_config, flag_overrides, new_parser
+from galaxy.cli.launch import launch_ranks
+from galaxy.cli.output import bad_input, setup_logging
+from galaxy.cli.run import Run, prepare, ranks_of
+from galaxy.config import MODEL_PRESETS, PLAN_PRESETS, ConfigError, GalaxyConfig, Plan
 from galaxy.core.context import ParallelContext
+from galaxy.errors import UserError
 from galaxy.models import build_model, family, model_types
 from galaxy.profiler import FlopsProfiler, ParallelProfiler
-from galaxy.cli.args import build_parser, load_config
-from galaxy.cli.launch import check_plan_for_cli, decide_launch, launch_ranks
-from galaxy.cli.output import bad_input, check_output_path, setup_logging
 
 logger = logging.getLogger(__name__)
 
-DESCRIPTION = "Profile FLOPs, parameters and communication of one step of a Galaxy model"
+DESCRIPTION = "FLOPs, parameters and communication of one step of a model on a plan"
 DEFAULT_MODEL = "bert"  # the family profiled when neither --model nor a config names one
 
 
-def parser():
-    p = build_parser(DESCRIPTION)
+def parser(prog: Optional[str] = None):
+    p = new_parser(prog, DESCRIPTION)
     p.add_argument("--model", choices=model_types(), default=None,
                    help=f"model family; omitted: the config's model_type ({DEFAULT_MODEL} without a config)")
     p.add_argument("--preset", default=None, metavar="NAME",
                    help=f"model preset (the configs' 'preset' key): {', '.join(MODEL_PRESETS)}")
+    add_config_flags(p)
     p.add_argument("--batch", type=int, default=None, help="batch size (default: the config's global_batch_size)")
     p.add_argument("--seq_len", type=int, default=None, help="sequence length (default: the config's seq_length)")
     p.add_argument("--plan", choices=sorted(PLAN_PRESETS), default=None,
@@ -71,7 +74,38 @@ def parser():
                    help="count half of fused causal attention kernels (they skip the masked half)")
     p.add_argument("--check_serial", action="store_true",
                    help="rank 0 also profiles the serial model and checks sum over ranks == serial + redundant")
+    p.add_argument("--peak_tflops", type=float, default=None,
+                   help="peak dense TFLOP/s of one device, for the report's MFU (default: looked up for known GPUs)")
+    add_launch_flags(p)
     return p
+
+
+@dataclass(frozen=True)
+class ProfiledStep:
+    """The step profiled and the report: a forward, with ``backward`` (and the gradient sync) and the
+    ``optimizer`` step; ``meta``: shapes only; ``warm_up`` unprofiled steps first."""
+
+    backward: bool = True
+    optimizer: bool = False
+    meta: bool = False
+    warm_up: int = 1
+    json: Optional[str] = None
+    module_depth: int = -1
+    top_modules: int = 1
+    detailed: bool = True
+    causal_halving: bool = False
+    check_serial: bool = False
+
+    def __post_init__(self) -> None:
+        if self.warm_up < 0 or self.top_modules < 1:
+            raise ConfigError(f"--warm_up must be at least 0 and --top_modules at least 1, got {self.warm_up} and "
+                              f"{self.top_modules}")
+
+    @classmethod
+    def from_args(cls, args) -> "ProfiledStep":
+        return cls(not args.forward_only, args.optimizer, args.meta,
+                   args.warm_up if args.warm_up is not None else (0 if args.meta else 1), args.json,
+                   args.module_depth, args.top_modules, not args.no_detailed, args.causal_halving, args.check_serial)
 
 
 # ----------------------------------------------------------------------------- config
@@ -81,33 +115,34 @@ def resolve_config(args) -> GalaxyConfig:
     if args.forward_only and (args.backward or args.optimizer):
         other = "--backward" if args.backward else "--optimizer"
         raise ConfigError(f"--forward_only profiles no backward but {other} asks for one; drop one of the two")
-    args.backward = not args.forward_only
-    default = {"model": dict(family(args.model or DEFAULT_MODEL).tiny_config)}
-    if args.config_file and not os.path.isfile(args.config_file) and args.config_file in MODEL_PRESETS:
+    default, given = {"model": dict(family(args.model or DEFAULT_MODEL).tiny_config)}, None
+    config_file, first = args.config_file, {}
+    if config_file and not os.path.isfile(config_file) and config_file in MODEL_PRESETS:
         if args.preset is not None:
-            raise ConfigError(f"--config {args.config_file} and --preset {args.preset} both name a preset; "
+            raise ConfigError(f"--config {config_file} and --preset {args.preset} both name a preset; "
                               "keep --preset")
-        default, args.config_file = {"model": {"preset": args.config_file}}, None
+        default, given, config_file = {"model": {"preset": config_file}}, f"--config {config_file}", None
     if args.preset is not None:
         if args.preset not in MODEL_PRESETS:
             close = difflib.get_close_matches(args.preset, MODEL_PRESETS, n=1)
             raise ConfigError(f"--preset '{args.preset}' is not a model preset"
                               + (f" (did you mean '{close[0]}'?)" if close else "")
                               + f"; use one of {', '.join(MODEL_PRESETS)}")
-        if args.config_file is None:
-            default = {"model": {"preset": args.preset}}
+        if config_file is None:
+            default, given = {"model": {"preset": args.preset}}, f"--preset {args.preset}"
         else:  # the file's own size keys still win over the preset, as in a config
-            args.override = [f"preset={args.preset}"] + list(args.override)
-    for flag, key in (("seq_len", "seq_length"), ("batch", "global_batch_size"), ("plan", "plan")):
-        if getattr(args, flag) is not None:
-            args.override = list(args.override) + [f"{key}={getattr(args, flag)}"]
-    cfg = load_config(args, default)
+            first = {"preset": args.preset}
+    last = {key: getattr(args, flag) for flag, key in (("seq_len", "seq_length"), ("batch", "global_batch_size"))
+            if getattr(args, flag) is not None}
+    if args.meta:
+        last["device"] = "cpu"  # fake tensors report the CPU
+    cfg = build_config(config_file, default, {**first, **flag_overrides(args), **last}, given)
     if args.model is not None and cfg.model.model_type != args.model:
         raise ConfigError(f"--model {args.model} but the config describes a {cfg.model.model_type} model; "
                           f"drop --model or pick a {args.model} config or preset")
     if args.meta and cfg.data.model_path:
         raise ConfigError("--meta builds a model of random shapes; it cannot load model_path, drop one of the two")
-    if getattr(cfg.parallel, "dp_size", 1) != 1 or getattr(cfg.parallel, "pp_size", 1) != 1:
+    if cfg.parallel.dp_size != 1 or cfg.parallel.pp_size != 1:
         raise ConfigError("profile_flops.py profiles one model-parallel group: set dp_size and pp_size to 1 "
                           "(use --profile_step K of the training CLIs to profile a dp/pp run)")
     return cfg
@@ -128,8 +163,10 @@ def shapes_only():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def build(cfg: GalaxyConfig, ctx: ParallelContext, serial: bool = False) -> torch.nn.Module:
-    model = build_model(cfg, None if serial else cfg.resolve_plan(ctx.mp.size), ctx)
+def build(cfg: GalaxyConfig, ctx: ParallelContext, serial: bool = False, plan: Optional[Plan] = None
+          ) -> torch.nn.Module:
+    """The model to profile: laid out by ``plan`` (default: the config's for ``ctx``), or ``serial``."""
+    model = build_model(cfg, None if serial else plan or cfg.resolve_plan(ctx.mp.size), ctx)
     if cfg.train.dtype == "float64":
         model.double()
     return model
@@ -186,32 +223,31 @@ def make_step(model, batch, cfg: GalaxyConfig, ctx: ParallelContext, backward: b
 # ----------------------------------------------------------------------------- profiling
 
 
-def profile(cfg: GalaxyConfig, args, ctx: ParallelContext) -> tuple[dict[str, Any], str]:
+def profile(run: Run, ctx: ParallelContext) -> tuple[dict[str, Any], str]:
     """Profile one step on this rank (a collective over ``ctx.mp``): (JSON dict, report text)."""
-    model = build(cfg, ctx)
+    cfg, step = run.cfg, run.job
+    model = build(cfg, ctx, plan=run.plan)
     batch = random_batch(cfg, ctx.device)
-    step = make_step(model, batch, cfg, ctx, args.backward, args.optimizer)
     prof = ParallelProfiler(model, ctx, batch=cfg.train.global_batch_size, seq_len=cfg.train.seq_length,
-                            grad_sync=args.backward, timed=not args.meta, peak_tflops=args.peak_tflops,
-                            causal_halving=args.causal_halving)
-    warm_up = args.warm_up if args.warm_up is not None else (0 if args.meta else 1)
-    data = prof.profile(step, warm_up=warm_up)
+                            grad_sync=step.backward, timed=not step.meta, peak_tflops=run.options.peak_tflops,
+                            causal_halving=step.causal_halving)
+    data = prof.profile(make_step(model, batch, cfg, ctx, step.backward, step.optimizer), warm_up=step.warm_up)
     data["config"] = cfg.to_dict()
-    data["step"] = {"backward": args.backward, "optimizer": args.optimizer, "warm_up": warm_up,
-                    "meta": args.meta}
-    text = prof.format_profile(profile_step=warm_up + 1, module_depth=args.module_depth,
-                               top_modules=args.top_modules, detailed=not args.no_detailed)
+    data["step"] = {"backward": step.backward, "optimizer": step.optimizer, "warm_up": step.warm_up,
+                    "meta": step.meta}
+    text = prof.format_profile(profile_step=step.warm_up + 1, module_depth=step.module_depth,
+                               top_modules=step.top_modules, detailed=step.detailed)
     return data, text
 
 
-def serial_check(cfg: GalaxyConfig, args, device: torch.device, data: dict[str, Any]) -> dict[str, Any]:
+def serial_check(cfg: GalaxyConfig, step: ProfiledStep, device: torch.device, data: dict[str, Any]) -> dict[str, Any]:
     """Profile the serial model on the same batch: the sum over ranks must be serial + redundant."""
     ctx = ParallelContext.serial(device, cfg.train.seed)
     model = build(cfg, ctx, serial=True)
-    step = make_step(model, random_batch(cfg, ctx.device), cfg, ctx, args.backward, args.optimizer)
-    prof = FlopsProfiler(model, causal_halving=args.causal_halving)
+    run_step = make_step(model, random_batch(cfg, ctx.device), cfg, ctx, step.backward, step.optimizer)
+    prof = FlopsProfiler(model, causal_halving=step.causal_halving)
     prof.start_profile()
-    step()
+    run_step()
     prof.stop_profile()
     serial = {ph: prof.get_total_flops(phase=ph) for ph in ("fwd", "bwd")}
     serial["total"] = serial["fwd"] + serial["bwd"]
@@ -221,48 +257,33 @@ def serial_check(cfg: GalaxyConfig, args, device: torch.device, data: dict[str, 
             "match": excess == {ph: redundant[ph] for ph in serial}}
 
 
-def profile_rank(rank: int, launch, payload) -> None:
-    cfg, args = payload
-    if launch.rank is None and launch.world > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.world))
-    setup_logging(args.log_level)
-    if args.meta:
-        ctx = ParallelContext.serial(device="cpu", seed=cfg.train.seed)
-    else:
-        dist_cfg = replace(cfg.distributed, init_method=launch.init_method or cfg.distributed.init_method)
-        ctx = ParallelContext.initialize(dist_cfg, rank, launch.world, cfg.train.device, seed=cfg.train.seed,
-                                         local_rank=launch.local_rank)
-    try:
-        with shapes_only() if args.meta else nullcontext():
-            data, text = profile(cfg, args, ctx)
-            if rank != 0:
-                return
-            if args.check_serial:
-                check = data["serial_check"] = serial_check(cfg, args, ctx.device, data)
-                text += (f"\nserial check: serial model {check['serial_flops']['total']} FLOPs, sum over ranks - "
-                         f"serial = {check['sum_minus_serial']['total']}, reported redundant = "
-                         f"{check['reported_redundant']['total']}: {'match' if check['match'] else 'MISMATCH'}")
-        print(text, flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(data, f, indent=2)
-            print(f"profile written to {args.json}", flush=True)
-    finally:
-        ctx.shutdown()
+def profile_body(ctx: ParallelContext, run: Run) -> None:
+    step = run.job
+    with shapes_only() if step.meta else nullcontext():
+        data, text = profile(run, ctx)
+        if ctx.rank != 0:
+            return
+        if step.check_serial:
+            check = data["serial_check"] = serial_check(run.cfg, step, ctx.device, data)
+            text += (f"\nserial check: serial model {check['serial_flops']['total']} FLOPs, sum over ranks - "
+                     f"serial = {check['sum_minus_serial']['total']}, reported redundant = "
+                     f"{check['reported_redundant']['total']}: {'match' if check['match'] else 'MISMATCH'}")
+    print(text, flush=True)
+    if step.json:
+        with open(step.json, "w") as f:
+            json.dump(data, f, indent=2)
+        print(f"profile written to {step.json}", flush=True)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    args = parser().parse_args(argv)
+def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
+    args = parser(prog).parse_args(argv)
     setup_logging(args.log_level)
     try:
         cfg = resolve_config(args)
-        launch = decide_launch(args)
-        if args.meta and launch.world != 1:
+        step = ProfiledStep.from_args(args)
+        launch, run = prepare(args, cfg, plan=None, rank0_files={"json": step.json}, job=step)
+        if step.meta and launch.world != 1:
             raise ConfigError(f"--meta runs on one rank (shapes only, no communication), got --world {launch.world}")
-        check_plan_for_cli(cfg, "galaxy" if launch.world > 1 else "none", launch.world, strict=False)
-        cfg.resolve_plan(launch.world)  # split errors surface here, before any process starts
-        check_output_path("json", args.json if launch.starts_rank_0 else None)
-    except (ConfigError, FileNotFoundError) as e:
+    except (UserError, FileNotFoundError) as e:
         return bad_input(e)
-    return launch_ranks(profile_rank, launch, (cfg, args), cfg)
-
+    return launch_ranks(ranks_of(profile_body), launch, run, cfg)

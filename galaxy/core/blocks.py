@@ -3,13 +3,13 @@ made (``galaxy.core.edges``):
 
     block.method   input  output
     ATT/MLP.tp     T      P      (this rank's heads / intermediate columns)
-    ATT/MLP.sp     S      S      (ATT.sp gathers K and V: S -> T, so their gradient is reduce-scattered)
+    ATT/MLP.sp     S      S      (ATT.sp attends over the whole sequence: galaxy.core.sp_attention)
     */.none        R      R
     CON.sp         S      S
 
-Under ATT.sp the queries are this rank's tokens and every one needs every key: ``sp_attention``
-gathers K and V along the sequence, then runs the core; that one step is what another scheme of
-sequence-parallel attention replaces.
+Under ATT.sp the queries are this rank's tokens and every one needs every key: the plan's
+``sp_attention`` flavour (``galaxy.core.sp_attention``: allgather, ring or ulysses) attends over the
+whole sequence, running the core it is given where the flavour has one.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from galaxy.core.attention import attention
 from galaxy.core.edges import SeqShard
 from galaxy.core.layers import Dropout
-from galaxy.core.transitions import Layout, transition
+from galaxy.core.sp_attention import sequence_parallel_attention
 
 Rope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]
 
@@ -38,22 +38,6 @@ def merge_heads(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).reshape(b, s, h * d)
 
 
-def gather_kv(k: torch.Tensor, v: torch.Tensor, shard: SeqShard) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's keys and values ``[b, kv_heads, s_local, d]`` -> the whole sequence's, in one
-    collective (S -> T: the gradient comes back reduce-scattered)."""
-    kv = torch.cat([k, v], dim=-1).transpose(1, 2)
-    kv = transition(kv, Layout.S, Layout.T, shard.comm, shard.split).transpose(1, 2)
-    return kv.split(k.shape[-1], dim=-1)
-
-
-def sp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SeqShard, core: Callable = attention,
-                 **kwargs) -> torch.Tensor:
-    """ATT.sp's attention of this rank's queries over the whole sequence: gather K and V, then ``core``
-    (``q_offset``, in ``kwargs``, is the global position of the first local query)."""
-    k, v = gather_kv(k, v, shard)
-    return core(q, k, v, **kwargs)
-
-
 def self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, shard: Optional[SeqShard], num_heads: int,
                    num_kv_heads: int, head_dim: int, key_padding_mask=None, causal: bool = False,
                    dropout: Optional[Dropout] = None, rope: Optional[Rope] = None,
@@ -63,7 +47,8 @@ def self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, shard: 
 
     ``num_heads``/``num_kv_heads`` are this rank's heads (a TP shard, or all of them). ``shard``: the
     block's sequence shards when it runs SP (``Edge.shard``), else None. ``rope(q, k, positions)`` rotates
-    q and k at global ``positions`` before K/V leave the rank. ``core``: the attention core, ``attention``
+    q and k at ``positions`` before K/V leave the rank: indices into the sequence in the stream's order
+    (``Stream.order``), which the model's RoPE tables follow. ``core``: the attention core, ``attention``
     or a recomputed one (``recompute: selective``, ``galaxy.core.parallelize``).
     """
     q, k, v = split_heads(q, num_heads, head_dim), split_heads(k, num_kv_heads, head_dim), \
@@ -72,5 +57,8 @@ def self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, shard: 
     if rope is not None:
         q, k = rope(q, k, torch.arange(offset, offset + q.shape[2], device=q.device))
     kwargs = dict(key_padding_mask=key_padding_mask, causal=causal, q_offset=offset, dropout=dropout)
-    out = sp_attention(q, k, v, shard, core, **kwargs) if shard is not None else core(q, k, v, **kwargs)
+    if shard is not None:  # every local query needs every key: the plan's sp_attention flavour
+        out = sequence_parallel_attention(q, k, v, shard.comm, shard.plan, core=core, **kwargs)
+    else:
+        out = core(q, k, v, **kwargs)
     return merge_heads(out)

@@ -8,11 +8,14 @@ The collectives are torch's functional ones (``torch.distributed._functional_col
 run eagerly as they are, and ``torch.compile`` traces them into its graph without a break (model
 key ``compile``). Inside a compiled graph the Python around them runs only while tracing, so the
 byte count is a tensor the graph itself advances each time it runs; observers, which time each
-call with a device synchronize, cannot run there (``galaxy.core.compile`` refuses them).
+call with a device synchronize, cannot run there (``galaxy.core.compile`` refuses them). The
+point-to-point ``start_exchange`` (ring attention's K/V blocks) is c10d's ``batch_isend_irecv`` and
+runs eagerly only.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -43,11 +46,17 @@ def _scattered(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return funcol.wait_tensor(_functional_reduce_scatter(x, "sum", 0, group))
 
 
+def _exchanged(flat: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
+               group: dist.ProcessGroup) -> torch.Tensor:
+    """All-to-all of a flat buffer: ``send_sizes[j]`` elements go to rank j, ``recv_sizes[i]`` come from rank i."""
+    return funcol.wait_tensor(funcol.all_to_all_single(flat, recv_sizes, send_sizes, group))
+
+
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` laid out contiguously: ``t`` itself where it already is, not ``t.contiguous()``. Under torch
     2.11's dynamo an autograd.Function whose forward returns a no-op ``.contiguous()`` of a tensor it made
     gets an all-zero gradient (2.13 is right); the transitions return these results, and with one sequence
-    per micro-batch the sequence dim's ``movedim`` and ``narrow`` are contiguous already (docs/benchmarks.md,
+    per micro-batch the sequence dim's ``movedim`` and ``narrow`` are contiguous already (docs/benchmarks-log.md,
     "Rows per micro-batch on 2 GPUs")."""
     return t if t.is_contiguous() else t.contiguous()
 
@@ -59,7 +68,7 @@ PHASES = ("fwd", "bwd", "other")
 class CommRecord:
     """One collective call as seen on this rank."""
 
-    op: str  # all_reduce | all_gather | reduce_scatter | send | recv | broadcast | ...
+    op: str  # all_reduce | all_gather | reduce_scatter | all_to_all | send_recv | send | recv | broadcast | ...
     group: str  # name of the process group ("mp", "dp", "pp", ...)
     nbytes: int  # bytes this rank contributes or receives, unpadded
     seconds: float  # wall time of the call (synchronised by the caller)
@@ -73,6 +82,20 @@ class CommRecord:
 
 
 CommObserver = Callable[[CommRecord], None]
+
+
+class PendingExchange:
+    """A point-to-point exchange in flight (``Communicator.start_exchange``): ``wait()`` returns the
+    received tensor. The sent tensor is held until then, so its memory is not reused while it travels."""
+
+    def __init__(self, works: list, sent: torch.Tensor, received: torch.Tensor):
+        self._works, self._sent, self.received = works, sent, received
+
+    def wait(self) -> torch.Tensor:
+        for work in self._works:
+            work.wait()  # NCCL: the compute stream waits for the transfer, not the CPU
+        self._works, self._sent = [], None
+        return self.received
 
 
 @dataclass
@@ -166,6 +189,52 @@ class Communicator:
                           lambda: _scattered(full, self.process_group), x.device)
         return _contiguous(out[: sizes[self.rank]].movedim(0, dim))
 
+    def all_to_all(self, pieces: Sequence[torch.Tensor], recv_shapes: Sequence[Sequence[int]],
+                   phase: str = "other") -> list[torch.Tensor]:
+        """Send ``pieces[j]`` to rank j and return what each rank i sent here, shaped ``recv_shapes[i]``
+        (any shapes and sizes, empty ones included: one ``all_to_all_single`` of a flat buffer with split
+        sizes). Records the bytes of every piece this rank sends, its own included, as an all-gather
+        counts its whole output."""
+        assert len(pieces) == len(recv_shapes) == self.size, (len(pieces), len(recv_shapes), self.size)
+        if self.size == 1:
+            return [pieces[0].reshape(recv_shapes[0])]
+        send_sizes = [p.numel() for p in pieces]
+        recv_sizes = [math.prod(shape) for shape in recv_shapes]
+        flat = torch.cat([p.reshape(-1) for p in pieces])
+        out = self.timed("all_to_all", flat.numel() * flat.element_size(), phase,
+                          lambda: _exchanged(flat, send_sizes, recv_sizes, self.process_group), flat.device)
+        return [piece.view(shape) for piece, shape in zip(out.split(recv_sizes), recv_shapes)]
+
+    def start_exchange(self, send: torch.Tensor, recv: torch.Tensor, dst: int, src: int, phase: str = "other",
+                       tag: int = 0) -> PendingExchange:
+        """Send ``send`` to rank ``dst`` and receive into ``recv`` from rank ``src`` (ranks of this group),
+        asynchronously: the caller computes while the tensors travel and ``wait()``s before it reads
+        ``recv``. Records the bytes sent; an observed exchange is timed, so it completes inside its window
+        (no overlap while a profiler watches). ``tag`` keeps two exchanges in flight between the same
+        ranks apart (Gloo matches by tag; NCCL keeps posting order)."""
+        if self.size == 1:
+            recv.copy_(send)
+            return PendingExchange([], send, recv)
+        send = send.contiguous()
+        ops = [dist.P2POp(dist.isend, send, self.global_rank(dst), self.group, tag),
+               dist.P2POp(dist.irecv, recv, self.global_rank(src), self.group, tag)]
+        works: list = []
+
+        def run() -> None:
+            started = dist.batch_isend_irecv(ops)
+            if self.observers:
+                for work in started:
+                    work.wait()
+            else:
+                works.extend(started)
+
+        self.timed("send_recv", send.numel() * send.element_size(), phase, run, send.device)
+        return PendingExchange(works, send, recv)
+
+    def global_rank(self, rank: int) -> int:
+        """The world rank of this group's ``rank``."""
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
     def split(self, x: torch.Tensor, dim: int, sizes: Sequence[int]) -> torch.Tensor:
         """This rank's slices of a replicated tensor (no communication)."""
         if self.size == 1:
@@ -177,7 +246,7 @@ class Communicator:
         if self.size == 1:
             return x
         out = x.contiguous().clone()
-        global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
+        global_src = self.global_rank(src)
 
         def run() -> torch.Tensor:  # in place, as c10d broadcasts (not a traced block collective)
             dist.broadcast(out, global_src, group=self.group)

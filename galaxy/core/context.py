@@ -231,6 +231,14 @@ class ParallelContext:
                 if comm is not None:
                     comm.group = None
 
+    def __enter__(self) -> "ParallelContext":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Leaving a ``with`` block shuts the process group down (``shutdown``): after every rank is done, or
+        at once when the block raised. A process that exits with its Gloo group alive can abort there."""
+        self.shutdown(wait_for_peers=exc_type is None)
+
 
 def rank_of(dp_rank: int, pp_rank: int, mp_rank: int, pp_size: int, mp_size: int) -> int:
     """Global rank of a (dp, pp, mp) coordinate: mp innermost (adjacent), then pp, then dp."""

@@ -16,8 +16,9 @@ matmuls interleaved. ``galaxy.core.parallelize.layer_edges`` picks each block's 
 and the PEFT setting (``lora_fusion``); a model's forward calls the edges it is given and shows only its
 math.
 
-``Stream`` is the residual stream's layout itself (CON's): the model's inputs and labels brought to
-it, its offset in the sequence, its tensors gathered back (for a report or a test).
+``Stream`` is the residual stream's layout itself (CON's) and its token order (``SequenceOrder``: contiguous,
+or causal ring attention's zigzag, ``galaxy.core.sp_attention.stream_order``): the model's inputs, labels and
+RoPE positions brought to it, its offset in the sequence, its tensors gathered back (for a report or a test).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch.nn as nn
 
 from galaxy.config import Method, Plan
 from galaxy.core.comm import Communicator
-from galaxy.core.transitions import SEQ_DIM, Layout, transition
+from galaxy.core.transitions import SEQ_DIM, Layout, SequenceOrder, transition
 
 
 # The layouts a block running each method consumes and produces.
@@ -71,23 +72,31 @@ def coc_chunks(config_value: Optional[int] = None, environ: Optional[Mapping[str
 
 @dataclass(frozen=True)
 class SeqShard:
-    """The sequence shards of an SP block: rank r holds ``split[r]`` consecutive tokens."""
+    """The sequence shards of an SP block: rank r holds ``plan.seq_split[r]`` consecutive tokens of the
+    stream's order; its attention attends over the whole sequence in the plan's ``sp_attention`` flavour."""
 
     comm: Communicator
-    split: tuple[int, ...]
+    plan: Plan
+
+    @property
+    def split(self) -> tuple[int, ...]:
+        return tuple(self.plan.seq_split)
 
     @property
     def offset(self) -> int:
-        """Global position of this rank's first token."""
+        """Position of this rank's first token in the stream's order."""
         return sum(self.split[: self.comm.rank])
 
 
 class Stream:
-    """The residual stream of one layer stack: it lives in CON's layout."""
+    """The residual stream of one layer stack: it lives in CON's layout, on the sequence in ``order``
+    (default contiguous; causal ring attention's zigzag: ``galaxy.core.sp_attention.stream_order``) from the
+    embeddings on."""
 
-    def __init__(self, comm: Communicator, plan: Plan):
+    def __init__(self, comm: Communicator, plan: Plan, order: Optional[SequenceOrder] = None):
         self.comm, self.plan = comm, plan
         self.layout = LAYOUTS[plan.con][1]
+        self.order = order or SequenceOrder(plan.seq_split)
 
     @property
     def sharded(self) -> bool:
@@ -96,6 +105,7 @@ class Stream:
 
     def to_stream(self, x: torch.Tensor) -> torch.Tensor:
         """A replicated full-sequence tensor (e.g. input ids) -> this rank's part of the stream."""
+        x = self.order.to_stream_order(x)
         return self.comm.split(x, SEQ_DIM, self.plan.seq_split) if self.layout == Layout.S else x
 
     def offset(self) -> int:
@@ -104,17 +114,17 @@ class Stream:
 
     def to_replicated(self, x: torch.Tensor) -> torch.Tensor:
         """A stream tensor -> the full sequence on every rank (e.g. for a report or a test)."""
-        return transition(x, self.layout, Layout.R, self.comm, self.plan.seq_split)
+        return self.order.to_natural_order(transition(x, self.layout, Layout.R, self.comm, self.plan.seq_split))
 
 
 class Edge:
     """The two edges of one block running ``method`` (see the module docstring). ``shard``: the
-    block's sequence shards when it runs SP (its attention then gathers keys and values), else None."""
+    block's sequence shards when it runs SP (its attention then sees every key: ``sp_attention``), else None."""
 
     def __init__(self, comm: Communicator, plan: Plan, method: Method):
         self.comm, self.plan, self.method = comm, plan, method
         self.stream = LAYOUTS[plan.con][1]
-        self.shard = SeqShard(comm, tuple(plan.seq_split)) if method == Method.SP else None
+        self.shard = SeqShard(comm, plan) if method == Method.SP else None
 
     def enter(self, x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
         raise NotImplementedError

@@ -154,14 +154,22 @@ def _sum_reductions(module) -> None:
 
 
 def shard_model(model: nn.Module, ctx, *, over_dp: bool, replicated_over_mp: bool, reshard_after_forward: bool,
-                param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None) -> Sharding:
+                param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None,
+                float8_all_gather: bool = False) -> Sharding:
     """Apply ``fully_shard`` to ``model`` (this rank's stage), in place: ``replicated_over_mp``: the
     replicated weights of SP blocks over mp (over dp x mp when ``over_dp``); ``over_dp``: each layer
     and the root over dp. Galaxy's parameter metadata (gradient rule, TP shard spec, pipeline ties,
-    weight decay) is carried over to the sharded parameters, which also get ``fsdp_axes``."""
+    weight decay) is carried over to the sharded parameters, which also get ``fsdp_axes``.
+    ``float8_all_gather``: the float8 linears' weights (``galaxy.core.float8``, tensorwise) are gathered
+    already cast to fp8 (torchao's weight wrapper, made here before sharding)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     meta = {name: _galaxy_meta(p) for name, p in model.named_parameters()}
+    if float8_all_gather:
+        from galaxy.core.float8 import wrap_weights_for_float8_all_gather
+
+        wrapped = wrap_weights_for_float8_all_gather(model)
+        logger.info("FSDP float8 all-gather: %d weights gathered as fp8", wrapped)
     sharding = Sharding(over_dp=over_dp and ctx.dp.size > 1)
     layers = [layer for stack in layer_stacks(model) for layer in stack]
     compute = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)

@@ -30,6 +30,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch.distributed as dist
@@ -63,6 +64,35 @@ def _ranks_text(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """The heartbeat's times, in seconds, for a collective timeout of ``timeout_s``."""
+
+    interval: float  # between beats (and reads of the peers' counters)
+    # After a failed collective, a peer silent for `window` is the cause. With no error to go on,
+    # silence must last longer (`stale_after`): a busy process (a big import holds the GIL) can skip beats.
+    window: float
+    stale_after: float
+    grace: float  # for the main thread to report the failure before the watchdog exits
+
+    @classmethod
+    def for_timeout(cls, timeout_s: float) -> "Schedule":
+        interval = min(1.0, max(0.1, timeout_s / 20))
+        return cls(interval, 3 * interval, max(3 * interval, timeout_s / 2), timeout_s / 4)
+
+    @property
+    def watchdog_exit_s(self) -> float:
+        """The latest a survivor's watchdog ends it after a peer's last beat, counted on the survivor's clock
+        as its heartbeat thread runs: the beat is read up to an interval late, the silence judged and the
+        grace checked once an interval each."""
+        return self.stale_after + self.grace + 3 * self.interval
+
+    @property
+    def explain_wait_s(self) -> float:
+        """The longest ``explain`` waits for a dead peer's counter to stall."""
+        return 2 * self.window + self.interval
+
+
 class Heartbeat:
     """This rank's heartbeat and watchdog (see the module doc); ``stop`` it before leaving."""
 
@@ -70,17 +100,13 @@ class Heartbeat:
                  exit_on_failure: bool = True):
         self.host, self.port, self.rank = host, port, rank
         self.peers = [r for r in range(world_size) if r != rank]
-        self.interval = min(1.0, max(0.1, timeout_s / 20))
-        # After a failed collective, a peer silent for `window` is the cause. With no error to go on,
-        # silence must last longer: a busy process (a big import holds the GIL) can skip a few beats.
-        self.window = 3 * self.interval
-        self.stale_after = max(self.window, timeout_s / 2)
-        self.grace = timeout_s / 4  # for the main thread to report the failure before the watchdog exits
+        self.schedule = Schedule.for_timeout(timeout_s)
         self.exit_on_failure = exit_on_failure
         # Its own connection: the process group's store client is not shared with this thread. A store
         # that does not answer within stale_after counts as gone.
         self._store: Optional[dist.Store] = dist.TCPStore(
-            host, port, None, False, timeout=datetime.timedelta(seconds=self.stale_after), wait_for_workers=False)
+            host, port, None, False, timeout=datetime.timedelta(seconds=self.schedule.stale_after),
+            wait_for_workers=False)
         now = time.monotonic()
         self._beats = 0
         self._seen = {r: ("", now) for r in self.peers}  # last value read, when it last changed
@@ -100,7 +126,7 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stopping.is_set():
             self._tick()
-            self._stopping.wait(self.interval)
+            self._stopping.wait(self.schedule.interval)
 
     def _tick(self) -> None:
         values = None
@@ -122,12 +148,13 @@ class Heartbeat:
                     if v != self._seen[r][0]:
                         self._seen[r] = (v, now)
             if self._failure is None:
-                self._failure = self._diagnose(now, self.stale_after, include_exited=False)
+                self._failure = self._diagnose(now, self.schedule.stale_after, include_exited=False)
                 if self._failure is not None:
                     self._failure_at = now
                     logger.error("%s", self._failure)
             failure, since = self._failure, now - self._failure_at
-        if failure is not None and self.exit_on_failure and since >= self.grace and not self._stopping.is_set():
+        if failure is not None and self.exit_on_failure and since >= self.schedule.grace and \
+                not self._stopping.is_set():
             logger.critical("%s; rank %d is still running %.1f s later, so it exits now", failure, self.rank, since)
             for stream in (sys.stdout, sys.stderr):
                 try:
@@ -149,7 +176,7 @@ class Heartbeat:
                 # Rank 0 left first, taking the store with it; when it failed because a peer had gone
                 # quiet, that peer is the cause.
                 quiet = [r for r, (v, t) in self._seen.items()
-                         if v not in LEFT and self._store_ok - t >= 2 * self.interval]
+                         if v not in LEFT and self._store_ok - t >= 2 * self.schedule.interval]
                 return self._silent(quiet, now) if quiet and state == FAILED else self._left([0], state)
             why = f" ({self._store_error})" if self._store_error else ""
             return RankFailure(f"rank 0 stopped responding: the rendezvous store it hosts at {self.host}:{self.port} "
@@ -184,14 +211,14 @@ class Heartbeat:
                 return self._failure
         if (error is not None and not is_comm_error(error)) or not self._thread.is_alive():
             return None
-        deadline = time.monotonic() + 2 * self.window + self.interval
+        deadline = time.monotonic() + self.schedule.explain_wait_s
         while True:
             now = time.monotonic()
             with self._lock:
-                failure = self._diagnose(now, self.window, include_exited=True)
+                failure = self._diagnose(now, self.schedule.window, include_exited=True)
             if failure is not None or now >= deadline:
                 return failure
-            time.sleep(self.interval / 4)
+            time.sleep(self.schedule.interval / 4)
 
     def stop(self, state: str = DONE) -> None:
         """Stop the thread and leave ``state`` (done / failed / exited) for the peers to read."""
@@ -199,7 +226,7 @@ class Heartbeat:
             return
         self._stopping.set()
         atexit.unregister(self._at_exit)
-        self._thread.join(timeout=2 * self.interval)
+        self._thread.join(timeout=2 * self.schedule.interval)
         store, self._store = self._store, None
         if store is not None and not self._thread.is_alive():  # never two users of one connection
             try:
@@ -211,7 +238,8 @@ class Heartbeat:
 
     def _some_peer_quiet(self) -> bool:
         with self._lock:
-            return any(v not in LEFT and self._store_ok - t >= 2 * self.interval for v, t in self._seen.values())
+            return any(v not in LEFT and self._store_ok - t >= 2 * self.schedule.interval
+                       for v, t in self._seen.values())
 
     def _linger(self, store: dist.Store) -> None:
         """Rank 0 hosts the store: leaving at once after a peer went quiet would take it away before the
@@ -226,11 +254,11 @@ class Heartbeat:
                 v = v.decode()
                 if v != seen[k][0]:
                     seen[k] = (v, now)
-            if all(v in LEFT or now - t >= self.window for v, t in seen.values()):
+            if all(v in LEFT or now - t >= self.schedule.window for v, t in seen.values()):
                 return
-            if now - start >= 2 * self.window + 2 * self.interval:
+            if now - start >= 2 * self.schedule.window + 2 * self.schedule.interval:
                 return
-            time.sleep(self.interval / 4)
+            time.sleep(self.schedule.interval / 4)
 
     def _at_exit(self) -> None:
         self.stop(EXITED)

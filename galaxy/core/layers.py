@@ -90,7 +90,11 @@ class ParallelLinear(nn.Module):
     ``tp_form``: how tensor parallelism splits this linear ('column' / 'row'), also while it is whole
     (a block running SP or None), or None for a linear TP never splits (a head); a frozen base is
     stored by it (``galaxy.loralib.quantized``).
+    ``float8``: None, or the float8 matmul the product runs through (``galaxy.core.float8``, config key
+    ``float8_training``), on these same Parameters.
     """
+
+    float8 = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, style: str = "whole",
                  split: Optional[Sequence[int]] = None, rank: int = 0,
@@ -131,10 +135,13 @@ class ParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if (self.style != "row" or self.rank == 0) else None
+        if self.float8 is not None:
+            return self.float8(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def extra_repr(self) -> str:
-        return f"style={self.style}, weight={tuple(self.weight.shape)}, bias={self.bias is not None}"
+        float8 = f", {self.float8}" if self.float8 is not None else ""
+        return f"style={self.style}, weight={tuple(self.weight.shape)}, bias={self.bias is not None}{float8}"
 
 
 class StackedLinear(nn.Module):

@@ -3,18 +3,20 @@
 
 A model's layer is a ``TransformerLayer``: its ``compute`` is the math, calling its block edges
 (``self.edges``, ``galaxy.core.edges``) and its attention core (``self.attention_core``); ``forward`` runs
-``compute`` through ``self.runner``. ``parallelize`` sets the three on every layer of the model's stacks
-(``galaxy.core.pipeline.layer_stack``):
+``compute`` (or ``self.compiled``) under ``self.memory_mode`` (``galaxy.core.recompute``). ``parallelize``
+sets them on every layer of the model's stacks (``galaxy.core.pipeline.layer_stack``):
 
 * the edges, picked once per layer by ``layer_edges`` (the one factory of them) from the plan's overlap
   (CoC's chunks, async TP) and ``lora_fusion`` (CCLoRA's PEFT setting; ``GalaxyModel.parallelize`` picks
   them again when it changes);
-* the layer's memory mode, from one table (``MODES``): ``full`` recomputes the whole layer in backward,
-  ``selective`` its attention core, ``mlp`` its MLP between its edges (that block's edges then plain: the
-  region keeps their collectives out); ``none`` keeps everything. Which mode each layer takes:
-  ``stack_modes``;
+* the layer's memory mode (``MemoryMode``: config ``layer_memory``, or ``recompute`` /
+  ``recompute_num_layers``; ``layer_memory_modes``): ``full`` recomputes the whole layer in backward,
+  ``selective`` its attention core (``recomputed_attention``), ``mlp`` its MLP between its edges (that
+  block's edges then plain, ``RecomputedEdge``: the region keeps their collectives out); ``none`` keeps
+  everything; ``+offload`` holds what the layer still saves on the host (``galaxy.core.offload``);
+  ``mlp_chunks`` runs the MLP over sequence chunks between plain edges, each chunk its own region;
 * ``compile``: the layer's compute through ``torch.compile`` (``galaxy.core.compile``), under its mode's
-  region.
+  regions.
 
 FSDP shards the layers in the training loop (``galaxy.core.fsdp.shard_model``), whose optimizer holds
 what it sharded.
@@ -23,7 +25,7 @@ what it sharded.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch.nn as nn
 
@@ -33,25 +35,38 @@ from galaxy.core.comm import Communicator
 from galaxy.core.compile import CompiledLayer
 from galaxy.core.edges import Edge, LayerEdges, LocalEdge, PlainEdge, coc_chunks
 from galaxy.core.pipeline import layer_stacks
-from galaxy.core.recompute import generators_of, layer_modes, note_unfused_mlp_edges, recompute
+from galaxy.core.recompute import (MemoryMode, generators_of, layer_memory_modes, note_unfused_mlp_edges, recompute,
+                                   run_layer_with_memory_mode)
 
 
 class TransformerLayer(nn.Module):
     """A transformer layer as ``parallelize`` configures it (see the module docstring); until then its
-    edges are plain, its attention core plain and ``forward`` calls ``compute``."""
+    edges are plain, its attention core plain, its memory mode none and ``forward`` calls ``compute``."""
 
     def __init__(self, comm: Communicator, plan: Plan):
         super().__init__()
         self.edges = LayerEdges.plain(comm, plan)
         self.attention_core: Callable = attention
-        self.runner: Optional[Callable] = None
-        self.recompute_mode = "none"
+        self.memory_mode = MemoryMode()
+        self.compiled: Optional[CompiledLayer] = None
+
+    @property
+    def recompute_mode(self) -> str:
+        """none | full | selective | mlp (``memory_mode.recompute``)."""
+        return self.memory_mode.recompute
 
     def compute(self, *args):
         raise NotImplementedError
 
-    def forward(self, *args):
-        return (self.runner or self.compute)(*args)
+    def mlp_modules(self) -> Sequence[nn.Module]:
+        """The modules the MLP block runs (whose dropout streams its recomputed regions replay)."""
+        raise NotImplementedError
+
+    def forward(self, h, *args):
+        """``compute`` (compiled where ``compile`` is set) under the layer's memory mode
+        (``run_layer_with_memory_mode``: recomputed whole under ``full``, its saved tensors on the host with
+        ``+offload``)."""
+        return run_layer_with_memory_mode(self.memory_mode, self, self.compiled or self.compute, h, *args)
 
 
 # ----------------------------------------------------------------------------- the edges
@@ -102,17 +117,6 @@ def layer_edges(comm: Communicator, plan: Plan, choice: EdgeChoice) -> LayerEdge
 # ----------------------------------------------------------------------------- regions recomputed in backward
 
 
-class Recomputed:
-    """A layer's whole compute (``inner``) as one region: only its inputs kept, run again in backward
-    with the dropout streams of the layer (LoRA's included, injected after ``parallelize``) replayed."""
-
-    def __init__(self, inner: Callable, layer: nn.Module):
-        self.inner, self.layer = inner, layer  # not an nn.Module: the layer is not its child
-
-    def __call__(self, *args):
-        return recompute(self.inner, *args, generators=generators_of([self.layer]))
-
-
 def recomputed_attention(q, k, v, *, dropout=None, **kwargs):
     """The attention core recomputed in backward (the score matrix and the dropout mask never kept)."""
     return recompute(attention, q, k, v, generators=generators_of([dropout] if dropout is not None else []),
@@ -120,63 +124,38 @@ def recomputed_attention(q, k, v, *, dropout=None, **kwargs):
 
 
 class RecomputedEdge(PlainEdge):
-    """A block's plain edges whose ``run`` recomputes the block between them: the entry transition's
-    output is kept, the linears and what lies between them run again in backward, the collectives
-    stay out of the region."""
+    """A block's plain edges whose ``run`` runs the block between them as its layer's memory mode says
+    (``MemoryMode.mlp``): recomputed in backward (``mlp``; ``full`` where chunked) and/or over ``mlp_chunks``
+    sequence chunks, each its own region. The entry transition's output is kept, the linears and what lies
+    between them run again in backward, the collectives stay out of the region. ``modules()``: the modules
+    the block runs (``TransformerLayer.mlp_modules``), whose dropout streams a recompute replays."""
 
-    def __init__(self, comm: Communicator, plan: Plan, method: Method):
+    def __init__(self, comm: Communicator, plan: Plan, method: Method, mode: MemoryMode,
+                 modules: Callable[[], Sequence[nn.Module]]):
         super().__init__(comm, plan, method)
         self.inside = LocalEdge(comm, plan, method)
+        self.mode, self.modules = mode, modules
 
     def run(self, block: Callable, x, *args):
-        owner = block if isinstance(block, nn.Module) else getattr(block, "__self__", None)
-        generators = generators_of([owner]) if isinstance(owner, nn.Module) else []
-        y = recompute(block, self.arrive(x), self.inside, *args, generators=generators)
+        y = self.mode.mlp(lambda part: block(part, self.inside, *args), self.arrive(x), self.modules())
         return self.depart(y)
-
-
-# ----------------------------------------------------------------------------- the modes
-
-
-@dataclass(frozen=True)
-class LayerMode:
-    """What a memory mode does to one layer: ``whole(run, layer) -> run`` wraps its compute, ``core``
-    replaces its attention core, ``mlp`` recomputes its MLP between its (plain) edges."""
-
-    whole: Optional[Callable[[Callable, nn.Module], Callable]] = None
-    core: Callable = attention
-    mlp: bool = False
-
-
-MODES: dict[str, LayerMode] = {
-    "none": LayerMode(),
-    "full": LayerMode(whole=Recomputed),
-    "selective": LayerMode(core=recomputed_attention),
-    "mlp": LayerMode(mlp=True),
-}
-
-
-def stack_modes(cfg: ModelConfig, count: int) -> list[str]:
-    """The memory mode (a key of ``MODES``) of each of a stack's ``count`` layers (``recompute``,
-    ``recompute_num_layers``)."""
-    return layer_modes(cfg.recompute, cfg.recompute_num_layers, count)
 
 
 # ----------------------------------------------------------------------------- parallelize
 
 
-def configure_layer(layer: TransformerLayer, comm: Communicator, plan: Plan, choice: EdgeChoice, mode: str,
+def configure_layer(layer: TransformerLayer, comm: Communicator, plan: Plan, choice: EdgeChoice, mode: MemoryMode,
                     cfg: ModelConfig) -> None:
     """Set one layer's edges, memory ``mode`` and compile (``cfg.compile``, ``cfg.compile_mode``)."""
-    applied = MODES[mode]
-    mlp = RecomputedEdge(comm, plan, plan.mlp) if applied.mlp else block_edge(comm, plan, plan.mlp, choice)
+    mlp = block_edge(comm, plan, plan.mlp, choice)
+    # recompute mlp: one region, its edges plain; mlp_chunks: regions between plain edges (an overlapped
+    # edge keeps the MLP whole)
+    if mode.recompute == "mlp" or (mode.mlp_chunks > 1 and type(mlp) is PlainEdge):
+        mlp = RecomputedEdge(comm, plan, plan.mlp, mode, layer.mlp_modules)
     layer.edges = LayerEdges(block_edge(comm, plan, plan.att, choice), mlp)
-    layer.attention_core = applied.core
-    inner = CompiledLayer(layer, comm, cfg.compile_mode) if cfg.compile else None
-    if applied.whole is not None:
-        inner = applied.whole(inner or layer.compute, layer)
-    layer.runner = inner
-    layer.recompute_mode = mode
+    layer.attention_core = recomputed_attention if mode.recompute == "selective" else attention
+    layer.memory_mode = mode
+    layer.compiled = CompiledLayer(layer, comm, cfg.compile_mode) if cfg.compile else None
 
 
 def parallelize(model: nn.Module, plan: Plan, comm: Communicator, cfg: ModelConfig, lora_fusion: bool = False) -> None:
@@ -185,7 +164,8 @@ def parallelize(model: nn.Module, plan: Plan, comm: Communicator, cfg: ModelConf
     choice = EdgeChoice.of(plan, lora_fusion)
     overlapped = type(block_edge(comm, plan, plan.mlp, choice)) is not PlainEdge
     for stack in layer_stacks(model):
-        modes = stack_modes(cfg, len(stack))
+        first = getattr(stack, "first", 0)
+        modes = layer_memory_modes(cfg, range(first, first + len(stack)))
         note_unfused_mlp_edges(modes, overlapped)
         for layer, mode in zip(stack, modes):
-            configure_layer(layer, comm, plan, choice, mode, cfg)
+            configure_layer(layer, comm, plan, choice, MemoryMode.parse(mode, cfg.mlp_chunks), cfg)

@@ -1,4 +1,5 @@
-"""Activation recomputation: keep a region's inputs in forward and run it again in backward.
+"""Activation memory per layer: recompute a region in backward instead of keeping what it saves, and/or hold
+what a layer still saves on the host (``galaxy.core.offload``).
 
 ``recompute: full`` checkpoints each transformer layer, ``selective`` only the attention core
 (softmax(QK^T)V with its dropout, whose score matrix is the largest activation of a layer), ``mlp``
@@ -19,18 +20,33 @@ Two things it does not do for us:
 * Recomputation is not allowed to stop early (torch's default stops once the saved tensors are
   rebuilt): the rest of the region may hold collectives, and every model-parallel rank must issue
   the same ones in the same order, so each rank replays its whole region.
+
+A layer's *memory mode* (``MemoryMode``: config ``layer_memory``, or ``recompute`` /
+``recompute_num_layers`` for every layer) is its recompute mode, ``+offload`` for a layer whose saved
+tensors (and checkpointed regions' inputs) go to host memory during its forward and come back ahead of its
+backward (``galaxy.core.offload``), and the number of sequence chunks its MLP runs in (``mlp_chunks``: with
+``mlp`` or ``full`` recompute each chunk is its own recomputed region, so the MLP's backward rebuilds one chunk's
+FFN-wide tensors at a time). ``galaxy.core.parallelize`` applies them from outside the model: a layer's
+``forward`` runs through ``run_layer_with_memory_mode``, its MLP edge through ``MemoryMode.mlp`` and its attention
+core recomputed under ``selective``; ``layer_memory_modes`` gives a stack's modes.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-MODES = ("none", "full", "selective", "mlp")
+from galaxy.config import LAYER_MEMORY_MODES, OFFLOAD, RECOMPUTE_MODES, ConfigError, ModelConfig
+from galaxy.core.compile import draws_random
+from galaxy.core.offload import (HostCopies, OffloadTraffic, Offloaded, end_layer, not_offloading, offloading,
+                                 previous_store)
+
+MODES = RECOMPUTE_MODES
 logger = logging.getLogger(__name__)
 
 
@@ -46,7 +62,7 @@ def layer_modes(mode: str, num_layers: Optional[int], count: int) -> list[str]:
 def note_unfused_mlp_edges(modes: Sequence[str], fusable: bool) -> None:
     """``mlp`` runs a TP MLP as one recomputed region, its edges' collectives outside CoC's or async TP's
     overlap (``fusable``: the stack's TP MLP edges would overlap otherwise); the attention's keep it."""
-    if fusable and "mlp" in modes:
+    if fusable and any(MemoryMode.parse(m).recompute == "mlp" for m in modes):
         logger.warning("recompute 'mlp': the TP MLP runs as one recomputed region, so CoC / async TP do not "
                        "overlap its edges (the attention's still do); use recompute selective or full to keep them")
 
@@ -109,7 +125,8 @@ def recomputed_when_compiled(fn: Callable, *args):
 def recompute(fn: Callable, *args, generators: Sequence[torch.Generator] = (), **kwargs):
     """``fn(*args, **kwargs)``, keeping only its inputs for backward and running it again there with
     the dropout streams ``generators`` (and the global RNG) as they were in forward. Without
-    autograd recording (evaluation, a frozen backbone) it is a plain call."""
+    autograd recording (evaluation, a frozen backbone) it is a plain call. Inside an offloading layer
+    (``galaxy.core.offload.offloading``) the tensor inputs are kept on the host, not by the checkpoint."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     if torch.compiler.is_compiling():
@@ -122,5 +139,100 @@ def recompute(fn: Callable, *args, generators: Sequence[torch.Generator] = (), *
     def contexts():
         return _Record(generators, states), _Replay(generators, states)
 
+    copies = offloading()
+    if copies is not None:
+        fn, args = _inputs_on_host(fn, args, copies)
     with set_checkpoint_early_stop(False):
         return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
+def _inputs_on_host(fn: Callable, args: tuple, copies: HostCopies) -> tuple[Callable, tuple]:
+    """``fn`` and ``args`` for a checkpoint that holds no tensor input: the tensors go to the host store now,
+    the forward call gets the originals (the graph starts from them) and lets them go, the recompute gets
+    them back from the store."""
+    held = [(copies.pack(a), a.requires_grad) if isinstance(a, torch.Tensor) else (a, None) for a in args]
+    originals = [args]
+
+    def region(**kwargs):
+        with not_offloading():
+            if originals:
+                return fn(*originals.pop(), **kwargs)
+            # as the checkpoint's own inputs are in a recompute: detached, needing a gradient where they did
+            return fn(*(a if grad is None else copies.unpack(a).detach().requires_grad_(grad) for a, grad in held),
+                      **kwargs)
+
+    return region, ()
+
+
+@dataclass(frozen=True)
+class MemoryMode:
+    """What one layer does with its activations: ``recompute`` (none | selective | mlp | full), ``offload``
+    (what it still saves goes to the host) and ``mlp_chunks`` (sequence chunks of its MLP)."""
+
+    recompute: str = "none"
+    offload: bool = False
+    mlp_chunks: int = 1
+
+    @classmethod
+    def parse(cls, text, mlp_chunks: int = 1) -> "MemoryMode":
+        if isinstance(text, MemoryMode):
+            return text
+        if text not in LAYER_MEMORY_MODES:
+            raise ConfigError(f"config key 'layer_memory': '{text}' is not one of {', '.join(LAYER_MEMORY_MODES)}")
+        offload = text.endswith(OFFLOAD)
+        return cls(text[: -len(OFFLOAD)] if offload else text, offload, mlp_chunks)
+
+    def __str__(self) -> str:
+        return self.recompute + (OFFLOAD if self.offload else "")
+
+    def mlp(self, fn: Callable, x: torch.Tensor, modules: Sequence[nn.Module]) -> torch.Tensor:
+        """The MLP region ``fn(x)`` (``modules``: those it runs, whose dropout streams a recompute replays)
+        over ``mlp_chunks`` sequence chunks (dim -2) where it has that many tokens and draws no dropout mask
+        (chunks would draw them in another order; the config says so once), each chunk recomputed under
+        ``mlp``, and under ``full`` too where chunked: the layer rebuilt in backward then holds one chunk's
+        FFN-wide tensors at a time, not the whole MLP's, for one more pass of the MLP."""
+        chunks = 1 if any(draws_random(m) for m in modules) else min(self.mlp_chunks, x.shape[-2])
+        if self.recompute != "mlp" and not (self.recompute == "full" and chunks > 1):
+            run = fn
+        else:
+            generators = generators_of(modules)
+
+            def run(part):
+                return recompute(fn, part, generators=generators)
+        if chunks == 1:
+            return run(x)
+        return torch.cat([run(part) for part in x.tensor_split(chunks, dim=-2)], dim=-2)
+
+
+def layer_memory_modes(cfg: ModelConfig, layers: range) -> list[str]:
+    """The memory modes of the model's ``layers`` (a stack's, e.g. a pipeline stage's): ``layer_memory``
+    (one per model layer) where given, else ``recompute`` on the stack's first ``recompute_num_layers``.
+    ``activation_memory: auto`` is resolved into ``layer_memory`` before the model is built
+    (``galaxy.planner.activation.resolve_activation_memory``)."""
+    if cfg.layer_memory is not None:
+        return [cfg.layer_memory[i] for i in layers]
+    if cfg.activation_memory == "auto":
+        raise ConfigError("config key 'activation_memory' is auto, but no per-layer plan was made for it; the "
+                          "CLIs make one before building the model (galaxy.planner.activation."
+                          "resolve_activation_memory), or set layer_memory")
+    return layer_modes(cfg.recompute, cfg.recompute_num_layers, len(layers))
+
+
+def run_layer_with_memory_mode(mode: MemoryMode, layer: nn.Module, fn: Callable, h: torch.Tensor, *args,
+                               traffic: Optional[OffloadTraffic] = None):
+    """``fn(h, *args)``, the forward of ``layer`` under its memory mode: the whole call recomputed in
+    backward (``full``; selective and mlp recompute inside ``fn``), and with ``offload`` its saved tensors
+    (under full: its input) held on the host (``traffic`` counts the copies). A layer that does not offload
+    passes the previous layers' host stores on for prefetching."""
+    if not torch.is_grad_enabled():
+        return fn(h, *args)
+    previous = previous_store(h)
+    if not mode.offload:
+        out = recompute(fn, h, *args, generators=generators_of([layer])) if mode.recompute == "full" \
+            else fn(h, *args)
+        return out if previous is None else end_layer(out, HostCopies(layer, h.device, previous))
+    copies = HostCopies(layer, h.device, previous, traffic)
+    with Offloaded(copies):
+        out = recompute(fn, h, *args, generators=generators_of([layer])) if mode.recompute == "full" \
+            else fn(h, *args)
+    return end_layer(out, copies)

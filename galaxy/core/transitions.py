@@ -184,3 +184,52 @@ def transition(x: torch.Tensor, src: Layout, dst: Layout, comm: Communicator, se
         raise ValueError(f"no transition from layout {src.value} to {dst.value}: "
                          "T is an input-only layout and P an output-only one") from None
     return move(x, comm, seq_split)
+
+
+class SequenceOrder:
+    """Which tokens of the sequence each rank's stream shard holds, rank ``r`` holding ``split[r]`` of them.
+
+    Contiguous (the default): rank r holds one piece, right after rank r-1's. Zigzag (the load-balanced order
+    of causal ring attention): each share is cut into a front half (the larger when odd) and a back half; the
+    front halves lie in rank order from the start of the sequence and the back halves in reverse rank order
+    from its end, so with 2N equal chunks rank r holds chunks r and 2N-1-r and every rank has the same
+    causal work. Under zigzag the model runs on the sequence in *stream order* (the ranks' tokens one after
+    the other: ``to_stream_order``), where every layout's contiguous split is the zigzag one; only attention
+    (which needs true positions) and the model's edges (inputs in, outputs out) see the difference."""
+
+    def __init__(self, split, zigzag: bool = False):
+        self.split, self.zigzag = tuple(int(n) for n in split), zigzag
+        if zigzag:
+            fronts, backs = [(n + 1) // 2 for n in self.split], [n // 2 for n in self.split]
+            total, ahead_front, ahead_back, pieces = sum(self.split), 0, 0, []
+            for front, back in zip(fronts, backs):
+                ahead_back += back
+                pieces.append(((ahead_front, front), (total - ahead_back, back)))
+                ahead_front += front
+        else:
+            starts = [sum(self.split[:r]) for r in range(len(self.split))]
+            pieces = [((start, n),) for start, n in zip(starts, self.split)]
+        # (start, length) of every piece of every rank, empty ones left out
+        self.pieces = tuple(tuple(p for p in rank if p[1] > 0) for rank in pieces)
+
+    def positions(self, rank: int, device=None) -> torch.Tensor:
+        """The global positions of rank ``rank``'s tokens, in the order it holds them."""
+        return torch.cat([torch.arange(s, s + n, device=device) for s, n in self.pieces[rank]]
+                         or [torch.zeros(0, dtype=torch.long, device=device)])
+
+    def to_stream_order(self, x: torch.Tensor, dim: int = SEQ_DIM) -> torch.Tensor:
+        """A full-sequence tensor reordered so that rank r's tokens are the r-th contiguous piece."""
+        if not self.zigzag:
+            return x
+        return torch.cat([x.narrow(dim, s, n) for rank in self.pieces for s, n in rank], dim)
+
+    def to_natural_order(self, x: torch.Tensor, dim: int = SEQ_DIM) -> torch.Tensor:
+        """The inverse of ``to_stream_order``."""
+        if not self.zigzag:
+            return x
+        held, at = [], 0
+        for rank in self.pieces:
+            for s, n in rank:
+                held.append((s, at, n))
+                at += n
+        return torch.cat([x.narrow(dim, at, n) for _, at, n in sorted(held)], dim)

@@ -28,7 +28,7 @@ import torch
 
 from galaxy.data.batching import IGNORE_INDEX, RowStream, check_int, check_split
 from galaxy.data.corpus import SyntheticCorpus, held_out_count
-from galaxy.data.tokenizer import check_wordpiece, load_hf_tokenizer, train_wordpiece
+from galaxy.data.tokenizer import check_wordpiece, encode_wordpiece, load_hf_tokenizer, train_wordpiece
 from galaxy.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class TokenWindows:
             tok = tokenizer if tokenizer is not None else train_wordpiece(texts, vocab_size or 8000)
             check_wordpiece(tok)
             eos, pad = tok.token_to_id("[SEP]"), tok.token_to_id("[PAD]")
-            encoded = [e.ids for e in tok.encode_batch(list(texts), add_special_tokens=False)]
+            encoded = encode_wordpiece(tok, texts)
             vocab = tok.get_vocab_size()
         cut = len(encoded) - held_out_count(len(encoded), eval_fraction)
         windows = cls(encoded[:cut], encoded[cut:], seq_len=seq_len, vocab_size=vocab, pad_id=pad, eos_id=eos,

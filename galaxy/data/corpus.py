@@ -18,8 +18,8 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from galaxy.data.batching import check_int, check_split, seeded_generator
-from galaxy.data.tokenizer import (SPECIAL_TOKENS, check_wordpiece, load_hf_tokenizer, save_wordpiece,
-                                   train_wordpiece)
+from galaxy.data.tokenizer import (SPECIAL_TOKENS, check_wordpiece, encode_wordpiece, load_hf_tokenizer,
+                                   save_wordpiece, train_wordpiece)
 from galaxy.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -122,36 +122,41 @@ def read_documents(path: str) -> list[str]:
             f"text corpus file {path!r} has unsupported extension {ext!r}; use .txt (one document "
             f"per line) or .jsonl (one {{\"text\": ...}} object per line)"
         )
+    logger.info("reading %s (%.1f MB)", path, os.path.getsize(path) / 2**20)
+    docs: list[str] = []
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        with open(path, encoding="utf-8") as f:  # line by line: one copy of the text, however it is cut
+            for lineno, line in enumerate(line for read in f for line in read.splitlines()):
+                _add_document(docs, line, ext, path, lineno + 1)
     except UnicodeDecodeError as e:
         raise DataError(f"text corpus file {path!r} is not valid UTF-8 ({e}); re-encode it as UTF-8") from None
-    docs: list[str] = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        if ext == ".txt":
-            docs.append(line.strip())
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg}); each .jsonl line must be "
-                            f"an object like {{\"text\": \"...\"}}") from None
-        if not isinstance(obj, dict) or "text" not in obj:
-            raise DataError(f"{path}:{lineno}: JSON line has no 'text' field; each .jsonl line must "
-                            f"be an object like {{\"text\": \"...\"}}")
-        if not isinstance(obj["text"], str):
-            raise DataError(f"{path}:{lineno}: field 'text' must be a string, got "
-                            f"{type(obj['text']).__name__}")
-        if obj["text"].strip():
-            docs.append(obj["text"].strip())
     if not docs:
         raise DataError(f"text corpus file {path!r} contains no documents (it is empty or every "
                         f"line is blank); add at least one non-empty document")
+    logger.info("%s: %d documents, the longest %d characters", path, len(docs), max(map(len, docs)))
     return docs
 
+
+def _add_document(docs: list[str], line: str, ext: str, path: str, lineno: int) -> None:
+    """The document of one line of a .txt or .jsonl corpus, appended to ``docs`` (none for a blank line)."""
+    if not line.strip():
+        return
+    if ext == ".txt":
+        docs.append(line.strip())
+        return
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg}); each .jsonl line must be "
+                        f"an object like {{\"text\": \"...\"}}") from None
+    if not isinstance(obj, dict) or "text" not in obj:
+        raise DataError(f"{path}:{lineno}: JSON line has no 'text' field; each .jsonl line must "
+                        f"be an object like {{\"text\": \"...\"}}")
+    if not isinstance(obj["text"], str):
+        raise DataError(f"{path}:{lineno}: field 'text' must be a string, got "
+                        f"{type(obj['text']).__name__}")
+    if obj["text"].strip():
+        docs.append(obj["text"].strip())
 
 
 def held_out_count(num_documents: int, eval_fraction: float) -> int:
@@ -283,7 +288,7 @@ class TextCorpus:
             ids = {"pad": _PAD, "cls": _CLS, "sep": _SEP, "mask": _MASK}
             unk = _UNK
             special = set(range(len(SPECIAL_TOKENS)))
-            encoded = [e.ids for e in tok.encode_batch(list(texts), add_special_tokens=False)]
+            encoded = encode_wordpiece(tok, texts)
             vocab = tok.get_vocab_size()
 
         n_eval = held_out_count(len(encoded), eval_fraction)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from galaxy.errors import DataError
 
@@ -16,6 +16,25 @@ logger = logging.getLogger(__name__)
 #: Compact special-token layout shared by SyntheticCorpus and the trained WordPiece.
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 TOKENIZER_FILE = "tokenizer.json"
+# The tokenizers library keeps per-character buffers of each text it normalizes (offsets, several copies):
+# a 50 MB one-line document took 8.3 GB. The trained WordPiece gets texts in pieces of about this many
+# characters, and encodes about BATCH_CHARS of them per call.
+PIECE_CHARS = 1 << 16
+BATCH_CHARS = 1 << 23
+
+
+def space_pieces(text: str, size: int = PIECE_CHARS) -> Iterator[str]:
+    """``text`` in consecutive pieces of at least ``size`` characters (the last may be shorter), each cut just
+    before a space: a BERT normalizer and pre-tokenizer split words there, so the words (and the WordPiece
+    tokens) of the pieces are the text's. A stretch without a space stays whole."""
+    start = 0
+    while len(text) - start > size:
+        cut = text.find(" ", start + size)
+        if cut < 0:
+            break
+        yield text[start:cut]
+        start = cut
+    yield text[start:] if start else text
 
 
 # ----------------------------------------------------------------------------- trained WordPiece
@@ -38,8 +57,36 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int, min_frequency: int = 
     trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                         special_tokens=list(SPECIAL_TOKENS), continuing_subword_prefix="##",
                                         show_progress=False)
-    tok.train_from_iterator(list(texts), trainer)
+    tok.train_from_iterator((piece for text in texts for piece in space_pieces(text)), trainer)
     return tok
+
+
+def encode_wordpiece(tok, texts: Sequence[str], piece_chars: int = PIECE_CHARS,
+                     batch_chars: int = BATCH_CHARS) -> list[list[int]]:
+    """The ids of each text (no special tokens) under a trained WordPiece ``tok``: the texts' ``space_pieces``
+    (of ``piece_chars``) encoded about ``batch_chars`` characters at a time, so that no call holds a whole long
+    document."""
+    ids: list[list[int]] = [[] for _ in texts]
+    pieces: list[str] = []
+    owners: list[int] = []
+    size = 0
+
+    def flush() -> None:
+        for owner, encoding in zip(owners, tok.encode_batch(pieces, add_special_tokens=False)):
+            ids[owner].extend(encoding.ids)
+        pieces.clear()
+        owners.clear()
+
+    for i, text in enumerate(texts):
+        for piece in space_pieces(text, piece_chars):
+            pieces.append(piece)
+            owners.append(i)
+            size += len(piece)
+            if size >= batch_chars:
+                flush()
+                size = 0
+    flush()
+    return ids
 
 
 def check_wordpiece(tok) -> None:
@@ -83,6 +130,8 @@ def shared_wordpiece(texts: Sequence[str], vocab_size: int, share: Callable[[Cal
             logger.info("WordPiece: reusing %s", path)
             with open(path, encoding="utf-8") as f:
                 return f.read()
+        logger.info("WordPiece: training a vocabulary of %d on %d texts (%.1f MB)", vocab_size, len(texts),
+                    sum(map(len, texts)) / 2**20)
         text = train_wordpiece(texts, vocab_size, min_frequency).to_str()
         os.makedirs(directory, exist_ok=True)
         partial = f"{path}.{os.getpid()}.tmp"

@@ -1,21 +1,23 @@
-"""Frozen base weights stored small: in the compute dtype (bf16/fp16), or quantized: NF4 (QLoRA)
-or row-wise int8 (LLM.int8 weights).
+"""Frozen base weights stored small: in the compute dtype (bf16/fp16), or quantized: NF4 (QLoRA),
+row-wise int8 (LLM.int8 weights) or row-wise fp8 e4m3 (multiplied on the fp8 tensor cores).
 
 ``cast_frozen_`` moves every frozen floating-point parameter to the compute dtype in place (the
 Parameter objects, and so their gradient rules and shard specs, stay). ``quantize_linears``
 replaces the frozen linears by ``QuantLinear``s whose weight is a ``QuantizedWeight`` (buffers, no
 Parameter), quantized from this rank's shard alone.
 
-Why every plan equals serial QLoRA: both formats quantize one row of the stored matrix at a time
-(``galaxy.loralib.nf4``, ``galaxy.loralib.int8``), and a linear is stored so that tensor parallelism splits whole rows:
-a column-parallel linear (q/k/v, gate/up, BERT query/key/value/intermediate) as ``W [out, in]``
-(TP splits ``out``), a row-parallel one (o_proj, down_proj, BERT ``output.dense``) as
-``W^T [in, out]`` (TP splits ``in``). The orientation belongs to the linear's TP form, not to the
-plan, so a whole weight under SP or serial is stored the same way and the shards of every plan
-are slices of the serial buffers, bit for bit. ``QuantizedWeight.spec`` records that slice (dim 0 of
-every buffer), which is what gathering, checkpoints and resharding read.
+Why every plan equals serial QLoRA: every format quantizes one row of the stored matrix at a time
+(``galaxy.loralib.nf4``, ``galaxy.loralib.int8``, ``galaxy.loralib.fp8``), and a linear is stored so that
+tensor parallelism splits whole rows: a column-parallel linear (q/k/v, gate/up, BERT
+query/key/value/intermediate) as ``W [out, in]`` (TP splits ``out``), a row-parallel one (o_proj, down_proj,
+BERT ``output.dense``) as ``W^T [in, out]`` (TP splits ``in``). The orientation belongs to the linear's TP
+form, not to the plan, so a whole weight under SP or serial is stored the same way and the shards of every
+plan are slices of the serial buffers, bit for bit. ``QuantizedWeight.spec`` records that slice (dim 0 of
+every buffer), which is what gathering, checkpoints and resharding read. fp8 also quantizes the activations
+per token row, and a product that sums over the stored rows takes each token row's amax over the mp group
+(``QuantizedWeight.comm``), so a shard quantizes its piece of a row as serial does.
 
-``materialize`` is the one loader of every storage format (bf16, fp16, nf4, int8, fp32): it fills a
+``materialize`` is the one loader of every storage format (bf16, fp16, nf4, int8, fp8, fp32): it fills a
 model laid out on the meta device tensor by tensor, from a safetensors checkpoint read slice by slice
 or from the model's own seeded init, each tensor made straight in the format it is stored in, so a
 frozen base never exists in fp32 (``galaxy.peft.build_base``).
@@ -48,17 +50,23 @@ def quantizable(name: str, module: nn.Module, skip=()) -> bool:
 
 def quantize_linears(model: nn.Module, skip=(), backend: str = "auto", kind: str = "nf4") -> list[str]:
     """Replace every ``ParallelLinear`` / ``nn.Linear`` of ``model`` (not under ``skip`` module
-    names nor an output head) by a ``QuantLinear`` quantized (``kind``: nf4 | int8) from this rank's
+    names nor an output head) by a ``QuantLinear`` quantized (``kind``: nf4 | int8 | fp8) from this rank's
     weight; returns the names."""
     done = []
+    comm = _mp_group(model)
     for name, module in list(model.named_modules()):
         if not quantizable(name, module, skip):
             continue
         parent, child = parent_of(model, name)
-        setattr(parent, child, QuantLinear.from_linear(module, row_parallel(module), kind, backend))
+        setattr(parent, child, QuantLinear.from_linear(module, row_parallel(module), kind, backend, comm))
         done.append(name)
     logger.info("%s: quantized %d linears (e.g. %s)", kind, len(done), done[:3])
     return done
+
+
+def _mp_group(model: nn.Module):
+    """The model's mp group (a Galaxy model's ``ctx.mp``), over which its TP shards lie; None for others."""
+    return getattr(getattr(model, "ctx", None), "mp", None)
 
 
 def dequantize_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> list[str]:
@@ -150,16 +158,16 @@ def materialize(model: nn.Module, path: Optional[str] = None, seed: int = 0,
     """Fill ``model``, laid out on the meta device (its constructor's ``meta=True``), one tensor at a
     time, each made in the format it is stored in; returns it. The one loader of every storage format.
 
-    Values: this rank's slice of each tensor of the local checkpoint directory ``path`` (safetensors,
-    read lazily slice by slice), or without a path the model's serial init from ``seed``
-    (``GalaxyModel.initial_piece``: the full tensor drawn in float32 as ``init_weights`` draws it, then
-    sliced; on ``init_device``, by its generator, when given: a GPU draws in seconds what the host draws in
-    minutes, and the host then holds no weight at all). Formats: with ``kind`` (nf4 | int8) every ``quantizable`` linear (all but heads and
-    ``skip``) becomes a ``QuantLinear`` quantized from its fp32 piece; the other parameters that
-    ``frozen(name)`` says stay frozen (default: all) are stored in ``frozen_dtype`` (None: ``dtype``),
-    the rest (trainable: fp32 masters) in ``dtype``. So the model equals the one built in ``dtype`` (or
-    ``from_pretrained``) followed by ``quantize_linears`` and ``cast_frozen_`` bit for bit, and host
-    memory peaks at the stored model plus one tensor as drawn or read (and its stored copy)."""
+    Values: this rank's slice of each tensor of the local checkpoint directory ``path`` (safetensors, read
+    lazily slice by slice), or without a path the model's serial init from ``seed``
+    (``GalaxyModel.initial_piece``: the full tensor drawn in float32 as ``init_weights`` draws it, then sliced;
+    on ``init_device``, by its generator, when given: a GPU draws in seconds what the host draws in minutes, and
+    the host then holds no weight at all). Formats: with ``kind`` (nf4 | int8 | fp8) every ``quantizable``
+    linear (all but heads and ``skip``) becomes a ``QuantLinear`` quantized from its fp32 piece; the other
+    parameters that ``frozen(name)`` says stay frozen (default: all) are stored in ``frozen_dtype`` (None:
+    ``dtype``), the rest (trainable: fp32 masters) in ``dtype``. So the model equals the one built in ``dtype``
+    (or ``from_pretrained``) followed by ``quantize_linears`` and ``cast_frozen_`` bit for bit, and host memory
+    peaks at the stored model plus one tensor as drawn or read (and its stored copy)."""
     if kind != "none" and kind not in FORMATS:
         raise ValueError(f"quantize_base '{kind}' is not one of none, {', '.join(FORMATS)}")
     device = model.ctx.device
@@ -184,7 +192,7 @@ def materialize(model: nn.Module, path: Optional[str] = None, seed: int = 0,
             w = module.weight
             spec = shard_spec(w)
             qweight = FORMATS[kind].quantize(read(f"{name}.weight", w).to(device).contiguous(), spec,
-                                             row_parallel(module), backend)
+                                             row_parallel(module), backend, model.ctx.mp)
             parent, child = parent_of(model, name)
             setattr(parent, child, QuantLinear(qweight, module.bias, getattr(module, "style", "whole"),
                                                getattr(module, "rank", 0), spec, grad_rule(w)))

@@ -1,4 +1,4 @@
-"""Quantized storage of a frozen linear: ``QuantizedWeight`` (NF4 or int8 buffers of this rank's rows,
+"""Quantized storage of a frozen linear: ``QuantizedWeight`` (NF4, int8 or fp8 buffers of this rank's rows,
 no Parameter) and ``QuantLinear``, a frozen ``ParallelLinear`` that computes through it. How a
 linear is oriented so that tensor parallelism splits whole rows: ``galaxy.loralib.quantized``.
 """
@@ -11,7 +11,10 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from galaxy.core.comm import Communicator
 from galaxy.core.layers import GradRule, ParallelLinear, ShardSpec, grad_rule, set_param_meta, shard_spec
+from galaxy.loralib.fp8 import FP8Rows, dequantize_fp8, fp8_linear, note_off_tensor_cores, quantize_fp8, \
+    runs_on_tensor_cores
 from galaxy.loralib.int8 import Int8Rows, dequantize_int8, int8_linear, quantize_int8
 from galaxy.loralib.nf4 import NF4Rows, dequantize_nf4, nf4_linear, quantize_nf4
 
@@ -28,28 +31,31 @@ def row_parallel(linear: nn.Module) -> bool:
 class QuantizedWeight(nn.Module):
     """A frozen weight ``[out, in]`` (this rank's piece) kept quantized row by row, as buffers (dim 0 of
     each is the stored row). ``transposed``: stored as ``W^T``. ``spec``: the piece of the full buffers
-    this rank holds (dim 0), or None when whole. Subclasses name the buffers and the format."""
+    this rank holds (dim 0), or None when whole; ``comm``: the group the rows are sharded over (a format
+    whose products sum over the rows needs it: fp8). Subclasses name the buffers and the format."""
 
     FORMAT = ""
     BUFFERS: tuple[str, ...] = ()
     FP32_BUFFERS: tuple[str, ...] = ()  # scales: part of the format, never cast with the model
 
-    def __init__(self, rows, transposed: bool, spec: Optional[ShardSpec], backend: str = "auto"):
+    def __init__(self, rows, transposed: bool, spec: Optional[ShardSpec], backend: str = "auto",
+                 comm: Optional[Communicator] = None):
         super().__init__()
         for name in self.BUFFERS:
             self.register_buffer(name, getattr(rows, name))
         self.cols, self.transposed, self.spec, self.backend = rows.cols, transposed, spec, backend
+        self.comm = comm if spec is not None else None
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, spec: Optional[ShardSpec], transposed: bool,
-                 backend: str = "auto") -> "QuantizedWeight":
+                 backend: str = "auto", comm: Optional[Communicator] = None) -> "QuantizedWeight":
         """Quantize this rank's ``weight`` ``[out, in]``, the piece ``spec`` of the full weight (or all of it)."""
         if spec is not None and spec.dim != (1 if transposed else 0):
             raise ValueError(f"a quantized weight stored {'transposed' if transposed else 'as [out, in]'} must be "
                              f"sharded along its rows, but the shard is along weight dim {spec.dim}")
         rows_spec = ShardSpec(0, spec.sizes, spec.rank) if spec is not None else None
         w = weight.detach()
-        return cls(cls.quantize_in_blocks(w.t() if transposed else w), transposed, rows_spec, backend)
+        return cls(cls.quantize_in_blocks(w.t() if transposed else w), transposed, rows_spec, backend, comm)
 
     @classmethod
     def quantize_in_blocks(cls, rows: torch.Tensor):
@@ -146,7 +152,45 @@ class Int8Weight(QuantizedWeight):
         return int8_linear(x, self.rows(), bias, self.transposed)
 
 
-FORMATS = {"nf4": NF4Weight, "int8": Int8Weight}
+class FP8Weight(QuantizedWeight):
+    """Row-wise float8 e4m3 (``galaxy.loralib.fp8``): ``codes`` (the e4m3 bits as uint8), ``scale`` fp32;
+    products on the fp8 tensor cores (``torch._scaled_mm``) where the device and dims allow."""
+
+    FORMAT = "fp8"
+    BUFFERS = ("codes", "scale")
+    FP32_BUFFERS = ("scale",)
+    quantize_rows = staticmethod(quantize_fp8)
+
+    def __init__(self, rows, transposed: bool, spec: Optional[ShardSpec], backend: str = "auto",
+                 comm: Optional[Communicator] = None):
+        super().__init__(rows, transposed, spec, backend, comm)
+        self.tensor_cores = False
+        self._place()
+
+    def _place(self) -> None:
+        """Whether the products run on ``_scaled_mm`` where the buffers now are (a dim off its multiple of 16
+        said once)."""
+        rows, cols = self.codes.shape
+        self.tensor_cores = runs_on_tensor_cores(self.codes.device, rows, cols)
+        if self.codes.device.type == "cuda" and not self.tensor_cores:
+            note_off_tensor_cores(rows, cols)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._place()
+        return self
+
+    def rows(self) -> FP8Rows:
+        return FP8Rows(self.codes, self.scale)
+
+    def dequantize_rows(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_fp8(self.rows(), dtype)
+
+    def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return fp8_linear(x, self.rows(), bias, self.transposed, self.comm, self.backend, self.tensor_cores)
+
+
+FORMATS = {"nf4": NF4Weight, "int8": Int8Weight, "fp8": FP8Weight}
 
 
 class QuantLinear(nn.Module):
@@ -160,11 +204,12 @@ class QuantLinear(nn.Module):
         self.weight_spec, self.weight_rule = weight_spec, weight_rule  # what the fp weight's metadata was
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, transposed: bool, kind: str = "nf4",
-                    backend: str = "auto") -> "QuantLinear":
+    def from_linear(cls, linear: nn.Module, transposed: bool, kind: str = "nf4", backend: str = "auto",
+                    comm: Optional[Communicator] = None) -> "QuantLinear":
+        """``comm``: the model's mp group (its TP shards' group), which fp8 products need."""
         w, spec = linear.weight, shard_spec(linear.weight)
-        return cls(FORMATS[kind].quantize(w, spec, transposed, backend), linear.bias, getattr(linear, "style", "whole"),
-                   getattr(linear, "rank", 0), spec, grad_rule(w))
+        return cls(FORMATS[kind].quantize(w, spec, transposed, backend, comm), linear.bias,
+                   getattr(linear, "style", "whole"), getattr(linear, "rank", 0), spec, grad_rule(w))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.qweight.linear(x, self.bias if (self.style != "row" or self.rank == 0) else None)

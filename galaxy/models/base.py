@@ -140,9 +140,9 @@ class GalaxyModel(nn.Module):
 
     def parallelize(self, lora_fusion: Optional[bool] = None) -> None:
         """Configure how the layers compute, from this model's plan and config (``galaxy.core.parallelize``):
-        their block edges, memory modes (``recompute``) and ``compile``. The constructor applies it;
-        ``lora_fusion`` (kept until given again) picks the edges again for that PEFT setting
-        (``galaxy.loralib.set_lora_fusion``)."""
+        their block edges, memory modes (``recompute`` / ``layer_memory``, ``mlp_chunks``) and ``compile``. The
+        constructor applies it; ``lora_fusion`` (kept until given again) picks the edges again for that PEFT
+        setting (``galaxy.loralib.set_lora_fusion``)."""
         if lora_fusion is not None:
             self.lora_fusion = lora_fusion
         parallelize_layers(self, self.plan, self.ctx.mp, self.config, self.lora_fusion)

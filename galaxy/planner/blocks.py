@@ -113,7 +113,7 @@ class DeviceTimer:
     a spin kernel holds the stream while the host queues the parts, so the events time the kernels,
     not their launches, as in a training step whose host runs ahead of a busy GPU. On the host
     clock, with a synchronize around each part, every piece and collective carried a 0.2-0.8 ms
-    floor per call on an H200 (docs/benchmarks.md)."""
+    floor per call on an H200 (docs/benchmarks-log.md)."""
 
     MAX_LEAD_S = 0.05  # work that synchronizes inside (a .item()) never gets ahead: its host time is its cost
 

@@ -18,11 +18,16 @@ function of one size (``PIECES``); the other sizes are the model's full ones, or
 the measured batch sizes a piece is linear in rows (so a fixed per-call overhead is kept, not
 scaled); with one batch size it is proportional. Collective bytes are the full tensor's bytes
 (``galaxy.core.comm`` pads uneven pieces to the largest one; the cost model charges that).
-A group's ``ops`` are the seconds from the last member's arrival at a collective until it leaves,
+A group's ``ops`` (``OPS``) are the seconds from the last member's arrival at a collective until it leaves,
 ``early_leave`` until the members that were waiting for it leave: not the same over Gloo's TCP
 transport, where an all-gather lets the waiting members go ~0.4-0.5x its time before the last one
-(its peers' pieces reach the last member only after its own have left; docs/benchmarks.md). Files
-without ``early_leave`` (older ones) have every member leave together.
+(its peers' pieces reach the last member only after its own have left; docs/benchmarks-log.md). Files
+without ``early_leave`` (older ones) have every member leave together. ``all_to_all`` is timed by the whole
+input a rank sends (its own piece included, as ``galaxy.core.comm`` records it), ``send_recv`` by the bytes each
+member sends to the next while it receives from the one before (a ring shift, as ring attention's steps). Files
+from before these were measured derive them from the group's all-gather: an all-to-all of B bytes as an all-gather
+of B (each moves (N-1)/N of it per rank), a ring shift of B as an all-gather of N/(N-1) x B (whose ring moves
+(N-1)/N of its output through every link).
 The overheads are what the fastest of a few real serial training steps / batch-1 forwards of the
 model took on the rank beyond the cost model's prediction from its pieces; every prediction adds
 them. Where the real model took less than its pieces (blocks timed one by one run a little slower than inside the
@@ -36,6 +41,9 @@ against the same step with one layer less, both timed) over what its layer piece
 scale; every piece but the head's is multiplied by it in training. A 2-layer calibration step fitted as a whole
 leaves the layers' share wrong: on an H200 the pieces under-predicted a 7B layer by 7% and over-predicted the
 head, so 32 layers ran 6% slower than a plan predicted (docs/benchmarks.md).
+``host_link_bytes_per_s`` (absent: ``DEFAULT_HOST_LINK_BYTES_PER_S``): on a GPU, the rank's pinned host copies'
+bytes per second, the slower direction (what an offloading layer's copies run at); elsewhere the default.
+``host_memory_bytes`` (absent: no limit): the pinned host memory the rank may offload to.
 ``sustained_scale`` (at least 1; absent: 1): a serial training step's time after some seconds of steps
 back to back over its time in the short runs the pieces and the calibration were timed in; a GPU held at
 its power limit by a training run clocks lower than in a burst (an H200 at 700 W: 1,550-1,600 MHz
@@ -57,6 +65,7 @@ from galaxy.config import ConfigError, ModelConfig
 from galaxy.core.context import rank_of
 
 VERSION = 1
+DEFAULT_HOST_LINK_BYTES_PER_S = 20e9  # a rank's host link where unmeasured (a CPU: configured, not measured)
 # piece name -> the size it varies (the others are full)
 PIECES = {
     "att_proj.heads": "query heads; q/k/v projections (and RoPE) on all tokens",
@@ -69,7 +78,10 @@ PIECES = {
     "head.tokens": "tokens; embeddings + output head + loss",
 }
 EDGE_PIECES = frozenset({"head.tokens"})  # the model's ends, once a step: the rest run once per layer
-OPS = ("all_reduce", "all_gather", "reduce_scatter")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+# Measured since the SP attention flavours (sp_attention: ulysses's all-to-alls, ring's point-to-point
+# exchanges); a file from before holds the first three, and these are derived from its all-gather.
+LATER_OPS = ("all_to_all", "send_recv")
 
 
 def layout_groups(world: int) -> list[tuple[int, ...]]:
@@ -250,6 +262,8 @@ class RankProfile:
     # a real layer's training time (a serial step against the same with one layer less) over its pieces' after
     # the compute scale; scales every piece but the head's in training; 1 where unmeasured (CPU: too noisy)
     layer_compute_scale: float = 1.0
+    host_link_bytes_per_s: float = DEFAULT_HOST_LINK_BYTES_PER_S  # pinned copies to/from the host (GPU: measured)
+    host_memory_bytes: Optional[int] = None  # pinned host memory the rank may offload to; None: no limit
     # the serial runs those came from (seconds; the peak bytes, None where unmeasured; empty in older files)
     serial_steps_s: tuple[float, ...] = ()
     serial_forwards_s: tuple[float, ...] = ()
@@ -385,7 +399,8 @@ class ClusterProfile:
                        "step_compute_scale": r.step_compute_scale, "forward_compute_scale": r.forward_compute_scale,
                        "activation_scale": r.activation_scale, "sustained_scale": r.sustained_scale,
                        "serial_steps_s": list(r.serial_steps_s), "serial_forwards_s": list(r.serial_forwards_s),
-                       "layer_compute_scale": r.layer_compute_scale,
+                       "layer_compute_scale": r.layer_compute_scale, "host_link_bytes_per_s": r.host_link_bytes_per_s,
+                       "host_memory_bytes": r.host_memory_bytes,
                        "serial_peak_bytes": r.serial_peak_bytes, "shallower_peak_bytes": r.shallower_peak_bytes,
                        "shallower_steps_s": list(r.shallower_steps_s)}
                       for r in self.ranks],
@@ -444,16 +459,21 @@ class _Reader:
             raise self.fail(f"{path}samples", "must be a list of [size, seconds] pairs")
         return tuple((float(a), float(b)) for a, b in raw)
 
-    def fits(self, group: Any, key: str, path: str) -> dict[str, AlphaBeta]:
-        """One AlphaBeta per collective op under ``group[key]``."""
+    def fits(self, group: Any, key: str, path: str, size: int) -> dict[str, AlphaBeta]:
+        """One AlphaBeta per collective op under ``group[key]`` (a group of ``size`` ranks); ``LATER_OPS`` that a
+        file from before them lacks are derived from its all-gather (the module docstring says how)."""
         ops_raw, ops = self.get(group, key, path, dict), {}
         for op in OPS:
             entry = ops_raw.get(op)
+            if entry is None and op in LATER_OPS:
+                continue
             if entry is None:
                 raise self.fail(f"{path}{key}.{op}", "is missing")
             p = f"{path}{key}.{op}."
             ops[op] = AlphaBeta(self.get(entry, "alpha_s", p, float), self.get(entry, "beta_s_per_byte", p, float),
                                 self.samples(entry, p))
+        ops.setdefault("all_to_all", ops["all_gather"])
+        ops.setdefault("send_recv", ops["all_gather"].scaled_bytes(size / (size - 1)))
         return ops
 
 
@@ -518,6 +538,10 @@ def cluster_from_dict(raw: Any, source: str = "<dict>") -> ClusterProfile:
                          f"got {scales['sustained_scale']}")
         scales["layer_compute_scale"] = r.get(rank_raw, "layer_compute_scale", path, float, positive=True) \
             if "layer_compute_scale" in rank_raw else 1.0  # older files: 1
+        scales["host_link_bytes_per_s"] = r.get(rank_raw, "host_link_bytes_per_s", path, float, positive=True) \
+            if "host_link_bytes_per_s" in rank_raw else DEFAULT_HOST_LINK_BYTES_PER_S  # older files, CPUs
+        if rank_raw.get("host_memory_bytes") is not None:
+            scales["host_memory_bytes"] = r.get(rank_raw, "host_memory_bytes", path, int, positive=True)
         serial = {key: r.numbers(rank_raw, key, path) if rank_raw.get(key, []) != [] else ()
                   for key in ("serial_steps_s", "serial_forwards_s", "shallower_steps_s")}  # older files: none
         for key in ("serial_peak_bytes", "shallower_peak_bytes"):
@@ -534,9 +558,9 @@ def cluster_from_dict(raw: Any, source: str = "<dict>") -> ClusterProfile:
         if len(members) < 2 or not all(isinstance(m, int) and 0 <= m < world for m in members) \
                 or len(set(members)) != len(members):
             raise r.fail(f"{path}ranks", f"must list at least two distinct ranks of 0..{world - 1}, got {members}")
-        groups[tuple(members)] = r.fits(g, "ops", path)
+        groups[tuple(members)] = r.fits(g, "ops", path, len(members))
         if "early_leave" in g:  # older files: every member leaves together
-            early[tuple(members)] = r.fits(g, "early_leave", path)
+            early[tuple(members)] = r.fits(g, "early_leave", path, len(members))
     return ClusterProfile(world, str(raw.get("backend", "")), str(raw.get("device", "")), model,
                           tuple(int(v) for v in rows), seq, str(raw.get("dtype", "float32")), tuple(ranks),
                           groups, early)

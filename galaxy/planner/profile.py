@@ -1,7 +1,8 @@
 """Measure a cluster on the ranks it runs on: each rank times the real ATT, CON and MLP blocks of
 the model at the candidate shard sizes (``galaxy.planner.blocks``), its optimizer step by parameter
 count, what a real training step takes beyond those, and its memory budget; every group a plan can
-use times all-reduce, all-gather and reduce-scatter by message size (alpha-beta fits).
+use times all-reduce, all-gather, reduce-scatter, all-to-all and a ring shift of point-to-point exchanges
+(the SP attention flavours' collectives) by message size (alpha-beta fits).
 
 All ranks measure at the same time, as they compute during training, so shared cores and links
 are measured under the contention a run sees. Any backend works: CPU/Gloo, CUDA/NCCL, emulated.
@@ -24,8 +25,10 @@ from galaxy.config import Method, ModelConfig, Plan
 from galaxy.core.comm import Communicator
 from galaxy.core.context import ParallelContext
 from galaxy.planner.blocks import DeviceTimer, measure_blocks, synchronize, windowed
-from galaxy.planner.cluster import OPS, AlphaBeta, ClusterProfile, RankProfile, candidate_groups
-from galaxy.planner.cost import GRAD_BUCKET_BYTES, Layout, Splits, Workload, predict
+from galaxy.planner.cluster import (DEFAULT_HOST_LINK_BYTES_PER_S, OPS, AlphaBeta, ClusterProfile, RankProfile,
+                                    candidate_groups)
+from galaxy.planner.simulate import GRAD_BUCKET_BYTES, predict
+from galaxy.planner.workload import Layout, Splits, Workload
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +97,33 @@ def memory_budget(device: torch.device, local_ranks: int, override_gb: Optional[
     return int(available * 0.9 / max(local_ranks, 1))
 
 
+def measure_host_link(device: torch.device, nbytes: int = 256 * 2**20, reps: int = 5) -> float:
+    """Bytes per second of pinned host copies to and from ``device`` (the slower direction, the median of
+    ``reps``; every rank of a host at once, as offloading layers copy during training). A CPU: the default
+    (``cluster.DEFAULT_HOST_LINK_BYTES_PER_S``), its "host copy" being a copy in the same memory."""
+    if device.type != "cuda":
+        return DEFAULT_HOST_LINK_BYTES_PER_S
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    seconds = {"to_host": [], "to_device": []}
+    for _ in range(reps + 1):  # the first warms up
+        for direction, (dst, src) in (("to_host", (host, on_device)), ("to_device", (on_device, host))):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            seconds[direction].append(start.elapsed_time(end) / 1e3)
+    return nbytes / max(statistics.median(t[1:]) for t in seconds.values())
+
+
+def host_memory_share(local_ranks: int) -> int:
+    """Pinned host memory one of ``local_ranks`` ranks may offload to: half the host's available memory, shared."""
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(int(info["MemAvailable"].split()[0]) * 1024 * 0.5 / max(local_ranks, 1))
+
+
 # ----------------------------------------------------------------------------- the rest of a step
 
 
@@ -160,7 +190,7 @@ def measure_sustained(m: ModelConfig, rows: int, seq: int, dtype: str, device: t
     the median of their last fifth over the median of ``burst_steps_s`` (the calibration's steps, the
     short runs the pieces match), at least 1. A training run holds a GPU at its power limit, where it
     clocks lower than in the profile's bursts (an H200 at 700 W: ~1,560 MHz against 1,980 for a burst;
-    the 4-GPU plans it ran were predicted 14-17% fast, docs/benchmarks.md)."""
+    the 4-GPU plans it ran were predicted 14-17% fast, docs/benchmarks-log.md)."""
     reps = max(5, math.ceil(seconds / min(burst_steps_s)))
     steps, _, _ = measure_serial(m, rows, seq, dtype, device, reps, forwards=False)
     late = statistics.median(steps[-max(3, len(steps) // 5):])
@@ -185,14 +215,14 @@ def calibrated(me: RankProfile, m: ModelConfig, rows: int, seq: int, dtype: str,
     to match. One layer's difference, not the whole peak: the embeddings, head and loss of a shallow
     calibration model, whose transients the cost model does not place, made a 2-layer LLaMA-7B step's
     peak read as 0.37 of its activations, and 4-GPU plans then held 23-33% more than predicted
-    (docs/benchmarks.md).
+    (docs/benchmarks-log.md).
 
     ``shallower_steps_s``: that step's times (a GPU's; a CPU's are too noisy for a difference). A layer's
     time is then the two steps' difference, less the optimizer's share of one layer: the layer pieces are
     scaled to it (``layer_compute_scale``) and the rest of the step (embeddings, head, loss) is calibrated
     as above on what remains. Fitted as a whole, a 2-layer step spread its error over the layers and the
     head: on an H200 the pieces under-predicted a 7B layer by 7% and over-predicted the head, so that 32
-    layers ran 6% slower than predicted (docs/benchmarks.md)."""
+    layers ran 6% slower than predicted (docs/benchmarks-log.md)."""
     me = dataclasses.replace(me, step_overhead_s=0.0, forward_overhead_s=0.0, step_compute_scale=1.0,
                              forward_compute_scale=1.0, activation_scale=1.0, sustained_scale=1.0,
                              layer_compute_scale=1.0)
@@ -287,7 +317,7 @@ def collective_sizes(m: ModelConfig, rows: int, seq: int, world: int,
     (K and V gathered, padded to a shard that holds every token: world x the whole activation, twice),
     and for all-reduce up to a gradient sync's bucket: extrapolated to 25 MiB along the slope between
     2 and 4 MiB (237 ms/MiB at 50 Mbit, where 16-25 MiB run at 201), it put every replicated training
-    step 13% high (docs/benchmarks.md).
+    step 13% high (docs/benchmarks-log.md).
     ``most_bytes``: one limit for every op instead."""
     largest = most_bytes or min(max(2 * world * rows * seq * m.hidden_size * 4, 2**20), 2**26)
     sizes = {op: message_sizes(largest) for op in OPS}
@@ -320,10 +350,14 @@ def measure_group(comm: Communicator, device: torch.device, sizes: dict[str, lis
             full = torch.randn(piece * comm.size, device=device)
             local = full[:piece].contiguous()
             even = [piece] * comm.size
+            shift = torch.empty_like(full)  # a ring shift sends the whole buffer to the next member
             runs.append((float(full.numel() * 4), {
                 "all_reduce": lambda full=full: comm.all_reduce(full),
                 "all_gather": lambda local=local, even=even: comm.all_gather(local, 0, even),
-                "reduce_scatter": lambda full=full, even=even: comm.reduce_scatter(full, 0, even)}[op]))
+                "reduce_scatter": lambda full=full, even=even: comm.reduce_scatter(full, 0, even),
+                "all_to_all": lambda full=full, even=even: comm.all_to_all(full.split(even), [(n,) for n in even]),
+                "send_recv": lambda full=full, shift=shift: comm.start_exchange(
+                    full, shift, (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size).wait()}[op]))
         as_last, as_waiting = [[] for _ in runs], [[] for _ in runs]
         for i in range(reps + 1):
             late = comm.rank == i % comm.size
@@ -390,12 +424,18 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
         window_s = 0.0  # the window averages over CPU-quota periods; a GPU's events time what they time
     calibration = m if calibration_layers is None else \
         dataclasses.replace(m, num_hidden_layers=min(m.num_hidden_layers, calibration_layers))
+    # Stages at INFO: the CLI shows them on rank 0 (galaxy.cli.output.STAGE_LOGGERS).
+    logger.info("profile: whole serial training steps of %d layers (calibration)", calibration.num_hidden_layers)
     before = measure_serial(calibration, max(rows), seq, dtype, ctx.device, reps, window_s)
-    pieces = {n: measure_blocks(m, n, seq, ctx.device, dtype, reps, barrier, ffn_unit, window_s, agree, timer)
-              for n in rows}
+    pieces = {}
+    for n in rows:
+        logger.info("profile: each block at %d row(s), every shard size", n)
+        pieces[n] = measure_blocks(m, n, seq, ctx.device, dtype, reps, barrier, ffn_unit, window_s, agree, timer)
+    logger.info("profile: the optimizer step")
     optimizer = measure_optimizer(ctx.device, min(model_params(m), 2**24), reps, barrier, window_s, timer)
     barrier()
     # timed again after the pieces: a burst of load during one timing is then one of two, not all
+    logger.info("profile: the serial training steps again")
     after = measure_serial(calibration, max(rows), seq, dtype, ctx.device, reps, window_s)
     peaks = [p for p in (before[2], after[2]) if p is not None]
     serial = (before[0] + after[0], before[1] + after[1], min(peaks) if peaks else None)
@@ -422,14 +462,17 @@ def profile_rank(ctx: ParallelContext, m: ModelConfig, rows: Sequence[int], seq:
     groups = {}
     if world > 1:
         sizes = collective_sizes(m, max(rows), seq, world, most_bytes)
+        logger.info("profile: each collective by message size, on every group of the %d ranks", world)
         for members, group in probe_groups(run_group, world):
             if rank in members:
                 comm = Communicator("probe", members.index(rank), len(members), group)
                 groups[members] = measure_group(comm, ctx.device, sizes, max(reps, COLLECTIVE_REPS), timer)
             barrier()
+    offload = {"host_link_bytes_per_s": measure_host_link(ctx.device),
+               "host_memory_bytes": host_memory_share(hosts.count(host)) if ctx.device.type == "cuda" else None}
     mine = dataclasses.replace(calibrated(RankProfile(rank, host, memory, pieces, optimizer), calibration,
                                           max(rows), seq, dtype, *serial, shallower_peak, shallower_steps),
-                               sustained_scale=sustained)
+                               sustained_scale=sustained, **offload)
     everyone = [(mine, groups)]
     if world > 1:
         everyone = [None] * world

@@ -11,13 +11,13 @@ from the exact min-max split of its own blocks' per-rank times (bisection on the
 ``min_max_split``), then coordinate descent improves one split at a time against the full cost
 model, each step exhaustive when its splits are few, else by moves of 1, 2, 4, ... units between two
 ranks (it starts from the even split instead where that scores better); the plan is then marked
-``exact: false`` and carries a lower bound on every split's time (``cost.lower_bound``), so its
+``exact: false`` and carries a lower bound on every split's time (``bounds.lower_bound``), so its
 distance from the optimum is bounded by ``time - lower_bound``.
 
 An uneven split is kept only where it is predicted faster than the even split of the same methods by
 more than ``split_margin`` (default 3%): the profiles of two equal devices differ by their noise, and
 a split fitted to that noise ran 13% slower than the even one it was predicted to beat by 2.4%
-(docs/benchmarks.md, BERT-large 1:1). The even choice then carries the optimum's time as its
+(docs/benchmarks-log.md, BERT-large 1:1). The even choice then carries the optimum's time as its
 ``lower_bound_s``. In the same way a plan on more devices comes first only where it is predicted
 faster than the best plan on fewer by more than ``device_margin`` (default 3%): every device added
 brings its collectives and its noise, and two-device plans predicted 2-3% ahead of one device alone
@@ -35,10 +35,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from galaxy.config import DP_ENGINES, MP_GRAD_REDUCE, ConfigError, Method, balanced_split
+from galaxy.config import DP_ENGINES, MP_GRAD_REDUCE, SP_ATTENTIONS, ConfigError, Method, balanced_split
 from galaxy.planner.cluster import ClusterProfile, device_subsets
-from galaxy.planner.cost import (Layout, Prediction, Splits, Workload, fsdp_reshards, fsdp_sharded, fsdp_syncs_once,
-                                 lower_bound, might_fit, predict)
+from galaxy.planner.bounds import lower_bound, might_fit
+from galaxy.planner.simulate import Prediction, predict
+from galaxy.planner.workload import Layout, Splits, Workload, fsdp_reshards, fsdp_sharded, fsdp_syncs_once
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +70,13 @@ class Choice:
     mp_grad_reduce: str = "after_backward"
     reshard_after_forward: str = "default"
     fsdp_grad_sync: str = "every_micro_batch"
+    sp_attention: str = "allgather"
 
     @property
     def key(self) -> tuple:
         """What the plan runs: where, how split and laid out, on which engine and settings."""
         return (self.devices, self.methods, self.layout, self.heads, self.ffn, self.seq, self.dp_engine,
-                self.mp_grad_reduce, self.reshard_after_forward, self.fsdp_grad_sync)
+                self.mp_grad_reduce, self.sp_attention, self.reshard_after_forward, self.fsdp_grad_sync)
 
     @property
     def engine(self) -> str:
@@ -137,12 +139,13 @@ class SplitSearch:
         self.exact_limit = exact_limit
         self.mp = cluster.world // (layout.dp * layout.pp)
         att, con, mlp = methods
-        group = m.num_attention_heads // m.kv_heads
+        self.ulysses = att == Method.SP and work.sp_attention == "ulysses"
+        group = 1 if self.ulysses else m.num_attention_heads // m.kv_heads  # Ulysses sends kv heads where read
         self.units = {"heads": (group, m.num_attention_heads // group),
                       "ffn": (ffn_unit, m.intermediate_size // ffn_unit),
                       "seq": (seq_unit, work.seq_length // seq_unit)}
         uses = []
-        if att == Method.TP:
+        if att == Method.TP or self.ulysses:
             uses.append("heads")
         if mlp == Method.TP:
             uses.append("ffn")
@@ -193,9 +196,11 @@ class SplitSearch:
         """Per-rank forward+backward seconds of the pieces that ``var`` sizes, by unit count."""
         unit, count = self.units[var]
         att, con, mlp = self.methods
-        pieces = {"heads": ["att_proj.heads", "att_core.heads"], "ffn": ["mlp.ffn"],
-                  "seq": (["att_proj.tokens", "att_core.tokens"] if att == Method.SP else [])
-                  + (["mlp.tokens"] if mlp == Method.SP else []) + (["con.tokens"] * 2 if con == Method.SP else [])}[var]
+        sp_att = (["att_proj.tokens"] + ([] if self.ulysses else ["att_core.tokens"])) if att == Method.SP else []
+        pieces = {"heads": ["att_core.heads"] if self.ulysses else ["att_proj.heads", "att_core.heads"],
+                  "ffn": ["mlp.ffn"],
+                  "seq": sp_att + (["mlp.tokens"] if mlp == Method.SP else []) + (["con.tokens"] * 2 if con == Method.SP
+                                                                                  else [])}[var]
         sizes = np.arange(count + 1) * unit
         costs = np.zeros((self.mp, count + 1))
         rows = 1 if self.work.objective == "latency" else \
@@ -292,6 +297,8 @@ class SplitSearch:
                       tuple(int(x) for x in s.seq[0]), time, tuple(int(x) for x in pred.memory_bytes[0]),
                       bool(pred.fits[0]), exact, self.uses, time if exact else None,
                       dp_engine=self.work.dp_engine, mp_grad_reduce=self.work.mp_grad_reduce,
+                      sp_attention=self.work.sp_attention if self.methods[0] == Method.SP and self.mp > 1
+                      else "allgather",
                       **dict(zip(("reshard_after_forward", "fsdp_grad_sync"),
                                  fsdp_settings(self.work, self.layout, self.mp))))
 
@@ -329,15 +336,18 @@ def layouts(cluster: ClusterProfile, work: Workload) -> list[list[Layout]]:
 def search(cluster: ClusterProfile, work: Workload, ffn_unit: int = 1, seq_unit: int = 1, top: int = 10,
            exact_limit: int = EXACT_LIMIT, split_margin: float = SPLIT_MARGIN,
            device_margin: float = DEVICE_MARGIN, prune: bool = True,
-           dp_engines: Sequence[str] = (), mp_grad_reduces: Sequence[str] = ()) -> list[Choice]:
+           dp_engines: Sequence[str] = (), mp_grad_reduces: Sequence[str] = (),
+           sp_attentions: Sequence[str] = ()) -> list[Choice]:
     """The plans, best first (those within every memory budget before those that are not; the first
     on the fewest devices unless more win by more than ``device_margin``): one per set of devices
     (every subset of the cluster's ranks: on slow links fewer devices can be faster, one alone runs
     the plan 'none'), method combination, dp x pp and dp engine (``work``'s, and with dp > 1 each of
     ``dp_engines``; FSDP2 there with and without resharding after forward, and with its gradients
     reduce-scattered every micro-batch or once) and mp gradient reduction (``work``'s, and with mp > 1 each of
-    ``mp_grad_reduces`` its dp engine runs with), with its best micro-batch count and recomputation, its
-    splits even unless uneven ones win by more than ``split_margin``.
+    ``mp_grad_reduces`` its dp engine runs with) and SP attention flavour (``work``'s, and for plans whose ATT
+    is SP on more than one rank each of ``sp_attentions``; ring only without attention dropout, which it
+    lacks), with its best micro-batch count and recomputation, its splits even unless uneven ones win by
+    more than ``split_margin``.
 
     ``prune`` (the default) leaves out what cannot change the answer (``Pruner``): the same plans
     as ``prune=False``, which scores every layout of every group."""
@@ -356,6 +366,13 @@ def search(cluster: ClusterProfile, work: Workload, ffn_unit: int = 1, seq_unit:
                     if r != w.mp_grad_reduce and runs_with(w.dp_engine, r)]
     works += other_reduce
     other_reduce_ids = {id(w) for w in other_reduce}
+    for flavour in sp_attentions:
+        if flavour not in SP_ATTENTIONS:
+            raise ConfigError(f"--sp_attentions: '{flavour}' is not one of {', '.join(SP_ATTENTIONS)}")
+    other_flavour = [replace(w, sp_attention=f) for f in dict.fromkeys(sp_attentions) for w in works
+                     if f != w.sp_attention and not (f == "ring" and m.attention_probs_dropout_prob > 0)]
+    works += other_flavour
+    other_flavour_ids = {id(w) for w in other_flavour}
     groups = []
     for devices in device_subsets(cluster.world):
         sub = cluster.restrict(devices)
@@ -367,10 +384,11 @@ def search(cluster: ClusterProfile, work: Workload, ffn_unit: int = 1, seq_unit:
             for fast, frugal in zip(tiers[::2], tiers[1::2]):
                 mp = sub.world // (fast[0].dp * fast[0].pp)
                 if (w.dp_engine != work.dp_engine and fast[0].dp == 1) \
-                        or (id(w) in other_reduce_ids and mp == 1):  # the axis it varies is absent
+                        or ((id(w) in other_reduce_ids or id(w) in other_flavour_ids) and mp == 1):  # no such axis
                     continue
                 for methods in (METHODS if mp > 1 else [(Method.NONE,) * 3]):
-                    if id(w) not in other_reduce_ids or reduction_acts(methods, w.mp_grad_reduce):
+                    if (id(w) not in other_reduce_ids or reduction_acts(methods, w.mp_grad_reduce)) \
+                            and (id(w) not in other_flavour_ids or methods[0] == Method.SP):
                         groups.append(Group(len(groups), devices, sub, methods, fast, frugal, w))
     found = Pruner(ffn_unit, seq_unit, exact_limit, split_margin, top if prune else None).run(groups)
     if not found:

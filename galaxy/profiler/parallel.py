@@ -84,7 +84,7 @@ def transitions_of_plan(plan: Plan) -> list[tuple[str, str, str]]:
         tag = f"{block}.{method.value.lower()}"
         out.append((stream, lin, f"into {tag}"))
         out.append((lout, stream, f"out of {tag}"))
-    if plan.att == Method.SP:
+    if plan.att == Method.SP and plan.sp_attention == "allgather":
         out.append(("S", "T", "ATT.sp K/V gather"))
     if stream == "S":
         out.append(("P", "R", "loss / [CLS] reduce"))
@@ -101,6 +101,8 @@ def transition_label(op: str, phase: str, plan: Optional[Plan], group: str = "mp
         return "outside forward/backward (e.g. grad-norm all-reduce)"
     if plan is None:
         return "unknown (no plan)"
+    if plan.att == Method.SP and (plan.sp_attention, op) in (("ring", "send_recv"), ("ulysses", "all_to_all")):
+        return f"ATT.sp {plan.sp_attention} attention"
     idx = PHASES.index(phase)
     kinds: dict[tuple[str, str], list[str]] = {}
     for src, dst, where in transitions_of_plan(plan):

@@ -16,16 +16,18 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from galaxy.core.sp_attention import stream_order
 from galaxy.data.batching import IGNORE_INDEX
 from galaxy.train.microbatch import split_rows
 
 
 def _local_targets(trainer, logits: torch.Tensor, labels: torch.Tensor, causal: bool) -> torch.Tensor:
     """The labels each logit row predicts, in the logits' layout (this rank's tokens under SP)."""
+    ctx, plan = trainer.ctx, trainer.model.plan
     if causal:  # position t predicts token t + 1
         labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    labels = stream_order(plan, causal).to_stream_order(labels)  # causal ring attention: the zigzag order
     if logits.shape[1] != labels.shape[1]:
-        ctx, plan = trainer.ctx, trainer.model.plan
         labels = ctx.mp.split(labels, 1, plan.seq_split)
     return labels
 

@@ -16,7 +16,6 @@ targets, so the gradients and the reported loss are those of the serial model on
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import math
 import os
@@ -40,8 +39,10 @@ from galaxy.core.grad_sync import GradReducer, check_replicated, clip_grads_with
 from galaxy.core.pipeline import PipelineRunner, PipelineStepResult, StageSpec, analytic_bubble
 from galaxy.models import family
 from galaxy.train.evaluate import evaluate
-from galaxy.train.metrics import PeakFlops, TensorBoardWriter, peak_flops_per_device, step_model_flops, throughput
+from galaxy.train.interrupts import Interrupts, TrainingInterrupted
+from galaxy.train.metrics import PeakFlops, SteadyState, peak_flops_per_device
 from galaxy.train.microbatch import split_rows, without_needless_mask
+from galaxy.train.outputs import StepOutputs
 from galaxy.train.precision import LossScaler, first_nonfinite_module, first_nonfinite_parameter
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class TrainResult:
     tokens_per_s: float = 0.0
     tokens_per_s_per_gpu: float = 0.0  # tokens_per_s over the world size (galaxy.train.metrics)
     mfu: Optional[float] = None  # model FLOPs utilisation; None without a known peak (then ``peak`` says why)
+    mfu_causal: Optional[float] = None  # the same with causal attention's FLOPs (galaxy.train.metrics)
+    timed_steps: int = 0  # the steady-state steps the rates are over (galaxy.train.metrics.SteadyState)
     peak: Optional[PeakFlops] = None
     step_time_s: float = 0.0
     peak_mem_mb: float = 0.0
@@ -77,6 +80,8 @@ class TrainResult:
             "tokens_per_s": round(self.tokens_per_s, 1),
             "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 1),
             "mfu": None if self.mfu is None else round(self.mfu, 4),
+            "mfu_causal": None if self.mfu_causal is None else round(self.mfu_causal, 4),
+            "timed_steps": self.timed_steps,
         }
         if self.mfu is None and self.peak is not None:
             fields["mfu_note"] = self.peak.source  # why there is none
@@ -200,13 +205,18 @@ class Trainer:
         if par.dp_engine == "deepspeed":
             raise ConfigError("config key 'dp_engine' is 'deepspeed': build the trainer with make_trainer()")
         low = DTYPES[t.dtype] if t.dtype in ("bfloat16", "float16") else None  # autocast's compute dtype
+        if t.float8_training != "none":  # before FSDP, which gathers float8-cast weights with float8_fsdp_all_gather
+            from galaxy.core.float8 import enable_float8_training
+
+            enable_float8_training(model, t.float8_training, t.float8_fsdp_all_gather)
         if par.dp_engine == "fsdp2" or par.mp_grad_reduce == "fsdp":
             from galaxy.core.fsdp import shard_model
 
             reshard = {"always": True, "never": False}.get(par.reshard_after_forward, ctx.pp.size == 1)
             self.sharding = shard_model(model, ctx, over_dp=par.dp_engine == "fsdp2",
                                         replicated_over_mp=par.mp_grad_reduce == "fsdp", reshard_after_forward=reshard,
-                                        param_dtype=low, reduce_dtype=reduce_dtype(cfg) or (low and torch.float32))
+                                        param_dtype=low, reduce_dtype=reduce_dtype(cfg) or (low and torch.float32),
+                                        float8_all_gather=t.float8_fsdp_all_gather)
         # With FSDP over dp, the norm sums the squares of the dp shards over dp.
         self.norm_dp = ctx.dp if self.sharding is not None and self.sharding.over_dp else None
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -509,6 +519,41 @@ def make_trainer(model: nn.Module, cfg: GalaxyConfig, ctx: ParallelContext) -> T
     return Trainer(model, cfg, ctx)
 
 
+def step_record(step: int, loss: float, trainer: Trainer, outcome: StepOutcome, rates: dict, elapsed: float,
+                comm_bytes: int) -> dict:
+    """The metrics of one step, as the outputs write them (1-based ``step``)."""
+    ctx = trainer.ctx
+    grad_norm = outcome.grad_norm.item()
+    record = {"step": step, "loss": loss, "lr": trainer.schedule.get_last_lr()[0],
+              "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no NaN
+              **rates, "step_time_s": elapsed,
+              "peak_mem_mb": peak_memory_mb(ctx.device), "comm_bytes": comm_bytes}
+    if ctx.pp.size > 1:
+        record["bubble"] = trainer.last_step.bubble  # this rank's stage (rank 0: the first)
+    if outcome.loss_scale is not None:
+        record["loss_scale"] = outcome.loss_scale
+    if outcome.skipped:
+        record["skipped"] = outcome.skipped
+    return record
+
+
+def resume_training(trainer: Trainer, resume: str, on_resume: Optional[Callable[[str, int], None]]) -> int:
+    """Restore ``trainer``'s model, optimizer, LR schedule, RNG states and loss scale from ``resume``;
+    returns the step it continues after."""
+    from galaxy.train.checkpoint import load_checkpoint
+
+    state = load_checkpoint(resume, trainer.model, trainer.optimizer, trainer.schedule, trainer.ctx, trainer.cfg,
+                            grad_reducer=trainer.grad_sync)
+    if on_resume is not None:
+        on_resume(state.path, state.step)
+    if trainer.scaler is not None and "loss_scaler" in state.extra:
+        trainer.scaler.load_state_dict(state.extra["loss_scaler"])
+    if state.step >= trainer.cfg.train.max_steps:
+        logger.warning("the checkpoint is at step %d, max_steps is %d: nothing to train", state.step,
+                       trainer.cfg.train.max_steps)
+    return state.step
+
+
 def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, ctx: ParallelContext,
           metrics_file: Optional[str] = None, progress: bool = True,
           on_step: Optional[Callable[[int, float], None]] = None, profile_step: Optional[int] = None,
@@ -516,7 +561,8 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
           resume: Optional[str] = None, keep_last: Optional[int] = None,
           eval_at: Optional[Callable[..., dict]] = None, tensorboard_dir: Optional[str] = None,
           peak_tflops: Optional[float] = None,
-          on_resume: Optional[Callable[[str, int], None]] = None) -> TrainResult:
+          on_resume: Optional[Callable[[str, int], None]] = None,
+          interrupts: Optional[Interrupts] = None) -> TrainResult:
     """Run ``cfg.train.max_steps`` optimizer steps; ``batch_at(step)`` returns the step's global batch
     (a batcher that also takes ``shard=(dp_rank, dp_size)`` is asked for this dp rank's rows only).
     ``model`` is this rank's pipeline stage when ``ctx.pp.size > 1``. ``profile_step`` K (1-based):
@@ -524,156 +570,112 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
     ``profile_json`` from rank 0; step K is left out of the throughput numbers.
     Checkpoints (``galaxy.train.checkpoint``): ``resume`` (a step directory, or a save directory for
     its newest valid checkpoint) restores everything and continues after its step (``on_resume(path,
-    step)`` is told which checkpoint, on every rank); with ``save_dir``
-    and ``save_every`` N, a checkpoint after every N-th step and the last, keeping ``keep_last``
-    (``checkpoint_async_mode: async``: written while the next steps run; the next save and the end of
-    training wait for it, and a failed write stops the run with one line).
+    step)`` is told which checkpoint, on every rank); with ``save_dir``, the ``CheckpointSchedule`` of
+    ``save_every`` N and ``keep_last`` K (``galaxy.train.checkpoint.schedule``).
     ``eval_at(i)``: the held-out split's i-th global batch; with ``eval_every`` N, ``eval_iters`` of
     them are evaluated after every N-th step and the last (``galaxy.train.evaluate``).
     Every step's tokens/s, tokens/s per device and MFU (``galaxy.train.metrics``; MFU against
     ``peak_tflops``, else the config's, else the table's peak for the GPU, None on CPU) go into the
-    metrics and the progress bar, their means over the timed steps into the result; rank 0 writes
-    every metric to TensorBoard event files in ``tensorboard_dir``."""
+    ``StepOutputs`` (``progress`` bar, ``metrics_file``, TensorBoard event files in ``tensorboard_dir``;
+    rank 0), their steady state (the steps after the warm-up, ``galaxy.train.metrics.SteadyState``) into the
+    result.
+    ``interrupts`` (``galaxy.train.interrupts``): SIGINT / SIGTERM stop every rank after the same step,
+    which is saved (with ``save_dir``) before ``TrainingInterrupted`` is raised; no save is written once
+    the rank's launcher is gone."""
     t = cfg.train
     if (save_dir or resume) and cfg.parallel.dp_engine == "deepspeed":
         raise ConfigError("config key 'dp_engine' is 'deepspeed', whose engine keeps the optimizer state in its own "
                           "format, which checkpoints do not read; use dp_engine 'zero1' or 'ddp' to save or resume")
-    trainer = make_trainer(model, cfg, ctx)
-    start_step = 0
-    if resume is not None:
-        from galaxy.train.checkpoint import load_checkpoint
+    with interrupts or nullcontext():
+        trainer = make_trainer(model, cfg, ctx)
+        start_step = resume_training(trainer, resume, on_resume) if resume is not None else 0
+        checkpoints = None
+        if save_dir:
+            from galaxy.train.checkpoint.schedule import CheckpointSchedule
 
-        state = load_checkpoint(resume, model, trainer.optimizer, trainer.schedule, ctx, cfg,
-                                grad_reducer=trainer.grad_sync)
-        start_step = state.step
-        if on_resume is not None:
-            on_resume(state.path, state.step)
-        if trainer.scaler is not None and "loss_scaler" in state.extra:
-            trainer.scaler.load_state_dict(state.extra["loss_scaler"])
-        if start_step >= t.max_steps:
-            logger.warning("the checkpoint is at step %d, max_steps is %d: nothing to train", start_step, t.max_steps)
-    profiler = None
-    if profile_step is not None:
-        from galaxy.profiler import StepProfiler
+            checkpoints = CheckpointSchedule(save_dir, save_every, keep_last, t.max_steps,
+                                             asynchronous=t.checkpoint_async_mode == "async",
+                                             before_write=interrupts.check_launcher if interrupts else None)
+        profiler = None
+        if profile_step is not None:
+            from galaxy.profiler import StepProfiler
 
-        profiler = StepProfiler(model, ctx, profile_step, json_file=profile_json,
-                                batch=t.global_batch_size, seq_len=t.seq_length)
-    amp = lambda: autocast_context(cfg, ctx.device)  # noqa: E731
-    amp()  # refuse an unsupported dtype before the first step
-    is_main = ctx.rank == 0
-    metrics = open(metrics_file, "a") if (metrics_file and is_main) else None
-    peak = peak_flops_per_device(ctx.device, t.dtype, peak_tflops if peak_tflops is not None else t.peak_tflops)
-    tensorboard = TensorBoardWriter(tensorboard_dir) if (tensorboard_dir and is_main) else None
-    bar = None
-    if progress and is_main:
-        from tqdm import tqdm
-
-        bar = tqdm(total=t.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
-    result = TrainResult()
-    timed_steps, timed_seconds, timed_tokens, timed_flops = 0, 0.0, 0, 0.0
-    bubble_sum = 0.0
-    pending = None  # checkpoint_async_mode 'async': the save still being written
-    model.train()
-    batch = None  # the step's rows, read during the step before it
-    try:
-        for step in range(start_step, t.max_steps):
-            bytes_before = trainer.comm_bytes()
+            profiler = StepProfiler(model, ctx, profile_step, json_file=profile_json,
+                                    batch=t.global_batch_size, seq_len=t.seq_length)
+        amp = lambda: autocast_context(cfg, ctx.device)  # noqa: E731
+        amp()  # refuse an unsupported dtype before the first step
+        peak = peak_flops_per_device(ctx.device, t.dtype, peak_tflops if peak_tflops is not None else t.peak_tflops)
+        outputs = StepOutputs(ctx.rank == 0, start_step, t.max_steps, t.log_every, progress, metrics_file,
+                              tensorboard_dir)
+        result, steady = TrainResult(), SteadyState(cfg, ctx.world_size, peak)
+        model.train()
+        batch = None  # the step's rows, read during the step before it
+        try:
+            for step in range(start_step, t.max_steps):
+                bytes_before = trainer.comm_bytes()
+                if profiler is not None:
+                    profiler.before_step(step + 1)
+                start = time.perf_counter()
+                if batch is None:
+                    batch = trainer.read_batch(batch_at, step)
+                loss_t = trainer.forward_backward(batch, amp)
+                outcome = trainer.optimizer_step(loss_t, step + 1)
+                # the next step's rows are made on the host while the device runs this step's optimizer
+                upcoming = trainer.read_batch(batch_at, step + 1) if step + 1 < t.max_steps else None
+                loss = loss_t.item()
+                elapsed = time.perf_counter() - start
+                if profiler is not None and profiler.after_step(step + 1) is not None:  # a collective at step K
+                    result.profile, result.profile_report = profiler.result, profiler.report
+                tokens = batch["input_ids"].numel() * ctx.dp.size
+                profiled = step + 1 == profile_step and t.max_steps > 1  # its hooks slow it down
+                rates = steady.add(elapsed, tokens, batch["input_ids"].shape[-1], skip=profiled,
+                                   bubble=trainer.last_step.bubble)
+                result.losses.append(loss)
+                result.comm_bytes_per_step = trainer.comm_bytes() - bytes_before
+                record = step_record(step + 1, loss, trainer, outcome, rates, elapsed, result.comm_bytes_per_step)
+                if outcome.skipped:
+                    result.skipped_steps += 1
+                if eval_at is not None and t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.max_steps):
+                    result.eval = evaluate(trainer, eval_at, t.eval_iters, amp)
+                    record.update(result.eval)
+                outputs.write(record)
+                if on_step:
+                    on_step(step + 1, loss)
+                if checkpoints is not None:
+                    checkpoints.after_step(step + 1, trainer)
+                if interrupts is not None and step + 1 < t.max_steps and interrupts.agreed(ctx):
+                    if checkpoints is None:
+                        raise TrainingInterrupted(step + 1, None, "no save directory")
+                    raise TrainingInterrupted(step + 1, checkpoints.on_interrupt(step + 1, trainer))
+                batch = upcoming
+            if checkpoints is not None:
+                checkpoints.finish()  # the last save is complete before train returns
+        except Exception as e:
+            # A collective that failed because a peer died says only "Connection closed by peer [addr]":
+            # name the peer (ParallelContext's heartbeats know which one stopped).
+            failure = ctx.peer_failure(e)
+            if failure is None:
+                raise
+            raise failure from e
+        finally:
             if profiler is not None:
-                profiler.before_step(step + 1)
-            start = time.perf_counter()
-            if batch is None:
-                batch = trainer.read_batch(batch_at, step)
-            loss_t = trainer.forward_backward(batch, amp)
-            outcome = trainer.optimizer_step(loss_t, step + 1)
-            # the next step's rows are made on the host while the device runs this step's optimizer
-            upcoming = trainer.read_batch(batch_at, step + 1) if step + 1 < t.max_steps else None
-            loss = loss_t.item()
-            elapsed = time.perf_counter() - start
-            if profiler is not None and profiler.after_step(step + 1) is not None:  # a collective at step K
-                result.profile, result.profile_report = profiler.result, profiler.report
-            tokens = batch["input_ids"].numel() * ctx.dp.size
-            flops = step_model_flops(cfg, tokens, batch["input_ids"].shape[-1])
-            rates = throughput(tokens, flops, elapsed, ctx.world_size, peak)
-            profiled = step + 1 == profile_step and t.max_steps > 1  # its hooks slow it down
-            if (step > start_step or t.max_steps == 1) and not profiled:  # the first step pays for warm-up
-                timed_steps, timed_seconds, timed_tokens = timed_steps + 1, timed_seconds + elapsed, timed_tokens + tokens
-                timed_flops += flops
-                bubble_sum += trainer.last_step.bubble
-            result.losses.append(loss)
-            comm_bytes = trainer.comm_bytes() - bytes_before
-            grad_norm = outcome.grad_norm.item()
-            record = {"step": step + 1, "loss": loss, "lr": trainer.schedule.get_last_lr()[0],
-                      "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no NaN
-                      **rates, "step_time_s": elapsed,
-                      "peak_mem_mb": peak_memory_mb(ctx.device), "comm_bytes": comm_bytes}
-            if ctx.pp.size > 1:
-                record["bubble"] = trainer.last_step.bubble  # this rank's stage (rank 0: the first)
-            if outcome.loss_scale is not None:
-                record["loss_scale"] = outcome.loss_scale
-            if outcome.skipped:
-                record["skipped"] = outcome.skipped
-                result.skipped_steps += 1
-            if eval_at is not None and t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.max_steps):
+                profiler.close()
+            outputs.close()
+            trainer.grad_sync.remove()
+    return finished(result, steady, trainer, peak)
 
-                result.eval = evaluate(trainer, eval_at, t.eval_iters, amp)
-                record.update(result.eval)
-            if metrics:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-            if tensorboard is not None:
-                tensorboard.write(record)
-            if bar is not None:
-                bar.update(1)
-                if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
-                    shown = {"loss": f"{loss:.4f}", "tok_s": f"{rates['tokens_per_s']:.0f}",
-                             "tok_s_gpu": f"{rates['tokens_per_s_per_gpu']:.0f}"}
-                    if rates["mfu"] is not None:
-                        shown["mfu"] = f"{rates['mfu']:.1%}"
-                    bar.set_postfix(shown)
-            if on_step:
-                on_step(step + 1, loss)
-            if save_dir and ((save_every and (step + 1) % save_every == 0) or step + 1 == t.max_steps):
-                from galaxy.train.checkpoint import save_checkpoint
 
-                extra = {"loss_scaler": trainer.scaler.state_dict()} if trainer.scaler is not None else None
-                if pending is not None:  # one save in flight at a time
-                    pending.result()
-                if trainer.sharding is not None:  # an evaluation may have left gathered FSDP weights
-                    trainer.sharding.reshard()
-                asynchronous = t.checkpoint_async_mode == "async"
-                saved = save_checkpoint(save_dir, step + 1, model, trainer.optimizer, trainer.schedule, ctx, cfg,
-                                        extra=extra, keep_last=keep_last, grad_reducer=trainer.grad_sync,
-                                        async_save=asynchronous)
-                pending = saved if asynchronous else None
-            result.comm_bytes_per_step = comm_bytes
-            batch = upcoming
-        if pending is not None:
-            pending.result()  # the last save is complete before train returns
-    except Exception as e:
-        # A collective that failed because a peer died says only "Connection closed by peer [addr]":
-        # name the peer (ParallelContext's heartbeats know which one stopped).
-        failure = ctx.peer_failure(e)
-        if failure is None:
-            raise
-        raise failure from e
-    finally:
-        if profiler is not None:
-            profiler.close()
-        if bar is not None:
-            bar.close()
-        if metrics:
-            metrics.close()
-        if tensorboard is not None:
-            tensorboard.close()
-        trainer.grad_sync.remove()
-    result.steps = t.max_steps
-    result.step_time_s = timed_seconds / max(timed_steps, 1)
-    totals = throughput(timed_tokens, timed_flops, timed_seconds, ctx.world_size, peak)
-    result.tokens_per_s, result.tokens_per_s_per_gpu, result.mfu = (totals["tokens_per_s"],
-                                                                    totals["tokens_per_s_per_gpu"], totals["mfu"])
+def finished(result: TrainResult, steady: SteadyState, trainer: Trainer, peak: PeakFlops) -> TrainResult:
+    """``result`` with the run's totals: throughput at the steady state (the steps after the warm-up, as
+    bench_train times them), peak memory, the pipeline bubble."""
+    ctx = trainer.ctx
+    result.steps = trainer.cfg.train.max_steps
+    totals = steady.summary()
+    for key in ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "mfu_causal", "timed_steps"):
+        setattr(result, key, totals[key])
     result.peak = peak
     result.peak_mem_mb = peak_memory_mb(ctx.device)
     if ctx.pp.size > 1:
-        result.bubble_measured = trainer.gather_over_stages(bubble_sum / max(timed_steps, 1))
+        result.bubble_measured = trainer.gather_over_stages(steady.mean("bubble"))
         result.bubble_analytic = analytic_bubble(ctx.pp.size, trainer.num_microbatches)
     return result

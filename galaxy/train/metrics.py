@@ -14,12 +14,22 @@ and the TensorBoard event files of ``--tensorboard``.
   ``galaxy.profiler.devices.PEAK_TFLOPS`` for rank 0's GPU and the run's dtype (bfloat16 / float16:
   the tensor-core peak; float32: TF32's where torch lets matmuls use TF32, else plain FP32). A CPU,
   an unknown accelerator or float64 has no peak to divide by: MFU is then None, never a guess.
+* ``mfu_causal``: the same with the attention core counted as a causal kernel computes it, half the
+  S x S scores (full training ``6 * N + 6 * L * H * S``; Megatron's and FlashAttention's count of a
+  causal LM), beside ``mfu`` (torchtitan's full-matrix count) wherever MFU is stated: a causal LM's
+  ``mfu`` overstates the attention work it ran, by 12% of the step's FLOPs for LLaMA-7B at seq 4096.
+* The steady state (``SteadyState``): a run's summary is over its steps after ``WARMUP_STEPS`` (the
+  first steps compile, fill the allocator's cache and create the optimizer's state) and without a
+  profiled step: the median step time, and tokens/s and MFU of the mean step over it, which is
+  ``bench/bench_train.py``'s definition (tokens per step over the median of the steps after its
+  ``--warmup``), so a CLI run and the benchmark state the same figure for the same configuration.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -78,19 +88,76 @@ def model_flops_per_token(cfg: GalaxyConfig, seq_length: int) -> float:
     return training_flops_per_token(model_matmul_weights(cfg), cfg.model.hidden_size, seq_length, cfg.peft.tuning)
 
 
-def step_model_flops(cfg: GalaxyConfig, tokens: int, seq_length: int) -> float:
-    """Model FLOPs of a training step over ``tokens`` tokens in sequences of ``seq_length``."""
-    return tokens * model_flops_per_token(cfg, seq_length)
+def causal_flops_per_token(cfg: GalaxyConfig, seq_length: int) -> float:
+    """``model_flops_per_token`` with the attention core's term halved: the scores a causal kernel computes
+    (full training ``6 N + 6 L H S``). The term is what the count adds over sequences of no length."""
+    whole, weights_only = model_flops_per_token(cfg, seq_length), model_flops_per_token(cfg, 0)
+    return weights_only + (whole - weights_only) / 2
 
 
-def throughput(tokens: float, model_flops: float, seconds: float, world_size: int, peak: PeakFlops) -> dict:
+def throughput(tokens: float, model_flops: float, seconds: float, world_size: int, peak: PeakFlops,
+               causal_flops: Optional[float] = None) -> dict:
     """``tokens_per_s``, ``tokens_per_s_per_gpu`` and ``mfu`` (None without a peak) of ``tokens``
-    tokens and ``model_flops`` FLOPs computed by ``world_size`` devices in ``seconds``."""
+    tokens and ``model_flops`` FLOPs computed by ``world_size`` devices in ``seconds``; with
+    ``causal_flops`` (the same step's FLOPs with causal attention's count) also ``mfu_causal``."""
     if seconds <= 0:
-        return {"tokens_per_s": 0.0, "tokens_per_s_per_gpu": 0.0, "mfu": None}
+        return {"tokens_per_s": 0.0, "tokens_per_s_per_gpu": 0.0, "mfu": None,
+                **({"mfu_causal": None} if causal_flops is not None else {})}
     tokens_per_s = tokens / seconds
-    mfu = model_flops / seconds / world_size / peak.flops_per_s if peak.flops_per_s else None
-    return {"tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / world_size, "mfu": mfu}
+    per_device = seconds * world_size * peak.flops_per_s if peak.flops_per_s else None
+    out = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / world_size,
+           "mfu": model_flops / per_device if per_device else None}
+    if causal_flops is not None:
+        out["mfu_causal"] = causal_flops / per_device if per_device else None
+    return out
+
+
+# Steps a run's steady state leaves out at its start, as bench/bench_train.py's --warmup does by default.
+WARMUP_STEPS = 2
+
+
+@dataclass
+class SteadyState:
+    """A run's steps, each as it is added (``add``: its rates, for the per-step metrics), and their steady
+    state (``summary``): the steps after the first ``warmup`` and not ``skip``-ped (a profiled step), or,
+    in a run too short for that, its last step. Summary: ``step_time_s`` the median of their times,
+    ``tokens_per_s`` / ``tokens_per_s_per_gpu`` / ``mfu`` / ``mfu_causal`` of their mean step at that
+    time (tokens per step over the median step time: bench_train's figure), ``timed_steps``."""
+
+    cfg: GalaxyConfig
+    world_size: int
+    peak: PeakFlops
+    warmup: int = WARMUP_STEPS
+    steps: list = field(default_factory=list)  # (seconds, tokens, flops, causal flops, skipped, values)
+
+    def add(self, seconds: float, tokens: int, seq_length: int, skip: bool = False, **values: float) -> dict:
+        """One step of ``tokens`` tokens in sequences of ``seq_length``, ``seconds`` long (``values``: more
+        per-step numbers, averaged over the steady steps by ``mean``); returns the step's own rates."""
+        flops = tokens * model_flops_per_token(self.cfg, seq_length)
+        causal = tokens * causal_flops_per_token(self.cfg, seq_length)
+        self.steps.append((seconds, tokens, flops, causal, skip, values))
+        return throughput(tokens, flops, seconds, self.world_size, self.peak, causal)
+
+    def steady(self) -> list:
+        """The steps the summary is over (1-based indices in the run)."""
+        kept = [i for i, s in enumerate(self.steps, 1) if i > self.warmup and not s[4]]
+        if not kept and self.steps:  # a run of no more steps than the warm-up: its last unskipped one
+            kept = [max((i for i, s in enumerate(self.steps, 1) if not s[4]), default=len(self.steps))]
+        return kept
+
+    def mean(self, key: str) -> float:
+        chosen = [self.steps[i - 1][5].get(key, 0.0) for i in self.steady()]
+        return sum(chosen) / len(chosen) if chosen else 0.0
+
+    def summary(self) -> dict:
+        kept = [self.steps[i - 1] for i in self.steady()]
+        if not kept:
+            return {"step_time_s": 0.0, "timed_steps": 0, **throughput(0, 0.0, 0.0, self.world_size, self.peak, 0.0)}
+        median = statistics.median(s[0] for s in kept)
+        n = len(kept)
+        rates = throughput(sum(s[1] for s in kept) / n, sum(s[2] for s in kept) / n, median, self.world_size,
+                           self.peak, sum(s[3] for s in kept) / n)
+        return {"step_time_s": median, "timed_steps": n, **rates}
 
 
 def check_tensorboard_installed() -> None:
@@ -113,6 +180,7 @@ class TensorBoardWriter:
         "tokens_per_s": "throughput/tokens_per_s",
         "tokens_per_s_per_gpu": "throughput/tokens_per_s_per_gpu",
         "mfu": "throughput/mfu",
+        "mfu_causal": "throughput/mfu_causal",
         "step_time_s": "throughput/step_time_s",
         "peak_mem_mb": "memory/peak_mem_mb",
         "comm_bytes": "comm/bytes",

@@ -57,7 +57,7 @@ def test_share_bench_reports_every_mode_piece_and_wait(tmp_path):
     """``bench/bench_share.py`` runs both modes and reports a row per piece and wait. The ratios (about 2
     at half a core) hold only on a quiet host: its free-core baseline is measured on the same host
     ("cores" 1.0 and "dilate" 0.09 under other test runs, 2026-11-27), so the timing is the bench's to
-    show (docs/benchmarks.md), not the suite's."""
+    show (docs/benchmarks-log.md, "Emulated edge clusters"), not the suite's."""
     path = tmp_path / "share.json"
     out = subprocess.run([sys.executable, "bench/bench_share.py", "--modes", "cores,dilate", "--pieces", "2,20",
                           "--waits", "0,5", "--seconds", "0.4", "--out", str(path)], cwd=ROOT, capture_output=True,

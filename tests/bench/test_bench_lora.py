@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from bench.bench_lora import galaxy_recompute, unsloth_variant
+from bench.bench_lora import (CONTENDERS, best_per_family, family_of, galaxy_base_format, galaxy_compile_mode,
+                               galaxy_recompute, search_lengths, unsloth_variant)
 from tests import REPO
 
 TINY = ["--preset", "llama-tiny", "--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "0"]
@@ -26,6 +27,25 @@ def test_unsloth_contender_names():
         assert unsloth_variant(other) is None
 
 
+def test_galaxy_base_formats():
+    assert [galaxy_base_format(n) for n in ("galaxy-lora", "galaxy-lora-compiled", "galaxy-qlora-cudagraphs",
+                                            "galaxy-lora-fp8", "galaxy-lora-fp8-compiled")] == \
+        ["none", "none", "nf4", "fp8", "fp8"]
+    assert galaxy_compile_mode("galaxy-lora-fp8") is None
+    assert galaxy_compile_mode("galaxy-lora-fp8-compiled") == "default"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU the bench itself is the check")
+def test_galaxy_lora_fp8_trains_on_cpu(tmp_path):
+    """``galaxy-lora-fp8``: LoRA over the fp8 base (1 byte a weight + a scale a row), eager, trains."""
+    out = subprocess.run([sys.executable, "bench/bench_lora.py", *TINY, "--json", str(tmp_path / "out.json"),
+                          "--contenders", "galaxy-lora-fp8"],
+                         cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert row["step_ms"] > 0 and 1.0 < row["frozen_bytes_per_param"] < 2.0, row  # fp8 linears, bf16 rest
+
+
 def test_galaxy_recompute_suffix():
     assert galaxy_recompute("galaxy-lora-compiled") == ("galaxy-lora-compiled", {})
     assert galaxy_recompute("galaxy-lora-compiled+mlp8") == ("galaxy-lora-compiled",
@@ -34,6 +54,8 @@ def test_galaxy_recompute_suffix():
     for bad in ("galaxy-lora+mlp-8", "galaxy-lora+attn", "galaxy-lora+"):
         with pytest.raises(ValueError, match="recompute mode"):
             galaxy_recompute(bad)
+    assert galaxy_recompute("galaxy-lora-compiled+auto", 139.8) == (
+        "galaxy-lora-compiled", {"activation_memory": "auto", "memory_budget_gib": 139.8})
     out = subprocess.run([sys.executable, "bench/bench_lora.py", *TINY, "--contenders", "galaxy-lora+attn2"],
                          cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=120)
     assert out.returncode == 2 and "contender 'galaxy-lora+attn2'" in out.stderr.splitlines()[-1], out.stderr
@@ -84,3 +106,62 @@ def test_galaxy_qlora_compiled_trains_on_cpu(tmp_path):
     (row,) = json.loads((tmp_path / "out.json").read_text())["rows"]
     assert row["contender"] == "galaxy-qlora-compiled" and row["step_ms"] > 0, row
     assert row["frozen_bytes_per_param"] < 2, row  # the linears in NF4; embeddings and head stay bf16
+
+
+def test_every_launch_runs_both_of_unsloths_attention_paths_and_the_report_picks_each_familys_best():
+    """The default contenders hold unsloth with xformers and with SDPA, LoRA and QLoRA; the summary sets Galaxy's
+    fastest row of a family against the fastest other row of it, whichever recipe or attention path that is."""
+    for four_bit in ("lora", "qlora"):
+        assert {f"unsloth-{four_bit}", f"unsloth-{four_bit}-sdpa"} <= set(CONTENDERS)
+    names = ("galaxy-lora-compiled+mlp6", "unsloth-lora-gc-sdpa", "peft-bf16-liger", "galaxy-qlora-cudagraphs",
+             "peft-qlora-bnb", "unsloth-qlora", "galaxy-lora-fp8")
+    assert [family_of(n) for n in names] == ["bf16 base"] * 3 + ["nf4 base"] * 3 + ["fp8 base"]
+    rows = [{"contender": "galaxy-lora-compiled", "step_ms": 80.0, "steps_per_s": 12.5, "peak_mib": 9000.0},
+            {"contender": "galaxy-lora-compiled+mlp6", "step_ms": 90.0, "steps_per_s": 1 / 0.09, "peak_mib": 7800.0},
+            {"contender": "unsloth-lora", "step_ms": 100.0, "steps_per_s": 10.0, "peak_mib": 9800.0},
+            {"contender": "unsloth-lora-sdpa", "step_ms": 88.0, "steps_per_s": 1 / 0.088, "peak_mib": 9900.0},
+            {"contender": "unsloth-qlora", "error": "exit 1: out of memory"},
+            {"contender": "galaxy-qlora-compiled", "step_ms": 85.0, "steps_per_s": 1 / 0.085, "peak_mib": 7900.0}]
+    summary = best_per_family(rows)
+    assert list(summary) == ["bf16 base"]  # no NF4 anchor ran
+    best = summary["bf16 base"]
+    assert (best["galaxy"], best["anchor"]) == ("galaxy-lora-compiled", "unsloth-lora-sdpa")
+    assert best["steps_per_s_ratio"] == pytest.approx(88.0 / 80.0) and best["peak_ratio"] == pytest.approx(9000 / 9900)
+
+
+@pytest.mark.parametrize("start", [512, 4096, 8192, 65536])
+def test_the_longest_length_search_is_the_same_from_any_start(start):
+    """Powers of two up while they fit and down while they fail, then one bisection step: whatever the start (the
+    memory model's for Galaxy, --max_seq_start for the others), the same longest length for the same limit."""
+    limit = 12000  # the lengths that fit
+    tried = []
+
+    def fits(n):
+        tried.append(n)
+        return n <= limit
+
+    low, high = search_lengths(start, 512, 262144, fits)
+    assert (low, high) == (8192, 16384) and tried[-1] == 12288 and len(tried) == len(set(tried))
+    assert search_lengths(start, 512, 8192, lambda n: True) == (8192, None)  # the limit reached
+    assert search_lengths(start, 512, 262144, lambda n: False) == (None, 512)  # nothing fits
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU the bench itself is the check")
+def test_max_seq_on_cpu_finds_the_limit_and_keeps_every_try(tmp_path):
+    """``--max_seq`` end to end on the CPU: Galaxy's LoRA fits every length up to the limit (each try a process of
+    its own, two whole steps), a stand-in unsloth that cannot run fails every length down to the floor; both rows
+    keep their tries, and the longest length's row carries its step time and peak."""
+    fake = tmp_path / "deps" / "unsloth"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("__version__ = '0.0-standin'\n_IS_CPU_BACKEND = True\n")
+    out = subprocess.run([sys.executable, "bench/bench_lora.py", "--preset", "llama-tiny", "--batch", "1",
+                          "--max_seq", "--max_seq_start", "32", "--max_seq_floor", "16", "--max_seq_limit", "64",
+                          "--contenders", "galaxy-lora,unsloth-lora", "--unsloth_path", str(tmp_path / "deps"),
+                          "--json", str(tmp_path / "out.json")],
+                         cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    galaxy, unsloth = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert (galaxy["max_seq"], galaxy["reached_limit"], [t["seq"] for t in galaxy["tries"]]) == (64, True, [32, 64])
+    assert galaxy["step_ms"] > 0 and "step_ms" in galaxy["tries"][1]
+    assert unsloth["max_seq"] is None and [t["seq"] for t in unsloth["tries"]] == [16, 32]
+    assert all("found no CUDA device" in t["error"] for t in unsloth["tries"])

@@ -6,6 +6,7 @@ dispatcher for Galaxy's plans equal what Galaxy's own metrics report for the sam
 recipe cannot reach is refused in its row."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -24,7 +25,8 @@ from bench.bench_train import Batching, DEFAULT_CONTENDERS, SCENARIOS, Unavailab
 # (bench/device/train_harness.sh 1 smoke) instead. The FSDP2 recipes stay, compiled with the eager backend
 # (dynamo traces every block, no code generation): the wiring of compile + fully_shard is what is checked.
 # megatron-tp-sp(-overlap) stop where megatron-tp does on CPU (the import, or CUDA): left out to save time.
-SKIP = "serial-compiled,galaxy-*+compile,native-tp-sp-compiled,native-tp-sp-asynctp,megatron-tp-sp*"
+# fsdp2-cp (torch's context_parallel) shards CUDA's attention kernels only: its CPU row has its own test.
+SKIP = "serial-compiled,galaxy-*+compile,native-tp-sp-compiled,native-tp-sp-asynctp,megatron-tp-sp*,fsdp2-cp"
 VARIANTS = "galaxy-galaxy@dp2"  # Galaxy's own dp axis, per row
 
 
@@ -99,6 +101,24 @@ def test_rows_that_start_alike_train_alike(tmp_path):
         assert got == pytest.approx(reference, rel=1e-4), name
     still = losses("1e-9")
     assert abs(still["galaxy-none"][2] - trained["galaxy-none"][2]) > 100 * 1e-4 * trained["galaxy-none"][2]
+
+
+def test_float8_rows_train_galaxy_and_the_fsdp2_anchor_in_float8(tmp_path):
+    """``--float8 rowwise``: Galaxy's rows (float8_training) and the fsdp2-compile anchor (torchao's
+    convert_to_float8_training, as torchtitan) state it and train; float8 moves Galaxy's losses off the
+    un-converted run's, and an anchor that cannot take it (fsdp2-tp: float8 TP styles not wired) says why."""
+    names = "galaxy-none,galaxy-tp,galaxy-galaxy@dp2-fsdp2,fsdp2-compile,fsdp2-tp"
+    report, _ = bench(tmp_path, "--contenders", names, "--dtype", "float32", "--iters", "2", "--lr", "1e-2",
+                      "--float8", "rowwise")
+    plain, _ = bench(tmp_path, "--contenders", "galaxy-none", "--dtype", "float32", "--iters", "2", "--lr", "1e-2")
+    rows = {r["name"]: r for r in report["rows"]}
+    assert report["facts"]["float8"] == "rowwise" and report["facts"]["torchao"]
+    assert "float8 with TP" in rows["fsdp2-tp"]["error"]
+    for name in ("galaxy-none", "galaxy-tp", "galaxy-galaxy@dp2-fsdp2", "fsdp2-compile"):
+        assert "error" not in rows[name] and rows[name]["float8"] == "rowwise", rows[name]
+        assert all(math.isfinite(x) for x in rows[name]["losses"]), rows[name]
+    assert rows["galaxy-tp"]["losses"] == pytest.approx(rows["galaxy-none"]["losses"], rel=1e-2)
+    assert rows["galaxy-none"]["losses"][1] != plain["rows"][0]["losses"][1]
 
 
 def test_each_contender_at_its_own_rows_in_one_launch(tmp_path):
@@ -256,3 +276,83 @@ def test_a_contender_failing_on_one_rank_ends_the_launch_instead_of_hanging():
     assert rows[0]["error"] == "ValueError: refused on every rank"
     (failed,) = [r["error"] for r in rows if r["error"].startswith("rank 1: ")]
     assert "can't allocate memory" in failed and "the launch ends here" in failed
+
+
+def _anchor_init_worker(rank, world, local_rank, args, init_method):
+    """The FSDP2 anchor built at this world: each parameter's local shard against its slice of the serial init
+    (drawn here on one rank's CPU), and the first step's loss; rank 0 writes both to ``args.out``."""
+    import torch
+
+    from bench.bench_train import PlainLM, fsdp2_contender, init_plain_weights, rank_context
+
+    ctx = rank_context(rank, world, local_rank, args, init_method)
+    shape = dict(SCENARIOS["smoke"])
+    prepared = fsdp2_contender("fsdp2-compile", args, shape, ctx)
+    serial = PlainLM(shape)
+    init_plain_weights(serial, shape, torch.device("cpu"))
+    slices = {}
+    for (name, p), (_, whole) in zip(prepared.entry.named_parameters(), serial.named_parameters()):
+        gathered = p.full_tensor()  # a collective: every rank, whatever its own shard holds
+        mine = torch.chunk(whole.detach(), world, dim=0)[rank]
+        slices[name] = bool(torch.equal(p.to_local(), mine)) and bool(torch.equal(gathered, whole))
+    loss = float(prepared.step())
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"slices": slices, "first_loss": loss}, f)
+
+
+def test_the_anchor_is_the_serial_init_sliced_whatever_its_world(tmp_path):
+    """FSDP2's anchor at world 2 holds, on each rank, that rank's slice of one serial init (drawing into each local
+    shard instead gave both dp ranks the same block: a model that depended on dp), and so its first loss over the
+    global batch is the world-1 loss (float32)."""
+    losses = {}
+    for world in (1, 2):
+        out = tmp_path / f"world{world}.json"
+        code = ("import argparse, sys; from bench.bench_coc import launch; "
+                "from tests.bench.test_bench_train import _anchor_init_worker as w; "
+                f"launch(w, argparse.Namespace(cpu=True, world={world}, out={str(out)!r}, micro_batch=1, "
+                "dtype='float32', lr=1e-4, compile_backend='eager'), None, on_cpu=True)")
+        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                             env=dict(os.environ, PYTHONPATH=ROOT))
+        assert run.returncode == 0, run.stderr[-3000:]
+        got = json.loads(out.read_text())
+        assert got["slices"] and all(got["slices"].values()), got["slices"]
+        losses[world] = got["first_loss"]
+    assert losses[2] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_long_sequence_rows_recompute_and_train_alike(tmp_path):
+    """The long-sequence recipe at tiny shapes (``smoke-long``: grouped-query attention, every contender recomputing
+    whole layers): the FSDP2 anchor (each block checkpointed, then compiled) and the plain model's tensor-parallel row
+    train as the serial plain model does, Galaxy's sequence-sharded plan as Galaxy's serial one; context_parallel's
+    anchor says in one line that it needs CUDA."""
+    report, _ = bench(tmp_path, "--scenario", "smoke-long", "--contenders",
+                      "serial-eager,fsdp2-compile,native-tp-sp-eager,galaxy-none,galaxy-sp,fsdp2-cp@cp2",
+                      "--dtype", "float32", "--iters", "2")
+    rows = {r["name"]: r for r in report["rows"]}
+    assert report["shape"]["kv_heads"] == 2 and report["shape"]["recompute"] == "full"
+    assert "CUDA" in rows["fsdp2-cp@cp2"]["error"] and "\n" not in rows["fsdp2-cp@cp2"]["error"]
+    assert all("error" not in r for n, r in rows.items() if n != "fsdp2-cp@cp2"), rows
+    assert rows["fsdp2-compile"]["activation_checkpointing"] is True
+    for name in ("fsdp2-compile", "native-tp-sp-eager"):
+        assert rows[name]["losses"] == pytest.approx(rows["serial-eager"]["losses"], rel=1e-5), name
+    assert rows["galaxy-sp"]["losses"] == pytest.approx(rows["galaxy-none"]["losses"], rel=1e-5)
+    best = report["summary"]
+    assert best["best_galaxy"]["name"] in ("galaxy-none", "galaxy-sp") and "galaxy_over_anchor" in best
+
+
+def test_a_sweep_runs_each_point_in_a_launch_of_its_own_and_keeps_failures_as_rows(tmp_path):
+    """``--sweep_rows 1,2,4``: every contender at each R rows per micro-batch, each point its own launch; a point
+    that cannot run (4 rows where a rank has 2 sequences) or whose launch is killed is a row saying why, and the
+    report states each recipe at its best."""
+    report, stdout = bench(tmp_path, "--contenders", "fsdp2-compile", "--sweep_rows", "1,2,4")
+    rows = {r["name"]: r for r in report["rows"]}
+    assert list(rows) == ["fsdp2-compile:mb1", "fsdp2-compile:mb2", "fsdp2-compile:mb4"]
+    assert [rows[n]["micro_batch"] for n in list(rows)[:2]] == [1, 2]
+    assert "not a multiple of --micro_batch 4" in rows["fsdp2-compile:mb4"]["error"]
+    fastest = max(list(rows)[:2], key=lambda n: rows[n]["tokens_per_s_per_gpu"])
+    assert report["summary"]["best_per_contender"] == {"fsdp2-compile": fastest}
+    assert report["facts"]["sweep_rows"] == [1, 2, 4] and stdout.count("ROW ") >= 3
+    killed, _ = bench(tmp_path, "--contenders", "fsdp2-compile", "--sweep_rows", "2", "--sweep_timeout_s", "1")
+    (row,) = killed["rows"]
+    assert row["name"] == "fsdp2-compile:mb2" and row["error"].startswith("killed after 1 s"), row

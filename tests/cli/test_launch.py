@@ -137,3 +137,75 @@ def test_shutdown_ends_the_gloo_threads_while_the_context_lives(capfd):
     where one aborted ranks ("terminate called without an active exception"): shutdown ends them."""
     code = launch_ranks(shut_down_and_list_threads, Launch(2, None, None, None), None, GalaxyConfig())
     assert code == 0, capfd.readouterr().err[-2000:]
+
+
+def warn_from_every_rank(rank: int, launch: Launch, payload) -> None:
+    """A launcher child: the same warning on every rank (twice: each time is a warning of its own), one that
+    names its rank, and a Python ``warnings`` one."""
+    import warnings
+
+    log = logging.getLogger("galaxy.test_launch")
+    for _ in range(2):
+        log.warning("vocab_size set to 96 to match the tokenizer")
+    log.warning("rank %d is rank %d", rank, rank)
+    warnings.warn("a library's warning, the same on every rank")
+
+
+def test_a_warning_every_rank_gives_prints_once(capfd):
+    assert launch_ranks(warn_from_every_rank, Launch(2, None, None, None), None, GalaxyConfig()) == 0
+    err = capfd.readouterr().err
+    assert err.count("vocab_size set to 96 to match the tokenizer") == 2, err
+    assert err.count("UserWarning: a library's warning, the same on every rank") == 1, err
+    for rank in (0, 1):
+        assert f"rank {rank} is rank {rank}" in err, err
+
+
+# A launcher whose child, told the launcher's pid, runs only the fallback watch (no PR_SET_PDEATHSIG).
+WATCHED_CHILD = """
+import os, subprocess, sys, time
+if sys.argv[1] == "launcher":
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[2], str(os.getpid()), sys.argv[2]])
+    print(child.pid, flush=True)
+    time.sleep(600)
+else:
+    import threading
+    from galaxy.cli.launch import watch_launcher
+    threading.Thread(target=watch_launcher, args=(int(sys.argv[1]), 0.1), daemon=True).start()
+    print("watching", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_the_parent_watch_ends_a_rank_whose_launcher_died():
+    """Where ``PR_SET_PDEATHSIG`` is not (not Linux): the watch thread alone ends the orphan within 5 s."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, PYTHONPATH=REPO)
+    launcher = subprocess.Popen([sys.executable, "-c", WATCHED_CHILD, "launcher", WATCHED_CHILD], env=env,
+                                stdout=subprocess.PIPE, text=True)
+    child = int(launcher.stdout.readline())
+    try:
+        assert launcher.stdout.readline().strip() == "watching"
+        launcher.kill()
+        launcher.wait()
+        killed_at = time.monotonic()
+        while alive(child) and time.monotonic() - killed_at < 5:
+            time.sleep(0.05)
+        assert not alive(child), "the rank outlived its launcher by 5 s"
+    finally:
+        if alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    """Running (not a zombie left for an init that does not reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"

@@ -44,10 +44,10 @@ def make_batch(step, classify=False):
     return dict(input_ids=ids, attention_mask=mask, labels=labels)
 
 
-def compare_with_serial(ctx, methods, uneven, classify=False, steps=3, pooling="cls"):
+def compare_with_serial(ctx, methods, uneven, classify=False, steps=3, pooling="cls", extra=None):
     att, con, mlp = methods
     raw = dict(TINY, att_parallel_method=att, con_parallel_method=con, mlp_parallel_method=mlp, seq_length=SEQ,
-               classifier_pooling=pooling)
+               classifier_pooling=pooling, **(extra or {}))
     if uneven:
         raw.update(UNEVEN[ctx.mp.size])
     cfg = GalaxyConfig.from_dict(raw)

@@ -88,7 +88,7 @@ def test_a_base_built_stored_is_the_fp32_build_cast(raw, task, targets, extra):
         assert stored.classifier.weight.requires_grad and stored.classifier.weight.dtype == torch.float32
 
 
-@pytest.mark.parametrize("kind", ["nf4", "int8"])
+@pytest.mark.parametrize("kind", ["nf4", "int8", "fp8"])
 @pytest.mark.parametrize("preset", ["llama-tiny", "bert-tiny"])
 def test_a_quantized_base_built_stored_is_the_fp32_build_quantized(kind, preset):
     stored, want = both(config(preset=preset, quantize_base=kind))

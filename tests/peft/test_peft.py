@@ -512,7 +512,9 @@ def _check_comparison(out, steps, metric):
     assert adapter["eval_loss_before"] == pytest.approx(full["eval_loss_before"], rel=1e-5)
     assert rows["lora-bf16"]["eval_loss_before"] == pytest.approx(full["eval_loss_before"], rel=2e-2)
     assert rows["qlora"]["eval_loss_before"] == pytest.approx(full["eval_loss_before"], rel=0.25)
+    assert rows["lora-fp8"]["eval_loss_before"] == pytest.approx(full["eval_loss_before"], rel=0.25)
     assert rows["qlora"]["trainable_params"] == rows["lora-bf16"]["trainable_params"] == lora["trainable_params"]
+    assert rows["lora-fp8"]["trainable_params"] == lora["trainable_params"]
     assert full["trainable_params"] == full["total_params"] and full["trainable_pct"] == 100
     assert all(rows[m]["trainable_pct"] < 10 for m in COMPARED if m != "full")
     assert side["saved_act_mb"] < full["saved_act_mb"]  # side-tuning keeps the fewest activations

@@ -60,9 +60,9 @@ def make_batch(model_type):
     return dict(input_ids=ids, attention_mask=mask, labels=labels)
 
 
-def tuned_pair(ctx, model_type, method, plan, uneven, **opts):
+def tuned_pair(ctx, model_type, method, plan, uneven, extra=None, **opts):
     cls, tiny = MODELS[model_type]
-    raw = dict(tiny, seq_length=SEQ, tuning=method)
+    raw = dict(tiny, seq_length=SEQ, tuning=method, **(extra or {}))
     if isinstance(plan, str):
         raw["plan"] = plan
     else:
@@ -81,8 +81,8 @@ def edges(model):
     return model.bert.stream if hasattr(model, "bert") else model.model.stream
 
 
-def compare_with_serial(ctx, model_type, method, plan, uneven):
-    serial, par = tuned_pair(ctx, model_type, method, plan, uneven)
+def compare_with_serial(ctx, model_type, method, plan, uneven, extra=None):
+    serial, par = tuned_pair(ctx, model_type, method, plan, uneven, extra)
     names = [n for n, p in par.named_parameters() if p.requires_grad]
     assert names and all(OWN[method](n) for n in names), names
     assert names == [n for n, p in serial.named_parameters() if p.requires_grad]

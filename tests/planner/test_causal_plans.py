@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from galaxy.config import Method
-from galaxy.planner import cost
-from galaxy.planner.cost import Layout, Splits, Workload, bytes_per_parameter, predict
+from galaxy.planner import group
+from galaxy.planner.memory import bytes_per_parameter
+from galaxy.planner.simulate import predict
+from galaxy.planner.workload import Layout, Splits, Workload
 from galaxy.planner.search import layouts, search
 from galaxy.planner.workload import edge_params, layer_params
 from tests import REPO
@@ -94,8 +96,8 @@ def test_layouts_reach_one_row_micro_batches_and_selective_recompute():
     mem = {r: p.memory_bytes[0, 0] for r, p in pred.items()}
     assert mem["full"] < mem["selective"] < mem["none"]
     assert mem["full"] < mem["mlp"] < mem["none"]
-    g = cost.GroupModel(cluster, work, GALAXY, split, [0, 1], 12)
-    mlp_fwd = sum(e.fwd for e in g.layer() if isinstance(e, cost.Compute) and e.name.startswith("mlp"))[0].max()
+    g = group.GroupModel(cluster, work, GALAXY, split, [0, 1], 12)
+    mlp_fwd = sum(e.fwd for e in g.layer() if isinstance(e, group.Compute) and e.name.startswith("mlp"))[0].max()
     assert pred["mlp"].time_s[0] > pred["none"].time_s[0] + cluster.model.num_hidden_layers * mlp_fwd * 0.99
 
 

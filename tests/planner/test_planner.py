@@ -18,7 +18,9 @@ import torch
 from galaxy.config import ConfigError, GalaxyConfig, Method
 from galaxy.planner.cluster import (OPS, PIECES, AlphaBeta, ClusterProfile, Curve, Piece, RankProfile,
                                     cluster_from_dict, isotonic, load_cluster)
-from galaxy.planner.cost import GroupModel, Layout, Segments, Splits, Workload, collectives, predict
+from galaxy.planner.group import GroupModel, Segments, collectives
+from galaxy.planner.simulate import predict
+from galaxy.planner.workload import Layout, Splits, Workload
 from galaxy.planner.blocks import BlockBench, grid, off_the_line, time_pieces
 from galaxy.planner.cluster import candidate_groups
 from galaxy.planner.search import SplitSearch, compositions, min_max_split, search
@@ -260,17 +262,18 @@ def test_sustained_scale_stretches_training_compute_only():
 
 def test_sustained_steps_scale_against_the_bursts():
     """``measure_sustained`` on the training loop's own serial steps (CPU, tiny LLaMA): as many steps as fill
-    the seconds asked at the bursts' pace; bursts eight times as fast as the steps give a scale well above 1,
-    bursts slower than the steps none (a sustained step is never taken as faster). (Eight, not two: a suite on
-    two shared cores once ran the sustained steps twice as fast as the typical step timed before them.)"""
+    the seconds asked at the bursts' pace; bursts a thousand times as fast as the steps give a scale well above
+    1, bursts a thousand times slower none (a sustained step is never taken as faster). (A thousand: a busy
+    host stretches the steps, and a suite on two shared cores once ran the sustained steps twice as fast as the
+    typical step timed before them.)"""
     from galaxy.planner.profile import measure_sustained, measure_serial
 
     model = GalaxyConfig.from_dict({"model": {"preset": "llama-tiny"}}).model
     cpu = torch.device("cpu")
     typical = statistics.median(measure_serial(model, 2, 16, "float32", cpu, 9, forwards=False)[0])
-    scale, steps = measure_sustained(model, 2, 16, "float32", cpu, [typical / 8] * 3, seconds=10 * typical)
-    assert len(steps) in (80, 81) and 2 < scale < 32, (scale, typical)  # about 8 (CPU timings vary under load)
-    scale, steps = measure_sustained(model, 2, 16, "float32", cpu, [typical * 10] * 3, seconds=40 * typical)
+    scale, steps = measure_sustained(model, 2, 16, "float32", cpu, [typical / 1000] * 3, seconds=0.08 * typical)
+    assert len(steps) in (80, 81) and scale > 10, (scale, typical)  # about 1000
+    scale, steps = measure_sustained(model, 2, 16, "float32", cpu, [typical * 1000] * 3, seconds=40 * typical)
     assert len(steps) == 5 and scale == 1.0
 
 
@@ -323,18 +326,24 @@ def test_calibration_takes_an_overhead_from_the_fastest_run_only():
 
 def test_windowed_timing_shares_the_wall_time_by_the_parts():
     """A run whose parts report 1 ms and 3 ms but take 10 ms of wall time (the rest: time the rank
-    was stopped, as under a CPU quota) is charged the wall time, split 1:3."""
+    was stopped, as under a CPU quota) is charged the wall time, split 1:3: at least the 10 ms it
+    slept, at most the loop's wall time over the runs (a busy host may stretch both, never break them)."""
     import time
 
     from galaxy.planner.blocks import windowed
 
+    runs = []
+
     def once():
+        runs.append(1)
         time.sleep(0.01)
         return 0.001, 0.003
 
+    start = time.perf_counter()
     fwd, bwd = windowed(once, 0.05)
+    wall = time.perf_counter() - start
     assert bwd == pytest.approx(3 * fwd, rel=1e-9)
-    assert 0.009 < fwd + bwd < 0.05
+    assert 0.01 - 1e-9 <= fwd + bwd <= wall / len(runs), (fwd + bwd, wall, len(runs))
     assert windowed(once, 0.0) == (0.001, 0.003)
 
 
@@ -351,9 +360,10 @@ def test_off_the_line_flags_a_sample_its_neighbours_disagree_with():
 
 
 def test_time_pieces_times_a_size_again_where_a_burst_hit_every_sample():
-    """Pieces that sleep 2 ms per size unit; the size-4 one 40 ms more in every call of the first
+    """Pieces that sleep 2 ms per size unit; the size-4 one 200 ms more in every call of the first
     pass (a burst longer than the repetitions, which their median keeps). It comes back near 8 ms,
-    timed again with its neighbours; a size another rank asks for (``agree``) is timed again too."""
+    timed again with its neighbours; a size another rank asks for (``agree``) is timed again too. (The
+    burst is long, so that a busy host, which stretches the sleeps, cannot make the 8 ms look like it.)"""
     import time
 
     bench = BlockBench(model_config(BERT), 1, 8, torch.device("cpu"), "float32")
@@ -362,7 +372,7 @@ def test_time_pieces_times_a_size_again_where_a_burst_hit_every_sample():
     def make(n, burst):
         def fn(x):
             calls[n] = calls.get(n, 0) + 1
-            time.sleep(0.002 * n + (0.04 if burst and n == 4 and calls[n] <= 8 else 0.0))
+            time.sleep(0.002 * n + (0.2 if burst and n == 4 and calls[n] <= 8 else 0.0))
             return x * 2
         return lambda: ([torch.ones(2, requires_grad=True)], fn)
 
@@ -370,7 +380,7 @@ def test_time_pieces_times_a_size_again_where_a_burst_hit_every_sample():
     out = time_pieces(bench, [make(n, True) for n in sizes], sizes, 3, lambda: None)
     # warm-up + 3 rounds, a training and an inference forward each (8), 3 rounds again (6), saved bytes (1)
     assert calls[3] == calls[4] == calls[5] == 15
-    assert out[3][0] < 0.025 and out[3][2] < 0.025  # 48 ms with the burst
+    assert out[3][0] < 0.1 and out[3][2] < 0.1  # 208 ms with the burst
     calls.clear()
     asked = []
     time_pieces(bench, [make(n, False) for n in sizes], sizes, 3, lambda: None,
@@ -449,18 +459,28 @@ PLANS = [("bert", (TP, NONE, TP), [3, 1], [40, 24], [8, 8]),
          ("llama", (TP, NONE, SP), [4, 4], [24, 24], [7, 9])]
 
 
-@pytest.mark.parametrize("model_type,methods,heads,ffn,seq", PLANS)
-def test_predicted_collectives_match_the_model(dist_pool, model_type, methods, heads, ffn, seq):
+# The SP attention flavours' own exchanges: the ring's point-to-point blocks (LLaMA's in the zigzag order) and
+# dK/dV accumulators, Ulysses' all-to-alls (heads [3, 5]: a GQA group of 4 split over both ranks).
+SP_ATTENTION_PLANS = [(model_type, methods, heads, ffn, seq, flavour) for flavour in ("ring", "ulysses")
+                      for model_type, methods, heads, ffn, seq in [("llama", (SP, SP, SP), [3, 5], [24, 24], [10, 6]),
+                                                                   ("llama", (SP, SP, TP), [4, 4], [20, 28], [7, 9]),
+                                                                   ("llama", (SP, NONE, TP), [2, 6], [24, 24], [8, 8]),
+                                                                   ("bert", (SP, SP, SP), [1, 3], [32, 32], [11, 5])]]
+
+
+@pytest.mark.parametrize("model_type,methods,heads,ffn,seq,sp_attention",
+                         [p + ("allgather",) for p in PLANS] + SP_ATTENTION_PLANS)
+def test_predicted_collectives_match_the_model(dist_pool, model_type, methods, heads, ffn, seq, sp_attention):
     """Every activation collective the cost model charges is one the real model issues, same op,
     same bytes, same phase (forward or backward), and nothing else is issued."""
     raw = BERT if model_type == "bert" else LLAMA
     names = ("att_parallel_method", "con_parallel_method", "mlp_parallel_method")
     config = {"model": raw, "train": {"seq_length": 16, "global_batch_size": 2},
               "parallel": {**{k: m.value for k, m in zip(names, methods)}, "tp_num_attention_heads_list": heads,
-                           "tp_intermediate_size_list": ffn, "seq_scatter_list": seq}}
+                           "tp_intermediate_size_list": ffn, "seq_scatter_list": seq, "sp_attention": sp_attention}}
     real = dist_pool.run(record_collectives, 2, config, 0)[0]
     cluster = synthetic_cluster(raw, 2, [1.0, 1.0], seq=16)
-    work = Workload(cluster.model, "train", 2, 16)
+    work = Workload(cluster.model, "train", 2, 16, sp_attention=sp_attention)
     g = GroupModel(cluster, work, methods, Splits.one(heads, ffn, seq), [0, 1], rows=2)
     predicted = collectives(g, cluster.model.num_hidden_layers)
     assert sorted(predicted) == sorted(real)
@@ -629,7 +649,7 @@ def test_the_last_member_leaves_a_collective_after_the_ones_that_waited():
     (5.004) and rank 1 0.5 s (3.510), so rank 0 is last: 5.014, rank 1 leaves at 5.008. A file
     without the waiting time has both leave together (3.010, then 5.010 + 0.010). The segments keep
     each rank's compute, and their sum of maxima plus the 4 ms stays below the time."""
-    from galaxy.planner.cost import Collective, Compute, Segments, run
+    from galaxy.planner.group import Collective, Compute, Segments, run
 
     def model(waited):
         cluster = synthetic_cluster(BERT, 2, [1.0, 1.0], alpha=0.010, beta=0.0, waited=waited)
@@ -958,7 +978,7 @@ def test_profiler_writes_a_valid_file(dist_pool):
 def test_all_reduce_is_timed_up_to_a_gradient_bucket():
     """Activation collectives up to world x K and V of the largest batch; all-reduce also up to the
     25 MiB bucket the gradient sync sends (or the whole gradient, when smaller)."""
-    from galaxy.planner.cost import GRAD_BUCKET_BYTES
+    from galaxy.planner.simulate import GRAD_BUCKET_BYTES
     from galaxy.planner.profile import collective_sizes, model_params
 
     large = model_config({**BERT, "hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16,

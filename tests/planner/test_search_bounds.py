@@ -16,9 +16,12 @@ import pytest
 import torch
 
 from galaxy.config import ConfigError, GalaxyConfig, Method
-from galaxy.planner import cost
+from galaxy.planner import bounds, group, memory, simulate, workload
 from galaxy.planner.cluster import AlphaBeta, load_cluster
-from galaxy.planner.cost import Layout, Segments, Workload, might_fit, predict
+from galaxy.planner.bounds import might_fit
+from galaxy.planner.group import Segments
+from galaxy.planner.simulate import predict
+from galaxy.planner.workload import Layout, Workload
 from galaxy.planner.search import (METHODS, SplitSearch, beats_setting, compositions, engine_workload,
                                    engine_workloads, layouts, reduction_acts, search)
 from tests import REPO
@@ -168,7 +171,7 @@ def test_fsdp2_settings_are_written_as_they_act(engine, reduce):
     """A plan's FSDP settings mean what the workload's did on its layout, and are the defaults wherever
     those act alike (so two variants of one run are one plan, and configs name only what changes a run):
     FSDP2 acts with dp > 1, ``mp_grad_reduce: fsdp`` with mp > 1."""
-    from galaxy.planner.cost import fsdp_reshards, fsdp_syncs_once
+    from galaxy.planner.workload import fsdp_reshards, fsdp_syncs_once
     from galaxy.planner.search import fsdp_settings
 
     for reshard in ("default", "always", "never"):
@@ -188,7 +191,7 @@ def test_fsdp2_settings_are_written_as_they_act(engine, reduce):
 
 
 def test_fsdp2_traffic_hides_behind_compute_only_as_far_as_it_lasts():
-    """FSDP2's gathers and reduce-scatters over dp (``cost.fsdp_exposed``): on a link fast against the
+    """FSDP2's gathers and reduce-scatters over dp (``simulate.fsdp_exposed``): on a link fast against the
     compute a micro-batch waits only for the root's and first layer's gather and the last reduce-scatters;
     on a slow link the step takes at least the whole traffic; and there the search puts dp on DDP (one
     all-reduce of the gradients) rather than FSDP2 (every weight gathered twice and reduce-scattered per
@@ -198,7 +201,7 @@ def test_fsdp2_traffic_hides_behind_compute_only_as_far_as_it_lasts():
     model = dict(LLAMA, num_hidden_layers=4)
     work = Workload(model_config_of(model), "train", 8, 8, dp_engine="fsdp2")
     layout, M, layers = Layout(dp=2, microbatches=2), 2, 4
-    split = cost.Splits.balanced(work.model, 8, 1)
+    split = workload.Splits.balanced(work.model, 8, 1)
     none = (NONE, NONE, NONE)
 
     def step(alpha, beta):
@@ -208,8 +211,8 @@ def test_fsdp2_traffic_hides_behind_compute_only_as_far_as_it_lasts():
     _, free = step(0.0, 0.0)
     fast, t_fast = step(1e-9, 1e-15)
     ab = fast.collective([0, 1], "all_gather")  # one alpha-beta for every op of the synthetic cluster
-    emb, head = cost.edge_params(work.model)
-    params = cost.stage_parameters(work, none, split, layout, 1)[0][0][0, 0]
+    emb, head = workload.edge_params(work.model)
+    params = memory.stage_parameters(work, none, split, layout, 1)[0][0][0, 0]
     per_layer = (params - emb - head) / layers
     edges = 2 * ab((emb + head) * 4) + ab(per_layer * 4) + ab(per_layer * 4)  # fp32 (float32 run)
     scalars = 3 * ab(8)  # the loss, its token count and the squared gradient norm, summed over dp
@@ -241,7 +244,7 @@ def test_fsdp2_copies_cost_their_bytes_at_the_optimizers_memory_rate():
     layout, layers = Layout(dp=2, microbatches=2), 4
     none = (NONE, NONE, NONE)
     fsdp = Workload(model_config_of(model), "train", 8, 8, "bfloat16", dp_engine="fsdp2")
-    split = cost.Splits.balanced(fsdp.model, 8, 1)
+    split = workload.Splits.balanced(fsdp.model, 8, 1)
 
     def step(work, s_per_param):
         free = synthetic_cluster(model, 2, [1.0, 1.0], alpha=0.0, beta=0.0)
@@ -249,8 +252,8 @@ def test_fsdp2_copies_cost_their_bytes_at_the_optimizers_memory_rate():
                                                       for r in free.ranks))
         return float(predict(slowed, work, none, split, layout).time_s[0])
 
-    params = cost.stage_parameters(fsdp, none, split, layout, 1)[0][0][0, 0]
-    edges = sum(cost.edge_params(fsdp.model))
+    params = memory.stage_parameters(fsdp, none, split, layout, 1)[0][0][0, 0]
+    edges = sum(workload.edge_params(fsdp.model))
     per_layer = (params - edges) / layers
     # a layer's bytes: 2 micro-batches x 2 gathers x (shard: read 4 + write 2 cast, read 2 + write 2 copied in;
     # whole: read 2 + write 2 split out) + gradients (read 2, write 4) in both and the shard's add (read 8, write
@@ -318,10 +321,10 @@ def test_bound_points_keep_every_piece_linear_between_them():
     cluster = load_cluster(H200X4)
     rank = cluster.ranks[0]
     for var, unit, count in (("ffn", 1, 11008), ("seq", 1, 4096)):
-        points = cost.bound_points(cluster, var, unit, count, most=32)
+        points = bounds.bound_points(cluster, var, unit, count, most=32)
         assert len(points) < count and points[0] == 1 and points[-1] == count
         shares = np.arange(1, count + 1)
-        for name in cost.SIZED_BY[var]:
+        for name in bounds.SIZED_BY[var]:
             for rows in (1, 3, 16):  # measured, between, beyond
                 for values in rank.piece(name, rows, shares)[:2]:
                     least = np.minimum.reduceat(values, points[:-1] - 1)  # each [p_k, p_k+1) stretch
@@ -357,7 +360,7 @@ def test_repeated_layers_and_micro_batches_are_simulated_exactly(monkeypatch):
             clock = step(clock)
         return clock
 
-    monkeypatch.setattr(cost.GroupModel, "repeat", every_step)
+    monkeypatch.setattr(group.GroupModel, "repeat", every_step)
     for (t, mem, seg), (t0, mem0, seg0) in zip(shortcut, simulate(True)):
         np.testing.assert_allclose(t, t0, rtol=1e-12)
         np.testing.assert_array_equal(mem, mem0)
@@ -382,7 +385,7 @@ def test_search_of_llama_7b_on_four_gpus_at_global_batch_16(caplog):
     assert len(plans) == 10 and plans[0].fits and len(plans[0].devices) == 4
     for c in plans:
         sub = cluster.restrict(c.devices)
-        pred = predict(sub, work, c.methods, cost.Splits.one(c.heads, c.ffn, c.seq), c.layout)
+        pred = predict(sub, work, c.methods, workload.Splits.one(c.heads, c.ffn, c.seq), c.layout)
         assert pred.time_s[0] == pytest.approx(c.time_s, rel=1e-9) and bool(pred.fits[0]) == c.fits
         assert c.lower_bound_s <= c.time_s * (1 + 1e-12)
     assert [c.time_s for c in plans[1:]] == sorted(c.time_s for c in plans[1:])
@@ -408,7 +411,7 @@ def fsdp_state_bytes(ctx, case):
     return total, vectors
 
 
-# FSDP2's copies as the cost model counts them (``cost.fsdp_copy_bytes``), by the op each runs in torch's
+# FSDP2's copies as the cost model counts them (``simulate.fsdp_copy_bytes``), by the op each runs in torch's
 # fully_shard: op -> (bytes read, bytes written) of (args, kwargs, out)
 FSDP_COPIES = {
     "fsdp.all_gather_copy_in": lambda a, k, out: (nbytes(a[0]), a[3] * a[1].element_size()),
@@ -478,7 +481,7 @@ def fsdp_copied_bytes(ctx, case):
 
 @pytest.mark.parametrize("sync,reshard", [("every_micro_batch", "default"), ("last_micro_batch", "never")])
 def test_fsdp2_copies_are_the_bytes_fully_shard_copies(dist_pool, sync, reshard):
-    """The bytes the cost model charges for FSDP2's copies (``cost.fsdp_copy_bytes``: casts, the gather's
+    """The bytes the cost model charges for FSDP2's copies (``simulate.fsdp_copy_bytes``: casts, the gather's
     copy-in and split, the reduce-scatter's copy-in, the sharded gradients' adds; per micro-batch, in
     both gradient syncs and with and without resharding) are the bytes torch's fully_shard moves in
     those ops, counted op by op in a real step on dp 2 (bf16 weights gathered, fp32 masters and
@@ -493,16 +496,16 @@ def test_fsdp2_copies_are_the_bytes_fully_shard_copies(dist_pool, sync, reshard)
     work = Workload(cfg.model, "train", TRAIN["global_batch_size"], TRAIN["seq_length"], "bfloat16",
                     dp_engine="fsdp2", reshard_after_forward=reshard, fsdp_grad_sync=sync)
     layout = Layout(dp=2, microbatches=2)
-    params = cost.stage_parameters(work, (NONE, NONE, NONE), cost.Splits.balanced(cfg.model, TRAIN["seq_length"], 1),
-                                   layout, 1)[0][0]
-    u, = cost.FsdpUnits.of(work, layout, 0, params)
-    gathers = 2 if cost.fsdp_reshards(reshard, 1) else 1
-    once = cost.fsdp_syncs_once(sync, 2)
+    params = memory.stage_parameters(work, (NONE, NONE, NONE),
+                                     workload.Splits.balanced(cfg.model, TRAIN["seq_length"], 1), layout, 1)[0][0]
+    u, = memory.FsdpUnits.of(work, layout, 0, params)
+    gathers = 2 if workload.fsdp_reshards(reshard, 1) else 1
+    once = workload.fsdp_syncs_once(sync, 2)
     h = MODEL["hidden_size"]  # norm scales (2 a layer, the final one in the root): whole in FSDP, sharded in the model
 
     def predicted(per_layer, edge):
-        return float(sum(u.layers * cost.fsdp_copy_bytes(per_layer, u.compute, u.master, 2, gathers, k, 2, once)
-                         + cost.fsdp_copy_bytes(np.full(1, edge), u.master, u.master, 2, 1, k, 2, once)
+        return float(sum(u.layers * simulate.fsdp_copy_bytes(per_layer, u.compute, u.master, 2, gathers, k, 2, once)
+                         + simulate.fsdp_copy_bytes(np.full(1, edge), u.master, u.master, 2, 1, k, 2, once)
                          for k in range(2))[0])
     for copied, other in measured:
         assert not other, other
@@ -524,9 +527,9 @@ def test_fsdp2_memory_is_a_dp_block_of_masters_gradients_and_moments(dist_pool):
     cfg = GalaxyConfig.from_dict(dict(MODEL, **TRAIN, **{k: v for k, v in case.items() if k != "model"}))
     work = Workload(cfg.model, "train", TRAIN["global_batch_size"], TRAIN["seq_length"], "float64",
                     dp_engine="fsdp2")
-    splits = cost.Splits.balanced(cfg.model, TRAIN["seq_length"], 2)
-    params, _, stepped, _ = cost.stage_parameters(work, (TP, SP, TP), splits, Layout(dp=2), 2)
-    per_param, _ = cost.bytes_per_parameter(work, 2, 2, 1)
+    splits = workload.Splits.balanced(cfg.model, TRAIN["seq_length"], 2)
+    params, _, stepped, _ = memory.stage_parameters(work, (TP, SP, TP), splits, Layout(dp=2), 2)
+    per_param, _ = memory.bytes_per_parameter(work, 2, 2, 1)
     for rank, (total, vectors) in enumerate(measured):
         predicted = params[0][0, rank % 2] * per_param
         assert predicted <= total <= predicted + vectors * per_param, (rank, total, predicted)
@@ -550,11 +553,11 @@ def test_mp_fsdp_memory_is_an_mp_block_of_the_replicated_weights(dist_pool, worl
     cfg = GalaxyConfig.from_dict(dict(MODEL, **TRAIN, **{k: v for k, v in case.items() if k != "model"}))
     work = Workload(cfg.model, "train", TRAIN["global_batch_size"], TRAIN["seq_length"], "float64",
                     mp_grad_reduce="fsdp", dp_engine=case.get("dp_engine", "ddp"))
-    splits = cost.Splits.balanced(cfg.model, TRAIN["seq_length"], mp)
-    params, partial, stepped, replicated = cost.stage_parameters(work, (TP, SP, SP), splits, Layout(dp=dp), mp)
+    splits = workload.Splits.balanced(cfg.model, TRAIN["seq_length"], mp)
+    params, partial, stepped, replicated = memory.stage_parameters(work, (TP, SP, SP), splits, Layout(dp=dp), mp)
     mlp = 3 * MODEL["hidden_size"] * MODEL["intermediate_size"] * MODEL["num_hidden_layers"]
     assert (replicated[0] == mlp).all()  # the MLP's three matrices of every layer
-    per_param, per_replicated = cost.bytes_per_parameter(work, dp, mp, 1)
+    per_param, per_replicated = memory.bytes_per_parameter(work, dp, mp, 1)
     assert per_replicated == 32 / (dp * mp)  # master, gradient and two moments, 8 bytes each
     for rank, (total, vectors) in enumerate(measured):
         i = rank % mp
@@ -566,7 +569,7 @@ def test_mp_fsdp_memory_is_an_mp_block_of_the_replicated_weights(dist_pool, worl
 
 def test_mp_fsdp_copies_are_the_bytes_fully_shard_copies(dist_pool):
     """The copies ``mp_grad_reduce: fsdp`` makes around its collectives (galaxy2's MLP over mp 2, bf16
-    gathers, fp32 masters and reductions, 2 micro-batches) are ``cost.fsdp_copy_bytes`` of the MLP's
+    gathers, fp32 masters and reductions, 2 micro-batches) are ``simulate.fsdp_copy_bytes`` of the MLP's
     weights over the mp group, to the byte (the unit holds no vector), and nothing else of fully_shard's
     moves data."""
     from tests.core.test_dp_pp import LLAMA as MODEL, TRAIN
@@ -577,11 +580,11 @@ def test_mp_fsdp_copies_are_the_bytes_fully_shard_copies(dist_pool):
     work = Workload(cfg.model, "train", TRAIN["global_batch_size"], TRAIN["seq_length"], "bfloat16",
                     mp_grad_reduce="fsdp")
     layout = Layout(microbatches=2)
-    params, _, _, replicated = cost.stage_parameters(
-        work, (TP, SP, SP), cost.Splits.balanced(cfg.model, TRAIN["seq_length"], 2), layout, 2)
-    u, = cost.FsdpUnits.of(work, layout, 0, params[0], replicated[0])
+    params, _, _, replicated = memory.stage_parameters(
+        work, (TP, SP, SP), workload.Splits.balanced(cfg.model, TRAIN["seq_length"], 2), layout, 2)
+    u, = memory.FsdpUnits.of(work, layout, 0, params[0], replicated[0])
     assert u.edge == 0 and u.groups == ((0, 1), (0, 1))
-    predicted = float(sum(u.layers * cost.fsdp_copy_bytes(u.per_layer[:, 0], 2, 4, 2, 2, k, 2, False)
+    predicted = float(sum(u.layers * simulate.fsdp_copy_bytes(u.per_layer[:, 0], 2, 4, 2, 2, k, 2, False)
                           for k in range(2))[0])
     for copied, other in measured:
         assert not other, other
@@ -601,7 +604,7 @@ def test_mp_fsdp_traffic_waits_for_a_gather_and_a_reduce_scatter_per_micro_batch
     methods = PLAN_PRESETS["galaxy2"]
     after = Workload(model_config_of(model), "train", 8, 8, mp_grad_reduce="after_backward")
     fsdp = dataclasses.replace(after, mp_grad_reduce="fsdp")
-    split = cost.Splits.balanced(after.model, 8, 2)
+    split = workload.Splits.balanced(after.model, 8, 2)
 
     def step(work, alpha, beta):
         cluster = synthetic_cluster(model, 2, [1.0, 1.0], alpha=alpha, beta=beta)
@@ -611,10 +614,11 @@ def test_mp_fsdp_traffic_waits_for_a_gather_and_a_reduce_scatter_per_micro_batch
     ab = fast.collective([0, 1], "all_gather")  # one alpha-beta for every op of the synthetic cluster
 
     def bucketed(nbytes):
-        n = max(int(np.ceil(nbytes / cost.GRAD_BUCKET_BYTES)), 1)
+        n = max(int(np.ceil(nbytes / simulate.GRAD_BUCKET_BYTES)), 1)
         return n * ab(nbytes / n)
-    replicated = cost.stage_parameters(fsdp, methods, split, layout, 2)[3][0][0, 0]
-    summed = {w.mp_grad_reduce: cost.stage_parameters(w, methods, split, layout, 2)[1][0][0, 0] for w in (after, fsdp)}
+    replicated = memory.stage_parameters(fsdp, methods, split, layout, 2)[3][0][0, 0]
+    summed = {w.mp_grad_reduce: memory.stage_parameters(w, methods, split, layout, 2)[1][0][0, 0]
+              for w in (after, fsdp)}
     assert summed["after_backward"] - summed["fsdp"] == replicated > 0
     n = replicated / layers
     time = {w.mp_grad_reduce: float(step(w, 1e-9, 1e-15)[1].time_s[0] - step(w, 0.0, 0.0)[1].time_s[0])
@@ -660,8 +664,8 @@ def test_mp_fsdp_step_bytes_are_what_the_run_records(dist_pool, reshard):
     for mode, extra in modes.items():
         work = Workload(cfg.model, "train", TRAIN["global_batch_size"], TRAIN["seq_length"], "float64",
                         mp_grad_reduce=mode, reshard_after_forward=extra.get("reshard_after_forward", "default"))
-        pred = predict(cluster, work, PLAN_PRESETS["galaxy2"], cost.Splits.balanced(cfg.model, TRAIN["seq_length"], 2),
-                       Layout(microbatches=2))
+        pred = predict(cluster, work, PLAN_PRESETS["galaxy2"],
+                       workload.Splits.balanced(cfg.model, TRAIN["seq_length"], 2), Layout(microbatches=2))
         predicted[mode] = float(pred.detail["comm_bytes"][0])
     assert measured["fsdp"] != measured["after_backward"]
     assert predicted["fsdp"] - predicted["after_backward"] == measured["fsdp"] - measured["after_backward"]

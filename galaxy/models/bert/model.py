@@ -158,6 +158,9 @@ class BertLayer(TransformerLayer):
         self.intermediate = BertIntermediate(cfg, plan, ctx)
         self.output = BertOutput(cfg, plan, ctx)
 
+    def mlp_modules(self) -> list[nn.Module]:
+        return [self.intermediate, self.output.dense]
+
     def mlp(self, x: torch.Tensor, edge: Edge) -> torch.Tensor:
         """The MLP block between its edges: dense, activation, dense (its residual and LayerNorm are CON's)."""
         (i,) = edge.enter(x, [self.intermediate.dense])

@@ -15,12 +15,13 @@ Under ATT.tp, rank i holds ``heads_split[i]`` query heads and ``heads_split[i] /
 heads, so a GQA group never straddles two ranks (``resolve_plan`` rejects splits that would).
 
 Rotary embeddings are applied inside the shared ``self_attention`` through its ``rope`` callback,
-which receives the *global* sequence positions of the local queries (SP included), so one
-cos/sin table per forward serves every plan. A KV cache (``past_key_values``/``use_cache``)
-serves ``model.generate`` (``galaxy.models.generation``) on every plan: the cache holds the whole
-sequence of each rank's heads (ATT.sp gathers K and V in the prefill, as its forward does), the
-layers run eagerly on plain edges, and under SP the steps after the prefill run their new tokens
-replicated (``LlamaModel.decode_edges``).
+which receives the local queries' indices into the sequence in the stream's order (SP included; the
+tables are built from the position ids in that order: causal ring attention's zigzag,
+``galaxy.core.sp_attention``), so one cos/sin table per forward serves every plan. A KV cache
+(``past_key_values``/``use_cache``) serves ``model.generate`` (``galaxy.models.generation``) on every
+plan: the cache holds the whole sequence of each rank's heads (ATT.sp gathers K and V in the prefill, in
+the natural order, as the allgather flavour does), the layers run eagerly on plain edges, and under SP
+the steps after the prefill run their new tokens replicated (``LlamaModel.decode_edges``).
 
 Options of how it computes (``ModelConfig``): ``fused_gate_up`` holds gate and up as one
 ``mlp.gate_up_proj.weight`` ``[2, intermediate, hidden]`` (one matmul; HF checkpoints are
@@ -46,7 +47,7 @@ import torch.nn.functional as F
 
 from galaxy.config import ConfigError, Method, ModelConfig, Plan
 from galaxy.core.attention import attention
-from galaxy.core.blocks import gather_kv, merge_heads, self_attention, split_heads
+from galaxy.core.blocks import merge_heads, self_attention, split_heads
 from galaxy.core.context import ParallelContext
 from galaxy.core.edges import Edge, LayerEdges, Stream, in_compute_dtype
 from galaxy.core.grad_sync import mark_pipeline_tie
@@ -54,6 +55,7 @@ from galaxy.core.layers import Dropout, GradRule, ParallelLinear, StackedLinear,
 from galaxy.core.parallelize import TransformerLayer
 from galaxy.core.pipeline import StageSpec, layer_stack
 from galaxy.core.recompute import recomputed_when_compiled
+from galaxy.core.sp_attention import gather_kv, stream_order
 from galaxy.core.transitions import reduce_to_replicated
 from galaxy.kernels import apply_rope, fused_linear_cross_entropy, rms_norm, swiglu, swiglu_packed
 from galaxy.models.base import (GalaxyModel, ModelOutput, activation, at_least_fp32, default_plan_and_context, plain,
@@ -118,7 +120,7 @@ class LlamaRotaryEmbedding(nn.Module):
 
 class RopeAt:
     """The ``rope(q, k, idx)`` callback of ``self_attention``: ``idx`` are indices into the
-    sequence the tables were built for (global positions under SP), so each rank rotates its
+    sequence the tables were built for (positions in the stream's order under SP), so each rank rotates its
     local queries and keys at their true positions before K/V are gathered. cos/sin are
     ``rotate_half`` tables as ``LlamaRotaryEmbedding`` makes them (their two halves equal)."""
 
@@ -251,7 +253,7 @@ class LlamaAttention(nn.Module):
         offset = edge.shard.offset if edge.shard is not None else 0
         q, k = rope(q, k, torch.arange(offset, offset + q.shape[2], device=q.device))
         if edge.shard is not None:
-            k, v = gather_kv(k, v, edge.shard)
+            k, v = gather_kv(k, v, edge.shard.comm, edge.shard.split)
         past = cache.seen(self.layer_idx)
         k, v = cache.update(self.layer_idx, k, v)
         return merge_heads(attention(q, k, v, key_padding_mask=key_padding_mask, causal=True, q_offset=past + offset,
@@ -318,6 +320,9 @@ class LlamaDecoderLayer(TransformerLayer):
         self.attn_dropout = Dropout(cfg.hidden_dropout_prob, generator)
         self.mlp_dropout = Dropout(cfg.hidden_dropout_prob, generator)
 
+    def mlp_modules(self) -> list[nn.Module]:
+        return [self.mlp]
+
     def forward(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor], rope: RopeAt,
                 cache: Optional[KVCache] = None, edges: Optional[LayerEdges] = None) -> torch.Tensor:
         if cache is not None:  # generation: eager (the cache grows every step, a new shape to compile)
@@ -343,13 +348,15 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg, self.plan, self.ctx = cfg, plan, ctx
         self.stage = stage = stage or StageSpec.whole(cfg.num_hidden_layers)
-        self.stream = Stream(ctx.mp, plan)
+        # Causal ring attention runs the stream in the load-balanced zigzag order (galaxy.core.sp_attention);
+        # the KV cache's prefill gathers K and V (allgather) in the natural order.
+        self.stream = Stream(ctx.mp, plan, stream_order(plan, causal=True))
         # Generation runs plain edges: the prefill's on the plan, and after an SP prefill the new tokens
         # replicated on every rank, SP blocks (whose weights are whole) computing them as 'none' blocks
         # do, TP blocks keeping their shards.
         decode_plan = replace(plan, **{block: Method.NONE for block in ("att", "con", "mlp")
                                        if getattr(plan, block) == Method.SP})
-        self.prefill_edges = LayerEdges.plain(ctx.mp, plan)
+        self.prefill_edges, self.prefill_stream = LayerEdges.plain(ctx.mp, plan), Stream(ctx.mp, plan)
         self.decode_edges, self.decode_stream = LayerEdges.plain(ctx.mp, decode_plan), Stream(ctx.mp, decode_plan)
         tied = cfg.tie_word_embeddings and not stage.is_whole
         if stage.is_first or (tied and stage.is_last):
@@ -380,7 +387,7 @@ class LlamaModel(nn.Module):
         seq = input_ids.shape[1]
         past = cache.length if cache is not None else 0
         edges = None if cache is None else self.decode_edges if past else self.prefill_edges
-        stream = self.decode_stream if past else self.stream
+        stream = self.decode_stream if past else self.stream if cache is None else self.prefill_stream
         if self.uses_seq and not past:
             if seq != sum(self.plan.seq_split):
                 raise ValueError(f"input has {seq} tokens but the plan splits {sum(self.plan.seq_split)} "
@@ -393,7 +400,7 @@ class LlamaModel(nn.Module):
         if position_ids.dim() == 1:
             position_ids = position_ids[None]
         h = self.embed_tokens(stream.to_stream(input_ids)) if self.stage.is_first else hidden_states
-        rope = RopeAt(*self.rotary_emb(position_ids, h.dtype), self.cfg.kernels)
+        rope = RopeAt(*self.rotary_emb(stream.order.to_stream_order(position_ids), h.dtype), self.cfg.kernels)
         for layer in self.layers:
             h = layer(h, attention_mask, rope, cache, edges)
         return self.norm(h) if self.stage.is_last else h

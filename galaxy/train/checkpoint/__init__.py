@@ -29,6 +29,7 @@ the checkpoint directory (a shared file system); saving assumes every rank write
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import shutil
@@ -42,16 +43,17 @@ import torch.nn as nn
 from galaxy.core.context import ParallelContext
 from galaxy.train.checkpoint import legacy
 from galaxy.train.checkpoint.files import (RNG_FILE, STATE_FILE, CheckpointError, InvalidCheckpointError,
-                                           ResumeError, check_sizes, checkpoint_candidates, has_checkpoint,
-                                           json_bytes, latest_valid_checkpoint, prune, publish, read_json,
-                                           resolve_checkpoint, step_dir_name, verify_checkpoint, write_bytes)
+                                           ResumeError, check_sizes, checkpoint_bytes, checkpoint_candidates,
+                                           has_checkpoint, json_bytes, latest_valid_checkpoint, newest_complete,
+                                           prune, publish, read_json, resolve_checkpoint, step_dir_name,
+                                           verify_checkpoint, write_bytes)
 from galaxy.train.checkpoint.hf_export import export_hf
 from galaxy.train.checkpoint.regions import load_model, model_chunks, optimizer_chunks, read_optimizer_state
 from galaxy.train.checkpoint.shards import (DCP_METADATA_FILE, ShardReader, WritePlan, dcp_metadata_bytes,
                                             manifest_tensors, plan_writes, write_chunks)
 from galaxy.train.checkpoint.state import (check_optimizer, gather_world_json, install_optimizer_state, jsonable,
                                            layout, param_groups, restore_rng, restore_scheduler, rng_record, run_record,
-                                           state_record, world_sum)
+                                           state_record)
 
 __all__ = ["CheckpointError", "CheckpointState", "PendingCheckpoint", "ResumeError", "export_hf",
            "has_checkpoint", "latest_valid_checkpoint", "load_checkpoint", "prune", "resolve_checkpoint",
@@ -80,12 +82,16 @@ class PendingCheckpoint:
     """A save whose shards are being written in the background (``save_checkpoint(..., async_save=True)``).
     ``result()`` is a collective: every rank calls it (before the next save, and before exiting); it
     waits for this rank's files, commits the checkpoint and returns its path, or raises
-    ``CheckpointError`` on every rank if any rank failed."""
+    ``CheckpointError`` on every rank if any rank failed (one line, the same on every rank, once the
+    temporary directory is removed: the checkpoints saved before are untouched)."""
 
     def __init__(self, ctx: ParallelContext, directory: str, final: str, tmp: str, plan: WritePlan,
                  writing: Future, files: dict[str, bytes], keep_last: Optional[int]):
         self.ctx, self.directory, self.final, self.tmp = ctx, directory, final, tmp
         self.plan, self.writing, self.files, self.keep_last = plan, writing, files, keep_last
+        # What this rank writes, for a failure's "needs N bytes": its shards' tensors and its JSON files.
+        self.nbytes = sum(c.tensor.numel() * c.tensor.element_size() for c in plan.mine) + \
+            sum(len(data) for data in files.values())
         self.path: Optional[str] = None
 
     def done(self) -> bool:
@@ -95,27 +101,56 @@ class PendingCheckpoint:
     def result(self) -> str:
         if self.path is not None:
             return self.path
-        ctx, error, written = self.ctx, "", {"chunks": {}, "files": {}}
+        ctx, failure, written = self.ctx, None, {"chunks": {}, "files": {}}
         try:
             written = self.writing.result()
         except Exception as e:  # every rank must learn of it, or the others would commit without its shards
-            error = f"rank {ctx.rank}: {type(e).__name__}: {e}"
-        records = gather_world_json(ctx, {"error": error, "written": written})
-        errors = [r["error"] for r in records if r["error"]]
-        if not errors and ctx.rank == 0:
-            try:
-                self._commit([r["written"] for r in records])
-            except Exception as e:
-                errors.append(f"rank 0: {type(e).__name__}: {e}")
-        if world_sum(ctx, 1.0 if errors else 0.0):
-            if ctx.rank == 0:
+            failure = self._failure(e)
+        records = gather_world_json(ctx, {"failure": failure, "written": written, "bytes": self.nbytes})
+        verdict = ""
+        if ctx.rank == 0:
+            failures = [r["failure"] for r in records if r["failure"]]
+            if not failures:
+                try:
+                    self._commit([r["written"] for r in records])
+                except Exception as e:
+                    failures.append(self._failure(e))
+            if failures:
                 shutil.rmtree(self.tmp, ignore_errors=True)
-            raise CheckpointError(f"saving checkpoint '{self.final}' failed"
-                                  + (f" on {errors[0]}" if errors else "; see rank 0's log"))
+                verdict = self._failure_line(failures[0], sum(r["bytes"] for r in records))
+        verdict = gather_world_json(ctx, verdict)[0]  # rank 0's, once the temporary directory is gone
+        if verdict:
+            raise CheckpointError(verdict)
         if self.keep_last is not None and ctx.rank == 0:
             prune(self.directory, self.keep_last)
         self.path = self.final
         return self.final
+
+    def _failure(self, error: Exception) -> dict:
+        """This rank's failed write, for rank 0's report: the error, the file, and the space left then."""
+        return {"rank": self.ctx.rank, "errno": getattr(error, "errno", None),
+                "path": getattr(error, "filename", None) or self.tmp, "bytes": self.nbytes,
+                "free": free_space(self.directory),
+                "text": f"{type(error).__name__}: {' '.join(str(error).split())}"}
+
+    def _failure_line(self, failure: dict, needed: int) -> str:
+        """Rank 0's one line for a failed save: what failed where, the space it needs, what is kept. A full
+        disk is known by its errno, or (torch.save's zip writer loses the errno of a short write) by a free
+        space below what the failed rank had to write."""
+        rank, code, path = failure["rank"], failure["errno"], failure["path"]
+        kept = newest_complete(self.directory)
+        # The shards' serialized size exceeds their tensors' bytes: the last checkpoint's size says it better.
+        size = f"about {checkpoint_bytes(kept)} bytes (the last one's size)" if kept else f"at least {needed} bytes"
+        full = code is None and failure["free"] is not None and failure["free"] < failure["bytes"]
+        if code in (errno.ENOSPC, errno.EDQUOT) or full:
+            what = (f": no space left on the device (rank {rank} writing '{path}'); a checkpoint needs {size}, and "
+                    f"{free_space(self.directory)} bytes are free")
+        elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+            what = f": {os.strerror(code).lower()} (rank {rank} writing '{path}'); a checkpoint needs {size}"
+        else:
+            what = f" on rank {rank}: {failure['text']}"
+        return (f"saving checkpoint '{self.final}' failed{what}; "
+                + (f"the last good checkpoint '{kept}' is kept" if kept else "there is no earlier checkpoint"))
 
     def _commit(self, written: list[dict]) -> None:
         """Rank 0, once every rank's shards are written: the JSON files, DCP's index, the manifest."""
@@ -131,6 +166,14 @@ class PendingCheckpoint:
                                        **self.plan.records[0]["payload"]["run"], "tensors": tensors})
         logger.info("saved checkpoint %s (step %d, %d tensors, %d files)", self.final, step, len(tensors),
                     len(entries))
+
+
+def free_space(path: str) -> Optional[int]:
+    """Bytes free for writing on the file system of ``path`` (None where it cannot be asked)."""
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
 
 
 def save_checkpoint(directory: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -51,11 +51,16 @@ def fsync_dir(path: str) -> None:
 
 
 def write_bytes(path: str, data: bytes) -> dict:
-    """Write, flush and fsync ``data``; returns its manifest entry."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write, flush and fsync ``data``; returns its manifest entry. A failed write's ``OSError`` names ``path``."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, path) from None
+        raise
     return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
@@ -89,9 +94,15 @@ def publish(tmp: str, final: str, manifest: dict) -> None:
     os.rename(tmp, final)
     fsync_dir(parent)
     part = os.path.join(final, f"{MANIFEST_FILE}.tmp-{uuid.uuid4().hex[:8]}")
-    write_bytes(part, json_bytes(manifest))
-    os.rename(part, os.path.join(final, MANIFEST_FILE))
-    fsync_dir(final)
+    try:
+        write_bytes(part, json_bytes(manifest))
+        os.rename(part, os.path.join(final, MANIFEST_FILE))
+        fsync_dir(final)
+    except OSError:  # no manifest, no checkpoint: leave the directory as it was before this save
+        shutil.rmtree(final, ignore_errors=True)
+        if aside is not None:
+            os.rename(aside, final)
+        raise
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
 
@@ -252,6 +263,25 @@ def resolve_checkpoint(path_or_dir: str) -> str:
     return found
 
 
+def is_complete(path: str) -> bool:
+    """Whether a step directory has its manifest and every file it lists, at its size (``check_sizes``)."""
+    try:
+        check_sizes(path)
+        return True
+    except CheckpointError:
+        return False
+
+
+def checkpoint_bytes(path: str) -> int:
+    """The bytes of a checkpoint directory's files."""
+    return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
+
+
+def newest_complete(directory: str) -> Optional[str]:
+    """The newest complete checkpoint under ``directory`` (``is_complete``; not hashed), or None."""
+    return next((path for _, path in _step_dirs(directory) if is_complete(path)), None)
+
+
 def prune(directory: str, keep_last: int) -> list[str]:
     """Remove all but the newest ``keep_last`` complete checkpoints (a manifest whose file sizes
     match; incomplete ones newer than those are kept for inspection) and leftover temporary
@@ -264,12 +294,8 @@ def prune(directory: str, keep_last: int) -> list[str]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
             continue
-        try:
-            manifest = read_manifest(path)
-            if all(os.path.getsize(os.path.join(path, n)) == int(e["size"]) for n, e in manifest["files"].items()):
-                kept += 1
-        except (CheckpointError, OSError):
-            pass
+        if is_complete(path):
+            kept += 1
     for entry in os.listdir(directory) if os.path.isdir(directory) else []:
         if TMP_DIR.match(entry):
             shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)

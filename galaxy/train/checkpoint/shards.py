@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
                                                    TensorStorageMetadata)
@@ -212,6 +213,16 @@ def _written(tmp: str, chunks: list[Chunk], metadata: Optional[Metadata]) -> dic
     return {"chunks": out, "files": {f: file_entry(os.path.join(tmp, f)) for f in sorted(files)}}
 
 
+def dcp_failure(error: CheckpointException) -> Exception:
+    """The error behind DCP's ``CheckpointException``, a BaseException whose text is every failed rank's
+    whole traceback: this rank's own error (an ``OSError`` naming the file, where DCP's writer raised
+    one), for a one-line report."""
+    for cause, _ in error.failures.values():
+        if isinstance(cause, Exception):
+            return cause
+    return RuntimeError(f"DCP failed on ranks {sorted(error.failures)}")
+
+
 def write_chunks(tmp: str, rank: int, chunks: list[Chunk], async_save: bool = False) -> Future:
     """Write this rank's chunks into ``tmp`` with DCP; a Future of what ``_written`` returns. With
     ``async_save`` the tensors are staged (copied to CPU) before this returns and written in the
@@ -224,7 +235,10 @@ def write_chunks(tmp: str, rank: int, chunks: list[Chunk], async_save: bool = Fa
     kwargs = dict(storage_writer=_RankWriter(tmp, rank), planner=_ChunkSavePlanner(chunks), no_dist=True)
     if not async_save:
         with _per_rank():
-            metadata = dcp.save(state_dict, **kwargs)
+            try:
+                metadata = dcp.save(state_dict, **kwargs)
+            except CheckpointException as e:
+                raise dcp_failure(e) from None
         done.set_result(_written(tmp, chunks, metadata))
         return done
     try:
@@ -241,7 +255,7 @@ def write_chunks(tmp: str, rank: int, chunks: list[Chunk], async_save: bool = Fa
         try:
             done.set_result(_written(tmp, chunks, future.result()))
         except BaseException as e:  # handed to the commit, which tells every rank
-            done.set_exception(e)
+            done.set_exception(dcp_failure(e) if isinstance(e, CheckpointException) else e)
 
     upload.add_done_callback(finished)
     return done
@@ -386,8 +400,10 @@ class ShardReader:
                 with _per_rank():
                     dcp.load({c.ident: c.tensor for c in read}, planner=_RegionLoadPlanner(read), no_dist=True,
                              storage_reader=_ManifestReader(self.path, self.metadata))
-        except Exception as e:  # the files matched their checksums: a manifest that does not fit them
-            raise InvalidCheckpointError(f"checkpoint '{self.path}' cannot be read: {type(e).__name__}: {e}") from None
+        except (Exception, CheckpointException) as e:  # the files matched their checksums: a manifest that misfits
+            cause = dcp_failure(e) if isinstance(e, CheckpointException) else e
+            raise InvalidCheckpointError(f"checkpoint '{self.path}' cannot be read: {type(cause).__name__}: "
+                                         f"{cause}") from None
         for same, target in copies:
             target.tensor.copy_(same.tensor)
 

@@ -1,0 +1,224 @@
+"""``activation_memory: auto`` for one run: the fastest per-layer memory mode mix (``memory.choose_layer_memory``)
+that fits ``memory_budget_gib``, from a probe of the run's own layer.
+
+The probe builds the run's model (its tuning, quantized base, dtype; two layers, eager) on the run's device at two
+short sequence lengths and runs its second layer under each recompute mode with its saved tensors offloaded
+(``galaxy.core.offload``): what goes to the host is exactly what the layer keeps for backward, weights apart, and
+``FlopCounterMode`` counts what its backward runs again. Kept bytes are affine in tokens (fused attention keeps
+no [seq, seq] tensor), FLOPs ``a s + b s^2`` (projections and MLP, attention), so two lengths give both at the
+run's ``seq_length``. Times are FLOPs at a device rate (``peak_tflops`` or the device table, at
+``ACHIEVED_FRACTION`` of it) and host copies at ``host_link_gb_per_s`` (unset: the cluster profile's default;
+``plan_galaxy.py profile`` measures a GPU's). The probe is eager: a compiled layer
+keeps less (its norms' outputs and MLP activation are rebuilt), so the plan is on the safe side. Every rank
+measures the same serial layer and so picks the same plan; under TP or SP a rank keeps its share of what is
+counted, so the plan holds there too (more cautiously).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from galaxy.config import OFFLOAD, OPTIMIZERS, ConfigError, GalaxyConfig, Plan
+from galaxy.core.context import ParallelContext
+from galaxy.core.offload import OffloadTraffic
+from galaxy.core.recompute import MODES, MemoryMode, run_layer_with_memory_mode
+from galaxy.planner.cluster import DEFAULT_HOST_LINK_BYTES_PER_S
+from galaxy.planner.memory import ModeCost, choose_layer_memory, with_offload
+
+logger = logging.getLogger(__name__)
+aten = torch.ops.aten
+# a CPU's fused attention, which FlopCounterMode does not count by itself, counted as on a GPU
+CPU_ATTENTION_FLOPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *_, **__: sdpa_flop_count(q, k, v),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda grad, q, k, v, *_, **__: sdpa_backward_flop_count(grad, q, k, v)}
+
+PROBE_TOKENS = 1024  # the longer probe's tokens (the run's seq_length where shorter); the other has half
+ACHIEVED_FRACTION = 0.5  # of a device's peak FLOP/s a layer's matmuls and attention run at
+CPU_TFLOPS = 0.1  # a CPU's rate, where no peak is known
+OPTIMIZER_BYTES = dict(zip(OPTIMIZERS, (8, 4)))  # per fp32 trainable weight: AdamW's two moments, SGD's one
+
+
+@dataclass(frozen=True)
+class LayerProbe:
+    """One layer of a run at ``seq`` tokens (``rows`` rows): bytes it keeps for backward under each recompute
+    mode, FLOPs of its forward, of its backward and of what each mode runs again in backward; and the model's
+    weights (per layer, the rest), trainable parameters (per layer, the rest) and the activations its
+    embeddings, head and loss save."""
+
+    seq: int
+    kept: dict
+    again_flops: dict
+    fwd_flops: float
+    bwd_flops: float
+    layer_weight_bytes: int
+    edge_weight_bytes: int
+    layer_trainable: int
+    edge_trainable: int
+    edge_saved: float
+
+
+def probe_config(cfg: GalaxyConfig, seq: int, rows: int, recompute: str) -> GalaxyConfig:
+    """The run's config for a probe: two layers offloading under ``recompute``, eager, ``seq`` tokens."""
+    m = replace(cfg.model, num_hidden_layers=2, activation_memory="manual", layer_memory=[recompute + OFFLOAD] * 2,
+                memory_budget_gib=None, host_memory_budget_gib=None, host_link_gb_per_s=None, recompute="none",
+                recompute_num_layers=None, compile=False, compile_mode="default",
+                max_position_embeddings=max(cfg.model.max_position_embeddings, seq))
+    return replace(cfg, model=m, train=replace(cfg.train, seq_length=seq, global_batch_size=rows),
+                   data=replace(cfg.data, model_path=None))
+
+
+def _weights(module: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of the parameters and buffers, trainable parameters), each storage once."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*module.parameters(), *module.buffers())}
+    return sum(storages.values()), sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def probe_at(cfg: GalaxyConfig, device: torch.device, seq: int, rows: int) -> LayerProbe:
+    """One probe length: a model per recompute mode (a layer's mode is built into it), its second layer run
+    again on the input it got in the model's forward, offloading to count what it keeps."""
+    from galaxy.peft import apply_tuning, build_base
+
+    dtype = cfg.train.dtype
+    low = dtype in ("bfloat16", "float16")
+
+    def autocast():
+        return torch.autocast(device.type, dtype=getattr(torch, dtype)) if low else contextlib.nullcontext()
+
+    ids = torch.randint(1, cfg.model.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(0)).to(device)
+    kept, bwd, fwd, edge_saved = {}, {}, 0.0, 0.0
+    for recompute in MODES:
+        pc = probe_config(cfg, seq, rows, recompute)
+        model = apply_tuning(build_base(pc, Plan.serial(pc), ParallelContext.serial(device, seed=cfg.train.seed)),
+                             pc).to(device).train()
+        if dtype == "float64":
+            model.double()
+        layer = [m for m in model.modules() if isinstance(getattr(m, "memory_mode", None), MemoryMode)][1]
+        seen = []
+        hook = layer.register_forward_pre_hook(lambda _, args: seen.append(args))
+        own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+        outside: dict[int, int] = {}
+
+        def count(t):  # what autograd saves outside the layers (theirs go to their host stores)
+            if t.untyped_storage().data_ptr() not in own:
+                outside[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with autocast(), torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+            model(input_ids=ids, labels=ids)
+        hook.remove()
+        h, *rest = seen[0]
+        traffic = OffloadTraffic()
+        forward, backward = (FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) for _ in range(2))
+        with autocast(), forward:
+            out = run_layer_with_memory_mode(layer.memory_mode, layer, layer.compute, h.detach().requires_grad_(),
+                                             *rest, traffic=traffic)
+        with backward:
+            out.backward(torch.ones_like(out))
+        kept[recompute], bwd[recompute] = float(traffic.to_host_bytes), float(backward.get_total_flops())
+        if recompute == "none":
+            fwd, edge_saved = float(forward.get_total_flops()), float(sum(outside.values()))
+            (layer_bytes, layer_trainable), (all_bytes, all_trainable) = _weights(layer), _weights(model)
+    return LayerProbe(seq, kept, {r: bwd[r] - bwd["none"] for r in MODES}, fwd, bwd["none"], layer_bytes,
+                      all_bytes - 2 * layer_bytes, layer_trainable, all_trainable - 2 * layer_trainable, edge_saved)
+
+
+def probe_layer(cfg: GalaxyConfig, device: torch.device, rows: int) -> tuple[LayerProbe, LayerProbe]:
+    """The run's layer probed at two sequence lengths (``PROBE_TOKENS`` or the run's, and half of it)."""
+    long = min(cfg.train.seq_length, PROBE_TOKENS)
+    short = max(long // 2, 1)
+    return probe_at(cfg, device, short, rows), probe_at(cfg, device, long, rows)
+
+
+def at_length(a: LayerProbe, b: LayerProbe, seq: int) -> LayerProbe:
+    """``a`` and ``b`` (two lengths) extended to ``seq`` tokens: bytes affine, FLOPs ``u s + v s^2``."""
+    def affine(x, y):
+        return x + (y - x) * (seq - a.seq) / (b.seq - a.seq) if b.seq != a.seq else y * seq / b.seq
+
+    def quadratic(x, y):
+        if b.seq == a.seq:
+            return y * seq / b.seq
+        v = (y / b.seq - x / a.seq) / (b.seq - a.seq)
+        return (x / a.seq - v * a.seq) * seq + v * seq * seq
+
+    return replace(b, seq=seq, kept={r: affine(a.kept[r], b.kept[r]) for r in MODES},
+                   again_flops={r: quadratic(a.again_flops[r], b.again_flops[r]) for r in MODES},
+                   fwd_flops=quadratic(a.fwd_flops, b.fwd_flops), bwd_flops=quadratic(a.bwd_flops, b.bwd_flops),
+                   edge_saved=affine(a.edge_saved, b.edge_saved))
+
+
+def mode_options(probe: LayerProbe, flops_per_s: float, host_bytes_per_s: float, mlp_chunks: int = 1) -> list[ModeCost]:
+    """Every memory mode of the probed layer as a ``ModeCost`` (one rank's numbers)."""
+    kept = probe.kept
+    rebuilt = {r: max(kept["none"] - kept[r], 0.0) for r in MODES}  # what its backward rebuilds, at once
+    if mlp_chunks > 1:  # a chunked MLP is rebuilt a chunk at a time (under full, inside the rebuilt layer)
+        rebuilt["mlp"] /= mlp_chunks
+        rebuilt["full"] = max(kept["mlp"] - kept["full"], 0.0) + rebuilt["mlp"]
+    options = []
+    for recompute in MODES:
+        cost = ModeCost(recompute, kept[recompute], 0.0, rebuilt[recompute], probe.again_flops[recompute] / flops_per_s)
+        options += [cost, with_offload(cost, host_bytes_per_s, probe.fwd_flops / flops_per_s,
+                                       probe.bwd_flops / flops_per_s)]
+    return options
+
+
+def fixed_bytes(cfg: GalaxyConfig, probe: LayerProbe, layers: int) -> float:
+    """What a rank holds beside its layers' activations: weights, trainable parameters' gradients and optimizer
+    state (fp32 masters; a compute-dtype copy under autocast) and the embeddings', head's and loss's activations."""
+    trainable = probe.edge_trainable + layers * probe.layer_trainable
+    master = 8 if cfg.train.dtype == "float64" else 4
+    low = 2 if cfg.train.dtype in ("bfloat16", "float16") else 0
+    per_trainable = master + OPTIMIZER_BYTES[cfg.train.optimizer] * master / 4 + low
+    return probe.edge_weight_bytes + layers * probe.layer_weight_bytes + trainable * per_trainable + probe.edge_saved
+
+
+def device_rate(cfg: GalaxyConfig, device: torch.device) -> float:
+    """FLOP/s a layer is priced at: ``peak_tflops``, or the device table's peak, at ``ACHIEVED_FRACTION``."""
+    peak = cfg.train.peak_tflops
+    if peak is None and device.type == "cuda":
+        from galaxy.profiler.devices import lookup_peak_tflops
+
+        peak = lookup_peak_tflops(torch.cuda.get_device_name(device), cfg.train.dtype)
+    return (peak if peak is not None else CPU_TFLOPS / ACHIEVED_FRACTION) * 1e12 * ACHIEVED_FRACTION
+
+
+def plan_activation_memory(cfg: GalaxyConfig, device: torch.device, stage_layers: list[int], rows: int,
+                           budget_bytes: float, host_bytes: float = float("inf")) -> list[str]:
+    """The memory mode of every model layer: per pipeline stage (``stage_layers``), the fastest mix that fits
+    ``budget_bytes`` on the device and ``host_bytes`` of pinned host memory."""
+    probe = at_length(*probe_layer(cfg, device, rows), cfg.train.seq_length)
+    link = cfg.model.host_link_gb_per_s * 1e9 if cfg.model.host_link_gb_per_s else DEFAULT_HOST_LINK_BYTES_PER_S
+    options = mode_options(probe, device_rate(cfg, device), link, cfg.model.mlp_chunks)
+    modes = []
+    for layers in stage_layers:
+        modes += choose_layer_memory(options, layers, budget_bytes - fixed_bytes(cfg, probe, layers), host_bytes)
+    return modes
+
+
+def resolve_activation_memory(cfg: GalaxyConfig, ctx: ParallelContext) -> GalaxyConfig:
+    """``cfg`` as it is, or with ``activation_memory: auto`` made into ``layer_memory`` for this run (the same
+    plan on every rank: each measures the same serial layer)."""
+    m = cfg.model
+    if m.activation_memory != "auto":
+        return cfg
+    device = ctx.device
+    if m.memory_budget_gib is not None:
+        budget = m.memory_budget_gib * 2**30
+    elif device.type == "cuda":
+        budget = torch.cuda.get_device_properties(device).total_memory
+    else:
+        raise ConfigError("config key 'activation_memory' is auto, which plans within a device's memory: set "
+                          "memory_budget_gib (this device reports none)")
+    host = m.host_memory_budget_gib * 2**30 if m.host_memory_budget_gib is not None else float("inf")
+    p = cfg.parallel
+    rows = max(cfg.train.global_batch_size // (p.dp_size * p.num_microbatches), 1)
+    modes = plan_activation_memory(cfg, device, list(cfg.stage_layers()), rows, budget, host)
+    logger.info("activation_memory auto (%.2f GiB): layer_memory %s", budget / 2**30, modes)
+    return replace(cfg, model=replace(m, activation_memory="manual", layer_memory=modes, memory_budget_gib=None,
+                                      host_memory_budget_gib=None, host_link_gb_per_s=None))

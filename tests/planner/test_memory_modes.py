@@ -1,0 +1,251 @@
+"""The cost model of per-layer memory modes (recompute none | selective | mlp | full, each with or without
+``+offload``): what each layer keeps on the device and on the host, what recomputing and copying add to a step,
+and the planner's pick of the fastest per-layer mix that fits a budget, checked against brute force over every
+per-layer choice on a small model (``simulate.predict`` scoring each), and its one-line refusal when none fits.
+``activation_memory: auto`` for a run: the probe of the run's layer against a probe at the longer length, and
+the pick against brute force over the probe's options."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from galaxy.config import LAYER_MEMORY_MODES, ConfigError, GalaxyConfig, Method
+from galaxy.core.context import ParallelContext
+from galaxy.planner.activation import (at_length, device_rate, fixed_bytes, mode_options, probe_at, probe_layer,
+                                       resolve_activation_memory)
+from galaxy.planner.cluster import (DEFAULT_HOST_LINK_BYTES_PER_S, PIECES, AlphaBeta, ClusterProfile, Curve, Piece,
+                                    RankProfile)
+from galaxy.planner.memory import ModeCost, choose_layer_memory, plan_layer_memory, stack_bytes
+from galaxy.planner.simulate import predict
+from galaxy.planner.workload import Layout, Splits, Workload
+from tests.planner.test_planner import LLAMA, model_config
+
+NONE = Method.NONE
+SEQ, ROWS = 8, 2
+# saved bytes per token of each piece (more than the weights: the activations set the peak): the MLP's dominate
+# (a frozen base's gate and up), the core's are small
+ACT = {"att_proj": 3e4, "att_core": 1e4, "mlp": 1e5, "con": 5e3, "head": 4e4}
+FWD = {"att_proj": 3e-4, "att_core": 5e-4, "mlp": 8e-4, "con": 1e-4, "head": 6e-4}
+
+
+def one_rank(layers: int, memory: float, host_link: float, host_memory=None) -> ClusterProfile:
+    m = model_config(dict(LLAMA, num_hidden_layers=layers))
+    full = {"heads": m.num_attention_heads, "tokens": SEQ, "ffn": m.intermediate_size}
+    pieces = {}
+    for name in PIECES:
+        kind, by = name.split(".")
+        xs = (full[by] // 2, full[by])
+        fwd = tuple(FWD[kind] * x / full[by] for x in xs)
+        pieces[name] = Piece(Curve(xs, fwd), Curve(xs, tuple(2 * v for v in fwd)),
+                             Curve(xs, tuple(ACT[kind] * ROWS * SEQ * x / full[by] for x in xs)))
+    rank = RankProfile(0, "host", int(memory), {ROWS: pieces}, AlphaBeta(1e-4, 1e-9), host_link_bytes_per_s=host_link,
+                       host_memory_bytes=host_memory)
+    return ClusterProfile(1, "gloo", "cpu", m, (ROWS,), SEQ, "float32", (rank,), {})
+
+
+def work_of(cluster):
+    return Workload(cluster.model, "train", ROWS, SEQ, "float32")
+
+
+def scored(cluster, layer_memory):
+    work = work_of(cluster)
+    return predict(cluster, work, (NONE, NONE, NONE), Splits.balanced(work.model, SEQ, 1),
+                   Layout(layer_memory=tuple(layer_memory)))
+
+
+def brute_force(cluster, layers):
+    """The fastest fitting per-layer choice by ``predict`` over all 8^layers, and its time."""
+    best = None
+    for choice in itertools.product(LAYER_MEMORY_MODES, repeat=layers):
+        pred = scored(cluster, choice)
+        if pred.fits[0] and (best is None or pred.time_s[0] < best[1]):
+            best = (choice, float(pred.time_s[0]))
+    return best
+
+
+def memory_of(cluster, layer_memory):
+    return float(scored(cluster, layer_memory).memory_bytes[0, 0])
+
+
+@pytest.mark.parametrize("host_link,room", [(4e7, 0.55), (4e7, 0.3), (4e9, 0.3), (2e6, 0.45), (4e7, 1.0)])
+def test_the_pick_is_the_fastest_plan_that_fits(host_link, room):
+    """Budgets between the all-full-offload and no-recompute memory; slow and fast host links (a copy that
+    the compute covers is free, one it does not is paid). The planner's pick fits and is as fast, by its own
+    model, as the fastest of every per-layer choice that fits."""
+    layers = 3
+    probe = one_rank(layers, 2**40, host_link)
+    least = memory_of(probe, ["full+offload"] * layers)
+    most = memory_of(probe, ["none"] * layers)
+    cluster = one_rank(layers, least + room * (most - least), host_link)
+    work = work_of(cluster)
+    layout = plan_layer_memory(cluster, work, (NONE, NONE, NONE), Splits.balanced(work.model, SEQ, 1), Layout())
+    pred = scored(cluster, layout.layer_memory)
+    best_choice, best_time = brute_force(cluster, layers)
+    assert pred.fits[0], layout.layer_memory
+    assert float(pred.time_s[0]) == pytest.approx(best_time, rel=1e-12), (layout.layer_memory, best_choice)
+    if room < 1:
+        assert layout.layer_memory != ("none",) * layers  # the budget asks for something
+
+
+def test_host_memory_limits_what_offloads():
+    layers = 3
+    probe = one_rank(layers, 2**40, 4e9)
+    least = memory_of(probe, ["full+offload"] * layers)
+    most = memory_of(probe, ["none"] * layers)
+    budget = least + 0.3 * (most - least)
+    free = plan_layer_memory(one_rank(layers, budget, 4e9), work_of(probe), (NONE, NONE, NONE),
+                             Splits.balanced(probe.model, SEQ, 1), Layout()).layer_memory
+    assert any(m.endswith("+offload") for m in free)
+    cluster = one_rank(layers, budget, 4e9, host_memory=1)  # one byte of host memory: nothing offloads
+    layout = plan_layer_memory(cluster, work_of(cluster), (NONE, NONE, NONE), Splits.balanced(cluster.model, SEQ, 1),
+                               Layout())
+    assert not any(m.endswith("+offload") for m in layout.layer_memory)
+    assert scored(cluster, layout.layer_memory).fits[0] and not scored(cluster, free).fits[0]
+    assert float(scored(cluster, layout.layer_memory).time_s[0]) == pytest.approx(brute_force(cluster, layers)[1],
+                                                                                rel=1e-12)
+
+
+def test_nothing_fits_is_one_line():
+    probe = one_rank(2, 2**40, 4e7)
+    cluster = one_rank(2, memory_of(probe, ["full+offload"] * 2) - 1, 4e7)
+    with pytest.raises(ConfigError) as err:
+        plan_layer_memory(cluster, work_of(cluster), (NONE, NONE, NONE), Splits.balanced(cluster.model, SEQ, 1),
+                          Layout())
+    assert "no per-layer memory plan of 2 layers fits" in str(err.value) and "\n" not in str(err.value)
+    assert brute_force(cluster, 2) is None
+
+
+def test_uniform_modes_cost_what_recompute_always_did():
+    """Without offload, a layout of one mode everywhere holds and takes what ``recompute`` of that mode does."""
+    cluster = one_rank(3, 2**40, 4e7)
+    work = work_of(cluster)
+    for mode in ("none", "selective", "mlp", "full"):
+        old = predict(cluster, work, (NONE, NONE, NONE), Splits.balanced(work.model, SEQ, 1), Layout(recompute=mode))
+        new = scored(cluster, [mode] * 3)
+        assert np.array_equal(old.memory_bytes, new.memory_bytes) and np.array_equal(old.time_s, new.time_s), mode
+
+
+def test_offload_holds_the_layers_on_the_host_and_pays_what_compute_does_not_cover():
+    cluster = one_rank(3, 2**40, 4e7)
+    kept = memory_of(cluster, ["mlp"] * 3)
+    host = scored(cluster, ["mlp+offload"] * 3).detail["host_bytes"][0, 0]
+    per_layer = host / 3
+    # the device keeps no layer's activations, two layers' worth are in flight at the peak (one's copy, one back)
+    assert memory_of(cluster, ["mlp+offload"] * 3) < kept
+    fast = one_rank(3, 2**40, 1e15)
+    assert scored(fast, ["mlp+offload"] * 3).time_s[0] == pytest.approx(scored(fast, ["mlp"] * 3).time_s[0], rel=1e-12)
+    slow = scored(cluster, ["mlp+offload"] * 3).time_s[0] - scored(cluster, ["mlp"] * 3).time_s[0]
+    assert slow > 0 and per_layer > 0
+
+
+def test_the_pick_matches_brute_force_on_random_costs():
+    """Random per-mode costs (a mode keeps its bytes on the device or, offloading, on the host), budgets and host
+    limits: the pick's time is the least of every per-layer choice that fits, and it refuses exactly where
+    nothing does."""
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        options = [ModeCost(m, 0.0 if m.endswith("+offload") else rng.uniform(0, 100),
+                            rng.uniform(0, 50) if m.endswith("+offload") else 0.0, rng.uniform(0, 100),
+                            rng.uniform(0, 5)) for m in ("none", "mlp", "full", "mlp+offload", "full+offload")]
+        budget, host = rng.uniform(50, 400), rng.choice([np.inf, rng.uniform(10, 150)])
+        fitting = [sum(c.extra_s for c in combo) for combo in itertools.product(options, repeat=4)
+                   if stack_bytes(list(combo))[0] <= budget and stack_bytes(list(combo))[1] <= host]
+        if not fitting:
+            with pytest.raises(ConfigError, match="no per-layer memory plan"):
+                choose_layer_memory(options, 4, budget, host)
+            continue
+        by_mode = {c.mode: c for c in options}
+        picked = [by_mode[m] for m in choose_layer_memory(options, 4, budget, host)]
+        assert stack_bytes(picked)[0] <= budget and stack_bytes(picked)[1] <= host
+        assert sum(c.extra_s for c in picked) == pytest.approx(min(fitting), rel=1e-12)
+
+
+def test_stack_bytes_and_the_order_of_a_mix():
+    a = ModeCost("full+offload", 0.0, 10.0, 30.0, 5.0)
+    b = ModeCost("mlp", 20.0, 0.0, 15.0, 1.0)
+    c = ModeCost("none", 40.0, 0.0, 0.0, 0.0)
+    assert stack_bytes([a, b, c], [1, 2, 0]) == (0 + 2 * 20 + 30 + 10, 10)
+    assert choose_layer_memory([c, b, a], 3, 200.0) == ["none"] * 3
+    mix = choose_layer_memory([c, b, a], 3, 100.0)
+    assert mix == sorted(mix, key=lambda m: -{"full+offload": 5, "mlp": 1, "none": 0}[m])  # most recompute first
+
+
+# ----------------------------------------------------------------------------- activation_memory: auto for a run
+
+RUN = dict(model_type="llama", vocab_size=50, hidden_size=32, num_hidden_layers=3, num_attention_heads=8,
+           num_key_value_heads=4, intermediate_size=96, hidden_act="silu", max_position_embeddings=64,
+           pad_token_id=None, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, seq_length=16,
+           global_batch_size=2, tuning="lora", lora_dim=4, lora_dropout=0.0, dtype="float64")
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def probes():
+    cfg = GalaxyConfig.from_dict(RUN)
+    return cfg, probe_layer(cfg, CPU, rows=2)
+
+
+def test_the_probe_extends_to_longer_sequences(probes):
+    """What the layer keeps (bytes affine in tokens) and runs (FLOPs) at 40 tokens, from probes at 8 and 16,
+    is what a probe at 40 measures."""
+    cfg, (short, long) = probes
+    assert (short.seq, long.seq) == (8, 16)
+    direct = probe_at(cfg, CPU, 40, 2)
+    extended = at_length(short, long, 40)
+    for mode in direct.kept:
+        assert extended.kept[mode] == pytest.approx(direct.kept[mode], rel=1e-12), mode
+        assert extended.again_flops[mode] == pytest.approx(direct.again_flops[mode], rel=1e-9, abs=1e-6), mode
+    assert extended.fwd_flops == pytest.approx(direct.fwd_flops, rel=1e-9)
+    assert extended.edge_saved == pytest.approx(direct.edge_saved, rel=1e-12)
+    assert direct.kept["full"] < direct.kept["mlp"] < direct.kept["none"]
+
+
+def test_auto_picks_the_fastest_mix_that_fits_and_refuses_in_one_line(probes):
+    """Budgets between every layer full+offload and every layer keeping all: the pick fits and is the fastest
+    of every per-layer choice that fits, by the probe's options; a run's config gets it as layer_memory."""
+    cfg, (short, long) = probes
+    probe = at_length(short, long, cfg.train.seq_length)
+    options = mode_options(probe, device_rate(cfg, CPU), DEFAULT_HOST_LINK_BYTES_PER_S)
+    fixed = fixed_bytes(cfg, probe, 3)
+    by_mode = {o.mode: o for o in options}
+    least = fixed + stack_bytes([by_mode["full+offload"]] * 3)[0]
+    most = fixed + stack_bytes([by_mode["none"]] * 3)[0]
+    for room in (0.2, 0.6, 1.0):
+        budget = least + room * (most - least)
+        picked = [by_mode[m] for m in choose_layer_memory(options, 3, budget - fixed)]
+        assert fixed + stack_bytes(picked)[0] <= budget
+        fitting = [sum(c.extra_s for c in combo) for combo in itertools.product(options, repeat=3)
+                   if fixed + stack_bytes(list(combo))[0] <= budget]
+        assert sum(c.extra_s for c in picked) == pytest.approx(min(fitting), rel=1e-12, abs=1e-15), room
+    budget = least + 0.6 * (most - least)
+    run = resolve_activation_memory(GalaxyConfig.from_dict(dict(RUN, activation_memory="auto",
+                                                                memory_budget_gib=budget / 2**30)),
+                                    ParallelContext.serial(CPU)).model
+    assert run.activation_memory == "manual" and run.layer_memory == choose_layer_memory(options, 3, budget - fixed)
+    with pytest.raises(ConfigError) as err:
+        resolve_activation_memory(GalaxyConfig.from_dict(dict(RUN, activation_memory="auto",
+                                                              memory_budget_gib=(least - 1) / 2**30)),
+                                  ParallelContext.serial(CPU))
+    assert "no per-layer memory plan of 3 layers fits" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_long_context_script_smoke(tmp_path):
+    """bench/long_context_memory.py on a CPU: the memory model's rows at two lengths (kept bytes growing with
+    them), the auto pick, and the largest tensors of one eager step (the vocabulary-wide logits of the CPU's
+    unfused head among them)."""
+    import json
+
+    from bench import long_context_memory
+
+    out = tmp_path / "long.json"
+    assert long_context_memory.main(["--preset", "llama-tiny", "--seqs", "32", "64", "--device", "cpu",
+                                     "--no-compile", "--budget_gib", "1", "--largest", "full+offload",
+                                     "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = report["model"]
+    assert set(rows) == {"32", "64"} and set(rows["64"]["modes"]) == set(LAYER_MEMORY_MODES)
+    assert rows["64"]["modes"]["none"]["kept_bytes"] > rows["32"]["modes"]["none"]["kept_bytes"] > 0
+    assert rows["64"]["auto"] == ["none"] * 2  # a GiB holds everything
+    assert any(t["shape"][-1] == 512 for t in report["largest"]["64"])
