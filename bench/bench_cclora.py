@@ -122,8 +122,8 @@ def run_plan(args, shape: dict, ctx: ParallelContext, plan: str, log) -> list[di
     dtype = DTYPES[shape["dtype"]]
     full = torch.randn(shape["batch"], shape["seq"], shape["hidden"], generator=gen)
     grad = torch.randn(shape["batch"], shape["seq"], shape["hidden"], generator=gen)
-    x = model.model.edges.to_stream(full).to(ctx.device, dtype).contiguous()
-    g = model.model.edges.to_stream(grad).to(ctx.device, dtype).contiguous()
+    x = model.model.stream.to_stream(full).to(ctx.device, dtype).contiguous()
+    g = model.model.stream.to_stream(grad).to(ctx.device, dtype).contiguous()
     low = dtype not in (torch.float32, torch.float64)
     ref = fp32_reference(shape, plan, ctx, model, args.targets, x, g) if low and not args.dropout else None
     streams = {key: gen.get_state() for key, gen in ctx.generators.items()}  # LoRA dropout's masks

@@ -11,12 +11,11 @@ requires grad, the backward a random output gradient. Contenders:
     serial-pytorch       plain PyTorch LLaMA layers on one GPU (rank 0 alone; the others wait)
     galaxy-none          Galaxy's LlamaForCausalLM layers, plan none, one GPU (rank 0 alone)
     galaxy-<plan>        Galaxy's LlamaForCausalLM layers on N GPUs: tp, sp, galaxy, galaxy2
-    galaxy-<plan>+coc<k> CoC at k chunks (tp, galaxy, galaxy2). Galaxy's model has no CoC hook yet,
-                         so these run a STANDALONE layer loop over the same model's modules and
-                         weights whose TP block edges call galaxy.core.overlap.coc (CocBoundaries) --
-                         the integration proposed for the model. k=1 is the model's own path and
-                         should time like galaxy-<plan>. Outputs and input gradients are checked
-                         against the model's own forward/backward ("check" column).
+    galaxy-<plan>+coc<k> CoC at k chunks (tp, galaxy, galaxy2): the same model's layers computed with
+                         CoC's edges (galaxy.core.overlap.coc, CocEdge) in place of their own. k=1 is
+                         the model's own path and should time like galaxy-<plan>. Outputs and input
+                         gradients are checked against the model's own forward/backward ("check"
+                         column).
     galaxy-<plan>@coc<k> the model's own CoC (config coc_parallel_num=k), once this tree's models have it
     galaxy-<plan>@async_tp the model's own async TP (config tp_overlap=async_tp: torch.ops.symm_mem fused
                          all-gather/reduce-scatter matmuls; galaxy, galaxy2; CUDA + NCCL, even seq splits)
@@ -67,10 +66,9 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from galaxy.config import ConfigError, GalaxyConfig, ParallelConfig  # noqa: E402
-from galaxy.core.blocks import self_attention  # noqa: E402
 from galaxy.core.comm import Communicator  # noqa: E402
 from galaxy.core.context import ParallelContext  # noqa: E402
-from galaxy.core.overlap.coc import CocBoundaries  # noqa: E402
+from galaxy.core.parallelize import EdgeChoice, layer_edges  # noqa: E402
 from galaxy.models.llama import LlamaForCausalLM, RopeAt  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
@@ -223,50 +221,19 @@ def galaxy_model(shape: dict, plan_name: str, ctx: ParallelContext, seed: int,
 
 
 class GalaxyStack:
-    """The decoder layers of a Galaxy model; with ``chunks`` set, a standalone loop that mirrors
-    ``LlamaDecoderLayer.forward`` but crosses the TP block edges through CoC."""
+    """The decoder layers of a Galaxy model; with ``chunks`` set, computed with CoC's edges at ``chunks``
+    at their TP blocks (``galaxy.core.edges.layer_edges``) in place of the model's own edges."""
 
     def __init__(self, model: LlamaForCausalLM, chunks: Optional[int] = None):
         self.model, self.lm, self.chunks = model, model.model, chunks
-        self.coc = CocBoundaries(model.ctx.mp, model.plan, chunks) if chunks else None
+        self.edges = layer_edges(model.ctx.mp, model.plan, EdgeChoice(chunks=chunks)) if chunks else None
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         seq = sum(self.model.plan.seq_split) if self.lm.uses_seq else h.shape[1]
         rope = RopeAt(*self.lm.rotary_emb(torch.arange(seq, device=h.device)[None], h.dtype))
         for layer in self.lm.layers:
-            h = layer(h, None, rope) if self.coc is None else self._coc_layer(layer, h, rope)
+            h = layer(h, None, rope) if self.edges is None else layer.compute(h, None, rope, None, self.edges)
         return h
-
-    def _coc_layer(self, layer, h, rope):
-        plan, edges, attn, mlp, coc = layer.plan, layer.edges, layer.self_attn, layer.mlp, self.coc
-        # The residual dropouts (adapters may hang there): one module each, or a shared one in older trees.
-        attn_dropout = getattr(layer, "attn_dropout", None) or layer.dropout
-        mlp_dropout = getattr(layer, "mlp_dropout", None) or layer.dropout
-        # ATT
-        x = layer.input_layernorm(h)
-        if coc.fuses(plan.att, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
-            q, k, v = coc.enter(x, [attn.q_proj, attn.k_proj, attn.v_proj])
-            # self_attention projects its input itself; hand it the fused projections instead
-            # (the proposed core change is a `projected=(q, k, v)` keyword).
-            a = self_attention(q, lambda _: q, lambda _: k, lambda _: v, method=plan.att, comm=layer.ctx.mp,
-                               plan=plan, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-                               head_dim=attn.head_dim, causal=True, dropout=attn.dropout, rope=rope)
-            a = coc.leave(a, attn.o_proj)
-        else:
-            x = edges.enter(x, plan.att)
-            a = self_attention(x, attn.q_proj, attn.k_proj, attn.v_proj, method=plan.att, comm=layer.ctx.mp,
-                               plan=plan, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-                               head_dim=attn.head_dim, causal=True, dropout=attn.dropout, rope=rope)
-            a = edges.leave(attn.o_proj(a), plan.att)
-        h = h + attn_dropout(a)
-        # MLP
-        x = layer.post_attention_layernorm(h)
-        if coc.fuses(plan.mlp, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-            gate, up = coc.enter(x, [mlp.gate_proj, mlp.up_proj])
-            m = coc.leave(mlp.act_fn(gate) * up, mlp.down_proj)
-        else:
-            m = edges.leave(mlp(edges.enter(x, plan.mlp)), plan.mlp)
-        return h + mlp_dropout(m)
 
 
 # ----------------------------------------------------------------------------- timing
@@ -396,7 +363,7 @@ def run_galaxy(args, shape, ctx: ParallelContext, plan_name: str, log) -> list[d
     rows, world = [], ctx.mp.size
     model = galaxy_model(shape, plan_name, ctx, seed=0)
     params = list(model.parameters())
-    x, g = inputs(shape, ctx, model.model.edges.to_stream)
+    x, g = inputs(shape, ctx, model.model.stream.to_stream)
     base = GalaxyStack(model)
     times, peak = measure(fwd_bwd_step(base, params, x, g), ctx.device, args.warmup, args.iters)
     rows.append(reduce_over_ranks(row(f"galaxy-{plan_name}", plan_name, "Galaxy model", world, times, peak), ctx))
@@ -417,7 +384,7 @@ def run_galaxy(args, shape, ctx: ParallelContext, plan_name: str, log) -> list[d
             check = max(rel_diff(out.detach(), ref[0]), rel_diff(x.grad, ref[1]))
             times, peak = measure(fwd_bwd_step(stack, params, x, g), ctx.device, args.warmup, args.iters)
             r = row(f"galaxy-{plan_name}+coc{k}", plan_name,
-                    "STANDALONE CoC layer loop over the model's weights (the model has no CoC hook)",
+                    "the model's layers on CoC's edges at k chunks",
                     world, times, peak, chunks=k, check=check)
             rows.append(reduce_over_ranks(r, ctx))
             log(rows[-1])
@@ -531,7 +498,7 @@ def print_table(report: dict) -> None:
     if report["world"] > 1 and report["rows"] and report["rows"][0].get("name") == "serial-pytorch":
         print(f"limit (serial / {report['world']}, all communication hidden): "
               f"{report['rows'][0]['median_ms'] / report['world']:.2f} ms")
-    print("+coc<k> rows: STANDALONE layer loop over the Galaxy model's weights calling galaxy.core.overlap.coc"
+    print("+coc<k> rows: the Galaxy model's layers on CoC's edges (galaxy.core.overlap.coc)"
           + ("; @coc<k> rows: the model's own coc_parallel_num" if model_has_coc() else " (the model has no CoC hook)")
           + "; @async_tp rows: the model's tp_overlap=async_tp ('vs k1': vs the model's plan without overlap)"
           + ". 'check' = max relative difference of output and input gradient vs the model's own forward/backward "
@@ -610,7 +577,7 @@ def main() -> None:
     p.add_argument("--plans", default="tp,sp,galaxy,galaxy2")
     p.add_argument("--coc", default="1,2,4", help="CoC chunk counts")
     p.add_argument("--coc-source", dest="coc_source", choices=("auto", "standalone", "model"), default="auto",
-                   help="CoC rows from the standalone layer loop, from the model's own coc_parallel_num "
+                   help="CoC rows from the model's layers given CoC's edges, from the model's own coc_parallel_num "
                         "(when this tree has it), or both (auto)")
     p.add_argument("--no-async-tp", dest="async_tp", action="store_false",
                    help="skip the galaxy-<plan>@async_tp rows (tp_overlap=async_tp)")

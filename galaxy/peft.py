@@ -114,15 +114,17 @@ def build_base(cfg: GalaxyConfig, plan: Optional[Plan], ctx, task: str = "lm", i
     if (opts.method == "full" or (opts.frozen_dtype is None and opts.quantize_base == "none")) \
             and not (init_on_device and not path):
         return build_model(cfg, plan, ctx, task)
-    if path and opts.quantize_base == "none" and not _streamable(path, cfg.model.fused_gate_up):
-        logger.info("'%s' is read whole (no safetensors, or fused_gate_up), then its frozen weights cast", path)
-        return build_model(cfg, plan, ctx, task)
     check_config(cfg.model)
     cls = model_class(cfg.model.model_type, task)
+    if path and opts.quantize_base == "none" and not _streamable(path, cls.hf_layout_differs(cfg.model)):
+        logger.info("'%s' is read whole (no safetensors, or another layout than HF's), then its frozen weights "
+                    "cast", path)
+        return build_model(cfg, plan, ctx, task)
     if path:
         config = cls.config_from_dir(path, {k: getattr(cfg.model, k) for k in COMPUTE_KEYS})
-        if config.fused_gate_up and opts.quantize_base != "none":
-            raise ConfigError("quantize-on-load quantizes each linear on its own; set fused_gate_up to false")
+        differs = cls.hf_layout_differs(config)
+        if differs and opts.quantize_base != "none":
+            raise ConfigError(f"quantize-on-load quantizes each linear as the checkpoint stores it, but {differs}")
     else:
         config = cfg.model
     model = cls(config, plan, ctx, seed=cfg.train.seed, meta=True)  # laid out, no storage: filled below
@@ -133,9 +135,10 @@ def build_base(cfg: GalaxyConfig, plan: Optional[Plan], ctx, task: str = "lm", i
                        init_device=ctx.device if init_on_device and not path else None)
 
 
-def _streamable(path: str, fused_gate_up: bool) -> bool:
-    """The checkpoint can be read tensor by tensor under the model's own names."""
-    return not fused_gate_up and os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path))
+def _streamable(path: str, layout_differs: Optional[str]) -> bool:
+    """The checkpoint can be read tensor by tensor under the model's own names (``layout_differs``: why not,
+    ``GalaxyModel.hf_layout_differs``)."""
+    return not layout_differs and os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path))
 
 
 def frozen_by(model: nn.Module, opts: TuningOptions):
@@ -145,7 +148,7 @@ def frozen_by(model: nn.Module, opts: TuningOptions):
     if opts.method == "full":
         return lambda name: False
     if opts.method == "lora":
-        targets = opts.lora_target_modules or list(getattr(model, "lora_targets", ()))
+        targets = opts.lora_target_modules or _default_lora_targets(model)
         keep = lora_keeps(opts.lora_bias, also, lora_target_names(model, targets) if targets else ())
     else:
         def keep(name: str) -> bool:
@@ -175,7 +178,7 @@ def apply_options(model: nn.Module, opts: TuningOptions) -> nn.Module:
         for p in model.parameters():
             p.requires_grad_(True)
     elif opts.method == "lora":
-        targets = opts.lora_target_modules or list(getattr(model, "lora_targets", ()))
+        targets = opts.lora_target_modules or _default_lora_targets(model)
         if not targets:
             raise ValueError(f"no default LoRA targets for model type '{model.config.model_type}'; "
                              "set lora_target_modules")
@@ -190,7 +193,8 @@ def apply_options(model: nn.Module, opts: TuningOptions) -> nn.Module:
         mark_only_lora_as_trainable(model, opts.lora_bias, also=also)
     elif opts.method == "adapter":
         add_adapters(model, opts.adapter_type, opts.adapter_reduction_factor, opts.adapter_non_linearity,
-                     opts.adapter_residual, seed=opts.seed, init_up_std=opts.init_std)
+                     opts.adapter_residual, seed=opts.seed, init_up_std=opts.init_std,
+                     points=getattr(_family_of(model), "adapter_points", None))
         mark_only_adapters_as_trainable(model, also=also)
     else:
         add_side_network(model, side_spec(model, opts.side_reduction_factor), region_rule(model.plan.con),
@@ -252,19 +256,34 @@ def side_spec(model: nn.Module, reduction_factor: int) -> SideSpec:
     if stage is not None and not stage.is_whole:
         raise ValueError("side-tuning under pipeline parallelism is not supported: the side network runs beside "
                          "every layer; use pp_size 1")
-    if load_balanced(model.plan, getattr(model, "causal", False)):
+    known = _family_of(model)
+    if known is None:
+        raise ValueError(f"side-tuning is not supported for {type(model).__name__}: it is no registered model family")
+    if load_balanced(model.plan, known.causal):
         raise ConfigError("config key 'tuning' is side, whose side network attends in the natural token order, but "
                           "sp_attention ring runs this causal model's stream in the zigzag order; use sp_attention "
                           "allgather or ulysses")
     scfg = side_config(model.config, reduction_factor)
-    return model.side_spec(scfg, side_plan(model.plan, scfg))
+    return known.side_spec(model, scfg, side_plan(model.plan, scfg))
 
 
 # ----------------------------------------------------------------------------- checkpoints
 
 
+def _family_of(model: nn.Module):
+    """The registered family of ``model`` (``galaxy.models.family``), or None for another module."""
+    from galaxy.models import MODEL_FAMILIES
+
+    return MODEL_FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
+
+
+def _default_lora_targets(model: nn.Module) -> list[str]:
+    """HF PEFT's default LoRA targets for the model's architecture (none for an unregistered module)."""
+    return list(getattr(_family_of(model), "lora_targets", ()))
+
+
 def _task_type(model: nn.Module) -> Optional[str]:
-    if getattr(model, "causal", False):
+    if getattr(_family_of(model), "causal", False):
         return "CAUSAL_LM"
     return "SEQ_CLS" if "classifier" in {n for n, _ in model.named_modules()} else None
 

@@ -50,7 +50,8 @@ def model_type_branches(root: str) -> list[str]:
     from galaxy.models import MODEL_FAMILIES
 
     names = set(MODEL_FAMILIES)
-    family_modules = {type_.__module__ for type_ in MODEL_FAMILIES.values()}
+    # A family is a package (galaxy/models/<family>/): its family object's module is one of it.
+    family_modules = {type(f).__module__.rpartition(".")[0] for f in MODEL_FAMILIES.values()}
     found = []
     for folder, _, files in os.walk(os.path.join(root, "galaxy")):
         for name in files:
@@ -67,7 +68,9 @@ def model_type_branches(root: str) -> list[str]:
                     found.append(f"{rel}:{node.lineno} compares with a model_type")
                 elif isinstance(node, ast.Dict) and any(named(k) for k in node.keys if k is not None):
                     found.append(f"{rel}:{node.lineno} keys a dict by model_type")
-                elif isinstance(node, ast.ImportFrom) and node.module in family_modules:
+                elif isinstance(node, ast.ImportFrom) and any((node.module or "").startswith(m)
+                                                              and (node.module or "")[len(m):][:1] in ("", ".")
+                                                              for m in family_modules):
                     found.append(f"{rel}:{node.lineno} imports {node.module}")
     return found
 

@@ -130,7 +130,7 @@ def timing(ctx, args) -> list[dict]:
     for overlap in ("none", "async_tp"):
         model = galaxy_model(shape, "galaxy", ctx, seed=0, overlap=overlap)
         params, stack = list(model.parameters()), GalaxyStack(model)
-        x, g = inputs(shape, ctx, model.model.edges.to_stream)
+        x, g = inputs(shape, ctx, model.model.stream.to_stream)
         times, peak = measure(fwd_bwd_step(stack, params, x, g), ctx.device, 3, args.iters)
         # Memory split: what the forward keeps for backward, and each phase's peak over the start.
         for p in params:

@@ -7,7 +7,7 @@ plan: its weights are whole with rule ``region_rule(plan.con)`` (PARTIAL when ea
 sequence shard, REPLICATED otherwise).
 
 Injection points are module names (the modules are wrapped, as HF PEFT wraps its targets), which
-each model states as ``adapter_points`` (site -> regex): the outputs of ATT ('attn') and MLP ('mlp')
+each model family states as ``adapter_points`` (site -> regex): the outputs of ATT ('attn') and MLP ('mlp')
 before their residual add, e.g. BERT's ``encoder.layer.N.attention.output.dropout`` and LLaMA's
 ``layers.N.mlp_dropout``.
 
@@ -81,13 +81,12 @@ def add_adapters(model: nn.Module, kind: str = "houlsby", reduction_factor: int 
                  residual: bool = True, seed: int = 0, init_up_std: float = 0.0,
                  points: Optional[dict[str, str]] = None) -> list[str]:
     """Insert bottleneck adapters into a Galaxy model (``model.config``, ``model.plan`` read);
-    returns the adapter module names. ``points``: {site: module-name regex} to override the
-    model's own ``adapter_points``. Weights are seeded from (seed, name): down N(0, 0.02), up and
+    returns the adapter module names. ``points``: {site: module-name regex}, its family's
+    ``adapter_points`` (``galaxy.peft`` passes them). Weights are seeded from (seed, name): down N(0, 0.02), up and
     biases zero (``init_up_std > 0``: up N(0, std), for tests that need a non-trivial adapter)."""
     if kind not in ADAPTER_SITES:
         raise ValueError(f"adapter kind '{kind}' is not one of {', '.join(ADAPTER_SITES)}")
     model_type = model.config.model_type
-    points = points or getattr(model, "adapter_points", None)
     if not points:
         raise ValueError(f"no adapter injection points known for model type '{model_type}'; pass points=")
     sites = ADAPTER_SITES[kind]

@@ -1,9 +1,10 @@
 """``compile: true``: each transformer layer computes through ``torch.compile`` (per layer,
 ``dynamic=False``, as torchtitan compiles each block).
 
-What is traced: the layer's ``compute``, with the transitions at its block edges (their
+What is traced: the layer's ``compute``, with the transitions at its plain block edges (their
 collectives are torch's functional ones, ``galaxy.core.comm``) and the parallel linears, so a
-layer of any plan, even or uneven splits, is one graph forward and one backward. Over a frozen
+layer of any plan, even or uneven splits, is one graph forward and one backward. ``parallelize``
+(``galaxy.core.parallelize``) sets it in the layer's place, under the layer's memory mode. Over a frozen
 base kept quantized (QLoRA's NF4, int8) each linear's dequantization (the format's torch reference,
 which inductor fuses) and matmul are in the graph too, the dequantization a checkpointed region, so
 the compiled backward recomputes the weight instead of keeping it (``galaxy.loralib.quantized_linear``).
@@ -14,8 +15,8 @@ What runs eagerly instead, by rule:
   per-layer ``torch.Generator`` streams (``layers.drawing_from``), which a compiled graph does not
   honour (inductor draws its own random numbers). Evaluation of such a model is compiled.
 * a call with a KV cache (generation): its sequence grows every step, a new shape each time.
-* CoC and CCLoRA edges (``coc_parallel_num`` > 1, ``lora_fusion``): they schedule their own async
-  collectives, so they run eagerly between the compiled parts of the layer (``galaxy.core.overlap.coc``).
+* the fused calls of the overlapped edges (CoC, async TP, CCLoRA: ``galaxy.core.overlap``): they schedule
+  their own async collectives, so they run eagerly between the compiled parts of the layer.
 * FSDP's hooks (``mp_grad_reduce: fsdp``, whose units are modules inside a layer, the SP MLP): torch
   marks them not to be traced, so the layer compiles as a graph per stretch between them, the gathers and
   the reduce-scatters' registration eager in between (``dp_engine: fsdp2`` alone shards whole layers,

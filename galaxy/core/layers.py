@@ -87,6 +87,9 @@ class ParallelLinear(nn.Module):
                     added on rank 0 only, so it is added once; its gradient rule is PARTIAL.
     style="whole":  W is ``[out, in]`` with gradient rule ``rule`` (PARTIAL under SP, else REPLICATED).
     Parameter names are ``weight`` and ``bias`` as in ``nn.Linear``, so HF names carry over.
+    ``tp_form``: how tensor parallelism splits this linear ('column' / 'row'), also while it is whole
+    (a block running SP or None), or None for a linear TP never splits (a head); a frozen base is
+    stored by it (``galaxy.loralib.quantized``).
     ``float8``: None, or the float8 matmul the product runs through (``galaxy.core.float8``, config key
     ``float8_training``), on these same Parameters.
     """
@@ -95,9 +98,10 @@ class ParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, style: str = "whole",
                  split: Optional[Sequence[int]] = None, rank: int = 0,
-                 rule: GradRule = GradRule.REPLICATED, device=None, dtype=None):
+                 rule: GradRule = GradRule.REPLICATED, device=None, dtype=None, tp_form: Optional[str] = None):
         super().__init__()
         self.style, self.rank = style, rank
+        self.tp_form = style if style in ("column", "row") else tp_form
         kw = dict(device=device, dtype=dtype)
         if style == "column":
             spec = ShardSpec(0, tuple(split), rank)
@@ -127,7 +131,7 @@ class ParallelLinear(nn.Module):
         """The linear a block running ``method`` needs; ``shard`` ('column'/'row') is its TP form."""
         if method == Method.TP:
             return cls(in_features, out_features, bias, shard, split, rank, **kw)
-        return cls(in_features, out_features, bias, "whole", rule=region_rule(method), **kw)
+        return cls(in_features, out_features, bias, "whole", rule=region_rule(method), tp_form=shard, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if (self.style != "row" or self.rank == 0) else None
@@ -138,6 +142,50 @@ class ParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         float8 = f", {self.float8}" if self.float8 is not None else ""
         return f"style={self.style}, weight={tuple(self.weight.shape)}, bias={self.bias is not None}{float8}"
+
+
+class StackedLinear(nn.Module):
+    """``parts`` linears sharing one input (a gated MLP's gate and up; the q/k/v heads of each key/value
+    group), held as one weight ``[parts, *out_shape, in]`` and computed as one matmul whose output is the
+    parts side by side (``[..., parts * prod(out_shape)]``). Column-parallel under TP along ``shard_dim``
+    (1: every rank holds the same ``split[rank]`` rows of each part; 0: ``split[rank]`` whole parts), a
+    slice of one dim, so a checkpoint stores the full tensor like any sharded parameter. No bias."""
+
+    bias = None
+    tp_form = "column"
+
+    def __init__(self, parts: int, in_features: int, out_shape, style: str = "whole",
+                 split: Optional[Sequence[int]] = None, rank: int = 0, rule: GradRule = GradRule.REPLICATED,
+                 shard_dim: int = 1):
+        super().__init__()
+        self.style, self.rank = style, rank
+        shape = [parts, *((out_shape,) if isinstance(out_shape, int) else out_shape), in_features]
+        if style == "column":
+            shape[shard_dim] = split[rank]
+            self.weight = nn.Parameter(torch.empty(shape))
+            set_param_meta(self.weight, GradRule.SHARDED, ShardSpec(shard_dim, tuple(split), rank))
+        elif style == "whole":
+            self.weight = nn.Parameter(torch.empty(shape))
+            set_param_meta(self.weight, rule)
+        else:
+            raise ValueError(f"a stacked linear is column-parallel or whole, not '{style}'")
+
+    @classmethod
+    def for_method(cls, method: Method, parts: int, in_features: int, out_shape, split: Sequence[int], rank: int,
+                   shard_dim: int = 1) -> "StackedLinear":
+        if method == Method.TP:
+            return cls(parts, in_features, out_shape, "column", split, rank, shard_dim=shard_dim)
+        return cls(parts, in_features, out_shape, rule=region_rule(method))
+
+    def matrix(self) -> torch.Tensor:
+        """The weight as one column-parallel linear's ``[local rows, in]`` (a view)."""
+        return self.weight.view(-1, self.weight.shape[-1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.matrix())
+
+    def extra_repr(self) -> str:
+        return f"style={self.style}, weight={tuple(self.weight.shape)}"
 
 
 @contextlib.contextmanager

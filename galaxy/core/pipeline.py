@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from galaxy.config import ConfigError, balanced_split
-from galaxy.core.blocks import LAYOUTS
+from galaxy.core.edges import LAYOUTS
 from galaxy.core.comm import CommRecord, Communicator
 from galaxy.core.transitions import Layout
 

@@ -26,8 +26,9 @@ A layer's *memory mode* (``MemoryMode``: config ``layer_memory``, or ``recompute
 tensors (and checkpointed regions' inputs) go to host memory during its forward and come back ahead of its
 backward (``galaxy.core.offload``), and the number of sequence chunks its MLP runs in (``mlp_chunks``: with
 ``mlp`` or ``full`` recompute each chunk is its own recomputed region, so the MLP's backward rebuilds one chunk's
-FFN-wide tensors at a time). A model runs each layer through ``run_layer_with_memory_mode`` and its MLP through
-``MemoryMode.mlp``; ``layer_memory_modes`` gives a stack's modes.
+FFN-wide tensors at a time). ``galaxy.core.parallelize`` applies them from outside the model: a layer's
+``forward`` runs through ``run_layer_with_memory_mode``, its MLP edge through ``MemoryMode.mlp`` and its attention
+core recomputed under ``selective``; ``layer_memory_modes`` gives a stack's modes.
 """
 
 from __future__ import annotations

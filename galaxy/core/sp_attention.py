@@ -28,7 +28,7 @@ holds for the block); both return the block's log-sum-exp, which the merge and t
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -36,11 +36,10 @@ from galaxy.config import Method, Plan
 from galaxy.core.attention import attention
 from galaxy.core.comm import Communicator
 from galaxy.core.layers import Dropout
-from galaxy.core.recompute import generators_of, recompute
 from galaxy.core.transitions import Layout, SequenceOrder, transition
 
-__all__ = ["load_balanced", "stream_order", "sequence_parallel_attention", "ring_attention", "ulysses_attention",
-           "attend_block", "attend_block_backward"]
+__all__ = ["load_balanced", "stream_order", "sequence_parallel_attention", "gather_kv", "ring_attention",
+           "ulysses_attention", "attend_block", "attend_block_backward"]
 
 KV_TAG, DKV_TAG = 1, 2  # the backward ring has both kinds of block in flight between the same ranks
 
@@ -57,12 +56,14 @@ def stream_order(plan: Plan, causal: bool) -> SequenceOrder:
 
 def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, plan: Plan, *,
                                 key_padding_mask=None, causal: bool = False, q_offset: int = 0,
-                                dropout: Optional[Dropout] = None, recompute_core: bool = False) -> torch.Tensor:
+                                dropout: Optional[Dropout] = None, core: Callable = attention) -> torch.Tensor:
     """ATT.sp's attention core in the plan's flavour. q ``[b, heads, s_local, d]``, k and v
     ``[b, kv_heads, s_local, d]`` (every head, this rank's tokens, rotated at their true positions);
     ``key_padding_mask`` ``[b, seq]`` over the whole sequence in natural order; ``q_offset`` the position of
-    the first local query (contiguous orders). Returns ``[b, heads, s_local, d]``."""
-    core = dict(key_padding_mask=key_padding_mask, causal=causal, dropout=dropout, recompute_core=recompute_core)
+    the first local query (contiguous orders). ``core``: the attention core allgather and ulysses run once the
+    keys are there (``attention``, or one recomputed in backward: ``recompute: selective``,
+    ``galaxy.core.parallelize``); the ring attends block by block with its own. Returns ``[b, heads, s_local, d]``."""
+    kwargs = dict(key_padding_mask=key_padding_mask, causal=causal, dropout=dropout)
     if plan.sp_attention == "ring":
         if dropout is not None and dropout.active:
             raise ValueError("sp_attention ring attends block by block without attention dropout; set "
@@ -70,20 +71,17 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         return ring_attention(q, k, v, comm, stream_order(plan, causal), key_padding_mask=key_padding_mask,
                               causal=causal)
     if plan.sp_attention == "ulysses":
-        return ulysses_attention(q, k, v, comm, plan.seq_split, plan.heads_split, **core)
-    # allgather: every local query needs every key, so K and V are gathered (one collective) along the sequence.
+        return ulysses_attention(q, k, v, comm, plan.seq_split, plan.heads_split, core=core, **kwargs)
+    k, v = gather_kv(k, v, comm, plan.seq_split)
+    return core(q, k, v, q_offset=q_offset, **kwargs)
+
+
+def gather_kv(k: torch.Tensor, v: torch.Tensor, comm: Communicator, seq_split) -> tuple[torch.Tensor, torch.Tensor]:
+    """allgather: this rank's keys and values ``[b, kv_heads, s_local, d]`` -> the whole sequence's, in one
+    collective (S -> T: the gradient comes back reduce-scattered), as every local query needs every key."""
     kv = torch.cat([k, v], dim=-1).transpose(1, 2)
-    kv = transition(kv, Layout.S, Layout.T, comm, plan.seq_split).transpose(1, 2)
-    k, v = kv.split(q.shape[-1], dim=-1)
-    return _attend(q, k, v, q_offset=q_offset, **core)
-
-
-def _attend(q, k, v, *, recompute_core: bool, dropout: Optional[Dropout], **core) -> torch.Tensor:
-    """``attention``, or with ``recompute_core`` the same recomputed in backward (only q, k, v kept)."""
-    if recompute_core:
-        return recompute(attention, q, k, v, dropout=dropout,
-                         generators=generators_of([dropout] if dropout is not None else []), **core)
-    return attention(q, k, v, dropout=dropout, **core)
+    kv = transition(kv, Layout.S, Layout.T, comm, seq_split).transpose(1, 2)
+    return kv.split(k.shape[-1], dim=-1)
 
 
 # ----------------------------------------------------------------------------- one block, with its LSE
@@ -403,13 +401,12 @@ class _HeadsToSequence(torch.autograd.Function):
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, seq_split, head_split, *,
                       key_padding_mask=None, causal: bool = False, dropout: Optional[Dropout] = None,
-                      recompute_core: bool = False) -> torch.Tensor:
+                      core: Callable = attention) -> torch.Tensor:
     """DeepSpeed-Ulysses attention of this rank's tokens (contiguous shards ``seq_split``), rank r attending
     with the ``head_split[r]`` query heads after those of ranks < r and the key/value heads they read."""
     seq_split, head_split = tuple(seq_split), tuple(head_split)
     if comm.size == 1:
-        return _attend(q, k, v, key_padding_mask=key_padding_mask, causal=causal, dropout=dropout,
-                       recompute_core=recompute_core)
+        return core(q, k, v, key_padding_mask=key_padding_mask, causal=causal, dropout=dropout)
     heads, kv_heads, d = q.shape[1], k.shape[1], q.shape[-1]
     group = heads // kv_heads
     q_spans = tuple(_spans(head_split))
@@ -421,6 +418,5 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
         index = torch.tensor([h // group - kv_spans[comm.rank][0] for h in range(first, first + count)],
                              device=q.device)
         kl, vl = kl.index_select(1, index), vl.index_select(1, index)
-    out = _attend(ql, kl, vl, key_padding_mask=key_padding_mask, causal=causal, q_offset=0, dropout=dropout,
-                  recompute_core=recompute_core)
+    out = core(ql, kl, vl, key_padding_mask=key_padding_mask, causal=causal, q_offset=0, dropout=dropout)
     return _HeadsToSequence.apply(out, comm, seq_split, q_spans)

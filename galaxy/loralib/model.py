@@ -11,8 +11,6 @@ import torch.nn as nn
 
 from galaxy.core.grad_sync import gather_full
 from galaxy.core.layers import GradRule, ParallelLinear, grad_rule
-from galaxy.core.overlap.cclora import CcloraBoundaries
-from galaxy.core.overlap.coc import CocBoundaries
 from galaxy.loralib.layers import LORA_TYPES, LoRAEmbedding, LoRALayer, LoRALinear, MergedLoRALinear
 from galaxy.loralib.quantized_layers import QuantLinear
 from galaxy.loralib.utils import (Targets, freeze_all_but, in_modules, kaiming_uniform_full, matches, parent_of,
@@ -91,23 +89,16 @@ def set_lora_fusion(model: nn.Module, enabled: bool = True) -> list[str]:
     linear of ``model``; returns their names. The parameters are untouched (A stays HF PEFT's
     unscaled A), so it can be switched at any time and saved files do not change.
 
-    The model's block boundaries (every ``CocBoundaries`` it holds) become ``CcloraBoundaries``
-    (and back when off), so the TP block edges that have a LoRA linear overlap its branch with
-    their collectives; edges without one keep CoC as configured (``coc_parallel_num``)."""
+    A Galaxy model picks its block edges again (``GalaxyModel.parallelize``), so the TP block edges that
+    have a LoRA linear overlap its branch with their collectives; edges without one keep CoC as
+    configured (``coc_parallel_num``)."""
     layers = {n: m for n, m in lora_modules(model).items() if isinstance(m, (LoRALinear, MergedLoRALinear))}
     for m in layers.values():
         m.fusion = enabled
-    kind = CcloraBoundaries if enabled else CocBoundaries
-    swapped: dict[int, CocBoundaries] = {}
-    for module in model.modules():
-        for attr, value in list(vars(module).items()):
-            # Not an nn.Module: the boundaries live in each layer's __dict__ (shared by the stack).
-            if isinstance(value, CocBoundaries) and type(value) is not kind:
-                if id(value) not in swapped:
-                    swapped[id(value)] = kind(value.comm, value.plan, value.chunks)
-                setattr(module, attr, swapped[id(value)])
-    logger.info("LoRA fusion (CCLoRA) %s on %d linears; %d block-boundary object(s) switched to %s",
-                "on" if enabled else "off", len(layers), len(swapped), kind.__name__)
+    parallelize = getattr(model, "parallelize", None)
+    if callable(parallelize):
+        parallelize(lora_fusion=enabled)
+    logger.info("LoRA fusion (CCLoRA) %s on %d linears", "on" if enabled else "off", len(layers))
     return sorted(layers)
 
 

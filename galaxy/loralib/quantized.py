@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from galaxy.config import ConfigError
 from galaxy.core.layers import ParallelLinear, ShardSpec, grad_rule, shard_spec
-from galaxy.loralib.quantized_layers import FORMATS, QuantizedWeight, QuantLinear, row_parallel_name
+from galaxy.loralib.quantized_layers import FORMATS, QuantizedWeight, QuantLinear, row_parallel
 from galaxy.loralib.utils import in_modules, parent_of
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def quantize_linears(model: nn.Module, skip=(), backend: str = "auto", kind: str
         if not quantizable(name, module, skip):
             continue
         parent, child = parent_of(model, name)
-        setattr(parent, child, QuantLinear.from_linear(module, row_parallel_name(name), kind, backend, comm))
+        setattr(parent, child, QuantLinear.from_linear(module, row_parallel(module), kind, backend, comm))
         done.append(name)
     logger.info("%s: quantized %d linears (e.g. %s)", kind, len(done), done[:3])
     return done
@@ -192,7 +192,7 @@ def materialize(model: nn.Module, path: Optional[str] = None, seed: int = 0,
             w = module.weight
             spec = shard_spec(w)
             qweight = FORMATS[kind].quantize(read(f"{name}.weight", w).to(device).contiguous(), spec,
-                                             row_parallel_name(name), backend, model.ctx.mp)
+                                             row_parallel(module), backend, model.ctx.mp)
             parent, child = parent_of(model, name)
             setattr(parent, child, QuantLinear(qweight, module.bias, getattr(module, "style", "whole"),
                                                getattr(module, "rank", 0), spec, grad_rule(w)))

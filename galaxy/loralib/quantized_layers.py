@@ -21,12 +21,11 @@ from galaxy.loralib.nf4 import NF4Rows, dequantize_nf4, nf4_linear, quantize_nf4
 # Weights quantized at a time on the host (``QuantizedWeight.quantize_in_blocks``).
 HOST_BLOCK = 1 << 16
 
-# Linears whose TP form is row-parallel (the input dim is split): stored transposed.
-ROW_PARALLEL_SUFFIXES = ("o_proj", "down_proj", "output.dense")
 
-
-def row_parallel_name(name: str) -> bool:
-    return any(name == s or name.endswith("." + s) for s in ROW_PARALLEL_SUFFIXES)
+def row_parallel(linear: nn.Module) -> bool:
+    """A linear whose TP form is row-parallel (the input dim is split, ``ParallelLinear.tp_form``): stored
+    transposed, so that TP splits whole stored rows."""
+    return getattr(linear, "tp_form", None) == "row"
 
 
 class QuantizedWeight(nn.Module):
@@ -223,7 +222,8 @@ class QuantLinear(nn.Module):
             full[spec.dim] = sum(spec.sizes)
         split = spec.sizes if spec is not None else None
         linear = ParallelLinear(full[1], full[0], self.bias is not None, self.style, split, self.rank,
-                                rule=self.weight_rule, device=self.qweight.device, dtype=dtype)
+                                rule=self.weight_rule, device=self.qweight.device, dtype=dtype,
+                                tp_form="row" if self.qweight.transposed else None)
         with torch.no_grad():
             linear.weight.copy_(self.qweight.dequantize(dtype))
         if self.bias is not None:

@@ -1,9 +1,11 @@
-"""Model definitions (one per architecture), the registry of model families, and the factory the CLIs use.
+"""Model definitions (one folder per family: its module, its HF conversion, its family object), the
+registry of families, and the factory the CLIs use.
 
-``MODEL_FAMILIES`` maps each ``model_type`` to its family's class. Code outside this package asks
-the family (``family(model_type)``: its tasks, whether it is causal, its probes, parameter counts,
-PEFT targets, HF conversion; see ``GalaxyModel``) instead of asking which model it is. ``check_config``
-checks what only the families know (``galaxy.config`` stays beneath them and checks the rest).
+``MODEL_FAMILIES`` maps each ``model_type`` to its family object (``galaxy.models.family.Family``): one
+line per family. Code outside this package asks the family (``family(model_type)``: its tasks and classes,
+whether it is causal, its probes, parameter counts, PEFT targets, side network, HF conversion) instead of
+asking which model it is. ``check_config`` checks what only the families know (``galaxy.config`` stays
+beneath them and checks the rest).
 """
 
 from __future__ import annotations
@@ -13,31 +15,36 @@ from typing import Optional
 from galaxy.config import COMPUTE_KEYS, ConfigError, GalaxyConfig, ModelConfig, Plan
 from galaxy.core.context import ParallelContext
 from galaxy.models.base import GalaxyModel
-from galaxy.models.bert import BertPreTrainedModel
-from galaxy.models.llama import LlamaForCausalLM
-from galaxy.models.qwen2 import Qwen2ForCausalLM
+from galaxy.models.bert import BERT
+from galaxy.models.family import Family
+from galaxy.models.llama import LLAMA
+from galaxy.models.phi3 import PHI3
+from galaxy.models.qwen2 import QWEN2
 
-MODEL_FAMILIES: dict[str, type[GalaxyModel]] = {
-    "bert": BertPreTrainedModel,
-    "llama": LlamaForCausalLM,
-    "qwen2": Qwen2ForCausalLM,
+MODEL_FAMILIES: dict[str, Family] = {
+    "bert": BERT,
+    "llama": LLAMA,
+    "qwen2": QWEN2,
+    "phi3": PHI3,
 }
 
 
-def family(model_type: str) -> type[GalaxyModel]:
-    """The family's class of ``model_type`` (the one that states what the family is)."""
+def family(model_type: str) -> Family:
+    """The family of ``model_type`` (the object that states what the family is)."""
     if model_type not in MODEL_FAMILIES:
         raise ConfigError(f"config key 'model_type': unknown model '{model_type}'; use one of "
                           f"{', '.join(MODEL_FAMILIES)}")
     return MODEL_FAMILIES[model_type]
 
 
+def family_of(model: GalaxyModel) -> Family:
+    """The family of a built model."""
+    return family(model.config.model_type)
+
+
 def check_config(cfg: ModelConfig) -> None:
     """The model keys only the families can check: a known ``model_type``, and options its architecture has."""
-    known = family(cfg.model_type)
-    if cfg.fused_gate_up and not known.gate_up_fusable:
-        raise ConfigError(f"config key 'fused_gate_up' fuses a gated MLP's gate_proj/up_proj, but model_type is "
-                          f"'{cfg.model_type}'; set it to false")
+    family(cfg.model_type).check(cfg)
 
 
 def model_types(causal: Optional[bool] = None) -> list[str]:
@@ -52,7 +59,7 @@ def model_class(model_type: str, task: str = "lm") -> type[GalaxyModel]:
 
 def model_class_named(name: str) -> type[GalaxyModel]:
     """The model class called ``name`` (as a checkpoint records it), of any family and task."""
-    classes = {c.__name__: c for f in MODEL_FAMILIES.values() for c in map(f.for_task, f.tasks)}
+    classes = {c.__name__: c for f in MODEL_FAMILIES.values() for c in f.classes.values()}
     if name not in classes:
         raise ValueError(f"unknown model class '{name}'; known: {', '.join(classes)}")
     return classes[name]
@@ -64,7 +71,7 @@ def hf_model_class(hf: dict, source: str) -> type[GalaxyModel]:
     if model_type not in MODEL_FAMILIES:
         raise ConfigError(f"{source} holds a '{model_type}' model; supported model types: "
                           f"{', '.join(MODEL_FAMILIES)}")
-    return MODEL_FAMILIES[model_type].for_task("lm")
+    return MODEL_FAMILIES[model_type].lm
 
 
 def build_model(cfg: GalaxyConfig, plan: Optional[Plan], ctx: ParallelContext, task: str = "lm"):

@@ -1,8 +1,8 @@
 """What every Galaxy model shares: seeded plan-independent init, full <-> sharded state dicts,
-the HF-style ``from_pretrained`` / ``save_pretrained`` over local directories, and the facts a
-family states about itself (``GalaxyModel``'s class attributes and classmethods), which the
-planner, PEFT, training and the CLIs read through ``galaxy.models``' registry instead of asking
-which model it is."""
+the HF-style ``from_pretrained`` / ``save_pretrained`` over local directories, and how its layers
+compute (``parallelize``). What a family is to the rest of the house is its family object
+(``galaxy.models.family``), which the planner, PEFT, training and the CLIs read through
+``galaxy.models``' registry instead of asking which model it is."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import logging
 import os
 from dataclasses import dataclass
 from functools import partial
-from typing import Mapping, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from galaxy.config import ConfigError, Method, ModelConfig, Plan
 from galaxy.core.context import ParallelContext, param_seed
 from galaxy.core.grad_sync import gather_full
-from galaxy.core.pipeline import gather_stage_states, stage_of
 from galaxy.core.layers import shard_spec
+from galaxy.core.parallelize import parallelize as parallelize_layers
+from galaxy.core.pipeline import gather_stage_states, stage_of
 from galaxy.kernels import cross_entropy, resolve_backend, resolve_backend_for
 
 logger = logging.getLogger(__name__)
@@ -116,83 +117,10 @@ class GalaxyModel(nn.Module):
     hf_architecture = ""
     tied_keys: dict[str, str] = {}  # HF key -> the key it is tied to (not stored twice)
 
-    # -- what the family is: class attributes read through galaxy.models' registry by ``model_type``
+    # -- what the module is (the family's facts are its ``galaxy.models.family.Family``)
     model_type = ""  # the registry key, and HF's model_type
-    tasks: tuple[str, ...] = ("lm",)  # heads the family has ('lm', 'classify'); ``for_task`` picks the class
-    causal = False  # its LM predicts the next token (else masked tokens): evaluation, generation, data
-    rotary = False  # attention heads rotate by RoPE, so a head's size must be even
-    tiny_config: Mapping = {}  # model keys of a small model of the family, where CLIs start without a config
-    lora_targets: tuple[str, ...] = ()  # HF PEFT's default LoRA target modules for the architecture
-    adapter_points: Mapping[str, str] = {}  # adapter site ('attn', 'mlp') -> module-name regex
     gate_up_fusable = False  # ``fused_gate_up`` applies (a gated MLP)
     fresh_for_task: tuple[str, ...] = ()  # parameter prefixes a pretraining checkpoint lacks (task heads)
-
-    @classmethod
-    def matmul_weights(cls, cfg: ModelConfig, task: str = "lm") -> tuple[int, int]:
-        """(per layer, head): the weights of the matmuls every token goes through, in elements, of the whole
-        model -- N of MFU's ``6 N`` (``galaxy.profiler.model_flops``). Embedding lookups, biases and norms are
-        no matmul work; a head that acts once per row (``classify``) is left out."""
-        raise NotImplementedError
-
-    @classmethod
-    def for_task(cls, task: str) -> type["GalaxyModel"]:
-        """The class of this family with the head of ``task`` (one of ``tasks``)."""
-        if task not in cls.tasks:
-            raise ConfigError(f"{cls.model_type} has no '{task}' head; its tasks are {', '.join(cls.tasks)}")
-        return cls
-
-    # -- shapes the planner's cost model reads (no model is built)
-
-    @classmethod
-    def layer_parameters(cls, cfg: ModelConfig, heads, ffn) -> LayerParameters:
-        """One layer on a rank that holds ``heads`` query heads and ``ffn`` intermediate columns."""
-        raise NotImplementedError
-
-    @classmethod
-    def edge_parameters(cls, cfg: ModelConfig) -> tuple[int, int]:
-        """(first stage's embeddings, last stage's head) parameters, without a tied head weight."""
-        raise NotImplementedError
-
-    @classmethod
-    def ties_embeddings(cls, cfg: ModelConfig) -> bool:
-        """The head reads the input embedding matrix (two pipeline stages then sum its gradient)."""
-        return cfg.tie_word_embeddings
-
-    # -- block probes the planner times: the family's own modules for a one-rank ``plan`` whose TP
-    # shard is the size under test. Each is an nn.Module; the planner sets its weights and dtype.
-
-    @classmethod
-    def att_proj_probe(cls, cfg: ModelConfig, plan: Plan, ctx: ParallelContext, seq: int) -> nn.Module:
-        """``forward(x [b, s, hidden]) -> (q, k, v)`` as the attention core takes them (``seq``: the
-        longest sequence, for position tables)."""
-        raise NotImplementedError
-
-    @classmethod
-    def att_out_probe(cls, cfg: ModelConfig, plan: Plan, ctx: ParallelContext) -> nn.Module:
-        """The attention output projection: ``forward(o [b, s, heads * head_dim]) -> [b, s, hidden]``."""
-        raise NotImplementedError
-
-    @classmethod
-    def mlp_probe(cls, cfg: ModelConfig, plan: Plan, ctx: ParallelContext) -> nn.Module:
-        """``forward(x) -> the MLP block's output`` (before its exit transition)."""
-        raise NotImplementedError
-
-    @classmethod
-    def con_probe(cls, cfg: ModelConfig, plan: Plan, ctx: ParallelContext) -> nn.Module:
-        """``forward(a, h)``: the CON block on a block output ``a`` and the residual stream ``h``."""
-        raise NotImplementedError
-
-    @classmethod
-    def head_probe(cls, cfg: ModelConfig, plan: Plan, ctx: ParallelContext) -> nn.Module:
-        """``forward(ids [b, s]) -> logits [b, s, vocab]``: embeddings, the final norm and the LM head."""
-        raise NotImplementedError
-
-    # -- side-tuning
-
-    def side_spec(self, side_cfg: ModelConfig, side_plan: Plan):
-        """The ``galaxy.adapters.side.SideSpec`` of a side network of ``side_cfg``-sized layers on
-        ``side_plan`` beside this model's layers."""
-        raise ValueError(f"side-tuning is not supported for {self.model_type}")
 
     def __init__(self, config: ModelConfig, plan: Plan, ctx: ParallelContext):
         super().__init__()
@@ -205,6 +133,19 @@ class GalaxyModel(nn.Module):
             resolve_backend_for(config.kernels, ctx.device)
         except (ImportError, ValueError) as e:
             raise ConfigError(f"config key 'kernels' is '{config.kernels}' but {e}") from None
+
+    # -- how the layers compute
+
+    lora_fusion = False  # the PEFT setting the block edges are picked with (``parallelize``)
+
+    def parallelize(self, lora_fusion: Optional[bool] = None) -> None:
+        """Configure how the layers compute, from this model's plan and config (``galaxy.core.parallelize``):
+        their block edges, memory modes (``recompute`` / ``layer_memory``, ``mlp_chunks``) and ``compile``. The
+        constructor applies it; ``lora_fusion`` (kept until given again) picks the edges again for that PEFT
+        setting (``galaxy.loralib.set_lora_fusion``)."""
+        if lora_fusion is not None:
+            self.lora_fusion = lora_fusion
+        parallelize_layers(self, self.plan, self.ctx.mp, self.config, self.lora_fusion)
 
     # -- init
 
@@ -299,6 +240,12 @@ class GalaxyModel(nn.Module):
     @classmethod
     def config_from_hf(cls, hf: dict) -> ModelConfig:
         raise NotImplementedError
+
+    @classmethod
+    def hf_layout_differs(cls, config: ModelConfig) -> Optional[str]:
+        """None when every parameter of a model of ``config`` is the HF checkpoint's tensor of the same name
+        and shape (a loader may read them one by one); else why not, and what to set instead."""
+        return None
 
     @classmethod
     def hf_config(cls, config: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict:

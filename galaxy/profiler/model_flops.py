@@ -6,7 +6,7 @@ For full training, per token of a batch of sequences of length S:
     model_flops_per_token = 6 * N + 12 * L * H * S
 
 * N: the weights of the matmuls every token goes through (each model family counts its own:
-  ``GalaxyModel.matmul_weights``): in each of the L
+  ``Family.matmul_weights``): in each of the L
   layers the attention projections (q, k, v, o; LLaMA's k and v at ``num_key_value_heads``) and
   the MLP's (BERT: 2 x H x I; LLaMA: gate, up and down, 3 x H x I), plus the output head: BERT's
   MLM transform (H x H) and decoder (H x V), LLaMA's ``lm_head`` (H x V). The H x V head counts
@@ -59,7 +59,7 @@ class MatmulWeights:
 
 def training_flops_per_token(weights: MatmulWeights, hidden_size: int, seq_length: int, tuning: str = "full") -> float:
     """Model FLOPs per token of one training step (forward and backward) of a model with these matmul
-    ``weights`` (its family's count: ``GalaxyModel.matmul_weights``) and ``hidden_size``, on sequences of
+    ``weights`` (its family's count: ``Family.matmul_weights``) and ``hidden_size``, on sequences of
     ``seq_length`` tokens: ``6 * N + 12 * L * H * S`` for full training; the module doc gives the counts
     for ``tuning`` lora, adapter and side."""
     attention = weights.num_layers * hidden_size * seq_length

@@ -63,7 +63,7 @@ OUTSIDE_MODEL = "<outside model>"  # comm issued by no module of the model (e.g.
 
 
 def _method_layouts() -> dict[Method, tuple[str, str]]:
-    from galaxy.core.blocks import LAYOUTS  # lazy: see the module docstring
+    from galaxy.core.edges import LAYOUTS  # lazy: see the module docstring
 
     return {m: (lin.value, lout.value) for m, (lin, lout) in LAYOUTS.items()}
 

@@ -3,7 +3,7 @@
 ``evaluate`` runs ``eval_iters`` global batches forward only (through the pipeline when there is
 one, dropout off) and returns the loss averaged over every prediction target of those batches and
 the head's accuracy: masked tokens for a masked LM (BERT), next tokens for a causal LM
-(``model.causal``, e.g. LLaMA; plus perplexity, exp of the loss), examples for sequence
+(its family's ``causal``, e.g. LLaMA; plus perplexity, exp of the loss), examples for sequence
 classification. Logits stay in the stream's layout: under sequence parallelism each rank scores its
 own tokens and the counts are summed over the group.
 """
@@ -41,7 +41,7 @@ def _batch_counts(trainer, micro_batch: dict, out) -> torch.Tensor:
         targets = torch.tensor(float(labels.shape[0]), device=device, dtype=torch.float64)
         correct = (logits.argmax(-1) == labels).sum().double() if logits.shape[-1] > 1 else targets * 0
     else:
-        local = _local_targets(trainer, logits, labels, getattr(model, "causal", False))
+        local = _local_targets(trainer, logits, labels, trainer.causal)
         targets = model.num_loss_targets(labels).double()
         correct = ((logits.argmax(-1) == local) & (local != IGNORE_INDEX)).sum().double()
         if local.shape[1] != labels.shape[1]:  # sequence-sharded logits: counts are partial
@@ -70,6 +70,6 @@ def evaluate(trainer, eval_at: Callable[..., dict], iters: int, autocast: Option
     loss_sum, correct, targets = totals.tolist()
     loss = loss_sum / max(targets, 1.0)
     result = {"eval_loss": loss, "eval_accuracy": correct / max(targets, 1.0), "eval_targets": int(targets)}
-    if getattr(model, "causal", False):
+    if trainer.causal:
         result["eval_perplexity"] = math.exp(min(loss, 700.0))
     return result

@@ -52,7 +52,7 @@ def finetune_tokenizer(cfg: GalaxyConfig):
 def checkpoint_model_config(path: str):
     """The ``ModelConfig`` of a local HF causal-LM checkpoint (any causal family of the registry),
     checking its files are there."""
-    from galaxy.models import hf_model_class, model_types
+    from galaxy.models import family, hf_model_class, model_types
 
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
@@ -66,7 +66,7 @@ def checkpoint_model_config(path: str):
         except json.JSONDecodeError as e:
             raise ConfigError(f"model_path '{path}': config.json is not valid JSON: {e}") from None
     cls = hf_model_class(hf, f"model_path '{path}'")
-    if not cls.causal:
+    if not family(cls.model_type).causal:
         raise ConfigError(f"model_path '{path}' holds a {cls.model_type} model, which is no causal LM; instruction "
                           "fine-tuning needs one of " + ", ".join(model_types(causal=True)))
     return cls.config_from_hf(hf)

@@ -29,11 +29,11 @@ STEPS = 2
 # model class, its tiny config, sequence length and batches (those of the equivalence tests), its block boundaries
 MODELS = {
     "llama": (LlamaForCausalLM, llama_eq.TINY, llama_eq.SEQ, lambda step: llama_eq.make_batch(),
-              lambda m: m.model.edges),
+              lambda m: m.model.stream),
     # one sequence: the sequence dim's movedim / narrow at the transitions are contiguous views already
     "llama-one-row": (LlamaForCausalLM, llama_eq.TINY, llama_eq.SEQ,
-                      lambda step: {k: v[:1] for k, v in llama_eq.make_batch().items()}, lambda m: m.model.edges),
-    "bert": (BertForMaskedLM, bert_eq.TINY, bert_eq.SEQ, bert_eq.make_batch, lambda m: m.bert.edges),
+                      lambda step: {k: v[:1] for k, v in llama_eq.make_batch().items()}, lambda m: m.model.stream),
+    "bert": (BertForMaskedLM, bert_eq.TINY, bert_eq.SEQ, bert_eq.make_batch, lambda m: m.bert.stream),
 }
 
 

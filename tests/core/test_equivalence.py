@@ -68,7 +68,7 @@ def compare_with_serial(ctx, methods, uneven, classify=False, steps=3, pooling="
         if step == 0:
             assert abs(out_p.loss.item() - out_s.loss.item()) <= RTOL * abs(out_s.loss.item()), \
                 (out_p.loss.item(), out_s.loss.item())
-            logits = out_p.logits if classify else par.bert.edges.to_replicated(out_p.logits)
+            logits = out_p.logits if classify else par.bert.stream.to_replicated(out_p.logits)
             worst = max(worst, rel_err(logits.detach(), out_s.logits.detach()))
             grads_s = dict(serial.named_parameters())
             for name, p in par.named_parameters():

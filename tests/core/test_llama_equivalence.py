@@ -9,7 +9,7 @@ import torch
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.grad_sync import GradientSync, gather_full
 from galaxy.models.generation import generate
-from galaxy.models.llama import LlamaForCausalLM
+from galaxy.models import model_class
 
 # 8 query heads sharing 4 key/value heads: GQA groups of 2.
 TINY = dict(model_type="llama", vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=8,
@@ -51,8 +51,9 @@ def build(ctx, plan_spec, uneven, extra=None):
     if uneven:
         raw.update(UNEVEN[ctx.mp.size])
     cfg = GalaxyConfig.from_dict(raw)
-    serial = LlamaForCausalLM(cfg.model, seed=3).double()
-    par = LlamaForCausalLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=3).double()
+    cls = model_class(cfg.model.model_type)  # LLaMA, or a family with LLaMA's config keys (extra model_type)
+    serial = cls(cfg.model, seed=3).double()
+    par = cls(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=3).double()
     return serial, par
 
 
@@ -72,7 +73,7 @@ def backward_both(serial, par, batch, ctx, edges):
 
 def compare_with_serial(ctx, plan_spec, uneven, extra=None):
     serial, par = build(ctx, plan_spec, uneven, extra)
-    _, worst = backward_both(serial, par, make_batch(), ctx, par.model.edges)
+    _, worst = backward_both(serial, par, make_batch(), ctx, par.model.stream)
     grads_s = dict(serial.named_parameters())
     assert set(grads_s) == {n for n, _ in par.named_parameters()}
     for name, p in par.named_parameters():
@@ -111,8 +112,8 @@ def test_tied_and_scaled_rope_equal_serial(dist_pool, plan):
     dist_pool.run(compare_with_serial, 4, plan, True, extra)
 
 
-def generate_on_plan(ctx, plan_spec, uneven):
-    serial, par = build(ctx, plan_spec, uneven)
+def generate_on_plan(ctx, plan_spec, uneven, extra=None):
+    serial, par = build(ctx, plan_spec, uneven, extra)
     ids = make_batch()["input_ids"][:, :5]
     mask = torch.ones_like(ids)
     mask[1, :2] = 0

@@ -88,10 +88,12 @@ def fused_equals_serial_unfused(ctx, plan, extra):
     par = LlamaForCausalLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=3).double()
     layer, plan = par.model.layers[0], par.plan
     if cfg.parallel.coc_parallel_num:  # the CoC path is the one exercised
-        assert layer.coc.fuses(plan.mlp, layer.mlp.down_proj)
+        from galaxy.core.overlap.edges import CocEdge, plain_operands
+        assert isinstance(layer.edges.mlp, CocEdge) and layer.edges.mlp.chunks > 1
+        assert plain_operands([layer.mlp.gate_up_proj, layer.mlp.down_proj]) is not None
     rows = plan.ffn_split[ctx.mp.rank] if plan.mlp.value == "TP" else TINY["intermediate_size"]
     assert layer.mlp.gate_up_proj.weight.shape == (2, rows, TINY["hidden_size"])
-    loss, logits_err = backward_both(serial, par, make_batch(), ctx, par.model.edges)
+    loss, logits_err = backward_both(serial, par, make_batch(), ctx, par.model.stream)
     assert logits_err < RTOL
     grads = {n: gather_full(p.grad, p, ctx.mp) for n, p in par.named_parameters()}
     grads = par.state_to_hf(grads)  # [2, I, H] -> gate_proj / up_proj

@@ -197,3 +197,14 @@ def test_save_keeps_special_token_ids(tmp_path):
     with open(os.path.join(tmp_path, "out", "config.json")) as f:
         saved = json.load(f)
     assert (saved["bos_token_id"], saved["eos_token_id"]) == (3, 4)
+
+
+@torch.no_grad()
+def test_prefill_with_the_cache_equals_the_forward_without_it():
+    """Every position's logits of a prefill that fills the KV cache equal those of the plain forward, with
+    more than two layers (a layer past the second read the first layer's cache length as its own, which
+    made its prefill attention non-causal: seen to fail before)."""
+    cfg = GalaxyConfig.from_dict(dict(preset="llama-tiny", seq_length=16, num_hidden_layers=3)).model
+    model = LlamaForCausalLM(cfg, seed=1).double().eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(model(ids, use_cache=True).logits, model(ids).logits, atol=1e-12, rtol=0)

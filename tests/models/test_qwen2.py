@@ -13,7 +13,7 @@ import torch
 
 from galaxy.config import GalaxyConfig, Method
 from galaxy.core.grad_sync import GradientSync, gather_full
-from galaxy.models import build_model
+from galaxy.models import build_model, family
 from galaxy.models.generation import generate
 from galaxy.models.qwen2 import Qwen2ForCausalLM
 from galaxy.peft import apply_tuning, load_tuning, save_tuning
@@ -112,7 +112,7 @@ def test_greedy_generate_equals_hf(pair):
 def test_sliding_window_is_refused_and_the_familys_tiny_config_builds():
     with pytest.raises(ValueError, match="use_sliding_window"):
         Qwen2ForCausalLM.config_from_hf(dict(hf_qwen2().config.to_dict(), use_sliding_window=True))
-    cfg = GalaxyConfig.from_dict(dict(Qwen2ForCausalLM.tiny_config, seq_length=16))
+    cfg = GalaxyConfig.from_dict(dict(family("qwen2").tiny_config, seq_length=16))
     assert cfg.model.model_type == "qwen2"
     model = Qwen2ForCausalLM(cfg.model, seed=1)
     assert model.model.layers[0].self_attn.q_proj.bias is not None
@@ -161,7 +161,7 @@ def compare_with_serial(ctx, plan_spec, uneven, tuning=None):
     out_p.loss.backward()
     sync()
     assert abs(out_p.loss.item() - out_s.loss.item()) <= RTOL * abs(out_s.loss.item())
-    worst = rel_err(par.model.edges.to_replicated(out_p.logits).detach(), out_s.logits.detach())
+    worst = rel_err(par.model.stream.to_replicated(out_p.logits).detach(), out_s.logits.detach())
     grads = {n: p.grad for n, p in serial.named_parameters() if p.requires_grad}
     assert grads and set(grads) == {n for n, p in par.named_parameters() if p.requires_grad}
     for name, p in par.named_parameters():

@@ -78,7 +78,7 @@ def tuned_pair(ctx, model_type, method, plan, uneven, extra=None, **opts):
 
 
 def edges(model):
-    return model.bert.edges if hasattr(model, "bert") else model.model.edges
+    return model.bert.stream if hasattr(model, "bert") else model.model.stream
 
 
 def compare_with_serial(ctx, model_type, method, plan, uneven, extra=None):

@@ -224,8 +224,8 @@ def edges_for(comm: Communicator) -> Optional["AsyncTpEdges"]:
 
 
 class AsyncTpEdges:
-    """The async-TP form of ``CocBoundaries``' edges on ``comm``: ``ops`` defaults to torch's
-    symm_mem ops (checked to run here); ``reference_ops()`` runs the same autograd anywhere."""
+    """The two fused ops on ``comm``, on weights: ``ops`` defaults to torch's symm_mem ops (checked to
+    run here); ``reference_ops()`` runs the same autograd anywhere."""
 
     def __init__(self, comm: Communicator, ops: Optional[FusedOps] = None):
         self.comm, self.ops = comm, ops if ops is not None else symm_mem_ops(comm)

@@ -23,8 +23,8 @@ can do: such a linear runs base + branch on x' = x * M. The mask M is drawn as p
 so fused and unfused training take the same steps; it is kept for dx = dY W + ((dY B) A_s) * M and
 dA = s (dY B)^T x'.
 
-At a TP block edge (``CcloraBoundaries``, which ``galaxy.loralib.set_lora_fusion`` puts in place of
-the model's ``CocBoundaries``) the branch runs while the base linear's collective is in flight:
+At a TP block edge (``galaxy.core.overlap.edges.CcloraEdge``, which ``galaxy.core.parallelize`` picks
+for the TP blocks while ``lora_fusion`` is on) the branch runs while the base linear's collective is in flight:
 
     S -> T + column linears   forward: the all-gather of x is launched first; under it each LoRA
                               weight is merged, or (unmerged) the LOCAL tokens meet A_s and only
@@ -52,17 +52,14 @@ from typing import Optional, Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
-from galaxy.config import Method
 from galaxy.core.comm import Communicator
 from galaxy.core.layers import Dropout, ParallelLinear
-from galaxy.core.transitions import Layout
-from galaxy.core.overlap.coc import CocBoundaries
 from galaxy.core.overlap.common import (apply_as_autocast, batch_major, finish_into, seq_major, start_all_gather,
                                         start_all_reduce, start_reduce_scatter)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LinearOperands", "CcloraBoundaries", "merges", "operands_of", "cclora_linear", "all_gather_cclora",
+__all__ = ["LinearOperands", "merges", "operands_of", "cclora_linear", "all_gather_cclora",
            "copy_cclora", "cclora_reduce_scatter", "cclora_all_reduce"]
 
 
@@ -439,44 +436,3 @@ def cclora_reduce_scatter(x: torch.Tensor, op: LinearOperands, comm: Communicato
 def cclora_all_reduce(x: torch.Tensor, op: LinearOperands, comm: Communicator) -> torch.Tensor:
     """A row-parallel LoRA linear, then P -> R (the gradient passes through)."""
     return _row(x, op, comm, None, "reduce")
-
-
-# ----------------------------------------------------------------------------- block boundaries
-
-
-class CcloraBoundaries(CocBoundaries):
-    """The TP block edges of one layer stack when LoRA fusion is on: an edge with a LoRA linear
-    (whose module offers ``cclora_operands()``) runs the CCLoRA functions above, unchunked; an
-    edge without one is CoC's (chunked when ``chunks`` > 1, else the model's unfused path).
-    A hooked module anywhere on the edge keeps the whole edge unfused, as CoC does."""
-
-    @staticmethod
-    def _lora_edge(linears) -> Optional[list[LinearOperands]]:
-        ops = [operands_of(m) for m in linears]
-        if ops and all(op is not None for op in ops) and any(op.has_lora for op in ops):
-            return ops
-        return None
-
-    def may_fuse(self) -> bool:
-        return self.comm.size > 1 or super().may_fuse()
-
-    def fuses(self, method: Method, *linears) -> bool:
-        if self.comm.size > 1 and method == Method.TP and self._lora_edge(linears) is not None:
-            return True
-        return super().fuses(method, *linears)
-
-    def enter(self, x: torch.Tensor, linears) -> list[torch.Tensor]:
-        ops = self._lora_edge(linears)
-        if ops is None:
-            return super().enter(x, linears)
-        if self.stream == Layout.S:
-            return all_gather_cclora(x, ops, self.comm, self.plan.seq_split)
-        return copy_cclora(x, ops, self.comm)
-
-    def leave(self, y: torch.Tensor, linear) -> torch.Tensor:
-        ops = self._lora_edge([linear])
-        if ops is None:
-            return super().leave(y, linear)
-        if self.stream == Layout.S:
-            return cclora_reduce_scatter(y, ops[0], self.comm, self.plan.seq_split)
-        return cclora_all_reduce(y, ops[0], self.comm)

@@ -49,18 +49,16 @@ time, the benchmark measures overlap.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from galaxy.config import ConfigError, Method, Plan, balanced_split
-from galaxy.core.blocks import LAYOUTS
+from galaxy.config import balanced_split
 from galaxy.core.comm import Communicator
-from galaxy.core.layers import ParallelLinear
+from galaxy.core.edges import COC_CHOICES, COC_ENV, coc_chunks
 from galaxy.core.overlap.common import (apply_as_autocast, batch_major, finish_into, seq_major, start_all_gather,
                                         start_all_reduce, start_reduce_scatter)
 from galaxy.core.transitions import Layout, transition
@@ -71,40 +69,12 @@ __all__ = [
     "COC_CHOICES",
     "COC_ENV",
     "ChunkSchedule",
-    "CocBoundaries",
     "all_gather_linear",
     "coc_chunks",
     "copy_linear",
     "linear_all_reduce",
     "linear_reduce_scatter",
 ]
-
-COC_CHOICES = (1, 2, 4, 8)
-COC_ENV = "COC_PARALLEL_NUM"
-
-
-# ----------------------------------------------------------------------------- configuration
-
-
-def coc_chunks(config_value: Optional[int] = None, environ: Optional[Mapping[str, str]] = None) -> int:
-    """The CoC chunk count: the config key ``coc_parallel_num`` when set, else the environment
-    variable ``COC_PARALLEL_NUM``, else 1 (no overlap). Only 1, 2, 4 and 8 are accepted."""
-    if config_value is not None:
-        source, raw = "config key 'coc_parallel_num'", config_value
-    else:
-        raw = (os.environ if environ is None else environ).get(COC_ENV)
-        if raw is None or not str(raw).strip():
-            return 1
-        source = f"environment variable {COC_ENV}"
-    value = None
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        value = raw
-    elif isinstance(raw, str) and raw.strip().isdigit():
-        value = int(raw.strip())
-    if value not in COC_CHOICES:
-        raise ValueError(f"{source} is {raw!r}; CoC cuts tokens into 1, 2, 4 or 8 chunks "
-                         "(1 = no overlap, today's path)")
-    return value
 
 
 # ----------------------------------------------------------------------------- the chunk schedule
@@ -508,69 +478,3 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias_on_rank0: Opti
         y = F.linear(x, weight, bias_on_rank0 if comm.rank == 0 else None)
         return transition(y, Layout.P, Layout(dst), comm, ())
     return apply_as_autocast(_LinearAllReduce, x, weight, bias_on_rank0 if comm.rank == 0 else None, comm, chunks, dst)
-
-
-# ----------------------------------------------------------------------------- block boundaries
-
-
-class CocBoundaries:
-    """The TP block edges of one layer stack with CoC: ``Boundaries.enter`` + the block's first
-    linears, and its last linear + ``Boundaries.leave``, each fused into one overlapped call.
-
-    With ``plan.tp_overlap == "async_tp"`` the same edges run torch's symmetric-memory fused ops
-    instead (``galaxy.core.overlap.async_tp``), chunks ignored.
-
-    It fuses only where the fusion is exact: a TP block, a group of more than one rank, more than
-    one chunk (or async TP), and plain ``ParallelLinear`` modules without forward hooks (a wrapped or hooked
-    module, e.g. LoRA, adds work the fused matmul would skip, so those edges keep the unfused
-    path). Elsewhere ``fuses`` is False and the model keeps its usual ``Boundaries`` calls.
-    """
-
-    def __init__(self, comm: Communicator, plan: Plan, chunks: int):
-        self.comm, self.plan, self.chunks = comm, plan, chunks
-        self.stream = LAYOUTS[plan.con][1]
-        # tp_overlap async_tp: the same edges on torch's symmetric-memory fused ops instead of chunks
-        # (galaxy.core.overlap.async_tp; the config has checked the plan has S <-> T edges, evenly split).
-        self.async_tp = None
-        if plan.tp_overlap == "async_tp":
-            from galaxy.core.overlap import async_tp  # it builds on this module's helpers
-
-            if type(self) is not CocBoundaries:
-                raise ConfigError("config key 'tp_overlap' async_tp does not combine with lora_fusion (CCLoRA); "
-                                  "set tp_overlap to coc or lora_fusion to false")
-            self.async_tp = async_tp.edges_for(comm)
-        logger.debug("CoC boundaries: %s, plan %s, stream layout %s, group of %d",
-                     "async TP" if self.async_tp else f"{chunks} chunk(s)", plan.name, self.stream.value, comm.size)
-        if self.may_fuse():
-            # The fused edges launch and wait for their own async collectives, which torch.compile cannot
-            # trace: in a compiled layer (model key ``compile``) they run eagerly between its graphs. Wrapped
-            # here, not decorated: torch.compiler.disable imports torch._dynamo (~1 s of CPU), which a process
-            # that imports Galaxy but fuses no edge need not pay.
-            self.enter, self.leave = torch.compiler.disable(self.enter), torch.compiler.disable(self.leave)
-
-    def may_fuse(self) -> bool:
-        """Whether ``fuses`` can be True for some block of this stack."""
-        return self.async_tp is not None or (self.chunks > 1 and self.comm.size > 1)
-
-    def fuses(self, method: Method, *linears) -> bool:
-        plain = method == Method.TP and all(type(m) is ParallelLinear and not (m._forward_hooks or m._forward_pre_hooks)
-                                            for m in linears)
-        # Async TP runs with a process group of one too (one GPU checks the path); CoC has nothing to chunk there.
-        return plain and CocBoundaries.may_fuse(self)  # CoC's own condition (CCLoRA's fuses more)
-
-    def enter(self, x: torch.Tensor, linears: Sequence[ParallelLinear]) -> list[torch.Tensor]:
-        """Stream (S or R) -> T, then the block's column-parallel ``linears`` on it."""
-        weights, biases = [m.weight for m in linears], [m.bias for m in linears]
-        if self.async_tp is not None:
-            return self.async_tp.enter(x, weights, biases)
-        if self.stream == Layout.S:
-            return all_gather_linear(x, weights, biases, self.comm, self.plan.seq_split, self.chunks)
-        return copy_linear(x, weights, biases, self.comm, self.chunks)
-
-    def leave(self, y: torch.Tensor, linear: ParallelLinear) -> torch.Tensor:
-        """The block's row-parallel ``linear`` on ``y``, then P -> stream (S or R)."""
-        if self.async_tp is not None:
-            return self.async_tp.leave(y, linear.weight, linear.bias)
-        if self.stream == Layout.S:
-            return linear_reduce_scatter(y, linear.weight, linear.bias, self.comm, self.plan.seq_split, self.chunks)
-        return linear_all_reduce(y, linear.weight, linear.bias, self.comm, self.chunks, dst="R")

@@ -4,7 +4,7 @@ On CPU/Gloo the autograd of both edges runs over torch's own unfused definitions
 (``reference_ops``: functional collectives + matmul, the ops' Meta kernels) and equals the path it
 replaces, ``transition`` + ``F.linear``, in float64 at world 2 and 3 with uneven weight shards and
 batch 1 and 2: outputs, input/weight/bias gradients (the row-parallel bias summed over the group,
-as its PARTIAL rule does) and the bytes counted; through the model's hook (CocBoundaries), LLaMA
+as its PARTIAL rule does) and the bytes counted; through the model's edges (AsyncTpEdge), LLaMA
 galaxy/galaxy2 with and without fused_gate_up equals the serial model (fp64, every gradient). torch's
 real symm_mem kernels need CUDA + NCCL: bench/device/asynctp_check.py runs them on a GPU. Also: each
 refusal is one ConfigError line, and an mp group of one keeps its edges unfused.
@@ -99,10 +99,11 @@ def row_case(ctx, batch):
 
 
 def model_case(ctx, plan, fused_gate_up):
-    """The model's hook (CocBoundaries -> AsyncTpEdges) on torch's reference ops equals the serial
+    """The model's edges (AsyncTpEdge) on torch's reference ops equal the serial
     model: loss, logits and every gradient (fp64), uneven heads/ffn shards, even sequence shards."""
+    from galaxy.core.edges import LayerEdges, PlainEdge
     from galaxy.core.grad_sync import gather_full
-    from galaxy.core.overlap.coc import CocBoundaries
+    from galaxy.core.overlap.edges import AsyncTpEdge, async_tp_edge, plain_operands
     from galaxy.models.llama import LlamaForCausalLM
     from tests.core.test_llama_equivalence import RTOL as MODEL_RTOL
     from tests.core.test_llama_equivalence import TINY, UNEVEN, backward_both, rel_err
@@ -113,22 +114,22 @@ def model_case(ctx, plan, fused_gate_up):
     serial = LlamaForCausalLM(GalaxyConfig.from_dict(raw).model, seed=3).double()
     cfg = GalaxyConfig.from_dict(dict(raw, plan=plan, **splits))
     par = LlamaForCausalLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=3).double()
-    # Built without tp_overlap (Gloo refuses torch's symm_mem ops); the boundaries the layers share
-    # then take the async-TP edges over torch's reference ops, as tp_overlap async_tp builds them on CUDA.
-    edges = AsyncTpEdges(ctx.mp, reference_ops())
-    bounds = {id(layer.coc): layer.coc for layer in par.model.layers}
-    assert len(bounds) == 1 and isinstance(next(iter(bounds.values())), CocBoundaries)
-    for b in bounds.values():
-        b.async_tp = edges
+    # Built without tp_overlap (Gloo refuses torch's symm_mem ops); the layers then take the async-TP
+    # edges over torch's reference ops at their TP blocks, as tp_overlap async_tp builds them on CUDA.
+    plan = cfg.resolve_plan(ctx.mp.size)
+    for layer in par.model.layers:
+        layer.edges = LayerEdges(*(async_tp_edge(ctx.mp, plan, m, reference_ops()) if m.value == "TP"
+                                   else PlainEdge(ctx.mp, plan, m) for m in (plan.att, plan.mlp)))
     layer = par.model.layers[0]
-    assert layer.coc.fuses(cfg.resolve_plan(ctx.mp.size).att, layer.self_attn.q_proj, layer.self_attn.o_proj)
+    assert isinstance(layer.edges.att, AsyncTpEdge)
+    assert plain_operands([layer.self_attn.q_proj, layer.self_attn.o_proj]) is not None
     g = torch.Generator().manual_seed(1000)
     ids = torch.randint(0, TINY["vocab_size"], (2, seq), generator=g)
     mask = torch.ones(2, seq, dtype=torch.long)
     mask[1, seq - 3:] = 0  # right padding
     labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
     _, worst = backward_both(serial, par, dict(input_ids=ids, attention_mask=mask, labels=labels), ctx,
-                             par.model.edges)
+                             par.model.stream)
     grads = {n: p.grad for n, p in serial.named_parameters()}
     for name, p in par.named_parameters():
         worst = max(worst, rel_err(gather_full(p.grad, p, ctx.mp), grads[name]))
@@ -175,7 +176,8 @@ def test_single_process_runs_unfused():
     cfg = _cfg(plan="galaxy", tp_overlap="async_tp")  # one rank: nothing to overlap, edges stay unfused
     model = LlamaForCausalLM(cfg.model, cfg.resolve_plan(1), seed=0)
     layer = model.model.layers[0]
-    assert layer.coc.async_tp is None and not layer.coc.fuses(layer.plan.att, layer.self_attn.q_proj)
+    from galaxy.core.edges import PlainEdge
+    assert type(layer.edges.att) is PlainEdge and type(layer.edges.mlp) is PlainEdge
 
 
 def mp_of_one_case(ctx):

@@ -24,8 +24,10 @@ import torch.nn.functional as F
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.grad_sync import GradientSync, gather_full
 from galaxy.core.layers import Dropout, ParallelLinear
+from galaxy.core.overlap.edges import CcloraEdge
+from galaxy.core.pipeline import layer_stacks
 from galaxy.core.transitions import Layout, transition
-from galaxy.core.overlap.cclora import (CcloraBoundaries, LinearOperands, all_gather_cclora, cclora_all_reduce,
+from galaxy.core.overlap.cclora import (LinearOperands, all_gather_cclora, cclora_all_reduce,
                                    cclora_reduce_scatter, copy_cclora, merges)
 from galaxy.loralib import LoRALinear, MergedLoRALinear, lora_modules, merge_lora, set_lora_fusion, unmerge_lora
 from galaxy.peft import apply_tuning, save_tuning
@@ -331,7 +333,8 @@ def model_case(ctx, model_type, plan, uneven, coc=None):
         elif coc is not None:
             os.environ["COC_PARALLEL_NUM"] = old
     set_lora_fusion(serial, False)  # the reference is plain LoRA
-    fused_edges = [m.coc for m in par.modules() if isinstance(getattr(m, "coc", None), CcloraBoundaries)]
+    fused_edges = [e for stack in layer_stacks(par) for layer in stack for e in layer.edges
+                   if isinstance(e, CcloraEdge)]
     assert fused_edges and all(c.chunks == (coc or 1) for c in fused_edges)
     assert all(layer.fusion for name, layer in lora_modules(par).items() if "embed" not in name)
     sync = GradientSync(par.parameters(), ctx.mp)

@@ -1,12 +1,12 @@
 """BERT (post-LN) with the module tree and parameter names of HF ``BertModel``, on any plan.
 
 A layer is the chain ATT -> CON1 -> MLP -> CON2. Each block runs the method the plan gives it
-(``ParallelLinear.for_method`` picks whole / column / row weights), and the residual stream lives
-in CON's layout; ``Boundaries`` applies the transition at every block edge.
+(``ParallelLinear.for_method`` picks whole / column / row weights), the residual stream lives in
+CON's layout, and each block meets it through its edges (``galaxy.core.edges``); how the edges run,
+what is recomputed and what is compiled is set from outside (``galaxy.core.parallelize``).
 
-``recompute`` checkpoints each layer or its attention core (``galaxy.core.recompute``); ``kernels``
-picks the Triton kernels of ``galaxy.kernels`` for the MLM decoder with its loss (and, only when
-'triton' is asked for, LayerNorm).
+``kernels`` picks the Triton kernels of ``galaxy.kernels`` for the MLM decoder with its loss (and, only
+when 'triton' is asked for, LayerNorm).
 
 Under pipeline parallelism (``ctx.pp.size > 1``) a model is one stage (``galaxy.core.pipeline``):
 it holds its range of ``bert.encoder.layer.i`` under their global indices, the embeddings on the
@@ -26,24 +26,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from galaxy.config import Method, ModelConfig, Plan
-from galaxy.core.blocks import Boundaries, in_compute_dtype, self_attention
-from galaxy.core.compile import CompiledLayer
+from galaxy.core.blocks import self_attention
 from galaxy.core.context import ParallelContext
+from galaxy.core.edges import Edge, Stream, in_compute_dtype
 from galaxy.core.grad_sync import mark_pipeline_tie
 from galaxy.core.layers import Dropout, GradRule, ParallelLinear, mark_module, region_rule
+from galaxy.core.parallelize import TransformerLayer
 from galaxy.core.pipeline import StageSpec, layer_stack
-from galaxy.core.recompute import (MemoryMode, layer_memory_modes, note_unfused_mlp_edges, recomputed_when_compiled,
-                                   run_layer_with_memory_mode)
-from galaxy.core.transitions import Layout, reduce_to_replicated
+from galaxy.core.recompute import recomputed_when_compiled
+from galaxy.core.transitions import reduce_to_replicated
 from galaxy.kernels import fused_linear_cross_entropy, layer_norm
-from galaxy.core.overlap.coc import CocBoundaries, coc_chunks
-from galaxy.models.base import (GalaxyModel, LayerParameters, ModelOutput, activation, at_least_fp32,
-                                default_plan_and_context, plain, token_loss_sum, use_triton)
-
-HF_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-           "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "hidden_dropout_prob",
-           "attention_probs_dropout_prob", "initializer_range", "pad_token_id")
-
+from galaxy.models.base import (GalaxyModel, ModelOutput, activation, at_least_fp32, default_plan_and_context, plain,
+                                token_loss_sum, use_triton)
+from galaxy.models.bert.hf import BertHF
 
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` (same parameters, names and class name, which profiles report) that runs the
@@ -122,14 +117,14 @@ class BertAttention(nn.Module):
 
 
 class BertIntermediate(nn.Module):
+    """The MLP's first dense (the MLP block's entry edge calls it) and the activation. No ``forward``: FSDP
+    gathers in the forward hooks of the modules called, so the dense is the unit (``galaxy.core.fsdp``)."""
+
     def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
         super().__init__()
         self.dense = ParallelLinear.for_method(plan.mlp, cfg.hidden_size, cfg.intermediate_size, True, "column",
                                                plan.ffn_split, ctx.mp.rank)
         self.act = activation(cfg.hidden_act)
-
-    def forward(self, x):
-        return self.activate(self.dense(x))
 
     def activate(self, i: torch.Tensor) -> torch.Tensor:
         # Compiled, backward rebuilds the output dense's weight-gradient input from i (which the activation's
@@ -155,62 +150,42 @@ class BertOutput(nn.Module):
         self.dropout = Dropout(cfg.hidden_dropout_prob, ctx.generator(sharded=plan.con == Method.SP))
 
 
-class BertLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext, edges: Boundaries,
-                 coc: Optional[CocBoundaries] = None, recompute_mode: str = "none"):
-        super().__init__()
-        self.cfg, self.plan, self.ctx, self.edges = cfg, plan, ctx, edges
-        self.coc = coc
-        self.memory_mode = MemoryMode.parse(recompute_mode, cfg.mlp_chunks)  # galaxy.core.recompute
-        self.recompute_mode = self.memory_mode.recompute  # none | full | selective | mlp
+class BertLayer(TransformerLayer):
+    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
+        super().__init__(ctx.mp, plan)
+        self.head_dim = cfg.head_dim
         self.attention = BertAttention(cfg, plan, ctx)
         self.intermediate = BertIntermediate(cfg, plan, ctx)
         self.output = BertOutput(cfg, plan, ctx)
-        self.compiled = CompiledLayer(self, ctx.mp, cfg.compile_mode) if cfg.compile else None
 
-    def forward(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        return run_layer_with_memory_mode(self.memory_mode, self, self.compiled or self.compute, h, key_padding_mask)
+    def mlp_modules(self) -> list[nn.Module]:
+        return [self.intermediate, self.output.dense]
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, edge: Edge) -> torch.Tensor:
         """The MLP block between its edges: dense, activation, dense (its residual and LayerNorm are CON's)."""
-        return self.output.dense(self.intermediate(x))
+        (i,) = edge.enter(x, [self.intermediate.dense])
+        return edge.leave(self.intermediate.activate(i), self.output.dense)
 
     def compute(self, h: torch.Tensor, key_padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        plan, edges, att, cfg, coc = self.plan, self.edges, self.attention, self.cfg, self.coc
-        # ATT (with CoC, the entry transition + q/k/v and the output dense + the exit are fused)
-        fused = coc is not None and coc.fuses(plan.att, att.self.query, att.self.key, att.self.value,
-                                              att.output.dense)
-        qkv = coc.enter(h, [att.self.query, att.self.key, att.self.value]) if fused else None
-        x = h if fused else edges.enter(h, plan.att)
-        a = self_attention(x, att.self.query, att.self.key, att.self.value, method=plan.att, comm=self.ctx.mp,
-                           plan=plan, num_heads=att.self.num_heads, num_kv_heads=att.self.num_heads,
-                           head_dim=cfg.head_dim, key_padding_mask=key_padding_mask, dropout=att.self.dropout,
-                           projected=qkv, recompute_core=self.recompute_mode == "selective")
-        a = coc.leave(a, att.output.dense) if fused else edges.leave(att.output.dense(a), plan.att)
+        att_edge, mlp_edge = self.edges
+        q_k_v, out = self.attention.self, self.attention.output
+        # ATT
+        q, k, v = att_edge.enter(h, [q_k_v.query, q_k_v.key, q_k_v.value])
+        a = self_attention(q, k, v, shard=att_edge.shard, num_heads=q_k_v.num_heads, num_kv_heads=q_k_v.num_heads,
+                           head_dim=self.head_dim, key_padding_mask=key_padding_mask, dropout=q_k_v.dropout,
+                           core=self.attention_core)
+        a = att_edge.leave(a, out.dense)
         # CON1
-        h, x = recomputed_when_compiled(normed_and_block_input, att.output.LayerNorm, att.output.dropout(a) + h)
-        # MLP
-        coc = None if self.recompute_mode == "mlp" else coc  # one recomputed region: its edges unfused
-        if coc is not None and coc.fuses(plan.mlp, self.intermediate.dense, self.output.dense):
-            (i,) = coc.enter(x, [self.intermediate.dense])
-            m = coc.leave(self.intermediate.activate(i), self.output.dense)
-        else:
-            x = edges.enter(x, plan.mlp)
-            m = self.memory_mode.mlp(self.mlp, x, [self.intermediate, self.output.dense])
-            m = edges.leave(m, plan.mlp)
-        # CON2
-        return self.output.LayerNorm(self.output.dropout(m) + h)
+        h, x = recomputed_when_compiled(normed_and_block_input, out.LayerNorm, out.dropout(a) + h)
+        # MLP, CON2
+        return self.output.LayerNorm(self.output.dropout(mlp_edge.run(self.mlp, x)) + h)
 
 
 class BertEncoder(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext, edges: Boundaries,
-                 layers: Optional[range] = None):
+    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext, layers: Optional[range] = None):
         super().__init__()
         layers = range(cfg.num_hidden_layers) if layers is None else layers
-        coc = CocBoundaries(ctx.mp, plan, coc_chunks(plan.coc_parallel_num))
-        modes = layer_memory_modes(cfg, layers)
-        note_unfused_mlp_edges(modes, plan.mlp == Method.TP and coc.may_fuse())
-        self.layer = layer_stack((BertLayer(cfg, plan, ctx, edges, coc, mode) for mode in modes), layers.start)
+        self.layer = layer_stack((BertLayer(cfg, plan, ctx) for _ in layers), layers.start)
 
     def forward(self, h, key_padding_mask):
         for layer in self.layer:
@@ -237,7 +212,7 @@ class BertModel(nn.Module):
         super().__init__()
         self.cfg, self.plan, self.ctx = cfg, plan, ctx
         self.stage = stage = stage or StageSpec.whole(cfg.num_hidden_layers)
-        self.edges = Boundaries(ctx.mp, plan)
+        self.stream = Stream(ctx.mp, plan)
         if stage.is_first:
             self.embeddings = BertEmbeddings(cfg, plan, ctx)
         elif stage.is_last and tied_word_embeddings:
@@ -246,7 +221,7 @@ class BertModel(nn.Module):
             self.embeddings = None
         if tied_word_embeddings and not stage.is_whole and self.embeddings is not None:
             mark_pipeline_tie(self.embeddings.word_embeddings.weight, "word_embeddings", copy=not stage.is_first)
-        self.encoder = BertEncoder(cfg, plan, ctx, self.edges, stage.layers)
+        self.encoder = BertEncoder(cfg, plan, ctx, stage.layers)
         self.pooler = BertPooler(cfg) if add_pooling_layer and stage.is_last else None
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, hidden_states=None) -> torch.Tensor:
@@ -263,8 +238,8 @@ class BertModel(nn.Module):
                              f"(seq_scatter_list {list(self.plan.seq_split)}); pad inputs to seq_length")
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        h = self.embeddings(self.edges.to_stream(input_ids), self.edges.to_stream(token_type_ids),
-                            self.edges.stream_offset())
+        h = self.embeddings(self.stream.to_stream(input_ids), self.stream.to_stream(token_type_ids),
+                            self.stream.offset())
         return self.encoder(h, attention_mask)
 
     def first_token(self, h: torch.Tensor) -> torch.Tensor:
@@ -272,9 +247,9 @@ class BertModel(nn.Module):
         others contribute zeros to a partial tensor that one all-reduce makes whole. The zeros are
         ``0 * h`` rather than fresh ones so every rank's backward still runs through the layers
         and meets the same collectives."""
-        if self.edges.stream != Layout.S or self.ctx.mp.size == 1:
+        if not self.stream.sharded:
             return h[:, 0]
-        first = h[:, 0] if self.edges.stream_offset() == 0 else h[:, 0] * 0
+        first = h[:, 0] if self.stream.offset() == 0 else h[:, 0] * 0
         return reduce_to_replicated(first, self.ctx.mp)
 
 
@@ -282,11 +257,11 @@ class BertModel(nn.Module):
         """The mean hidden state over each row's real tokens, replicated: under CON.sp every rank sums
         its own tokens and one all-reduce adds the partial sums."""
         b, s = h.shape[0], h.shape[1]
-        offset = self.edges.stream_offset()
+        offset = self.stream.offset()
         mask = attention_mask if attention_mask is not None else h.new_ones(b, offset + s)
         local = mask[:, offset:offset + s].to(h.dtype).unsqueeze(-1)
         total = (h * local).sum(dim=1)
-        if self.edges.stream == Layout.S and self.ctx.mp.size > 1:
+        if self.stream.sharded:
             total = reduce_to_replicated(total, self.ctx.mp)
         return total / mask.sum(dim=1, keepdim=True).clamp(min=1).to(h.dtype)
 
@@ -328,128 +303,13 @@ class BertOnlyMLMHead(nn.Module):
         return self.predictions(h)
 
 
-# ----------------------------------------------------------------------------- planner probes
-
-
-class BertQKV(nn.Module):
-    """ATT's q/k/v projections (the planner's ``att_proj`` piece)."""
-
-    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
-        super().__init__()
-        self.attn = BertSelfAttention(cfg, plan, ctx)
-
-    def forward(self, x):
-        return self.attn.query(x), self.attn.key(x), self.attn.value(x)
-
-
-class BertMLP(nn.Module):
-    """MLP's two linears and the activation (the planner's ``mlp`` piece)."""
-
-    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
-        super().__init__()
-        self.intermediate, self.output = BertIntermediate(cfg, plan, ctx), BertOutput(cfg, plan, ctx)
-
-    def forward(self, x):
-        return self.output.dense(self.intermediate(x))
-
-
-class BertCon(nn.Module):
-    """CON: dropout, residual add, LayerNorm (post-LN)."""
-
-    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
-        super().__init__()
-        self.norm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, cfg.kernels)
-        self.dropout = Dropout(cfg.hidden_dropout_prob, ctx.generator(sharded=plan.con == Method.SP))
-
-    def forward(self, a, h):
-        return self.norm(self.dropout(a) + h)
-
-
-class BertEmbeddingsAndHead(nn.Module):
-    """The embeddings and the MLM head with its tied decoder."""
-
-    def __init__(self, cfg: ModelConfig, plan: Plan, ctx: ParallelContext):
-        super().__init__()
-        self.embeddings = BertEmbeddings(cfg, plan, ctx)
-        self.head = BertOnlyMLMHead(cfg, plan, self.embeddings.word_embeddings)
-
-    def forward(self, ids):
-        return self.head(self.embeddings(ids, torch.zeros_like(ids), 0))
-
-
 # ----------------------------------------------------------------------------- the models
 
 
-class BertPreTrainedModel(GalaxyModel):
-    """The BERT family: what it is (registry facts), init and HF conversion shared by its heads."""
+class BertPreTrainedModel(BertHF, GalaxyModel):
+    """What BERT's heads share: the encoder's init (HF conversion: ``BertHF``)."""
 
     model_type = "bert"
-    tasks = ("lm", "classify")
-    tiny_config = dict(preset="bert-tiny")
-    lora_targets = ("query", "value")
-    # The outputs of ATT and MLP after their dropout, before ``LayerNorm(. + h)``.
-    adapter_points = {"attn": r"(.+\.)?layer\.\d+\.attention\.output\.dropout",
-                      "mlp": r"(.+\.)?layer\.\d+\.output\.dropout"}
-
-    @classmethod
-    def matmul_weights(cls, cfg: ModelConfig, task: str = "lm") -> tuple[int, int]:
-        h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-        return 4 * h * h + 2 * h * i, 0 if task == "classify" else h * h + h * v  # MLM transform + decoder
-
-    @classmethod
-    def for_task(cls, task: str) -> type[GalaxyModel]:
-        super().for_task(task)
-        return BertForSequenceClassification if task == "classify" else BertForMaskedLM
-
-    @classmethod
-    def layer_parameters(cls, cfg: ModelConfig, heads, ffn) -> LayerParameters:
-        h, d = cfg.hidden_size, cfg.head_dim
-        return LayerParameters(att_sharded=3 * (heads * d * h + heads * d) + h * heads * d,  # q, k, v + biases; dense
-                               att_row_bias=h, mlp_sharded=ffn * h + ffn + h * ffn, mlp_row_bias=h,
-                               con=2 * 2 * h)  # two LayerNorms
-
-    @classmethod
-    def edge_parameters(cls, cfg: ModelConfig) -> tuple[int, int]:
-        h, v = cfg.hidden_size, cfg.vocab_size
-        emb = v * h + cfg.max_position_embeddings * h + cfg.type_vocab_size * h + 2 * h
-        head = h * h + h + 2 * h + v  # transform dense, its LayerNorm, the decoder bias (weight tied)
-        return emb, head
-
-    @classmethod
-    def ties_embeddings(cls, cfg: ModelConfig) -> bool:
-        return True  # the MLM decoder is the word embeddings
-
-    @classmethod
-    def att_proj_probe(cls, cfg, plan, ctx, seq):
-        return BertQKV(cfg, plan, ctx)
-
-    @classmethod
-    def att_out_probe(cls, cfg, plan, ctx):
-        return BertSelfOutput(cfg, plan, ctx).dense
-
-    @classmethod
-    def mlp_probe(cls, cfg, plan, ctx):
-        return BertMLP(cfg, plan, ctx)
-
-    @classmethod
-    def con_probe(cls, cfg, plan, ctx):
-        return BertCon(cfg, plan, ctx)
-
-    @classmethod
-    def head_probe(cls, cfg, plan, ctx):
-        return BertEmbeddingsAndHead(cfg, plan, ctx)
-
-    def side_spec(self, side_cfg: ModelConfig, side_plan: Plan):
-        from galaxy.adapters.side import SideSpec
-
-        layers = list(self.bert.encoder.layer)
-        edges = Boundaries(self.ctx.mp, side_plan)
-        dtype = torch.promote_types(next(self.parameters()).dtype, torch.float32)  # trainable: fp32 masters
-        with torch.device(self.ctx.device):
-            side_layers = [BertLayer(side_cfg, side_plan, self.ctx, edges).to(dtype) for _ in layers]
-        return SideSpec(self.bert, layers, side_layers, self.config.hidden_size, side_cfg.hidden_size,
-                        run_layer=lambda layer, s, call: layer(s, call["attention_mask"]),
-                        init_full=self._init_full)
 
     def _init_full(self, name: str, shape, gen: torch.Generator) -> torch.Tensor:
         # HF BertPreTrainedModel._init_weights: N(0, initializer_range) matrices and embeddings,
@@ -464,27 +324,11 @@ class BertPreTrainedModel(GalaxyModel):
             full[self.config.pad_token_id] = 0
         return full
 
-    @classmethod
-    def config_from_hf(cls, hf: dict) -> ModelConfig:
-        if hf.get("model_type", "bert") != "bert":
-            raise ValueError(f"model_path holds a '{hf.get('model_type')}' model, not BERT")
-        cfg = ModelConfig(model_type="bert", **{k: hf[k] for k in HF_KEYS if k in hf})
-        cfg.classifier_pooling = hf.get("classifier_pooling", "cls")
-        if "id2label" in hf:
-            cfg.num_labels = len(hf["id2label"])
-        return cfg
-
-    @classmethod
-    def hf_config(cls, config: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict:
-        # No dtype recorded, as Galaxy's BERT files never had one: exports load in transformers as before.
-        hf = {k: getattr(config, k) for k in HF_KEYS}
-        hf.update(model_type="bert", architectures=[cls.hf_architecture], tie_word_embeddings=True)
-        return hf
-
     def _post_init(self, seed: int, meta: bool) -> None:
         if not meta:
             self.init_weights(seed)
         mark_module(self, GradRule.REPLICATED)
+        self.parallelize()
 
 
 class BertForMaskedLM(BertPreTrainedModel):
@@ -526,13 +370,13 @@ class BertForMaskedLM(BertPreTrainedModel):
             # Sum over this rank's tokens, divided by the global count (labels are replicated),
             # so the per-rank losses are a partial tensor whose sum is the serial mean.
             count = (labels != -100).sum().clamp(min=1)
-            local_labels = self.bert.edges.to_stream(labels)
+            local_labels = self.bert.stream.to_stream(labels)
             if fused:
                 loss = fused_linear_cross_entropy(head.transform(h), head.word_embeddings[0].weight, local_labels,
                                                   -100, "mean", num_targets=count, bias=head.bias, backend="triton")
             else:
                 loss = token_loss_sum(logits, local_labels, count, self.config.kernels)
-            if self.bert.edges.stream == Layout.S and self.ctx.mp.size > 1:
+            if self.bert.stream.sharded:
                 loss = reduce_to_replicated(loss, self.ctx.mp)
         return ModelOutput(loss=loss, logits=logits, hidden_states=h)
 

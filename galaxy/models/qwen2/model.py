@@ -10,7 +10,8 @@ from typing import Optional
 import torch
 
 from galaxy.config import ModelConfig
-from galaxy.models.llama import HF_DEFAULTS, LlamaForCausalLM
+from galaxy.models.llama.hf import HF_DEFAULTS
+from galaxy.models.llama.model import LlamaForCausalLM
 
 # HF Qwen2Config defaults, for keys a config.json leaves out.
 QWEN2_HF_DEFAULTS = dict(HF_DEFAULTS, vocab_size=151936, intermediate_size=22016, max_position_embeddings=32768,
@@ -22,7 +23,6 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     model_type = "qwen2"
     qkv_bias = True
     hf_defaults = QWEN2_HF_DEFAULTS
-    tiny_config = dict(preset="llama-tiny", model_type="qwen2", rope_theta=1000000.0)
 
     @classmethod
     def config_from_hf(cls, hf: dict) -> ModelConfig:
