@@ -34,7 +34,7 @@ import torch
 
 from galaxy.cli.args import build_config, checkpoint_model, flag_overrides, load_config, new_parser
 from galaxy.cli.compare_tasks import base_tokenizer, load_base, pretrained_base, topic_documents, write_topic_task
-from galaxy.cli.launch import Launch, launch_ranks, rank_context, run_rank
+from galaxy.cli.launch import Launch, interruptible, launch_ranks, rank_context, run_rank
 from galaxy.cli.output import bad_input, check_output_path, setup_logging
 from galaxy.cli.run import check_plan_for_cli
 from galaxy.config import PLAN_PRESETS, ConfigError, GalaxyConfig, Plan, canonical_keys, read_config_file
@@ -377,6 +377,7 @@ def plot(rows: list[dict], title: str, metric: str, path: str) -> None:
     plt.close(fig)
 
 
+@interruptible
 def main(argv=None, prog: Optional[str] = None) -> int:
     args = parse_args(argv, prog)
     setup_logging(args.log_level)

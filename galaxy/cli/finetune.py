@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from galaxy.cli.args import build_parser, load_config
-from galaxy.cli.launch import launch_ranks, train_from_args
+from galaxy.cli.launch import interruptible, launch_ranks, train_from_args
 from galaxy.cli.output import bad_input, print_summary, setup_logging
 from galaxy.cli.run import Run, prepare, ranks_of
 from galaxy.config import ConfigError, GalaxyConfig
@@ -120,6 +120,7 @@ def finetune_body(ctx, run: Run) -> None:
         print_summary("fine-tuning summary", fields, run.options.summary_json)
 
 
+@interruptible
 def main(argv: Optional[list[str]] = None, plan: str = DEFAULT_PLAN, strict: bool = False,
          description: str = DESCRIPTION, fill: Optional[str] = None, prog: Optional[str] = None) -> int:
     """``plan``: used when the config names none (``--plan`` sets it); ``strict``: the config may not name

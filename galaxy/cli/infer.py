@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from galaxy.cli.args import add_config_flags, add_launch_flags, model_flag_config, new_parser
-from galaxy.cli.launch import launch_ranks
+from galaxy.cli.launch import interruptible, launch_ranks
 from galaxy.cli.output import bad_input, print_summary, setup_logging
 from galaxy.cli.run import Run, prepare, ranks_of
 from galaxy.config import MODEL_PRESETS, PLAN_PRESETS, ConfigError, GalaxyConfig
@@ -211,6 +211,7 @@ def summary_lines(fields: dict) -> dict:
     return lines
 
 
+@interruptible
 def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     args = parser(prog).parse_args(argv)
     setup_logging(args.log_level)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import logging
 import multiprocessing
 import multiprocessing.util
@@ -247,6 +248,20 @@ def interrupted_line(error: KeyboardInterrupt) -> str:
     if error.checkpoint is None:
         return f"interrupted at step {error.step}; no checkpoint was saved ({error.why_not}: pass --save_dir)"
     return f"interrupted at step {error.step}; checkpoint '{error.checkpoint}' saved; resume with --resume"
+
+
+def interruptible(main: Callable[..., int]) -> Callable[..., int]:
+    """A CLI's ``main`` whose Ctrl-C outside the ranks (while it reads its data or config, before the launch) ends
+    in one line and exit code 130, as an interrupted run does, not a traceback."""
+    @functools.wraps(main)
+    def run(*args, **kwargs) -> int:
+        try:
+            return main(*args, **kwargs)
+        except KeyboardInterrupt as e:
+            print(interrupted_line(e), file=sys.stderr, flush=True)
+            return INTERRUPTED
+
+    return run
 
 
 def report_interrupt(rank: int, launch: Launch, error: KeyboardInterrupt) -> int:

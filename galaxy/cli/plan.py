@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from galaxy.cli.args import add_launch_flags, model_flag_config, new_parser
-from galaxy.cli.launch import launch_ranks
+from galaxy.cli.launch import interruptible, launch_ranks
 from galaxy.cli.output import bad_input, check_output_path, setup_logging, stage
 from galaxy.cli.run import Run, prepare, ranks_of
 from galaxy.config import MODEL_PRESETS, SP_ATTENTIONS, ConfigError, GalaxyConfig, Method, ParallelConfig
@@ -412,6 +412,7 @@ def validate(config: dict, world: int, args: argparse.Namespace) -> Optional[Mea
             return Measured(json.load(f)["step_time_s"], max(line["peak_mem_mb"] for line in lines))
 
 
+@interruptible
 def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     """``profile ...``: step 1 (``profile_main``); anything else: step 2, the search (``plan_main``)."""
     argv = sys.argv[1:] if argv is None else argv

@@ -11,7 +11,7 @@ import time
 from typing import Optional
 
 from galaxy.cli.args import build_parser, load_config
-from galaxy.cli.launch import launch_ranks, train_from_args
+from galaxy.cli.launch import interruptible, launch_ranks, train_from_args
 from galaxy.cli.output import bad_input, print_summary, setup_logging, stage
 from galaxy.cli.run import Run, prepare, ranks_of
 from galaxy.config import ConfigError
@@ -93,6 +93,7 @@ def check_task(cfg, masked_only: bool) -> None:
                           "LMs)")
 
 
+@interruptible
 def main(argv: Optional[list[str]] = None, plan: str = "galaxy", strict: bool = False,
          description: str = DESCRIPTION, fill: Optional[str] = None, masked_only: bool = False,
          prog: Optional[str] = None) -> int:

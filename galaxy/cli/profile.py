@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 
 from galaxy.cli.args import add_config_flags, add_launch_flags, build_config, flag_overrides, new_parser
-from galaxy.cli.launch import launch_ranks
+from galaxy.cli.launch import interruptible, launch_ranks
 from galaxy.cli.output import bad_input, setup_logging
 from galaxy.cli.run import Run, prepare, ranks_of
 from galaxy.config import MODEL_PRESETS, PLAN_PRESETS, ConfigError, GalaxyConfig, Plan
@@ -275,6 +275,7 @@ def profile_body(ctx: ParallelContext, run: Run) -> None:
         print(f"profile written to {step.json}", flush=True)
 
 
+@interruptible
 def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     args = parser(prog).parse_args(argv)
     setup_logging(args.log_level)

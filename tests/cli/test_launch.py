@@ -209,3 +209,23 @@ def alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat[stat.rindex(")") + 2] != "Z"
+
+
+def test_ctrl_c_outside_the_ranks_is_one_line_and_exit_130(capsys):
+    """Every CLI's main ends a KeyboardInterrupt raised before its ranks start (reading a config, a checkpoint's
+    config, data in the launcher) with one line and 130, the code of an interrupted run, not a traceback."""
+    import importlib
+
+    from galaxy.cli.launch import INTERRUPTED, interruptible
+    from galaxy.cli.main import COMMANDS
+
+    @interruptible
+    def reading_config(argv):
+        raise KeyboardInterrupt
+
+    assert reading_config([]) == INTERRUPTED
+    err = capsys.readouterr().err
+    assert err == "interrupted before a training step ended; nothing was saved\n", err
+    for command in COMMANDS:
+        main = importlib.import_module(f"galaxy.cli.{command}").main
+        assert getattr(main, "__wrapped__", None) is not None, f"galaxy {command}'s main is not interruptible"
