@@ -16,9 +16,11 @@ import time
 import pytest
 
 from galaxy.config import ConfigError
-from galaxy.emulate import (Cluster, EmulatedCluster, HostCommandError, RankSpec, cgroups, missing_prerequisite,
-                            network, remove_stale_runs, run_emulated)
-from galaxy.emulate.emulator import LOCK_DIR, NAME_PATTERN, _wait_joined
+from galaxy.emulate import cgroups, network
+from galaxy.emulate.cluster import Cluster, RankSpec
+from galaxy.emulate.emulator import LOCK_DIR, NAME_PATTERN, EmulatedCluster, _wait_joined, remove_stale_runs
+from galaxy.emulate.host import HostCommandError, missing_prerequisite
+from galaxy.emulate.launch import run_emulated
 from galaxy.planner.cluster import OPS
 from tests import REPO  # noqa: E402
 

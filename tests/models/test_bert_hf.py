@@ -6,7 +6,7 @@ from transformers import BertConfig
 from transformers import BertForMaskedLM as HFBertForMaskedLM
 from transformers import BertForSequenceClassification as HFBertForSequenceClassification
 
-from galaxy.models.bert import BertForMaskedLM, BertForSequenceClassification
+from galaxy.models.bert.model import BertForMaskedLM, BertForSequenceClassification
 
 TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=64)
