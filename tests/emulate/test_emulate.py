@@ -75,6 +75,7 @@ def test_cluster_file_defaults_and_overrides(tmp_path):
 def test_cli_bad_input_gets_one_line(tmp_path):
     bad = tmp_path / "cluster.json"
     bad.write_text('{"ranks": [{"compute_share": -1}]}')
+    # galaxy/emulate/__main__.py is run here, as ``python -m galaxy.emulate``
     for args, says in [([str(bad), "--", "true"], "'ranks[0].compute_share' must be a positive number"),
                        ([str(bad)], "name the command to run after '--'")]:
         done = subprocess.run([sys.executable, "-m", "galaxy.emulate", *args], capture_output=True, text=True,

@@ -1,5 +1,5 @@
 """The Triton fp8 row quantization called directly (``galaxy.kernels.triton_fp8.fp8_quantize_rows``) with the
-settings its dispatcher (``galaxy.kernels.fp8.quantize_rows``, tested in test_fp8_kernels.py) fixes: a
+settings its dispatcher (``galaxy.kernels.fp8.quantize_rows``, tested in test_fp8.py) fixes: a
 row's amax floor and the code limit are the caller's, rows of ``[..., cols]`` are taken as laid out,
 no rows is no launch, and what it cannot read is refused."""
 
