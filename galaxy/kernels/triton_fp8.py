@@ -1,7 +1,7 @@
 """Triton row-wise e4m3 quantization (``galaxy.kernels.fp8``): one program per row reads the row once,
 keeps it in registers, and writes its codes and its scale (amax / 448): the eager path's one pass where
 the torch ops take four (abs, amax, divide, cast). Its arithmetic is ``quantize_rows_reference``'s, bit
-for bit (tests/kernels/test_fp8_kernels.py, under the interpreter).
+for bit (tests/kernels/test_fp8.py, under the interpreter).
 
 The rounding to e4m3 is done in fp32 before the cast (ties to even, by adding and subtracting 1.5 * 2^23
 at the e4m3 spacing of each value), so the cast itself is exact: the hardware cast rounds the same way,

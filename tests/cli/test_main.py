@@ -24,6 +24,7 @@ def help_of(run) -> str:
 
 
 def test_help_lists_every_command_and_its_script():
+    # galaxy/__main__.py is run here, as ``python -m galaxy`` (a module run as __main__ is tested by running it)
     out = subprocess.run([sys.executable, "-m", "galaxy", "--help"], capture_output=True, text=True, cwd=REPO,
                          timeout=120)
     assert out.returncode == 0, out.stderr

@@ -153,6 +153,20 @@ def test_active_dropout_runs_eagerly(dist_pool):
     dist_pool.run(dropout_runs_eagerly, 2)
 
 
+def test_a_layer_draws_random_numbers_only_while_a_dropout_is_active():
+    """``galaxy.core.compile``: each layer of a ``compile: true`` model holds a ``CompiledLayer`` of itself,
+    which runs eagerly exactly while ``draws_random``: in training with a dropout probability above 0."""
+    from galaxy.core.compile import CompiledLayer, draws_random
+
+    raw = dict(llama_eq.TINY, seq_length=llama_eq.SEQ, compile=True, attention_probs_dropout_prob=0.0)
+    for p, training, draws in ((0.2, True, True), (0.2, False, False), (0.0, True, False)):
+        cfg = GalaxyConfig.from_dict(dict(raw, hidden_dropout_prob=p))
+        model = LlamaForCausalLM(cfg.model, ctx=ParallelContext.serial(), seed=3).train(training)
+        layer = model.model.layers[0]
+        assert isinstance(layer.compiled, CompiledLayer) and layer.compiled.layer is layer
+        assert draws_random(layer) is draws, (p, training)
+
+
 def test_profiling_a_compiled_layer_is_refused():
     cfg = GalaxyConfig.from_dict(dict(llama_eq.TINY, seq_length=llama_eq.SEQ, compile=True))
     ctx = ParallelContext.serial()

@@ -16,9 +16,11 @@ import time
 import pytest
 
 from galaxy.config import ConfigError
-from galaxy.emulate import (Cluster, EmulatedCluster, HostCommandError, RankSpec, cgroups, missing_prerequisite,
-                            network, remove_stale_runs, run_emulated)
-from galaxy.emulate.emulator import LOCK_DIR, NAME_PATTERN, _wait_joined
+from galaxy.emulate import cgroups, network
+from galaxy.emulate.cluster import Cluster, RankSpec
+from galaxy.emulate.emulator import LOCK_DIR, NAME_PATTERN, EmulatedCluster, _wait_joined, remove_stale_runs
+from galaxy.emulate.host import HostCommandError, missing_prerequisite
+from galaxy.emulate.launch import run_emulated
 from galaxy.planner.cluster import OPS
 from tests import REPO  # noqa: E402
 
@@ -73,6 +75,7 @@ def test_cluster_file_defaults_and_overrides(tmp_path):
 def test_cli_bad_input_gets_one_line(tmp_path):
     bad = tmp_path / "cluster.json"
     bad.write_text('{"ranks": [{"compute_share": -1}]}')
+    # galaxy/emulate/__main__.py is run here, as ``python -m galaxy.emulate``
     for args, says in [([str(bad), "--", "true"], "'ranks[0].compute_share' must be a positive number"),
                        ([str(bad)], "name the command to run after '--'")]:
         done = subprocess.run([sys.executable, "-m", "galaxy.emulate", *args], capture_output=True, text=True,

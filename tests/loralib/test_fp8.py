@@ -36,7 +36,7 @@ from galaxy.loralib.quantized_layers import FP8Weight, QuantizedWeight  # noqa: 
 from galaxy.models.llama import LlamaForCausalLM  # noqa: E402
 from galaxy.peft import apply_tuning, build_base, export_merged, frozen_bytes, save_tuning  # noqa: E402
 from tests.core.test_llama_equivalence import RTOL, backward_both, rel_err  # noqa: E402
-from tests.kernels.test_fp8_kernels import nearest_e4m3  # noqa: E402
+from tests.kernels.test_fp8 import nearest_e4m3  # noqa: E402
 from tests.loralib.test_qlora import (TARGETS, _same_quantized_buffers, batch, cfg_for, hf_llama,  # noqa: E402,F401
                                       qlora_equals_serial)
 from tests.peft.test_peft_equivalence import MODELS, UNEVEN, edges, make_batch  # noqa: E402

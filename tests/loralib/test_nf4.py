@@ -9,8 +9,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # also when this file is run on 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from galaxy.loralib.nf4 import (NF4Rows, dequantize_absmax, dequantize_nf4, dynamic_code, nf4_linear,  # noqa: E402
-                                quantize_nf4)
+from galaxy.loralib.nf4 import dequantize_absmax, dequantize_nf4, nf4_linear, quantize_nf4  # noqa: E402
+from galaxy.loralib.nf4_format import NF4Rows, dynamic_code  # noqa: E402
 
 # QLoRA (Dettmers et al. 2023), appendix E: the 16 values of the 4-bit NormalFloat data type.
 PAPER_NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,

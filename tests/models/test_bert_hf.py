@@ -6,7 +6,7 @@ from transformers import BertConfig
 from transformers import BertForMaskedLM as HFBertForMaskedLM
 from transformers import BertForSequenceClassification as HFBertForSequenceClassification
 
-from galaxy.models.bert import BertForMaskedLM, BertForSequenceClassification
+from galaxy.models.bert.model import BertForMaskedLM, BertForSequenceClassification
 
 TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=64)
@@ -77,3 +77,20 @@ def test_bad_checkpoints_are_clear(tmp_path):
     (tmp_path / "hf" / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         BertForMaskedLM.from_pretrained(str(tmp_path / "hf"))
+
+
+def test_config_json_round_trips_through_transformers():
+    """``galaxy.models.bert.hf``: the config.json Galaxy writes is what transformers' ``BertConfig`` reads
+    back key for key, and transformers' own config.json reads into the same model config."""
+    from galaxy.config import ModelConfig
+    from galaxy.models.bert.hf import HF_KEYS
+
+    ours = ModelConfig(**dict(TINY, hidden_act="gelu_new", layer_norm_eps=1e-7, num_labels=3))
+    written = BertForSequenceClassification.hf_config(ours)
+    hf = BertConfig(**written).to_dict()
+    assert {k: hf[k] for k in HF_KEYS} == {k: getattr(ours, k) for k in HF_KEYS}
+    hf["id2label"] = {i: f"L{i}" for i in range(3)}
+    back = BertForSequenceClassification.config_from_hf(hf)
+    assert {k: getattr(back, k) for k in HF_KEYS} == {k: getattr(ours, k) for k in HF_KEYS} and back.num_labels == 3
+    with pytest.raises(ValueError, match="'llama' model, not BERT"):
+        BertForSequenceClassification.config_from_hf(dict(hf, model_type="llama"))

@@ -173,3 +173,23 @@ def test_lora_on_fused_gate_up_is_a_config_error():
         with pytest.raises(ConfigError, match="fused_gate_up"):
             apply_tuning(LlamaForCausalLM(cfg.model), cfg, targets=targets)
     apply_tuning(LlamaForCausalLM(cfg.model), cfg, targets=["q_proj", "down_proj"])  # the rest of the MLP is fine
+
+
+def test_fuse_and_split_gate_up_are_inverse_on_hf_state(hf_dir):
+    """``galaxy.models.llama.hf``: HF's gate/up pairs stack gate first into [2, I, H] and split back to the
+    same tensors; a 0-dim optimizer state (a step count) is the gate's and goes to both."""
+    from galaxy.models.llama.hf import fuse_gate_up, split_gate_up
+
+    hf, _ = hf_dir
+    state = dict(hf.state_dict())
+    fused = fuse_gate_up(state)
+    stem = "model.layers.1."
+    assert torch.equal(fused[stem + "mlp.gate_up_proj.weight"],
+                       torch.stack([state[stem + "mlp.gate_proj.weight"], state[stem + "mlp.up_proj.weight"]]))
+    assert not any(k.endswith(("gate_proj.weight", "up_proj.weight")) and "gate_up" not in k for k in fused)
+    back = split_gate_up(fused)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    steps = {stem + "mlp.gate_proj.weight": torch.tensor(7.0), stem + "mlp.up_proj.weight": torch.tensor(7.0)}
+    assert split_gate_up(fuse_gate_up(steps)) == steps
+    lone = {stem + "mlp.gate_proj.weight": state[stem + "mlp.gate_proj.weight"]}
+    assert fuse_gate_up(lone) == lone  # not a complete pair: left for the loader to name

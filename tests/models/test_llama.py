@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from galaxy.config import GalaxyConfig  # noqa: E402
 from galaxy.models.generation import generate, top_k_top_p_filter  # noqa: E402
-from galaxy.models.llama import LlamaForCausalLM  # noqa: E402
+from galaxy.models.llama.model import LlamaForCausalLM  # noqa: E402
 
 VOCAB, SEQ = 96, 10
 LLAMA3 = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

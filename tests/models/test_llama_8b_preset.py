@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from galaxy.config import GalaxyConfig  # noqa: E402
-from galaxy.models.llama import LlamaForCausalLM, rope_inv_freq  # noqa: E402
+from galaxy.models.llama.model import LlamaForCausalLM, rope_inv_freq  # noqa: E402
 
 # meta-llama/Llama-3.1-8B config.json
 LLAMA_31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -63,7 +63,7 @@ def test_tiny_model_with_the_8b_rope_equals_transformers_in_float64(tmp_path):
     [8192 / 4, 8192] and inside it, so every branch of the scaling is taken. The cos/sin tables are
     transformers' bit for bit; the logits to 1e-6, as transformers' RMSNorm computes its statistics in
     fp32 even in a float64 model (about 2e-7 here), while the same model without the scaling is 1e-2 off."""
-    from galaxy.models.llama import LlamaRotaryEmbedding
+    from galaxy.models.llama.model import LlamaRotaryEmbedding
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

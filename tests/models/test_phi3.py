@@ -13,7 +13,7 @@ import torch
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.models import check_config, family
 from galaxy.models.generation import generate
-from galaxy.models.phi3 import Phi3ForCausalLM
+from galaxy.models.phi3.model import Phi3ForCausalLM
 from galaxy.models.phi3.hf import qkv_from_groups, qkv_to_groups
 from tests.core import test_llama_equivalence as llama_eq
 from tests.models.test_llama import VOCAB, batch  # 3 rows of 10 tokens, right and left padding

@@ -15,7 +15,7 @@ from galaxy.config import GalaxyConfig, Method
 from galaxy.core.grad_sync import GradientSync, gather_full
 from galaxy.models import build_model, family
 from galaxy.models.generation import generate
-from galaxy.models.qwen2 import Qwen2ForCausalLM
+from galaxy.models.qwen2.model import Qwen2ForCausalLM
 from galaxy.peft import apply_tuning, load_tuning, save_tuning
 
 transformers = pytest.importorskip("transformers")

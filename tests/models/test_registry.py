@@ -21,6 +21,25 @@ def built(request):
     return cfg, build_model(cfg, cfg.resolve_plan(1), ParallelContext.serial())
 
 
+def test_each_model_type_is_registered_to_its_folders_family_and_model():
+    """The registry's entry for a model_type is the family object ``galaxy/models/<family>/family.py`` defines,
+    and its LM class is the one ``model.py`` beside it defines."""
+    from galaxy.models.bert.family import BERT
+    from galaxy.models.bert.model import BertForMaskedLM, BertForSequenceClassification
+    from galaxy.models.llama.family import LLAMA
+    from galaxy.models.llama.model import LlamaForCausalLM
+    from galaxy.models.phi3.family import PHI3
+    from galaxy.models.phi3.model import Phi3ForCausalLM
+    from galaxy.models.qwen2.family import QWEN2
+    from galaxy.models.qwen2.model import Qwen2ForCausalLM
+
+    folders = {"bert": (BERT, BertForMaskedLM), "llama": (LLAMA, LlamaForCausalLM), "phi3": (PHI3, Phi3ForCausalLM),
+               "qwen2": (QWEN2, Qwen2ForCausalLM)}
+    for model_type, (fam, lm) in folders.items():
+        assert family(model_type) is fam and fam.lm is lm and fam.model_type == model_type
+    assert BERT.for_task("classify") is BertForSequenceClassification
+
+
 def test_the_tiny_config_builds_the_family(built):
     cfg, model = built
     assert isinstance(model, family(cfg.model.model_type))

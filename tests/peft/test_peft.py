@@ -12,8 +12,8 @@ import torch
 
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.layers import GradRule, ParallelLinear, grad_rule, shard_spec
-from galaxy.loralib import (LoRALinear, MergedLoRALinear, lora_modules, lora_state_dict,
-                            mark_only_lora_as_trainable, merge_lora, unmerge_lora)
+from galaxy.loralib.layers import LoRALinear, MergedLoRALinear
+from galaxy.loralib.model import lora_modules, lora_state_dict, mark_only_lora_as_trainable, merge_lora, unmerge_lora
 from galaxy.models.bert import BertForMaskedLM, BertForSequenceClassification
 from galaxy.models.llama import LlamaForCausalLM
 from galaxy.peft import apply_tuning, export_merged, load_tuning, save_tuning, side_config
@@ -343,7 +343,7 @@ def test_llama_adapters_route_attention_and_mlp_sites():
     attention adapter, the second the MLP adapter (checked by poisoning one of them)."""
     cfg = galaxy_cfg("llama", tuning="adapter")
     model = apply_tuning(LlamaForCausalLM(cfg.model, seed=1), cfg, adapter_type="houlsby")
-    from galaxy.adapters import BottleneckAdapter
+    from galaxy.adapters.bottleneck import BottleneckAdapter
 
     seen = []
     # Named '...dropout.adapter.attn' (one shared dropout module) or '...attn_dropout.adapter' (one per site).
@@ -358,7 +358,7 @@ def test_llama_adapters_route_attention_and_mlp_sites():
 
 
 def test_adapter_residual_and_reduction():
-    from galaxy.adapters import BottleneckAdapter
+    from galaxy.adapters.bottleneck import BottleneckAdapter
 
     a = BottleneckAdapter(32, reduction_factor=4, non_linearity="tanh", residual=False)
     torch.nn.init.normal_(a.down.weight)

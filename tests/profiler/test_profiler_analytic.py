@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 
-from galaxy.profiler import FlopsProfiler
+from galaxy.profiler.flops_profiler import FlopsProfiler
 
 SEQ, BATCH = 128, 1
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from galaxy.profiler import get_model_profile
+from galaxy.profiler.flops_profiler import get_model_profile
 
 from tests.profiler.conftest import tiny_bert_config
 

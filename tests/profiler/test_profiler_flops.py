@@ -12,14 +12,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
-from galaxy.profiler import (
-    CommLog,
-    CommRecord,
-    FlopsProfiler,
-    extra_flop_formulas,
-    get_model_profile,
-    lookup_peak_tflops,
-)
+from galaxy.profiler.comm import CommLog, CommRecord
+from galaxy.profiler.devices import lookup_peak_tflops
+from galaxy.profiler.flops_profiler import FlopsProfiler, get_model_profile
+from galaxy.profiler.formulas import extra_flop_formulas
 
 from tests.profiler.conftest import BATCH, SEQ, VOCAB
 

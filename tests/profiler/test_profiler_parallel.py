@@ -19,15 +19,10 @@ from galaxy.core.comm import Communicator
 from galaxy.core.context import ParallelContext
 from galaxy.models import model_class
 from galaxy.models.bert import BertForMaskedLM
-from galaxy.profiler import (
-    FlopsProfiler,
-    ParallelProfiler,
-    StepProfiler,
-    extra_flop_formulas,
-    replicated_module_map,
-    transition_label,
-)
-from galaxy.profiler.parallel import partial_grad_bytes
+from galaxy.profiler.flops_profiler import FlopsProfiler
+from galaxy.profiler.formulas import extra_flop_formulas
+from galaxy.profiler.parallel import ParallelProfiler, partial_grad_bytes, replicated_module_map, transition_label
+from galaxy.profiler.step import StepProfiler
 from tests import REPO  # noqa: E402
 
 ROOT = REPO

@@ -236,3 +236,43 @@ def test_fp16_resume_restores_the_loss_scale(tmp_path):
     scales = [r["loss_scale"] for r in records(str(tmp_path / "whole.jsonl"))]
     assert [r["loss_scale"] for r in records(str(tmp_path / "resumed.jsonl"))] == scales[4:]
     assert len(set(scales)) > 1, "the scale moved during the run"
+
+
+def test_dynamic_loss_scale_halves_on_overflow_doubles_after_a_clean_window_and_stops_at_the_floor():
+    """``galaxy.train.precision.LossScaler`` on its own: the scale after a run of steps is the initial
+    scale times 2 per clean window and / 2 per overflow (a window counts from the last overflow), never
+    below ``min_loss_scale``; a static scale never moves; the state round-trips."""
+    from galaxy.config import TrainConfig
+    from galaxy.train.precision import LossScaler
+
+    scaler = LossScaler(TrainConfig(initial_loss_scale=8.0, loss_scale_window=3, min_loss_scale=2.0))
+    seen = []
+    for overflow in [False, False, True, False, False, False, False, True, True, True, False]:
+        scaler.update(overflow)
+        seen.append(scaler.scale)
+    assert seen == [8, 8, 4, 4, 4, 8, 8, 4, 2, 2, 2]
+    resumed = LossScaler(TrainConfig(initial_loss_scale=8.0, loss_scale_window=3, min_loss_scale=2.0))
+    resumed.load_state_dict(scaler.state_dict())
+    for s in (scaler, resumed):
+        s.update(False)
+        s.update(False)
+    assert scaler.scale == resumed.scale == 4  # the clean step before the save counts toward the window
+    static = LossScaler(TrainConfig(loss_scale=128.0))
+    static.update(True)
+    assert static.scale == 128.0
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.tensor([128.0, -3.0, 1e-30])
+    static.unscale_([p, torch.nn.Parameter(torch.ones(1))])  # one without a gradient is passed over
+    assert torch.equal(p.grad, torch.tensor([1.0, -3.0 / 128, 1e-30 / 128]))
+
+
+def test_the_first_nonfinite_module_in_call_order_is_named():
+    from galaxy.train.precision import first_nonfinite_module, first_nonfinite_parameter
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
+    with torch.no_grad():
+        model[1][0].bias[1] = float("inf")
+    assert first_nonfinite_parameter(model, grads=False) == "1.0.bias"
+    assert first_nonfinite_module(model, lambda: model(torch.ones(1, 2))) == "1.0"
+    assert not any(m._forward_hooks for m in model.modules())  # the hooks are removed
+    assert first_nonfinite_parameter(model, grads=True) is None  # no gradients yet

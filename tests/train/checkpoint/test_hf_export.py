@@ -10,7 +10,8 @@ import torch
 from galaxy.config import GalaxyConfig
 from galaxy.core.context import ParallelContext
 from galaxy.models import build_model
-from galaxy.train.checkpoint import export_hf, save_checkpoint
+from galaxy.train.checkpoint import save_checkpoint
+from galaxy.train.checkpoint.hf_export import export_hf
 
 transformers = pytest.importorskip("transformers")
 
