@@ -76,16 +76,13 @@ def compiled_equals_eager(ctx, model_type, plan, uneven, dtype=torch.float32, ex
     fresh_dynamo()
     cls, tiny, seq, batches, edges = MODELS[model_type]
     runs = {}
-    # Scalar C++ kernels: g++ takes about 40% less time on them than on vectorized ones (the graph
-    # is the same; on GPU inductor generates Triton instead either way).
-    with torch._inductor.config.patch({"cpp.vec_isa_ok": False}):
-        for compiled in (False, True):
-            raw = dict(tiny, seq_length=seq, plan=plan, compile=compiled, **(extra or {}))
-            if uneven:
-                raw.update((llama_eq.UNEVEN if model_type == "llama" else bert_eq.UNEVEN)[ctx.mp.size])
-            cfg = GalaxyConfig.from_dict(raw)
-            model = cls(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=3).to(dtype)
-            runs[compiled] = train(model, ctx, batches, edges)
+    for compiled in (False, True):
+        raw = dict(tiny, seq_length=seq, plan=plan, compile=compiled, **(extra or {}))
+        if uneven:
+            raw.update((llama_eq.UNEVEN if model_type == "llama" else bert_eq.UNEVEN)[ctx.mp.size])
+        cfg = GalaxyConfig.from_dict(raw)
+        model = cls(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=3).to(dtype)
+        runs[compiled] = train(model, ctx, batches, edges)
     (eager, eager_params, eager_sent), (comp, comp_params, comp_sent) = runs[False], runs[True]
     assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
     assert all(breaks_at is not None and breaks_at in reason for reason in counters["graph_break"]), \

@@ -107,8 +107,7 @@ def compiled_fsdp_equals_serial(ctx, case):
     marks them ``torch._dynamo.disable``; a layer without them traces whole, tests/core/test_compile.py)."""
     torch._dynamo.reset()  # this test's graphs only (dynamo's recompile limit counts earlier ones)
     counters.clear()
-    with torch._inductor.config.patch({"cpp.vec_isa_ok": False}):  # scalar C++ kernels: g++ is faster on them
-        fsdp_equals_serial(ctx, dict(case, compile=True))
+    fsdp_equals_serial(ctx, dict(case, compile=True))
     return counters["stats"]["unique_graphs"], dict(counters["graph_break"])
 
 

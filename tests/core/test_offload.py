@@ -146,12 +146,11 @@ def test_memory_modes_of_compiled_layers(model_type, tuning):
     1e-5 (as tests/loralib/test_qlora_compile.py). In float32:
     torch 2.11's inductor cannot compile a float64 attention backward with a mask on CPU."""
     torch._dynamo.reset()  # each model compiles its own layers: the recompile limit counts them all
-    with torch._inductor.config.patch({"cpp.vec_isa_ok": False}):  # scalar C++ kernels compile faster
-        loss, grads = compiled_step(model_type, {}, tuning)
-        for mix, exact in ((["none+offload", "full+offload"], True), (["mlp+offload", "selective+offload"], False)):
-            loss_r, grads_r = compiled_step(model_type, dict(layer_memory=mix), tuning)
-            for a, b in [(loss_r, loss)] + [(grads_r[n], g) for n, g in grads.items()]:
-                assert torch.equal(a, b) if exact else rel_err(a, b) <= FP32_RTOL, mix
+    loss, grads = compiled_step(model_type, {}, tuning)
+    for mix, exact in ((["none+offload", "full+offload"], True), (["mlp+offload", "selective+offload"], False)):
+        loss_r, grads_r = compiled_step(model_type, dict(layer_memory=mix), tuning)
+        for a, b in [(loss_r, loss)] + [(grads_r[n], g) for n, g in grads.items()]:
+            assert torch.equal(a, b) if exact else rel_err(a, b) <= FP32_RTOL, mix
 
 
 # ----------------------------------------------------------------------------- what offload moves
