@@ -40,7 +40,7 @@ scales every piece's saved bytes in training.
 against the same step with one layer less, both timed) over what its layer pieces predict, after the compute
 scale; every piece but the head's is multiplied by it in training. A 2-layer calibration step fitted as a whole
 leaves the layers' share wrong: on an H200 the pieces under-predicted a 7B layer by 7% and over-predicted the
-head, so 32 layers ran 6% slower than a plan predicted (docs/benchmarks.md).
+head, so 32 layers ran 6% slower than a plan predicted (docs/benchmarks-log.md).
 ``host_link_bytes_per_s`` (absent: ``DEFAULT_HOST_LINK_BYTES_PER_S``): on a GPU, the rank's pinned host copies'
 bytes per second, the slower direction (what an offloading layer's copies run at); elsewhere the default.
 ``host_memory_bytes`` (absent: no limit): the pinned host memory the rank may offload to.

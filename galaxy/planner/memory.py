@@ -301,7 +301,7 @@ def memory_terms(g: GroupModel, layout: Layout, p: int, params: np.ndarray, part
     # One micro-batch: its backward makes the gradients as it frees the activations (a step starts with
     # none: zero_grad sets them to None), so the forward's end holds no gradient, the optimizer step no
     # activation. A 7B layer's growth of the peak on an H200 was its states less its gradients plus its
-    # saved activations (docs/benchmarks.md).
+    # saved activations (docs/benchmarks-log.md).
     return states(False), states(True), in_flight, acts_edge, gathered
 
 

@@ -12,7 +12,7 @@ def without_needless_mask(batch: dict, causal: bool) -> dict:
     all ones (any model), or, for a causal LM, right padding whose positions carry no label: causal attention
     already keeps every real token from the padding after it, and the padding's own outputs meet only ignored
     labels. Attention then runs SDPA's causal kernel instead of a masked one (forward + backward 3.2x slower
-    on an H200 at seq 4096: ~600 ms of a 7B step at TP 2, docs/benchmarks.md). Checked on the host."""
+    on an H200 at seq 4096: ~600 ms of a 7B step at TP 2, docs/benchmarks-log.md). Checked on the host."""
     mask = batch.get("attention_mask")
     if mask is None:
         return batch
