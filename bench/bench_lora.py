@@ -25,9 +25,9 @@ fastest setting where memory allows, as at these shapes (peft-bf16 runs them wit
 offloads the saved activations to host memory), and a ``-sdpa`` suffix hides xformers so that its
 attention is PyTorch's SDPA, e.g. ``unsloth-qlora-gc-sdpa``; each row names the ``attention`` it ran and
 its checkpointing; the default launch runs both attention paths). ``+auto`` on a Galaxy contender sets
-``activation_memory: auto`` with the card's memory as ``memory_budget_gib`` (each layer's memory mode chosen
-by the planner: the long-context recipe). Every contender: LoRA r16 alpha 32 on q_proj / v_proj, dropout 0,
-random tokens with labels = inputs, fused AdamW lr 1e-4, clipping at 1.0; a timed step is forward, backward,
+``activation_memory: auto`` with the card's memory (``--card_gib``) as ``memory_budget_gib`` (each layer's
+memory mode and the MLP's sequence chunks chosen by the planner: the long-context recipe). Every contender:
+LoRA r16 alpha 32 on q_proj / v_proj, dropout 0, random tokens with labels = inputs, fused AdamW lr 1e-4, clipping at 1.0; a timed step is forward, backward,
 clipping and the optimizer step under bf16 autocast (Galaxy: its own loop), ended by reading the loss (a
 device sync). Peak memory is counted from the first training step on (building the model is left out, for
 every contender alike). A contender whose package does not import says so in its row; a contender that
@@ -40,9 +40,10 @@ whichever recipe or attention path it is.
 ``--max_seq``: the longest sequence each contender trains at (at ``--batch``), the same search for all: powers
 of two from a start (up while they fit, down while they fail), then one bisection step between the last that
 fit and the first that failed; a length counts when two whole training steps complete, each try in a fresh
-process (an out-of-memory is that try's row, and its memory goes with the process). Galaxy's search starts at
-the longest power of two its memory model predicts within the card; the others' at ``--max_seq_start``. Rows:
-the longest length, its step time, tokens/s, MFU and peak, and every try's.
+process (an out-of-memory is that try's row, and its memory goes with the process), every search from
+``--max_seq_start``. Rows: the longest length, its step time, tokens/s, MFU and peak, and every try's.
+``--card_gib G`` emulates a smaller card for every contender alike (each process's caching allocator capped at
+G GiB): on an H200 a 1B model's search would otherwise run to lengths whose steps take minutes.
 
 unsloth patches transformers, peft and trl when imported, so it is imported first in its own process;
 ``--unsloth_path DIR`` puts DIR (its carried packages) first on that process's path only, so the other
@@ -86,12 +87,6 @@ CONTENDERS = ("galaxy-lora", "galaxy-lora-compiled", "galaxy-lora-cudagraphs", "
 # best of the others (``best_per_family``). The fp8 slot: fp8 contenders name "fp8" (issue 50's fp8 table).
 FAMILIES = (("fp8 base", re.compile(r"fp8")), ("nf4 base", re.compile(r"^(galaxy-qlora|peft-qlora|unsloth-qlora)")),
             ("bf16 base", re.compile(r"^(galaxy-lora|peft-bf16|unsloth-lora)")))
-
-# Model shapes not (yet) among galaxy.config's presets: config keys over a preset. LLaMA-3-8B (GQA, 128k vocabulary).
-LOCAL_PRESETS = {
-    "llama-8b": dict(preset="llama-7b", vocab_size=128256, intermediate_size=14336, num_key_value_heads=8,
-                     rope_theta=500000.0, max_position_embeddings=131072),
-}
 
 # Every contender's LoRA (and bench_peft_mp's): r16, alpha 32 on q_proj / v_proj, no dropout.
 LORA = {"tuning": "lora", "lora_dim": 16, "lora_alpha": 32, "lora_dropout": 0.0,
@@ -188,11 +183,10 @@ def hf_step(model, cfg):
 def config(args, quantize: str = "none", compile_mode: Optional[str] = None,
            recompute: Optional[dict] = None) -> GalaxyConfig:
     """``compile_mode``: None runs eagerly, else ``compile: true`` in that torch.compile mode; ``recompute``:
-    model keys (``galaxy_recompute``). A preset of LOCAL_PRESETS is its keys over the preset it names; positions
-    reach the sequence length wherever it is longer than the preset's."""
-    shape = dict(LOCAL_PRESETS.get(args.preset, {"preset": args.preset}))
-    longest = shape.get("max_position_embeddings") or MODEL_PRESETS.get(shape["preset"], {}).get(
-        "max_position_embeddings", 0)
+    model keys (``galaxy_recompute``). Positions reach the sequence length wherever it is longer than the
+    preset's."""
+    shape = {"preset": args.preset}
+    longest = MODEL_PRESETS.get(args.preset, {}).get("max_position_embeddings", 0)
     if args.seq > longest:
         shape["max_position_embeddings"] = args.seq
     return GalaxyConfig.from_dict({
@@ -290,7 +284,7 @@ def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None, recomput
     nbytes, count = frozen_bytes(model)
     return {"times": times, "resident_mib": resident[0], "frozen_bytes_per_param": nbytes / max(count, 1),
             "recompute": cfg.model.recompute, "recompute_num_layers": cfg.model.recompute_num_layers,
-            "layer_memory": cfg.model.layer_memory, **out}
+            "layer_memory": cfg.model.layer_memory, "mlp_chunks": cfg.model.mlp_chunks, **out}
 
 
 def run_peft(args, variant: str) -> dict:
@@ -458,11 +452,14 @@ def run_one(args) -> dict:
     ``error`` (an out-of-memory among them: ``--max_seq`` reads a length that fails so), or ``skipped`` where a
     package does not import."""
     name = args.one
+    if args.card_gib and torch.cuda.is_available():  # the emulated card: the caching allocator refuses past it
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(args.card_gib * 2**30 / total)
     try:
         if unsloth_variant(name):
             out = run_unsloth(args, name)
         elif name.startswith("galaxy"):
-            base, keys = galaxy_recompute(name, card_gib())
+            base, keys = galaxy_recompute(name, args.card_gib)
             out = run_galaxy(args, galaxy_base_format(base), galaxy_compile_mode(base), keys)
         else:
             out = run_peft(args, name)
@@ -487,7 +484,7 @@ def run_one(args) -> dict:
             "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None, **out}
 
 
-CHILD_ARGS = ("preset", "seq", "batch", "steps", "warmup", "profile", "model_dir")
+CHILD_ARGS = ("preset", "seq", "batch", "steps", "warmup", "profile", "model_dir", "card_gib")
 
 
 def run_child(args, name: str, **override) -> dict:
@@ -508,38 +505,6 @@ def run_child(args, name: str, **override) -> dict:
     tail = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     return {"contender": name, "error": f"exit {proc.returncode}: " + (" ".join(tail[-1].split())[:400] if tail
                                                                        else "no output")}
-
-
-def predicted_peak_bytes(cfg: GalaxyConfig) -> Optional[float]:
-    """The memory model's peak of one training step of ``cfg`` on one device: the planner's public prediction (one
-    call), or None where this tree's planner has none."""
-    try:
-        from galaxy.planner import predict_peak_bytes
-    except ImportError:
-        return None
-    return predict_peak_bytes(cfg)
-
-
-def search_start(args, name: str) -> tuple[int, str]:
-    """The first length ``--max_seq`` tries: for Galaxy the longest power of two its memory model predicts within
-    the card, else (and for every other contender) ``--max_seq_start``."""
-    if name.startswith("galaxy") and args.card_gib:
-        base, keys = galaxy_recompute(name, args.card_gib)
-        quantize = galaxy_base_format(base)
-        budget = args.card_gib * 2**30
-        fitting, seq = None, args.max_seq_floor
-        while seq <= args.max_seq_limit:
-            peak = predicted_peak_bytes(config(argparse.Namespace(**{**vars(args), "seq": seq}), quantize,
-                                               galaxy_compile_mode(base), keys))
-            if peak is None:
-                break
-            if peak > budget:
-                return (fitting or seq), "Galaxy's memory model"
-            fitting, seq = seq, seq * 2
-        if fitting is not None:
-            return fitting, "Galaxy's memory model"
-    return args.max_seq_start, "--max_seq_start" + ("" if not name.startswith("galaxy") else
-                                                    " (no memory-model prediction on this tree or device)")
 
 
 def search_lengths(start: int, floor: int, limit: int, fits: Callable[[int], bool]) -> tuple:
@@ -576,11 +541,11 @@ def longest_sequence(args, name: str) -> dict:
                               **{k: row[k] for k in ("step_ms", "peak_mib", "error") if k in row}}), flush=True)
         return "step_ms" in tries[seq]
 
-    start, source = search_start(args, name)
+    start = args.max_seq_start
     low, high = search_lengths(start, args.max_seq_floor, args.max_seq_limit, fits)
     failed = [n for n in tries if n > (low or 0) and "step_ms" not in tries[n]]
     row = {"contender": name, "max_seq": low, "first_failed": min(failed) if failed else None,
-           "reached_limit": high is None, "start": start, "start_source": source,
+           "reached_limit": high is None, "start": start,
            "tries": [{"seq": n, **{k: r[k] for k in ("step_ms", "tokens_per_s", "mfu", "mfu_causal", "peak_mib",
                                                      "error") if k in r}} for n, r in sorted(tries.items())]}
     if low is not None:
@@ -590,8 +555,9 @@ def longest_sequence(args, name: str) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="llama-1b", help="a galaxy.config preset, or one of LOCAL_PRESETS "
-                   f"({', '.join(LOCAL_PRESETS)})")
+    p.add_argument("--preset", default="llama-1b", choices=sorted(k for k, v in MODEL_PRESETS.items()
+                                                                  if v.get("model_type") == "llama"),
+                   help="a galaxy.config LLaMA preset")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
@@ -604,11 +570,14 @@ def main() -> int:
     p.add_argument("--max_seq", action="store_true",
                    help="instead of timing at --seq: each contender's longest sequence (at --batch), the same search "
                         "for all (powers of two, then one bisection step; a length counts when two whole training "
-                        "steps complete, each try a process of its own); Galaxy's starts at its memory model's "
-                        "prediction")
+                        "steps complete, each try a process of its own)")
     p.add_argument("--max_seq_start", type=int, default=8192, help="with --max_seq: the first length tried")
     p.add_argument("--max_seq_floor", type=int, default=512, help="with --max_seq: the shortest length tried")
     p.add_argument("--max_seq_limit", type=int, default=262144, help="with --max_seq: the longest length tried")
+    p.add_argument("--card_gib", type=float, default=None, metavar="G",
+                   help="a card of G GiB (at most this GPU's): every contender's process caps its caching allocator "
+                        "at G (torch.cuda.set_per_process_memory_fraction) and +auto plans within G; default: the "
+                        "whole card")
     p.add_argument("--model_dir", default=None, help=argparse.SUPPRESS)  # the checkpoint saved once per launch
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", choices=("save_model", "card_gib"), default=None, help=argparse.SUPPRESS)
@@ -632,7 +601,11 @@ def main() -> int:
         p.error("--max_seq searches from --max_seq_start between --max_seq_floor and --max_seq_limit: give "
                 "1 <= floor <= start <= limit")
     names = args.contenders.split(",")
-    args.card_gib = json.loads(in_child("--child", "card_gib"))
+    card = json.loads(in_child("--child", "card_gib"))
+    if args.card_gib is not None and (card is None or not 0 < args.card_gib <= card):
+        p.error(f"--card_gib {args.card_gib:g}: give a size in GiB above 0 and at most this GPU's "
+                f"({'no GPU here' if card is None else f'{card:.1f} GiB'})")
+    args.card_gib = args.card_gib or card
     rows = []
     with contextlib.ExitStack() as stack:
         if any(unsloth_variant(n) or n == "peft-qlora-bnb" for n in names):  # their checkpoint, saved once

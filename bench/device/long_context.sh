@@ -12,7 +12,7 @@
 # PART (each an estimate of its wall time on one H200, not measured: Galaxy ~45 s a 1B contender (build, compile,
 # steps), ~2.5 min an 8B one; unsloth ~75 s a 1B contender (import, load, patch), ~2 min an 8B one):
 #   1b            Llama-3.2-1B, 65,536 tokens (SEQS="32768 65536" for both lengths: ~13 min), 3 timed after 1: ~7 min
-#   8b-lora       LLaMA-8B shapes (bench_lora's LOCAL_PRESETS llama-8b), 32,768 tokens, bf16 base: ~7 min
+#   8b-lora       Llama-3.1-8B shapes (galaxy.config's llama-8b preset), 32,768 tokens, bf16 base: ~7 min
 #   8b-qlora      the same over NF4 bases: ~7 min
 #   1b-max-lora   Llama-3.2-1B --max_seq from 65,536 up to 131,072, bf16 base: 2-3 tries a contender, ~8 min
 #   1b-max-qlora  the same over NF4 bases: ~8 min

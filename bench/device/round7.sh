@@ -9,6 +9,15 @@
 #   f8t    full training in float8 (torchao) against bf16: bench_train's stack4 (LLaMA-7B shapes, 4 layers, 4 x 4096
 #          tokens a step) on one GPU, Galaxy's compiled model beside the fsdp2-compile anchor (torchtitan's order:
 #          convert_to_float8_training, compile, fully_shard), --float8 none | tensorwise | rowwise
+# Round 8 adds:
+#   long8  part long's rows with budgets LORA_GIB / QLORA_GIB (default 5.3 / 4.0) under unsloth's 32k peaks
+#          (5,849 / 4,504 MiB in round 7), the SDPA rows of unsloth only (the faster at 32k in every launch)
+#   max    --max_seq on a card capped at MAX_CARD_GIB (default 8) for every contender: Galaxy's compiled LoRA +auto
+#          against unsloth's offloaded checkpointing (SDPA), from 16,384 tokens
+#   prof   part fp8's Galaxy rows and unsloth's xformers row again, each profiled (kernel tables and the step's GPU
+#          time by category in the JSON)
+#   f8prof part f8t's Galaxy rows for none and tensorwise, each with one profiled step
+#   fp8b   part fp8 at seq 4,096 x batch 2
 # Carry: the lora set and torchao (installed beside bitsandbytes and liger-kernel on every contender's path):
 #   WHEELS=unsloth bash bench/device/prepare_carry.sh /work/main r7 && \
 #     python3 bench/device/slim_wheel.py /work/main/.whl/torchao-*.whl /work/main/.carry/r7/wheels
@@ -45,7 +54,22 @@ ${LONG_UNSLOTH_QLORA:-unsloth-qlora-gc,unsloth-qlora-gc-sdpa} --json $dir/long32
             f8t) for f in none tensorwise rowwise; do
                      cmd="$cmd $train --float8 $f --json $dir/float8_$f.json > $dir/float8_$f.log 2>&1;"
                  done ;;
-            *) echo "unknown part $part (fp8 | long | f8t)"; exit 2 ;;
+            long8) cmd="$cmd $lora --seq 32768 --batch 1 --steps 3 --warmup 1 --contenders \
+galaxy-lora-compiled+auto${LORA_GIB:-5.3},unsloth-lora-gc-sdpa,galaxy-qlora-compiled+auto${QLORA_GIB:-4.0},\
+unsloth-qlora-gc-sdpa --json $dir/long32k_budget.json > $dir/long32k_budget.log 2>&1;" ;;
+            max) cmd="$cmd $lora --batch 1 --max_seq --card_gib ${MAX_CARD_GIB:-8} --max_seq_start 16384 \
+--contenders galaxy-lora-compiled+auto,unsloth-lora-gc-sdpa --json $dir/max_seq.json > $dir/max_seq.log 2>&1;" ;;
+            prof) mkdir -p "$dir/prof"
+                  cmd="$cmd $lora --seq 1024 --batch 8 --steps 10 --warmup 3 --profile $dir/prof --contenders \
+galaxy-lora-fp8-compiled,galaxy-lora-compiled,unsloth-lora --json $dir/fp8_prof.json > $dir/fp8_prof.log 2>&1;" ;;
+            f8prof) mkdir -p "$dir/f8prof"
+                    for f in none tensorwise; do
+                        cmd="$cmd ${train/,fsdp2-compile/} --float8 $f --profile $dir/f8prof --json $dir/f8prof_$f.json \
+> $dir/f8prof_$f.log 2>&1;"
+                    done ;;
+            fp8b) cmd="$cmd $lora --seq 4096 --batch 2 --steps 20 --warmup 3 --contenders galaxy-lora-compiled,\
+galaxy-lora-fp8-compiled,unsloth-lora,unsloth-lora-sdpa --json $dir/fp8_4096.json > $dir/fp8_4096.log 2>&1;" ;;
+            *) echo "unknown part $part (fp8 | long | f8t | long8 | max | prof | f8prof | fp8b)"; exit 2 ;;
         esac
     done
     start_detached "$dir" r7 "$cmd"
@@ -53,5 +77,6 @@ ${LONG_UNSLOTH_QLORA:-unsloth-qlora-gc,unsloth-qlora-gc-sdpa} --json $dir/long32
 fi
 [ "$mode" = wait ] && wait_done "$dir" r7 "$polls"
 cp "$dir"/*.json "$dir"/*.log "$dir"/r7.console "$dir"/clocks_r7.csv "${OUT:-/tmp}/" 2>/dev/null
+cp -r "$dir"/prof "$dir"/f8prof "${OUT:-/tmp}/" 2>/dev/null
 for f in "$dir"/*.log; do echo "== $(basename "$f")"; grep -v '^ROW\|Warn' "$f" | tail -${TAIL:-8}; done
 [ -e "$dir/r7.done" ] && echo done || echo "still running: call wait again"

@@ -1,5 +1,6 @@
 """``activation_memory: auto`` for one run: the fastest per-layer memory mode mix (``memory.choose_layer_memory``)
-that fits ``memory_budget_gib``, from a probe of the run's own layer.
+that fits ``memory_budget_gib``, and the MLP's sequence chunks (``mlp_chunks``) that let it, from a probe of the
+run's own layer.
 
 The probe builds the run's model (its tuning, quantized base, dtype; two layers, eager) on the run's device at two
 short sequence lengths and runs its second layer under each recompute mode with its saved tensors offloaded
@@ -61,6 +62,8 @@ ATTENTION_FLOPS.update({op: _backward_flops for op in (
 PROBE_TOKENS = 1024  # the longer probe's tokens (the run's seq_length where shorter); the other has half
 ACHIEVED_FRACTION = 0.5  # of a device's peak FLOP/s a layer's matmuls and attention run at
 CPU_TFLOPS = 0.1  # a CPU's rate, where no peak is known
+MAX_MLP_CHUNKS = 32  # the most sequence chunks auto runs an MLP in
+MIN_CHUNK_TOKENS = 1024  # the fewest tokens of a chunk auto makes (smaller products run below the device's rate)
 OPTIMIZER_BYTES = dict(zip(OPTIMIZERS, (8, 4)))  # per fp32 trainable weight: AdamW's two moments, SGD's one
 
 
@@ -208,17 +211,44 @@ def device_rate(cfg: GalaxyConfig, device: torch.device) -> float:
     return (peak if peak is not None else CPU_TFLOPS / ACHIEVED_FRACTION) * 1e12 * ACHIEVED_FRACTION
 
 
+def chunk_counts(cfg: GalaxyConfig, rows: int) -> list[int]:
+    """The MLP chunk counts ``auto`` weighs: the config's, and where the MLP can run in chunks (it draws no dropout
+    mask) twice as many, again and again, while a chunk keeps ``MIN_CHUNK_TOKENS`` and up to ``MAX_MLP_CHUNKS``."""
+    counts = [cfg.model.mlp_chunks]
+    if cfg.model.hidden_dropout_prob > 0 or (cfg.peft.tuning == "lora" and cfg.peft.lora_dropout > 0):
+        return counts
+    tokens = rows * cfg.train.seq_length
+    while counts[-1] * 2 <= MAX_MLP_CHUNKS and tokens // (counts[-1] * 2) >= MIN_CHUNK_TOKENS:
+        counts.append(counts[-1] * 2)
+    return counts
+
+
 def plan_activation_memory(cfg: GalaxyConfig, device: torch.device, stage_layers: list[int], rows: int,
-                           budget_bytes: float, host_bytes: float = float("inf")) -> list[str]:
-    """The memory mode of every model layer: per pipeline stage (``stage_layers``), the fastest mix that fits
-    ``budget_bytes`` on the device and ``host_bytes`` of pinned host memory."""
+                           budget_bytes: float, host_bytes: float = float("inf")) -> tuple[list[str], int]:
+    """The memory mode of every model layer and the MLP's sequence chunks: per pipeline stage (``stage_layers``),
+    the fastest mix that fits ``budget_bytes`` on the device and ``host_bytes`` of pinned host memory, over every
+    chunk count of ``chunk_counts`` (more chunks rebuild less of the MLP at once, so more mixes fit; among
+    equally fast plans the fewest chunks, since a chunk's matmuls are smaller)."""
     probe = at_length(*probe_layer(cfg, device, rows), cfg.train.seq_length)
     link = cfg.model.host_link_gb_per_s * 1e9 if cfg.model.host_link_gb_per_s else DEFAULT_HOST_LINK_BYTES_PER_S
-    options = mode_options(probe, device_rate(cfg, device), link, cfg.model.mlp_chunks)
-    modes = []
-    for layers in stage_layers:
-        modes += choose_layer_memory(options, layers, budget_bytes - fixed_bytes(cfg, probe, layers), host_bytes)
-    return modes
+    rate = device_rate(cfg, device)
+    best, refusal = None, None
+    for chunks in chunk_counts(cfg, rows):
+        options = mode_options(probe, rate, link, chunks)
+        cost = {o.mode: float(o.extra_s) for o in options}
+        try:
+            modes = [m for layers in stage_layers
+                     for m in choose_layer_memory(options, layers, budget_bytes - fixed_bytes(cfg, probe, layers),
+                                                  host_bytes)]
+        except ConfigError as e:
+            refusal = refusal or e
+            continue
+        extra = sum(cost[m] for m in modes)
+        if best is None or extra < best[0] * (1 - 1e-9):
+            best = (extra, modes, chunks)
+    if best is None:
+        raise refusal
+    return best[1], best[2]
 
 
 def resolve_activation_memory(cfg: GalaxyConfig, ctx: ParallelContext) -> GalaxyConfig:
@@ -238,7 +268,7 @@ def resolve_activation_memory(cfg: GalaxyConfig, ctx: ParallelContext) -> Galaxy
     host = m.host_memory_budget_gib * 2**30 if m.host_memory_budget_gib is not None else float("inf")
     p = cfg.parallel
     rows = max(cfg.train.global_batch_size // (p.dp_size * p.num_microbatches), 1)
-    modes = plan_activation_memory(cfg, device, list(cfg.stage_layers()), rows, budget, host)
-    logger.info("activation_memory auto (%.2f GiB): layer_memory %s", budget / 2**30, modes)
-    return replace(cfg, model=replace(m, activation_memory="manual", layer_memory=modes, memory_budget_gib=None,
-                                      host_memory_budget_gib=None, host_link_gb_per_s=None))
+    modes, chunks = plan_activation_memory(cfg, device, list(cfg.stage_layers()), rows, budget, host)
+    logger.info("activation_memory auto (%.2f GiB): layer_memory %s, mlp_chunks %d", budget / 2**30, modes, chunks)
+    return replace(cfg, model=replace(m, activation_memory="manual", layer_memory=modes, mlp_chunks=chunks,
+                                      memory_budget_gib=None, host_memory_budget_gib=None, host_link_gb_per_s=None))

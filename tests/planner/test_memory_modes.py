@@ -13,8 +13,8 @@ import torch
 
 from galaxy.config import LAYER_MEMORY_MODES, ConfigError, GalaxyConfig, Method
 from galaxy.core.context import ParallelContext
-from galaxy.planner.activation import (at_length, device_rate, fixed_bytes, mode_options, probe_at, probe_layer,
-                                       resolve_activation_memory)
+from galaxy.planner.activation import (MIN_CHUNK_TOKENS, at_length, chunk_counts, device_rate, fixed_bytes,
+                                       mode_options, probe_at, probe_layer, resolve_activation_memory)
 from galaxy.planner.cluster import (DEFAULT_HOST_LINK_BYTES_PER_S, PIECES, AlphaBeta, ClusterProfile, Curve, Piece,
                                     RankProfile)
 from galaxy.planner.memory import ModeCost, choose_layer_memory, plan_layer_memory, stack_bytes
@@ -229,6 +229,38 @@ def test_auto_picks_the_fastest_mix_that_fits_and_refuses_in_one_line(probes):
                                                               memory_budget_gib=(least - 1) / 2**30)),
                                   ParallelContext.serial(CPU))
     assert "no per-layer memory plan of 3 layers fits" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_auto_runs_the_mlp_in_chunks_where_no_whole_mlp_plan_fits():
+    """A budget that no plan with the MLP whole fits (every layer full+offload rebuilds the whole MLP in its
+    backward) but a chunked one does: auto splits the MLP into the fewest chunks that fit the fastest plan, by
+    the probe's options at that chunk count; with room for the whole MLP it stays whole; and a LoRA that draws
+    dropout masks (which chunks would draw in another order) is never chunked."""
+    raw = dict(RUN, seq_length=2 * MIN_CHUNK_TOKENS, global_batch_size=1, max_position_embeddings=2 * MIN_CHUNK_TOKENS)
+    cfg = GalaxyConfig.from_dict(raw)
+    assert chunk_counts(cfg, 1) == [1, 2]
+    probe = at_length(*probe_layer(cfg, CPU, rows=1), cfg.train.seq_length)
+
+    def least(chunks):  # the budget of every layer full+offload with the MLP in this many chunks
+        options = {o.mode: o for o in mode_options(probe, device_rate(cfg, CPU), DEFAULT_HOST_LINK_BYTES_PER_S,
+                                                   chunks)}
+        return fixed_bytes(cfg, probe, 3) + stack_bytes([options["full+offload"]] * 3)[0]
+
+    assert least(2) < least(1)
+    budget = (least(2) + least(1)) / 2
+
+    def auto(budget, **keys):
+        return resolve_activation_memory(GalaxyConfig.from_dict(dict(raw, activation_memory="auto",
+                                                                     memory_budget_gib=budget / 2**30, **keys)),
+                                         ParallelContext.serial(CPU)).model
+
+    chunked = auto(budget)
+    options = mode_options(probe, device_rate(cfg, CPU), DEFAULT_HOST_LINK_BYTES_PER_S, 2)
+    assert chunked.mlp_chunks == 2
+    assert chunked.layer_memory == choose_layer_memory(options, 3, budget - fixed_bytes(cfg, probe, 3))
+    assert auto(2**40).mlp_chunks == 1  # everything fits whole
+    with pytest.raises(ConfigError, match="no per-layer memory plan of 3 layers fits"):
+        auto(budget, lora_dropout=0.1)
 
 
 def test_long_context_script_smoke(tmp_path):
