@@ -18,10 +18,14 @@ counted, so the plan holds there too (more cautiously).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from galaxy.config import OFFLOAD, OPTIMIZERS, ConfigError, GalaxyConfig, Plan
@@ -33,6 +37,36 @@ from galaxy.planner.memory import ModeCost, choose_layer_memory, with_offload
 
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the storages ops make on ``device`` while it is on (views and in-place results of existing
+    storages apart) that are still alive: ``now``, and their most at once (``peak``). An allocator-independent
+    measure, the same on every device: what a piece of work allocates beyond what existed before it."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device, self.now, self.peak, self.live = torch.device(device), 0, 0, set()
+
+    def _freed(self, key, nbytes):
+        self.live.discard(key)
+        self.now -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if type(t) is not torch.Tensor or t.device.type != self.device.type:  # a subclass: its parts count
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key in inputs or key in self.live or storage.nbytes() == 0:
+                continue
+            self.live.add(key)
+            self.now += storage.nbytes()
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(storage, self._freed, key, storage.nbytes())
+        return out
 
 
 def _heads_of(q: tuple, kv: tuple) -> tuple:
@@ -70,12 +104,15 @@ OPTIMIZER_BYTES = dict(zip(OPTIMIZERS, (8, 4)))  # per fp32 trainable weight: Ad
 @dataclass(frozen=True)
 class LayerProbe:
     """One layer of a run at ``seq`` tokens (``rows`` rows): bytes it keeps for backward under each recompute
-    mode, FLOPs of its forward, of its backward and of what each mode runs again in backward; and the model's
-    weights (per layer, the rest), trainable parameters (per layer, the rest) and the activations its
-    embeddings, head and loss save."""
+    mode and bytes its backward allocates beyond them at its peak (``working``: what it rebuilds, the gradients
+    of its activations, its kernels' outputs; ``halved``: the same with the MLP in two chunks), FLOPs of its forward, of its backward and of what each mode runs
+    again in backward; and the model's weights (per layer, the rest), trainable parameters (per layer, the rest)
+    and the activations its embeddings, head and loss save."""
 
     seq: int
     kept: dict
+    working: dict
+    halved: dict
     again_flops: dict
     fwd_flops: float
     bwd_flops: float
@@ -86,9 +123,11 @@ class LayerProbe:
     edge_saved: float
 
 
-def probe_config(cfg: GalaxyConfig, seq: int, rows: int, recompute: str) -> GalaxyConfig:
-    """The run's config for a probe: two layers offloading under ``recompute``, eager, ``seq`` tokens."""
+def probe_config(cfg: GalaxyConfig, seq: int, rows: int, recompute: str, mlp_chunks: int = 1) -> GalaxyConfig:
+    """The run's config for a probe: two layers offloading under ``recompute``, eager, ``seq`` tokens, the MLP
+    in ``mlp_chunks`` chunks."""
     m = replace(cfg.model, num_hidden_layers=2, activation_memory="manual", layer_memory=[recompute + OFFLOAD] * 2,
+                mlp_chunks=mlp_chunks,
                 memory_budget_gib=None, host_memory_budget_gib=None, host_link_gb_per_s=None, recompute="none",
                 recompute_num_layers=None, compile=False, compile_mode="default",
                 max_position_embeddings=max(cfg.model.max_position_embeddings, seq))
@@ -105,7 +144,8 @@ def _weights(module: torch.nn.Module) -> tuple[int, int]:
 
 def probe_at(cfg: GalaxyConfig, device: torch.device, seq: int, rows: int) -> LayerProbe:
     """One probe length: a model per recompute mode (a layer's mode is built into it), its second layer run
-    again on the input it got in the model's forward, offloading to count what it keeps."""
+    again on the input it got in the model's forward, offloading to count what it keeps, then again keeping it
+    to measure what its backward allocates, with the MLP whole and in two chunks."""
     from galaxy.peft import apply_tuning, build_base
 
     dtype = cfg.train.dtype
@@ -115,9 +155,9 @@ def probe_at(cfg: GalaxyConfig, device: torch.device, seq: int, rows: int) -> La
         return torch.autocast(device.type, dtype=getattr(torch, dtype)) if low else contextlib.nullcontext()
 
     ids = torch.randint(1, cfg.model.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(0)).to(device)
-    kept, bwd, fwd, edge_saved = {}, {}, 0.0, 0.0
-    for recompute in MODES:
-        pc = probe_config(cfg, seq, rows, recompute)
+    kept, working, halved, bwd, fwd, edge_saved = {}, {}, {}, {}, 0.0, 0.0
+    for recompute, chunks in itertools.product(MODES, (1, 2)):
+        pc = probe_config(cfg, seq, rows, recompute, chunks)
         model = apply_tuning(build_base(pc, Plan.serial(pc), ParallelContext.serial(device, seed=cfg.train.seed)),
                              pc).to(device).train()
         if dtype == "float64":
@@ -137,19 +177,29 @@ def probe_at(cfg: GalaxyConfig, device: torch.device, seq: int, rows: int) -> La
             model(input_ids=ids, labels=ids)
         hook.remove()
         h, *rest = seen[0]
-        traffic = OffloadTraffic()
-        forward, backward = (FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS) for _ in range(2))
-        with autocast(), forward:
-            out = run_layer_with_memory_mode(layer.memory_mode, layer, layer.compute, h.detach().requires_grad_(),
-                                             *rest, traffic=traffic)
-        with backward:
-            out.backward(torch.ones_like(out))
-        kept[recompute], bwd[recompute] = float(traffic.to_host_bytes), float(backward.get_total_flops())
-        if recompute == "none":
-            fwd, edge_saved = float(forward.get_total_flops()), float(sum(outside.values()))
-            (layer_bytes, layer_trainable), (all_bytes, all_trainable) = _weights(layer), _weights(model)
-    return LayerProbe(seq, kept, {r: bwd[r] - bwd["none"] for r in MODES}, fwd, bwd["none"], layer_bytes,
-                      all_bytes - 2 * layer_bytes, layer_trainable, all_trainable - 2 * layer_trainable, edge_saved)
+        if chunks == 1:
+            traffic = OffloadTraffic()
+            forward, backward = (FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS) for _ in range(2))
+            with autocast(), forward:
+                out = run_layer_with_memory_mode(layer.memory_mode, layer, layer.compute,
+                                                 h.detach().requires_grad_(), *rest, traffic=traffic)
+            with backward:
+                out.backward(torch.ones_like(out))
+            kept[recompute], bwd[recompute] = float(traffic.to_host_bytes), float(backward.get_total_flops())
+            if recompute == "none":
+                fwd, edge_saved = float(forward.get_total_flops()), float(sum(outside.values()))
+                (layer_bytes, layer_trainable), (all_bytes, all_trainable) = _weights(layer), _weights(model)
+        # what is kept staying where it was made: the backward's own allocations at their peak
+        with autocast():
+            out = run_layer_with_memory_mode(replace(layer.memory_mode, offload=False), layer, layer.compute,
+                                             h.detach().requires_grad_(), *rest)
+        grad = torch.ones_like(out)
+        with LiveBytes(device) as live:
+            out.backward(grad)
+        (working if chunks == 1 else halved)[recompute] = float(live.peak)
+    return LayerProbe(seq, kept, working, halved, {r: bwd[r] - bwd["none"] for r in MODES}, fwd, bwd["none"],
+                      layer_bytes, all_bytes - 2 * layer_bytes, layer_trainable, all_trainable - 2 * layer_trainable,
+                      edge_saved)
 
 
 def probe_layer(cfg: GalaxyConfig, device: torch.device, rows: int) -> tuple[LayerProbe, LayerProbe]:
@@ -171,21 +221,26 @@ def at_length(a: LayerProbe, b: LayerProbe, seq: int) -> LayerProbe:
         return (x / a.seq - v * a.seq) * seq + v * seq * seq
 
     return replace(b, seq=seq, kept={r: affine(a.kept[r], b.kept[r]) for r in MODES},
+                   working={r: affine(a.working[r], b.working[r]) for r in MODES},
+                   halved={r: affine(a.halved[r], b.halved[r]) for r in MODES},
                    again_flops={r: quadratic(a.again_flops[r], b.again_flops[r]) for r in MODES},
                    fwd_flops=quadratic(a.fwd_flops, b.fwd_flops), bwd_flops=quadratic(a.bwd_flops, b.bwd_flops),
                    edge_saved=affine(a.edge_saved, b.edge_saved))
 
 
 def mode_options(probe: LayerProbe, flops_per_s: float, host_bytes_per_s: float, mlp_chunks: int = 1) -> list[ModeCost]:
-    """Every memory mode of the probed layer as a ``ModeCost`` (one rank's numbers)."""
-    kept = probe.kept
-    rebuilt = {r: max(kept["none"] - kept[r], 0.0) for r in MODES}  # what its backward rebuilds, at once
-    if mlp_chunks > 1:  # a chunked MLP is rebuilt a chunk at a time (under full, inside the rebuilt layer)
-        rebuilt["mlp"] /= mlp_chunks
-        rebuilt["full"] = max(kept["mlp"] - kept["full"], 0.0) + rebuilt["mlp"]
+    """Every memory mode of the probed layer as a ``ModeCost`` (one rank's numbers). What a mode's backward needs
+    beyond what it kept is the probe's measured working set; with the MLP in ``mlp_chunks`` chunks its backward
+    rebuilds and differentiates one chunk at a time: ``a + b / chunks``, from the probes with the MLP whole and
+    in two chunks."""
+    def at_chunks(whole: float, two: float) -> float:
+        return max(2 * two - whole + 2 * (whole - two) / mlp_chunks, 0.0)
+
+    rebuilt = {r: at_chunks(probe.working[r], probe.halved[r]) for r in MODES}
     options = []
     for recompute in MODES:
-        cost = ModeCost(recompute, kept[recompute], 0.0, rebuilt[recompute], probe.again_flops[recompute] / flops_per_s)
+        cost = ModeCost(recompute, probe.kept[recompute], 0.0, rebuilt[recompute],
+                        probe.again_flops[recompute] / flops_per_s)
         options += [cost, with_offload(cost, host_bytes_per_s, probe.fwd_flops / flops_per_s,
                                        probe.bwd_flops / flops_per_s)]
     return options
