@@ -67,6 +67,14 @@ def validate(cfg: ConfigSections) -> None:
         ("model", "kernels"): KERNEL_BACKENDS,
         ("model", "compile_mode"): COMPILE_MODES,
         ("model", "classifier_pooling"): ("cls", "mean"),
+        ("train", "optimizer"): OPTIMIZERS,
+        ("parallel", "pipeline_schedule"): PIPELINE_SCHEDULES,
+        ("parallel", "pipeline_engine"): PIPELINE_ENGINES,
+        ("parallel", "dp_engine"): DP_ENGINES,
+        ("parallel", "mp_grad_reduce"): MP_GRAD_REDUCE,
+        ("parallel", "reshard_after_forward"): RESHARD_AFTER_FORWARD,
+        ("parallel", "fsdp_grad_sync"): FSDP_GRAD_SYNCS,
+        ("parallel", "sp_attention"): SP_ATTENTIONS,
     }
     for (section, key), allowed in choices.items():
         value = getattr(getattr(cfg, section), key)
@@ -119,8 +127,6 @@ def _validate_tp_overlap(cfg: ConfigSections) -> None:
 def _validate_sp_attention(cfg: ConfigSections) -> None:
     """What the SP attention flavours cannot do (resolve_plan checks Ulysses' heads per rank)."""
     p, m = cfg.parallel, cfg.model
-    if p.sp_attention not in SP_ATTENTIONS:
-        raise ConfigError(f"config key 'sp_attention': '{p.sp_attention}' is not one of {', '.join(SP_ATTENTIONS)}")
     if p.sp_attention == "allgather":
         return
     att = methods(cfg)[0]
@@ -244,8 +250,6 @@ def _validate_activation_memory(cfg: ConfigSections) -> None:
 
 def _validate_precision_and_steps(cfg: ConfigSections) -> None:
     t = cfg.train
-    if t.optimizer not in OPTIMIZERS:
-        raise ConfigError(f"config key 'optimizer': '{t.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
     if not 0.0 <= t.sgd_momentum < 1.0:
         raise ConfigError(f"config key 'sgd_momentum' must be in [0, 1), got {t.sgd_momentum}")
     if t.grad_reduce_dtype not in ("float32", t.dtype):
@@ -270,17 +274,6 @@ def _validate_dp_pp(cfg: ConfigSections) -> None:
     for key in ("dp_size", "pp_size", "num_microbatches"):
         if getattr(p, key) < 1:
             raise ConfigError(f"config key '{key}' must be at least 1, got {getattr(p, key)}")
-    if p.pipeline_schedule not in PIPELINE_SCHEDULES:
-        raise ConfigError(f"config key 'pipeline_schedule': '{p.pipeline_schedule}' is not one of "
-                          f"{', '.join(PIPELINE_SCHEDULES)}")
-    if p.pipeline_engine not in PIPELINE_ENGINES:
-        raise ConfigError(f"config key 'pipeline_engine': '{p.pipeline_engine}' is not one of "
-                          f"{', '.join(PIPELINE_ENGINES)}")
-    if p.dp_engine not in DP_ENGINES:
-        raise ConfigError(f"config key 'dp_engine': '{p.dp_engine}' is not one of {', '.join(DP_ENGINES)}")
-    if p.mp_grad_reduce not in MP_GRAD_REDUCE:
-        raise ConfigError(f"config key 'mp_grad_reduce': '{p.mp_grad_reduce}' is not one of "
-                          f"{', '.join(MP_GRAD_REDUCE)}")
     if p.zero_stage not in (1, 2):
         raise ConfigError(f"config key 'zero_stage' must be 1 or 2, got {p.zero_stage}")
     _validate_fsdp(cfg)
@@ -312,15 +305,9 @@ def _validate_fsdp(cfg: ConfigSections) -> None:
     """What torch's fully_shard (``dp_engine: fsdp2``, ``mp_grad_reduce: fsdp``) cannot be combined with."""
     p = cfg.parallel
     fsdp2, mp_fsdp = p.dp_engine == "fsdp2", p.mp_grad_reduce == "fsdp"
-    if p.reshard_after_forward not in RESHARD_AFTER_FORWARD:
-        raise ConfigError(f"config key 'reshard_after_forward': '{p.reshard_after_forward}' is not one of "
-                          f"{', '.join(RESHARD_AFTER_FORWARD)}")
     if p.reshard_after_forward != "default" and not (fsdp2 or mp_fsdp):
         raise ConfigError("config key 'reshard_after_forward' applies to FSDP only; set dp_engine fsdp2 or "
                           "mp_grad_reduce fsdp, or drop it")
-    if p.fsdp_grad_sync not in FSDP_GRAD_SYNCS:
-        raise ConfigError(f"config key 'fsdp_grad_sync': '{p.fsdp_grad_sync}' is not one of "
-                          f"{', '.join(FSDP_GRAD_SYNCS)}")
     if p.fsdp_grad_sync != "every_micro_batch" and not (fsdp2 or mp_fsdp):
         raise ConfigError("config key 'fsdp_grad_sync' applies to FSDP only; set dp_engine fsdp2 or "
                           "mp_grad_reduce fsdp, or drop it")
