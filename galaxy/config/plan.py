@@ -30,8 +30,8 @@ class Plan:
 
     @property
     def name(self) -> str:
-        for name, methods in PLAN_PRESETS.items():
-            if methods == (self.att, self.con, self.mlp):
+        for name, preset in PLAN_PRESETS.items():
+            if preset == (self.att, self.con, self.mlp):
                 return name
         return f"att={self.att.value},con={self.con.value},mlp={self.mlp.value}"
 
