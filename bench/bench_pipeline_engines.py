@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.bench_coc import git_commit  # noqa: E402
-from bench.bench_plans import causal_lm_data  # noqa: E402
+from bench.bench_plans import StepTimer, causal_lm_data  # noqa: E402
 from galaxy.config import DistributedConfig, GalaxyConfig, parse_override  # noqa: E402
 from galaxy.core.context import ParallelContext  # noqa: E402
 from galaxy.data.pretraining import mlm_data  # noqa: E402
@@ -53,20 +53,12 @@ def run(args, ctx: ParallelContext, engine: str, schedule: str) -> dict:
     cfg = config_for(args, engine, schedule)
     batch_at = causal_lm_data(cfg) if cfg.model.model_type == "llama" else mlm_data(cfg)[0]
     model = build_model(cfg, cfg.resolve_plan(ctx.mp.size), ctx)
-    times, last = [], [0.0]
-
-    def on_step(step: int, loss: float) -> None:
-        now = time.perf_counter()
-        if step > args.warmup:
-            times.append(now - last[0])
-        last[0] = now
-
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
-    last[0] = time.perf_counter()
-    result = train(model, batch_at, cfg, ctx, progress=False, on_step=on_step)
+    timer = StepTimer(args.warmup)
+    result = train(model, batch_at, cfg, ctx, progress=False, on_step=timer)
     del model
-    return {"times": times, "losses": result.losses, "bubble": result.bubble_measured,
+    return {"times": timer.times, "losses": result.losses, "bubble": result.bubble_measured,
             "bubble_analytic": result.bubble_analytic}
 
 

@@ -103,6 +103,25 @@ def serial_pair(args, ctx: ParallelContext, **keys):
     return cfg, batch_at, ours, theirs
 
 
+class StepTimer:
+    """An ``on_step`` callback of ``train``: each step's wall time after the first ``warmup`` steps, counted
+    from the step before (the first from ``start``, called on making), and every step's loss."""
+
+    def __init__(self, warmup: int):
+        self.warmup, self.times, self.losses = warmup, [], []
+        self.start()
+
+    def start(self) -> None:
+        self.last = time.perf_counter()
+
+    def __call__(self, step: int, loss: float) -> None:
+        now = time.perf_counter()
+        if step > self.warmup:
+            self.times.append(now - self.last)
+        self.last = now
+        self.losses.append(loss)
+
+
 def run_plan(args, item: str, ctx: ParallelContext) -> dict:
     plan, extra = parse_item(item)
     cfg = config_for(args, "none" if plan == "hf" else plan, extra)
@@ -113,20 +132,12 @@ def run_plan(args, item: str, ctx: ParallelContext) -> dict:
     model = apply_tuning(build_model(cfg, cfg.resolve_plan(ctx.mp.size), ctx), cfg)
     if plan == "hf":
         model = hf_model(cfg.model.model_type, model.config_to_hf(), ctx.device, cfg)
-    times = []
-    last = [time.perf_counter()]
-
-    def on_step(step, loss):
-        now = time.perf_counter()
-        if step > args.warmup:
-            times.append(now - last[0])
-        last[0] = now
-
+    timer = StepTimer(args.warmup)
     if plan == "hf":
-        result = plain_train(model, batch_at, cfg, ctx.device, on_step)
+        result = plain_train(model, batch_at, cfg, ctx.device, timer)
     else:
-        result = train(model, batch_at, cfg, ctx, progress=False, on_step=on_step)
-    times.sort()
+        result = train(model, batch_at, cfg, ctx, progress=False, on_step=timer)
+    times = sorted(timer.times)
     median = times[len(times) // 2]
     tokens = args.batch * args.seq
     peak = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if ctx.device.type == "cuda" else result.peak_mem_mb

@@ -171,7 +171,7 @@ SCENARIOS = {
     # Long sequences (issue 50): LLaMA-3-8B shapes (GQA, 128k vocabulary), 131,072 tokens per optimizer step at
     # 32k and at 128k tokens a sequence, every contender recomputing whole layers (torchtitan's long-context
     # recipe: full activation checkpointing; Galaxy's recompute: full). A local shape table until
-    # galaxy/config.py has a llama-8b preset. ``smoke-long``: the same recipe at tiny shapes, for CPU checks.
+    # galaxy/config/presets.py has a llama-8b preset. ``smoke-long``: the same recipe at tiny shapes, for CPU checks.
     "llama8b-32k": dict(hidden=4096, ffn=14336, heads=32, kv_heads=8, layers=32, seq=32768, global_batch=4,
                         vocab=128256, batch=1, recompute="full"),
     "llama8b-128k": dict(hidden=4096, ffn=14336, heads=32, kv_heads=8, layers=32, seq=131072, global_batch=1,

@@ -125,7 +125,7 @@ def largest_tensors(args, seq: int, mode: str, device: torch.device) -> list:
 
 def measure(args, seq: int, mode: str, device: torch.device) -> dict:
     """``mode`` (a layer memory mode for every layer, or ``auto`` within ``--budget_gib``) trained at ``seq``."""
-    from bench.bench_plans import causal_lm_data
+    from bench.bench_plans import StepTimer, causal_lm_data
     from galaxy.core.context import ParallelContext
     from galaxy.peft import apply_tuning, build_base
     from galaxy.planner.activation import resolve_activation_memory
@@ -138,23 +138,15 @@ def measure(args, seq: int, mode: str, device: torch.device) -> dict:
     else:
         cfg = config(args, seq, layer_memory=[mode] * config(args, seq).model.num_hidden_layers)
     row = {"seq": seq, "mode": mode, "layer_memory": cfg.model.layer_memory}
-    times, losses = [], []
-    last = [time.perf_counter()]
-
-    def on_step(step, loss):
-        now = time.perf_counter()
-        if step > args.warmup:
-            times.append(now - last[0])
-        last[0] = now
-        losses.append(loss)
-
+    timer = StepTimer(args.warmup)
+    times, losses = timer.times, timer.losses
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     try:
         model = apply_tuning(build_base(cfg, None, ctx), cfg)
         if args.memory_history:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
-        train(model, causal_lm_data(cfg), cfg, ctx, progress=False, on_step=on_step)
+        train(model, causal_lm_data(cfg), cfg, ctx, progress=False, on_step=timer)
         if args.memory_history:
             os.makedirs(args.memory_history, exist_ok=True)
             path = os.path.join(args.memory_history, f"{args.quantize}_{seq}_{mode}.pickle")

@@ -410,7 +410,8 @@ def reduction_acts(methods: tuple[Method, Method, Method], mp_grad_reduce: str) 
 
 
 def runs_with(dp_engine: str, mp_grad_reduce: str) -> bool:
-    """Whether the config takes this dp engine with this mp gradient reduction (``GalaxyConfig._validate_fsdp``)."""
+    """Whether the config takes this dp engine with this mp gradient reduction
+    (``galaxy.config.checks._validate_fsdp``)."""
     return not ((dp_engine == "fsdp2" and mp_grad_reduce in ("overlap", "sharded"))
                 or (dp_engine in ("zero1", "deepspeed") and mp_grad_reduce == "fsdp"))
 

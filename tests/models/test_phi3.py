@@ -1,22 +1,18 @@
 """Phi-3 (one folder, galaxy/models/phi3, and one registry line) against ``transformers.Phi3ForCausalLM``
-on the same weights in float64: equal logits and loss loading HF's directory (GQA, padding, tied and
-untied embeddings), HF loading ours, our loader reading ours, greedy ``generate`` token for token; the
-fused weights' layouts convert both ways; every plan (none, TP, SP, Galaxy, Galaxy2, mixed; even and
+on the same weights in float64 (equal logits and loss, saved directories both ways and greedy ``generate``:
+tests/models/test_variants_hf.py); the fused weights' layouts convert both ways; every plan (none, TP, SP, Galaxy, Galaxy2, mixed; even and
 uneven splits, 2-4 ranks) trains equal to the serial model in float64, CoC and recompute included, and
 generates what it generates; what Galaxy's Phi-3 does not compute is refused by name."""
-
-import json
 
 import pytest
 import torch
 
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.models import check_config, family
-from galaxy.models.generation import generate
 from galaxy.models.phi3.model import Phi3ForCausalLM
 from galaxy.models.phi3.hf import qkv_from_groups, qkv_to_groups
 from tests.core import test_llama_equivalence as llama_eq
-from tests.models.test_llama import VOCAB, batch  # 3 rows of 10 tokens, right and left padding
+from tests.models.test_llama import VOCAB
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,57 +29,6 @@ def hf_phi3(**kw):
                                               max_position_embeddings=64, initializer_range=0.2, pad_token_id=None,
                                               bos_token_id=None, eos_token_id=None), **kw))
     return transformers.Phi3ForCausalLM(cfg).double().eval()
-
-
-@pytest.fixture(scope="module", params=["untied", "tied"])
-def pair(request, tmp_path_factory):
-    """(HF model, ours loaded from its saved directory)."""
-    hf = hf_phi3(tie_word_embeddings=request.param == "tied")
-    path = str(tmp_path_factory.mktemp(request.param))
-    hf.save_pretrained(path)
-    return hf, Phi3ForCausalLM.from_pretrained(path).double().eval()
-
-
-@torch.no_grad()
-def test_logits_and_loss_equal_hf(pair):
-    hf, ours = pair
-    assert ours.config.model_type == "phi3" and isinstance(ours, family("phi3"))
-    assert {n for n, _ in ours.named_parameters()} == {n for n, _ in hf.named_parameters()}
-    ids, mask = batch()
-    valid = mask.bool()  # padded queries are undefined in both; compare real tokens
-    torch.testing.assert_close(ours(ids).logits, hf(ids).logits, rtol=0, atol=ATOL)
-    torch.testing.assert_close(ours(ids, attention_mask=mask).logits[valid],
-                               hf(ids, attention_mask=mask).logits[valid], rtol=0, atol=ATOL)
-    labels = ids.masked_fill(~valid, -100)
-    want = hf(ids, attention_mask=mask, labels=labels).loss
-    assert abs(ours(ids, attention_mask=mask, labels=labels).loss.item() - want.item()) < ATOL
-
-
-@torch.no_grad()
-def test_save_pretrained_loads_in_transformers_and_in_galaxy(pair, tmp_path):
-    hf, ours = pair
-    ours.save_pretrained(str(tmp_path))
-    with open(tmp_path / "config.json") as f:
-        saved = json.load(f)
-    assert saved["model_type"] == "phi3" and saved["architectures"] == ["Phi3ForCausalLM"]
-    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).double().eval()
-    assert type(back) is transformers.Phi3ForCausalLM
-    for name, p in hf.named_parameters():  # HF's own layout, bit for bit
-        assert torch.equal(dict(back.named_parameters())[name], p), name
-    ids, mask = batch()
-    assert torch.equal(back(ids, attention_mask=mask).logits, hf(ids, attention_mask=mask).logits)
-    again = Phi3ForCausalLM.from_pretrained(str(tmp_path)).double().eval()
-    assert torch.equal(again(ids).logits, ours(ids).logits)
-
-
-def test_greedy_generate_equals_hf(pair):
-    hf, ours = pair
-    ids, _ = batch()
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding, as generation pads
-    want = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
-    assert torch.equal(generate(ours, ids, 8, attention_mask=mask), want)
-    assert torch.equal(generate(ours, ids, 8, attention_mask=mask, use_cache=False), want)
 
 
 def test_the_fused_layouts_convert_both_ways():

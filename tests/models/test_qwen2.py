@@ -1,11 +1,9 @@
-"""Qwen2 against ``transformers.Qwen2ForCausalLM`` on the same weights (random q/k/v biases): equal
-logits and loss loading HF's directory and HF loading ours, greedy ``generate`` token for token;
+"""Qwen2 against ``transformers.Qwen2ForCausalLM`` on the same weights (random q/k/v biases; equal logits,
+loss, saved directories and greedy ``generate``: tests/models/test_variants_hf.py); a sliding window refused;
 every plan (TP, SP, Galaxy, Galaxy2, mixed, uneven splits, 2 and 3 ranks) equal to the serial
 model in float64, loss, logits and every gradient, and so is LoRA on it; LoRA files crossing to
 and from HF ``peft`` with equal logits; the planner's parameter counts equal the model's, and its
 profiler times Qwen2's blocks."""
-
-import json
 
 import numpy as np
 import pytest
@@ -56,57 +54,6 @@ def padded_batch(vocab=VOCAB):
     mask[1, SEQ - 3:] = 0  # right padding
     mask[2, :2] = 0  # left padding
     return ids, mask
-
-
-@pytest.fixture(scope="module", params=["untied", "tied"])
-def pair(request, tmp_path_factory):
-    """(HF model, ours loaded from its saved directory)."""
-    hf = hf_qwen2(tie_word_embeddings=request.param == "tied")
-    path = str(tmp_path_factory.mktemp(request.param))
-    hf.save_pretrained(path)
-    return hf, Qwen2ForCausalLM.from_pretrained(path).eval()
-
-
-# ----------------------------------------------------------------------------- transformers on the same weights
-
-
-@torch.no_grad()
-def test_logits_and_loss_equal_hf(pair):
-    hf, ours = pair
-    assert ours.config.model_type == "qwen2" and ours.config.qkv_bias
-    assert {n for n, _ in ours.named_parameters()} == {n for n, _ in hf.named_parameters()}
-    ids, mask = padded_batch()
-    valid = mask.bool()
-    torch.testing.assert_close(ours(ids, attention_mask=mask).logits[valid],
-                               hf(ids, attention_mask=mask).logits[valid], rtol=0, atol=ATOL)
-    labels = ids.masked_fill(~valid, -100)
-    want = hf(ids, attention_mask=mask, labels=labels).loss
-    assert abs(ours(ids, attention_mask=mask, labels=labels).loss.item() - want.item()) < ATOL
-
-
-@torch.no_grad()
-def test_save_pretrained_loads_in_transformers(pair, tmp_path):
-    hf, ours = pair
-    ours.save_pretrained(str(tmp_path))
-    with open(tmp_path / "config.json") as f:
-        saved = json.load(f)
-    assert saved["model_type"] == "qwen2" and saved["architectures"] == ["Qwen2ForCausalLM"]
-    assert "attention_bias" not in saved and saved["use_sliding_window"] is False
-    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
-    assert type(back) is transformers.Qwen2ForCausalLM
-    ids, mask = padded_batch()
-    assert torch.equal(back(ids, attention_mask=mask).logits, hf(ids, attention_mask=mask).logits)
-    assert torch.equal(Qwen2ForCausalLM.from_pretrained(str(tmp_path))(ids).logits, ours(ids).logits)
-
-
-def test_greedy_generate_equals_hf(pair):
-    hf, ours = pair
-    ids, _ = padded_batch()
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding, as generation pads
-    want = hf.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
-    assert torch.equal(generate(ours, ids, 10, attention_mask=mask), want)
-    assert torch.equal(ours.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False), want)
 
 
 def test_sliding_window_is_refused_and_the_familys_tiny_config_builds():
