@@ -262,7 +262,7 @@ def device_rate(cfg: GalaxyConfig, device: torch.device) -> float:
     if peak is None and device.type == "cuda":
         from galaxy.profiler.devices import lookup_peak_tflops
 
-        peak = lookup_peak_tflops(torch.cuda.get_device_name(device), cfg.train.dtype)
+        peak = lookup_peak_tflops(torch.cuda.get_device_name(device), getattr(torch, cfg.train.dtype))
     return (peak if peak is not None else CPU_TFLOPS / ACHIEVED_FRACTION) * 1e12 * ACHIEVED_FRACTION
 
 

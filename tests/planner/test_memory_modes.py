@@ -287,6 +287,18 @@ def test_the_memory_model_predicts_the_measured_peak_of_a_step(chunks):
         assert 0.9 <= live.peak / predicted <= 1.06, (mode, live.peak, predicted)
 
 
+def test_a_gpu_is_priced_at_its_peak_in_the_runs_dtype(monkeypatch):
+    """A layer's recompute on an H200 in bf16 is priced at the table's bf16 peak (at the achieved fraction), not
+    at the CPU's rate: the table is keyed "bf16", the config says "bfloat16", and until this was fixed every GPU
+    run of auto priced recompute 5,000x too dear (an H200 at 32k: 128 s a layer to recompute)."""
+    from galaxy.planner.activation import ACHIEVED_FRACTION
+    from galaxy.profiler.devices import lookup_peak_tflops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    cfg = GalaxyConfig.from_dict(dict(RUN, dtype="bfloat16"))
+    assert device_rate(cfg, torch.device("cuda", 0)) == lookup_peak_tflops("H200", "bf16") * 1e12 * ACHIEVED_FRACTION
+
+
 def test_long_context_script_smoke(tmp_path):
     """bench/long_context_memory.py on a CPU: the memory model's rows at two lengths (kept bytes growing with
     them), the auto pick, and the largest tensors of one eager step (the vocabulary-wide logits of the CPU's
