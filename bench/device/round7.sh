@@ -13,7 +13,8 @@
 #   long8  part long's rows with budgets LORA_GIB / QLORA_GIB (default 5.3 / 4.0) under unsloth's 32k peaks
 #          (5,849 / 4,504 MiB in round 7), the SDPA rows of unsloth only (the faster at 32k in every launch)
 #   max    --max_seq on a card capped at MAX_CARD_GIB (default 8) for every contender: Galaxy's compiled LoRA +auto
-#          against unsloth's offloaded checkpointing (SDPA), from 16,384 tokens
+#          against unsloth's offloaded checkpointing (SDPA), from 16,384 tokens (MAX_CONTENDERS: others, e.g.
+#          galaxy-qlora-compiled+auto,unsloth-qlora-gc-sdpa)
 #   prof   part fp8's Galaxy rows and unsloth's xformers row again, each profiled (kernel tables and the step's GPU
 #          time by category in the JSON)
 #   f8prof part f8t's Galaxy rows for none and tensorwise, each with one profiled step
@@ -25,8 +26,8 @@
 #   cd .carry/r7 && bash bench/device/round7.sh start && bash bench/device/round7.sh wait
 #   cd .carry/r7 && bash bench/device/round7.sh wait     # again, at once, until it prints "done"
 # PARTS="fp8 long f8t" (the default) picks and orders the parts; LONG_UNSLOTH_LORA / LONG_UNSLOTH_QLORA narrow the
-# unsloth rows of part long (e.g. to the SDPA path, where a launch measured it the faster at 32k). Each wait copies the JSON so far, the logs and
-# the clocks to $OUT.
+# unsloth rows of part long (e.g. to the SDPA path, where a launch measured it the faster at 32k). Each wait packs
+# the JSON so far, the logs, the clocks and the kernel tables into $OUT/round.tgz.
 set -o pipefail
 source "$(dirname "$0")/detached.sh"
 source "$(dirname "$0")/lora_deps.sh"
@@ -58,7 +59,7 @@ ${LONG_UNSLOTH_QLORA:-unsloth-qlora-gc,unsloth-qlora-gc-sdpa} --json $dir/long32
 galaxy-lora-compiled+auto${LORA_GIB:-5.3},unsloth-lora-gc-sdpa,galaxy-qlora-compiled+auto${QLORA_GIB:-4.0},\
 unsloth-qlora-gc-sdpa --json $dir/long32k_budget.json > $dir/long32k_budget.log 2>&1;" ;;
             max) cmd="$cmd $lora --batch 1 --max_seq --card_gib ${MAX_CARD_GIB:-8} --max_seq_start 16384 \
---contenders galaxy-lora-compiled+auto,unsloth-lora-gc-sdpa --json $dir/max_seq.json > $dir/max_seq.log 2>&1;" ;;
+--contenders ${MAX_CONTENDERS:-galaxy-lora-compiled+auto,unsloth-lora-gc-sdpa} --json $dir/max_seq.json > $dir/max_seq.log 2>&1;" ;;
             prof) mkdir -p "$dir/prof"
                   cmd="$cmd $lora --seq 1024 --batch 8 --steps 10 --warmup 3 --profile $dir/prof --contenders \
 galaxy-lora-fp8-compiled,galaxy-lora-compiled,unsloth-lora --json $dir/fp8_prof.json > $dir/fp8_prof.log 2>&1;" ;;
@@ -76,7 +77,8 @@ galaxy-lora-fp8-compiled,unsloth-lora,unsloth-lora-sdpa --json $dir/fp8_4096.jso
     exit 0
 fi
 [ "$mode" = wait ] && wait_done "$dir" r7 "$polls"
-cp "$dir"/*.json "$dir"/*.log "$dir"/r7.console "$dir"/clocks_r7.csv "${OUT:-/tmp}/" 2>/dev/null
-cp -r "$dir"/prof "$dir"/f8prof "${OUT:-/tmp}/" 2>/dev/null
+# one archive: a call brings back only so many files
+tar czf "${OUT:-/tmp}/round.tgz" -C "$dir" $(cd "$dir" && ls *.json *.log r7.console clocks_r7.csv 2>/dev/null) \
+    $(cd "$dir" && ls -d prof 2>/dev/null) 2>/dev/null
 for f in "$dir"/*.log; do echo "== $(basename "$f")"; grep -v '^ROW\|Warn' "$f" | tail -${TAIL:-8}; done
 [ -e "$dir/r7.done" ] && echo done || echo "still running: call wait again"
