@@ -2,7 +2,9 @@
 # GPU round 7 (one H200; issues 50 and 51), one detached launch of three parts back to back, so the card never
 # idles between them (a session has 30 minutes of device time):
 #   fp8    the fp8 LoRA table: bench_lora's fp8-base rows beside Galaxy's compiled bf16 LoRA and unsloth's LoRA
-#          (both attention paths), Llama-3.2-1B shapes, 1024 x 8, r16 on q/v, 20 timed steps after 3
+#          (both attention paths), Llama-3.2-1B shapes, 1024 x 8, r16 on q/v, 20 timed steps after 3; with two
+#          MLPs recomputed (+mlp2: ~512 MiB, what issue 51's 0.8x memory line needs) and under CUDA graphs (the
+#          profiled fp8 step idles 16.7 ms)
 #   long   LoRA and QLoRA at 32,768 tokens, batch 1: Galaxy's compiled rows with activation_memory auto within the
 #          card (+auto) and within a budget under unsloth's measured peak (+auto<G>), beside unsloth's offloaded
 #          checkpointing (-gc) on both attention paths; 3 timed steps after 1
@@ -47,7 +49,8 @@ if [ "$mode" = start ]; then
     for part in ${PARTS:-fp8 long f8t}; do
         case $part in
             fp8) cmd="$cmd $lora --seq 1024 --batch 8 --steps 20 --warmup 3 --contenders galaxy-lora-compiled,\
-galaxy-lora-fp8-compiled,galaxy-lora-fp8,unsloth-lora,unsloth-lora-sdpa --json $dir/fp8_lora.json > $dir/fp8_lora.log 2>&1;" ;;
+galaxy-lora-fp8-compiled,galaxy-lora-fp8-compiled+mlp2,galaxy-lora-fp8-cudagraphs,galaxy-lora-fp8,unsloth-lora,\
+unsloth-lora-sdpa --json $dir/fp8_lora.json > $dir/fp8_lora.log 2>&1;" ;;
             long) cmd="$cmd $lora --seq 32768 --batch 1 --steps 3 --warmup 1 --contenders galaxy-lora-compiled+auto,\
 galaxy-lora-compiled+auto5.5,${LONG_UNSLOTH_LORA:-unsloth-lora-gc,unsloth-lora-gc-sdpa},galaxy-qlora-compiled+auto,\
 galaxy-qlora-compiled+auto4.2,\
