@@ -494,10 +494,12 @@ def run_child(args, name: str, **override) -> dict:
     values = {**{k: getattr(args, k) for k in CHILD_ARGS}, **override}
     cmd = [sys.executable, os.path.abspath(__file__), "--one", name] + [
         f"--{k}={v}" for k, v in values.items() if v is not None]
-    env = None
+    env = dict(os.environ)
     if unsloth_variant(name) and args.unsloth_path:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [os.path.abspath(args.unsloth_path)] + [x for x in [os.environ.get("PYTHONPATH")] if x]))
+        env["PYTHONPATH"] = os.pathsep.join(
+            [os.path.abspath(args.unsloth_path)] + [x for x in [os.environ.get("PYTHONPATH")] if x])
+    if args.alloc_conf:  # unsloth sets its own only where none is set: this one holds for every contender
+        env["PYTORCH_ALLOC_CONF"] = args.alloc_conf
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if line:
@@ -578,6 +580,9 @@ def main() -> int:
                    help="a card of G GiB (at most this GPU's): every contender's process caps its caching allocator "
                         "at G (torch.cuda.set_per_process_memory_fraction) and +auto plans within G; default: the "
                         "whole card")
+    p.add_argument("--alloc_conf", default=None, metavar="CONF",
+                   help="PYTORCH_ALLOC_CONF for every contender's process, e.g. expandable_segments:True (unsloth "
+                        "sets that on import where none is set; default: each recipe its own)")
     p.add_argument("--model_dir", default=None, help=argparse.SUPPRESS)  # the checkpoint saved once per launch
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", choices=("save_model", "card_gib"), default=None, help=argparse.SUPPRESS)
@@ -623,7 +628,7 @@ def main() -> int:
              "max_seq": args.max_seq and {k: getattr(args, f"max_seq_{k}") for k in ("start", "floor", "limit")},
              "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("GALAXY_COMMIT", "unknown"),
              "versions": versions("transformers", "peft", "accelerate", "bitsandbytes", "liger_kernel", "triton"),
-             "unsloth_path": args.unsloth_path,
+             "unsloth_path": args.unsloth_path, "alloc_conf": args.alloc_conf,
              "mfu": "mfu = (4*N + 12*L*H*S) * tokens / s / peak (LoRA: no weight gradients of the frozen base); "
                     "mfu_causal: 6*L*H*S (galaxy.train.metrics)"}
     summary = best_per_family(rows)

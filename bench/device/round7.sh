@@ -14,7 +14,8 @@
 # Round 8 adds:
 #   long8  part long's rows with budgets LORA_GIB / QLORA_GIB (default 5.3 / 4.0) under unsloth's 32k peaks
 #          (5,849 / 4,504 MiB in round 7), the SDPA rows of unsloth only (the faster at 32k in every launch)
-#   max    --max_seq on a card capped at MAX_CARD_GIB (default 8) for every contender: Galaxy's compiled LoRA +auto
+#   max    --max_seq on a card capped at MAX_CARD_GIB (default 8) for every contender, every one with unsloth's
+#          allocator setting (expandable segments; round 8 gave it to unsloth only): Galaxy's compiled LoRA +auto
 #          against unsloth's offloaded checkpointing (SDPA), from 16,384 tokens (MAX_CONTENDERS: others, e.g.
 #          galaxy-qlora-compiled+auto,unsloth-qlora-gc-sdpa)
 #   prof   part fp8's Galaxy rows and unsloth's xformers row again, each profiled (kernel tables and the step's GPU
@@ -62,6 +63,7 @@ ${LONG_UNSLOTH_QLORA:-unsloth-qlora-gc,unsloth-qlora-gc-sdpa} --json $dir/long32
 galaxy-lora-compiled+auto${LORA_GIB:-5.3},unsloth-lora-gc-sdpa,galaxy-qlora-compiled+auto${QLORA_GIB:-4.0},\
 unsloth-qlora-gc-sdpa --json $dir/long32k_budget.json > $dir/long32k_budget.log 2>&1;" ;;
             max) cmd="$cmd $lora --batch 1 --max_seq --card_gib ${MAX_CARD_GIB:-8} --max_seq_start 16384 \
+--alloc_conf expandable_segments:True \
 --contenders ${MAX_CONTENDERS:-galaxy-lora-compiled+auto,unsloth-lora-gc-sdpa} --json $dir/max_seq.json > $dir/max_seq.log 2>&1;" ;;
             prof) mkdir -p "$dir/prof"
                   cmd="$cmd $lora --seq 1024 --batch 8 --steps 10 --warmup 3 --profile $dir/prof --contenders \
