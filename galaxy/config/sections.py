@@ -57,7 +57,7 @@ class ModelConfig:
     # one mode per model layer: none | selective | mlp | full, each optionally +offload (what the layer still
     # saves for backward is held in host memory, copied during forward and brought back ahead of its backward)
     layer_memory: Optional[list[str]] = None
-    memory_budget_gib: Optional[float] = None  # auto: one device's memory for the run; unset: the device's total
+    memory_budget_gib: Optional[float] = None  # auto: one device's memory for the run; unset: what is free to it
     host_memory_budget_gib: Optional[float] = None  # auto: pinned host memory one rank may offload to
     host_link_gb_per_s: Optional[float] = None  # auto without a profile: the host link's GB/s (unset: a default)
     mlp_chunks: int = 1  # the MLP over this many sequence chunks (with mlp recompute: one chunk rebuilt at a time)

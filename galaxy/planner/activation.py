@@ -306,6 +306,13 @@ def plan_activation_memory(cfg: GalaxyConfig, device: torch.device, stage_layers
     return best[1], best[2]
 
 
+def usable_device_bytes(device: torch.device) -> int:
+    """What this process can hold on a GPU: what is free and what its allocator has reserved (the card's memory
+    less the CUDA context and other processes')."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device)
+
+
 def resolve_activation_memory(cfg: GalaxyConfig, ctx: ParallelContext) -> GalaxyConfig:
     """``cfg`` as it is, or with ``activation_memory: auto`` made into ``layer_memory`` for this run (the same
     plan on every rank: each measures the same serial layer)."""
@@ -316,7 +323,7 @@ def resolve_activation_memory(cfg: GalaxyConfig, ctx: ParallelContext) -> Galaxy
     if m.memory_budget_gib is not None:
         budget = m.memory_budget_gib * 2**30
     elif device.type == "cuda":
-        budget = torch.cuda.get_device_properties(device).total_memory
+        budget = usable_device_bytes(device)
     else:
         raise ConfigError("config key 'activation_memory' is auto, which plans within a device's memory: set "
                           "memory_budget_gib (this device reports none)")

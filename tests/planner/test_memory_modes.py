@@ -299,6 +299,16 @@ def test_a_gpu_is_priced_at_its_peak_in_the_runs_dtype(monkeypatch):
     assert device_rate(cfg, torch.device("cuda", 0)) == lookup_peak_tflops("H200", "bf16") * 1e12 * ACHIEVED_FRACTION
 
 
+def test_without_a_budget_auto_plans_within_what_the_process_can_hold(monkeypatch):
+    """No memory_budget_gib: the budget is what is free on the GPU and what this process's allocator holds,
+    not the card's size (its CUDA context and other processes take part of it)."""
+    from galaxy.planner.activation import usable_device_bytes
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * 2**30, 140 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * 2**30)
+    assert usable_device_bytes(torch.device("cuda", 0)) == 103 * 2**30
+
+
 def test_long_context_script_smoke(tmp_path):
     """bench/long_context_memory.py on a CPU: the memory model's rows at two lengths (kept bytes growing with
     them), the auto pick, and the largest tensors of one eager step (the vocabulary-wide logits of the CPU's
