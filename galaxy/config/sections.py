@@ -60,9 +60,10 @@ class ModelConfig:
     memory_budget_gib: Optional[float] = None  # auto: one device's memory for the run; unset: what is free to it
     host_memory_budget_gib: Optional[float] = None  # auto: pinned host memory one rank may offload to
     host_link_gb_per_s: Optional[float] = None  # auto without a profile: the host link's GB/s (unset: a default)
-    mlp_chunks: int = 1  # the MLP over this many sequence chunks (with mlp recompute: one chunk rebuilt at a time)
+    mlp_chunks: int = 1  # the MLP over this many sequence chunks (auto may raise it; with recompute a chunk at a time)
     fused_gate_up: bool = False  # LLaMA: gate and up in one [2, intermediate, hidden] weight, one matmul
-    kernels: str = "auto"  # auto (per op, the measured winner on the device: galaxy/kernels/_backend.py) | triton | torch
+    # auto (per op, the measured winner on the device: galaxy/kernels/_backend.py) | triton | torch
+    kernels: str = "auto"
     compile: bool = False  # torch.compile each transformer layer (rules: galaxy.core.compile)
     # torch.compile's mode for those layers; reduce-overhead replays each layer's kernels as a CUDA graph
     compile_mode: str = "default"
