@@ -22,6 +22,7 @@ import itertools
 import logging
 import weakref
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -41,8 +42,9 @@ aten = torch.ops.aten
 
 class LiveBytes(TorchDispatchMode):
     """The bytes of the storages ops make on ``device`` while it is on (views and in-place results of existing
-    storages apart) that are still alive: ``now``, and their most at once (``peak``). An allocator-independent
-    measure, the same on every device: what a piece of work allocates beyond what existed before it."""
+    storages apart) that are still alive: ``now``, and their most at once (``peak``): what a piece of work
+    allocates beyond what existed before it, where the device keeps no allocator statistics (a CPU). Kernels'
+    internal workspaces are not op outputs and are not seen."""
 
     def __init__(self, device: torch.device):
         super().__init__()
@@ -67,6 +69,21 @@ class LiveBytes(TorchDispatchMode):
             self.peak = max(self.peak, self.now)
             weakref.finalize(storage, self._freed, key, storage.nbytes())
         return out
+
+
+def peak_allocated(device: torch.device, work: Callable[[], object]) -> int:
+    """The most bytes ``work()`` holds on ``device`` at once beyond what was allocated before it: on a GPU the
+    caching allocator's count (kernels' workspaces included), elsewhere ``LiveBytes``."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        work()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    with LiveBytes(device) as live:
+        work()
+    return live.peak
 
 
 def _heads_of(q: tuple, kv: tuple) -> tuple:
@@ -194,9 +211,7 @@ def probe_at(cfg: GalaxyConfig, device: torch.device, seq: int, rows: int) -> La
             out = run_layer_with_memory_mode(replace(layer.memory_mode, offload=False), layer, layer.compute,
                                              h.detach().requires_grad_(), *rest)
         grad = torch.ones_like(out)
-        with LiveBytes(device) as live:
-            out.backward(grad)
-        (working if chunks == 1 else halved)[recompute] = float(live.peak)
+        (working if chunks == 1 else halved)[recompute] = float(peak_allocated(device, lambda: out.backward(grad)))
     return LayerProbe(seq, kept, working, halved, {r: bwd[r] - bwd["none"] for r in MODES}, fwd, bwd["none"],
                       layer_bytes, all_bytes - 2 * layer_bytes, layer_trainable, all_trainable - 2 * layer_trainable,
                       edge_saved)
