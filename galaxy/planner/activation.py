@@ -160,9 +160,9 @@ def _weights(module: torch.nn.Module) -> tuple[int, int]:
 
 
 def probe_at(cfg: GalaxyConfig, device: torch.device, seq: int, rows: int) -> LayerProbe:
-    """One probe length: a model per recompute mode (a layer's mode is built into it), its second layer run
-    again on the input it got in the model's forward, offloading to count what it keeps, then again keeping it
-    to measure what its backward allocates, with the MLP whole and in two chunks."""
+    """One probe length: a model per recompute mode and MLP chunk count (a layer's mode is built into it), its
+    second layer run on the input that layer got in the first model's forward, offloading to count what it
+    keeps, then again keeping it to measure what its backward allocates."""
     from galaxy.peft import apply_tuning, build_base
 
     dtype = cfg.train.dtype
@@ -172,7 +172,7 @@ def probe_at(cfg: GalaxyConfig, device: torch.device, seq: int, rows: int) -> La
         return torch.autocast(device.type, dtype=getattr(torch, dtype)) if low else contextlib.nullcontext()
 
     ids = torch.randint(1, cfg.model.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(0)).to(device)
-    kept, working, halved, bwd, fwd, edge_saved = {}, {}, {}, {}, 0.0, 0.0
+    kept, working, halved, bwd, fwd, inputs = {}, {}, {}, {}, 0.0, []
     for recompute, chunks in itertools.product(MODES, (1, 2)):
         pc = probe_config(cfg, seq, rows, recompute, chunks)
         model = apply_tuning(build_base(pc, Plan.serial(pc), ParallelContext.serial(device, seed=cfg.train.seed)),
@@ -180,20 +180,22 @@ def probe_at(cfg: GalaxyConfig, device: torch.device, seq: int, rows: int) -> La
         if dtype == "float64":
             model.double()
         layer = [m for m in model.modules() if isinstance(getattr(m, "memory_mode", None), MemoryMode)][1]
-        seen = []
-        hook = layer.register_forward_pre_hook(lambda _, args: seen.append(args))
-        own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-        outside: dict[int, int] = {}
+        if not inputs:  # the first model's forward: the layer's inputs (the same for every model: one seed)
+            own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+            outside: dict[int, int] = {}
 
-        def count(t):  # what autograd saves outside the layers (theirs go to their host stores)
-            if t.untyped_storage().data_ptr() not in own:
-                outside[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
+            def count(t):  # what autograd saves outside the layers (theirs go to their host stores)
+                if t.untyped_storage().data_ptr() not in own:
+                    outside[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
 
-        with autocast(), torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
-            model(input_ids=ids, labels=ids)
-        hook.remove()
-        h, *rest = seen[0]
+            hook = layer.register_forward_pre_hook(lambda _, args: inputs.extend(args))
+            with autocast(), torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+                model(input_ids=ids, labels=ids)
+            hook.remove()
+            edge_saved = float(sum(outside.values()))
+            (layer_bytes, layer_trainable), (all_bytes, all_trainable) = _weights(layer), _weights(model)
+        h, *rest = inputs
         if chunks == 1:
             traffic = OffloadTraffic()
             forward, backward = (FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS) for _ in range(2))
@@ -204,8 +206,7 @@ def probe_at(cfg: GalaxyConfig, device: torch.device, seq: int, rows: int) -> La
                 out.backward(torch.ones_like(out))
             kept[recompute], bwd[recompute] = float(traffic.to_host_bytes), float(backward.get_total_flops())
             if recompute == "none":
-                fwd, edge_saved = float(forward.get_total_flops()), float(sum(outside.values()))
-                (layer_bytes, layer_trainable), (all_bytes, all_trainable) = _weights(layer), _weights(model)
+                fwd = float(forward.get_total_flops())
         # what is kept staying where it was made: the backward's own allocations at their peak
         with autocast():
             out = run_layer_with_memory_mode(replace(layer.memory_mode, offload=False), layer, layer.compute,
