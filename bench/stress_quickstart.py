@@ -5,10 +5,11 @@ Each run works in its own directory under ``--out`` (a rank that dies of a signa
 core dumps are enabled for the runs, ``kernel.core_pattern`` permitting), with ``PYTHONFAULTHANDLER=1`` so a
 rank killed by SIGABRT or SIGSEGV prints every thread's Python stack into the log. A passed run's directory
 is removed; a failed one's is kept. ``--max_steps`` raises the chance per run of a rare fault (the same
-config otherwise); ``--env MALLOC_CHECK_=3`` and the like pass through to the ranks. Exit code: 1 if any
-run failed.
+config otherwise); ``--env KEY=VALUE`` pass through to the ranks (``MALLOC_CHECK_=3`` takes effect on glibc
+2.34+ only with ``LD_PRELOAD=libc_malloc_debug.so.0``; ``LD_PRELOAD=<libasan.so>`` gives ASan's allocator, whose
+checks see writes through intercepted calls). Exit code: 1 if any run failed.
 
-    nice -n 19 python bench/stress_quickstart.py --runs 50
+    nice -n 19 python bench/stress_quickstart.py --runs 50 --stop_on_failure
     nice -n 19 python bench/stress_quickstart.py --runs 20 --jobs 2 --max_steps 2000 --env MALLOC_PERTURB_=165
 """
 
@@ -21,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
@@ -75,23 +77,36 @@ def main() -> int:
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="for the ranks (repeatable)")
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "stress_quickstart"))
     parser.add_argument("--timeout_s", type=float, default=3600.0, help="a run longer than this is killed and counted apart")
+    parser.add_argument("--stop_on_failure", action="store_true", help="start no run after the first that fails")
     args = parser.parse_args()
     bad = [kv for kv in args.env if "=" not in kv]
     if bad:
         parser.error(f"--env {bad[0]}: expected KEY=VALUE")
     os.makedirs(args.out, exist_ok=True)
-    failures, timeouts = [], []
+    failures, timeouts, done = [], [], 0
+    stop = threading.Event()
+
+    def run_unless_stopped(index: int):
+        return None if stop.is_set() else run_once(index, args)
+
     with ThreadPoolExecutor(args.jobs) as pool:
-        for index, code, seconds, why in pool.map(lambda i: run_once(i, args), range(args.runs)):
+        for outcome in pool.map(run_unless_stopped, range(args.runs)):
+            if outcome is None:
+                continue
+            index, code, seconds, why = outcome
+            done += 1
             verdict = "ok" if code == 0 else f"TIMED OUT: {why}" if code is None else f"FAILED (exit {code}): {why}"
             print(f"run {index + 1}/{args.runs}: {seconds:.0f} s, {verdict}", flush=True)
             if code is None:
                 timeouts.append(index)
             elif code:
                 failures.append(index)
+            if code != 0 and args.stop_on_failure:
+                stop.set()
     kept = failures + timeouts
-    print(f"{args.runs - len(kept)} of {args.runs} runs passed; {len(failures)} failed, {len(timeouts)} timed out"
-          + (f": logs and cores kept in {args.out}/run_<n> for n in {sorted(kept)}" if kept else ""), flush=True)
+    print(f"{done - len(kept)} of {done} runs passed ({args.runs} asked); {len(failures)} failed, {len(timeouts)} "
+          "timed out" + (f": logs and cores kept in {args.out}/run_<n> for n in {sorted(kept)}" if kept else ""),
+          flush=True)
     return 1 if kept else 0
 
 

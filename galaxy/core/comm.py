@@ -10,7 +10,7 @@ key ``compile``). Inside a compiled graph the Python around them runs only while
 byte count is a tensor the graph itself advances each time it runs; observers, which time each
 call with a device synchronize, cannot run there (``galaxy.core.compile`` refuses them). The
 point-to-point ``start_exchange`` (ring attention's K/V blocks) is c10d's ``batch_isend_irecv`` and
-runs eagerly only.
+runs eagerly only. On a Gloo group the all-gather is an all-to-all (``_gathered`` says why).
 """
 
 from __future__ import annotations
@@ -36,9 +36,18 @@ def _summed(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
 
 
-def _gathered(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Every rank's ``x`` stacked along dim 0."""
-    return funcol.wait_tensor(_functional_all_gather(x, 0, group))
+def _gathered(x: torch.Tensor, group: dist.ProcessGroup, size: int, by_exchange: bool) -> torch.Tensor:
+    """Every rank's ``x`` stacked along dim 0 (``size`` ranks). ``by_exchange`` (Gloo groups): an all-to-all
+    that sends ``x`` to every rank, the same bytes. Gloo runs a functional all-gather as an ALLGATHER_COALESCED
+    work, and its worker threads write a finished work's name into one std::string of the group without a lock:
+    a 19-character name puts that string on the heap, and two workers finishing together corrupt it (the
+    quickstart's rare heap corruption; docs/design.md, "Gloo's work names"). ALLTOALL fits inline."""
+    if not by_exchange:
+        return funcol.wait_tensor(_functional_all_gather(x, 0, group))
+    n = x.numel()
+    sent = x.reshape(1, n).expand(size, n).reshape(-1)  # x once per destination rank
+    out = funcol.wait_tensor(funcol.all_to_all_single(sent, [n] * size, [n] * size, group))
+    return out.view(size * x.shape[0], *x.shape[1:])
 
 
 def _scattered(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -116,6 +125,13 @@ class Communicator:
     _sent_in_backward: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64),
                                             repr=False, compare=False)
 
+    # Gloo groups all-gather by an all-to-all (``_gathered``); set from the group's backend.
+    _gather_by_exchange: bool = field(init=False, default=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._gather_by_exchange = self.size > 1 and dist.is_initialized() and \
+            dist.get_backend(self.process_group) == dist.Backend.GLOO
+
     @property
     def bytes_sent(self) -> int:
         return int(self._sent) + int(self._sent_in_backward)
@@ -168,8 +184,8 @@ class Communicator:
             local = F.pad(local, (0, 0) * (local.dim() - 1) + (0, piece - local.shape[0]))
         local = local.contiguous()
         nbytes = sum(sizes) * local[0].numel() * x.element_size()
-        out = self.timed("all_gather", nbytes, phase,
-                          lambda: _gathered(local, self.process_group), x.device)
+        gathered = lambda: _gathered(local, self.process_group, self.size, self._gather_by_exchange)  # noqa: E731
+        out = self.timed("all_gather", nbytes, phase, gathered, x.device)
         if any(s != piece for s in sizes):
             out = torch.cat([out[i * piece: i * piece + s] for i, s in enumerate(sizes)])
         return _contiguous(out.movedim(0, dim))
