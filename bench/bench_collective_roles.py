@@ -5,7 +5,9 @@ the cluster profiler's own measurement (``galaxy.planner.profile.measure_group``
 ``STAGGER_S`` late, a different one each round) times each op at ``--mbytes``. Reported per op: the late
 member's time (from its arrival until it leaves), the waiting members' time (until they leave, less the
 wait), and the ratio. On a quiet machine the last member of an all-gather leaves 1.4-1.6x after the others
-while an all-reduce lets them go together, which is why the cost model keeps both roles. A busy host
+while an all-reduce lets them go together, which is why the cost model keeps both roles (measured on c10d's
+all-gather; on Gloo Galaxy's all-gather is an all-to-all since the quickstart's heap corruption, dc70c5b:
+not re-measured). A busy host
 stretches the roles unevenly (a test once saw the all-reduce's two roles 19% apart under load), so the
 test suite asserts only what load cannot change (tests/emulate/test_emulate.py); this measures the gap.
 
