@@ -294,13 +294,13 @@ def chunk_counts(cfg: GalaxyConfig, rows: int) -> list[int]:
     return counts
 
 
-def plan_activation_memory(cfg: GalaxyConfig, device: torch.device, stage_layers: list[int], rows: int,
-                           budget_bytes: float, host_bytes: float = float("inf")) -> tuple[list[str], int]:
+def plan_activation_memory(cfg: GalaxyConfig, device: torch.device, probe: LayerProbe, stage_layers: list[int],
+                           rows: int, budget_bytes: float, host_bytes: float = float("inf")) -> tuple[list[str], int]:
     """The memory mode of every model layer and the MLP's sequence chunks: per pipeline stage (``stage_layers``),
     the fastest mix that fits ``budget_bytes`` on the device and ``host_bytes`` of pinned host memory, over every
     chunk count of ``chunk_counts`` (more chunks rebuild less of the MLP at once, so more mixes fit; among
-    equally fast plans the fewest chunks, since a chunk's matmuls are smaller)."""
-    probe = at_length(*probe_layer(cfg, device, rows), cfg.train.seq_length)
+    equally fast plans the fewest chunks, since a chunk's matmuls are smaller); ``probe``: the run's layer at
+    its sequence length."""
     link = cfg.model.host_link_gb_per_s * 1e9 if cfg.model.host_link_gb_per_s else DEFAULT_HOST_LINK_BYTES_PER_S
     rate = device_rate(cfg, device)
     best, refusal = None, None
@@ -346,7 +346,8 @@ def resolve_activation_memory(cfg: GalaxyConfig, ctx: ParallelContext) -> Galaxy
     host = m.host_memory_budget_gib * 2**30 if m.host_memory_budget_gib is not None else float("inf")
     p = cfg.parallel
     rows = max(cfg.train.global_batch_size // (p.dp_size * p.num_microbatches), 1)
-    modes, chunks = plan_activation_memory(cfg, device, list(cfg.stage_layers()), rows, budget, host)
+    probe = at_length(*probe_layer(cfg, device, rows), cfg.train.seq_length)
+    modes, chunks = plan_activation_memory(cfg, device, probe, list(cfg.stage_layers()), rows, budget, host)
     logger.info("activation_memory auto (%.2f GiB): layer_memory %s, mlp_chunks %d", budget / 2**30, modes, chunks)
     return replace(cfg, model=replace(m, activation_memory="manual", layer_memory=modes, mlp_chunks=chunks,
                                       memory_budget_gib=None, host_memory_budget_gib=None, host_link_gb_per_s=None))

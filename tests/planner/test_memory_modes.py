@@ -15,7 +15,8 @@ from galaxy.config import LAYER_MEMORY_MODES, ConfigError, GalaxyConfig, Method,
 from galaxy.core.context import ParallelContext
 from galaxy.peft import apply_tuning, build_base
 from galaxy.planner.activation import (MIN_CHUNK_TOKENS, LiveBytes, at_length, chunk_counts, device_rate, fixed_bytes,
-                                       mode_options, probe_at, probe_layer, resolve_activation_memory)
+                                       mode_options, plan_activation_memory, probe_at, probe_layer,
+                                       resolve_activation_memory)
 from galaxy.planner.cluster import (DEFAULT_HOST_LINK_BYTES_PER_S, PIECES, AlphaBeta, ClusterProfile, Curve, Piece,
                                     RankProfile)
 from galaxy.planner.memory import ModeCost, choose_layer_memory, plan_layer_memory, stack_bytes
@@ -252,16 +253,14 @@ def test_auto_runs_the_mlp_in_chunks_where_no_whole_mlp_plan_fits():
     assert least(2) < least(1)
     budget = (least(2) + least(1)) / 2
 
-    def auto(budget):
-        return resolve_activation_memory(GalaxyConfig.from_dict(dict(raw, activation_memory="auto",
-                                                                     memory_budget_gib=budget / 2**30)),
-                                         ParallelContext.serial(CPU)).model
-
-    chunked = auto(budget)
+    run = resolve_activation_memory(GalaxyConfig.from_dict(dict(raw, activation_memory="auto",
+                                                                memory_budget_gib=budget / 2**30)),
+                                    ParallelContext.serial(CPU)).model
     options = mode_options(probe, device_rate(cfg, CPU), DEFAULT_HOST_LINK_BYTES_PER_S, 2)
-    assert chunked.mlp_chunks == 2
-    assert chunked.layer_memory == choose_layer_memory(options, 3, budget - fixed_bytes(cfg, probe, 3))
-    assert auto(2**40).mlp_chunks == 1  # everything fits whole
+    assert run.mlp_chunks == 2
+    assert run.layer_memory == choose_layer_memory(options, 3, budget - fixed_bytes(cfg, probe, 3))
+    roomy = plan_activation_memory(cfg, CPU, probe, [3], 1, 2**40)  # everything fits whole
+    assert roomy == (["none"] * 3, 1)
 
 
 @pytest.mark.parametrize("chunks", [1, 4])
