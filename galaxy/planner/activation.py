@@ -122,9 +122,10 @@ OPTIMIZER_BYTES = dict(zip(OPTIMIZERS, (8, 4)))  # per fp32 trainable weight: Ad
 class LayerProbe:
     """One layer of a run at ``seq`` tokens (``rows`` rows): bytes it keeps for backward under each recompute
     mode and bytes its backward allocates beyond them at its peak (``working``: what it rebuilds, the gradients
-    of its activations, its kernels' outputs; ``halved``: the same with the MLP in two chunks), FLOPs of its forward, of its backward and of what each mode runs
-    again in backward; and the model's weights (per layer, the rest), trainable parameters (per layer, the rest)
-    and the activations its embeddings, head and loss save."""
+    of its activations, its kernels' outputs; ``halved``: the same with the MLP in two chunks), FLOPs of its
+    forward, of its backward and of what each mode runs again in backward; and the model's weights (per layer,
+    the rest), trainable parameters (per layer, the rest) and the activations its embeddings, head and loss
+    save."""
 
     seq: int
     kept: dict
