@@ -30,8 +30,9 @@ memory mode and the MLP's sequence chunks chosen by the planner: the long-contex
 LoRA r16 alpha 32 on q_proj / v_proj, dropout 0, random tokens with labels = inputs, fused AdamW lr 1e-4,
 clipping at 1.0; a timed step is forward, backward, clipping and the optimizer step under bf16 autocast
 (Galaxy: its own loop), ended by reading the loss (a device sync). Peak memory is counted from the first
-training step on (building the model is left out, for every contender alike). A contender whose package does not import says so in its row; a contender that
-cannot run (out of memory among the reasons) says why in its row's ``error`` (one line), and the launch goes on.
+training step on (building the model is left out, for every contender alike). A contender whose package does
+not import says so in its row; a contender that cannot run (out of memory among the reasons) says why in its
+row's ``error`` (one line), and the launch goes on.
 Each row states tokens/s and MFU both ways (``mfu``: 4 N + 12 L H S per token, LoRA computing no weight gradient
 of the frozen base; ``mfu_causal``: 6 L H S, the scores a causal kernel computes), and the report's ``summary``
 puts Galaxy's fastest row of each family (bf16, NF4, fp8 base) beside the fastest other row of that family,
@@ -112,7 +113,8 @@ def galaxy_recompute(name: str, budget_gib: Optional[float] = None) -> tuple[str
     m = RECOMPUTE.match(suffix)
     if m is None:
         raise ValueError(f"contender '{name}': the suffix after '+' is a recompute mode and an optional layer "
-                         "count, e.g. +mlp8 (modes: full, selective, mlp), or auto with an optional budget in GiB, e.g. +auto5.5 "
+                         "count, e.g. +mlp8 (modes: full, selective, mlp), or auto with an optional budget in GiB, "
+                         "e.g. +auto5.5 "
                          "(activation_memory: auto)")
     return base, {"recompute": m[1], **({"recompute_num_layers": int(m[2])} if m[2] else {})}
 
