@@ -53,6 +53,12 @@ class BottleneckAdapter(nn.Module):
         self.up = ParallelLinear(bottleneck, hidden_size, True, "whole", rule=rule, **kw)
         self.non_linearity, self.residual = non_linearity, residual
         self.act = NON_LINEARITIES[non_linearity]
+        # A standalone adapter starts valid (ParallelLinear leaves its storage uninitialised);
+        # add_adapters re-draws these per (seed, name) so every plan starts from the serial values.
+        with torch.no_grad():
+            nn.init.normal_(self.down.weight, std=0.02)
+            for p in (self.down.bias, self.up.weight, self.up.bias):
+                p.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.up(self.act(self.down(to_trainable_dtype(x, self.down.weight)))).to(x.dtype)
