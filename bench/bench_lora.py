@@ -279,10 +279,10 @@ def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None, recomput
     out = {}
     if prof is not None:
         with prof:
-            train(model, causal_lm_data(cfg), cfg, ctx, progress=False, on_step=on_step)
+            train(model, causal_lm_data(cfg), cfg, ctx, on_step=on_step)
         out["profile"] = write_profile(prof, args)
     else:
-        train(model, causal_lm_data(cfg), cfg, ctx, progress=False, on_step=on_step)
+        train(model, causal_lm_data(cfg), cfg, ctx, on_step=on_step)
     nbytes, count = frozen_bytes(model)
     return {"times": times, "resident_mib": resident[0], "frozen_bytes_per_param": nbytes / max(count, 1),
             "recompute": cfg.model.recompute, "recompute_num_layers": cfg.model.recompute_num_layers,

@@ -56,7 +56,7 @@ def run(args, ctx: ParallelContext, engine: str, schedule: str) -> dict:
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
     timer = StepTimer(args.warmup)
-    result = train(model, batch_at, cfg, ctx, progress=False, on_step=timer)
+    result = train(model, batch_at, cfg, ctx, on_step=timer)
     del model
     return {"times": timer.times, "losses": result.losses, "bubble": result.bubble_measured,
             "bubble_analytic": result.bubble_analytic}

@@ -136,7 +136,7 @@ def run_plan(args, item: str, ctx: ParallelContext) -> dict:
     if plan == "hf":
         result = plain_train(model, batch_at, cfg, ctx.device, timer)
     else:
-        result = train(model, batch_at, cfg, ctx, progress=False, on_step=timer)
+        result = train(model, batch_at, cfg, ctx, on_step=timer)
     times = sorted(timer.times)
     median = times[len(times) // 2]
     tokens = args.batch * args.seq

@@ -146,7 +146,7 @@ def measure(args, seq: int, mode: str, device: torch.device) -> dict:
         model = apply_tuning(build_base(cfg, None, ctx), cfg)
         if args.memory_history:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
-        train(model, causal_lm_data(cfg), cfg, ctx, progress=False, on_step=timer)
+        train(model, causal_lm_data(cfg), cfg, ctx, on_step=timer)
         if args.memory_history:
             os.makedirs(args.memory_history, exist_ok=True)
             path = os.path.join(args.memory_history, f"{args.quantize}_{seq}_{mode}.pickle")

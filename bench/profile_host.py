@@ -28,7 +28,7 @@ def main():
     args = p.parse_args()
     ctx = ParallelContext.serial("cuda" if torch.cuda.is_available() else "cpu", seed=0)
     cfg, batch_at, ours, theirs = serial_pair(args, ctx, max_steps=args.steps, dtype="bfloat16")
-    runs = {"galaxy": lambda on_step: train(ours, batch_at, cfg, ctx, progress=False, on_step=on_step),
+    runs = {"galaxy": lambda on_step: train(ours, batch_at, cfg, ctx, on_step=on_step),
             "hf": lambda on_step: plain_train(theirs, batch_at, cfg, ctx.device, on_step)}
     for name, run in runs.items():
         times, last = [], [time.perf_counter()]

@@ -21,6 +21,7 @@ from typing import Any, Optional
 from galaxy.config import (COMPUTE_KEYS, KEY_SECTION, MODEL_PRESETS, PLAN_PRESETS, ConfigError, GalaxyConfig,
                            ModelConfig, canonical_keys, parse_override, read_config_file, read_json_object)
 from galaxy.models import check_config, hf_model_class
+from galaxy.train.options import Checkpointing, Reporting
 
 logger = logging.getLogger(__name__)
 
@@ -243,18 +244,19 @@ class RunOptions:
         if not isinstance(getattr(logging, str(self.log_level).upper(), None), int):
             raise ConfigError(f"--log_level '{self.log_level}' is not a logging level; use DEBUG, INFO, WARNING or "
                               "ERROR")
-        if self.save_every < 0:
-            raise ConfigError(f"--save_every must be 0 or positive, got {self.save_every}")
-        if self.keep_last is not None and self.keep_last < 1:
-            raise ConfigError(f"--keep_last must be at least 1, got {self.keep_last}")
-        if not self.save_dir and (self.save_every or self.keep_last is not None):
-            raise ConfigError("--save_every and --keep_last need --save_dir DIR")
         if self.resume == RESUME_LATEST and not self.save_dir:
             raise ConfigError("--resume without a PATH resumes from --save_dir; pass --save_dir DIR or --resume PATH")
-        if self.peak_tflops is not None and not self.peak_tflops > 0:
-            raise ConfigError(f"--peak_tflops must be positive (dense TFLOP/s of one device), got {self.peak_tflops}")
-        if self.profile_json and self.profile_step is None:
-            raise ConfigError("--profile_json needs --profile_step K")
+        self.reporting(), self.checkpointing()  # their checks, before any rank starts
+
+    def reporting(self) -> Reporting:
+        return Reporting(progress=not self.no_progress, metrics_file=self.metrics_file,
+                         tensorboard_dir=self.tensorboard, peak_tflops=self.peak_tflops,
+                         profile_step=self.profile_step, profile_json=self.profile_json)
+
+    def checkpointing(self, resume: Optional[str] = None) -> Checkpointing:
+        """``resume``: the checkpoint ``--resume`` stands for (``resume_path``), None to start afresh."""
+        return Checkpointing(save_dir=self.save_dir, save_every=self.save_every, keep_last=self.keep_last,
+                             resume=resume)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RunOptions":

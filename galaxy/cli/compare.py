@@ -292,7 +292,7 @@ def run_one(job: MethodRun, files, ctx: ParallelContext, world: int) -> dict:
     model.train()
     saved_mb = saved_activation_mb(model, {k: v.to(ctx.device) for k, v in batch_at(0).items()}, amp)
     tuned = replace(cfg, train=replace(cfg.train, eval_every=cfg.train.max_steps, eval_iters=eval_iters))
-    result = train(model, batch_at, tuned, ctx, progress=False, eval_at=eval_at)
+    result = train(model, batch_at, tuned, ctx, eval_at=eval_at)
     key = METRIC[task_of(cfg.model.model_type)][0]
     row = dict(method=method, metric=key, metric_before=before[key], metric_after=result.eval[key],
                eval_loss_before=before["eval_loss"], eval_loss_after=result.eval["eval_loss"],

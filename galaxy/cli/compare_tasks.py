@@ -115,7 +115,7 @@ def pretrained_base(cfg: GalaxyConfig, texts: list[str], steps: int, cache_dir: 
         tok = None
         batch_at = causal_lm_batches(texts, base)
     model = build_model(base, base.resolve_plan(1), ctx)
-    result = train(model, batch_at, base, ctx, progress=False)
+    result = train(model, batch_at, base, ctx)
     logger.info("pretrained base: loss %.3f -> %.3f in %d steps", result.losses[0], result.losses[-1], steps)
     partial = f"{directory}.{os.getpid()}.tmp"
     model.save_pretrained(partial)

@@ -481,11 +481,8 @@ def train_from_args(model, batch_at, cfg: GalaxyConfig, ctx, args: RunOptions, e
         if ctx.rank == 0:
             print(f"resuming from checkpoint '{path}' at step {step} of {cfg.train.max_steps}", flush=True)
 
-    result = train(model, batch_at, cfg, ctx, metrics_file=args.metrics_file, progress=not args.no_progress,
-                   profile_step=args.profile_step, profile_json=args.profile_json, save_dir=args.save_dir,
-                   save_every=args.save_every, resume=resume_path(args), keep_last=args.keep_last, eval_at=eval_at,
-                   tensorboard_dir=args.tensorboard, peak_tflops=args.peak_tflops, on_resume=resumed,
-                   interrupts=Interrupts(args.launcher_pid))
+    result = train(model, batch_at, cfg, ctx, args.reporting(), args.checkpointing(resume_path(args)), eval_at=eval_at,
+                   on_resume=resumed, interrupts=Interrupts(args.launcher_pid))
     if ctx.rank == 0 and result.profile_report is not None:
         print(result.profile_report, flush=True)
     return result

@@ -42,6 +42,7 @@ from galaxy.train.evaluate import evaluate
 from galaxy.train.interrupts import Interrupts, TrainingInterrupted
 from galaxy.train.metrics import PeakFlops, SteadyState, peak_flops_per_device
 from galaxy.train.microbatch import split_rows, without_needless_mask
+from galaxy.train.options import Checkpointing, Reporting
 from galaxy.train.outputs import StepOutputs
 from galaxy.train.precision import LossScaler, first_nonfinite_module, first_nonfinite_parameter
 
@@ -555,58 +556,54 @@ def resume_training(trainer: Trainer, resume: str, on_resume: Optional[Callable[
 
 
 def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, ctx: ParallelContext,
-          metrics_file: Optional[str] = None, progress: bool = True,
-          on_step: Optional[Callable[[int, float], None]] = None, profile_step: Optional[int] = None,
-          profile_json: Optional[str] = None, save_dir: Optional[str] = None, save_every: int = 0,
-          resume: Optional[str] = None, keep_last: Optional[int] = None,
-          eval_at: Optional[Callable[..., dict]] = None, tensorboard_dir: Optional[str] = None,
-          peak_tflops: Optional[float] = None,
+          reporting: Reporting = Reporting(), checkpointing: Checkpointing = Checkpointing(),
+          eval_at: Optional[Callable[..., dict]] = None, on_step: Optional[Callable[[int, float], None]] = None,
           on_resume: Optional[Callable[[str, int], None]] = None,
           interrupts: Optional[Interrupts] = None) -> TrainResult:
     """Run ``cfg.train.max_steps`` optimizer steps; ``batch_at(step)`` returns the step's global batch
     (a batcher that also takes ``shard=(dp_rank, dp_size)`` is asked for this dp rank's rows only).
-    ``model`` is this rank's pipeline stage when ``ctx.pp.size > 1``. ``profile_step`` K (1-based):
-    profile step K (FLOPs, communication; ``result.profile`` / ``result.profile_report``), JSON to
-    ``profile_json`` from rank 0; step K is left out of the throughput numbers.
-    Checkpoints (``galaxy.train.checkpoint``): ``resume`` (a step directory, or a save directory for
-    its newest valid checkpoint) restores everything and continues after its step (``on_resume(path,
-    step)`` is told which checkpoint, on every rank); with ``save_dir``, the ``CheckpointSchedule`` of
-    ``save_every`` N and ``keep_last`` K (``galaxy.train.checkpoint.schedule``).
+    ``model`` is this rank's pipeline stage when ``ctx.pp.size > 1``.
+    ``reporting`` (``galaxy.train.options``): every step's record (loss, tokens/s, tokens/s per device, MFU:
+    ``galaxy.train.metrics``) goes to rank 0's ``StepOutputs`` (progress bar, metrics file, TensorBoard), the
+    steady state (the steps after the warm-up, ``SteadyState``) into the result; its ``profile_step`` K is
+    profiled (``result.profile`` / ``result.profile_report``) and left out of the throughput.
+    ``checkpointing``: its ``resume`` restores everything (``galaxy.train.checkpoint``) and training continues
+    after that step (``on_resume(path, step)`` is told which checkpoint, on every rank); with its ``save_dir``
+    the ``CheckpointSchedule`` checkpointing.
     ``eval_at(i)``: the held-out split's i-th global batch; with ``eval_every`` N, ``eval_iters`` of
     them are evaluated after every N-th step and the last (``galaxy.train.evaluate``).
-    Every step's tokens/s, tokens/s per device and MFU (``galaxy.train.metrics``; MFU against
-    ``peak_tflops``, else the config's, else the table's peak for the GPU, None on CPU) go into the
-    ``StepOutputs`` (``progress`` bar, ``metrics_file``, TensorBoard event files in ``tensorboard_dir``;
-    rank 0), their steady state (the steps after the warm-up, ``galaxy.train.metrics.SteadyState``) into the
-    result.
+    ``on_step(step, loss)`` is called after each step.
     ``interrupts`` (``galaxy.train.interrupts``): SIGINT / SIGTERM stop every rank after the same step,
-    which is saved (with ``save_dir``) before ``TrainingInterrupted`` is raised; no save is written once
+    which is saved (with a ``save_dir``) before ``TrainingInterrupted`` is raised; no save is written once
     the rank's launcher is gone."""
     t = cfg.train
-    if (save_dir or resume) and cfg.parallel.dp_engine == "deepspeed":
+    if (checkpointing.save_dir or checkpointing.resume) and cfg.parallel.dp_engine == "deepspeed":
         raise ConfigError("config key 'dp_engine' is 'deepspeed', whose engine keeps the optimizer state in its own "
                           "format, which checkpoints do not read; use dp_engine 'zero1' or 'ddp' to save or resume")
     with interrupts or nullcontext():
         trainer = make_trainer(model, cfg, ctx)
-        start_step = resume_training(trainer, resume, on_resume) if resume is not None else 0
+        start_step = 0
+        if checkpointing.resume is not None:
+            start_step = resume_training(trainer, checkpointing.resume, on_resume)
         checkpoints = None
-        if save_dir:
+        if checkpointing.save_dir:
             from galaxy.train.checkpoint.schedule import CheckpointSchedule
 
-            checkpoints = CheckpointSchedule(save_dir, save_every, keep_last, t.max_steps,
-                                             asynchronous=t.checkpoint_async_mode == "async",
+            checkpoints = CheckpointSchedule(checkpointing.save_dir, checkpointing.save_every, checkpointing.keep_last,
+                                             t.max_steps, asynchronous=t.checkpoint_async_mode == "async",
                                              before_write=interrupts.check_launcher if interrupts else None)
         profiler = None
-        if profile_step is not None:
+        if reporting.profile_step is not None:
             from galaxy.profiler import StepProfiler
 
-            profiler = StepProfiler(model, ctx, profile_step, json_file=profile_json,
+            profiler = StepProfiler(model, ctx, reporting.profile_step, json_file=reporting.profile_json,
                                     batch=t.global_batch_size, seq_len=t.seq_length)
         amp = lambda: autocast_context(cfg, ctx.device)  # noqa: E731
         amp()  # refuse an unsupported dtype before the first step
-        peak = peak_flops_per_device(ctx.device, t.dtype, peak_tflops if peak_tflops is not None else t.peak_tflops)
-        outputs = StepOutputs(ctx.rank == 0, start_step, t.max_steps, t.log_every, progress, metrics_file,
-                              tensorboard_dir)
+        peak_tflops = reporting.peak_tflops if reporting.peak_tflops is not None else t.peak_tflops
+        peak = peak_flops_per_device(ctx.device, t.dtype, peak_tflops)
+        outputs = StepOutputs(ctx.rank == 0, start_step, t.max_steps, t.log_every, reporting.progress,
+                              reporting.metrics_file, reporting.tensorboard_dir)
         result, steady = TrainResult(), SteadyState(cfg, ctx.world_size, peak)
         model.train()
         batch = None  # the step's rows, read during the step before it
@@ -627,7 +624,7 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
                 if profiler is not None and profiler.after_step(step + 1) is not None:  # a collective at step K
                     result.profile, result.profile_report = profiler.result, profiler.report
                 tokens = batch["input_ids"].numel() * ctx.dp.size
-                profiled = step + 1 == profile_step and t.max_steps > 1  # its hooks slow it down
+                profiled = step + 1 == reporting.profile_step and t.max_steps > 1  # its hooks slow it down
                 rates = steady.add(elapsed, tokens, batch["input_ids"].shape[-1], skip=profiled,
                                    bubble=trainer.last_step.bubble)
                 result.losses.append(loss)

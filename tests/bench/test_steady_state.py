@@ -19,6 +19,7 @@ from galaxy.data.pretraining import mlm_data
 from galaxy.peft import build_base
 from galaxy.profiler.model_flops import training_flops_per_token
 from galaxy.train.loop import train
+from galaxy.train.options import Reporting
 from galaxy.train.metrics import (WARMUP_STEPS, PeakFlops, SteadyState, causal_flops_per_token, model_flops_per_token,
                                   model_matmul_weights)
 
@@ -49,8 +50,8 @@ def test_the_run_summary_times_the_steps_bench_train_times(tmp_path):
     ctx = ParallelContext.serial()
     metrics = tmp_path / "m.jsonl"
     batch_at, _ = mlm_data(cfg)
-    result = train(build_base(cfg, cfg.resolve_plan(1), ctx), batch_at, cfg, ctx, metrics_file=str(metrics),
-                   progress=False, peak_tflops=1.0)
+    result = train(build_base(cfg, cfg.resolve_plan(1), ctx), batch_at, cfg, ctx,
+                   reporting=Reporting(metrics_file=str(metrics), peak_tflops=1.0))
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     timed = bench_timed_indices(WARMUP_STEPS, steps - WARMUP_STEPS)
     assert timed == [WARMUP_STEPS + 1, WARMUP_STEPS + 2, WARMUP_STEPS + 3]

@@ -57,7 +57,7 @@ def test_finetuning_drives_the_loss_down_and_the_model_says_a_trained_answer():
     untrained = greedy_answer(model, tokenizer, target["instruction"], max_new_tokens=40)
     assert not untrained.startswith(target["output"])
 
-    result = train(model, instruction_batches(batcher), cfg, ctx, progress=False)
+    result = train(model, instruction_batches(batcher), cfg, ctx)
 
     losses = result.losses
     assert len(losses) == 150

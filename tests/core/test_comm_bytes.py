@@ -13,6 +13,7 @@ import torch
 from galaxy.config import GalaxyConfig
 from galaxy.models.bert import BertForMaskedLM
 from galaxy.train.loop import train
+from galaxy.train.options import Reporting
 from galaxy.data.pretraining import mlm_data
 
 BERT = dict(vocab_size=64, hidden_size=24, num_hidden_layers=2, num_attention_heads=6, intermediate_size=40,
@@ -99,7 +100,7 @@ def measured_step_bytes(ctx, plan, mode, zero1, path):
                                                        "dp_engine": "zero1" if zero1 else "ddp"})
     ctx.stage_layers = cfg.stage_layers()
     model = BertForMaskedLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=0)
-    train(model, mlm_data(cfg)[0], cfg, ctx, metrics_file=path, progress=False)
+    train(model, mlm_data(cfg)[0], cfg, ctx, reporting=Reporting(metrics_file=path))
     return True
 
 

@@ -171,8 +171,8 @@ def test_deepspeed_zero2_equals_serial():
 
 def train_curve(ctx, case):
     cfg, serial_cfg, model, serial, batch_at = build(ctx, dict(case, max_steps=STEPS))
-    result = train(model, batch_at, cfg, ctx, progress=False)
-    expected = train(serial, batch_at, serial_cfg, ParallelContext.serial(), progress=False).losses
+    result = train(model, batch_at, cfg, ctx)
+    expected = train(serial, batch_at, serial_cfg, ParallelContext.serial()).losses
     return result.losses, expected, result.summary()
 
 

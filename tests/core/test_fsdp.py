@@ -240,7 +240,7 @@ def fp16_run(ctx):
         if engine == "fsdp2":
             case.update(dp_engine="fsdp2", mp_grad_reduce="fsdp")
         cfg, _, model, _, batch_at = build_overriding_train(ctx, case)
-        result = train(model, batch_at, cfg, ctx, progress=False)
+        result = train(model, batch_at, cfg, ctx)
         out[engine] = result.losses, result.skipped_steps
     return out
 

@@ -119,7 +119,7 @@ def train_then_die(rank: int, launch: Launch, payload) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     model = build_model(cfg, cfg.resolve_plan(ctx.mp.size), ctx)
-    train(model, mlm_data(cfg)[0], cfg, ctx, progress=False, on_step=on_step)
+    train(model, mlm_data(cfg)[0], cfg, ctx, on_step=on_step)
 
 
 def test_launcher_names_the_killed_rank_and_stops_the_others(capfd):

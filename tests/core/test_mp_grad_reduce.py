@@ -102,7 +102,7 @@ def fp16_run(ctx, mode):
                                           max_steps=4, mp_grad_reduce=m))
         model = BertForMaskedLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=11)
         batch_at = mlm_data(cfg)[0]
-        result = train(model, batch_at, cfg, ctx, progress=False)
+        result = train(model, batch_at, cfg, ctx)
         losses[m] = result.losses, result.skipped_steps
         params[m] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return losses, params

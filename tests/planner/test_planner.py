@@ -914,7 +914,7 @@ def train_two_steps(ctx, config):
 
     cfg = GalaxyConfig.from_dict(config, {"max_steps": 2})
     model = build_model(cfg, cfg.resolve_plan(ctx.mp.size), ctx)
-    result = train(model, mlm_data(cfg)[0], cfg, ctx, progress=False)
+    result = train(model, mlm_data(cfg)[0], cfg, ctx)
     return result.losses
 
 

@@ -30,6 +30,7 @@ from galaxy.train.checkpoint import legacy
 from galaxy.train.checkpoint import (CheckpointError, export_hf, latest_valid_checkpoint, load_checkpoint, prune,
                                      save_checkpoint)
 from galaxy.train.loop import build_optimizer, lr_lambda, train
+from galaxy.train.options import Checkpointing
 from galaxy.data.pretraining import mlm_data
 
 SMALL = {"model": {"preset": "bert-tiny", "vocab_size": 300, "hidden_size": 32, "num_attention_heads": 4,
@@ -131,7 +132,7 @@ def through_train(ctx, overrides: dict, **kw):
     cfg = GalaxyConfig.from_dict(SMALL, overrides)
     ctx = ctx.with_fresh_streams()
     model = BertForMaskedLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=cfg.train.seed)
-    result = train(model, mlm_data(cfg)[0], cfg, ctx, progress=False, **kw)
+    result = train(model, mlm_data(cfg)[0], cfg, ctx, checkpointing=Checkpointing(**kw))
     return result.losses, {k: v.detach().clone() for k, v in model.named_parameters()}, ctx
 
 
@@ -175,7 +176,7 @@ def test_deepspeed_checkpoints_are_refused():
     ctx = ParallelContext.serial()
     model = BertForMaskedLM(cfg.model, cfg.resolve_plan(1), ctx, seed=0)
     with pytest.raises(ConfigError, match="'dp_engine' is 'deepspeed'.*use dp_engine 'zero1' or 'ddp'"):
-        train(model, mlm_data(cfg)[0], cfg, ctx, progress=False, save_dir="unused")
+        train(model, mlm_data(cfg)[0], cfg, ctx, checkpointing=Checkpointing(save_dir="unused"))
 
 
 # ----------------------------------------------------------------------------- resharding

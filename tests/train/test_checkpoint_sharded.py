@@ -29,6 +29,7 @@ from galaxy.train.checkpoint.files import read_manifest
 from galaxy.train.checkpoint.shards import ShardReader
 from galaxy.train.checkpoint.state import local_optimizer
 from galaxy.train.loop import Trainer, train
+from galaxy.train.options import Checkpointing
 from galaxy.data.pretraining import mlm_data
 from tests.train.test_checkpoint import flip_bytes
 from tests.core.test_dp_pp import BERT, LLAMA, TRAIN, llama_batch_at, rel_err
@@ -66,7 +67,7 @@ def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
 
 def through_train(ctx, case, **kw) -> list[float]:
     cfg, _, model, _, batch_at = build(ctx, case)
-    return train(model, batch_at, cfg, ctx, progress=False, **kw).losses
+    return train(model, batch_at, cfg, ctx, checkpointing=Checkpointing(**kw)).losses
 
 
 def sharded_resume_is_exact(ctx, case, directory):
@@ -401,14 +402,14 @@ def test_async_saves_overlap_the_next_steps_and_resume_exactly(tmp_path):
 
     shards._RankWriter.write_data = after_step_two  # test-only
     try:
-        whole = train(model, batch_at, cfg, ctx, progress=False, save_dir=str(tmp_path), save_every=1,
+        whole = train(model, batch_at, cfg, ctx, checkpointing=Checkpointing(save_dir=str(tmp_path), save_every=1),
                       on_step=lambda step, loss: step == 2 and step_two.set()).losses
     finally:
         shards._RankWriter.write_data = write
     assert sorted(os.listdir(tmp_path)) == ["step_000001", "step_000002", "step_000003"]
     assert all(ckpt_files.verify_checkpoint(str(tmp_path / d)) for d in os.listdir(tmp_path))
     cfg, _, model, _, batch_at = build(ctx, case)
-    resumed = train(model, batch_at, cfg, ctx, progress=False, resume=str(tmp_path / "step_000001")).losses
+    resumed = train(model, batch_at, cfg, ctx, checkpointing=Checkpointing(resume=str(tmp_path / "step_000001"))).losses
     assert resumed == whole[1:]
 
 
@@ -420,7 +421,7 @@ def test_async_save_failure_stops_training_with_one_line(tmp_path):
     cfg, _, model, _, batch_at = build(ctx, dict(plan="none", max_steps=3, checkpoint_async_mode="async"))
     steps = []
     with pytest.raises(CheckpointError, match=r"saving checkpoint '.*step_000001' failed on rank 0: ") as raised:
-        train(model, batch_at, cfg, ctx, progress=False, save_dir=str(not_a_dir), save_every=1,
+        train(model, batch_at, cfg, ctx, checkpointing=Checkpointing(save_dir=str(not_a_dir), save_every=1),
               on_step=lambda step, loss: steps.append(step))
     assert "\n" not in str(raised.value)
     assert steps == [1, 2], "training went on while the first save was pending; the second save waited for it"
@@ -490,7 +491,7 @@ def test_bare_resume_hands_the_save_directory_to_the_load(tmp_path):
     assert resume_path(args) is None
     ctx = ParallelContext.serial()
     cfg, _, model, _, batch_at = build(ctx, dict(plan="none", max_steps=1))
-    train(model, batch_at, cfg, ctx, progress=False, save_dir=str(tmp_path))
+    train(model, batch_at, cfg, ctx, checkpointing=Checkpointing(save_dir=str(tmp_path)))
     assert resume_path(args) == str(tmp_path)
     cfg, _, model, _, _ = build(ctx, dict(plan="none", max_steps=1))
     trainer = Trainer(model, cfg, ctx)

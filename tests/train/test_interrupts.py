@@ -14,6 +14,7 @@ import torch
 from galaxy.core.context import ParallelContext
 from galaxy.train.interrupts import Interrupts, LauncherGone, TrainingInterrupted
 from galaxy.train.loop import train
+from galaxy.train.options import Checkpointing
 from tests.train.test_checkpoint_sharded import build
 
 STEPS = 6
@@ -36,19 +37,19 @@ def interrupt_then_resume(ctx, case, directory, stop_at, signum):
     """The uninterrupted run; the run that one rank's signal stops in step ``stop_at``; the run resumed from
     its checkpoint. Returns (where it stopped, the checkpoint) and asserts the resumed run is the uninterrupted."""
     cfg, _, model, _, batch_at = build(ctx, case)
-    expected = train(model, batch_at, cfg, ctx, progress=False).losses
+    expected = train(model, batch_at, cfg, ctx).losses
     expected_params = params(model)
 
     cfg, _, model, _, batch_at = build(ctx, case)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     with pytest.raises(TrainingInterrupted) as stopped:
-        train(model, batch_at, cfg, ctx, progress=False, save_dir=directory, interrupts=Interrupts(),
+        train(model, batch_at, cfg, ctx, checkpointing=Checkpointing(save_dir=directory), interrupts=Interrupts(),
               on_step=signal_self_at(stop_at, (signum,), rank=ctx.world_size - 1, ctx=ctx))
     assert {s: signal.getsignal(s) for s in handlers} == handlers, "train restores the handlers it replaced"
     assert sorted(os.listdir(directory)) == [f"step_{stop_at:06d}"]
 
     cfg, _, model, _, batch_at = build(ctx, case)
-    resumed = train(model, batch_at, cfg, ctx, progress=False, resume=directory).losses
+    resumed = train(model, batch_at, cfg, ctx, checkpointing=Checkpointing(resume=directory)).losses
     assert resumed == expected[stop_at:], f"resumed losses {resumed} != uninterrupted {expected[stop_at:]}"
     got = params(model)
     differ = [k for k in expected_params if not torch.equal(expected_params[k], got[k])]
@@ -73,7 +74,7 @@ def test_without_a_save_directory_the_interrupt_says_why_nothing_was_saved():
     ctx = ParallelContext.serial()
     cfg, _, model, _, batch_at = build(ctx, dict(plan="none", max_steps=STEPS))
     with pytest.raises(TrainingInterrupted) as stopped:
-        train(model, batch_at, cfg, ctx, progress=False, interrupts=Interrupts(), on_step=signal_self_at(2))
+        train(model, batch_at, cfg, ctx, interrupts=Interrupts(), on_step=signal_self_at(2))
     assert (stopped.value.step, stopped.value.checkpoint, stopped.value.why_not) == (2, None, "no save directory")
 
 
@@ -81,7 +82,7 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
     ctx = ParallelContext.serial()
     cfg, _, model, _, batch_at = build(ctx, dict(plan="none", max_steps=STEPS))
     with pytest.raises(KeyboardInterrupt) as stopped:
-        train(model, batch_at, cfg, ctx, progress=False, save_dir=str(tmp_path), interrupts=Interrupts(),
+        train(model, batch_at, cfg, ctx, checkpointing=Checkpointing(save_dir=str(tmp_path)), interrupts=Interrupts(),
               on_step=signal_self_at(2, (signal.SIGINT, signal.SIGINT)))
     assert not isinstance(stopped.value, TrainingInterrupted)
     assert os.listdir(tmp_path) == [], "no checkpoint: it stopped inside the step"
@@ -93,6 +94,6 @@ def test_a_rank_whose_launcher_is_gone_writes_no_checkpoint(tmp_path):
     not_the_parent = os.getpid()  # this process's launcher, as a rank whose launcher died sees it: not its parent
     steps = []
     with pytest.raises(LauncherGone, match=f"the launcher \\(pid {not_the_parent}\\) that started this rank is gone"):
-        train(model, batch_at, cfg, ctx, progress=False, save_dir=str(tmp_path), save_every=2,
+        train(model, batch_at, cfg, ctx, checkpointing=Checkpointing(save_dir=str(tmp_path), save_every=2),
               interrupts=Interrupts(launcher_pid=not_the_parent), on_step=lambda step, loss: steps.append(step))
     assert steps == [1, 2] and os.listdir(tmp_path) == []

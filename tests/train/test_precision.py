@@ -14,6 +14,7 @@ from galaxy.core.context import ParallelContext
 from galaxy.core.layers import GradRule, grad_rule
 from galaxy.models import build_model
 from galaxy.train.loop import NonFiniteError, Trainer, train
+from galaxy.train.options import Checkpointing, Reporting
 from galaxy.data.pretraining import mlm_data
 
 SMALL = {"model": {"preset": "bert-tiny", "vocab_size": 300, "hidden_size": 32, "num_attention_heads": 4,
@@ -26,7 +27,7 @@ def run(ctx, overrides: dict, metrics: str | None = None, steps: int | None = No
     model = build_model(cfg, cfg.resolve_plan(ctx.mp.size), ctx)
     if prepare is not None:
         prepare(model, ctx)
-    result = train(model, mlm_data(cfg)[0], cfg, ctx, metrics_file=metrics, progress=False)
+    result = train(model, mlm_data(cfg)[0], cfg, ctx, reporting=Reporting(metrics_file=metrics))
     return result, model
 
 
@@ -120,7 +121,7 @@ def nonfinite_stops(ctx):
     model = build_model(cfg, cfg.resolve_plan(ctx.mp.size), ctx)
     PoisonAt(model, TARGET, at=3)
     with pytest.raises(NonFiniteError) as err:
-        train(model, mlm_data(cfg)[0], cfg, ctx, progress=False)
+        train(model, mlm_data(cfg)[0], cfg, ctx)
     return str(err.value)
 
 
@@ -226,12 +227,13 @@ def test_fp16_resume_restores_the_loss_scale(tmp_path):
         return cfg, ctx, build_model(cfg, None, ctx)
 
     cfg, ctx, model = fresh(8)
-    whole = train(model, mlm_data(cfg)[0], cfg, ctx, progress=False, metrics_file=str(tmp_path / "whole.jsonl"))
+    whole = train(model, mlm_data(cfg)[0], cfg, ctx, reporting=Reporting(metrics_file=str(tmp_path / "whole.jsonl")))
     cfg, ctx, model = fresh(4)
-    train(model, mlm_data(cfg)[0], cfg, ctx, progress=False, save_dir=str(tmp_path / "ckpt"), save_every=4)
+    train(model, mlm_data(cfg)[0], cfg, ctx, checkpointing=Checkpointing(save_dir=str(tmp_path / "ckpt"), save_every=4))
     cfg, ctx, model = fresh(8)
-    resumed = train(model, mlm_data(cfg)[0], cfg, ctx, progress=False, resume=str(tmp_path / "ckpt"),
-                    metrics_file=str(tmp_path / "resumed.jsonl"))
+    resumed = train(model, mlm_data(cfg)[0], cfg, ctx,
+                    reporting=Reporting(metrics_file=str(tmp_path / "resumed.jsonl")),
+                    checkpointing=Checkpointing(resume=str(tmp_path / "ckpt")))
     assert resumed.losses == whole.losses[4:]
     scales = [r["loss_scale"] for r in records(str(tmp_path / "whole.jsonl"))]
     assert [r["loss_scale"] for r in records(str(tmp_path / "resumed.jsonl"))] == scales[4:]

@@ -23,6 +23,7 @@ from galaxy.profiler.model_flops import training_flops_per_token
 from galaxy.train.metrics import model_flops_per_token, model_matmul_weights
 from galaxy.train.finetune import DEFAULT_DATA, instruction_batches, match_vocab
 from galaxy.train.loop import train
+from galaxy.train.options import Reporting
 from galaxy.train.metrics import TENSORBOARD_MISSING, peak_flops_per_device
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -100,7 +101,7 @@ def finetune_run(tmp_path, peak_tflops):
     model = build_base(cfg, cfg.resolve_plan(1), ctx)
     metrics = tmp_path / "m.jsonl"
     batch_at = instruction_batches(batcher)
-    result = train(model, batch_at, cfg, ctx, metrics_file=str(metrics), progress=False, peak_tflops=peak_tflops)
+    result = train(model, batch_at, cfg, ctx, reporting=Reporting(metrics_file=str(metrics), peak_tflops=peak_tflops))
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return cfg, batch_at, result, records
 
@@ -123,8 +124,8 @@ def test_cpu_without_a_peak_reports_no_mfu_and_says_why(tmp_path):
     ctx = ParallelContext.serial()
     metrics = tmp_path / "m.jsonl"
     batch_at, _ = mlm_data(cfg)
-    result = train(build_base(cfg, cfg.resolve_plan(1), ctx), batch_at, cfg, ctx, metrics_file=str(metrics),
-                   progress=False)
+    result = train(build_base(cfg, cfg.resolve_plan(1), ctx), batch_at, cfg, ctx,
+                   reporting=Reporting(metrics_file=str(metrics)))
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert len(records) == 2 and all(r["mfu"] is None and r["tokens_per_s_per_gpu"] > 0 for r in records)
     fields = result.summary()

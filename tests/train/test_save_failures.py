@@ -13,6 +13,7 @@ import pytest
 from galaxy.core.context import ParallelContext
 from galaxy.train.checkpoint import CheckpointError, latest_valid_checkpoint
 from galaxy.train.loop import train
+from galaxy.train.options import Checkpointing
 from tests.train.test_checkpoint_sharded import build
 
 
@@ -40,13 +41,13 @@ def small_tmpfs(tmp_path):
 def test_a_save_on_a_file_system_made_read_only_fails_in_one_line(small_tmpfs):
     ctx = ParallelContext.serial()
     cfg, _, model, _, batch_at = build(ctx, dict(plan="none", max_steps=2))
-    train(model, batch_at, cfg, ctx, progress=False, save_dir=str(small_tmpfs))
+    train(model, batch_at, cfg, ctx, checkpointing=Checkpointing(save_dir=str(small_tmpfs)))
     kept = small_tmpfs / "step_000002"
     size = sum(f.stat().st_size for f in kept.iterdir())
     subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
     cfg, _, model, _, batch_at = build(ctx, dict(plan="none", max_steps=3))
     with pytest.raises(CheckpointError) as failed:
-        train(model, batch_at, cfg, ctx, progress=False, save_dir=str(small_tmpfs), resume=str(kept))
+        train(model, batch_at, cfg, ctx, checkpointing=Checkpointing(save_dir=str(small_tmpfs), resume=str(kept)))
     tmp = failed.value.args[0].split("writing '")[1].split("'")[0]
     assert str(failed.value) == (
         f"saving checkpoint '{small_tmpfs / 'step_000003'}' failed: read-only file system (rank 0 writing '{tmp}'); "

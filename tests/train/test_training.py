@@ -22,7 +22,7 @@ def loss_curve(ctx, plan):
     cfg = GalaxyConfig.from_dict(SMALL, {"plan": plan})
     batch_at, _ = mlm_data(cfg)
     model = BertForMaskedLM(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=cfg.train.seed)
-    return train(model, batch_at, cfg, ctx, progress=False).losses
+    return train(model, batch_at, cfg, ctx).losses
 
 
 def test_each_steps_rows_are_read_once_and_in_order():
@@ -37,7 +37,7 @@ def test_each_steps_rows_are_read_once_and_in_order():
         return mlm_batch_at(step)
     ctx = ParallelContext.serial()
     model = BertForMaskedLM(cfg.model, cfg.resolve_plan(1), ctx, seed=cfg.train.seed)
-    losses = train(model, batch_at, cfg, ctx, progress=False).losses
+    losses = train(model, batch_at, cfg, ctx).losses
     assert asked == [0, 1, 2, 3] and len(losses) == 4
 
 
