@@ -71,7 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.bench_plans import causal_lm_data, hf_model  # noqa: E402
+from bench.bench_plans import StepTimer, causal_lm_data, hf_model  # noqa: E402
 from galaxy.config import MODEL_PRESETS, GalaxyConfig  # noqa: E402
 from galaxy.train.metrics import (PeakFlops, causal_flops_per_token, model_flops_per_token,  # noqa: E402
                                   peak_flops_per_device, throughput)
@@ -263,17 +263,15 @@ def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None, recomput
     # as the CLIs: activation_memory auto becomes each layer's memory mode before the model is built
     cfg = resolve_activation_memory(config(args, quantize, compile_mode, recompute), ctx)
     model = apply_tuning(build_model(cfg, None, ctx), cfg)
-    times, last, resident = [], [time.perf_counter()], [None]
     prof = profiler(args)
+    resident = [None]
 
-    def on_step(step, loss):
-        now = time.perf_counter()
-        if step > args.warmup:
-            times.append(now - last[0])
-        last[0], resident[0] = now, resident_mib()
+    def after_step():
+        resident[0] = resident_mib()
         if prof is not None:
             prof.step()
 
+    on_step = StepTimer(args.warmup, after_step)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     out = {}
@@ -284,7 +282,7 @@ def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None, recomput
     else:
         train(model, causal_lm_data(cfg), cfg, ctx, on_step=on_step)
     nbytes, count = frozen_bytes(model)
-    return {"times": times, "resident_mib": resident[0], "frozen_bytes_per_param": nbytes / max(count, 1),
+    return {"times": on_step.times, "resident_mib": resident[0], "frozen_bytes_per_param": nbytes / max(count, 1),
             "recompute": cfg.model.recompute, "recompute_num_layers": cfg.model.recompute_num_layers,
             "layer_memory": cfg.model.layer_memory, "mlp_chunks": cfg.model.mlp_chunks, **out}
 

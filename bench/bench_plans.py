@@ -17,7 +17,7 @@ import json
 import os
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -105,10 +105,11 @@ def serial_pair(args, ctx: ParallelContext, **keys):
 
 class StepTimer:
     """An ``on_step`` callback of ``train``: each step's wall time after the first ``warmup`` steps, counted
-    from the step before (the first from ``start``, called on making), and every step's loss."""
+    from the step before (the first from ``start``, called on making), and every step's loss; ``after()``,
+    when given, runs after each step outside the timed span (a profiler's ``step``, a memory reading)."""
 
-    def __init__(self, warmup: int):
-        self.warmup, self.times, self.losses = warmup, [], []
+    def __init__(self, warmup: int = 0, after: Optional[Callable[[], None]] = None):
+        self.warmup, self.after, self.times, self.losses = warmup, after, [], []
         self.start()
 
     def start(self) -> None:
@@ -118,8 +119,10 @@ class StepTimer:
         now = time.perf_counter()
         if step > self.warmup:
             self.times.append(now - self.last)
-        self.last = now
         self.losses.append(loss)
+        if self.after is not None:
+            self.after()
+        self.last = time.perf_counter()
 
 
 def run_plan(args, item: str, ctx: ParallelContext) -> dict:

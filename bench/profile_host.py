@@ -11,13 +11,12 @@ import io
 import os
 import pstats
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.bench_plans import plain_train, profile_parser, serial_pair  # noqa: E402
+from bench.bench_plans import StepTimer, plain_train, profile_parser, serial_pair  # noqa: E402
 from galaxy.core.context import ParallelContext  # noqa: E402
 from galaxy.train.loop import train  # noqa: E402
 
@@ -31,25 +30,18 @@ def main():
     runs = {"galaxy": lambda on_step: train(ours, batch_at, cfg, ctx, on_step=on_step),
             "hf": lambda on_step: plain_train(theirs, batch_at, cfg, ctx.device, on_step)}
     for name, run in runs.items():
-        times, last = [], [time.perf_counter()]
-
-        def on_step(step, loss):
-            now = time.perf_counter()
-            times.append(now - last[0])
-            last[0] = now
-
-        run(on_step)  # warm-up (allocator, autotuning)
-        times.clear()
+        run(StepTimer())  # warm-up (allocator, autotuning)
+        timer = StepTimer()
         prof = cProfile.Profile()
-        last[0] = time.perf_counter()
+        timer.start()
         prof.enable()
-        run(on_step)
+        run(timer)
         prof.disable()
         out = io.StringIO()
         stats = pstats.Stats(prof, stream=out)
         stats.sort_stats("tottime").print_stats(args.rows)
         stats.sort_stats("cumulative").print_stats(args.rows)
-        median = sorted(times)[len(times) // 2]
+        median = sorted(timer.times)[len(timer.times) // 2]
         text = f"==== {name}: median step {median * 1e3:.1f} ms (under cProfile) ====\n{out.getvalue()}"
         print(text)
         with open(os.path.join(args.out, f"host_{name}.txt"), "w") as f:
