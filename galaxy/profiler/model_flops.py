@@ -22,7 +22,7 @@ Recomputation (activation checkpointing) is not counted: these are model FLOPs, 
 FLOPs; nor is the fused attention kernels' recomputation of the scores in backward, which
 ``torch.utils.flop_counter.FlopCounterMode`` does count (2 * L * H * S more per token). With that
 term taken off, ``FlopCounterMode`` on a real forward and backward of a full-training step counts
-exactly this number (tests/train/test_run_metrics.py).
+exactly this number (tests/train/test_metrics.py).
 
 With parameter-efficient tuning the frozen base takes no weight gradients, so the count is what
 that run needs: ``lora`` / ``adapter``: 4 * N + 12 * L * H * S (forward and input gradients);

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests import REPO
-from tests.train.test_checkpoint_sharded import checkpoint_tensors
+from tests.train.checkpoint.helpers import checkpoint_tensors
 from tests.train.test_save_failures import mounted_tmpfs
 
 TINY = ["--no_progress", "--override", "global_batch_size=4", "--override", "seq_length=16", "--override",

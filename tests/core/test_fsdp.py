@@ -19,7 +19,7 @@ from galaxy.core.grad_sync import gather_full
 from galaxy.core.pipeline import layer_stacks
 from galaxy.train.loop import Trainer, autocast_context, train
 from tests.core.test_dp_pp import RTOL, STEPS, build, rel_err
-from tests.train.test_checkpoint_sharded import build as build_overriding_train
+from tests.train.checkpoint.helpers import build as build_overriding_train
 
 UNEVEN2 = dict(tp_num_attention_heads_list=[6, 2], tp_intermediate_size_list=[15, 25], seq_scatter_list=[7, 5])
 UNEVEN3 = dict(tp_num_attention_heads_list=[1, 3, 2], tp_intermediate_size_list=[10, 20, 10],

@@ -18,7 +18,7 @@ from galaxy.planner.workload import Layout, Splits, Workload
 from galaxy.planner.search import layouts, search
 from galaxy.planner.workload import edge_params, layer_params
 from tests import REPO
-from tests.planner.test_planner import LLAMA, synthetic_cluster
+from tests.planner.helpers import LLAMA, synthetic_cluster
 
 TP, SP, NONE = Method.TP, Method.SP, Method.NONE
 GALAXY = (TP, SP, TP)
@@ -156,7 +156,7 @@ def test_calibration_runs_a_model_of_fewer_layers_and_the_profile_keeps_the_whol
     the profile describes the whole model and predicts its steps from the per-layer pieces."""
     from galaxy.core.context import ParallelContext
     from galaxy.planner import profile
-    from tests.planner.test_planner import model_config
+    from tests.planner.helpers import model_config
 
     m = model_config(LLAMA)
     seen, real = [], profile.measure_serial

@@ -22,7 +22,7 @@ from galaxy.planner.cluster import (DEFAULT_HOST_LINK_BYTES_PER_S, PIECES, Alpha
 from galaxy.planner.memory import ModeCost, choose_layer_memory, plan_layer_memory, stack_bytes
 from galaxy.planner.simulate import predict
 from galaxy.planner.workload import Layout, Splits, Workload
-from tests.planner.test_planner import LLAMA, model_config
+from tests.planner.helpers import LLAMA, model_config
 
 NONE = Method.NONE
 SEQ, ROWS = 8, 2

@@ -25,7 +25,7 @@ from galaxy.planner.workload import Layout, Workload
 from galaxy.planner.search import (METHODS, SplitSearch, beats_setting, compositions, engine_workload,
                                    engine_workloads, layouts, reduction_acts, search)
 from tests import REPO
-from tests.planner.test_planner import BERT, LLAMA, model_config as model_config_of, synthetic_cluster
+from tests.planner.helpers import BERT, LLAMA, model_config as model_config_of, synthetic_cluster
 
 TP, SP, NONE = Method.TP, Method.SP, Method.NONE
 H200X4 = os.path.join(REPO, "docs", "results", "cluster_2026-11-27_1aefcca_h200x4_llama7b.json")

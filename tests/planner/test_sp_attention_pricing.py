@@ -1,7 +1,7 @@
 """The planner prices the SP attention flavours (``sp_attention``: allgather, ring, ulysses) and chooses.
 
 References: the collectives the cost model charges for each flavour are the ones the real model records
-(tests/planner/test_planner.py, ``SP_ATTENTION_PLANS``); a step's bytes hold them; the bounds hold against predictions of sampled
+(tests/planner/test_group.py, ``SP_ATTENTION_PLANS``); a step's bytes hold them; the bounds hold against predictions of sampled
 splits; the search's choice is the flavour the simulator itself prices fastest, on made-up clusters where
 each flavour should win: ring attention where long causal sequences give the attention compute that hides
 its transfers (a slow link, few kv heads), Ulysses where the link is the cost and K/V are as large as Q (no
@@ -19,7 +19,7 @@ from galaxy.planner.group import GroupModel, collectives
 from galaxy.planner.search import SplitSearch, search
 from galaxy.planner.simulate import predict
 from galaxy.planner.workload import Layout, Splits, Workload
-from tests.planner.test_planner import LLAMA, synthetic_cluster
+from tests.planner.helpers import LLAMA, synthetic_cluster
 from tests.planner.test_search_bounds import every_layout, sampled_splits
 
 TP, SP, NONE = Method.TP, Method.SP, Method.NONE

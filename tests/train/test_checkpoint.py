@@ -1,9 +1,11 @@
 """Checkpoints: exact resume (dropout on), resharding between plans, world sizes and optimizers,
-corrupt and interrupted saves, pruning, HF export, format 1 checkpoints, async saves, DCP's own reader.
+corrupt and interrupted saves, pruning, HF export, format 1 checkpoints, async saves, DCP's own reader,
+what each rank verifies when it loads.
 
 The steps are driven by a small local loop built from the pieces the real loop uses
 (``build_optimizer``, ``lr_lambda``, ``GradientSync``, ``clip_grad_norm``, ``mlm_data``), so these
-tests do not depend on the ``Trainer`` API."""
+tests do not depend on the ``Trainer`` API, but for the last, whose pipeline stages train through the
+``Trainer`` (tests/train/checkpoint/helpers.py)."""
 
 from __future__ import annotations
 
@@ -29,9 +31,10 @@ from galaxy.train.checkpoint import files as ckpt_files
 from galaxy.train.checkpoint import legacy
 from galaxy.train.checkpoint import (CheckpointError, export_hf, latest_valid_checkpoint, load_checkpoint, prune,
                                      save_checkpoint)
-from galaxy.train.loop import build_optimizer, lr_lambda, train
+from galaxy.train.loop import Trainer, build_optimizer, lr_lambda, train
 from galaxy.train.options import Checkpointing
 from galaxy.data.pretraining import mlm_data
+from tests.train.checkpoint.helpers import STEPS, build, run_steps
 
 SMALL = {"model": {"preset": "bert-tiny", "vocab_size": 300, "hidden_size": 32, "num_attention_heads": 4,
                    "intermediate_size": 64, "num_hidden_layers": 2, "hidden_dropout_prob": 0.1,
@@ -653,3 +656,51 @@ def test_export_hf_splits_llamas_fused_gate_up(tmp_path):
     assert set(hf_params) == set(expected)
     for name, value in expected.items():
         assert torch.equal(hf_params[name], value), name
+
+
+def pipeline_case():
+    return dict(model="llama", pp_size=2, plan="none", tie_word_embeddings=False, num_microbatches=2)
+
+
+def save_pipeline(ctx, directory):
+    cfg, _, model, _, batch_at = build(ctx, dict(pipeline_case(), max_steps=STEPS))
+    trainer = Trainer(model, cfg, ctx)
+    for step in (1, 2):
+        run_steps(trainer, batch_at, step - 1, step)
+        save_checkpoint(directory, step, model, trainer.optimizer, trainer.schedule, ctx, cfg)
+    trainer.grad_sync.remove()
+    return True
+
+
+def load_counting_hashes(ctx, directory):
+    """Load from the save directory, recording which files this rank hashes (test-only wrapper)."""
+    hashed, file_entry = [], ckpt_files.file_entry
+
+    def counting(path):
+        hashed.append(os.path.relpath(path, directory))
+        return file_entry(path)
+
+    ckpt_files.file_entry = counting
+    try:
+        cfg, _, model, _, _ = build(ctx, dict(pipeline_case(), max_steps=STEPS))
+        trainer = Trainer(model, cfg, ctx)
+        state = load_checkpoint(directory, model, trainer.optimizer, trainer.schedule, ctx, cfg)
+        trainer.grad_sync.remove()
+    finally:
+        ckpt_files.file_entry = file_entry
+    return os.path.basename(state.path), hashed
+
+
+def test_each_rank_hashes_only_the_files_it_reads(dist_pool, tmp_path):
+    """Two pipeline stages write disjoint files; resuming from the save directory, each rank hashes its
+    own shard file (and the JSON files) once, never the other stage's. Damage in the file only rank 1
+    reads makes every rank skip that checkpoint for the older one."""
+    dist_pool.run(save_pipeline, 2, str(tmp_path), pp=2)
+    for rank, (step, hashed) in enumerate(dist_pool.run(load_counting_hashes, 2, str(tmp_path), pp=2)):
+        assert step == "step_000002"
+        assert sorted(hashed) == sorted([f"step_000002/__{rank}_0.distcp", "step_000002/state.json",
+                                         "step_000002/rng.json"]), hashed
+    flip_bytes(str(tmp_path / "step_000002" / "__1_0.distcp"))
+    for rank, (step, hashed) in enumerate(dist_pool.run(load_counting_hashes, 2, str(tmp_path), pp=2)):
+        assert step == "step_000001", "every rank fell back to the older checkpoint"
+        assert "step_000002/__1_0.distcp" not in hashed if rank == 0 else "step_000002/__0_0.distcp" not in hashed

@@ -3,7 +3,7 @@ AdamW states are saved as regions of the full parameters (the TP shard's offsets
 so a run resumed under the same layout repeats the uninterrupted run bit for bit, and a checkpoint
 moves between FSDP and the other engines, dp x mp layouts and plans with weights, moments and step
 counts equal to the serial model trained as many steps (float64, 1e-9), the next steps giving the
-serial model's losses. The harness is tests/train/test_checkpoint_sharded.py's."""
+serial model's losses. The harness is tests/train/checkpoint/helpers.py's."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import pytest
 from galaxy.core.fsdp import fsdp_axes, is_dtensor
 from galaxy.train.checkpoint import load_checkpoint
 from galaxy.train.loop import Trainer
+from tests.core.test_dp_pp import rel_err
 from tests.core.test_fsdp import full
-from tests.train.test_checkpoint_sharded import (SAVED_AT, STEPS, TOL, build, rel_err, run_steps, saved_runs,
-                                                 serial_reference, sharded_resume_is_exact)
+from tests.train.checkpoint.helpers import (SAVED_AT, STEPS, TOL, build, run_steps, saved_runs, serial_reference,
+                                            sharded_resume_is_exact)
 
 FSDP_DP2_GALAXY2 = dict(plan="galaxy2", dp_size=2, dp_engine="fsdp2", mp_grad_reduce="fsdp")
 UNEVEN3 = dict(plan="galaxy2", tp_num_attention_heads_list=[1, 3, 2], tp_intermediate_size_list=[10, 20, 10],

@@ -1,7 +1,7 @@
 """``train`` with ``Interrupts``: SIGINT or SIGTERM during a step stops every rank after that step, the
 checkpoint schedule saves it, and the run resumed from it repeats the uninterrupted one bit for bit
 (float64); a second SIGINT stops at once; a rank whose launcher is gone writes nothing. The harness is
-test_checkpoint_sharded's (a tiny float64 BERT)."""
+tests/train/checkpoint/helpers.py's (a tiny float64 BERT)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from galaxy.core.context import ParallelContext
 from galaxy.train.interrupts import Interrupts, LauncherGone, TrainingInterrupted
 from galaxy.train.loop import train
 from galaxy.train.options import Checkpointing
-from tests.train.test_checkpoint_sharded import build
+from tests.train.checkpoint.helpers import build
 
 STEPS = 6
 

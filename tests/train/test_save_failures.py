@@ -14,7 +14,7 @@ from galaxy.core.context import ParallelContext
 from galaxy.train.checkpoint import CheckpointError, latest_valid_checkpoint
 from galaxy.train.loop import train
 from galaxy.train.options import Checkpointing
-from tests.train.test_checkpoint_sharded import build
+from tests.train.checkpoint.helpers import build
 
 
 @contextlib.contextmanager

@@ -1,12 +1,12 @@
-"""Checkpoints of ``mp_grad_reduce: sharded`` runs, async saves in the training loop, and what each rank
-verifies when it loads.
+"""Checkpoints of ``mp_grad_reduce: sharded`` runs (``galaxy.train.checkpoint.regions``).
 
 The sharded weights' masters and AdamW states live in flat pieces of buckets spread over the mp ranks;
 a checkpoint holds them as regions of the full parameters. So a run resumed under the same plan repeats
 the uninterrupted run bit for bit (float64 and bfloat16 autocast, whose fp32 masters exist only in the
 pieces; DP x mp with ZeRO-1, and pipelines, too), and a checkpoint moves between plans, world sizes and
 modes with weights, moments, step counts and pieces equal to the serial model trained as many steps.
-The harness (tiny BERT / LLaMA, float64) is tests/test_dp_pp.py's."""
+Missing regions and a sharded optimizer saved without its layout are refused in one line. The harness
+(tiny BERT / LLaMA, float64) is tests/core/test_dp_pp.py's, through tests/train/checkpoint/helpers.py."""
 
 from __future__ import annotations
 
@@ -17,73 +17,20 @@ import shutil
 import pytest
 import torch
 
-from galaxy.config import KEY_SECTION, GalaxyConfig
-from galaxy.core.context import ParallelContext
 from galaxy.core.grad_sync import gather_full
 from galaxy.core.layers import shard_spec
-from galaxy.models.bert import BertForMaskedLM
-from galaxy.models.llama import LlamaForCausalLM
-from galaxy.train.checkpoint import (CheckpointError, latest_valid_checkpoint, load_checkpoint, save_checkpoint,
-                                     files as ckpt_files)
-from galaxy.train.checkpoint.files import read_manifest
-from galaxy.train.checkpoint.shards import ShardReader
+from galaxy.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from galaxy.train.checkpoint.state import local_optimizer
-from galaxy.train.loop import Trainer, train
-from galaxy.train.options import Checkpointing
-from galaxy.data.pretraining import mlm_data
-from tests.train.test_checkpoint import flip_bytes
-from tests.core.test_dp_pp import BERT, LLAMA, TRAIN, llama_batch_at, rel_err
+from galaxy.train.loop import Trainer
+from tests.core.test_dp_pp import rel_err
+from tests.train.checkpoint.helpers import (SAVED_AT, STEPS, TOL, build, run_steps, saved_runs, serial_reference,
+                                            sharded_resume_is_exact)
+
 
 UNEVEN3 = dict(plan="galaxy", tp_num_attention_heads_list=[1, 3, 2], tp_intermediate_size_list=[10, 20, 10],
                seq_scatter_list=[2, 5, 5])
 GALAXY2 = dict(plan="galaxy2")
 DP2_ZERO1 = dict(plan="galaxy2", dp_size=2, dp_engine="zero1", num_microbatches=2)
-STEPS, SAVED_AT = 5, 3
-TOL = 1e-9
-
-
-def build(ctx, case):
-    """test_dp_pp's model, its serial twin and batches; ``case`` may override train keys (``dtype``)."""
-    raw = {**(LLAMA if case.get("model") == "llama" else BERT), **TRAIN}
-    extra = {k: v for k, v in case.items() if k != "model"}
-    cfg = GalaxyConfig.from_dict({**raw, **extra})
-    serial_cfg = GalaxyConfig.from_dict({**raw, **{k: v for k, v in extra.items()
-                                                   if KEY_SECTION[k] in ("model", "train")}})
-    ctx.stage_layers = cfg.stage_layers()
-    cls = LlamaForCausalLM if case.get("model") == "llama" else BertForMaskedLM
-    model = cls(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=11)
-    serial = cls(serial_cfg.model, seed=11)
-    batch_at = llama_batch_at if case.get("model") == "llama" else mlm_data(cfg)[0]
-    return cfg, serial_cfg, model, serial, batch_at
-
-
-def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
-    manifest = read_manifest(path)
-    return ShardReader(path, manifest).read_full(list(manifest["tensors"]))
-
-
-# ----------------------------------------------------------------------------- same plan: bit for bit
-
-
-def through_train(ctx, case, **kw) -> list[float]:
-    cfg, _, model, _, batch_at = build(ctx, case)
-    return train(model, batch_at, cfg, ctx, checkpointing=Checkpointing(**kw)).losses
-
-
-def sharded_resume_is_exact(ctx, case, directory):
-    whole, resumed = os.path.join(directory, "whole"), os.path.join(directory, "resumed")
-    expected = through_train(ctx, case, save_dir=whole, save_every=SAVED_AT)
-    got = through_train(ctx, case, save_dir=resumed, resume=os.path.join(whole, f"step_{SAVED_AT:06d}"))
-    assert got == expected[SAVED_AT:], f"resumed losses {got} != uninterrupted {expected[SAVED_AT:]}"
-    if ctx.rank == 0:  # the checkpoints after the last step: every weight, master, moment and step count
-        assert latest_valid_checkpoint(whole).endswith(f"step_{STEPS:06d}")
-        final = f"step_{STEPS:06d}"
-        a, b = checkpoint_tensors(os.path.join(whole, final)), checkpoint_tensors(os.path.join(resumed, final))
-        assert set(a) == set(b) and any(k.startswith("optim/") for k in a)
-        differ = [k for k in a if not torch.equal(a[k], b[k])]
-        assert not differ, f"tensors differ after resuming: {differ[:3]}"
-        return {k: str(v.dtype) for k, v in a.items() if k.startswith("model/")}
-    return None
 
 
 @pytest.mark.parametrize("name,world,dp,pp,case", [
@@ -102,38 +49,6 @@ def test_sharded_run_resumes_bit_identically(dist_pool, tmp_path, name, world, d
     dtypes = dist_pool.run(sharded_resume_is_exact, world, case, str(tmp_path), dp=dp, pp=pp)[0]
     wanted = "torch.float32" if case.get("dtype") == "bfloat16" else "torch.float64"
     assert set(dtypes.values()) == {wanted}, dtypes
-
-
-# ----------------------------------------------------------------------------- other plans, worlds and modes
-
-
-def run_steps(trainer: Trainer, batch_at, start: int, stop: int) -> list[float]:
-    losses = []
-    for step in range(start, stop):
-        loss = trainer.forward_backward(trainer.read_batch(batch_at, step))
-        trainer.optimizer_step(loss, step + 1)
-        losses.append(loss.item())
-    return losses
-
-
-def serial_reference(ctx, case):
-    """The serial model's trainer after ``SAVED_AT`` steps, and its losses of the steps after."""
-    _, serial_cfg, _, serial, batch_at = build(ctx, dict(case, max_steps=STEPS))
-    ref = Trainer(serial, serial_cfg, ParallelContext.serial())
-    run_steps(ref, batch_at, 0, SAVED_AT)
-    state = {n: {k: v.clone() for k, v in ref.optimizer.state[p].items()} for n, p in serial.named_parameters()}
-    weights = {n: p.detach().clone() for n, p in serial.named_parameters()}
-    return weights, state, run_steps(ref, batch_at, SAVED_AT, STEPS)
-
-
-def save_after_steps(ctx, case, directory):
-    cfg, _, model, _, batch_at = build(ctx, dict(case, max_steps=STEPS))
-    trainer = Trainer(model, cfg, ctx)
-    run_steps(trainer, batch_at, 0, SAVED_AT)
-    save_checkpoint(directory, SAVED_AT, model, trainer.optimizer, trainer.schedule, ctx, cfg,
-                    grad_reducer=trainer.grad_sync)
-    trainer.grad_sync.remove()
-    return True
 
 
 def check_loaded(trainer: Trainer, model, weights: dict, state: dict) -> int:
@@ -192,20 +107,6 @@ def resume_elsewhere(ctx, case, directory):
 SAVED = {"sharded-galaxy2-w2": (2, 1, dict(GALAXY2, mp_grad_reduce="sharded")),
          "after_backward-galaxy2-w2": (2, 1, GALAXY2),
          "sharded-dp2-galaxy2-zero1": (4, 2, dict(DP2_ZERO1, mp_grad_reduce="sharded"))}
-
-
-def saved_runs(runs: dict, dist_pool, tmp_path_factory):
-    """name -> the checkpoint after 3 steps of run ``runs[name]`` ((world, dp, case)), made when first asked for."""
-    root, made = tmp_path_factory.mktemp("saved"), {}
-
-    def path(name):
-        if name not in made:
-            world, dp, case = runs[name]
-            made[name] = str(root / name)
-            dist_pool.run(save_after_steps, world, case, made[name], dp=dp)
-        return made[name]
-
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -284,40 +185,6 @@ def test_bf16_masters_survive_the_move(dist_pool, tmp_path, world, case):
     assert all(n > 0 for n in pieces) == (case.get("mp_grad_reduce") == "sharded")
 
 
-def test_async_staging_copies_a_piece_as_it_was(tmp_path):
-    """A sharded piece is a view into its flat shard: the async save stages that view alone, with the
-    values it had when the save started (the write itself held back until the shard has changed)."""
-    import io
-    import threading
-
-    from galaxy.train.checkpoint import shards
-
-    flat = torch.arange(20, dtype=torch.float64)
-    gate, write = threading.Event(), shards._RankWriter.write_data
-
-    def held_back(self, plan, planner):
-        assert gate.wait(30)
-        return write(self, plan, planner)
-
-    shards._RankWriter.write_data = held_back  # test-only: the write waits for the change below
-    try:
-        done = shards.write_chunks(str(tmp_path), 0, [shards.Chunk("x", (4, 3), (1, 0), flat[5:11].view(2, 3))],
-                                   async_save=True)
-        flat.add_(100)
-        gate.set()
-        chunk = done.result()["chunks"]["x"][0]
-    finally:
-        shards._RankWriter.write_data = write
-    with open(tmp_path / chunk["file"], "rb") as f:
-        f.seek(chunk["offset"])
-        saved = torch.load(io.BytesIO(f.read(chunk["length"])), weights_only=True)
-    assert torch.equal(saved, torch.arange(5, 11, dtype=torch.float64).view(2, 3))
-    assert saved.untyped_storage().nbytes() == 6 * 8, "only the piece is written, not its whole shard"
-
-
-# ----------------------------------------------------------------------------- bad input: one clear line
-
-
 def load_expecting(ctx, case, directory, message):
     cfg, _, model, _, _ = build(ctx, dict(case, max_steps=STEPS))
     trainer = Trainer(model, cfg, ctx)
@@ -377,125 +244,6 @@ def save_without_reducer(ctx, directory):
 
 def test_sharded_optimizer_without_its_layout_is_refused(dist_pool, tmp_path):
     assert all(dist_pool.run(save_without_reducer, 2, str(tmp_path)))
-
-
-# ----------------------------------------------------------------------------- async saves in train()
-
-
-def test_async_saves_overlap_the_next_steps_and_resume_exactly(tmp_path):
-    """``checkpoint_async_mode: async``: the save after step 1 is still being written while step 2 runs
-    (its write is held until step 2 has ended: a synchronous save would wait forever); the save after
-    step 2 and the end of training wait for the pending ones, so all are complete when ``train``
-    returns, and resuming from the first repeats the run."""
-    import threading
-
-    from galaxy.train.checkpoint import shards
-
-    ctx = ParallelContext.serial()
-    case = dict(plan="none", max_steps=3, checkpoint_async_mode="async")
-    cfg, _, model, _, batch_at = build(ctx, case)
-    step_two, write = threading.Event(), shards._RankWriter.write_data
-
-    def after_step_two(self, plan, planner):
-        assert step_two.wait(60), "the save held training up"
-        return write(self, plan, planner)
-
-    shards._RankWriter.write_data = after_step_two  # test-only
-    try:
-        whole = train(model, batch_at, cfg, ctx, checkpointing=Checkpointing(save_dir=str(tmp_path), save_every=1),
-                      on_step=lambda step, loss: step == 2 and step_two.set()).losses
-    finally:
-        shards._RankWriter.write_data = write
-    assert sorted(os.listdir(tmp_path)) == ["step_000001", "step_000002", "step_000003"]
-    assert all(ckpt_files.verify_checkpoint(str(tmp_path / d)) for d in os.listdir(tmp_path))
-    cfg, _, model, _, batch_at = build(ctx, case)
-    resumed = train(model, batch_at, cfg, ctx, checkpointing=Checkpointing(resume=str(tmp_path / "step_000001"))).losses
-    assert resumed == whole[1:]
-
-
-def test_async_save_failure_stops_training_with_one_line(tmp_path):
-    """The save directory is a file: the failed write surfaces when the next save waits for it."""
-    not_a_dir = tmp_path / "file"
-    not_a_dir.write_text("")
-    ctx = ParallelContext.serial()
-    cfg, _, model, _, batch_at = build(ctx, dict(plan="none", max_steps=3, checkpoint_async_mode="async"))
-    steps = []
-    with pytest.raises(CheckpointError, match=r"saving checkpoint '.*step_000001' failed on rank 0: ") as raised:
-        train(model, batch_at, cfg, ctx, checkpointing=Checkpointing(save_dir=str(not_a_dir), save_every=1),
-              on_step=lambda step, loss: steps.append(step))
-    assert "\n" not in str(raised.value)
-    assert steps == [1, 2], "training went on while the first save was pending; the second save waited for it"
-
-
-# ----------------------------------------------------------------------------- what each rank verifies
-
-
-def pipeline_case():
-    return dict(model="llama", pp_size=2, plan="none", tie_word_embeddings=False, num_microbatches=2)
-
-
-def save_pipeline(ctx, directory):
-    cfg, _, model, _, batch_at = build(ctx, dict(pipeline_case(), max_steps=STEPS))
-    trainer = Trainer(model, cfg, ctx)
-    for step in (1, 2):
-        run_steps(trainer, batch_at, step - 1, step)
-        save_checkpoint(directory, step, model, trainer.optimizer, trainer.schedule, ctx, cfg)
-    trainer.grad_sync.remove()
-    return True
-
-
-def load_counting_hashes(ctx, directory):
-    """Load from the save directory, recording which files this rank hashes (test-only wrapper)."""
-    hashed, file_entry = [], ckpt_files.file_entry
-
-    def counting(path):
-        hashed.append(os.path.relpath(path, directory))
-        return file_entry(path)
-
-    ckpt_files.file_entry = counting
-    try:
-        cfg, _, model, _, _ = build(ctx, dict(pipeline_case(), max_steps=STEPS))
-        trainer = Trainer(model, cfg, ctx)
-        state = load_checkpoint(directory, model, trainer.optimizer, trainer.schedule, ctx, cfg)
-        trainer.grad_sync.remove()
-    finally:
-        ckpt_files.file_entry = file_entry
-    return os.path.basename(state.path), hashed
-
-
-def test_each_rank_hashes_only_the_files_it_reads(dist_pool, tmp_path):
-    """Two pipeline stages write disjoint files; resuming from the save directory, each rank hashes its
-    own shard file (and the JSON files) once, never the other stage's. Damage in the file only rank 1
-    reads makes every rank skip that checkpoint for the older one."""
-    dist_pool.run(save_pipeline, 2, str(tmp_path), pp=2)
-    for rank, (step, hashed) in enumerate(dist_pool.run(load_counting_hashes, 2, str(tmp_path), pp=2)):
-        assert step == "step_000002"
-        assert sorted(hashed) == sorted([f"step_000002/__{rank}_0.distcp", "step_000002/state.json",
-                                         "step_000002/rng.json"]), hashed
-    flip_bytes(str(tmp_path / "step_000002" / "__1_0.distcp"))
-    for rank, (step, hashed) in enumerate(dist_pool.run(load_counting_hashes, 2, str(tmp_path), pp=2)):
-        assert step == "step_000001", "every rank fell back to the older checkpoint"
-        assert "step_000002/__1_0.distcp" not in hashed if rank == 0 else "step_000002/__0_0.distcp" not in hashed
-
-
-def test_bare_resume_hands_the_save_directory_to_the_load(tmp_path):
-    """``--resume`` without a path: nothing to resume from an empty directory or an interrupted save;
-    otherwise the save directory itself, whose newest valid checkpoint the collective load picks."""
-    import argparse
-
-    from galaxy.cli.args import resume_path
-
-    args = argparse.Namespace(resume="latest", save_dir=str(tmp_path))
-    assert resume_path(args) is None
-    (tmp_path / "step_000002").mkdir()  # an interrupted save: no manifest
-    assert resume_path(args) is None
-    ctx = ParallelContext.serial()
-    cfg, _, model, _, batch_at = build(ctx, dict(plan="none", max_steps=1))
-    train(model, batch_at, cfg, ctx, checkpointing=Checkpointing(save_dir=str(tmp_path)))
-    assert resume_path(args) == str(tmp_path)
-    cfg, _, model, _, _ = build(ctx, dict(plan="none", max_steps=1))
-    trainer = Trainer(model, cfg, ctx)
-    assert load_checkpoint(resume_path(args), model, trainer.optimizer, trainer.schedule, ctx).step == 1
 
 
 def test_flat_blocks_cover_a_flat_range_in_order():
