@@ -18,15 +18,17 @@ def shapes(vocab, hidden, layers, heads, ffn, **more):
 
 
 # The published checkpoints: google-bert/bert-base-uncased and bert-large-uncased (the encoder with its
-# pooler: transformers' BertModel), meta-llama/Llama-2-7b-hf and meta-llama/Llama-3.2-1B (its shapes; the
-# preset leaves out its llama3 RoPE scaling).
+# pooler: transformers' BertModel), meta-llama/Llama-2-7b-hf and meta-llama/Llama-3.2-1B (with its llama3
+# RoPE scaling).
 PUBLISHED = {
     "bert-base": ("BertModel", 109_482_240, shapes(30522, 768, 12, 12, 3072)),
     "bert-large": ("BertModel", 335_141_888, shapes(30522, 1024, 24, 16, 4096)),
     "llama-7b": ("LlamaForCausalLM", 6_738_415_616,
                  shapes(32000, 4096, 32, 32, 11008, num_key_value_heads=32, tie_word_embeddings=False)),
     "llama-1b": ("LlamaForCausalLM", 1_235_814_400,
-                 shapes(128256, 2048, 16, 32, 8192, num_key_value_heads=8, tie_word_embeddings=True)),
+                 shapes(128256, 2048, 16, 32, 8192, num_key_value_heads=8, tie_word_embeddings=True,
+                        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
+                                             high_freq_factor=4.0, original_max_position_embeddings=8192))),
 }
 
 
