@@ -7,7 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from galaxy.config import GalaxyConfig  # noqa: E402
+from galaxy.config import GalaxyConfig, parse_override  # noqa: E402
 from galaxy.config.presets import MODEL_PRESETS  # noqa: E402
 from galaxy.models import model_class  # noqa: E402
 
@@ -42,3 +42,10 @@ def test_public_presets_are_the_published_models(preset):
     with torch.device("meta"):
         theirs = cls(config)
     assert sum(p.numel() for p in theirs.parameters()) == published
+
+
+def test_presets_and_overrides():
+    cfg = GalaxyConfig.from_dict({"preset": "bert-large"}, {"num_hidden_layers": 2})
+    assert cfg.model.hidden_size == 1024 and cfg.model.num_hidden_layers == 2
+    assert parse_override("hidden_dropout_prob=0") == ("hidden_dropout_prob", 0)
+    assert parse_override("plan=galaxy") == ("plan", "galaxy")
