@@ -1,7 +1,7 @@
 """A run's configuration (``galaxy.config.galaxy_config.GalaxyConfig``): what ``to_dict`` writes (checkpoints'
 state.json, the configs the plan CLI writes, compare's runs) loads back through JSON as the same config, with
 a preset's values overridden too; a preset's nested values are copied into each config, never shared with it.
-(Loading and every check: tests/test_config.py.)"""
+(Loading and every check: tests/config/test_keys.py, test_checks.py, test_plan.py.)"""
 
 import json
 
