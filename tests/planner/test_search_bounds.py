@@ -22,8 +22,8 @@ from galaxy.planner.bounds import might_fit
 from galaxy.planner.group import Segments
 from galaxy.planner.simulate import predict
 from galaxy.planner.workload import Layout, Workload
-from galaxy.planner.search import (METHODS, SplitSearch, beats_setting, compositions, engine_workload,
-                                   engine_workloads, layouts, reduction_acts, search)
+from galaxy.planner.search import (SplitSearch, beats_setting, compositions, engine_workload, engine_workloads,
+                                   layouts, method_combinations, reduction_acts, search)
 from tests import REPO
 from tests.planner.test_planner import BERT, LLAMA, model_config as model_config_of, synthetic_cluster
 
@@ -273,9 +273,10 @@ def sampled_splits(search_: SplitSearch, rng, count=200) -> dict:
 
 
 def every_layout(cluster, work):
+    """Every layout of every method combination the search scores (``method_combinations``)."""
     for tier in layouts(cluster, work):
         for layout in tier:
-            for methods in METHODS:
+            for methods in method_combinations(cluster.world // (layout.dp * layout.pp)):
                 s = SplitSearch(cluster, work, methods, layout, ffn_unit=8)
                 if s.feasible():
                     yield s
