@@ -82,7 +82,7 @@ def test_search_over_dp_engines_merges_each_engines_own_search():
     # weights gathered saves no time and some FSDP2 settings are beaten by others on both time and memory
     cluster = dataclasses.replace(cluster, ranks=tuple(dataclasses.replace(r, optimizer=AlphaBeta(1e-4, 0.0))
                                                        for r in cluster.ranks))
-    work = Workload(cluster.model, "train", 8, 8, mp_grad_reduce="sharded")
+    work = Workload(cluster.model, "train", 4, 8, mp_grad_reduce="sharded")  # dp 2 still has 2 micro-batches
     fsdp = engine_workload(work, "fsdp2")
     assert (fsdp.dp_engine, fsdp.mp_grad_reduce) == ("fsdp2", "after_backward")
     key = lambda c: repr((*plan_key(c), c.dp_engine, c.mp_grad_reduce, c.reshard_after_forward,  # noqa: E731
@@ -108,7 +108,7 @@ def test_search_over_dp_engines_merges_each_engines_own_search():
     assert list(map(key, search(cluster, work, ffn_unit=8, top=5, dp_engines=("fsdp2",)))) \
         == list(map(key, exhaustive))
     cfg = GalaxyConfig.from_dict({"model": dict(LLAMA, num_hidden_layers=4)},
-                                 {"global_batch_size": 8, "seq_length": 8})
+                                 {"global_batch_size": 4, "seq_length": 8})
     for c in (c for c in merged if c.layout.dp > 1 and c.fits):
         config = plan_config(cfg, c, 4)
         assert (config["parallel"]["dp_engine"], config["parallel"]["mp_grad_reduce"]) == (c.dp_engine,
