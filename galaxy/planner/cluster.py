@@ -52,6 +52,7 @@ against 1,980), and every piece's time in training is multiplied by it.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import json
@@ -270,36 +271,38 @@ class RankProfile:
     serial_peak_bytes: Optional[int] = None
     shallower_peak_bytes: Optional[int] = None  # the same step's with one layer less
     shallower_steps_s: tuple[float, ...] = ()  # that step's times, where they calibrate layer_compute_scale
-    # piece values at every whole size up to some length, by the pieces and rows they come from (a
-    # search asks for the same sizes thousands of times); shared by the copies ``replace`` makes
+    # piece values (scaled) at every whole size up to some length, by the pieces, rows and scales they come from
+    # (a search asks for the same sizes millions of times); shared by the copies ``replace`` makes
     tables: dict = field(default_factory=dict, compare=False, repr=False)
 
     def piece(self, name: str, rows: int, sizes, inference: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(forward s, backward s, saved bytes) of piece ``name`` at ``rows`` rows and ``sizes``;
         ``inference``: the forward without autograd where it was measured."""
         measured = sorted(self.pieces)
-        if len(measured) == 1:
-            used = (self.pieces[measured[0]][name],)
-        else:
-            k = min(max(int(np.searchsorted(measured, rows)), 1), len(measured) - 1)
-            used = (self.pieces[measured[k - 1]][name], self.pieces[measured[k]][name])
-        sizes = np.asarray(sizes)
-        whole = sizes.dtype.kind in "iu" and sizes.size > 0 and 0 <= sizes.min() and sizes.max() < 2**17
-        if whole:
-            key = tuple(id(p) for p in used) + (rows, inference)
-            entry = self.tables.get(key)
-            if entry is None or len(entry[1][0]) <= sizes.max():
-                length = 1 << int(sizes.max()).bit_length()
-                entry = (used, self._piece(used, measured, rows, np.arange(length), inference))
-                self.tables[key] = entry  # holds ``used``: their ids stay theirs while cached
-            fwd, bwd, act = (t[sizes] for t in entry[1])
-        else:
-            fwd, bwd, act = self._piece(used, measured, rows, sizes, inference)
+        k = min(max(bisect.bisect_left(measured, rows), 1), len(measured) - 1)  # the measured rows around ``rows``
+        used = tuple(self.pieces[r][name] for r in measured[k - 1:k + 1])
         if inference:
-            return fwd * self.forward_compute_scale, bwd * self.forward_compute_scale, act
-        layer = 1.0 if name in EDGE_PIECES else self.layer_compute_scale
-        scale = self.step_compute_scale * self.sustained_scale * layer
-        return fwd * scale, bwd * scale, act * self.activation_scale
+            scales = (self.forward_compute_scale, self.forward_compute_scale, None)
+        else:
+            layer = 1.0 if name in EDGE_PIECES else self.layer_compute_scale
+            scale = self.step_compute_scale * self.sustained_scale * layer
+            scales = (scale, scale, self.activation_scale)
+        sizes = np.asarray(sizes)
+        if sizes.dtype.kind in "iu" and sizes.size > 0:
+            most = int(sizes.max())
+            if most < 2**17 and sizes.min() >= 0:  # looked up in a table of every whole size
+                key = tuple(id(p) for p in used) + (rows, inference, scales)
+                entry = self.tables.get(key)
+                if entry is None or len(entry[1][0]) <= most:
+                    whole = np.arange(1 << most.bit_length())
+                    entry = (used, self._scaled(self._piece(used, measured, rows, whole, inference), scales))
+                    self.tables[key] = entry  # holds ``used``: their ids stay theirs while cached
+                return tuple(t[sizes] for t in entry[1])
+        return self._scaled(self._piece(used, measured, rows, sizes, inference), scales)
+
+    @staticmethod
+    def _scaled(values: tuple[np.ndarray, ...], scales: tuple[Optional[float], ...]) -> tuple[np.ndarray, ...]:
+        return tuple(v if s is None else v * s for v, s in zip(values, scales))
 
     def knots(self, names: Sequence[str], memory: bool = False) -> frozenset[float]:
         """Every knot (``Curve.knots``) of the time curves (saved bytes for ``memory``) of pieces ``names``."""

@@ -51,6 +51,11 @@ METHODS = [(att, con, mlp) for att in (Method.TP, Method.SP, Method.NONE) for co
            for mlp in (Method.TP, Method.SP, Method.NONE)]
 
 
+def method_combinations(mp: int) -> list[tuple[Method, Method, Method]]:
+    """The method combinations the search scores on ``mp`` ranks: with one, every block runs whole (none)."""
+    return METHODS if mp > 1 else [(Method.NONE,) * 3]
+
+
 @dataclass
 class Choice:
     methods: tuple[Method, Method, Method]
@@ -386,7 +391,7 @@ def search(cluster: ClusterProfile, work: Workload, ffn_unit: int = 1, seq_unit:
                 if (w.dp_engine != work.dp_engine and fast[0].dp == 1) \
                         or ((id(w) in other_reduce_ids or id(w) in other_flavour_ids) and mp == 1):  # no such axis
                     continue
-                for methods in (METHODS if mp > 1 else [(Method.NONE,) * 3]):
+                for methods in method_combinations(mp):
                     if (id(w) not in other_reduce_ids or reduction_acts(methods, w.mp_grad_reduce)) \
                             and (id(w) not in other_flavour_ids or methods[0] == Method.SP):
                         groups.append(Group(len(groups), devices, sub, methods, fast, frugal, w))
