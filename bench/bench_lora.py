@@ -72,8 +72,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 # torch and the config alone here: the launch's own process and a contender that stops at its import (unsloth
-# without a GPU) do without Galaxy's model and training code (and torch's compiler, which it imports: seconds of
-# CPU a process); a contender's process imports them where it runs.
+# without a GPU) do without Galaxy's model and training code (over a second of CPU a process); a contender's
+# process imports them where it runs.
 from galaxy.config import MODEL_PRESETS, GalaxyConfig  # noqa: E402
 
 # unsloth with both its attention paths (xformers where it loads, PyTorch's SDPA with -sdpa): its faster row is

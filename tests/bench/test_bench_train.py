@@ -29,12 +29,10 @@ from bench.bench_train import Batching, DEFAULT_CONTENDERS, SCENARIOS, Unavailab
 SKIP = "serial-compiled,galaxy-*+compile,native-tp-sp-compiled,native-tp-sp-asynctp,megatron-tp-sp*,fsdp2-cp"
 # Galaxy's own dp axis, per row (the fsdp2 engine's row is also the fake-world test's real rank)
 VARIANTS = "galaxy-galaxy@dp2,galaxy-galaxy@dp2-fsdp2"
-
-# Each launch costs seconds of CPU before its first contender (torch and Galaxy imported by the launcher and by
-# every rank, Gloo joined): tests that read the same launch share it (module-scoped fixtures below).
-
-
 SMOKE = ("--cpu", "--scenario", "smoke", "--warmup", "0", "--iters", "1", "--compile_backend", "eager")
+
+# Each launch costs seconds of CPU before its first contender (torch and Galaxy imported by the launcher, Gloo
+# joined): tests that read the same launch share it (module-scoped fixtures below).
 
 
 def bench(tmp_path, *flags, world=2):
@@ -180,8 +178,7 @@ def test_a_fake_world_runs_the_program_of_one_rank_of_a_real_one(tmp_path, every
     every = {r["name"]: r for r in every_contender[0]["rows"]}
     real = {"rows": [every[n] for n in names.split(",")]}
     out = tmp_path / "fake.json"
-    run = subprocess.run([sys.executable, "bench/bench_train.py", "--cpu", "--fake_world", "2", "--scenario", "smoke",
-                          "--warmup", "0", "--iters", "1", "--compile_backend", "eager", "--contenders", names,
+    run = subprocess.run([sys.executable, "bench/bench_train.py", "--fake_world", "2", *SMOKE, "--contenders", names,
                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
