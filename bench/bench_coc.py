@@ -630,7 +630,7 @@ def publish(report: dict, print_table, path: Optional[str]) -> None:
 
 def launch(worker, args, parser, on_cpu: bool) -> None:
     """``worker(rank, world, local_rank, args, init_method)`` on every rank: under torchrun this
-    process is one rank; otherwise ``--world`` ranks are spawned here (one GPU each unless ``on_cpu``)."""
+    process is one rank; otherwise ``--world`` ranks are started here (one GPU each unless ``on_cpu``)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)),
                args, "env://")
@@ -641,8 +641,10 @@ def launch(worker, args, parser, on_cpu: bool) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    spawn = mp.get_context("spawn")
-    procs = [spawn.Process(target=worker, args=(r, world, r, args, f"tcp://127.0.0.1:{port}"))
+    # Without a GPU the ranks are forked: each starts with this process's imports (torch's and Galaxy's, seconds
+    # of CPU a rank) instead of redoing them. CUDA does not survive a fork: with a GPU they are spawned.
+    start = mp.get_context("spawn" if torch.cuda.is_available() else "fork")
+    procs = [start.Process(target=worker, args=(r, world, r, args, f"tcp://127.0.0.1:{port}"))
              for r in range(world)]
     for proc in procs:
         proc.start()

@@ -120,7 +120,8 @@ def launch(argv: list[str], timeout: int) -> Optional[subprocess.CompletedProces
     if out.returncode != 0:
         print(f"  failed ({out.returncode}): {' '.join(argv)}\n{out.stderr[-1500:]}", file=sys.stderr)
         return None
-    print(f"  {time.perf_counter() - started:6.1f}s  {' '.join(argv[1:6])} ...", file=sys.stderr, flush=True)
+    shown = argv[argv.index("--") + 2:] if "--" in argv else argv[1:]  # a rank's command, on a cluster
+    print(f"  {time.perf_counter() - started:6.1f}s  {' '.join(shown[:5])} ...", file=sys.stderr, flush=True)
     return out
 
 
@@ -155,9 +156,9 @@ def profile_and_plan(work: str, cfg_path: str, cluster: str, objectives: list[st
     """The planner on this emulated cluster: the profile, and per objective the written plan, its
     table and the top ``--validate`` plans run on the cluster (``plan_galaxy.py --validate``)."""
     prof = os.path.join(work, "profile.json")
-    out = launch([sys.executable, "-m", "galaxy.emulate", cluster, "--log-level", "WARNING", "--",
-                  sys.executable, "plan_galaxy.py", "profile", "--model", cfg_path, "--rows", "1", str(args.batch),
-                  "--reps", str(args.profile_reps), "--window_ms", str(args.window_ms), "--out", prof], args.timeout)
+    out = launch(on_cluster(cluster, ["plan_galaxy.py", "profile", "--model", cfg_path, "--rows", "1", str(args.batch),
+                                      "--reps", str(args.profile_reps), "--window_ms", str(args.window_ms), "--out",
+                                      prof]), args.timeout)
     if out is None:
         return {}
     plans = {"profile": prof}
@@ -220,10 +221,17 @@ def planned_row(top: dict, objective: str) -> dict:
             "devices": top["devices"], "splits": {k: top[k] for k in ("heads", "ffn", "seq")}}
 
 
+def on_cluster(cluster: str, argv: list[str]) -> list[str]:
+    """``argv`` as every rank of ``cluster``: the same ranks as the CLI's ``--emulate`` starts (its command without
+    that flag, through galaxy.emulate's ``run_emulated``), from galaxy.emulate's own launcher, which imports no torch
+    (the CLI's imports Galaxy's model code first: seconds of CPU per contender)."""
+    return [sys.executable, "-m", "galaxy.emulate", cluster, "--log-level", "WARNING", "--", sys.executable, *argv]
+
+
 def measure_latency(name: str, cluster: str, flags: list[str], work: str, args, is_llama: bool) -> Optional[dict]:
     summary = os.path.join(work, f"latency_{name}.json")
-    argv = [sys.executable, "infer_galaxy.py", "--emulate", cluster, *flags, "--warmup", str(args.warmup),
-            "--reps", str(args.reps), "--summary_json", summary]
+    argv = on_cluster(cluster, ["infer_galaxy.py", *flags, "--warmup", str(args.warmup), "--reps", str(args.reps),
+                                "--summary_json", summary])
     if is_llama and args.generate:
         argv += ["--generate", str(args.generate)]
     if launch(argv, args.timeout) is None:
@@ -234,8 +242,8 @@ def measure_latency(name: str, cluster: str, flags: list[str], work: str, args, 
 
 def measure_train(name: str, cluster: str, flags: list[str], work: str, args) -> Optional[dict]:
     metrics = os.path.join(work, f"train_{name}.jsonl")
-    argv = [sys.executable, "pretrain_galaxy.py", "--emulate", cluster, *flags, "--max_steps", str(args.steps),
-            "--metrics_file", metrics, "--no_progress"]
+    argv = on_cluster(cluster, ["pretrain_galaxy.py", *flags, "--max_steps", str(args.steps), "--metrics_file",
+                                metrics, "--no_progress"])
     if launch(argv, args.timeout) is None:
         return None
     with open(metrics) as f:

@@ -71,10 +71,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.bench_plans import StepTimer, causal_lm_data, hf_model  # noqa: E402
+# torch and the config alone here: the launch's own process and a contender that stops at its import (unsloth
+# without a GPU) do without Galaxy's model and training code (over a second of CPU a process); a contender's
+# process imports them where it runs.
 from galaxy.config import MODEL_PRESETS, GalaxyConfig  # noqa: E402
-from galaxy.train.metrics import (PeakFlops, causal_flops_per_token, model_flops_per_token,  # noqa: E402
-                                  peak_flops_per_device, throughput)
 
 # unsloth with both its attention paths (xformers where it loads, PyTorch's SDPA with -sdpa): its faster row is
 # the anchor of its family (``best_per_family``).
@@ -164,6 +164,8 @@ def unsloth_variant(name: str):
 def hf_step(model, cfg):
     """One training step of a transformers model (peft's and unsloth's contenders): bf16 autocast,
     clip 1.0, fused AdamW on the trainable parameters; peak memory counted from here on."""
+    from bench.bench_plans import causal_lm_data
+
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
     batch_at = causal_lm_data(cfg)
@@ -252,6 +254,7 @@ def write_profile(prof, args) -> dict:
 def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None, recompute: Optional[dict] = None) -> dict:
     """Galaxy's own training loop (``train``): step times from one step's end to the next (the loop
     reads every step's loss, a device sync)."""
+    from bench.bench_plans import StepTimer, causal_lm_data
     from galaxy.core.context import ParallelContext
     from galaxy.loralib.quantized import frozen_bytes
     from galaxy.models import build_model
@@ -290,6 +293,8 @@ def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None, recomput
 def run_peft(args, variant: str) -> dict:
     import peft
     import transformers
+
+    from bench.bench_plans import hf_model
 
     cfg = config(args)
     if variant == "peft-bf16-liger":
@@ -349,6 +354,8 @@ def saved_model(args):
 
 def save_model(cfg: GalaxyConfig, path: str) -> None:
     """The random model, drawn on the GPU where there is one (an 8B drawn on the host takes minutes), saved in bf16."""
+    from bench.bench_plans import hf_model
+
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with device:
@@ -470,6 +477,9 @@ def run_one(args) -> dict:
     except Exception as e:  # noqa: BLE001 -- a contender that cannot run is a row, not the end of the launch
         return {"contender": name, "error": one_line(e),
                 "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None}
+    from galaxy.train.metrics import (PeakFlops, causal_flops_per_token, model_flops_per_token,
+                                      peak_flops_per_device, throughput)
+
     times = out.pop("times")
     median = statistics.median(times)
     tokens = args.batch * args.seq
@@ -606,7 +616,9 @@ def main() -> int:
         p.error("--max_seq searches from --max_seq_start between --max_seq_floor and --max_seq_limit: give "
                 "1 <= floor <= start <= limit")
     names = args.contenders.split(",")
-    card = json.loads(in_child("--child", "card_gib"))
+    # asked in a child where there may be a GPU (this process then holds no CUDA context); a torch built without
+    # CUDA has none to ask about
+    card = json.loads(in_child("--child", "card_gib")) if torch.backends.cuda.is_built() else None
     if args.card_gib is not None and (card is None or not 0 < args.card_gib <= card):
         p.error(f"--card_gib {args.card_gib:g}: give a size in GiB above 0 and at most this GPU's "
                 f"({'no GPU here' if card is None else f'{card:.1f} GiB'})")

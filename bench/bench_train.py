@@ -147,6 +147,9 @@ if __package__ in (None, ""):  # run as a script from anywhere: make the repo im
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+# every contender's row ends with torch._dynamo.reset() and most compile: imported here, by the launcher, before its
+# ranks start (forked ones inherit it) and make their process groups
+import torch._dynamo  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -31,6 +31,7 @@ import math
 from typing import Callable, Optional, Sequence
 
 import torch
+from torch._compile import _disable_dynamo
 
 from galaxy.config import Method, Plan
 from galaxy.core.attention import attention
@@ -317,7 +318,10 @@ def _ring_backward(dout, q, k, v, out, lse, comm: Communicator, order: SequenceO
     return dq, dkv[..., :d], dkv[..., d:]
 
 
-@torch.compiler.disable  # c10d's point-to-point ops do not trace: a compiled layer runs the ring eagerly
+# c10d's point-to-point ops do not trace: a compiled layer runs the ring eagerly. torch's lazy form of
+# torch.compiler.disable: torch._dynamo (~2 s of CPU) is imported at the first call, not in every process that
+# imports Galaxy's models (the graph break still names ring_attention).
+@_disable_dynamo
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, order: SequenceOrder, *,
                    key_padding_mask: Optional[torch.Tensor] = None, causal: bool = False) -> torch.Tensor:
     """Ring attention of this rank's shard (``order.pieces[comm.rank]``) over the whole sequence."""

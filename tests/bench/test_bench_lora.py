@@ -17,6 +17,41 @@ from tests import REPO
 
 TINY = ["--preset", "llama-tiny", "--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "0"]
 TINY_LAYERS = MODEL_PRESETS["llama-tiny"]["num_hidden_layers"]
+# The CPU smoke rows of several tests, in one launch (each contender still a process of its own; the launch's own
+# process, and the model unsloth's rows load, paid once): the stand-in unsloth's rows first, so the Galaxy rows
+# after them show the launch going on.
+SMOKE_ROWS = ("unsloth-lora", "galaxy-lora-fp8", "galaxy-lora+mlp1", "unsloth-qlora-gc-sdpa", "galaxy-lora+auto1",
+              "galaxy-qlora-compiled")
+
+
+def standin_unsloth(root):
+    """An unsloth under ``root`` that selected its CPU backend, as unsloth does without a GPU."""
+    fake = root / "deps" / "unsloth"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("__version__ = '0.0-standin'\n_IS_CPU_BACKEND = True\n")
+    return root / "deps"
+
+
+@pytest.fixture(scope="module")
+def smoke_rows(tmp_path_factory):
+    """The launch of SMOKE_ROWS at TINY shapes, one warm-up step (the compiled row's compile) and one timed step
+    each, with the stand-in unsloth: (its JSON, its stdout, the stand-in's directory); every contender has its row,
+    in the order asked."""
+    tmp_path = tmp_path_factory.mktemp("smoke_rows")
+    deps = standin_unsloth(tmp_path)
+    out = subprocess.run([sys.executable, "bench/bench_lora.py", *TINY, "--warmup", "1", "--json",
+                          str(tmp_path / "out.json"), "--contenders", ",".join(SMOKE_ROWS), "--unsloth_path",
+                          str(deps)],
+                         cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=1800)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert [r["contender"] for r in result["rows"]] == list(SMOKE_ROWS), result["rows"]
+    return result, out.stdout, deps
+
+
+def rows_of(smoke_rows, *names):
+    rows = {r["contender"]: r for r in smoke_rows[0]["rows"]}
+    return [rows[n] for n in names]
 
 
 def test_unsloth_contender_names():
@@ -38,13 +73,9 @@ def test_galaxy_base_formats():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU the bench itself is the check")
-def test_galaxy_lora_fp8_trains_on_cpu(tmp_path):
+def test_galaxy_lora_fp8_trains_on_cpu(smoke_rows):
     """``galaxy-lora-fp8``: LoRA over the fp8 base (1 byte a weight + a scale a row), eager, trains."""
-    out = subprocess.run([sys.executable, "bench/bench_lora.py", *TINY, "--json", str(tmp_path / "out.json"),
-                          "--contenders", "galaxy-lora-fp8"],
-                         cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    (row,) = json.loads((tmp_path / "out.json").read_text())["rows"]
+    (row,) = rows_of(smoke_rows, "galaxy-lora-fp8")
     assert row["step_ms"] > 0 and 1.0 < row["frozen_bytes_per_param"] < 2.0, row  # fp8 linears, bf16 rest
 
 
@@ -68,50 +99,35 @@ def test_galaxy_recompute_suffix():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU the bench itself is the check")
-def test_galaxy_lora_recomputing_its_mlp_trains_on_cpu(tmp_path):
+def test_galaxy_lora_recomputing_its_mlp_trains_on_cpu(smoke_rows):
     """``galaxy-lora+mlp1``: the LoRA contender with ``recompute: mlp`` on its first layer, eager, trains and
     says what it recomputed; ``galaxy-lora+auto1`` plans each layer's memory mode within 1 GiB first, as the CLIs
     do (the bench once built the model without the plan: every +auto row was an error on the H200)."""
-    out = subprocess.run([sys.executable, "bench/bench_lora.py", *TINY, "--json", str(tmp_path / "out.json"),
-                          "--contenders", "galaxy-lora+mlp1,galaxy-lora+auto1"],
-                         cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    mlp, auto = json.loads((tmp_path / "out.json").read_text())["rows"]
+    mlp, auto = rows_of(smoke_rows, "galaxy-lora+mlp1", "galaxy-lora+auto1")
     assert mlp["step_ms"] > 0 and (mlp["recompute"], mlp["recompute_num_layers"]) == ("mlp", 1), mlp
     assert auto.get("step_ms", 0) > 0 and auto["layer_memory"] and len(auto["layer_memory"]) == TINY_LAYERS, auto
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the unsloth rows run")
-def test_unsloth_rows_say_why_in_one_line(tmp_path):
+def test_unsloth_rows_say_why_in_one_line(smoke_rows):
     """A stand-in unsloth under --unsloth_path that selected its CPU backend, as unsloth does without a GPU:
     each row says so in one line, so the contender imported it from there, and the launch ends with its JSON."""
-    fake = tmp_path / "deps" / "unsloth"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("__version__ = '0.0-standin'\n_IS_CPU_BACKEND = True\n")
-    out = subprocess.run([sys.executable, "bench/bench_lora.py", *TINY, "--json", str(tmp_path / "out.json"),
-                          "--contenders", "unsloth-lora,unsloth-qlora-gc-sdpa",
-                          "--unsloth_path", str(tmp_path / "deps")],
-                         cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads((tmp_path / "out.json").read_text())
+    launch, stdout, deps = smoke_rows
+    result = dict(launch, rows=[r for r in launch["rows"] if r["contender"].startswith("unsloth")])
     assert [r["contender"] for r in result["rows"]] == ["unsloth-lora", "unsloth-qlora-gc-sdpa"]
     for row in result["rows"]:
         assert row["error"].startswith("unsloth 0.0-standin found no CUDA device"), row
-        assert "\n" not in row["error"] and len(row["error"]) <= 400 and row["error"][:200] in out.stdout
+        assert "\n" not in row["error"] and len(row["error"]) <= 400 and row["error"][:200] in stdout
     facts = result["facts"]
     assert facts["device"].startswith("cpu") and "transformers" in facts["versions"]
-    assert facts["unsloth_path"] == str(tmp_path / "deps")
+    assert facts["unsloth_path"] == str(deps)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU the bench itself is the check")
-def test_galaxy_qlora_compiled_trains_on_cpu(tmp_path):
+def test_galaxy_qlora_compiled_trains_on_cpu(smoke_rows):
     """The ``galaxy-qlora-compiled`` contender (NF4 base, ``compile: true``, bf16) trains through Galaxy's loop on
     the CPU: a timed row over a quantized base (inductor compiles each layer, about a minute here)."""
-    out = subprocess.run([sys.executable, "bench/bench_lora.py", *TINY, "--warmup", "1", "--json",
-                          str(tmp_path / "out.json"), "--contenders", "galaxy-qlora-compiled"],
-                         cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    (row,) = json.loads((tmp_path / "out.json").read_text())["rows"]
+    (row,) = rows_of(smoke_rows, "galaxy-qlora-compiled")
     assert row["contender"] == "galaxy-qlora-compiled" and row["step_ms"] > 0, row
     assert row["frozen_bytes_per_param"] < 2, row  # the linears in NF4; embeddings and head stay bf16
 
@@ -159,12 +175,10 @@ def test_max_seq_on_cpu_finds_the_limit_and_keeps_every_try(tmp_path):
     """``--max_seq`` end to end on the CPU: Galaxy's LoRA fits every length up to the limit (each try a process of
     its own, two whole steps), a stand-in unsloth that cannot run fails every length down to the floor; both rows
     keep their tries, and the longest length's row carries its step time and peak."""
-    fake = tmp_path / "deps" / "unsloth"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("__version__ = '0.0-standin'\n_IS_CPU_BACKEND = True\n")
+    deps = standin_unsloth(tmp_path)
     out = subprocess.run([sys.executable, "bench/bench_lora.py", "--preset", "llama-tiny", "--batch", "1",
                           "--max_seq", "--max_seq_start", "32", "--max_seq_floor", "16", "--max_seq_limit", "64",
-                          "--contenders", "galaxy-lora,unsloth-lora", "--unsloth_path", str(tmp_path / "deps"),
+                          "--contenders", "galaxy-lora,unsloth-lora", "--unsloth_path", str(deps),
                           "--json", str(tmp_path / "out.json")],
                          cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -27,20 +27,32 @@ from bench.bench_train import Batching, DEFAULT_CONTENDERS, SCENARIOS, Unavailab
 # megatron-tp-sp(-overlap) stop where megatron-tp does on CPU (the import, or CUDA): left out to save time.
 # fsdp2-cp (torch's context_parallel) shards CUDA's attention kernels only: its CPU row has its own test.
 SKIP = "serial-compiled,galaxy-*+compile,native-tp-sp-compiled,native-tp-sp-asynctp,megatron-tp-sp*,fsdp2-cp"
-VARIANTS = "galaxy-galaxy@dp2"  # Galaxy's own dp axis, per row
+# Galaxy's own dp axis, per row (the fsdp2 engine's row is also the fake-world test's real rank)
+VARIANTS = "galaxy-galaxy@dp2,galaxy-galaxy@dp2-fsdp2"
+SMOKE = ("--cpu", "--scenario", "smoke", "--warmup", "0", "--iters", "1", "--compile_backend", "eager")
+
+# Each launch costs seconds of CPU before its first contender (torch and Galaxy imported by the launcher, Gloo
+# joined): tests that read the same launch share it (module-scoped fixtures below).
 
 
-def bench(tmp_path, *flags):
+def bench(tmp_path, *flags, world=2):
     out = tmp_path / "train.json"
-    run = subprocess.run([sys.executable, "bench/bench_train.py", "--cpu", "--world", "2", "--scenario", "smoke",
-                          "--warmup", "0", "--iters", "1", "--compile_backend", "eager", "--json", str(out), *flags],
+    run = subprocess.run([sys.executable, "bench/bench_train.py", "--world", str(world), *SMOKE, "--json", str(out),
+                          *flags],
                          cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(out.read_text()), run.stdout
 
 
-def test_every_contender_does_the_same_work_and_reports_it(tmp_path):
-    report, stdout = bench(tmp_path, "--contenders", "*," + VARIANTS, "--skip", SKIP)
+@pytest.fixture(scope="module")
+def every_contender(tmp_path_factory):
+    """One launch of every contender that runs on CPU (and Galaxy's dp variants), 1 step each: the same-work test
+    reads all its rows, the fake-world test the real world's rows of its contenders."""
+    return bench(tmp_path_factory.mktemp("every"), "--contenders", "*," + VARIANTS, "--skip", SKIP)
+
+
+def test_every_contender_does_the_same_work_and_reports_it(every_contender):
+    report, stdout = every_contender
     rows = {r["name"]: r for r in report["rows"]}
     assert list(rows) == select("*," + VARIANTS, SKIP) and report["world"] == 2
     batch, seq = SCENARIOS["smoke"]["global_batch"], SCENARIOS["smoke"]["seq"]
@@ -83,34 +95,48 @@ ALIKE = ("galaxy-none,galaxy-tp,galaxy-galaxy,galaxy-galaxy2-sharded,galaxy-gala
          "native-tp-sp-eager")
 
 
-def test_rows_that_start_alike_train_alike(tmp_path):
+def alike_losses(tmp_path, lr, contenders=ALIKE, world=2):
+    """Every step's loss of each of ``contenders`` (3 steps, float32, learning rate ``lr``), and the report."""
+    report, _ = bench(tmp_path, "--contenders", contenders, "--dtype", "float32", "--iters", "3", "--lr", lr,
+                      world=world)
+    rows = {r["name"]: r for r in report["rows"]}
+    assert all("error" not in r and len(r["losses"]) == 3 for r in rows.values()), rows
+    return {n: r["losses"] for n, r in rows.items()}, report
+
+
+@pytest.fixture(scope="module")
+def alike_trained(tmp_path_factory):
+    """The ALIKE rows trained at a learning rate of 1e-2: the alike test's rows, and the float8 test's un-converted
+    run (galaxy-none, float32, 1e-2)."""
+    return alike_losses(tmp_path_factory.mktemp("alike"), "1e-2")
+
+
+def test_rows_that_start_alike_train_alike(alike_trained, tmp_path):
     """Each row's ``losses`` (every step's loss, read after the timing): Galaxy's plans, gradient reductions and
     dp layouts start from the same weights and read the same batches, so in float32 their losses agree at every
     step, and so do the plain model's serial and tensor-parallel rows; a row whose gradients were wrong would
     part from them at its second step (the check's reach: the same rows at a learning rate of ~0 part by more
     than 100 times the tolerance by the third step). On GPUs the same column shows a row that trains another
     model (as compiled one-row micro-batches did on 2 x H200: bench/device/microbatch_check.sh)."""
-    def losses(lr):
-        report, _ = bench(tmp_path, "--contenders", ALIKE, "--dtype", "float32", "--iters", "3", "--lr", lr)
-        rows = {r["name"]: r for r in report["rows"]}
-        assert all("error" not in r and len(r["losses"]) == 3 for r in rows.values()), rows
-        return {n: r["losses"] for n, r in rows.items()}
-    trained = losses("1e-2")
+    trained = alike_trained[0]
     for name, got in trained.items():
         reference = trained["serial-eager" if name.startswith(("serial", "native")) else "galaxy-none"]
         assert got == pytest.approx(reference, rel=1e-4), name
-    still = losses("1e-9")
+    # the reach is read on galaxy-none, which runs on rank 0 by itself: a launch of that one rank
+    still = alike_losses(tmp_path, "1e-9", "galaxy-none", world=1)[0]
     assert abs(still["galaxy-none"][2] - trained["galaxy-none"][2]) > 100 * 1e-4 * trained["galaxy-none"][2]
 
 
-def test_float8_rows_train_galaxy_and_the_fsdp2_anchor_in_float8(tmp_path):
+def test_float8_rows_train_galaxy_and_the_fsdp2_anchor_in_float8(tmp_path, alike_trained):
     """``--float8 rowwise``: Galaxy's rows (float8_training) and the fsdp2-compile anchor (torchao's
     convert_to_float8_training, as torchtitan) state it and train; float8 moves Galaxy's losses off the
     un-converted run's, and an anchor that cannot take it (fsdp2-tp: float8 TP styles not wired) says why."""
     names = "galaxy-none,galaxy-tp,galaxy-galaxy@dp2-fsdp2,fsdp2-compile,fsdp2-tp"
     report, _ = bench(tmp_path, "--contenders", names, "--dtype", "float32", "--iters", "2", "--lr", "1e-2",
                       "--float8", "rowwise")
-    plain, _ = bench(tmp_path, "--contenders", "galaxy-none", "--dtype", "float32", "--iters", "2", "--lr", "1e-2")
+    # the un-converted run: the alike launch's galaxy-none (float32, lr 1e-2; its second step is this launch's)
+    plain = alike_trained[1]
+    assert plain["rows"][0]["name"] == "galaxy-none" and plain["dtype"] == "float32"
     rows = {r["name"]: r for r in report["rows"]}
     assert report["facts"]["float8"] == "rowwise" and report["facts"]["torchao"]
     assert "float8 with TP" in rows["fsdp2-tp"]["error"]
@@ -134,7 +160,7 @@ def test_each_contender_at_its_own_rows_in_one_launch(tmp_path):
     assert rows["galaxy-tp:mb2"]["losses"] == pytest.approx(rows["galaxy-tp"]["losses"], rel=1e-4)
 
 
-def test_a_fake_world_runs_the_program_of_one_rank_of_a_real_one(tmp_path):
+def test_a_fake_world_runs_the_program_of_one_rank_of_a_real_one(tmp_path, every_contender):
     """``--fake_world 2``: this one process plays rank 0 of 2 over torch's fake process group (what a rank of a
     2-GPU launch allocates, measured on one GPU). It runs the program rank 0 runs in a real world of 2: the same
     layout, the same collectives of the same sizes (counted where they are dispatched), the whole global batch
@@ -148,10 +174,11 @@ def test_a_fake_world_runs_the_program_of_one_rank_of_a_real_one(tmp_path):
         pytest.skip(f"this torch's fake reduce-scatter does not write its output "
                     f"({wrote.stdout.strip() or wrote.stderr[-200:]})")
     names = "galaxy-galaxy@dp2-fsdp2,fsdp2-compile,galaxy-tp"
-    real, _ = bench(tmp_path, "--contenders", names)
+    # the real world of 2: these contenders' rows of the every-contender launch (the same flags, 1 step)
+    every = {r["name"]: r for r in every_contender[0]["rows"]}
+    real = {"rows": [every[n] for n in names.split(",")]}
     out = tmp_path / "fake.json"
-    run = subprocess.run([sys.executable, "bench/bench_train.py", "--cpu", "--fake_world", "2", "--scenario", "smoke",
-                          "--warmup", "0", "--iters", "1", "--compile_backend", "eager", "--contenders", names,
+    run = subprocess.run([sys.executable, "bench/bench_train.py", "--fake_world", "2", *SMOKE, "--contenders", names,
                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -308,15 +335,18 @@ def test_the_anchor_is_the_serial_init_sliced_whatever_its_world(tmp_path):
     shard instead gave both dp ranks the same block: a model that depended on dp), and so its first loss over the
     global batch is the world-1 loss (float32)."""
     losses = {}
+    # both worlds launched by one process (its imports paid once)
+    code = ("import argparse, os; from bench.bench_coc import launch; "
+            "from tests.bench.test_bench_train import _anchor_init_worker as w\n"
+            "for world in (1, 2):\n"
+            f"    out = os.path.join({str(tmp_path)!r}, f'world{{world}}.json')\n"
+            "    launch(w, argparse.Namespace(cpu=True, world=world, out=out, micro_batch=1, dtype='float32', "
+            "lr=1e-4, compile_backend='eager'), None, on_cpu=True)")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert run.returncode == 0, run.stderr[-3000:]
     for world in (1, 2):
         out = tmp_path / f"world{world}.json"
-        code = ("import argparse, sys; from bench.bench_coc import launch; "
-                "from tests.bench.test_bench_train import _anchor_init_worker as w; "
-                f"launch(w, argparse.Namespace(cpu=True, world={world}, out={str(out)!r}, micro_batch=1, "
-                "dtype='float32', lr=1e-4, compile_backend='eager'), None, on_cpu=True)")
-        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                             env=dict(os.environ, PYTHONPATH=ROOT))
-        assert run.returncode == 0, run.stderr[-3000:]
         got = json.loads(out.read_text())
         assert got["slices"] and all(got["slices"].values()), got["slices"]
         losses[world] = got["first_loss"]
@@ -343,11 +373,22 @@ def test_long_sequence_rows_recompute_and_train_alike(tmp_path):
     assert best["best_galaxy"]["name"] in ("galaxy-none", "galaxy-sp") and "galaxy_over_anchor" in best
 
 
-def test_a_sweep_runs_each_point_in_a_launch_of_its_own_and_keeps_failures_as_rows(tmp_path):
+def test_a_sweep_runs_each_point_in_a_launch_of_its_own_and_keeps_failures_as_rows(tmp_path, capsys):
     """``--sweep_rows 1,2,4``: every contender at each R rows per micro-batch, each point its own launch; a point
     that cannot run (4 rows where a rank has 2 sequences) or whose launch is killed is a row saying why, and the
     report states each recipe at its best."""
-    report, stdout = bench(tmp_path, "--contenders", "fsdp2-compile", "--sweep_rows", "1,2,4")
+    from bench.bench_train import main
+
+    def sweep(tmp_path, *flags, world):
+        """The sweep's own process is this one (it only starts the points' launches and reads their rows)."""
+        out = tmp_path / "train.json"
+        main(["--world", str(world), *SMOKE, "--json", str(out), *flags])
+        return json.loads(out.read_text()), capsys.readouterr().out
+
+    # The sweep's mechanics (a launch per point; a refused, failed or killed point a row) are the same at any world:
+    # one rank and a global batch of 2 (a rank's 2 sequences, as at world 2 with 4) spare a process per point.
+    one_rank = ("--global_batch", "2")
+    report, stdout = sweep(tmp_path, "--contenders", "fsdp2-compile", "--sweep_rows", "1,2,4", *one_rank, world=1)
     rows = {r["name"]: r for r in report["rows"]}
     assert list(rows) == ["fsdp2-compile:mb1", "fsdp2-compile:mb2", "fsdp2-compile:mb4"]
     assert [rows[n]["micro_batch"] for n in list(rows)[:2]] == [1, 2]
@@ -355,6 +396,7 @@ def test_a_sweep_runs_each_point_in_a_launch_of_its_own_and_keeps_failures_as_ro
     fastest = max(list(rows)[:2], key=lambda n: rows[n]["tokens_per_s_per_gpu"])
     assert report["summary"]["best_per_contender"] == {"fsdp2-compile": fastest}
     assert report["facts"]["sweep_rows"] == [1, 2, 4] and stdout.count("ROW ") >= 3
-    killed, _ = bench(tmp_path, "--contenders", "fsdp2-compile", "--sweep_rows", "2", "--sweep_timeout_s", "1")
+    killed, _ = sweep(tmp_path, "--contenders", "fsdp2-compile", "--sweep_rows", "2", "--sweep_timeout_s", "1",
+                      *one_rank, world=1)
     (row,) = killed["rows"]
     assert row["name"] == "fsdp2-compile:mb2" and row["error"].startswith("killed after 1 s"), row
