@@ -86,3 +86,16 @@ def test_the_branch_check_sees_a_branch(tmp_path):
     assert model_type_branches(str(tmp_path)) == [
         "galaxy/planner/x.py:1 imports galaxy.models.llama", "galaxy/planner/x.py:2 compares with a model_type",
         "galaxy/planner/x.py:4 keys a dict by model_type"]
+
+
+def test_the_command_line_imports_without_torch_dynamo():
+    """Every rank process imports the CLI; torch._dynamo costs about 1 s of CPU more in each (compiled layers,
+    the ring's and the overlapped edges' ``torch.compiler.disable``, the torch pipeline engine import it where
+    they are used)."""
+    import subprocess
+    import sys
+
+    probe = "import sys, galaxy.cli.main, galaxy.cli.pretrain, galaxy.cli.plan; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "False", (out.stdout, out.stderr[-2000:])
