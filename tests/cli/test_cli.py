@@ -49,17 +49,6 @@ def test_shipped_configs_run(tmp_path, script, config, world):
     assert {"step", "loss", "tokens_per_s", "step_time_s", "peak_mem_mb"} <= set(lines[0])
 
 
-def test_ranks_started_in_separate_shells(tmp_path):
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    args = ["pretrain_galaxy.py", "--world", "2", "--max_steps", "3", "--no_progress"]
-    procs = [subprocess.Popen([sys.executable] + args + ["--rank", str(r)], cwd=ROOT,
-                              env=dict(os.environ, PYTHONPATH=ROOT, **env), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    outs = [p.communicate(timeout=240) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
-    assert "pretraining summary" in outs[0][0] and "pretraining summary" not in outs[1][0]
-
-
 @pytest.mark.parametrize("shells", [1, 2])
 def test_pipeline_cli_trains_with_a_falling_loss(tmp_path, shells):
     """``--world 2`` alone, and ``--world 2 --rank 0`` / ``--rank 1`` as two shells would start them."""
