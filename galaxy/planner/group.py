@@ -266,11 +266,12 @@ class GroupModel:
         to arrive after the collective's time, the ranks that waited for it after the waiting time
         (``link_seconds``, or ``seconds`` already looked up)."""
         waited, slowest = seconds if seconds is not None else self.link_seconds(op, wire)
-        last = clock.max(axis=1, keepdims=True)
-        leave = np.repeat(last + waited[:, None], clock.shape[1], axis=1)
         latest = clock.argmax(axis=1)  # ties: one of them is last in a real run
         rows = np.arange(clock.shape[0])
-        leave[rows, latest] = last[:, 0] + slowest
+        last = clock[rows, latest]  # (a row's maximum: one pass over the clocks, not two; a search calls this a lot)
+        leave = np.empty_like(clock)
+        leave[:] = (last + waited)[:, None]
+        leave[rows, latest] = last + slowest
         if self.trace is not None:
             self.trace.append(latest)
         if self.segments is not None:
