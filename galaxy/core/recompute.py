@@ -33,13 +33,15 @@ core recomputed under ``selective``; ``layer_memory_modes`` gives a stack's mode
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+                                    set_checkpoint_early_stop)
 
 from galaxy.config import LAYER_MEMORY_MODES, OFFLOAD, RECOMPUTE_MODES, ConfigError, ModelConfig
 from galaxy.core.compile import draws_random
@@ -122,6 +124,17 @@ def recomputed_when_compiled(fn: Callable, *args):
     return checkpoint(fn, *args, use_reentrant=False)
 
 
+def _recompute_every_op(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# Inside a compiled layer every op of a region is marked for recomputation where autograd traces it, those of a
+# custom autograd.Function (the fp8 base's linear) included. A plain checkpoint under torch 2.11 marks only the ops
+# outside such a Function (pytorch#177396; 2.13 routes a plain checkpoint through this same selective policy), so
+# its partitioner kept an fp8 MLP's projections and ``mlp`` took nothing off the peak.
+_EVERY_OP_RECOMPUTED = functools.partial(create_selective_checkpoint_contexts, _recompute_every_op)
+
+
 def recompute(fn: Callable, *args, generators: Sequence[torch.Generator] = (), **kwargs):
     """``fn(*args, **kwargs)``, keeping only its inputs for backward and running it again there with
     the dropout streams ``generators`` (and the global RNG) as they were in forward. Without
@@ -132,7 +145,7 @@ def recompute(fn: Callable, *args, generators: Sequence[torch.Generator] = (), *
     if torch.compiler.is_compiling():
         # Inside a compiled layer (galaxy.core.compile) no dropout draws, so no stream needs a
         # replay, and the compiled backward recomputes the region whole.
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=_EVERY_OP_RECOMPUTED, **kwargs)
     generators = tuple(generators)
     states: list = []
 
