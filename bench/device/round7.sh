@@ -22,6 +22,8 @@
 #          time by category in the JSON)
 #   f8prof part f8t's Galaxy rows for none and tensorwise, each with one profiled step
 #   fp8b   part fp8 at seq 4,096 x batch 2
+# Round 10: part fp8 recomputes two and three MLPs (round 9's +mlp2 took nothing off under torch 2.11: a plain
+# checkpoint in a compiled layer left the fp8 linear's ops unmarked, fixed in a07a3f4), with and without CUDA graphs
 # Carry: the lora set and torchao (installed beside bitsandbytes and liger-kernel on every contender's path):
 #   WHEELS=unsloth bash bench/device/prepare_carry.sh /work/main r7 && \
 #     python3 bench/device/slim_wheel.py /work/main/.whl/torchao-*.whl /work/main/.carry/r7/wheels
@@ -50,8 +52,8 @@ if [ "$mode" = start ]; then
     for part in ${PARTS:-fp8 long f8t}; do
         case $part in
             fp8) cmd="$cmd $lora --seq 1024 --batch 8 --steps 20 --warmup 3 --contenders galaxy-lora-compiled,\
-galaxy-lora-fp8-compiled,galaxy-lora-fp8-compiled+mlp2,galaxy-lora-fp8-cudagraphs,galaxy-lora-fp8,unsloth-lora,\
-unsloth-lora-sdpa --json $dir/fp8_lora.json > $dir/fp8_lora.log 2>&1;" ;;
+galaxy-lora-fp8-compiled,galaxy-lora-fp8-compiled+mlp2,galaxy-lora-fp8-compiled+mlp3,galaxy-lora-fp8-cudagraphs,\
+galaxy-lora-fp8-cudagraphs+mlp2,unsloth-lora,unsloth-lora-sdpa --json $dir/fp8_lora.json > $dir/fp8_lora.log 2>&1;" ;;
             long) cmd="$cmd $lora --seq 32768 --batch 1 --steps 3 --warmup 1 --contenders galaxy-lora-compiled+auto,\
 galaxy-lora-compiled+auto5.5,${LONG_UNSLOTH_LORA:-unsloth-lora-gc,unsloth-lora-gc-sdpa},galaxy-qlora-compiled+auto,\
 galaxy-qlora-compiled+auto4.2,\
