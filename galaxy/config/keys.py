@@ -4,6 +4,7 @@ each value checked against its field's type; config files and ``--override`` val
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import logging
 import os
@@ -52,9 +53,16 @@ def _suggest(key: str) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+@functools.cache
+def _field_types(section_cls) -> dict[str, Any]:
+    """A section's resolved annotations, read only: resolving them (``get_type_hints`` evaluates every string
+    annotation) costs more than checking a value, and a config checks each of its keys."""
+    return get_type_hints(section_cls)
+
+
 def coerce(section_cls, key: str, value: Any) -> Any:
     """Check ``value`` against the field's annotation, converting the safe cases (int -> float)."""
-    hint = get_type_hints(section_cls)[key]
+    hint = _field_types(section_cls)[key]
     optional = get_origin(hint) is not None and type(None) in get_args(hint)
     if optional:
         if value is None:
