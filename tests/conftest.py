@@ -8,25 +8,17 @@ import os
 import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Every compiled test, in this process, the pool's and the CLIs' it starts, builds scalar C++ kernels: g++ takes
+# about 40% less time on them (the graph is the same; on a GPU inductor writes Triton either way), and one process
+# that builds both kinds fails (torch 2.13: a vectorized kernel compiled after a scalar one lacks its ISA's macros,
+# 'at::vec has not been declared'; seen in the suite when test_offload.py ran before test_recompute.py). Set
+# through the environment, which torch._inductor.config reads when imported, so that a process that compiles
+# nothing does not import inductor (about 2 s of CPU) only to set it.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def scalar_cpp_kernels() -> None:
-    """Every compiled test, in this process and in the pool's, builds scalar C++ kernels: g++ takes about 40% less
-    time on them (the graph is the same; on a GPU inductor writes Triton either way), and one process that builds
-    both kinds fails (torch 2.13: a vectorized kernel compiled after a scalar one lacks its ISA's macros,
-    'at::vec has not been declared'; seen in the suite when test_offload.py ran before test_recompute.py)."""
-    import torch._inductor.config
-
-    torch._inductor.config.cpp.vec_isa_ok = False
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _scalar_cpp_kernels():
-    scalar_cpp_kernels()
 
 
 @pytest.fixture(scope="session")

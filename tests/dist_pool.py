@@ -30,9 +30,6 @@ TASK_TIMEOUT_S = 120
 def _worker(rank: int, world: int, port: int, tasks, results, root: str) -> None:
     sys.path.insert(0, root)
     torch.set_num_threads(1)
-    from tests.conftest import scalar_cpp_kernels
-
-    scalar_cpp_kernels()
     from galaxy.config import DistributedConfig
     from galaxy.core.comm import Communicator
     from galaxy.core.context import ParallelContext, build_groups
