@@ -89,9 +89,10 @@ def test_the_branch_check_sees_a_branch(tmp_path):
 
 
 def test_the_command_line_imports_without_torch_dynamo():
-    """Every rank process imports the CLI; torch._dynamo costs about 1 s of CPU more in each (compiled layers,
-    the ring's and the overlapped edges' ``torch.compiler.disable``, the torch pipeline engine import it where
-    they are used)."""
+    """A launcher, ``plan``, ``infer`` and ``--help`` import the CLI without torch._dynamo (about 1.3 s of CPU a
+    process); compiled layers, the ring's and the overlapped edges' ``torch.compiler.disable`` and the torch
+    pipeline engine import it where they are used. A training rank imports it anyway, at its optimizer's first
+    param group (torch.optim)."""
     import subprocess
     import sys
 

@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from galaxy.train.checkpoint.files import is_complete
 from tests import REPO
 from tests.train.checkpoint.helpers import checkpoint_tensors
 from tests.train.test_save_failures import mounted_tmpfs
@@ -72,7 +73,7 @@ def session_members(session: int) -> list[int]:
 
 
 def complete_checkpoints(save_dir) -> set[str]:
-    return {d.name for d in save_dir.iterdir() if (d / "manifest.json").exists()}
+    return {d.name for d in save_dir.iterdir() if is_complete(str(d))}
 
 
 def test_ranks_die_with_their_launcher_when_it_is_killed(tmp_path):
