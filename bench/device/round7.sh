@@ -17,7 +17,7 @@
 #   max    --max_seq on a card capped at MAX_CARD_GIB (default 8) for every contender, every one with unsloth's
 #          allocator setting (expandable segments; round 8 gave it to unsloth only): Galaxy's compiled LoRA +auto
 #          against unsloth's offloaded checkpointing (SDPA), from 16,384 tokens (MAX_CONTENDERS: others, e.g.
-#          galaxy-qlora-compiled+auto,unsloth-qlora-gc-sdpa)
+#          galaxy-qlora-compiled+auto,unsloth-qlora-gc-sdpa; MAX_START, default 16,384)
 #   prof   part fp8's Galaxy rows and unsloth's xformers row again, each profiled (kernel tables and the step's GPU
 #          time by category in the JSON)
 #   f8prof part f8t's Galaxy rows for none and tensorwise, each with one profiled step
@@ -64,7 +64,7 @@ ${LONG_UNSLOTH_QLORA:-unsloth-qlora-gc,unsloth-qlora-gc-sdpa} --json $dir/long32
             long8) cmd="$cmd $lora --seq 32768 --batch 1 --steps 3 --warmup 1 --contenders \
 galaxy-lora-compiled+auto${LORA_GIB:-5.3},unsloth-lora-gc-sdpa,galaxy-qlora-compiled+auto${QLORA_GIB:-4.0},\
 unsloth-qlora-gc-sdpa --json $dir/long32k_budget.json > $dir/long32k_budget.log 2>&1;" ;;
-            max) cmd="$cmd $lora --batch 1 --max_seq --card_gib ${MAX_CARD_GIB:-8} --max_seq_start 16384 \
+            max) cmd="$cmd $lora --batch 1 --max_seq --card_gib ${MAX_CARD_GIB:-8} --max_seq_start ${MAX_START:-16384} \
 --alloc_conf expandable_segments:True \
 --contenders ${MAX_CONTENDERS:-galaxy-lora-compiled+auto,unsloth-lora-gc-sdpa} --json $dir/max_seq.json > $dir/max_seq.log 2>&1;" ;;
             prof) mkdir -p "$dir/prof"
