@@ -15,10 +15,29 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # through the environment, which torch._inductor.config reads when imported, so that a process that compiles
 # nothing does not import inductor (about 2 s of CPU) only to set it.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+# One intra-op thread in every test (``one_intra_op_thread``) and in every process a test starts (they inherit
+# OMP_NUM_THREADS; a local launch of several ranks still sets each rank's own, galaxy.cli.launch.rank_context). The
+# tests' shapes are tiny: a second OpenMP thread gains nothing on them, and beside the other pytest worker and the
+# ranks it spins waiting for work on a core another process needs (2026-12-02, one file alone on the busy 2-core
+# host: test_precision.py 96.8 s of CPU on two threads against 32.5 on one, test_equivalence.py 79.7 against 64.5;
+# test_finetune.py 139 against 14).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(autouse=True)
+def one_intra_op_thread():
+    """Each test on one thread, whatever a test before it in this worker set (an in-process bench main sets its
+    own)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
