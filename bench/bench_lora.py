@@ -29,7 +29,9 @@ its checkpointing; the default launch runs both attention paths). ``+auto`` on a
 memory mode and the MLP's sequence chunks chosen by the planner: the long-context recipe). Every contender:
 LoRA r16 alpha 32 on q_proj / v_proj, dropout 0, random tokens with labels = inputs, fused AdamW lr 1e-4,
 clipping at 1.0; a timed step is forward, backward, clipping and the optimizer step under bf16 autocast
-(Galaxy: its own loop), ended by reading the loss (a device sync). Peak memory is counted from the first
+(Galaxy: its own loop), ended by reading the loss (a device sync). Galaxy's random weights are drawn on the GPU by
+its generator, tensor by tensor, the frozen base stored in its format as it is made; its row's ``stages_s`` says
+how long its plan, build and first step (with the compile) took. Peak memory is counted from the first
 training step on (building the model is left out, for every contender alike). A contender whose package does
 not import says so in its row; a contender that cannot run (out of memory among the reasons) says why in its
 row's ``error`` (one line), and the launch goes on.
@@ -74,6 +76,7 @@ import torch  # noqa: E402
 # torch and the config alone here: the launch's own process and a contender that stops at its import (unsloth
 # without a GPU) do without Galaxy's model and training code (over a second of CPU a process); a contender's
 # process imports them where it runs.
+from bench import line_buffered_output  # noqa: E402
 from galaxy.config import MODEL_PRESETS, GalaxyConfig  # noqa: E402
 
 # unsloth with both its attention paths (xformers where it loads, PyTorch's SDPA with -sdpa): its faster row is
@@ -251,26 +254,48 @@ def write_profile(prof, args) -> dict:
     return {k: (v / PROFILED_STEPS if k.endswith("_ms") else v) for k, v in figures.items()}
 
 
+def galaxy_model(cfg: GalaxyConfig, ctx):
+    """A Galaxy contender's model: its frozen base made tensor by tensor on ``ctx.device``, each tensor drawn there
+    by the device's generator and stored in its format (bf16, NF4, fp8; ``build_base(init_on_device=True)``), then
+    its LoRA. No fp32 copy of the model exists and the host draws nothing: an 8B drawn in fp32 by the host's
+    generator (one core, about 250 M values a second) took over 30 s before its 32 GB were copied and cast."""
+    from galaxy.peft import apply_tuning, build_base
+
+    return apply_tuning(build_base(cfg, None, ctx, init_on_device=True), cfg)
+
+
 def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None, recompute: Optional[dict] = None) -> dict:
     """Galaxy's own training loop (``train``): step times from one step's end to the next (the loop
-    reads every step's loss, a device sync)."""
+    reads every step's loss, a device sync). The row's ``stages_s``: the seconds of each stage before the timed
+    steps (imports, ``activation_memory: auto``'s plan, the model's build, the first step with its compile), each
+    on stderr as it ends."""
+    stages, last = {}, [time.perf_counter()]
+
+    def stage_ends(name: str) -> None:
+        now = time.perf_counter()
+        stages[name], last[0] = now - last[0], now
+        print(f"{args.one}: {name} took {stages[name]:.1f} s", file=sys.stderr)
+
     from bench.bench_plans import StepTimer, causal_lm_data
     from galaxy.core.context import ParallelContext
     from galaxy.loralib.quantized import frozen_bytes
-    from galaxy.models import build_model
-    from galaxy.peft import apply_tuning
     from galaxy.planner.activation import resolve_activation_memory
     from galaxy.train.loop import train
 
     ctx = ParallelContext.serial("cuda" if torch.cuda.is_available() else "cpu", seed=0)  # CPU: a smoke run
+    stage_ends("imports")
     # as the CLIs: activation_memory auto becomes each layer's memory mode before the model is built
     cfg = resolve_activation_memory(config(args, quantize, compile_mode, recompute), ctx)
-    model = apply_tuning(build_model(cfg, None, ctx), cfg)
+    stage_ends("plan")
+    model = galaxy_model(cfg, ctx)
+    stage_ends("build")
     prof = profiler(args)
     resident = [None]
 
     def after_step():
         resident[0] = resident_mib()
+        if "first step" not in stages:
+            stage_ends("first step")  # the optimizer made, the layers compiled, one step
         if prof is not None:
             prof.step()
 
@@ -287,7 +312,7 @@ def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None, recomput
     nbytes, count = frozen_bytes(model)
     return {"times": on_step.times, "resident_mib": resident[0], "frozen_bytes_per_param": nbytes / max(count, 1),
             "recompute": cfg.model.recompute, "recompute_num_layers": cfg.model.recompute_num_layers,
-            "layer_memory": cfg.model.layer_memory, "mlp_chunks": cfg.model.mlp_chunks, **out}
+            "layer_memory": cfg.model.layer_memory, "mlp_chunks": cfg.model.mlp_chunks, "stages_s": stages, **out}
 
 
 def run_peft(args, variant: str) -> dict:
@@ -440,10 +465,16 @@ def one_line(e: BaseException) -> str:
     return " ".join(text.split())[:400]
 
 
-def card_gib() -> Optional[float]:
-    """This GPU's memory in GiB: the budget of ``+auto`` contenders (None without a GPU). Asked in a child process by
-    the launch's own process (``in_child``), which then holds no CUDA context of its own beside the contenders'."""
-    return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
+NO_GPU = {"name": "cpu (no CUDA device)", "gib": None}
+
+
+def card() -> dict:
+    """This GPU's name and memory in GiB (``gib``: the budget of ``+auto`` contenders; ``NO_GPU`` without one). Asked
+    in a child process by the launch's own process (``in_child``), which then holds no CUDA context of its own
+    beside the contenders'."""
+    if not torch.cuda.is_available():
+        return NO_GPU
+    return {"name": torch.cuda.get_device_name(0), "gib": torch.cuda.get_device_properties(0).total_memory / 2**30}
 
 
 def in_child(*args: str) -> str:
@@ -499,8 +530,9 @@ CHILD_ARGS = ("preset", "seq", "batch", "steps", "warmup", "profile", "model_dir
 
 def run_child(args, name: str, **override) -> dict:
     """``name`` in a fresh process (``--one``), with ``override`` on this launch's arguments: its memory, Liger's
-    patches and unsloth's imports end with it. A process that dies without a row (a crash, a kill) is a row
-    whose ``error`` is its exit and last line."""
+    patches and unsloth's imports end with it. Its stderr (a Galaxy contender's stages, each as it ends; warnings)
+    is passed on line by line. A process that dies without a row (a crash, a kill) is a row whose ``error`` is its
+    exit and last line."""
     values = {**{k: getattr(args, k) for k in CHILD_ARGS}, **override}
     cmd = [sys.executable, os.path.abspath(__file__), "--one", name] + [
         f"--{k}={v}" for k, v in values.items() if v is not None]
@@ -510,13 +542,18 @@ def run_child(args, name: str, **override) -> dict:
             [os.path.abspath(args.unsloth_path)] + [x for x in [os.environ.get("PYTHONPATH")] if x])
     if args.alloc_conf:  # unsloth sets its own only where none is set: this one holds for every contender
         env["PYTORCH_ALLOC_CONF"] = args.alloc_conf
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if line:
-        return json.loads(line[-1])
-    tail = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    return {"contender": name, "error": f"exit {proc.returncode}: " + (" ".join(tail[-1].split())[:400] if tail
-                                                                       else "no output")}
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True, env=env)
+        tail = ""
+        for line in proc.stderr:  # on to this launch's stderr as it comes: a killed launch shows how far it got
+            sys.stderr.write(line)
+            tail = line if line.strip() else tail
+        proc.wait()
+        out.seek(0)
+        rows = [ln for ln in out.read().splitlines() if ln.startswith("{")]
+    if rows:
+        return json.loads(rows[-1])
+    return {"contender": name, "error": f"exit {proc.returncode}: " + (" ".join(tail.split())[:400] or "no output")}
 
 
 def search_lengths(start: int, floor: int, limit: int, fits: Callable[[int], bool]) -> tuple:
@@ -595,16 +632,16 @@ def main() -> int:
                         "sets that on import where none is set; default: each recipe its own)")
     p.add_argument("--model_dir", default=None, help=argparse.SUPPRESS)  # the checkpoint saved once per launch
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--child", choices=("save_model", "card_gib"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=("save_model", "card"), default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print(json.dumps(run_one(args)), flush=True)
+        print(json.dumps(run_one(args)))
         return 0
     if args.child == "save_model":
         save_model(config(args), args.model_dir)
         return 0
-    if args.child == "card_gib":
-        print(json.dumps(card_gib()))
+    if args.child == "card":
+        print(json.dumps(card()))
         return 0
     for name in args.contenders.split(","):
         if name.startswith("galaxy"):
@@ -618,11 +655,20 @@ def main() -> int:
     names = args.contenders.split(",")
     # asked in a child where there may be a GPU (this process then holds no CUDA context); a torch built without
     # CUDA has none to ask about
-    card = json.loads(in_child("--child", "card_gib")) if torch.backends.cuda.is_built() else None
-    if args.card_gib is not None and (card is None or not 0 < args.card_gib <= card):
-        p.error(f"--card_gib {args.card_gib:g}: give a size in GiB above 0 and at most this GPU's "
-                f"({'no GPU here' if card is None else f'{card:.1f} GiB'})")
-    args.card_gib = args.card_gib or card
+    gpu = json.loads(in_child("--child", "card")) if torch.backends.cuda.is_built() else NO_GPU
+    if args.card_gib is not None and (gpu["gib"] is None or not 0 < args.card_gib <= gpu["gib"]):
+        size = "no GPU here" if gpu["gib"] is None else f"{gpu['gib']:.1f} GiB"
+        p.error(f"--card_gib {args.card_gib:g}: give a size in GiB above 0 and at most this GPU's ({size})")
+    args.card_gib = args.card_gib or gpu["gib"]
+    facts = {"device": gpu["name"], "memory_gib": args.card_gib, "torch": torch.__version__, "preset": args.preset,
+             "seq": args.seq, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+             "max_seq": args.max_seq and {k: getattr(args, f"max_seq_{k}") for k in ("start", "floor", "limit")},
+             "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("GALAXY_COMMIT", "unknown"),
+             "versions": versions("transformers", "peft", "accelerate", "bitsandbytes", "liger_kernel", "triton"),
+             "unsloth_path": args.unsloth_path, "alloc_conf": args.alloc_conf,
+             "mfu": "mfu = (4*N + 12*L*H*S) * tokens / s / peak (LoRA: no weight gradients of the frozen base); "
+                    "mfu_causal: 6*L*H*S (galaxy.train.metrics)"}
+    print(json.dumps({"facts": facts}))  # first: a launch killed later still says what it ran
     rows = []
     with contextlib.ExitStack() as stack:
         if any(unsloth_variant(n) or n == "peft-qlora-bnb" for n in names):  # their checkpoint, saved once
@@ -633,18 +679,9 @@ def main() -> int:
         for name in names:
             row = longest_sequence(args, name) if args.max_seq else run_child(args, name)
             rows.append(row)
-            print(json.dumps(row), flush=True)
-    facts = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (no CUDA device)",
-             "memory_gib": args.card_gib, "torch": torch.__version__, "preset": args.preset,
-             "seq": args.seq, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-             "max_seq": args.max_seq and {k: getattr(args, f"max_seq_{k}") for k in ("start", "floor", "limit")},
-             "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("GALAXY_COMMIT", "unknown"),
-             "versions": versions("transformers", "peft", "accelerate", "bitsandbytes", "liger_kernel", "triton"),
-             "unsloth_path": args.unsloth_path, "alloc_conf": args.alloc_conf,
-             "mfu": "mfu = (4*N + 12*L*H*S) * tokens / s / peak (LoRA: no weight gradients of the frozen base); "
-                    "mfu_causal: 6*L*H*S (galaxy.train.metrics)"}
+            print(json.dumps(row))
     summary = best_per_family(rows)
-    print(f"\n{facts}\n{'contender':<28} {'max seq':>8} {'step ms':>9} {'steps/s':>8} {'MFU':>6} {'causal':>6} "
+    print(f"\n{'contender':<28} {'max seq':>8} {'step ms':>9} {'steps/s':>8} {'MFU':>6} {'causal':>6} "
           f"{'peak MiB':>9}")
     for r in rows:
         if "step_ms" in r:
@@ -665,4 +702,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    line_buffered_output()
     sys.exit(main())

@@ -155,6 +155,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from bench import line_buffered_output  # noqa: E402
 from bench.step_profile import profile_step  # noqa: E402
 from bench.bench_coc import (PlainStack, RMSNorm, launch, publish, pytorch_tp_sp, release, rotate_half,  # noqa: E402
                              run_facts)
@@ -1608,4 +1609,5 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 if __name__ == "__main__":
+    line_buffered_output()
     main()

@@ -164,6 +164,21 @@ def test_a_layer_draws_random_numbers_only_while_a_dropout_is_active():
         assert draws_random(layer) is draws, (p, training)
 
 
+def test_the_layers_of_a_compiled_stack_share_their_graphs():
+    """Dynamo compiles each layer's ``compute`` once for the stack, not once per layer (an attribute that differs
+    between layers, specialised into the graph, would recompile every layer, and past the recompile limit run the
+    rest eagerly): a four-layer LoRA model compiles two graphs, the first layer's (its input, from the frozen
+    embedding, needs no gradient) and the other three's."""
+    from galaxy.peft import apply_tuning
+
+    fresh_dynamo()
+    cfg = GalaxyConfig.from_dict(dict(llama_eq.TINY, num_hidden_layers=4, seq_length=llama_eq.SEQ, compile=True,
+                                      tuning="lora", lora_dim=4))
+    model = apply_tuning(LlamaForCausalLM(cfg.model, ctx=ParallelContext.serial(), seed=3), cfg)
+    model(**llama_eq.make_batch()).loss.backward()
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
 def test_profiling_a_compiled_layer_is_refused():
     cfg = GalaxyConfig.from_dict(dict(llama_eq.TINY, seq_length=llama_eq.SEQ, compile=True))
     ctx = ParallelContext.serial()
