@@ -24,6 +24,12 @@
 #   fp8b   part fp8 at seq 4,096 x batch 2
 # Round 10: part fp8 recomputes two and three MLPs (round 9's +mlp2 took nothing off under torch 2.11: a plain
 # checkpoint in a compiled layer left the fp8 linear's ops unmarked, fixed in a07a3f4), with and without CUDA graphs
+# Round 11 adds:
+#   qlmem  where the QLoRA +auto plan's memory goes at 65,536 and 98,304 tokens within 8 GiB (round 10: 98,304 ran out of
+#          memory for QLoRA where LoRA's plan fit): bench/long_context_memory.py's probe, plan, prediction and
+#          measured peak, NF4 and bf16 bases, the card uncapped, a memory snapshot each
+#   long8b Llama-3.1-8B shapes at 32,768 tokens: Galaxy's LoRA +auto within LONG8B_GIB (default 21.0: unsloth's
+#          21,756 MiB of round 10 less 150) beside unsloth's offloaded checkpointing (SDPA)
 # Carry: the lora set and torchao (installed beside bitsandbytes and liger-kernel on every contender's path):
 #   WHEELS=unsloth bash bench/device/prepare_carry.sh /work/main r7 && \
 #     python3 bench/device/slim_wheel.py /work/main/.whl/torchao-*.whl /work/main/.carry/r7/wheels
@@ -77,7 +83,13 @@ galaxy-lora-fp8-compiled,galaxy-lora-compiled,unsloth-lora --json $dir/fp8_prof.
                     done ;;
             fp8b) cmd="$cmd $lora --seq 4096 --batch 2 --steps 20 --warmup 3 --contenders galaxy-lora-compiled,\
 galaxy-lora-fp8-compiled,unsloth-lora,unsloth-lora-sdpa --json $dir/fp8_4096.json > $dir/fp8_4096.log 2>&1;" ;;
-            *) echo "unknown part $part (fp8 | long | f8t | long8 | max | prof | f8prof | fp8b)"; exit 2 ;;
+            qlmem) for q in nf4 none; do
+                       cmd="$cmd python3 bench/long_context_memory.py --preset llama-1b --quantize $q --seqs 65536 98304 \
+--budget_gib 8 --measure --modes auto --memory_history $dir/qlmem_$q --json $dir/qlmem_$q.json > $dir/qlmem_$q.log 2>&1;"
+                   done ;;
+            long8b) cmd="$cmd ${lora/llama-1b/llama-8b} --seq 32768 --batch 1 --steps 3 --warmup 1 --contenders \
+galaxy-lora-compiled+auto${LONG8B_GIB:-21.0},unsloth-lora-gc-sdpa --json $dir/long8b.json > $dir/long8b.log 2>&1;" ;;
+            *) echo "unknown part $part (fp8 | long | f8t | long8 | max | prof | f8prof | fp8b | qlmem | long8b)"; exit 2 ;;
         esac
     done
     start_detached "$dir" r7 "$cmd"
