@@ -79,7 +79,7 @@ PIECES = {
     "head.tokens": "tokens; embeddings + output head + loss",
 }
 EDGE_PIECES = frozenset({"head.tokens"})  # the model's ends, once a step: the rest run once per layer
-WHOLE_SIZES = 2**17  # piece sizes below this are looked up in a table of every whole size (``RankProfile.whole_sizes``)
+WHOLE_SIZES = 2**17  # piece sizes below this are looked up in a table of every whole size (``whole_sizes``)
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 # Measured since the SP attention flavours (sp_attention: ulysses's all-to-alls, ring's point-to-point
 # exchanges); a file from before holds the first three, and these are derived from its all-gather.

@@ -156,7 +156,7 @@ class GroupModel:
         """Piece ``name`` at each rank's ``sizes`` (``[C, mp]``), which come from split ``var``."""
         latency = self.work.objective == "latency"
         out = [np.empty(sizes.shape) for _ in range(3)]
-        if sizes.dtype.kind in "iu" and sizes.size and 0 <= sizes.min() and sizes.max() < WHOLE_SIZES:  # the usual: whole sizes
+        if sizes.dtype.kind in "iu" and sizes.size and 0 <= sizes.min() and sizes.max() < WHOLE_SIZES:
             most = int(sizes.max())
             for i, r in enumerate(self.ranks):
                 column = sizes[:, i]
