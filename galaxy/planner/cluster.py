@@ -79,6 +79,7 @@ PIECES = {
     "head.tokens": "tokens; embeddings + output head + loss",
 }
 EDGE_PIECES = frozenset({"head.tokens"})  # the model's ends, once a step: the rest run once per layer
+WHOLE_SIZES = 2**17  # piece sizes below this are looked up in a table of every whole size (``whole_sizes``)
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 # Measured since the SP attention flavours (sp_attention: ulysses's all-to-alls, ring's point-to-point
 # exchanges); a file from before holds the first three, and these are derived from its all-gather.
@@ -278,27 +279,37 @@ class RankProfile:
     def piece(self, name: str, rows: int, sizes, inference: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(forward s, backward s, saved bytes) of piece ``name`` at ``rows`` rows and ``sizes``;
         ``inference``: the forward without autograd where it was measured."""
+        sizes = np.asarray(sizes)
+        if sizes.dtype.kind in "iu" and sizes.size > 0:
+            most = int(sizes.max())
+            if most < WHOLE_SIZES and sizes.min() >= 0:  # looked up in a table of every whole size
+                return tuple(t[sizes] for t in self.whole_sizes(name, rows, most, inference))
+        used, measured, scales = self._source(name, rows, inference)
+        return self._scaled(self._piece(used, measured, rows, sizes, inference), scales)
+
+    def whole_sizes(self, name: str, rows: int, most: int, inference: bool = False) -> tuple[np.ndarray, ...]:
+        """``piece`` at every whole size from 0 to at least ``most`` (below ``WHOLE_SIZES``): index them by
+        sizes (a search asks for the same sizes millions of times)."""
+        used, measured, scales = self._source(name, rows, inference)
+        key = tuple(id(p) for p in used) + (rows, inference, scales)
+        entry = self.tables.get(key)
+        if entry is None or len(entry[1][0]) <= most:
+            whole = np.arange(1 << most.bit_length())
+            entry = (used, self._scaled(self._piece(used, measured, rows, whole, inference), scales))
+            self.tables[key] = entry  # holds ``used``: their ids stay theirs while cached
+        return entry[1]
+
+    def _source(self, name: str, rows: int, inference: bool) -> tuple[tuple[Piece, ...], list[int], tuple]:
+        """The measured pieces ``name`` at ``rows`` comes from (the measured rows around it), those rows,
+        and the scales of its (forward, backward, saved bytes)."""
         measured = sorted(self.pieces)
         k = min(max(bisect.bisect_left(measured, rows), 1), len(measured) - 1)  # the measured rows around ``rows``
         used = tuple(self.pieces[r][name] for r in measured[k - 1:k + 1])
         if inference:
-            scales = (self.forward_compute_scale, self.forward_compute_scale, None)
-        else:
-            layer = 1.0 if name in EDGE_PIECES else self.layer_compute_scale
-            scale = self.step_compute_scale * self.sustained_scale * layer
-            scales = (scale, scale, self.activation_scale)
-        sizes = np.asarray(sizes)
-        if sizes.dtype.kind in "iu" and sizes.size > 0:
-            most = int(sizes.max())
-            if most < 2**17 and sizes.min() >= 0:  # looked up in a table of every whole size
-                key = tuple(id(p) for p in used) + (rows, inference, scales)
-                entry = self.tables.get(key)
-                if entry is None or len(entry[1][0]) <= most:
-                    whole = np.arange(1 << most.bit_length())
-                    entry = (used, self._scaled(self._piece(used, measured, rows, whole, inference), scales))
-                    self.tables[key] = entry  # holds ``used``: their ids stay theirs while cached
-                return tuple(t[sizes] for t in entry[1])
-        return self._scaled(self._piece(used, measured, rows, sizes, inference), scales)
+            return used, measured, (self.forward_compute_scale, self.forward_compute_scale, None)
+        layer = 1.0 if name in EDGE_PIECES else self.layer_compute_scale
+        scale = self.step_compute_scale * self.sustained_scale * layer
+        return used, measured, (scale, scale, self.activation_scale)
 
     @staticmethod
     def _scaled(values: tuple[np.ndarray, ...], scales: tuple[Optional[float], ...]) -> tuple[np.ndarray, ...]:

@@ -16,7 +16,7 @@ import numpy as np
 from galaxy.config import Method
 from galaxy.core.transitions import TRANSITION_OPS
 from galaxy.models import family
-from galaxy.planner.cluster import ClusterProfile
+from galaxy.planner.cluster import WHOLE_SIZES, ClusterProfile
 from galaxy.planner.workload import LAYOUTS, Splits, Workload, stream_layout
 
 # recompute modes that run some of a layer's pieces again in backward: the pieces' name prefix
@@ -150,14 +150,22 @@ class GroupModel:
         self._layer: Optional[list] = None
         self._head: Optional[list] = None
         self._seconds: dict = {}  # (id(collective), op) -> (the collective, its link_seconds)
+        self.mode_costs: dict = {}  # memory mode -> its memory.ModeCost (memory.stage_mode_costs fills it)
 
     def piece(self, name: str, sizes: np.ndarray, var: Optional[str] = None) -> Compute:
         """Piece ``name`` at each rank's ``sizes`` (``[C, mp]``), which come from split ``var``."""
+        latency = self.work.objective == "latency"
         out = [np.empty(sizes.shape) for _ in range(3)]
-        for i, r in enumerate(self.ranks):
-            for k, values in enumerate(self.cluster.ranks[r].piece(name, self.rows, sizes[:, i],
-                                                                   self.work.objective == "latency")):
-                out[k][:, i] = values
+        if sizes.dtype.kind in "iu" and sizes.size and 0 <= sizes.min() and sizes.max() < WHOLE_SIZES:
+            most = int(sizes.max())
+            for i, r in enumerate(self.ranks):
+                column = sizes[:, i]
+                for o, table in zip(out, self.cluster.ranks[r].whole_sizes(name, self.rows, most, latency)):
+                    o[:, i] = table[column]
+        else:
+            for i, r in enumerate(self.ranks):
+                for o, values in zip(out, self.cluster.ranks[r].piece(name, self.rows, sizes[:, i], latency)):
+                    o[:, i] = values
         return Compute(*out, name=name, var=var)
 
     def transition(self, src: str, dst: str, name: str) -> Optional[Collective]:
@@ -267,11 +275,11 @@ class GroupModel:
         (``link_seconds``, or ``seconds`` already looked up)."""
         waited, slowest = seconds if seconds is not None else self.link_seconds(op, wire)
         latest = clock.argmax(axis=1)  # ties: one of them is last in a real run
-        rows = np.arange(clock.shape[0])
-        last = clock[rows, latest]  # (a row's maximum: one pass over the clocks, not two; a search calls this a lot)
-        leave = np.empty_like(clock)
-        leave[:] = (last + waited)[:, None]
-        leave[rows, latest] = last + slowest
+        C, mp = clock.shape
+        at = latest + np.arange(0, C * mp, mp)  # flat positions (a search calls this a lot: few numpy calls)
+        last = clock.ravel()[at]  # (a row's maximum: one pass over the clocks, not two)
+        leave = np.repeat(last + waited, mp).reshape(C, mp)
+        leave.ravel()[at] = last + slowest
         if self.trace is not None:
             self.trace.append(latest)
         if self.segments is not None:
@@ -298,7 +306,7 @@ class GroupModel:
             if outer is not None:
                 outer.extend(seen)
             if previous is not None and len(seen) == len(previous) \
-                    and all(np.array_equal(a, b) for a, b in zip(seen, previous)):
+                    and all(a.shape == b.shape and (a == b).all() for a, b in zip(seen, previous)):
                 more = times - k - 1
                 shift = after - clock
                 if more and self.segments is not None:

@@ -263,8 +263,11 @@ def stage_mode_costs(g: GroupModel, layout: Layout, p: int) -> tuple[list[ModeCo
     layers run each."""
     modes = layout.stage_modes(balanced_split(g.work.model.num_hidden_layers, layout.pp), p)
     distinct = list(dict.fromkeys(modes))
-    bandwidth = np.array([g.cluster.ranks[r].host_link_bytes_per_s for r in g.ranks], dtype=float)
-    return [layer_mode_cost(g, mode, bandwidth) for mode in distinct], [modes.count(mode) for mode in distinct]
+    for mode in distinct:  # each mode's cost once per group: the step's time, memory and host memory all ask
+        if mode not in g.mode_costs:
+            bandwidth = np.array([g.cluster.ranks[r].host_link_bytes_per_s for r in g.ranks], dtype=float)
+            g.mode_costs[mode] = layer_mode_cost(g, mode, bandwidth)
+    return [g.mode_costs[mode] for mode in distinct], [modes.count(mode) for mode in distinct]
 
 
 def host_memory(g: GroupModel, layout: Layout, p: int) -> np.ndarray:

@@ -514,10 +514,17 @@ class Pruner:
         self.fitting: list[float] = []  # the fitting plans' times so far, ascending
         self.best_at: dict[int, float] = {}  # the best fitting plan's time so far, per device count
         self.searched = 0
+        # per group index and layout: its split search (the splits it scored, its bound) and its plan, which the
+        # bounds, the even-split check and the misfits' second pass ask for again
+        self.searches: dict[tuple[int, Layout], SplitSearch] = {}
+        self.plans: dict[tuple[int, Layout], Optional[Choice]] = {}
 
     def splits(self, group: Group, layout: Layout) -> SplitSearch:
-        return SplitSearch(group.cluster, group.work, group.methods, layout, self.ffn_unit, self.seq_unit,
-                           self.exact_limit)
+        key = (group.index, layout)
+        if key not in self.searches:
+            self.searches[key] = SplitSearch(group.cluster, group.work, group.methods, layout, self.ffn_unit,
+                                             self.seq_unit, self.exact_limit)
+        return self.searches[key]
 
     def bound(self, group: Group, layout: Layout) -> float:
         """The lower bound of ``layout``'s micro-batches without recomputation (so of every recomputation)."""
@@ -622,7 +629,10 @@ class Pruner:
         return search.feasible() and bool(search.score(search.balanced())[0].fits[0])
 
     def choose(self, group: Group, layout: Layout) -> Optional[Choice]:
-        search = self.splits(group, layout)
-        self.searched += 1
-        choice = search.run()
-        return None if choice is None else search.even_unless_beaten(choice, self.split_margin)
+        key = (group.index, layout)
+        if key not in self.plans:
+            search = self.splits(group, layout)
+            self.searched += 1
+            choice = search.run()
+            self.plans[key] = None if choice is None else search.even_unless_beaten(choice, self.split_margin)
+        return self.plans[key]
