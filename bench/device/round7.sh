@@ -18,8 +18,8 @@
 #          allocator setting (expandable segments; round 8 gave it to unsloth only): Galaxy's compiled LoRA +auto
 #          against unsloth's offloaded checkpointing (SDPA), from 16,384 tokens (MAX_CONTENDERS: others, e.g.
 #          galaxy-qlora-compiled+auto,unsloth-qlora-gc-sdpa; MAX_START, default 16,384)
-#   prof   part fp8's Galaxy rows and unsloth's xformers row again, each profiled (kernel tables and the step's GPU
-#          time by category in the JSON)
+#   prof   part fp8's Galaxy rows (fp8 compiled and under CUDA graphs, bf16) and unsloth's xformers row again, each
+#          profiled (kernel tables and the step's GPU time by category in the JSON)
 #   f8prof part f8t's Galaxy rows for none and tensorwise, each with one profiled step
 #   fp8b   part fp8 at seq 4,096 x batch 2
 # Round 10: part fp8 recomputes two and three MLPs (round 9's +mlp2 took nothing off under torch 2.11: a plain
@@ -75,7 +75,7 @@ unsloth-qlora-gc-sdpa --json $dir/long32k_budget.json > $dir/long32k_budget.log 
 --contenders ${MAX_CONTENDERS:-galaxy-lora-compiled+auto,unsloth-lora-gc-sdpa} --json $dir/max_seq.json > $dir/max_seq.log 2>&1;" ;;
             prof) mkdir -p "$dir/prof"
                   cmd="$cmd $lora --seq 1024 --batch 8 --steps 10 --warmup 3 --profile $dir/prof --contenders \
-galaxy-lora-fp8-compiled,galaxy-lora-compiled,unsloth-lora --json $dir/fp8_prof.json > $dir/fp8_prof.log 2>&1;" ;;
+galaxy-lora-fp8-compiled,galaxy-lora-fp8-cudagraphs,galaxy-lora-compiled,unsloth-lora --json $dir/fp8_prof.json > $dir/fp8_prof.log 2>&1;" ;;
             f8prof) mkdir -p "$dir/f8prof"
                     for f in none tensorwise; do
                         cmd="$cmd ${train/,fsdp2-compile/} --float8 $f --profile $dir/f8prof --json $dir/f8prof_$f.json \
