@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import sys
 import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -123,6 +124,43 @@ def largest_tensors(args, seq: int, mode: str, device: torch.device) -> list:
     return watch.table()
 
 
+def _site(frames: list) -> str:
+    """Where an allocation came from: its innermost frame in galaxy's or bench's code, else its innermost frame."""
+    for f in frames:
+        name = f.get("filename", "")
+        if "/galaxy/" in name or "/bench/" in name:
+            return f"{name.rsplit('/', 2)[-2]}/{name.rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name')}"
+    f = frames[0] if frames else {}
+    return f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name')}"
+
+
+def live_at_peak(snapshot: dict, before: int, most: int = 15) -> dict:
+    """Replay a ``torch.cuda.memory._snapshot()`` trace: the bytes alive at the highest point (and at the trace's
+    end: after an OOM, what was held when it failed), grouped by allocation site. ``before``: bytes allocated when
+    recording began (weights and the like; the trace does not see them)."""
+    live, total, peak, at_peak = {}, before, before, {}
+    for trace in snapshot.get("device_traces", []):
+        for e in trace:
+            if e["action"] == "alloc":
+                live[e["addr"]] = e
+                total += e["size"]
+                if total > peak:
+                    peak, at_peak = total, dict(live)
+            elif e["action"] == "free_completed" and live.pop(e["addr"], None) is not None:
+                total -= e["size"]
+
+    def grouped(blocks: dict) -> list:
+        sites = {}
+        for e in blocks.values():
+            s = sites.setdefault(_site(e.get("frames", [])), {"bytes": 0, "count": 0})
+            s["bytes"] += e["size"]
+            s["count"] += 1
+        return [{"site": k, **v} for k, v in sorted(sites.items(), key=lambda kv: -kv[1]["bytes"])[:most]]
+
+    return {"before_bytes": before, "peak_bytes": peak, "at_peak": grouped(at_peak), "end_bytes": total,
+            "at_end": grouped(live)}
+
+
 def measure(args, seq: int, mode: str, device: torch.device) -> dict:
     """``mode`` (a layer memory mode for every layer, or ``auto`` within ``--budget_gib``) trained at ``seq``."""
     from bench.bench_plans import StepTimer, causal_lm_data
@@ -142,17 +180,23 @@ def measure(args, seq: int, mode: str, device: torch.device) -> dict:
     times, losses = timer.times, timer.losses
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    before = 0
     try:
         model = apply_tuning(build_base(cfg, None, ctx), cfg)
         if args.memory_history:
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
-        train(model, causal_lm_data(cfg), cfg, ctx, on_step=timer)
-        if args.memory_history:
-            os.makedirs(args.memory_history, exist_ok=True)
-            path = os.path.join(args.memory_history, f"{args.quantize}_{seq}_{mode}.pickle")
-            torch.cuda.memory._dump_snapshot(path)
-            torch.cuda.memory._record_memory_history(enabled=None)
-            row["snapshot"] = path
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
+        try:
+            train(model, causal_lm_data(cfg), cfg, ctx, on_step=timer)
+        finally:
+            if args.memory_history:  # kept after an OOM too: what was held when it failed
+                os.makedirs(args.memory_history, exist_ok=True)
+                path = os.path.join(args.memory_history, f"{args.quantize}_{seq}_{mode}.pickle")
+                snapshot = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+                with open(path, "wb") as f:
+                    pickle.dump(snapshot, f)
+                row.update(snapshot=path, allocations=live_at_peak(snapshot, before))
         row.update(peak_mib=torch.cuda.max_memory_allocated() / MIB, step_ms=1e3 * min(times) if times else None,
                    tokens_per_s=args.batch * seq / min(times) if times else None, losses=losses)
     except torch.OutOfMemoryError:
@@ -165,6 +209,11 @@ def measure(args, seq: int, mode: str, device: torch.device) -> dict:
     print(f"  measured {mode:<18} seq {seq}: " + ("OOM" if row.get("oom") else
           f"peak {row['peak_mib']:,.0f} MiB, step {row['step_ms']:.1f} ms, {row['tokens_per_s']:,.0f} tokens/s, "
           f"loss {losses[-1]:.4f}"), flush=True)
+    for when in ("at_peak", "at_end") if "allocations" in row else ():
+        print(f"    alive {when[3:]} ({row['allocations'][when[3:] + '_bytes'] / MIB:,.0f} MiB, "
+              f"{before / MIB:,.0f} of them before the first step):")
+        for s in row["allocations"][when][:8]:
+            print(f"      {s['bytes'] / MIB:>9,.0f} MiB {s['count']:>6}x  {s['site']}")
     return row
 
 

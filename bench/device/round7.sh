@@ -27,7 +27,7 @@
 # Round 11 adds:
 #   qlmem  where the QLoRA +auto plan's memory goes at 65,536 and 98,304 tokens within 8 GiB (round 10: 98,304 ran out of
 #          memory for QLoRA where LoRA's plan fit): bench/long_context_memory.py's probe, plan, prediction and
-#          measured peak, NF4 and bf16 bases, the card uncapped, a memory snapshot each
+#          measured peak, NF4 and bf16 bases, the card uncapped, a memory snapshot each (the JSON: what is alive at its peak, by site)
 #   long8b Llama-3.1-8B shapes at 32,768 tokens: Galaxy's LoRA +auto within LONG8B_GIB (default 21.0: unsloth's
 #          21,756 MiB of round 10 less 150) beside unsloth's offloaded checkpointing (SDPA)
 # Carry: the lora set and torchao (installed beside bitsandbytes and liger-kernel on every contender's path):

@@ -355,3 +355,28 @@ def test_fused_attention_flops_count_grouped_query_heads_as_torch_counts_repeate
     repeated = sdpa_backward_flop_count(tuple(out.shape), tuple(q.shape), tuple(k8.shape), tuple(v8.shape))
     for op in backward_ops:
         assert ATTENTION_FLOPS[op](tuple(out.shape), *shapes) == repeated, op
+
+
+def test_long_context_script_names_what_is_alive_at_the_peak_of_an_allocator_trace():
+    """bench/long_context_memory.py's replay of a ``torch.cuda.memory._snapshot()`` trace (its documented
+    events: alloc, free_requested, free_completed, oom): the live bytes at the highest point, grouped by the
+    innermost galaxy frame, and what is still held at the end (after an OOM: what was held when it failed)."""
+    from bench.long_context_memory import live_at_peak
+
+    def frames(where):
+        return [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+                {"filename": f"/r/galaxy/models/{where}.py", "line": 7, "name": "forward"}]
+
+    trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": frames("llama")},
+             {"action": "alloc", "addr": 2, "size": 50, "frames": frames("mlp")},
+             {"action": "free_requested", "addr": 2, "size": 50, "frames": []},
+             {"action": "free_completed", "addr": 2, "size": 50, "frames": []},
+             {"action": "alloc", "addr": 3, "size": 30, "frames": frames("llama")},
+             {"action": "alloc", "addr": 4, "size": 40, "frames": frames("mlp")},
+             {"action": "free_completed", "addr": 1, "size": 100, "frames": []},
+             {"action": "oom", "addr": 0, "size": 999, "frames": []}]
+    report = live_at_peak({"device_traces": [trace]}, before=1000)
+    assert report["peak_bytes"] == 1170 and report["end_bytes"] == 1070
+    assert report["at_peak"] == [{"site": "models/llama.py:7 forward", "bytes": 130, "count": 2},
+                                 {"site": "models/mlp.py:7 forward", "bytes": 40, "count": 1}]
+    assert report["at_end"][0] == {"site": "models/mlp.py:7 forward", "bytes": 40, "count": 1}
