@@ -135,19 +135,26 @@ def _site(frames: list) -> str:
 
 
 def live_at_peak(snapshot: dict, before: int, most: int = 15) -> dict:
-    """Replay a ``torch.cuda.memory._snapshot()`` trace: the bytes alive at the highest point (and at the trace's
-    end: after an OOM, what was held when it failed), grouped by allocation site. ``before``: bytes allocated when
-    recording began (weights and the like; the trace does not see them)."""
-    live, total, peak, at_peak = {}, before, before, {}
+    """Replay a ``torch.cuda.memory._snapshot()`` trace as the caching allocator counts allocated bytes (a block
+    counts from its ``alloc`` to its ``free_requested``, as ``max_memory_allocated`` does): the bytes alive at the
+    highest point and at the trace's end (after an OOM: what was held when it failed), grouped by allocation site.
+    Beside them the most bytes an allocation found freed but not yet reusable (between ``free_requested`` and
+    ``free_completed``: a block used on another stream, e.g. an offload copy's source, waits for that stream). ``before``: bytes
+    allocated when recording began (weights and the like; the trace does not see them)."""
+    live, pending, total, peak, at_peak, most_pending = {}, {}, before, before, {}, 0
     for trace in snapshot.get("device_traces", []):
         for e in trace:
-            if e["action"] == "alloc":
+            if e["action"] == "alloc":  # what is pending now is memory this allocation cannot reuse
+                most_pending = max(most_pending, sum(b["size"] for b in pending.values()))
                 live[e["addr"]] = e
                 total += e["size"]
                 if total > peak:
                     peak, at_peak = total, dict(live)
-            elif e["action"] == "free_completed" and live.pop(e["addr"], None) is not None:
+            elif e["action"] == "free_requested" and e["addr"] in live:
+                pending[e["addr"]] = live.pop(e["addr"])
                 total -= e["size"]
+            elif e["action"] == "free_completed":
+                pending.pop(e["addr"], None)
 
     def grouped(blocks: dict) -> list:
         sites = {}
@@ -158,7 +165,7 @@ def live_at_peak(snapshot: dict, before: int, most: int = 15) -> dict:
         return [{"site": k, **v} for k, v in sorted(sites.items(), key=lambda kv: -kv[1]["bytes"])[:most]]
 
     return {"before_bytes": before, "peak_bytes": peak, "at_peak": grouped(at_peak), "end_bytes": total,
-            "at_end": grouped(live)}
+            "at_end": grouped(live), "most_pending_bytes": most_pending}
 
 
 def measure(args, seq: int, mode: str, device: torch.device) -> dict:
@@ -205,13 +212,15 @@ def measure(args, seq: int, mode: str, device: torch.device) -> dict:
         if args.memory_history:
             torch.cuda.memory._record_memory_history(enabled=None)
         model = None
+        torch._dynamo.reset()  # its compiled graphs hold the model: the next length starts from an empty card
         torch.cuda.empty_cache()
     print(f"  measured {mode:<18} seq {seq}: " + ("OOM" if row.get("oom") else
           f"peak {row['peak_mib']:,.0f} MiB, step {row['step_ms']:.1f} ms, {row['tokens_per_s']:,.0f} tokens/s, "
           f"loss {losses[-1]:.4f}"), flush=True)
     for when in ("at_peak", "at_end") if "allocations" in row else ():
         print(f"    alive {when[3:]} ({row['allocations'][when[3:] + '_bytes'] / MIB:,.0f} MiB, "
-              f"{before / MIB:,.0f} of them before the first step):")
+              f"{before / MIB:,.0f} of them before the first step; freed but not yet reusable at most "
+              f"{row['allocations']['most_pending_bytes'] / MIB:,.0f} MiB):")
         for s in row["allocations"][when][:8]:
             print(f"      {s['bytes'] / MIB:>9,.0f} MiB {s['count']:>6}x  {s['site']}")
     return row
@@ -236,10 +245,17 @@ def main(argv=None) -> int:
     p.add_argument("--memory_history", default=None, help="a torch.cuda.memory snapshot per measured step here")
     p.add_argument("--largest", default=None, metavar="MODE",
                    help="the largest tensors of one eager step with every layer in this memory mode")
+    p.add_argument("--card_gib", type=float, default=None, metavar="G",
+                   help="cap the caching allocator at G GiB (a smaller card, as bench_lora's --card_gib)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    if args.card_gib is not None:
+        if device.type != "cuda":
+            p.error("--card_gib caps a GPU's caching allocator: give it with --device cuda")
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(args.card_gib * GIB / total, device)
     if args.host_link_gb_per_s is None and device.type == "cuda":  # what plan_galaxy.py profile measures
         args.host_link_gb_per_s = measure_host_link(device) / 1e9
         print(f"host link: {args.host_link_gb_per_s:.1f} GB/s (pinned copies, the slower direction)")

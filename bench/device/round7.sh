@@ -30,6 +30,13 @@
 #          measured peak, NF4 and bf16 bases, the card uncapped, a memory snapshot each (the JSON: what is alive at its peak, by site)
 #   long8b Llama-3.1-8B shapes at 32,768 tokens: Galaxy's LoRA +auto within LONG8B_GIB (default 21.0: unsloth's
 #          21,756 MiB of round 10 less 150) beside unsloth's offloaded checkpointing (SDPA)
+# Round 12 adds:
+#   fp8k   the graphed fp8 row profiled under two inductor settings that retune its reductions (round 11: the
+#          row-wise quantizations fused after SwiGLU and its backward take 2.3x their bf16 kernels):
+#          coordinate-descent tuning, and multi-kernel (persistent and looped reductions both built, the faster
+#          taken); exploration, Galaxy alone (the env reaches every contender of a launch)
+#   qlmem8 part qlmem's NF4 98,304-token auto plan on a card capped at 8 GiB (expandable segments), a fresh process:
+#          what is alive when it runs out of memory
 # Carry: the lora set and torchao (installed beside bitsandbytes and liger-kernel on every contender's path):
 #   WHEELS=unsloth bash bench/device/prepare_carry.sh /work/main r7 && \
 #     python3 bench/device/slim_wheel.py /work/main/.whl/torchao-*.whl /work/main/.carry/r7/wheels
@@ -89,7 +96,15 @@ galaxy-lora-fp8-compiled,unsloth-lora,unsloth-lora-sdpa --json $dir/fp8_4096.jso
                    done ;;
             long8b) cmd="$cmd ${lora/llama-1b/llama-8b} --seq 32768 --batch 1 --steps 3 --warmup 1 --contenders \
 galaxy-lora-compiled+auto${LONG8B_GIB:-21.0},unsloth-lora-gc-sdpa --json $dir/long8b.json > $dir/long8b.log 2>&1;" ;;
-            *) echo "unknown part $part (fp8 | long | f8t | long8 | max | prof | f8prof | fp8b | qlmem | long8b)"; exit 2 ;;
+            fp8k) mkdir -p "$dir/prof"
+                  for knob in COORDINATE_DESCENT_TUNING MULTI_KERNEL; do
+                      cmd="$cmd TORCHINDUCTOR_$knob=1 $lora --seq 1024 --batch 8 --steps 10 --warmup 3 --profile $dir/prof \
+--contenders galaxy-lora-fp8-cudagraphs --json $dir/fp8k_$knob.json > $dir/fp8k_$knob.log 2>&1;"
+                  done ;;
+            qlmem8) cmd="$cmd PYTORCH_ALLOC_CONF=expandable_segments:True python3 bench/long_context_memory.py \
+--preset llama-1b --quantize nf4 --seqs 98304 --budget_gib 8 --card_gib 8 --measure --modes auto \
+--memory_history $dir/qlmem8 --json $dir/qlmem8.json > $dir/qlmem8.log 2>&1;" ;;
+            *) echo "unknown part $part (fp8 | long | f8t | long8 | max | prof | f8prof | fp8b | qlmem | long8b | fp8k | qlmem8)"; exit 2 ;;
         esac
     done
     start_detached "$dir" r7 "$cmd"

@@ -359,24 +359,30 @@ def test_fused_attention_flops_count_grouped_query_heads_as_torch_counts_repeate
 
 def test_long_context_script_names_what_is_alive_at_the_peak_of_an_allocator_trace():
     """bench/long_context_memory.py's replay of a ``torch.cuda.memory._snapshot()`` trace (its documented
-    events: alloc, free_requested, free_completed, oom): the live bytes at the highest point, grouped by the
-    innermost galaxy frame, and what is still held at the end (after an OOM: what was held when it failed)."""
+    events: alloc, free_requested, free_completed, oom), counted as the allocator counts allocated bytes (to
+    free_requested): the live bytes at the highest point, grouped by the innermost galaxy frame, what is still
+    held at the end (after an OOM: what was held when it failed), and the most bytes an allocation found freed
+    but not yet reusable."""
     from bench.long_context_memory import live_at_peak
 
     def frames(where):
         return [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
                 {"filename": f"/r/galaxy/models/{where}.py", "line": 7, "name": "forward"}]
 
+    def freed(addr, size, completed=True):
+        return [{"action": "free_requested", "addr": addr, "size": size, "frames": []}] + (
+            [{"action": "free_completed", "addr": addr, "size": size, "frames": []}] if completed else [])
+
     trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": frames("llama")},
              {"action": "alloc", "addr": 2, "size": 50, "frames": frames("mlp")},
-             {"action": "free_requested", "addr": 2, "size": 50, "frames": []},
-             {"action": "free_completed", "addr": 2, "size": 50, "frames": []},
+             *freed(2, 50, completed=False),  # waits on another stream: not allocated, not yet reusable
              {"action": "alloc", "addr": 3, "size": 30, "frames": frames("llama")},
              {"action": "alloc", "addr": 4, "size": 40, "frames": frames("mlp")},
-             {"action": "free_completed", "addr": 1, "size": 100, "frames": []},
+             {"action": "free_completed", "addr": 2, "size": 50, "frames": []},
+             *freed(1, 100),
              {"action": "oom", "addr": 0, "size": 999, "frames": []}]
     report = live_at_peak({"device_traces": [trace]}, before=1000)
-    assert report["peak_bytes"] == 1170 and report["end_bytes"] == 1070
+    assert report["peak_bytes"] == 1170 and report["end_bytes"] == 1070 and report["most_pending_bytes"] == 50
     assert report["at_peak"] == [{"site": "models/llama.py:7 forward", "bytes": 130, "count": 2},
                                  {"site": "models/mlp.py:7 forward", "bytes": 40, "count": 1}]
     assert report["at_end"][0] == {"site": "models/mlp.py:7 forward", "bytes": 40, "count": 1}
