@@ -251,6 +251,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if args.card_gib is not None:
         if device.type != "cuda":
             p.error("--card_gib caps a GPU's caching allocator: give it with --device cuda")
