@@ -137,11 +137,12 @@ def _site(frames: list) -> str:
 def live_at_peak(snapshot: dict, before: int, most: int = 15) -> dict:
     """Replay a ``torch.cuda.memory._snapshot()`` trace as the caching allocator counts allocated bytes (a block
     counts from its ``alloc`` to its ``free_requested``, as ``max_memory_allocated`` does): the bytes alive at the
-    highest point and at the trace's end (after an OOM: what was held when it failed), grouped by allocation site.
+    highest point and at the trace's end (after an OOM: what was held when it failed, and the failed request),
+    grouped by allocation site.
     Beside them the most bytes an allocation found freed but not yet reusable (between ``free_requested`` and
     ``free_completed``: a block used on another stream, e.g. an offload copy's source, waits for that stream). ``before``: bytes
     allocated when recording began (weights and the like; the trace does not see them)."""
-    live, pending, total, peak, at_peak, most_pending = {}, {}, before, before, {}, 0
+    live, pending, total, peak, at_peak, most_pending, oom = {}, {}, before, before, {}, 0, None
     for trace in snapshot.get("device_traces", []):
         for e in trace:
             if e["action"] == "alloc":  # what is pending now is memory this allocation cannot reuse
@@ -155,6 +156,8 @@ def live_at_peak(snapshot: dict, before: int, most: int = 15) -> dict:
                 total -= e["size"]
             elif e["action"] == "free_completed":
                 pending.pop(e["addr"], None)
+            elif e["action"] == "oom":  # the allocation that failed
+                oom = {"bytes": e["size"], "site": _site(e.get("frames", []))}
 
     def grouped(blocks: dict) -> list:
         sites = {}
@@ -165,7 +168,18 @@ def live_at_peak(snapshot: dict, before: int, most: int = 15) -> dict:
         return [{"site": k, **v} for k, v in sorted(sites.items(), key=lambda kv: -kv[1]["bytes"])[:most]]
 
     return {"before_bytes": before, "peak_bytes": peak, "at_peak": grouped(at_peak), "end_bytes": total,
-            "at_end": grouped(live), "most_pending_bytes": most_pending}
+            "at_end": grouped(live), "most_pending_bytes": most_pending, "oom": oom}
+
+
+def predicted_peak(args, cfg: GalaxyConfig, device: torch.device) -> float:
+    """The memory model's peak for ``cfg``'s per-layer modes and MLP chunks (what ``auto`` planned against)."""
+    probe = at_length(*probe_layer(cfg, device, args.batch), cfg.train.seq_length)
+    link = args.host_link_gb_per_s * 1e9 if args.host_link_gb_per_s else DEFAULT_HOST_LINK_BYTES_PER_S
+    options = {o.mode: o for o in mode_options(probe, device_rate(cfg, device), link, cfg.model.mlp_chunks)}
+    modes = list(cfg.model.layer_memory)
+    distinct = sorted(set(modes))
+    device_bytes, _ = stack_bytes([options[m] for m in distinct], [modes.count(m) for m in distinct])
+    return fixed_bytes(cfg, probe, len(modes)) + float(device_bytes)
 
 
 def measure(args, seq: int, mode: str, device: torch.device) -> dict:
@@ -182,7 +196,8 @@ def measure(args, seq: int, mode: str, device: torch.device) -> dict:
                                                host_link_gb_per_s=args.host_link_gb_per_s), ctx)
     else:
         cfg = config(args, seq, layer_memory=[mode] * config(args, seq).model.num_hidden_layers)
-    row = {"seq": seq, "mode": mode, "layer_memory": cfg.model.layer_memory}
+    row = {"seq": seq, "mode": mode, "layer_memory": cfg.model.layer_memory, "mlp_chunks": cfg.model.mlp_chunks,
+           "predicted_peak_mib": predicted_peak(args, cfg, device) / MIB}
     timer = StepTimer(args.warmup)
     times, losses = timer.times, timer.losses
     torch.cuda.empty_cache()
@@ -214,9 +229,13 @@ def measure(args, seq: int, mode: str, device: torch.device) -> dict:
         model = None
         torch._dynamo.reset()  # its compiled graphs hold the model: the next length starts from an empty card
         torch.cuda.empty_cache()
-    print(f"  measured {mode:<18} seq {seq}: " + ("OOM" if row.get("oom") else
-          f"peak {row['peak_mib']:,.0f} MiB, step {row['step_ms']:.1f} ms, {row['tokens_per_s']:,.0f} tokens/s, "
-          f"loss {losses[-1]:.4f}"), flush=True)
+    failed = row.get("allocations", {}).get("oom")
+    if row.get("oom"):
+        outcome = "OOM" + (f" asking {failed['bytes'] / MIB:,.0f} MiB at {failed['site']}" if failed else "")
+    else:
+        outcome = (f"peak {row['peak_mib']:,.0f} MiB, step {row['step_ms']:.1f} ms, {row['tokens_per_s']:,.0f} "
+                   f"tokens/s, loss {losses[-1]:.4f}")
+    print(f"  measured {mode:<18} seq {seq} (predicted {row['predicted_peak_mib']:,.0f} MiB): {outcome}", flush=True)
     for when in ("at_peak", "at_end") if "allocations" in row else ():
         print(f"    alive {when[3:]} ({row['allocations'][when[3:] + '_bytes'] / MIB:,.0f} MiB, "
               f"{before / MIB:,.0f} of them before the first step; freed but not yet reusable at most "

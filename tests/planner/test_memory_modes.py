@@ -312,6 +312,7 @@ def test_long_context_script_smoke(tmp_path):
     """bench/long_context_memory.py on a CPU: the memory model's rows at two lengths (kept bytes growing with
     them), the auto pick, and the largest tensors of one eager step (the vocabulary-wide logits of the CPU's
     unfused head among them)."""
+    import argparse
     import json
 
     from bench import long_context_memory
@@ -326,6 +327,12 @@ def test_long_context_script_smoke(tmp_path):
     assert rows["64"]["modes"]["none"]["kept_bytes"] > rows["32"]["modes"]["none"]["kept_bytes"] > 0
     assert rows["64"]["auto"] == ["none"] * 2  # a GiB holds everything
     assert any(t["shape"][-1] == 512 for t in report["largest"]["64"])
+    # a measured row's prediction (any per-layer mix) is the table's for a uniform stack
+    args = argparse.Namespace(preset="llama-tiny", batch=1, warmup=0, steps=1, dtype="bfloat16", compile=False,
+                              mlp_chunks=1, quantize="none", host_link_gb_per_s=None)
+    cfg = long_context_memory.config(args, 64, layer_memory=["full+offload"] * 2)
+    assert long_context_memory.predicted_peak(args, cfg, torch.device("cpu")) == pytest.approx(
+        rows["64"]["modes"]["full+offload"]["peak_bytes"])
 
 
 def test_fused_attention_flops_count_grouped_query_heads_as_torch_counts_repeated_ones():
@@ -383,6 +390,7 @@ def test_long_context_script_names_what_is_alive_at_the_peak_of_an_allocator_tra
              {"action": "oom", "addr": 0, "size": 999, "frames": []}]
     report = live_at_peak({"device_traces": [trace]}, before=1000)
     assert report["peak_bytes"] == 1170 and report["end_bytes"] == 1070 and report["most_pending_bytes"] == 50
+    assert report["oom"]["bytes"] == 999
     assert report["at_peak"] == [{"site": "models/llama.py:7 forward", "bytes": 130, "count": 2},
                                  {"site": "models/mlp.py:7 forward", "bytes": 40, "count": 1}]
     assert report["at_end"][0] == {"site": "models/mlp.py:7 forward", "bytes": 40, "count": 1}
