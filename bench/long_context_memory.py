@@ -54,7 +54,7 @@ def config(args, seq: int, **model) -> GalaxyConfig:
 def model_rows(args, device: torch.device) -> dict:
     """The memory model at every length: per mode, per layer, and the predicted peak of a uniform stack."""
     base = config(args, max(args.seqs))
-    short, long = probe_layer(base, device, args.batch)
+    short, long = probe_layer(base, device, args.batch, args.budget_gib * GIB if args.budget_gib else None)
     rate = device_rate(base, device)
     link = args.host_link_gb_per_s * 1e9 if args.host_link_gb_per_s else DEFAULT_HOST_LINK_BYTES_PER_S
     layers = base.model.num_hidden_layers
@@ -173,7 +173,8 @@ def live_at_peak(snapshot: dict, before: int, most: int = 15) -> dict:
 
 def predicted_peak(args, cfg: GalaxyConfig, device: torch.device) -> float:
     """The memory model's peak for ``cfg``'s per-layer modes and MLP chunks (what ``auto`` planned against)."""
-    probe = at_length(*probe_layer(cfg, device, args.batch), cfg.train.seq_length)
+    budget = args.budget_gib * GIB if args.budget_gib else None
+    probe = at_length(*probe_layer(cfg, device, args.batch, budget), cfg.train.seq_length)
     link = args.host_link_gb_per_s * 1e9 if args.host_link_gb_per_s else DEFAULT_HOST_LINK_BYTES_PER_S
     options = {o.mode: o for o in mode_options(probe, device_rate(cfg, device), link, cfg.model.mlp_chunks)}
     modes = list(cfg.model.layer_memory)

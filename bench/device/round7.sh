@@ -102,7 +102,7 @@ galaxy-lora-compiled+auto${LONG8B_GIB:-21.0},unsloth-lora-gc-sdpa --json $dir/lo
 --contenders galaxy-lora-fp8-cudagraphs --json $dir/fp8k_$knob.json > $dir/fp8k_$knob.log 2>&1;"
                   done ;;
             qlmem8) cmd="$cmd PYTORCH_ALLOC_CONF=expandable_segments:True python3 bench/long_context_memory.py \
---preset llama-1b --quantize nf4 --seqs 65536 98304 --budget_gib 8 --card_gib 8 --measure --modes auto \
+--preset llama-1b --quantize nf4 --seqs ${QLMEM8_SEQS:-98304} --budget_gib 8 --card_gib 8 --measure --modes auto \
 --memory_history $dir/qlmem8 --json $dir/qlmem8.json > $dir/qlmem8.log 2>&1;" ;;
             *) echo "unknown part $part (fp8 | long | f8t | long8 | max | prof | f8prof | fp8b | qlmem | long8b | fp8k | qlmem8)"; exit 2 ;;
         esac

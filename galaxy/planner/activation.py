@@ -23,7 +23,7 @@ import itertools
 import logging
 import weakref
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -112,6 +112,7 @@ ATTENTION_FLOPS.update({op: _backward_flops for op in (
     aten._scaled_dot_product_efficient_attention_backward, aten._scaled_dot_product_cudnn_attention_backward)})
 
 PROBE_TOKENS = 1024  # the longer probe's tokens (the run's seq_length where shorter); the other has half
+PROBE_SHARE = 0.5  # of the memory budget a longer probe may take (probe_layer)
 ACHIEVED_FRACTION = 0.5  # of a device's peak FLOP/s a layer's matmuls and attention run at
 CPU_TFLOPS = 0.1  # a CPU's rate, where no peak is known
 MAX_MLP_CHUNKS = 32  # the most sequence chunks auto runs an MLP in
@@ -222,11 +223,32 @@ def probe_at(cfg: GalaxyConfig, device: torch.device, seq: int, rows: int) -> La
                       edge_saved)
 
 
-def probe_layer(cfg: GalaxyConfig, device: torch.device, rows: int) -> tuple[LayerProbe, LayerProbe]:
-    """The run's layer probed at two sequence lengths (``PROBE_TOKENS`` or the run's, and half of it)."""
-    long = min(cfg.train.seq_length, PROBE_TOKENS)
-    short = max(long // 2, 1)
-    return probe_at(cfg, device, short, rows), probe_at(cfg, device, long, rows)
+def probe_layer(cfg: GalaxyConfig, device: torch.device, rows: int, budget_bytes: Optional[float] = None
+                ) -> tuple[LayerProbe, LayerProbe]:
+    """The run's layer probed at two sequence lengths (``PROBE_TOKENS`` or the run's, and half of it). With
+    ``budget_bytes``, probed again at the longest doubling of them, up to the run's length, whose probe the short
+    probes say fits ``PROBE_SHARE`` of it: a backward's peak is the largest of several allocations, some fixed
+    (dequantized weights), some growing with the sequence, so lengths where the growing ones already dominate
+    extrapolate to a long run (measured on an H200, NF4 1B: probed at 512 / 1,024 tokens the model put 98,304
+    tokens at 8,043 MiB, and the run ran out of memory asking for 1.5 GiB more with 6.6 GiB held)."""
+    seq = cfg.train.seq_length
+    long = min(seq, PROBE_TOKENS)
+    short, long_probe = probe_at(cfg, device, max(long // 2, 1), rows), probe_at(cfg, device, long, rows)
+    if budget_bytes is None or seq <= long:
+        return short, long_probe
+    farthest = long
+    while farthest * 2 <= seq and probe_bytes(at_length(short, long_probe, farthest * 2)) <= PROBE_SHARE * budget_bytes:
+        farthest *= 2
+    if farthest == long:
+        return short, long_probe
+    return probe_at(cfg, device, farthest // 2, rows), probe_at(cfg, device, farthest, rows)
+
+
+def probe_bytes(probe: LayerProbe) -> float:
+    """What a probe at ``probe.seq`` tokens holds at most: its two-layer model's weights, both layers' activations
+    kept whole, the largest backward working set and what the embeddings, head and loss save."""
+    return (probe.edge_weight_bytes + 2 * probe.layer_weight_bytes + 2 * max(probe.kept.values())
+            + max(*probe.working.values(), *probe.halved.values()) + probe.edge_saved)
 
 
 def at_length(a: LayerProbe, b: LayerProbe, seq: int) -> LayerProbe:
@@ -350,7 +372,7 @@ def resolve_activation_memory(cfg: GalaxyConfig, ctx: ParallelContext) -> Galaxy
     host = m.host_memory_budget_gib * 2**30 if m.host_memory_budget_gib is not None else float("inf")
     p = cfg.parallel
     rows = max(cfg.train.global_batch_size // (p.dp_size * p.num_microbatches), 1)
-    probe = at_length(*probe_layer(cfg, device, rows), cfg.train.seq_length)
+    probe = at_length(*probe_layer(cfg, device, rows, budget), cfg.train.seq_length)
     modes, chunks = plan_activation_memory(cfg, device, probe, list(cfg.stage_layers()), rows, budget, host)
     logger.info("activation_memory auto (%.2f GiB): layer_memory %s, mlp_chunks %d", budget / 2**30, modes, chunks)
     return replace(cfg, model=replace(m, activation_memory="manual", layer_memory=modes, mlp_chunks=chunks,

@@ -329,7 +329,7 @@ def test_long_context_script_smoke(tmp_path):
     assert any(t["shape"][-1] == 512 for t in report["largest"]["64"])
     # a measured row's prediction (any per-layer mix) is the table's for a uniform stack
     args = argparse.Namespace(preset="llama-tiny", batch=1, warmup=0, steps=1, dtype="bfloat16", compile=False,
-                              mlp_chunks=1, quantize="none", host_link_gb_per_s=None)
+                              mlp_chunks=1, quantize="none", host_link_gb_per_s=None, budget_gib=1)
     cfg = long_context_memory.config(args, 64, layer_memory=["full+offload"] * 2)
     assert long_context_memory.predicted_peak(args, cfg, torch.device("cpu")) == pytest.approx(
         rows["64"]["modes"]["full+offload"]["peak_bytes"])
@@ -394,3 +394,25 @@ def test_long_context_script_names_what_is_alive_at_the_peak_of_an_allocator_tra
     assert report["at_peak"] == [{"site": "models/llama.py:7 forward", "bytes": 130, "count": 2},
                                  {"site": "models/mlp.py:7 forward", "bytes": 40, "count": 1}]
     assert report["at_end"][0] == {"site": "models/mlp.py:7 forward", "bytes": 40, "count": 1}
+
+
+def test_the_probe_goes_as_long_as_the_budget_allows(monkeypatch):
+    """With a memory budget the layer is probed again at the longest doubling of the short probes, up to the run's
+    length, whose predicted probe memory fits PROBE_SHARE of it (a backward's peak is the largest of fixed and
+    growing allocations, so a long run extrapolates from lengths where the growing ones lead): a budget that
+    takes the run's length gives that length's own measurement; one that takes 16 tokens probes 8 and 16; none
+    keeps the short probes."""
+    from galaxy.planner import activation
+
+    monkeypatch.setattr(activation, "PROBE_TOKENS", 8)
+    cfg = GalaxyConfig.from_dict({**RUN, "seq_length": 64})
+    short, long = probe_layer(cfg, CPU, rows=1)
+    assert (short.seq, long.seq) == (4, 8)
+    far = probe_layer(cfg, CPU, rows=1, budget_bytes=1e15)
+    assert (far[0].seq, far[1].seq) == (32, 64)
+    exact = activation.probe_at(cfg, CPU, 64, 1)
+    assert at_length(*far, 64).working == pytest.approx(exact.working)
+    assert at_length(*far, 64).kept == pytest.approx(exact.kept)
+    sixteen = activation.probe_bytes(at_length(short, long, 16)) / activation.PROBE_SHARE
+    assert [p.seq for p in probe_layer(cfg, CPU, rows=1, budget_bytes=sixteen)] == [8, 16]
+    assert [p.seq for p in probe_layer(cfg, CPU, rows=1, budget_bytes=sixteen / 4)] == [4, 8]
