@@ -20,6 +20,8 @@ setup(
         # backend install on Linux x86_64 (0.50 checked); elsewhere those tests skip.
         "test": ["pytest", "pytest-xdist", "transformers>=4.44", "peft", "deepspeed", "matplotlib", "tensorboard",
                  "triton>=3.7; platform_system=='Linux'",
+                 # torchao: bench_train's float8 rows (torchtitan's float8 recipe) and Galaxy's float8_training
+                 "torchao>=0.17",
                  "bitsandbytes>=0.50; platform_system=='Linux' and platform_machine=='x86_64'"],
         "plot": ["matplotlib"],
         "gpu": ["triton>=3.2"],
