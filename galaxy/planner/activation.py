@@ -229,15 +229,16 @@ def probe_layer(cfg: GalaxyConfig, device: torch.device, rows: int, budget_bytes
     ``budget_bytes``, probed again at the longest doubling of them, up to the run's length, whose probe the short
     probes say fits ``PROBE_SHARE`` of it: a backward's peak is the largest of several allocations, some fixed
     (dequantized weights), some growing with the sequence, so lengths where the growing ones already dominate
-    extrapolate to a long run (measured on an H200, NF4 1B: probed at 512 / 1,024 tokens the model put 98,304
-    tokens at 8,043 MiB, and the run ran out of memory asking for 1.5 GiB more with 6.6 GiB held)."""
+    extrapolate to a long run. (The probe is eager; a compiled layer's buffers differ: docs/benchmarks.md, Long
+    context.)"""
     seq = cfg.train.seq_length
     long = min(seq, PROBE_TOKENS)
     short, long_probe = probe_at(cfg, device, max(long // 2, 1), rows), probe_at(cfg, device, long, rows)
     if budget_bytes is None or seq <= long:
         return short, long_probe
     farthest = long
-    while farthest * 2 <= seq and probe_bytes(at_length(short, long_probe, farthest * 2)) <= PROBE_SHARE * budget_bytes:
+    fits = PROBE_SHARE * budget_bytes
+    while farthest * 2 <= seq and probe_bytes(at_length(short, long_probe, farthest * 2)) <= fits:
         farthest *= 2
     if farthest == long:
         return short, long_probe
