@@ -138,10 +138,10 @@ def live_at_peak(snapshot: dict, before: int, most: int = 15) -> dict:
     """Replay a ``torch.cuda.memory._snapshot()`` trace as the caching allocator counts allocated bytes (a block
     counts from its ``alloc`` to its ``free_requested``, as ``max_memory_allocated`` does): the bytes alive at the
     highest point and at the trace's end (after an OOM: what was held when it failed, and the failed request),
-    grouped by allocation site.
-    Beside them the most bytes an allocation found freed but not yet reusable (between ``free_requested`` and
-    ``free_completed``: a block used on another stream, e.g. an offload copy's source, waits for that stream). ``before``: bytes
-    allocated when recording began (weights and the like; the trace does not see them)."""
+    grouped by allocation site. Beside them the most bytes an allocation found freed but not yet reusable (between
+    ``free_requested`` and ``free_completed``: a block used on another stream, e.g. an offload copy's source, waits
+    for that stream). ``before``: bytes allocated when recording began (weights and the like; the trace does not
+    see them)."""
     live, pending, total, peak, at_peak, most_pending, oom = {}, {}, before, before, {}, 0, None
     for trace in snapshot.get("device_traces", []):
         for e in trace:
