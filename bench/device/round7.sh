@@ -37,6 +37,11 @@
 #          taken); exploration, Galaxy alone (the env reaches every contender of a launch)
 #   qlmem8 part qlmem's NF4 98,304-token auto plan on a card capped at 8 GiB (expandable segments), a fresh process:
 #          what is alive when it runs out of memory
+# Round 13 adds:
+#   cprobe the GPU-only test of a compiled run's memory prediction (tests/planner/test_memory_modes.py, compiled_run)
+#   spy    py-spy (carried as a wheel: wheels/py_spy-*.whl) over part fp8's graphed fp8 row, 150 timed steps, idle
+#          samples kept: where the host's time goes in a step and how long it waits on the device (raw stacks)
+#   long8b takes LONG8B_SEQ (default 32,768)
 # Carry: the lora set and torchao (installed beside bitsandbytes and liger-kernel on every contender's path):
 #   WHEELS=unsloth bash bench/device/prepare_carry.sh /work/main r7 && \
 #     python3 bench/device/slim_wheel.py /work/main/.whl/torchao-*.whl /work/main/.carry/r7/wheels
@@ -94,8 +99,15 @@ galaxy-lora-fp8-compiled,unsloth-lora,unsloth-lora-sdpa --json $dir/fp8_4096.jso
                        cmd="$cmd python3 bench/long_context_memory.py --preset llama-1b --quantize $q --seqs 65536 98304 \
 --budget_gib 8 --measure --modes auto --memory_history $dir/qlmem_$q --json $dir/qlmem_$q.json > $dir/qlmem_$q.log 2>&1;"
                    done ;;
-            long8b) cmd="$cmd ${lora/llama-1b/llama-8b} --seq 32768 --batch 1 --steps 3 --warmup 1 --contenders \
-galaxy-lora-compiled+auto${LONG8B_GIB:-21.0},unsloth-lora-gc-sdpa --json $dir/long8b.json > $dir/long8b.log 2>&1;" ;;
+            long8b) cmd="$cmd ${lora/llama-1b/llama-8b} --seq ${LONG8B_SEQ:-32768} --batch 1 --steps 3 --warmup 1 --contenders \
+galaxy-lora-compiled+auto${LONG8B_GIB:-21.0},unsloth-lora-gc-sdpa --json $dir/long8b_${LONG8B_SEQ:-32768}.json \
+> $dir/long8b_${LONG8B_SEQ:-32768}.log 2>&1;" ;;
+            cprobe) cmd="$cmd python3 -m pytest -q -p no:cacheprovider -n 0 tests/planner/test_memory_modes.py -k compiled_run \
+> $dir/cprobe.log 2>&1;" ;;
+            spy) python3 -m pip install -q --no-index --no-deps --target "$deps/spy" wheels/py_spy-*.whl || exit 1
+                 cmd="$cmd $deps/spy/bin/py-spy record --idle --subprocesses --rate 250 --format raw \
+--output $dir/spy_fp8.txt -- $lora --seq 1024 --batch 8 --steps 150 --warmup 3 --contenders galaxy-lora-fp8-cudagraphs \
+--json $dir/spy_fp8.json > $dir/spy_fp8.log 2>&1;" ;;
             fp8k) mkdir -p "$dir/prof"
                   for knob in COORDINATE_DESCENT_TUNING MULTI_KERNEL; do
                       cmd="$cmd TORCHINDUCTOR_$knob=1 $lora --seq 1024 --batch 8 --steps 10 --warmup 3 --profile $dir/prof \
@@ -104,7 +116,7 @@ galaxy-lora-compiled+auto${LONG8B_GIB:-21.0},unsloth-lora-gc-sdpa --json $dir/lo
             qlmem8) cmd="$cmd PYTORCH_ALLOC_CONF=expandable_segments:True python3 bench/long_context_memory.py \
 --preset llama-1b --quantize nf4 --seqs ${QLMEM8_SEQS:-98304} --budget_gib 8 --card_gib 8 --measure --modes auto \
 --memory_history $dir/qlmem8 --json $dir/qlmem8.json > $dir/qlmem8.log 2>&1;" ;;
-            *) echo "unknown part $part (fp8 | long | f8t | long8 | max | prof | f8prof | fp8b | qlmem | long8b | fp8k | qlmem8)"; exit 2 ;;
+            *) echo "unknown part $part (fp8 | long | f8t | long8 | max | prof | f8prof | fp8b | qlmem | long8b | fp8k | qlmem8 | cprobe | spy)"; exit 2 ;;
         esac
     done
     start_detached "$dir" r7 "$cmd"
@@ -112,7 +124,7 @@ galaxy-lora-compiled+auto${LONG8B_GIB:-21.0},unsloth-lora-gc-sdpa --json $dir/lo
 fi
 [ "$mode" = wait ] && wait_done "$dir" r7 "$polls"
 # one archive: a call brings back only so many files
-tar czf "${OUT:-/tmp}/round.tgz" -C "$dir" $(cd "$dir" && ls *.json *.log r7.console clocks_r7.csv 2>/dev/null) \
+tar czf "${OUT:-/tmp}/round.tgz" -C "$dir" $(cd "$dir" && ls *.json *.log *.txt r7.console clocks_r7.csv 2>/dev/null) \
     $(cd "$dir" && ls -d prof 2>/dev/null) 2>/dev/null
 for f in "$dir"/*.log; do echo "== $(basename "$f")"; grep -v '^ROW\|Warn' "$f" | tail -${TAIL:-8}; done
 [ -e "$dir/r7.done" ] && echo done || echo "still running: call wait again"
