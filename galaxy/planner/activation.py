@@ -9,10 +9,8 @@ short sequence lengths and runs its second layer under each recompute mode with 
 no [seq, seq] tensor), FLOPs ``a s + b s^2`` (projections and MLP, attention), so two lengths give both at the
 run's ``seq_length``. Times are FLOPs at a device rate (``peak_tflops`` or the device table, at
 ``ACHIEVED_FRACTION`` of it) and host copies at ``host_link_gb_per_s`` (unset: the cluster profile's default;
-``plan_galaxy.py profile`` measures a GPU's). What a layer keeps and its FLOPs are probed eagerly (a compiled
-layer keeps less: its norms' outputs and MLP activation are rebuilt, so that side is safe); a run that compiles on a
-GPU has its backward's working set measured on the compiled layer, whose buffers differ (inductor's kernels and
-their outputs: 0.75 GiB more than the eager layer's for an NF4 1B at 98k tokens). Every rank
+``plan_galaxy.py profile`` measures a GPU's). The probe is eager: a compiled layer
+keeps less (its norms' outputs and MLP activation are rebuilt), so the plan is on the safe side. Every rank
 measures the same serial layer and so picks the same plan; under TP or SP a rank keeps its share of what is
 counted, so the plan holds there too (more cautiously). The probe's weights are drawn on the device by its
 generator: what it measures does not depend on their values.
@@ -145,14 +143,13 @@ class LayerProbe:
     edge_saved: float
 
 
-def probe_config(cfg: GalaxyConfig, seq: int, rows: int, recompute: str, mlp_chunks: int = 1,
-                 compiled: bool = False) -> GalaxyConfig:
-    """The run's config for a probe: two layers offloading under ``recompute``, eager (``compiled``: compiled
-    without CUDA graphs), ``seq`` tokens, the MLP in ``mlp_chunks`` chunks."""
+def probe_config(cfg: GalaxyConfig, seq: int, rows: int, recompute: str, mlp_chunks: int = 1) -> GalaxyConfig:
+    """The run's config for a probe: two layers offloading under ``recompute``, eager, ``seq`` tokens, the MLP
+    in ``mlp_chunks`` chunks."""
     m = replace(cfg.model, num_hidden_layers=2, activation_memory="manual", layer_memory=[recompute + OFFLOAD] * 2,
                 mlp_chunks=mlp_chunks,
                 memory_budget_gib=None, host_memory_budget_gib=None, host_link_gb_per_s=None, recompute="none",
-                recompute_num_layers=None, compile=compiled, compile_mode="default",
+                recompute_num_layers=None, compile=False, compile_mode="default",
                 max_position_embeddings=max(cfg.model.max_position_embeddings, seq))
     return replace(cfg, model=m, train=replace(cfg.train, seq_length=seq, global_batch_size=rows),
                    data=replace(cfg.data, model_path=None))
@@ -165,18 +162,14 @@ def _weights(module: torch.nn.Module) -> tuple[int, int]:
     return sum(storages.values()), sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
-def probe_at(cfg: GalaxyConfig, device: torch.device, seq: int, rows: int, compiled: bool = False) -> LayerProbe:
+def probe_at(cfg: GalaxyConfig, device: torch.device, seq: int, rows: int) -> LayerProbe:
     """One probe length: a model per recompute mode and MLP chunk count (a layer's mode is built into it), its
     second layer run on the input that layer got in the first model's forward, offloading to count what it
-    keeps, then again keeping it to measure what its backward allocates; with ``compiled`` that second run is
-    the compiled layer's (after a first call that compiles its forward and backward), the rest eager."""
+    keeps, then again keeping it to measure what its backward allocates."""
     from galaxy.peft import apply_tuning, build_base
 
     dtype = cfg.train.dtype
     low = dtype in ("bfloat16", "float16")
-
-    def eager():
-        return torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
 
     def autocast():
         return torch.autocast(device.type, dtype=getattr(torch, dtype)) if low else contextlib.nullcontext()
@@ -184,7 +177,7 @@ def probe_at(cfg: GalaxyConfig, device: torch.device, seq: int, rows: int, compi
     ids = torch.randint(1, cfg.model.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(0)).to(device)
     kept, working, halved, bwd, fwd, inputs = {}, {}, {}, {}, 0.0, []
     for recompute, chunks in itertools.product(MODES, (1, 2)):
-        pc = probe_config(cfg, seq, rows, recompute, chunks, compiled)
+        pc = probe_config(cfg, seq, rows, recompute, chunks)
         # on the device: the host's generator (one core, about 250 M values a second) takes 6 s for each of an
         # 8B's sixteen probe models (1.5B values: its vocabulary's two 0.5B tensors, two 0.2B layers)
         model = apply_tuning(build_base(pc, Plan.serial(pc), ParallelContext.serial(device, seed=cfg.train.seed),
@@ -202,7 +195,7 @@ def probe_at(cfg: GalaxyConfig, device: torch.device, seq: int, rows: int, compi
                 return t
 
             hook = layer.register_forward_pre_hook(lambda _, args: inputs.extend(args))
-            with autocast(), torch.autograd.graph.saved_tensors_hooks(count, lambda t: t), eager():
+            with autocast(), torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
                 model(input_ids=ids, labels=ids)
             hook.remove()
             edge_saved = float(sum(outside.values()))
@@ -220,19 +213,11 @@ def probe_at(cfg: GalaxyConfig, device: torch.device, seq: int, rows: int, compi
             if recompute == "none":
                 fwd = float(forward.get_total_flops())
         # what is kept staying where it was made: the backward's own allocations at their peak
-        def run_keeping():
-            with autocast():
-                return run_layer_with_memory_mode(replace(layer.memory_mode, offload=False), layer,
-                                                  layer.compiled or layer.compute, h.detach().requires_grad_(), *rest)
-
-        if compiled:  # compiling allocates too: the measured call is the second
-            run_keeping().sum().backward()
-        out = run_keeping()
+        with autocast():
+            out = run_layer_with_memory_mode(replace(layer.memory_mode, offload=False), layer, layer.compute,
+                                             h.detach().requires_grad_(), *rest)
         grad = torch.ones_like(out)
         (working if chunks == 1 else halved)[recompute] = float(peak_allocated(device, lambda: out.backward(grad)))
-        if compiled:
-            del out, grad
-            torch._dynamo.reset()  # this model's graphs go with it; a next probe's would pass dynamo's recompile limit
     return LayerProbe(seq, kept, working, halved, {r: bwd[r] - bwd["none"] for r in MODES}, fwd, bwd["none"],
                       layer_bytes, all_bytes - 2 * layer_bytes, layer_trainable, all_trainable - 2 * layer_trainable,
                       edge_saved)
@@ -244,22 +229,20 @@ def probe_layer(cfg: GalaxyConfig, device: torch.device, rows: int, budget_bytes
     ``budget_bytes``, probed again at the longest doubling of them, up to the run's length, whose probe the short
     probes say fits ``PROBE_SHARE`` of it: a backward's peak is the largest of several allocations, some fixed
     (dequantized weights), some growing with the sequence, so lengths where the growing ones already dominate
-    extrapolate to a long run. A run that compiles on a GPU has its final two probes' working sets measured
-    compiled (the short probes that pick their lengths stay eager)."""
+    extrapolate to a long run. (The probe is eager; a compiled layer's buffers differ: docs/benchmarks.md, Long
+    context.)"""
     seq = cfg.train.seq_length
-    compiled = cfg.model.compile and device.type == "cuda"
-
-    def pair(length: int, compiled: bool) -> tuple[LayerProbe, LayerProbe]:
-        return probe_at(cfg, device, max(length // 2, 1), rows, compiled), probe_at(cfg, device, length, rows, compiled)
-
-    farthest = long = min(seq, PROBE_TOKENS)
+    long = min(seq, PROBE_TOKENS)
+    short, long_probe = probe_at(cfg, device, max(long // 2, 1), rows), probe_at(cfg, device, long, rows)
     if budget_bytes is None or seq <= long:
-        return pair(long, compiled)
-    short, long_probe = pair(long, False)
+        return short, long_probe
+    farthest = long
     fits = PROBE_SHARE * budget_bytes
     while farthest * 2 <= seq and probe_bytes(at_length(short, long_probe, farthest * 2)) <= fits:
         farthest *= 2
-    return (short, long_probe) if farthest == long and not compiled else pair(farthest, compiled)
+    if farthest == long:
+        return short, long_probe
+    return probe_at(cfg, device, farthest // 2, rows), probe_at(cfg, device, farthest, rows)
 
 
 def probe_bytes(probe: LayerProbe) -> float:
