@@ -38,10 +38,11 @@
 #   qlmem8 part qlmem's NF4 98,304-token auto plan on a card capped at 8 GiB (expandable segments), a fresh process:
 #          what is alive when it runs out of memory
 # Round 13 adds:
-#   cprobe the GPU-only test of a compiled run's memory prediction (tests/planner/test_memory_modes.py, compiled_run)
 #   spy    py-spy (carried as a wheel: wheels/py_spy-*.whl) over part fp8's graphed fp8 row, 150 timed steps, idle
 #          samples kept: where the host's time goes in a step and how long it waits on the device (raw stacks)
 #   long8b takes LONG8B_SEQ (default 32,768)
+#   qlchunks the NF4 base at 65,536 tokens, every layer mlp+offload, the MLP in 2 and in 16 chunks (QLCHUNKS): whether
+#          what a compiled layer's backward holds grows with its chunks (98k's OOM held 21 dequantized MLP weights)
 # Carry: the lora set and torchao (installed beside bitsandbytes and liger-kernel on every contender's path):
 #   WHEELS=unsloth bash bench/device/prepare_carry.sh /work/main r7 && \
 #     python3 bench/device/slim_wheel.py /work/main/.whl/torchao-*.whl /work/main/.carry/r7/wheels
@@ -102,8 +103,11 @@ galaxy-lora-fp8-compiled,unsloth-lora,unsloth-lora-sdpa --json $dir/fp8_4096.jso
             long8b) cmd="$cmd ${lora/llama-1b/llama-8b} --seq ${LONG8B_SEQ:-32768} --batch 1 --steps 3 --warmup 1 --contenders \
 galaxy-lora-compiled+auto${LONG8B_GIB:-21.0},unsloth-lora-gc-sdpa --json $dir/long8b_${LONG8B_SEQ:-32768}.json \
 > $dir/long8b_${LONG8B_SEQ:-32768}.log 2>&1;" ;;
-            cprobe) cmd="$cmd python3 -m pytest -q -p no:cacheprovider -n 0 tests/planner/test_memory_modes.py -k compiled_run \
-> $dir/cprobe.log 2>&1;" ;;
+            qlchunks) for c in ${QLCHUNKS:-2 16}; do
+                          cmd="$cmd PYTORCH_ALLOC_CONF=expandable_segments:True python3 bench/long_context_memory.py \
+--preset llama-1b --quantize nf4 --seqs 65536 --budget_gib 8 --measure --modes mlp+offload --mlp_chunks $c \
+--memory_history $dir/qlchunks_$c --json $dir/qlchunks_$c.json > $dir/qlchunks_$c.log 2>&1;"
+                      done ;;
             spy) python3 -m pip install -q --no-index --no-deps --target "$deps/spy" wheels/py_spy-*.whl || exit 1
                  cmd="$cmd $deps/spy/bin/py-spy record --idle --subprocesses --rate 250 --format raw \
 --output $dir/spy_fp8.txt -- $lora --seq 1024 --batch 8 --steps 150 --warmup 3 --contenders galaxy-lora-fp8-cudagraphs \
@@ -116,7 +120,7 @@ galaxy-lora-compiled+auto${LONG8B_GIB:-21.0},unsloth-lora-gc-sdpa --json $dir/lo
             qlmem8) cmd="$cmd PYTORCH_ALLOC_CONF=expandable_segments:True python3 bench/long_context_memory.py \
 --preset llama-1b --quantize nf4 --seqs ${QLMEM8_SEQS:-98304} --budget_gib 8 --card_gib 8 --measure --modes auto \
 --memory_history $dir/qlmem8 --json $dir/qlmem8.json > $dir/qlmem8.log 2>&1;" ;;
-            *) echo "unknown part $part (fp8 | long | f8t | long8 | max | prof | f8prof | fp8b | qlmem | long8b | fp8k | qlmem8 | cprobe | spy)"; exit 2 ;;
+            *) echo "unknown part $part (fp8 | long | f8t | long8 | max | prof | f8prof | fp8b | qlmem | long8b | fp8k | qlmem8 | spy | qlchunks)"; exit 2 ;;
         esac
     done
     start_detached "$dir" r7 "$cmd"

@@ -181,6 +181,7 @@ class StepOutcome:
     grad_norm: torch.Tensor  # global, before clipping (every shard once)
     skipped: Optional[str] = None  # "overflow" (float16 loss scale lowered) or "nonfinite" (skip_nonfinite)
     loss_scale: Optional[float] = None  # float16: the scale this step's backward used
+    finite: Optional[torch.Tensor] = None  # deferred (Trainer.settle): [loss finite, gradients finite] on the device
 
 
 def _accepts_shard(batch_at: Callable) -> bool:
@@ -329,18 +330,38 @@ class Trainer:
             loss = ctx.pp.broadcast(loss, src=ctx.pp.size - 1)
         return loss.detach()
 
-    def optimizer_step(self, loss: torch.Tensor, step: int) -> StepOutcome:
+    def skips_on_device(self) -> bool:
+        """Whether a non-finite step's update can be skipped by the optimizer's own kernels (torch's fused AdamW
+        and SGD take a ``found_inf`` tensor, as ``GradScaler`` gives them), so that the host need not wait for the
+        backward to decide: not under float16's loss scaler, ZeRO or FSDP's sharded parameters."""
+        return (self.scaler is None and self.sharding is None and bool(self.optimizer.defaults.get("fused"))
+                and getattr(self.optimizer, "_step_supports_amp_scaling", False))
+
+    def optimizer_step(self, loss: torch.Tensor, step: int, defer: bool = False) -> StepOutcome:
         """Unscale (float16), take the global gradient norm, then either clip, step and advance the
         schedule, or skip the update: a float16 overflow lowers the loss scale; a non-finite loss or
         gradient stops the run naming where it came from (``skip_nonfinite``: skips the step).
-        Every rank decides alike: the loss and the norm are the same on every rank."""
+        Every rank decides alike: the loss and the norm are the same on every rank.
+        ``defer`` (where ``skips_on_device``): no device sync here; the optimizer skips a non-finite update
+        on the device and ``settle``, called once the step's loss is read, does the rest."""
         t = self.cfg.train
         scale = self.scaler.scale if self.scaler else None
         if self.scaler is not None:
             self.scaler.unscale_(self.params)
         norm = global_grad_norm(self.params, self.ctx.mp, self.ctx.pp, self.norm_dp)
-        loss_ok, grads_ok = torch.stack([torch.isfinite(loss), torch.isfinite(norm)]).tolist()  # one device sync
+        finite = torch.stack([torch.isfinite(loss), torch.isfinite(norm)])
         outcome = StepOutcome(norm, loss_scale=scale)
+        if defer and self.skips_on_device():
+            ok = finite.all()
+            if t.grad_clip > 0:  # a non-finite norm would scale the gradients settle's diagnosis reads
+                clip_grads_with_norm_(self.params, t.grad_clip, torch.where(ok, norm.float(), 0.0))
+            self.optimizer.found_inf = (~ok).float()  # the fused kernels leave every state as it was where set
+            self.optimizer.step()
+            self.optimizer.found_inf = None  # read when the step launched; a later synchronous step has none
+            self.grad_sync.gather_weights()
+            outcome.finite = finite
+            return outcome
+        loss_ok, grads_ok = finite.tolist()  # one device sync
         if loss_ok and not grads_ok and self.scaler is not None:
             outcome.skipped = "overflow"
             self.scaler.update(overflow=True)
@@ -363,6 +384,27 @@ class Trainer:
             self.schedule.step()
             if self.scaler is not None:
                 self.scaler.update(overflow=False)
+        self.optimizer.zero_grad(set_to_none=True)
+        return outcome
+
+    def settle(self, outcome: StepOutcome, loss: torch.Tensor, step: int) -> StepOutcome:
+        """The host's half of a deferred ``optimizer_step``, once the step's loss has been read (the device has
+        finished it): advance the schedule after an update, or name the non-finite value as the synchronous
+        step does (the update was skipped on the device; the gradients are still there to be read)."""
+        if outcome.finite is None:
+            return outcome
+        loss_ok, grads_ok = outcome.finite.tolist()
+        outcome.finite = None
+        if loss_ok and grads_ok:
+            self.schedule.step()
+        else:
+            problem = self.locate_nonfinite(loss, step, loss_ok)
+            if not self.cfg.train.skip_nonfinite:
+                self.optimizer.zero_grad(set_to_none=True)
+                raise NonFiniteError(f"{problem}; lower the learning rate or check the data, or set "
+                                     "skip_nonfinite: true to skip such steps")
+            outcome.skipped = "nonfinite"
+            logger.warning("%s; step skipped (skip_nonfinite)", problem)
         self.optimizer.zero_grad(set_to_none=True)
         return outcome
 
@@ -504,7 +546,7 @@ class DeepSpeedTrainer(Trainer):
         self.last_step = PipelineStepResult(total, 0.0, time.perf_counter() - start, 1)
         return self.report_loss(total)
 
-    def optimizer_step(self, loss: torch.Tensor, step: int) -> StepOutcome:
+    def optimizer_step(self, loss: torch.Tensor, step: int, defer: bool = False) -> StepOutcome:
         self.engine.step()  # the accumulation boundary: reduce, clip, step, schedule, zero grads
         if not torch.isfinite(loss).item():  # DeepSpeed's engine has stepped already: nothing to skip
             raise NonFiniteError(f"non-finite loss ({loss.item()}) at step {step}; lower the learning rate or "
@@ -616,10 +658,11 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
                 if batch is None:
                     batch = trainer.read_batch(batch_at, step)
                 loss_t = trainer.forward_backward(batch, amp)
-                outcome = trainer.optimizer_step(loss_t, step + 1)
-                # the next step's rows are made on the host while the device runs this step's optimizer
+                outcome = trainer.optimizer_step(loss_t, step + 1, defer=True)
+                # the next step's rows are made on the host while the device runs this step's backward and optimizer
                 upcoming = trainer.read_batch(batch_at, step + 1) if step + 1 < t.max_steps else None
                 loss = loss_t.item()
+                trainer.settle(outcome, loss_t, step + 1)
                 elapsed = time.perf_counter() - start
                 if profiler is not None and profiler.after_step(step + 1) is not None:  # a collective at step K
                     result.profile, result.profile_report = profiler.result, profiler.report

@@ -164,6 +164,73 @@ def test_skip_nonfinite_skips_the_step_and_goes_on(dist_pool):
         assert schedule_steps == 2, "the schedule advances only on real updates"
 
 
+def fused_trainer(cfg, poison_at=None):
+    """A serial trainer (its own context: dropout streams start alike) stepping torch's fused AdamW (CPU kernels since torch 2.4), the optimizer a GPU run gets
+    (``build_optimizer`` fuses on CUDA only), so a CPU runs the deferred step (``Trainer.settle``)."""
+    from galaxy.train.loop import lr_lambda
+
+    ctx = ParallelContext.serial("cpu")
+    model = build_model(cfg, None, ctx)
+    if poison_at is not None:
+        PoisonAt(model, TARGET, at=poison_at)
+    trainer = Trainer(model, cfg, ctx)
+    t = cfg.train
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in trainer.optimizer.param_groups]
+    trainer.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                          fused=True)
+    trainer.schedule = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lr_lambda(cfg))
+    return trainer
+
+
+def steps_of(trainer, cfg, defer: bool, steps: int = 3):
+    """(each step's skipped, the parameters after each step) over ``steps`` steps, the deferred way as the
+    training loop runs it (the loss read, then ``settle``) or the synchronous way."""
+    batch_at = mlm_data(cfg)[0]
+    outcomes, params = [], []
+    for step in range(steps):
+        loss = trainer.forward_backward(trainer.read_batch(batch_at, step))
+        outcome = trainer.optimizer_step(loss, step + 1, defer=defer)
+        loss.item()
+        outcomes.append(trainer.settle(outcome, loss, step + 1).skipped)
+        params.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+    return outcomes, params
+
+
+def test_a_fused_optimizer_skips_a_nonfinite_update_on_the_device_without_waiting_for_it():
+    """With a fused optimizer the training loop steps without a device sync between backward and the update
+    (``optimizer_step(defer=True)``: the kernels skip a non-finite update themselves, ``settle`` decides
+    after the step's loss is read): every step equals the synchronous step bit for bit (clipping and the
+    warm-up schedule on); a non-finite loss stops the run with the synchronous step's message and no update
+    made; under ``skip_nonfinite`` the step is skipped, the schedule not advanced, and training goes on."""
+    cfg = GalaxyConfig.from_dict(SMALL, {"max_steps": 5, "grad_clip": 0.05, "warmup_steps": 2})
+    deferred, synchronous = fused_trainer(cfg), fused_trainer(cfg)
+    assert deferred.skips_on_device()
+    _, after_deferred = steps_of(deferred, cfg, defer=True)
+    _, after_sync = steps_of(synchronous, cfg, defer=False)
+    for a, b in zip(after_deferred, after_sync):
+        assert all(torch.equal(a[n], b[n]) for n in a)
+    assert deferred.schedule.last_epoch == synchronous.schedule.last_epoch == 3
+    assert not all(torch.equal(after_deferred[0][n], after_deferred[1][n]) for n in after_deferred[0])
+
+    messages = {}
+    for defer in (True, False):
+        trainer = fused_trainer(cfg, poison_at=2)
+        with pytest.raises(NonFiniteError) as err:
+            steps_of(trainer, cfg, defer)
+        messages[defer] = str(err.value)
+        first = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        assert trainer.optimizer.state[next(iter(trainer.params))]["step"].item() == 1, "no second update"
+    assert messages[True] == messages[False] and f"module '{TARGET}'" in messages[True] and "at step 2" in messages[True]
+
+    skipping = GalaxyConfig.from_dict(SMALL, {"max_steps": 5, "grad_clip": 0.05, "skip_nonfinite": True})
+    trainer = fused_trainer(skipping, poison_at=2)
+    outcomes, params = steps_of(trainer, skipping, defer=True)
+    assert outcomes == [None, "nonfinite", None]
+    assert all(torch.equal(params[0][n], params[1][n]) for n in first), "a skipped step changes no parameter"
+    assert not all(torch.equal(params[1][n], params[2][n]) for n in first), "the next step trains again"
+    assert trainer.schedule.last_epoch == 2 and trainer.optimizer.state[trainer.params[0]]["step"].item() == 2
+
+
 def reduce_in(ctx, dtype: str, reduce_dtype: str):
     cfg = GalaxyConfig.from_dict(SMALL, {"dp_size": 2, "dtype": dtype, "grad_reduce_dtype": reduce_dtype,
                                          "max_steps": 1})
