@@ -40,7 +40,7 @@
 # Round 13 adds:
 #   spy    py-spy (carried as a wheel: wheels/py_spy-*.whl) over part fp8's graphed fp8 row, 150 timed steps, idle
 #          samples kept: where the host's time goes in a step and how long it waits on the device (raw stacks)
-#   long8b takes LONG8B_SEQ (default 32,768)
+#   long8b takes LONG8B_SEQ (default 32,768); FP8_CONTENDERS / FP8B_CONTENDERS narrow parts fp8 / fp8b
 #   qlchunks the NF4 base at 65,536 tokens, every layer mlp+offload, the MLP in 2 and in 16 chunks (QLCHUNKS): whether
 #          what a compiled layer's backward holds grows with its chunks (98k's OOM held 21 dequantized MLP weights)
 # Carry: the lora set and torchao (installed beside bitsandbytes and liger-kernel on every contender's path):
@@ -70,9 +70,9 @@ if [ "$mode" = start ]; then
     cmd=""
     for part in ${PARTS:-fp8 long f8t}; do
         case $part in
-            fp8) cmd="$cmd $lora --seq 1024 --batch 8 --steps 20 --warmup 3 --contenders galaxy-lora-compiled,\
+            fp8) cmd="$cmd $lora --seq 1024 --batch 8 --steps 20 --warmup 3 --contenders ${FP8_CONTENDERS:-galaxy-lora-compiled,\
 galaxy-lora-fp8-compiled,galaxy-lora-fp8-compiled+mlp2,galaxy-lora-fp8-compiled+mlp3,galaxy-lora-fp8-cudagraphs,\
-galaxy-lora-fp8-cudagraphs+mlp2,unsloth-lora,unsloth-lora-sdpa --json $dir/fp8_lora.json > $dir/fp8_lora.log 2>&1;" ;;
+galaxy-lora-fp8-cudagraphs+mlp2,unsloth-lora,unsloth-lora-sdpa} --json $dir/fp8_lora.json > $dir/fp8_lora.log 2>&1;" ;;
             long) cmd="$cmd $lora --seq 32768 --batch 1 --steps 3 --warmup 1 --contenders galaxy-lora-compiled+auto,\
 galaxy-lora-compiled+auto5.5,${LONG_UNSLOTH_LORA:-unsloth-lora-gc,unsloth-lora-gc-sdpa},galaxy-qlora-compiled+auto,\
 galaxy-qlora-compiled+auto4.2,\
@@ -94,8 +94,8 @@ galaxy-lora-fp8-compiled,galaxy-lora-fp8-cudagraphs,galaxy-lora-compiled,unsloth
                         cmd="$cmd ${train/,fsdp2-compile/} --float8 $f --profile $dir/f8prof --json $dir/f8prof_$f.json \
 > $dir/f8prof_$f.log 2>&1;"
                     done ;;
-            fp8b) cmd="$cmd $lora --seq 4096 --batch 2 --steps 20 --warmup 3 --contenders galaxy-lora-compiled,\
-galaxy-lora-fp8-compiled,unsloth-lora,unsloth-lora-sdpa --json $dir/fp8_4096.json > $dir/fp8_4096.log 2>&1;" ;;
+            fp8b) cmd="$cmd $lora --seq 4096 --batch 2 --steps 20 --warmup 3 --contenders ${FP8B_CONTENDERS:-galaxy-lora-compiled,\
+galaxy-lora-fp8-compiled,unsloth-lora,unsloth-lora-sdpa} --json $dir/fp8_4096.json > $dir/fp8_4096.log 2>&1;" ;;
             qlmem) for q in nf4 none; do
                        cmd="$cmd python3 bench/long_context_memory.py --preset llama-1b --quantize $q --seqs 65536 98304 \
 --budget_gib 8 --measure --modes auto --memory_history $dir/qlmem_$q --json $dir/qlmem_$q.json > $dir/qlmem_$q.log 2>&1;"
