@@ -263,16 +263,23 @@ def test_auto_runs_the_mlp_in_chunks_where_no_whole_mlp_plan_fits():
     assert roomy == (["none"] * 3, 1)
 
 
-@pytest.mark.parametrize("chunks", [1, 4])
-def test_the_memory_model_predicts_the_measured_peak_of_a_step(chunks):
+ATTENTION_HEAVY = dict(hidden_size=128, num_attention_heads=32, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("chunks,shape", [(1, {}), (4, {}), (16, {}), (32, {}), (32, ATTENTION_HEAVY)])
+def test_the_memory_model_predicts_the_measured_peak_of_a_step(chunks, shape):
     """The activations a whole training step of a 3-layer model holds at its peak (``LiveBytes`` over forward and
     backward: every storage made, freed when it dies) against the memory model's (the layers' kept bytes, the
     largest backward working set, the embeddings', head's and loss's saved tensors), each recompute mode, the MLP
     whole and in chunks. Before the probe measured the backward's own allocations (the gradients of the layer's
-    activations), the model left them out: 0.61-0.97x of the measured peak. Offloading modes are checked on a GPU
-    only: on a CPU the host is the device."""
+    activations), the model left them out: 0.61-0.97x of the measured peak. With the MLP in many chunks the
+    layer's backward peaks outside the MLP (the probe's ``floor``); the model then errs on the safe side by the
+    head's saved tensors, freed before any layer's backward but counted with it (0.885x here at 16 and 32 chunks).
+    Without the floor a layer whose attention outweighs its MLP (``ATTENTION_HEAVY``) measured 1.10-1.12x its
+    prediction in 32 chunks, and an NF4 1B at 65,536 tokens in 16 chunks 1.08x on an H200.
+    Offloading modes are checked on a GPU only: on a CPU the host is the device."""
     raw = dict(RUN, seq_length=512, global_batch_size=1, max_position_embeddings=512, dtype="float32",
-               intermediate_size=256, mlp_chunks=chunks)
+               intermediate_size=256, mlp_chunks=chunks, **shape)
     cfg = GalaxyConfig.from_dict(raw)
     probe = at_length(*probe_layer(cfg, CPU, rows=1), cfg.train.seq_length)
     options = {o.mode: o for o in mode_options(probe, device_rate(cfg, CPU), DEFAULT_HOST_LINK_BYTES_PER_S, chunks)}
@@ -283,7 +290,7 @@ def test_the_memory_model_predicts_the_measured_peak_of_a_step(chunks):
         with LiveBytes(CPU) as live:
             model(input_ids=ids, labels=ids).loss.backward()
         predicted = stack_bytes([options[mode]] * 3)[0] + probe.edge_saved
-        assert 0.9 <= live.peak / predicted <= 1.06, (mode, live.peak, predicted)
+        assert (0.9 if chunks < 16 else 0.85) <= live.peak / predicted <= 1.06, (mode, live.peak, predicted)
 
 
 def test_a_gpu_is_priced_at_its_peak_in_the_runs_dtype(monkeypatch):
