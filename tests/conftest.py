@@ -1,13 +1,17 @@
-"""Shared by every test folder. Triton kernels run on CPU through the Triton interpreter, which reads
-TRITON_INTERPRET when a kernel is defined (``@triton.jit``, at import): it is set here, before any test
+"""Shared by every test folder. Without a GPU, Triton kernels run on CPU through the Triton interpreter, which
+reads TRITON_INTERPRET when a kernel is defined (``@triton.jit``, at import): it is set here, before any test
 module of any folder imports galaxy (tests/kernels and tests/loralib run the kernels); ``triton_cpu``
-skips, with the reason, where they cannot."""
+skips, with the reason, where they cannot (on a GPU machine, whose tests run the kernels compiled: under the
+interpreter every GPU test's kernel failed)."""
 
 import functools
 import os
 import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # Every compiled test, in this process, the pool's and the CLIs' it starts, builds scalar C++ kernels: g++ takes
 # about 40% less time on them (the graph is the same; on a GPU inductor writes Triton either way), and one process
 # that builds both kinds fails (torch 2.13: a vectorized kernel compiled after a scalar one lacks its ISA's macros,
@@ -48,8 +52,6 @@ def pytest_configure(config):
 def one_intra_op_thread():
     """Each test on one thread, whatever a test before it in this worker set (an in-process bench main sets its
     own)."""
-    import torch
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -77,7 +79,6 @@ def _interpreter_problem() -> str | None:
 
     if not triton_interpret_enabled():
         return "TRITON_INTERPRET is not 1, so Triton kernels cannot run on CPU tensors"
-    import torch
 
     # A loop with a runtime bound: triton<=3.6's interpreter breaks on it under numpy>=2.4
     # (triton-lang/triton#9171), which every kernel with a vocab/row loop relies on.
