@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -15,14 +13,16 @@ from galaxy.cli import pretrain
 from galaxy.cli.launch import Launch, launch_ranks
 from galaxy.config import GalaxyConfig
 from galaxy.errors import DataError
+from tests.in_process import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--override", "seq_length=16", "--override", "global_batch_size=4"]
 
 
 def run(args, timeout=300):
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-                          capture_output=True, text=True, timeout=timeout)
+    """``python args`` in this process (tests.in_process: a new interpreter would only import torch and Galaxy
+    again); the ranks a launch starts are processes of their own."""
+    return run_script(args, cwd=ROOT, timeout=timeout)
 
 
 def lines(text: str) -> list[str]:

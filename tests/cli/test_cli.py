@@ -10,6 +10,7 @@ import pytest
 from galaxy.cli.pretrain import main
 from tests.dist_pool import free_port
 from tests import REPO  # noqa: E402
+from tests.in_process import run_script
 
 ROOT = REPO
 FAST = ["--max_steps", "2", "--no_progress", "--override", "global_batch_size=4"]
@@ -41,7 +42,9 @@ def run(args, env=None, timeout=240):
 def test_shipped_configs_run(tmp_path, script, config, world):
     metrics = tmp_path / "m.jsonl"
     short = ["--override", "seq_length=32"] if "/dp/" in config or "/pp/" in config else []
-    out = run([script, "--config_file", config, "--world", str(world), "--metrics_file", str(metrics)] + FAST + short)
+    # in this process (tests.in_process): the script as __main__, its ranks still processes of their own
+    out = run_script([script, "--config_file", config, "--world", str(world), "--metrics_file", str(metrics)]
+                     + FAST + short)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "pretraining summary" in out.stdout
     lines = [json.loads(l) for l in metrics.read_text().splitlines()]
@@ -57,7 +60,7 @@ def test_pipeline_cli_trains_with_a_falling_loss(tmp_path, shells):
             "--max_steps", "5", "--no_progress", "--metrics_file", str(metrics),
             "--override", "global_batch_size=8", "--override", "seq_length=32", "--override", "warmup_steps=2"]
     if shells == 1:
-        out = run(args)
+        out = run_script(args)
         assert out.returncode == 0, out.stderr[-3000:]
         stdout = out.stdout
     else:
@@ -121,7 +124,8 @@ def test_plan_specific_cli_refuses_another_plan(capsys):
 
 
 def test_help_lists_every_common_flag():
-    out = run(["pretrain_galaxy.py", "--help"])
+    out = run_script(["pretrain_galaxy.py", "--help"])
+    assert out.returncode == 0, out.stderr
     for flag in ("--config_file", "--world", "--rank", "--max_steps", "--seed", "--metrics_file", "--model_path",
                  "--data", "--override"):
         assert flag in out.stdout

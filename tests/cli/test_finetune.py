@@ -3,8 +3,6 @@ the CLI on the shipped configs, its launch modes and its bad-input errors."""
 
 import json
 import os
-import subprocess
-import sys
 import weakref
 
 import pytest
@@ -23,15 +21,16 @@ from galaxy.train.finetune import (DEFAULT_DATA, check_prompt_length, encode_pro
                                    instruction_batches, match_vocab, pad_batch, shards_sequence)
 from galaxy.train.loop import train
 from tests import REPO  # noqa: E402
+from tests.in_process import run_script
 
 ROOT = REPO
 FAST = ["--max_steps", "2", "--no_progress", "--override", "global_batch_size=4"]
 
 
 def run(args, timeout=240):
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable] + args, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    """``python args``, in this process (tests.in_process: the script as __main__, its ranks processes of their own;
+    a new interpreter for the launcher would only import torch and Galaxy again)."""
+    return run_script(args, timeout=timeout)
 
 
 def tiny_cfg(**overrides):

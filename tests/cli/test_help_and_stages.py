@@ -8,13 +8,12 @@ import contextlib
 import io
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from galaxy.cli.main import COMMANDS, main
 from tests import REPO
+from tests.in_process import run_script
 
 TRAINING_FLAGS = ("--max_steps", "--eval_every", "--data", "--tokenizer", "--metrics_file", "--tensorboard",
                   "--profile_step", "--profile_json", "--save_dir", "--save_every", "--resume", "--keep_last",
@@ -56,8 +55,7 @@ def test_profile_lists_no_training_flags_and_plan_lists_both_steps():
 
 
 def test_a_script_names_itself():
-    out = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_tp_bert.py"), "--help"], cwd=REPO,
-                         env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=120)
+    out = run_script(["pretrain_tp_bert.py", "--help"], timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("usage: pretrain_tp_bert.py ["), out.stdout[:300]
     assert "galaxy pretrain --plan tp" in out.stdout
 
@@ -86,8 +84,9 @@ def test_the_readme_tables_match_the_commands_and_their_flags():
 
 
 def run(argv, **env):
-    return subprocess.run([sys.executable, *argv], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO, **env),
-                          capture_output=True, text=True, timeout=600)
+    """``python argv`` in this process (tests.in_process: a new interpreter would only import torch and Galaxy
+    again); the processes it starts are its own."""
+    return run_script(argv, env=env, timeout=600)
 
 
 def stage_lines(stderr: str) -> list[str]:

@@ -2,9 +2,6 @@
 several ranks) are the serial model's, its JSON holds the timings, bad input is one line."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,13 +11,15 @@ from galaxy.config import GalaxyConfig
 from galaxy.models.generation import generate
 from galaxy.models.llama import LlamaForCausalLM
 from tests import REPO  # noqa: E402
+from tests.in_process import run_script
 
 ROOT = REPO
 
 
 def run(args, timeout=180):
-    return subprocess.run([sys.executable, "infer_galaxy.py"] + args, cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=ROOT), timeout=timeout)
+    """``python infer_galaxy.py args`` in this process (tests.in_process: a new interpreter would only import torch
+    and Galaxy again); its ranks are processes of their own."""
+    return run_script(["infer_galaxy.py"] + args, cwd=ROOT, timeout=timeout)
 
 
 def test_generation_on_uneven_galaxy2_plan_equals_serial(tmp_path):

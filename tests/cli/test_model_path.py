@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from galaxy.cli import compare, infer, pretrain, profile
 from tests import REPO
+from tests.in_process import run_script
 
 CONFIG = os.path.join(REPO, "train_config", "llama", "pretrain.json")
 
@@ -47,12 +46,11 @@ def test_pretrain_at_world_2_on_the_galaxy_plan_starts_from_the_checkpoint(qwen2
     hf, path = qwen2
     overrides = {"dtype": "float64", "global_batch_size": 4, "seq_length": 32, "max_steps": 2, "model_path": path}
     metrics, summary = tmp_path / "m.jsonl", tmp_path / "s.json"
-    argv = [sys.executable, os.path.join(REPO, "pretrain_galaxy.py"), "--world", "2", "--no_progress",
-            "--metrics_file", str(metrics), "--summary_json", str(summary)]
+    argv = ["pretrain_galaxy.py", "--world", "2", "--no_progress", "--metrics_file", str(metrics), "--summary_json",
+            str(summary)]
     for key, value in overrides.items():
         argv += ["--override", f"{key}={value}"]
-    out = subprocess.run(argv, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
-                         timeout=300)
+    out = run_script(argv, timeout=300)  # in this process (tests.in_process); the ranks are processes
     assert out.returncode == 0, out.stderr[-3000:]
     fields = json.loads(summary.read_text())
     assert fields["plan"] == "galaxy" and fields["world"] == 2 and fields["att/con/mlp"] == "TP/SP/TP"

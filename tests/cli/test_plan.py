@@ -8,7 +8,6 @@ import pytest
 
 from galaxy.config import GalaxyConfig
 from galaxy.planner.cluster import OPS, candidate_groups, load_cluster
-from tests import REPO
 from tests.planner.helpers import BERT, synthetic_cluster
 
 
@@ -142,17 +141,14 @@ def test_written_plan_loads_and_trains(tmp_path, dist_pool, capsys):
 def test_profiler_on_three_ranks(tmp_path):
     """Three local ranks (the CLI's own launch): every subgroup a plan can use is created and timed.
     It hung once: members that had created different numbers of groups named the next one apart."""
-    import os
-    import subprocess
-    import sys
+    from tests.in_process import run_script
 
-    root = REPO
     model = tmp_path / "model.json"
     model.write_text(json.dumps({"model": BERT, "train": {"seq_length": 8, "global_batch_size": 2}}))
     out = tmp_path / "cluster.json"
-    run = subprocess.run([sys.executable, os.path.join(root, "plan_galaxy.py"), "profile", "--model", str(model),
-                          "--world", "3", "--rows", "2", "--reps", "1", "--window_ms", "0", "--out", str(out)],
-                         env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True, timeout=90)
+    # in this process (tests.in_process); the three ranks are processes of their own
+    run = run_script(["plan_galaxy.py", "profile", "--model", str(model), "--world", "3", "--rows", "2", "--reps", "1",
+                      "--window_ms", "0", "--out", str(out)], timeout=90)
     assert run.returncode == 0, run.stderr[-2000:]
     cluster = load_cluster(str(out))
     assert cluster.world == 3 and set(cluster.groups) == set(candidate_groups(3)) == {(0, 1, 2), (0, 1), (1, 2), (0, 2)}

@@ -4,13 +4,13 @@ one line before any rank starts."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from galaxy.cli.pretrain import main
 from galaxy.train.metrics import TENSORBOARD_MISSING
+from tests.in_process import run_script
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -20,10 +20,10 @@ def test_cli_reports_per_gpu_rates_and_mfu_and_writes_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     metrics, summary, board = tmp_path / "m.jsonl", tmp_path / "s.json", tmp_path / "tb"
-    out = subprocess.run([sys.executable, "pretrain_galaxy.py", "--world", "2", "--max_steps", "3",
-                          "--override", "log_every=1", "--peak_tflops", "0.5", "--metrics_file", str(metrics),
-                          "--summary_json", str(summary), "--tensorboard", str(board)],
-                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=240)
+    # in this process (tests.in_process); the ranks are processes of their own
+    out = run_script(["pretrain_galaxy.py", "--world", "2", "--max_steps", "3", "--override", "log_every=1",
+                      "--peak_tflops", "0.5", "--metrics_file", str(metrics), "--summary_json", str(summary),
+                      "--tensorboard", str(board)], cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]

@@ -2,13 +2,12 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from galaxy.cli.pretrain import main
 from tests import REPO
+from tests.in_process import run_script
 
 CONFIG = "train_config/llama/pretrain.json"
 STEPS = 6
@@ -39,12 +38,11 @@ def test_causal_pretraining_matches_serial_first_loss_and_learns(tmp_path, name,
     overrides = {"dtype": "float64", "max_steps": STEPS, "global_batch_size": 4, "seq_length": 32,
                  "warmup_steps": 0, **overrides}
     metrics, summary = tmp_path / "m.jsonl", tmp_path / "s.json"
-    argv = [sys.executable, os.path.join(REPO, "pretrain_galaxy.py"), "--config", CONFIG, "--world", str(world),
+    argv = ["pretrain_galaxy.py", "--config", CONFIG, "--world", str(world),
             "--no_progress", "--metrics_file", str(metrics), "--summary_json", str(summary)]
     for key, value in overrides.items():
         argv += ["--override", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
-    out = subprocess.run(argv, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
-                         timeout=300)
+    out = run_script(argv, timeout=300)  # in this process (tests.in_process); the ranks are processes
     assert out.returncode == 0, out.stderr[-3000:]
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.05, losses

@@ -19,6 +19,7 @@ import torch
 
 from galaxy.train.checkpoint.files import is_complete
 from tests import REPO
+from tests.in_process import run_script
 from tests.train.checkpoint.helpers import checkpoint_tensors
 from tests.train.test_save_failures import mounted_tmpfs
 
@@ -30,8 +31,9 @@ DEADLINE_S = 300  # for a run to reach a step on a loaded two-core machine, not 
 
 
 def run(args: list[str], timeout: float = DEADLINE_S) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "pretrain_galaxy.py", *args], cwd=REPO, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
+    """The CLI run to its end, in this process (tests.in_process: a new interpreter would only import torch and
+    Galaxy again; its ranks are processes of their own). Runs that get signals or kills are ``start``ed."""
+    return run_script(["pretrain_galaxy.py", *args], env={"OMP_NUM_THREADS": "1"}, timeout=timeout)
 
 
 def start(args: list[str]) -> subprocess.Popen:

@@ -465,19 +465,17 @@ def test_qlora_resume_from_a_checkpoint_repeats_the_run(tmp_path):
     """A bf16-base QLoRA run saved at step 2 and resumed gives steps 3 and 4 exactly as the run that went on
     (the checkpoint holds the fp32 LoRA factors and their AdamW state; the NF4 base is rebuilt from the seed)."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    root = REPO
-    common = [sys.executable, os.path.join(root, "pretrain_galaxy.py"), "--world", "2", "--max_steps", "4",
+    from tests.in_process import run_script
+
+    common = ["pretrain_galaxy.py", "--world", "2", "--max_steps", "4",
               "--no_progress", "--override", "tuning=lora", "--override", "dtype=bfloat16",
               "--override", "quantize_base=nf4", "--override", "global_batch_size=4"]
 
     def losses(extra, name):
         metrics = tmp_path / name
-        out = subprocess.run(common + extra + ["--metrics_file", str(metrics)], capture_output=True, text=True,
-                             timeout=300, cwd=root, env=dict(os.environ, PYTHONPATH=root))
+        # in this process (tests.in_process); the ranks are processes of their own
+        out = run_script(common + extra + ["--metrics_file", str(metrics)], cwd=REPO, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         return {row["step"]: row["loss"] for row in map(json.loads, metrics.read_text().splitlines())}
 

@@ -4,8 +4,6 @@ parameter counts and MFU's matmul weights are its own tensors), and a model_type
 line naming the key, also from the CLI before any rank starts."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -13,6 +11,7 @@ from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.core.context import ParallelContext
 from galaxy.models import MODEL_FAMILIES, build_model, check_config, family
 from tests import REPO
+from tests.in_process import run_script
 
 
 @pytest.fixture(params=sorted(MODEL_FAMILIES))
@@ -70,7 +69,7 @@ def test_an_unknown_model_type_is_one_line_naming_the_key():
     cfg = GalaxyConfig.from_dict(dict(model_type="gpt9"))
     with pytest.raises(ConfigError, match=r"config key 'model_type': unknown model 'gpt9'; use one of bert, llama"):
         check_config(cfg.model)
-    out = subprocess.run([sys.executable, "pretrain_galaxy.py", "--world", "2", "--override", "model_type=gpt9"],
-                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    # in this process (tests.in_process): the launcher refuses it before any rank starts
+    out = run_script(["pretrain_galaxy.py", "--world", "2", "--override", "model_type=gpt9"], cwd=REPO, timeout=120)
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
     assert "config key 'model_type': unknown model 'gpt9'" in out.stderr

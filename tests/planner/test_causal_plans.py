@@ -4,8 +4,6 @@ and profile + search + --validate of llama-tiny through the CLIs end to end."""
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,6 +16,7 @@ from galaxy.planner.workload import Layout, Splits, Workload
 from galaxy.planner.search import layouts, search
 from galaxy.planner.workload import edge_params, layer_params
 from tests import REPO
+from tests.in_process import run_script
 from tests.planner.helpers import LLAMA, synthetic_cluster
 
 TP, SP, NONE = Method.TP, Method.SP, Method.NONE
@@ -126,8 +125,9 @@ def test_search_finds_the_layout_only_the_new_candidates_fit():
 
 
 def run(argv, timeout=300):
-    return subprocess.run([sys.executable, *argv], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
-                          capture_output=True, text=True, timeout=timeout)
+    """``python argv`` in this process (tests.in_process: a new interpreter would only import torch and Galaxy
+    again); the processes it starts are its own."""
+    return run_script(argv, timeout=timeout)
 
 
 def test_profile_search_and_validate_llama_tiny_end_to_end(tmp_path):

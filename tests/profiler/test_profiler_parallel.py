@@ -4,10 +4,7 @@ volume computed here from the shapes, repeatability, overhead, the training-loop
 FlopCounterMode reference on our BERT and LLaMA."""
 
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 
 import pytest
@@ -24,6 +21,7 @@ from galaxy.profiler.formulas import extra_flop_formulas
 from galaxy.profiler.parallel import ParallelProfiler, partial_grad_bytes, replicated_module_map, transition_label
 from galaxy.profiler.step import StepProfiler
 from tests import REPO  # noqa: E402
+from tests.in_process import run_script
 
 ROOT = REPO
 
@@ -358,10 +356,9 @@ def test_cli_refuses_meta_on_several_ranks(capsys):
 
 def test_cli_world_2_writes_per_rank_json(tmp_path):
     path = tmp_path / "out.json"
-    cmd = [sys.executable, "profile_flops.py", "--model", "bert", "--world", "2", "--backward", "--json", str(path),
+    cmd = ["profile_flops.py", "--model", "bert", "--world", "2", "--backward", "--json", str(path),
            "--batch", "2", "--seq_len", "32", "--warm_up", "0", "--check_serial", "--no_detailed"]
-    out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
-                         timeout=120)
+    out = run_script(cmd, cwd=ROOT, timeout=120)  # in this process (tests.in_process); the ranks are processes
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Parallel Profile (model-parallel group of 2)" in out.stdout
     data = json.loads(path.read_text())

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch.nn.functional as F
@@ -19,6 +17,7 @@ from galaxy.train.evaluate import evaluate
 from galaxy.train.loop import Trainer
 from galaxy.data.pretraining import mlm_data
 from tests import REPO  # noqa: E402
+from tests.in_process import run_script
 
 ROOT = REPO
 TRAIN = {"global_batch_size": 8, "seq_length": 12, "dtype": "float64", "eval_iters": 2}
@@ -91,10 +90,10 @@ def test_evaluation_equals_the_serial_logits_in_every_layout(dist_pool, model_ty
 
 def test_eval_every_writes_eval_metrics(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_galaxy.py"), "--world", "1", "--max_steps", "4",
+    cmd = [os.path.join(ROOT, "pretrain_galaxy.py"), "--world", "1", "--max_steps", "4",
            "--eval_every", "2", "--no_progress", "--metrics_file", str(metrics),
            "--override", "global_batch_size=4", "--override", "seq_length=16", "--override", "eval_iters=1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = run_script(cmd, cwd=tmp_path, timeout=300)  # in this process (tests.in_process)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     evaluated = [r["step"] for r in rows if "eval_loss" in r]
@@ -120,13 +119,13 @@ def test_sequence_classification_trains_and_reports_accuracy(tmp_path):
     write_sentiment(tmp_path / "train.jsonl", 300)
     write_sentiment(tmp_path / "dev.jsonl", 64, seed=1)
     summary = tmp_path / "summary.json"
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_galaxy.py"), "--world", "2", "--max_steps", "40",
+    cmd = [os.path.join(ROOT, "pretrain_galaxy.py"), "--world", "2", "--max_steps", "40",
            "--data", "train.jsonl", "--eval_every", "40", "--no_progress", "--summary_json", str(summary),
            "--override", "task=classify", "--override", "eval_data=dev.jsonl", "--override", "seq_length=32",
            "--override", "global_batch_size=16", "--override", "eval_iters=4", "--override", "vocab_size=200",
            "--save_dir", "ck"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env=dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache")))
+    # in this process (tests.in_process); the ranks are processes of their own
+    proc = run_script(cmd, cwd=tmp_path, env={"XDG_CACHE_HOME": str(tmp_path / "cache")}, timeout=300)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(summary.read_text())
     assert result["eval_targets"] == 64, "4 held-out batches of 16 examples"
@@ -149,9 +148,9 @@ def test_sequence_classification_trains_and_reports_accuracy(tmp_path):
 
 def test_bad_labelled_data_is_one_clear_line(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "fine", "label": 0}\n{"text": "oops", "label": "yes"}\n')
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_galaxy.py"), "--world", "1", "--max_steps", "1",
+    cmd = [os.path.join(ROOT, "pretrain_galaxy.py"), "--world", "1", "--max_steps", "1",
            "--data", "bad.jsonl", "--no_progress", "--override", "task=classify"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = run_script(cmd, cwd=tmp_path, timeout=300)  # in this process (tests.in_process)
     assert proc.returncode != 0
     assert 'bad.jsonl:2: "label" must be a non-negative integer class id' in proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
