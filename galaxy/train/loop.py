@@ -368,13 +368,7 @@ class Trainer:
             logger.info("step %d: gradients overflowed at loss scale %g; skipped, scale now %g", step, scale,
                         self.scaler.scale)
         elif not (loss_ok and grads_ok):
-            problem = self.locate_nonfinite(loss, step, loss_ok)
-            if not t.skip_nonfinite:
-                self.optimizer.zero_grad(set_to_none=True)
-                raise NonFiniteError(f"{problem}; lower the learning rate or check the data, or set "
-                                     "skip_nonfinite: true to skip such steps")
-            outcome.skipped = "nonfinite"
-            logger.warning("%s; step skipped (skip_nonfinite)", problem)
+            self.skip_nonfinite(outcome, loss, step, loss_ok)
         else:
             if t.grad_clip > 0:
                 clip_grads_with_norm_(self.params, t.grad_clip, norm.float())
@@ -398,15 +392,20 @@ class Trainer:
         if loss_ok and grads_ok:
             self.schedule.step()
         else:
-            problem = self.locate_nonfinite(loss, step, loss_ok)
-            if not self.cfg.train.skip_nonfinite:
-                self.optimizer.zero_grad(set_to_none=True)
-                raise NonFiniteError(f"{problem}; lower the learning rate or check the data, or set "
-                                     "skip_nonfinite: true to skip such steps")
-            outcome.skipped = "nonfinite"
-            logger.warning("%s; step skipped (skip_nonfinite)", problem)
+            self.skip_nonfinite(outcome, loss, step, loss_ok)
         self.optimizer.zero_grad(set_to_none=True)
         return outcome
+
+    def skip_nonfinite(self, outcome: StepOutcome, loss: torch.Tensor, step: int, loss_ok: bool) -> None:
+        """A step whose loss or gradient is not finite (no update made): stop naming where it came from, or
+        under ``skip_nonfinite`` mark it skipped."""
+        problem = self.locate_nonfinite(loss, step, loss_ok)
+        if not self.cfg.train.skip_nonfinite:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError(f"{problem}; lower the learning rate or check the data, or set "
+                                 "skip_nonfinite: true to skip such steps")
+        outcome.skipped = "nonfinite"
+        logger.warning("%s; step skipped (skip_nonfinite)", problem)
 
     def locate_nonfinite(self, loss: torch.Tensor, step: int, loss_ok: bool) -> str:
         """Where a non-finite value came from, as one line: a parameter that is itself non-finite,
