@@ -24,9 +24,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def rank_main(config: str, warmup: int, reps: int) -> None:
-    """One emulated rank: median forward, collective and compute milliseconds, as one JSON line, with
-    the last forward's collectives (op, bytes, enter and leave on the host's monotonic clock)."""
+def rank_main(config: str, out_dir: str, warmup: int, reps: int) -> None:
+    """One emulated rank: median forward, collective and compute milliseconds, written to
+    ``out_dir/rank<r>.json`` (ranks sharing one stdout pipe can interleave a long line), with the last
+    forward's collectives (op, bytes, enter and leave on the host's monotonic clock)."""
     import torch
     import torch.distributed as dist
 
@@ -52,9 +53,10 @@ def rank_main(config: str, warmup: int, reps: int) -> None:
             inside.append(sum(r.seconds for _, r in records))
     ms = lambda xs: round(statistics.median(xs) * 1e3, 3)  # noqa: E731
     trace = [{"op": r.op, "bytes": r.nbytes, "enter_s": t - r.seconds, "leave_s": t} for t, r in records]
-    print(json.dumps({"rank": ctx.rank, "total_ms": ms(total), "collectives_ms": ms(inside),
-                      "compute_ms": ms([t - c for t, c in zip(total, inside)]), "start_s": start,
-                      "last_forward": trace}), flush=True)
+    with open(os.path.join(out_dir, f"rank{ctx.rank}.json"), "w") as f:
+        json.dump({"rank": ctx.rank, "total_ms": ms(total), "collectives_ms": ms(inside),
+                   "compute_ms": ms([t - c for t, c in zip(total, inside)]), "start_s": start,
+                   "last_forward": trace}, f)
     ctx.shutdown()
 
 
@@ -95,7 +97,7 @@ def main() -> int:
         from galaxy.emulate.slowdown import slowdown_from_env, slowed_compute  # as the CLIs' ranks do
 
         with slowed_compute(slowdown_from_env()):
-            rank_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+            rank_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
         return 0
     from bench_edge import ENV, cluster_file  # the scenario's cluster, built as bench_edge built it
     from galaxy.config import ConfigError, GalaxyConfig
@@ -144,14 +146,16 @@ def main() -> int:
         cluster = cluster_file(os.path.join(tmp, "cluster.json"), s["cores"], s["link_mbit"],
                                scenario_period_us, result["args"].get("cpu_emulation", "cores"))
         run = subprocess.run([sys.executable, "-m", "galaxy.emulate", cluster, "--log-level", "WARNING", "--",
-                              sys.executable, os.path.abspath(__file__), "--rank", config, str(args.warmup),
-                              str(args.reps)], capture_output=True, text=True, cwd=ROOT, env=ENV)
-    if run.returncode != 0:
-        said = run.stderr.strip().splitlines()
-        print(said[-1] if said else f"exit {run.returncode}", file=sys.stderr)
-        return 1
-    measured = sorted((json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")),
-                      key=lambda r: r["rank"])
+                              sys.executable, os.path.abspath(__file__), "--rank", config, tmp,
+                              str(args.warmup), str(args.reps)], capture_output=True, text=True, cwd=ROOT, env=ENV)
+        if run.returncode != 0:
+            said = run.stderr.strip().splitlines()
+            print(said[-1] if said else f"exit {run.returncode}", file=sys.stderr)
+            return 1
+        measured = []
+        for rank in range(world):
+            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
+                measured.append(json.load(f))
     model = predicted(s["profile"], cfg, methods, splits)
     print(f"{s['model']} {':'.join(map(str, s['shares']))} at {s['link_mbit']:g} Mbit, {args.methods} "
           f"heads {list(plan.heads_split)} ffn {list(plan.ffn_split)} seq {list(plan.seq_split)}; ms, measured (predicted)")
