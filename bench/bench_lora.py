@@ -12,7 +12,8 @@ layer's NF4 dequantize-and-matmul traced into its graph), ``galaxy-lora-fp8`` / 
 quantized per row, in the compiled layer fused into the op that makes it), ``-cudagraphs`` for any (``compile_mode:
 reduce-overhead``: each layer's kernels replayed as CUDA graphs), ``-autotune`` for either (``compile_mode:
 max-autotune-no-cudagraphs``: inductor times Triton GEMM templates, with the pointwise ops after them fused
-into their epilogues, against cuBLAS and keeps the fastest per product; a ``+<mode>[K]`` suffix on any Galaxy
+into their epilogues, against cuBLAS and keeps the fastest per product; ``-multikernel`` after any of these three
+adds ``compile_options: {"triton.multi_kernel": 1}``, e.g. ``galaxy-lora-fp8-cudagraphs-multikernel``; a ``+<mode>[K]`` suffix on any Galaxy
 contender recomputes, ``recompute: <mode>`` (full, selective or mlp) on the first K layers when K is given,
 e.g. ``galaxy-lora-compiled+mlp8``), ``peft-bf16`` (transformers + peft, base loaded in bf16, bf16 autocast),
 ``peft-bf16-liger`` (the same with Liger-Kernel's LLaMA patches), ``peft-qlora-bnb``
@@ -29,7 +30,8 @@ its checkpointing; the default launch runs both attention paths). ``+auto`` on a
 memory mode and the MLP's sequence chunks chosen by the planner: the long-context recipe). Every contender:
 LoRA r16 alpha 32 on q_proj / v_proj, dropout 0, random tokens with labels = inputs, fused AdamW lr 1e-4,
 clipping at 1.0; a timed step is forward, backward, clipping and the optimizer step under bf16 autocast
-(Galaxy: its own loop), ended by reading the loss (a device sync). Galaxy's random weights are drawn on the GPU by
+(Galaxy: its own loop, whose steps go ahead: each read once the next is queued), ended by reading the loss
+(a device sync; transformers' Trainer, unsloth's, tests every step's loss for NaN the same way). Galaxy's random weights are drawn on the GPU by
 its generator, tensor by tensor, the frozen base stored in its format as it is made; its row's ``stages_s`` says
 how long its plan, build and first step (with the compile) took. Peak memory is counted from the first
 training step on (building the model is left out, for every contender alike). A contender whose package does
@@ -143,11 +145,26 @@ def best_per_family(rows: list) -> dict:
     return out
 
 
+MULTI_KERNEL = "-multikernel"  # after a compile mode: compile_options {"triton.multi_kernel": 1}
+
+
 def galaxy_compile_mode(name: str) -> Optional[str]:
     """A Galaxy contender's torch.compile mode: ``-compiled`` the default, ``-cudagraphs`` reduce-overhead,
-    ``-autotune`` max-autotune-no-cudagraphs; None (eager) for any other name."""
+    ``-autotune`` max-autotune-no-cudagraphs, each optionally followed by ``-multikernel``; None (eager) for any
+    other name."""
     return {"compiled": "default", "cudagraphs": "reduce-overhead",
-            "autotune": "max-autotune-no-cudagraphs"}.get(name.rsplit("-", 1)[-1])
+            "autotune": "max-autotune-no-cudagraphs"}.get(name.removesuffix(MULTI_KERNEL).rsplit("-", 1)[-1])
+
+
+def galaxy_compile_options(name: str) -> Optional[dict]:
+    """``-multikernel`` after a compile mode: inductor's multi-kernel (each reduction compiled persistent and
+    looped, the faster picked per size when first run) in the layers' graphs."""
+    if not name.endswith(MULTI_KERNEL):
+        return None
+    if galaxy_compile_mode(name) is None:
+        raise ValueError(f"contender '{name}': -multikernel follows a compile mode (-compiled, -cudagraphs or "
+                         "-autotune), e.g. galaxy-lora-fp8-cudagraphs-multikernel")
+    return {"triton.multi_kernel": 1}
 
 
 def galaxy_base_format(name: str) -> str:
@@ -182,14 +199,15 @@ def hf_step(model, cfg):
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        loss.item()  # as Galaxy's loop, which reads every step's loss
+        loss.item()  # as transformers' Trainer (unsloth's), whose logging_nan_inf_filter (on by default) tests each loss
 
     return step
 
 
 def config(args, quantize: str = "none", compile_mode: Optional[str] = None,
-           recompute: Optional[dict] = None) -> GalaxyConfig:
-    """``compile_mode``: None runs eagerly, else ``compile: true`` in that torch.compile mode; ``recompute``:
+           recompute: Optional[dict] = None, compile_options: Optional[dict] = None) -> GalaxyConfig:
+    """``compile_mode``: None runs eagerly, else ``compile: true`` in that torch.compile mode (with inductor's
+    ``compile_options``); ``recompute``:
     model keys (``galaxy_recompute``). Positions reach the sequence length wherever it is longer than the
     preset's."""
     shape = {"preset": args.preset}
@@ -198,7 +216,8 @@ def config(args, quantize: str = "none", compile_mode: Optional[str] = None,
         shape["max_position_embeddings"] = args.seq
     return GalaxyConfig.from_dict({
         "model": {**shape, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
-                  "compile": compile_mode is not None, "compile_mode": compile_mode or "default", **(recompute or {})},
+                  "compile": compile_mode is not None, "compile_mode": compile_mode or "default",
+                  "compile_options": compile_options, **(recompute or {})},
         "train": {"global_batch_size": args.batch, "seq_length": args.seq, "max_steps": args.warmup + args.steps,
                   "dtype": "bfloat16", "lr": 1e-4, "warmup_steps": 0, "grad_clip": 1.0, "log_every": 10**6},
         "peft": dict(LORA, quantize_base=quantize)})
@@ -264,9 +283,11 @@ def galaxy_model(cfg: GalaxyConfig, ctx):
     return apply_tuning(build_base(cfg, None, ctx, init_on_device=True), cfg)
 
 
-def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None, recompute: Optional[dict] = None) -> dict:
-    """Galaxy's own training loop (``train``): step times from one step's end to the next (the loop
-    reads every step's loss, a device sync). The row's ``stages_s``: the seconds of each stage before the timed
+def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None, recompute: Optional[dict] = None,
+               compile_options: Optional[dict] = None) -> dict:
+    """Galaxy's own training loop (``train``): step times from one step's end to the next (with the GPU's fused
+    optimizer a step's loss is read once the next step's forward and backward are queued; the last step's read
+    ends the run). The row's ``stages_s``: the seconds of each stage before the timed
     steps (imports, ``activation_memory: auto``'s plan, the model's build, the first step with its compile), each
     on stderr as it ends."""
     stages, last = {}, [time.perf_counter()]
@@ -285,7 +306,7 @@ def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None, recomput
     ctx = ParallelContext.serial("cuda" if torch.cuda.is_available() else "cpu", seed=0)  # CPU: a smoke run
     stage_ends("imports")
     # as the CLIs: activation_memory auto becomes each layer's memory mode before the model is built
-    cfg = resolve_activation_memory(config(args, quantize, compile_mode, recompute), ctx)
+    cfg = resolve_activation_memory(config(args, quantize, compile_mode, recompute, compile_options), ctx)
     stage_ends("plan")
     model = galaxy_model(cfg, ctx)
     stage_ends("build")
@@ -498,7 +519,8 @@ def run_one(args) -> dict:
             out = run_unsloth(args, name)
         elif name.startswith("galaxy"):
             base, keys = galaxy_recompute(name, args.card_gib)
-            out = run_galaxy(args, galaxy_base_format(base), galaxy_compile_mode(base), keys)
+            out = run_galaxy(args, galaxy_base_format(base), galaxy_compile_mode(base), keys,
+                             galaxy_compile_options(base))
         else:
             out = run_peft(args, name)
     except ImportError as e:
@@ -646,7 +668,7 @@ def main() -> int:
     for name in args.contenders.split(","):
         if name.startswith("galaxy"):
             try:
-                galaxy_recompute(name)
+                galaxy_compile_options(galaxy_recompute(name)[0])
             except ValueError as e:
                 p.error(str(e))
     if args.max_seq and not 1 <= args.max_seq_floor <= args.max_seq_start <= args.max_seq_limit:

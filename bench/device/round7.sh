@@ -72,7 +72,7 @@ if [ "$mode" = start ]; then
         case $part in
             fp8) cmd="$cmd $lora --seq 1024 --batch 8 --steps 20 --warmup 3 --contenders ${FP8_CONTENDERS:-galaxy-lora-compiled,\
 galaxy-lora-fp8-compiled,galaxy-lora-fp8-compiled+mlp2,galaxy-lora-fp8-compiled+mlp3,galaxy-lora-fp8-cudagraphs,\
-galaxy-lora-fp8-cudagraphs+mlp2,unsloth-lora,unsloth-lora-sdpa} --json $dir/fp8_lora.json > $dir/fp8_lora.log 2>&1;" ;;
+galaxy-lora-fp8-cudagraphs+mlp2,galaxy-lora-fp8-cudagraphs-multikernel,unsloth-lora,unsloth-lora-sdpa} --json $dir/fp8_lora.json > $dir/fp8_lora.log 2>&1;" ;;
             long) cmd="$cmd $lora --seq 32768 --batch 1 --steps 3 --warmup 1 --contenders galaxy-lora-compiled+auto,\
 galaxy-lora-compiled+auto5.5,${LONG_UNSLOTH_LORA:-unsloth-lora-gc,unsloth-lora-gc-sdpa},galaxy-qlora-compiled+auto,\
 galaxy-qlora-compiled+auto4.2,\
@@ -95,7 +95,7 @@ galaxy-lora-fp8-compiled,galaxy-lora-fp8-cudagraphs,galaxy-lora-compiled,unsloth
 > $dir/f8prof_$f.log 2>&1;"
                     done ;;
             fp8b) cmd="$cmd $lora --seq 4096 --batch 2 --steps 20 --warmup 3 --contenders ${FP8B_CONTENDERS:-galaxy-lora-compiled,\
-galaxy-lora-fp8-compiled,unsloth-lora,unsloth-lora-sdpa} --json $dir/fp8_4096.json > $dir/fp8_4096.log 2>&1;" ;;
+galaxy-lora-fp8-compiled,galaxy-lora-fp8-cudagraphs,galaxy-lora-fp8-cudagraphs-multikernel,unsloth-lora,unsloth-lora-sdpa} --json $dir/fp8_4096.json > $dir/fp8_4096.log 2>&1;" ;;
             qlmem) for q in nf4 none; do
                        cmd="$cmd python3 bench/long_context_memory.py --preset llama-1b --quantize $q --seqs 65536 98304 \
 --budget_gib 8 --measure --modes auto --memory_history $dir/qlmem_$q --json $dir/qlmem_$q.json > $dir/qlmem_$q.log 2>&1;"

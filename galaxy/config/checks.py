@@ -9,10 +9,11 @@ import logging
 from galaxy.config.keys import TUNING_FLAGS
 from galaxy.config.plan import methods, stage_layers
 from galaxy.config.presets import PLAN_PRESETS
-from galaxy.config.sections import (COMPILE_MODES, DP_ENGINES, FSDP_GRAD_SYNCS, KERNEL_BACKENDS, KEY_SECTION,
-                                    LAYER_MEMORY_MODES, MP_GRAD_REDUCE, OFFLOAD, OPTIMIZERS, PIPELINE_ENGINES,
-                                    PIPELINE_SCHEDULES, RECOMPUTE_MODES, RESHARD_AFTER_FORWARD, SP_ATTENTIONS,
-                                    TP_OVERLAPS, ConfigError, ConfigSections, Method, fused_gate_up_targets)
+from galaxy.config.sections import (COMPILE_MODES, CUDA_GRAPH_MODES, DP_ENGINES, FSDP_GRAD_SYNCS, KERNEL_BACKENDS,
+                                    KEY_SECTION, LAYER_MEMORY_MODES, MP_GRAD_REDUCE, OFFLOAD, OPTIMIZER_IMPLEMENTATIONS,
+                                    OPTIMIZERS, PIPELINE_ENGINES, PIPELINE_SCHEDULES, RECOMPUTE_MODES,
+                                    RESHARD_AFTER_FORWARD, SP_ATTENTIONS, TP_OVERLAPS, ConfigError, ConfigSections,
+                                    Method, fused_gate_up_targets)
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ def validate(cfg: ConfigSections) -> None:
         ("model", "compile_mode"): COMPILE_MODES,
         ("model", "classifier_pooling"): ("cls", "mean"),
         ("train", "optimizer"): OPTIMIZERS,
+        ("train", "optimizer_implementation"): OPTIMIZER_IMPLEMENTATIONS,
         ("parallel", "pipeline_schedule"): PIPELINE_SCHEDULES,
         ("parallel", "pipeline_engine"): PIPELINE_ENGINES,
         ("parallel", "dp_engine"): DP_ENGINES,
@@ -164,6 +166,8 @@ def _validate_compute(cfg: ConfigSections) -> None:
     if m.compile_mode != "default" and not m.compile:
         raise ConfigError(f"config key 'compile_mode' is '{m.compile_mode}' but compile is false; set compile "
                           "to true or drop compile_mode")
+    if m.compile_options is not None:
+        _validate_compile_options(m)
     if m.compile:
         lora = cfg.peft.lora_dropout if cfg.peft.tuning == "lora" else 0.0
         on = [f"{k}={v}" for k, v in (("hidden_dropout_prob", m.hidden_dropout_prob),
@@ -243,9 +247,31 @@ def _validate_activation_memory(cfg: ConfigSections) -> None:
         logger.warning("config key 'mlp_chunks' is %d, but lora_dropout is on: an MLP whose LoRA projections "
                        "draw dropout masks runs whole (chunks would draw them in another order)", m.mlp_chunks)
     offloads = m.activation_memory == "auto" or any(x.endswith(OFFLOAD) for x in m.layer_memory or ())
-    if offloads and m.compile and m.compile_mode in ("reduce-overhead", "max-autotune"):
-        raise ConfigError(f"config key 'compile_mode' {m.compile_mode} replays layers as CUDA graphs, whose "
-                          "saved tensors cannot go to the host; use compile_mode default, or no +offload mode")
+    if offloads and m.captures_cuda_graphs:
+        key = "compile_mode" if m.compile_mode in CUDA_GRAPH_MODES else "compile_options"
+        raise ConfigError(f"config key '{key}' replays layers as CUDA graphs, whose saved tensors cannot go to "
+                          "the host; use compile_mode default without triton.cudagraphs, or no +offload mode")
+
+
+def _validate_compile_options(m) -> None:
+    """``compile_options``: inductor's own option names with JSON scalar values (inductor checks each value's
+    meaning when it compiles)."""
+    if not m.compile:
+        raise ConfigError("config key 'compile_options' is set but compile is false; set compile to true or drop "
+                          "compile_options")
+    import difflib
+
+    from torch._inductor import list_options
+
+    known = list_options()
+    for key, value in m.compile_options.items():
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else " (torch._inductor.list_options() lists them)"
+            raise ConfigError(f"config key 'compile_options' names '{key}', which is no inductor option{hint}")
+        if not isinstance(value, (bool, int, float, str)):
+            raise ConfigError(f"config key 'compile_options' sets '{key}' to {value!r}; give a number, a string "
+                              "or true/false")
 
 
 def _validate_precision_and_steps(cfg: ConfigSections) -> None:

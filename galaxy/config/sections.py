@@ -67,6 +67,15 @@ class ModelConfig:
     compile: bool = False  # torch.compile each transformer layer (rules: galaxy.core.compile)
     # torch.compile's mode for those layers; reduce-overhead replays each layer's kernels as a CUDA graph
     compile_mode: str = "default"
+    # inductor options for those layers over the mode's own (torch._inductor.list_options()), e.g.
+    # {"triton.multi_kernel": 1}: a reduction compiled persistent and looped, the faster picked per size
+    compile_options: Optional[dict] = None
+
+    @property
+    def captures_cuda_graphs(self) -> bool:
+        """Whether the compiled layers replay as CUDA graphs (their mode's or ``compile_options``' choice)."""
+        options = self.compile_options or {}
+        return self.compile and bool(options.get("triton.cudagraphs", self.compile_mode in CUDA_GRAPH_MODES))
 
     @property
     def head_dim(self) -> int:
@@ -147,6 +156,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | npu
     log_every: int = 10
     optimizer: str = "adamw"  # adamw | sgd
+    # torch's kernels for it: auto (fused where every parameter is on a GPU, else torch's default) | fused | foreach.
+    # Fused steps skip a non-finite update on the device, so the loop never waits for the device (Trainer.settle)
+    optimizer_implementation: str = "auto"
     sgd_momentum: float = 0.9
     # Rows of one micro-batch on each dp rank: global_batch_size = micro_batch_size x dp_size x
     # accumulation steps, so it sets num_microbatches (None: num_microbatches as given).
@@ -283,6 +295,7 @@ MP_GRAD_REDUCE = ("after_backward", "overlap", "sharded", "fsdp")
 RESHARD_AFTER_FORWARD = ("default", "always", "never")
 FSDP_GRAD_SYNCS = ("every_micro_batch", "last_micro_batch")
 OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach")
 RECOMPUTE_MODES = ("none", "full", "selective", "mlp")
 OFFLOAD = "+offload"  # a layer memory mode's suffix: what the layer still saves is held on the host
 LAYER_MEMORY_MODES = RECOMPUTE_MODES + tuple(m + OFFLOAD for m in RECOMPUTE_MODES)
@@ -291,13 +304,14 @@ SP_ATTENTIONS = ("allgather", "ring", "ulysses")
 COC_DEFAULT_CHUNKS = 4  # tp_overlap coc without coc_parallel_num
 KERNEL_BACKENDS = ("auto", "triton", "torch")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes whose layers replay as CUDA graphs
 # ModelConfig keys that choose how a model computes, not what it is: a model loaded from a
 # checkpoint directory takes them from the run's config (e.g. ``cfg.model = config_from_hf(...)``
 # should carry them over).
 ACTIVATION_MEMORY_KEYS = ("activation_memory", "layer_memory", "memory_budget_gib", "host_memory_budget_gib",
                           "host_link_gb_per_s", "mlp_chunks")
 COMPUTE_KEYS = ("recompute", "recompute_num_layers", *ACTIVATION_MEMORY_KEYS, "fused_gate_up", "kernels", "compile",
-                "compile_mode")
+                "compile_mode", "compile_options")
 FUSED_GATE_UP_NAMES = ("gate_proj", "up_proj", "gate_up_proj")
 
 

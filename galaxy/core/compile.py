@@ -24,7 +24,8 @@ What runs eagerly instead, by rule:
 * Triton kernels (``kernels``) are not called inside a graph: there the torch references are traced
   and inductor generates the fused kernels; outside the layers (the head and its loss) the kernels
   run as configured.
-``compile_mode`` is torch.compile's mode for every layer. ``reduce-overhead`` replays each layer's forward
+``compile_mode`` is torch.compile's mode for every layer, ``compile_options`` inductor options over the mode's
+(e.g. ``{"triton.multi_kernel": 1}``). ``reduce-overhead`` replays each layer's forward
 and backward kernels as CUDA graphs (inductor's CUDA graph trees; the Trainer marks each step's start,
 ``step_begins``), for steps whose GPU waits on the host launching kernels; on a CPU it compiles as the default.
 A communication observer (the profiler's per-collective timing) cannot time a traced collective,
@@ -35,6 +36,8 @@ the eager ops.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 
@@ -43,10 +46,20 @@ from galaxy.core.comm import Communicator
 from galaxy.core.layers import Dropout
 
 
-def step_begins(mode: str) -> None:
+def step_begins(model_cfg) -> None:
     """A training step starts: under CUDA graphs, the previous step's graph outputs may be overwritten."""
-    if mode in ("reduce-overhead", "max-autotune"):  # the modes that capture CUDA graphs
+    if model_cfg.captures_cuda_graphs:
         torch.compiler.cudagraph_mark_step_begin()
+
+
+def compile_kwargs(mode: str, options: Optional[dict]) -> dict:
+    """torch.compile's ``mode`` or, with inductor ``options``, the mode's own options beneath them (torch
+    takes one of the two, not both)."""
+    if not options:
+        return {"mode": None if mode == "default" else mode}
+    from torch._inductor import list_mode_options
+
+    return {"options": {**list_mode_options(mode, dynamic=False), **options}}
 
 
 def draws_random(module: nn.Module) -> bool:
@@ -58,9 +71,9 @@ class CompiledLayer:
     """``layer.compute`` compiled, called in its place; a call while the layer's dropout is active
     runs the eager ``compute`` (see the module docstring)."""
 
-    def __init__(self, layer: nn.Module, comm: Communicator, mode: str = "default"):
+    def __init__(self, layer: nn.Module, comm: Communicator, mode: str = "default", options: Optional[dict] = None):
         self.layer, self.comm = layer, comm  # the layer is not a submodule: this is no nn.Module
-        self.compiled = torch.compile(layer.compute, dynamic=False, mode=None if mode == "default" else mode)
+        self.compiled = torch.compile(layer.compute, dynamic=False, **compile_kwargs(mode, options))
 
     def __call__(self, *args):
         if self.comm.observers:

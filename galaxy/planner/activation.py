@@ -151,7 +151,7 @@ def probe_config(cfg: GalaxyConfig, seq: int, rows: int, recompute: str, mlp_chu
     m = replace(cfg.model, num_hidden_layers=2, activation_memory="manual", layer_memory=[recompute + OFFLOAD] * 2,
                 mlp_chunks=mlp_chunks,
                 memory_budget_gib=None, host_memory_budget_gib=None, host_link_gb_per_s=None, recompute="none",
-                recompute_num_layers=None, compile=False, compile_mode="default",
+                recompute_num_layers=None, compile=False, compile_mode="default", compile_options=None,
                 max_position_embeddings=max(cfg.model.max_position_embeddings, seq))
     return replace(cfg, model=m, train=replace(cfg.train, seq_length=seq, global_batch_size=rows),
                    data=replace(cfg.data, model_path=None))

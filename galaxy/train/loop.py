@@ -105,7 +105,8 @@ class TrainResult:
 
 def build_optimizer(model: nn.Module, cfg: GalaxyConfig, ctx: Optional[ParallelContext] = None,
                     params: Optional[list[nn.Parameter]] = None) -> torch.optim.Optimizer:
-    """AdamW (``optimizer: adamw``, fused on GPU) or SGD with momentum (``optimizer: sgd``) over
+    """AdamW (``optimizer: adamw``) or SGD with momentum (``optimizer: sgd``), torch's fused kernels on GPU
+    (``optimizer_implementation``), over
     ``params`` (default: the model's trainable parameters); no weight decay on biases and norm
     scales (``takes_weight_decay``), as in HF and Megatron. With ``dp_engine: zero1`` and a dp group,
     ``ZeroRedundancyOptimizer`` shards the optimizer states over the dp group (each rank steps its
@@ -120,12 +121,15 @@ def build_optimizer(model: nn.Module, cfg: GalaxyConfig, ctx: Optional[ParallelC
                "weight_decay": t.weight_decay if decays else 0.0}
               for decays in (True, False) for sharded in (False, True)]
     groups = [g for g in groups if g["params"]]
-    fused = {"fused": True} if params and all(p.is_cuda for p in params) else {}
+    impl = t.optimizer_implementation
+    if impl == "auto":
+        impl = "fused" if params and all(p.is_cuda for p in params) else None
+    kernels = {impl: True} if impl else {}
     if t.optimizer == "sgd":
-        optimizer_class, kwargs = torch.optim.SGD, dict(lr=t.lr, momentum=t.sgd_momentum, **fused)
+        optimizer_class, kwargs = torch.optim.SGD, dict(lr=t.lr, momentum=t.sgd_momentum, **kernels)
     else:
         optimizer_class, kwargs = torch.optim.AdamW, dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                                          **fused)
+                                                          **kernels)
     if ctx is not None and cfg.parallel.dp_engine == "zero1" and ctx.dp.size > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -176,12 +180,49 @@ class NonFiniteError(FloatingPointError):
     """A step's loss or gradient is not finite (and ``skip_nonfinite`` is off)."""
 
 
+class Readout:
+    """Device scalars on their way to the host: the copy is queued behind the work that makes them, and
+    ``values`` waits for that copy alone, not for work queued after it (the next step's)."""
+
+    def __init__(self, values: torch.Tensor):
+        self.event = None
+        if values.is_cuda:
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = values
+
+    def values(self) -> list[float]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
 @dataclass
 class StepOutcome:
     grad_norm: torch.Tensor  # global, before clipping (every shard once)
     skipped: Optional[str] = None  # "overflow" (float16 loss scale lowered) or "nonfinite" (skip_nonfinite)
     loss_scale: Optional[float] = None  # float16: the scale this step's backward used
-    finite: Optional[torch.Tensor] = None  # deferred (Trainer.settle): [loss finite, gradients finite] on the device
+    # deferred (Trainer.settle): [loss, gradient norm, loss finite, gradients finite] on their way to the host
+    readout: Optional[Readout] = None
+    # ahead (optimizer_step(ahead=True)): the step's gradients are gone (the next step's backward fills them);
+    # its batch, for replaying it should the step turn out non-finite
+    replay_batch: Optional[dict] = None
+    grad_norm_value: Optional[float] = None  # read by settle
+
+
+@dataclass
+class QueuedStep:
+    """A step whose work is queued on the device: what ``train`` reads and records when it ends."""
+    step: int  # 1-based
+    loss: torch.Tensor
+    outcome: StepOutcome
+    batch: dict
+    start: float  # perf_counter when it began
+    comm_bytes: int
+    bubble: float
 
 
 def _accepts_shard(batch_at: Callable) -> bool:
@@ -242,6 +283,7 @@ class Trainer:
         self.num_microbatches = par.num_microbatches
         self.last_step: Optional[PipelineStepResult] = None
         self._last_micro: list[dict] = []  # the step's micro-batches, replayed to locate a non-finite value
+        self._last_batch: dict = {}  # and its batch, kept by a step that goes ahead (optimizer_step)
         self._autocast: Optional[Callable] = None
 
     # -- data
@@ -293,11 +335,11 @@ class Trainer:
         ``.grad`` and returns the global-batch loss (the same value on every rank, a 0-d tensor)."""
         ctx = self.ctx
         if self.cfg.model.compile:
-            step_begins(self.cfg.model.compile_mode)
+            step_begins(self.cfg.model)
         micro = split_rows(batch, self.num_microbatches)
         weights = self.loss_weights(micro) if self.stage.is_last else None
         micro = [{k: v.to(ctx.device, non_blocking=True) for k, v in mb.items()} for mb in micro]
-        self._last_micro, self._autocast = micro, autocast
+        self._last_batch, self._last_micro, self._autocast = batch, micro, autocast
         # fsdp_grad_sync last_micro_batch: FSDP reduce-scatters in the last backward only
         once = self.sharding is not None and self.cfg.parallel.fsdp_grad_sync == "last_micro_batch" and len(micro) > 1
         if once:
@@ -337,13 +379,15 @@ class Trainer:
         return (self.scaler is None and self.sharding is None and bool(self.optimizer.defaults.get("fused"))
                 and getattr(self.optimizer, "_step_supports_amp_scaling", False))
 
-    def optimizer_step(self, loss: torch.Tensor, step: int, defer: bool = False) -> StepOutcome:
+    def optimizer_step(self, loss: torch.Tensor, step: int, defer: bool = False, ahead: bool = False) -> StepOutcome:
         """Unscale (float16), take the global gradient norm, then either clip, step and advance the
         schedule, or skip the update: a float16 overflow lowers the loss scale; a non-finite loss or
         gradient stops the run naming where it came from (``skip_nonfinite``: skips the step).
         Every rank decides alike: the loss and the norm are the same on every rank.
         ``defer`` (where ``skips_on_device``): no device sync here; the optimizer skips a non-finite update
-        on the device and ``settle``, called once the step's loss is read, does the rest."""
+        on the device and ``settle`` does the rest once the step's values reach the host. ``ahead`` (with
+        ``defer``): the gradients are released now, so that the next step's forward and backward can be
+        queued before this step is settled (its settle must come before the next ``optimizer_step``)."""
         t = self.cfg.train
         scale = self.scaler.scale if self.scaler else None
         if self.scaler is not None:
@@ -359,7 +403,10 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.found_inf = None  # read when the step launched; a later synchronous step has none
             self.grad_sync.gather_weights()
-            outcome.finite = finite
+            outcome.readout = Readout(torch.cat([torch.stack([loss.double(), norm.double()]), finite.double()]))
+            if ahead:
+                outcome.replay_batch = self._last_batch
+                self.optimizer.zero_grad(set_to_none=True)
             return outcome
         loss_ok, grads_ok = finite.tolist()  # one device sync
         if loss_ok and not grads_ok and self.scaler is not None:
@@ -381,31 +428,54 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return outcome
 
-    def settle(self, outcome: StepOutcome, loss: torch.Tensor, step: int) -> StepOutcome:
-        """The host's half of a deferred ``optimizer_step``, once the step's loss has been read (the device has
-        finished it): advance the schedule after an update, or name the non-finite value as the synchronous
-        step does (the update was skipped on the device; the gradients are still there to be read)."""
-        if outcome.finite is None:
-            return outcome
-        loss_ok, grads_ok = outcome.finite.tolist()
-        outcome.finite = None
+    def settle(self, outcome: StepOutcome, loss: torch.Tensor, step: int) -> float:
+        """The step's loss on the host; for a deferred ``optimizer_step`` (waiting for its values alone), the
+        host's half: advance the schedule after an update, or name the non-finite value as the synchronous step
+        does (the update was skipped on the device)."""
+        if outcome.readout is None:
+            return loss.item()
+        value, outcome.grad_norm_value, loss_ok, grads_ok = outcome.readout.values()
+        outcome.readout = None
         if loss_ok and grads_ok:
             self.schedule.step()
         else:
             self.skip_nonfinite(outcome, loss, step, loss_ok)
-        self.optimizer.zero_grad(set_to_none=True)
-        return outcome
+        if outcome.replay_batch is None:
+            self.optimizer.zero_grad(set_to_none=True)
+        outcome.replay_batch = None
+        return value
 
     def skip_nonfinite(self, outcome: StepOutcome, loss: torch.Tensor, step: int, loss_ok: bool) -> None:
         """A step whose loss or gradient is not finite (no update made): stop naming where it came from, or
         under ``skip_nonfinite`` mark it skipped."""
-        problem = self.locate_nonfinite(loss, step, loss_ok)
+        if outcome.replay_batch is not None:  # gone ahead: the next step's gradients are in .grad
+            problem = self.replayed(outcome.replay_batch, lambda: self.locate_nonfinite(loss, step, loss_ok))
+        else:
+            problem = self.locate_nonfinite(loss, step, loss_ok)
         if not self.cfg.train.skip_nonfinite:
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteError(f"{problem}; lower the learning rate or check the data, or set "
                                  "skip_nonfinite: true to skip such steps")
         outcome.skipped = "nonfinite"
         logger.warning("%s; step skipped (skip_nonfinite)", problem)
+
+    def replayed(self, batch: dict, locate: Callable[[], str]) -> str:
+        """``locate()`` over a step that went ahead (``optimizer_step(ahead=True)``): its forward and backward
+        replayed without dropout (the parameters are the step's own: its update was skipped), the next step's
+        gradients, last step and batch put back afterwards."""
+        held = [(p, p.grad) for p in self.params]
+        last = self.last_step, self._last_batch, self._last_micro
+        for p in self.params:
+            p.grad = None
+        self.model.eval()
+        try:
+            self.forward_backward(batch, self._autocast)
+            return locate()
+        finally:
+            self.model.train()
+            for p, grad in held:
+                p.grad = grad
+            self.last_step, self._last_batch, self._last_micro = last
 
     def locate_nonfinite(self, loss: torch.Tensor, step: int, loss_ok: bool) -> str:
         """Where a non-finite value came from, as one line: a parameter that is itself non-finite,
@@ -545,7 +615,10 @@ class DeepSpeedTrainer(Trainer):
         self.last_step = PipelineStepResult(total, 0.0, time.perf_counter() - start, 1)
         return self.report_loss(total)
 
-    def optimizer_step(self, loss: torch.Tensor, step: int, defer: bool = False) -> StepOutcome:
+    def skips_on_device(self) -> bool:
+        return False  # DeepSpeed's engine steps the optimizer itself
+
+    def optimizer_step(self, loss: torch.Tensor, step: int, defer: bool = False, ahead: bool = False) -> StepOutcome:
         self.engine.step()  # the accumulation boundary: reduce, clip, step, schedule, zero grads
         if not torch.isfinite(loss).item():  # DeepSpeed's engine has stepped already: nothing to skip
             raise NonFiniteError(f"non-finite loss ({loss.item()}) at step {step}; lower the learning rate or "
@@ -562,16 +635,16 @@ def make_trainer(model: nn.Module, cfg: GalaxyConfig, ctx: ParallelContext) -> T
 
 
 def step_record(step: int, loss: float, trainer: Trainer, outcome: StepOutcome, rates: dict, elapsed: float,
-                comm_bytes: int) -> dict:
+                comm_bytes: int, bubble: float) -> dict:
     """The metrics of one step, as the outputs write them (1-based ``step``)."""
     ctx = trainer.ctx
-    grad_norm = outcome.grad_norm.item()
+    grad_norm = outcome.grad_norm.item() if outcome.grad_norm_value is None else outcome.grad_norm_value
     record = {"step": step, "loss": loss, "lr": trainer.schedule.get_last_lr()[0],
               "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no NaN
               **rates, "step_time_s": elapsed,
               "peak_mem_mb": peak_memory_mb(ctx.device), "comm_bytes": comm_bytes}
     if ctx.pp.size > 1:
-        record["bubble"] = trainer.last_step.bubble  # this rank's stage (rank 0: the first)
+        record["bubble"] = bubble  # this rank's stage (rank 0: the first)
     if outcome.loss_scale is not None:
         record["loss_scale"] = outcome.loss_scale
     if outcome.skipped:
@@ -647,9 +720,53 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
                               reporting.metrics_file, reporting.tensorboard_dir)
         result, steady = TrainResult(), SteadyState(cfg, ctx.world_size, peak)
         model.train()
+        evaluates = lambda s: eval_at is not None and t.eval_every and (s % t.eval_every == 0 or s == t.max_steps)  # noqa: E731
+        # A step goes ahead (its loss read and its settle after the next step's forward and backward are queued, so
+        # that the device never waits for the host between steps) where the update needs no device sync
+        # (``skips_on_device``) and nothing reads the state right after it: not the last step, nor one evaluated,
+        # saved or profiled after.
+        may_go_ahead = trainer.skips_on_device() and profiler is None
+        goes_ahead = lambda s: (may_go_ahead and s < t.max_steps and not evaluates(s)  # noqa: E731
+                                and not (checkpoints is not None and checkpoints.due(s)))
+        interrupted = lambda s: interrupts is not None and s < t.max_steps and interrupts.agreed(ctx)  # noqa: E731
+        last_end = [0.0]
+
+        def ends(q: QueuedStep) -> None:
+            """Read step ``q.step``'s values (waiting for them alone), settle it, and record it."""
+            loss = trainer.settle(q.outcome, q.loss, q.step)
+            now = time.perf_counter()
+            elapsed, last_end[0] = now - max(q.start, last_end[0]), now  # gone ahead: from the step before's end
+            if profiler is not None and profiler.after_step(q.step) is not None:  # a collective at step K
+                result.profile, result.profile_report = profiler.result, profiler.report
+            ids = q.batch["input_ids"]
+            profiled = q.step == reporting.profile_step and t.max_steps > 1  # its hooks slow it down
+            rates = steady.add(elapsed, ids.numel() * ctx.dp.size, ids.shape[-1], skip=profiled, bubble=q.bubble)
+            result.losses.append(loss)
+            result.comm_bytes_per_step = q.comm_bytes
+            record = step_record(q.step, loss, trainer, q.outcome, rates, elapsed, q.comm_bytes, q.bubble)
+            if q.outcome.skipped:
+                result.skipped_steps += 1
+            if evaluates(q.step):
+                result.eval = evaluate(trainer, eval_at, t.eval_iters, amp)
+                record.update(result.eval)
+            outputs.write(record)
+            if on_step:
+                on_step(q.step, loss)
+            if checkpoints is not None:
+                checkpoints.after_step(q.step, trainer)
+
+        def stop(s: int) -> None:
+            if checkpoints is None:
+                raise TrainingInterrupted(s, None, "no save directory")
+            raise TrainingInterrupted(s, checkpoints.on_interrupt(s, trainer))
+
         batch = None  # the step's rows, read during the step before it
+        queued: Optional[QueuedStep] = None  # a step gone ahead, not yet ended
         try:
             for step in range(start_step, t.max_steps):
+                if queued is not None and interrupted(queued.step):  # before the next step draws or changes anything
+                    ends(queued)
+                    stop(queued.step)
                 bytes_before = trainer.comm_bytes()
                 if profiler is not None:
                     profiler.before_step(step + 1)
@@ -657,35 +774,21 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
                 if batch is None:
                     batch = trainer.read_batch(batch_at, step)
                 loss_t = trainer.forward_backward(batch, amp)
-                outcome = trainer.optimizer_step(loss_t, step + 1, defer=True)
+                if queued is not None:
+                    ends(queued)  # its update is settled before this step's
+                    queued = None
+                ahead = goes_ahead(step + 1)
+                outcome = trainer.optimizer_step(loss_t, step + 1, defer=True, ahead=ahead)
+                this = QueuedStep(step + 1, loss_t, outcome, batch, start, trainer.comm_bytes() - bytes_before,
+                                  trainer.last_step.bubble)
                 # the next step's rows are made on the host while the device runs this step's backward and optimizer
                 upcoming = trainer.read_batch(batch_at, step + 1) if step + 1 < t.max_steps else None
-                loss = loss_t.item()
-                trainer.settle(outcome, loss_t, step + 1)
-                elapsed = time.perf_counter() - start
-                if profiler is not None and profiler.after_step(step + 1) is not None:  # a collective at step K
-                    result.profile, result.profile_report = profiler.result, profiler.report
-                tokens = batch["input_ids"].numel() * ctx.dp.size
-                profiled = step + 1 == reporting.profile_step and t.max_steps > 1  # its hooks slow it down
-                rates = steady.add(elapsed, tokens, batch["input_ids"].shape[-1], skip=profiled,
-                                   bubble=trainer.last_step.bubble)
-                result.losses.append(loss)
-                result.comm_bytes_per_step = trainer.comm_bytes() - bytes_before
-                record = step_record(step + 1, loss, trainer, outcome, rates, elapsed, result.comm_bytes_per_step)
-                if outcome.skipped:
-                    result.skipped_steps += 1
-                if eval_at is not None and t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.max_steps):
-                    result.eval = evaluate(trainer, eval_at, t.eval_iters, amp)
-                    record.update(result.eval)
-                outputs.write(record)
-                if on_step:
-                    on_step(step + 1, loss)
-                if checkpoints is not None:
-                    checkpoints.after_step(step + 1, trainer)
-                if interrupts is not None and step + 1 < t.max_steps and interrupts.agreed(ctx):
-                    if checkpoints is None:
-                        raise TrainingInterrupted(step + 1, None, "no save directory")
-                    raise TrainingInterrupted(step + 1, checkpoints.on_interrupt(step + 1, trainer))
+                if ahead:
+                    queued = this
+                else:
+                    ends(this)
+                    if interrupted(step + 1):
+                        stop(step + 1)
                 batch = upcoming
             if checkpoints is not None:
                 checkpoints.finish()  # the last save is complete before train returns

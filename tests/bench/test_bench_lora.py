@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench.bench_lora import (CONTENDERS, best_per_family, config, family_of, galaxy_base_format, galaxy_compile_mode,
-                               galaxy_model, galaxy_recompute, search_lengths, unsloth_variant)
+                              galaxy_compile_options, galaxy_model, galaxy_recompute, search_lengths, unsloth_variant)
 from galaxy.config import MODEL_PRESETS
 from galaxy.core.context import ParallelContext
 from galaxy.planner.activation import peak_allocated
@@ -73,6 +73,11 @@ def test_galaxy_base_formats():
         ["none", "none", "nf4", "fp8", "fp8"]
     assert galaxy_compile_mode("galaxy-lora-fp8") is None
     assert galaxy_compile_mode("galaxy-lora-fp8-compiled") == "default"
+    assert galaxy_compile_mode("galaxy-lora-fp8-cudagraphs-multikernel") == "reduce-overhead"
+    assert galaxy_compile_options("galaxy-lora-fp8-cudagraphs-multikernel") == {"triton.multi_kernel": 1}
+    assert galaxy_compile_options("galaxy-lora-fp8-cudagraphs") is None
+    with pytest.raises(ValueError, match="-multikernel follows a compile mode"):
+        galaxy_compile_options("galaxy-lora-multikernel")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU the bench itself is the check")

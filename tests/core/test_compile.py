@@ -197,6 +197,49 @@ def test_compile_key_is_typed_and_warns_about_dropout(caplog):
                for r in caplog.records)
 
 
+def test_compile_options_go_to_inductor_beneath_the_modes_own(tmp_path):
+    """``compile_options``: torch.compile takes a mode or options, not both, so the mode's options
+    (``torch._inductor.list_mode_options``) are passed beneath them; each compiled layer's inductor runs with them:
+    here its debug trace is on, and inductor writes the layer's generated code where the options say."""
+    from torch._inductor import list_mode_options
+
+    from galaxy.core.compile import compile_kwargs
+
+    assert compile_kwargs("default", None) == {"mode": None}
+    assert compile_kwargs("reduce-overhead", None) == {"mode": "reduce-overhead"}
+    assert compile_kwargs("reduce-overhead", {"triton.multi_kernel": 1}) == \
+        {"options": {**list_mode_options("reduce-overhead", dynamic=False), "triton.multi_kernel": 1}}
+    assert compile_kwargs("reduce-overhead", {"triton.cudagraphs": False})["options"]["triton.cudagraphs"] is False
+
+    fresh_dynamo()
+    options = {"fx_graph_cache": False, "trace.enabled": True, "trace.debug_dir": str(tmp_path)}  # no cache hit
+    cfg = GalaxyConfig.from_dict(dict(llama_eq.TINY, seq_length=llama_eq.SEQ, compile=True, compile_options=options))
+    model = LlamaForCausalLM(cfg.model, ctx=ParallelContext.serial(), seed=3).eval()
+    with torch.no_grad():  # one inference graph: the cheapest compile that shows where the options went
+        model(**llama_eq.make_batch())
+    assert counters["stats"]["unique_graphs"] == 1 and list(tmp_path.rglob("output_code.py"))
+
+
+def test_compile_options_name_inductor_options_and_say_what_graphs_replay():
+    ok = GalaxyConfig.from_dict(dict(compile=True, compile_options={"triton.multi_kernel": 1})).model
+    assert ok.compile_options == {"triton.multi_kernel": 1} and not ok.captures_cuda_graphs
+    assert GalaxyConfig.from_dict(dict(compile=True, compile_mode="reduce-overhead")).model.captures_cuda_graphs
+    assert GalaxyConfig.from_dict(dict(compile=True, compile_options={"triton.cudagraphs": True})).model \
+        .captures_cuda_graphs
+    assert not GalaxyConfig.from_dict(dict(compile=True, compile_mode="reduce-overhead",
+                                           compile_options={"triton.cudagraphs": False})).model.captures_cuda_graphs
+    for raw, message in (
+            (dict(compile_options={"triton.multi_kernel": 1}), "'compile_options' is set but compile is false"),
+            (dict(compile=True, compile_options={"triton.multikernel": 1}),
+             "names 'triton.multikernel', which is no inductor option; did you mean 'triton.multi_kernel'"),
+            (dict(compile=True, compile_options={"triton.multi_kernel": [1]}), "sets 'triton.multi_kernel' to \\[1\\]"),
+            (dict(compile=True, compile_options=["triton.multi_kernel"]), "'compile_options' must be dict"),
+            (dict(compile=True, compile_options={"triton.cudagraphs": True}, layer_memory=["full+offload"] * 2,
+                  num_hidden_layers=2), "'compile_options' replays layers as CUDA graphs")):
+        with pytest.raises(ConfigError, match=message):
+            GalaxyConfig.from_dict(raw)
+
+
 def test_compile_mode_is_one_of_torchs_and_needs_compile():
     assert GalaxyConfig.from_dict(dict(compile=True, compile_mode="reduce-overhead")).model.compile_mode == \
         "reduce-overhead"

@@ -5,6 +5,7 @@ offending module's name or skipped, gradient reduction in the compute dtype, SGD
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from galaxy.core.context import ParallelContext
 from galaxy.core.layers import GradRule, grad_rule
 from galaxy.models import build_model
 from galaxy.train.loop import NonFiniteError, Trainer, train
+from galaxy.train.interrupts import Interrupts, TrainingInterrupted
 from galaxy.train.options import Checkpointing, Reporting
 from galaxy.data.pretraining import mlm_data
 
@@ -164,71 +166,142 @@ def test_skip_nonfinite_skips_the_step_and_goes_on(dist_pool):
         assert schedule_steps == 2, "the schedule advances only on real updates"
 
 
-def fused_trainer(cfg, poison_at=None):
-    """A serial trainer (its own context: dropout streams start alike) stepping torch's fused AdamW (CPU kernels since torch 2.4), the optimizer a GPU run gets
-    (``build_optimizer`` fuses on CUDA only), so a CPU runs the deferred step (``Trainer.settle``)."""
-    from galaxy.train.loop import lr_lambda
+class PoisonBatch:
+    """A test hook that makes one module's output infinite whenever the model runs on one batch (its
+    ``input_ids``): in training and in any replay of that batch, whenever it comes."""
 
+    def __init__(self, model, module: str, input_ids: torch.Tensor):
+        self.ids, self.active = input_ids, False
+        model.register_forward_pre_hook(self.look, with_kwargs=True)
+        dict(model.named_modules())[module].register_forward_hook(self.poison)
+
+    def look(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.active = ids is not None and ids.shape == self.ids.shape and torch.equal(ids, self.ids)
+
+    def poison(self, module, args, output):
+        return output * float("inf") if self.active else output
+
+
+def fused_trainer(cfg, poison_step=None):
+    """A serial trainer (its own context: dropout streams start alike) stepping torch's fused AdamW (CPU kernels
+    since torch 2.4; ``optimizer_implementation: fused``), as a GPU run does by default, so a CPU runs the deferred
+    step (``Trainer.settle``); ``poison_step`` (1-based): that step's batch makes a non-finite output."""
     ctx = ParallelContext.serial("cpu")
     model = build_model(cfg, None, ctx)
-    if poison_at is not None:
-        PoisonAt(model, TARGET, at=poison_at)
     trainer = Trainer(model, cfg, ctx)
-    t = cfg.train
-    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in trainer.optimizer.param_groups]
-    trainer.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                          fused=True)
-    trainer.schedule = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lr_lambda(cfg))
+    assert trainer.optimizer.defaults["fused"]
+    if poison_step is not None:
+        PoisonBatch(model, TARGET, trainer.read_batch(mlm_data(cfg)[0], poison_step - 1)["input_ids"])
     return trainer
 
 
-def steps_of(trainer, cfg, defer: bool, steps: int = 3):
-    """(each step's skipped, the parameters after each step) over ``steps`` steps, the deferred way as the
-    training loop runs it (the loss read, then ``settle``) or the synchronous way."""
+def steps_of(trainer, cfg, mode: str, steps: int = 3):
+    """(each step's skipped, the parameters after each step) over ``steps`` steps: ``sync`` (the synchronous
+    step), ``deferred`` (the update queued, then ``settle``), or ``ahead`` as the training loop runs a step that
+    goes ahead (the next step's forward and backward queued before this step is settled; the last step does not)."""
     batch_at = mlm_data(cfg)[0]
-    outcomes, params = [], []
+    outcomes, params, queued = [], [], None
+
+    def ends(outcome, loss, step):
+        trainer.settle(outcome, loss, step)
+        outcomes.append(outcome.skipped)
+        params.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+
     for step in range(steps):
         loss = trainer.forward_backward(trainer.read_batch(batch_at, step))
-        outcome = trainer.optimizer_step(loss, step + 1, defer=defer)
-        loss.item()
-        outcomes.append(trainer.settle(outcome, loss, step + 1).skipped)
-        params.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+        if queued is not None:
+            ends(*queued)
+            queued = None
+        ahead = mode == "ahead" and step + 1 < steps
+        outcome = trainer.optimizer_step(loss, step + 1, defer=mode != "sync", ahead=ahead)
+        if ahead:
+            queued = (outcome, loss, step + 1)
+        else:
+            ends(outcome, loss, step + 1)
     return outcomes, params
 
 
 def test_a_fused_optimizer_skips_a_nonfinite_update_on_the_device_without_waiting_for_it():
     """With a fused optimizer the training loop steps without a device sync between backward and the update
     (``optimizer_step(defer=True)``: the kernels skip a non-finite update themselves, ``settle`` decides
-    after the step's loss is read): every step equals the synchronous step bit for bit (clipping and the
-    warm-up schedule on); a non-finite loss stops the run with the synchronous step's message and no update
-    made; under ``skip_nonfinite`` the step is skipped, the schedule not advanced, and training goes on."""
-    cfg = GalaxyConfig.from_dict(SMALL, {"max_steps": 5, "grad_clip": 0.05, "warmup_steps": 2})
-    deferred, synchronous = fused_trainer(cfg), fused_trainer(cfg)
-    assert deferred.skips_on_device()
-    _, after_deferred = steps_of(deferred, cfg, defer=True)
-    _, after_sync = steps_of(synchronous, cfg, defer=False)
-    for a, b in zip(after_deferred, after_sync):
-        assert all(torch.equal(a[n], b[n]) for n in a)
-    assert deferred.schedule.last_epoch == synchronous.schedule.last_epoch == 3
-    assert not all(torch.equal(after_deferred[0][n], after_deferred[1][n]) for n in after_deferred[0])
+    once the step's values are on the host), and a step may go ahead (``ahead=True``: the next step's forward and
+    backward queued before it is settled): every step equals the synchronous step bit for bit (clipping and the
+    warm-up schedule on); a non-finite loss stops the run with the synchronous step's message and no update made
+    (a step gone ahead is replayed to find where); under ``skip_nonfinite`` the step is skipped, the schedule not
+    advanced, and training goes on with the same parameters as the synchronous run."""
+    cfg = GalaxyConfig.from_dict(SMALL, {"max_steps": 5, "grad_clip": 0.05, "warmup_steps": 2,
+                                         "optimizer_implementation": "fused"})
+    runs = {mode: fused_trainer(cfg) for mode in ("sync", "deferred", "ahead")}
+    assert runs["deferred"].skips_on_device()
+    after = {mode: steps_of(trainer, cfg, mode)[1] for mode, trainer in runs.items()}
+    for mode in ("deferred", "ahead"):
+        for a, b in zip(after[mode], after["sync"]):
+            assert all(torch.equal(a[n], b[n]) for n in a), mode
+        assert runs[mode].schedule.last_epoch == runs["sync"].schedule.last_epoch == 3
+    assert not all(torch.equal(after["sync"][0][n], after["sync"][1][n]) for n in after["sync"][0])
 
     messages = {}
-    for defer in (True, False):
-        trainer = fused_trainer(cfg, poison_at=2)
+    for mode in ("sync", "deferred", "ahead"):
+        trainer = fused_trainer(cfg, poison_step=2)
         with pytest.raises(NonFiniteError) as err:
-            steps_of(trainer, cfg, defer)
-        messages[defer] = str(err.value)
-        first = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+            steps_of(trainer, cfg, mode)
+        messages[mode] = str(err.value)
         assert trainer.optimizer.state[next(iter(trainer.params))]["step"].item() == 1, "no second update"
-    assert messages[True] == messages[False] and f"module '{TARGET}'" in messages[True] and "at step 2" in messages[True]
+    assert messages["deferred"] == messages["ahead"] == messages["sync"]
+    assert f"module '{TARGET}'" in messages["sync"] and "at step 2" in messages["sync"]
 
-    skipping = GalaxyConfig.from_dict(SMALL, {"max_steps": 5, "grad_clip": 0.05, "skip_nonfinite": True})
-    trainer = fused_trainer(skipping, poison_at=2)
-    outcomes, params = steps_of(trainer, skipping, defer=True)
-    assert outcomes == [None, "nonfinite", None]
-    assert all(torch.equal(params[0][n], params[1][n]) for n in first), "a skipped step changes no parameter"
-    assert not all(torch.equal(params[1][n], params[2][n]) for n in first), "the next step trains again"
-    assert trainer.schedule.last_epoch == 2 and trainer.optimizer.state[trainer.params[0]]["step"].item() == 2
+    skipping = GalaxyConfig.from_dict(SMALL, {"max_steps": 5, "grad_clip": 0.05, "skip_nonfinite": True,
+                                              "optimizer_implementation": "fused"})
+    results = {mode: steps_of(fused_trainer(skipping, poison_step=2), skipping, mode) for mode in ("sync", "ahead")}
+    for mode, (outcomes, params) in results.items():
+        assert outcomes == [None, "nonfinite", None], mode
+        assert all(torch.equal(params[0][n], params[1][n]) for n in params[0]), "a skipped step changes nothing"
+        assert not all(torch.equal(params[1][n], params[2][n]) for n in params[0]), "the next step trains again"
+    assert all(torch.equal(a[n], b[n]) for a, b in zip(results["ahead"][1], results["sync"][1]) for n in a)
+
+
+def test_the_loop_reads_each_step_after_queueing_the_next_and_trains_as_the_synchronous_loop(tmp_path):
+    """``train`` with a fused optimizer: every step but the last, and those evaluated or saved after, goes ahead
+    (its values read once the next step's forward and backward are queued): the same losses, records and
+    parameters, bit for bit, as the same run saving after every step (so that no step goes ahead)."""
+    cfg = GalaxyConfig.from_dict(SMALL, {"max_steps": 6, "optimizer_implementation": "fused", "eval_every": 4,
+                                         "eval_iters": 1})
+
+    def run(save_every=0, save_dir=None, interrupts=None, resume=None):
+        ctx = ParallelContext.serial("cpu")
+        model = build_model(cfg, None, ctx)
+        seen, forwards = [], []  # (step, loss) as each step ends, and how many training forwards had run by then
+
+        def on_step(step, loss):
+            seen.append((step, loss, len(forwards)))
+            if interrupts is not None and step == 2:
+                interrupts.caught = signal.SIGTERM  # as its handler notes one
+        model.register_forward_pre_hook(lambda m, args: forwards.append(None) if m.training else None)
+        metrics = tmp_path / f"metrics{save_every}{resume is not None}.jsonl"
+        result = train(model, mlm_data(cfg)[0], cfg, ctx, Reporting(metrics_file=str(metrics)),
+                       Checkpointing(save_dir=save_dir, save_every=save_every, resume=resume),
+                       eval_at=mlm_data(cfg)[0], on_step=on_step, interrupts=interrupts)
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        timing = ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "mfu_causal", "peak_mem_mb")
+        return (result.losses, seen, [{k: v for k, v in r.items() if k not in timing} for r in records],
+                {n: p.detach().clone() for n, p in model.named_parameters()})
+
+    ahead, synchronous = run(), run(save_every=1, save_dir=str(tmp_path / "every"))
+    # steps 1-3 and 5 end after the next step's forward; 4 (evaluated) and 6 (the last) before any other
+    assert [f for _, _, f in ahead[1]] == [2, 3, 4, 4, 6, 6] and [f for _, _, f in synchronous[1]] == [1, 2, 3, 4, 5, 6]
+    assert [(s, loss) for s, loss, _ in ahead[1]] == [(s, loss) for s, loss, _ in synchronous[1]]
+    assert ahead[0] == synchronous[0] and ahead[2] == synchronous[2] and "eval_loss" in ahead[2][3]
+    assert all(torch.equal(ahead[3][n], synchronous[3][n]) for n in ahead[3])
+
+    # A signal noted while step 2 ends, with step 3 gone ahead: step 3 ends, is saved, and the run stops there;
+    # resumed, it trains to the uninterrupted run's parameters.
+    with pytest.raises(TrainingInterrupted) as stopped:
+        run(save_dir=str(tmp_path / "stopped"), interrupts=Interrupts())
+    assert stopped.value.step == 3 and stopped.value.checkpoint
+    resumed = run(save_dir=str(tmp_path / "stopped"), resume=stopped.value.checkpoint)
+    assert [s for s, _, _ in resumed[1]] == [4, 5, 6]
+    assert all(torch.equal(resumed[3][n], ahead[3][n]) for n in ahead[3])
 
 
 def reduce_in(ctx, dtype: str, reduce_dtype: str):
