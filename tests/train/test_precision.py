@@ -304,6 +304,53 @@ def test_the_loop_reads_each_step_after_queueing_the_next_and_trains_as_the_sync
     assert all(torch.equal(resumed[3][n], ahead[3][n]) for n in ahead[3])
 
 
+def ahead_against_synchronous(ctx, poisoned: bool):
+    """``train`` on this layout with fused AdamW, its steps going ahead, and the same run evaluating after every
+    step (so that none goes ahead): (forwards run as each step ended, per run; losses or the non-finite message,
+    per run; whether the parameters agree bitwise). No dropout: the pool's context carries its dropout streams
+    from one run to the next."""
+    out = []
+    for eval_every in (0, 1):
+        cfg = GalaxyConfig.from_dict(SMALL, {"plan": "galaxy" if ctx.mp.size > 1 else "none", "max_steps": 4,
+                                             "dp_size": ctx.dp.size, "pp_size": ctx.pp.size, "eval_every": eval_every,
+                                             "eval_iters": 1, "optimizer_implementation": "fused",
+                                             "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0})
+        ctx.stage_layers = cfg.stage_layers()
+        model = build_model(cfg, cfg.resolve_plan(ctx.mp.size), ctx)
+        batch_at = mlm_data(cfg)[0]
+        if poisoned:
+            PoisonBatch(model, TARGET, batch_at(1)["input_ids"])
+        forwards, ended = [], []
+        model.register_forward_pre_hook(lambda m, args: forwards.append(None) if m.training else None)
+        try:
+            result = train(model, batch_at, cfg, ctx, eval_at=batch_at if eval_every else None,
+                           on_step=lambda step, loss: ended.append(len(forwards))).losses
+        except NonFiniteError as e:
+            result = str(e)
+        out.append((ended, result, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    (ahead_ended, ahead, ahead_params), (sync_ended, sync, sync_params) = out
+    return ahead_ended, sync_ended, ahead, sync, all(torch.equal(ahead_params[n], sync_params[n]) for n in sync_params)
+
+
+@pytest.mark.parametrize("world,dp,pp", [(2, 1, 1), (4, 2, 1), (2, 1, 2)], ids=["mp2", "dp2-mp2", "pp2"])
+def test_steps_go_ahead_on_every_layout_as_the_synchronous_loop(dist_pool, world, dp, pp):
+    """Every rank's steps go ahead alike (each of steps 1-3 ends after the next step's forward) and the run equals
+    the synchronous one bit for bit: losses, and every rank's parameters (mp collectives, dp gradient reduction,
+    pipeline stages)."""
+    for ahead_ended, sync_ended, ahead, sync, same in dist_pool.run(ahead_against_synchronous, world, False,
+                                                                     dp=dp, pp=pp):
+        assert ahead_ended == [2, 3, 4, 4] and sync_ended == [1, 2, 3, 4]
+        assert ahead == sync and same
+
+
+def test_a_nonfinite_step_gone_ahead_is_named_on_every_mp_rank_as_the_synchronous_loop_names_it(dist_pool):
+    """Step 2's batch makes a non-finite output; gone ahead, step 2 is settled after step 3's forward (its
+    gradients gone), so its replay names the module."""
+    for ahead_ended, sync_ended, ahead, sync, _ in dist_pool.run(ahead_against_synchronous, 2, True):
+        assert ahead_ended == [2] and sync_ended == [1]
+        assert ahead == sync and f"module '{TARGET}'" in sync and "at step 2" in sync, (ahead, sync)
+
+
 def reduce_in(ctx, dtype: str, reduce_dtype: str):
     cfg = GalaxyConfig.from_dict(SMALL, {"dp_size": 2, "dtype": dtype, "grad_reduce_dtype": reduce_dtype,
                                          "max_steps": 1})
