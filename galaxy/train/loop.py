@@ -729,13 +729,14 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
         goes_ahead = lambda s: (may_go_ahead and s < t.max_steps and not evaluates(s)  # noqa: E731
                                 and not (checkpoints is not None and checkpoints.due(s)))
         interrupted = lambda s: interrupts is not None and s < t.max_steps and interrupts.agreed(ctx)  # noqa: E731
-        last_end = [0.0]
+        last_end = 0.0  # when the step before ended
 
         def ends(q: QueuedStep) -> None:
             """Read step ``q.step``'s values (waiting for them alone), settle it, and record it."""
+            nonlocal last_end
             loss = trainer.settle(q.outcome, q.loss, q.step)
             now = time.perf_counter()
-            elapsed, last_end[0] = now - max(q.start, last_end[0]), now  # gone ahead: from the step before's end
+            elapsed, last_end = now - max(q.start, last_end), now  # gone ahead: from the step before's end
             if profiler is not None and profiler.after_step(q.step) is not None:  # a collective at step K
                 result.profile, result.profile_report = profiler.result, profiler.report
             ids = q.batch["input_ids"]
