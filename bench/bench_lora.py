@@ -31,7 +31,9 @@ memory mode and the MLP's sequence chunks chosen by the planner: the long-contex
 LoRA r16 alpha 32 on q_proj / v_proj, dropout 0, random tokens with labels = inputs, fused AdamW lr 1e-4,
 clipping at 1.0; a timed step is forward, backward, clipping and the optimizer step under bf16 autocast
 (Galaxy: its own loop, whose steps go ahead: each read once the next is queued), ended by reading the loss
-(a device sync; transformers' Trainer, unsloth's, tests every step's loss for NaN the same way). Galaxy's random weights are drawn on the GPU by
+(a device sync; transformers' Trainer, unsloth's, tests every step's loss for NaN the same way); a row's
+``step_ms`` is the timed steps' span over their count (``step_ms_median``, ``_min``, ``_max`` and ``times_ms``
+beside it), and its rates follow from that. Galaxy's random weights are drawn on the GPU by
 its generator, tensor by tensor, the frozen base stored in its format as it is made; its row's ``stages_s`` says
 how long its plan, build and first step (with the compile) took. Peak memory is counted from the first
 training step on (building the model is left out, for every contender alike). A contender whose package does
@@ -44,7 +46,8 @@ whichever recipe or attention path it is.
 
 ``--max_seq``: the longest sequence each contender trains at (at ``--batch``), the same search for all: powers
 of two from a start (up while they fit, down while they fail), then one bisection step between the last that
-fit and the first that failed; a length counts when two whole training steps complete, each try in a fresh
+fit and the first that failed; a length counts when two whole training steps complete after a first one (the
+compile's, not timed), each try in a fresh
 process (an out-of-memory is that try's row, and its memory goes with the process), every search from
 ``--max_seq_start``. Rows: the longest length, its step time, tokens/s, MFU and peak, and every try's.
 ``--card_gib G`` emulates a smaller card for every contender alike (each process's caching allocator capped at
@@ -286,8 +289,8 @@ def galaxy_model(cfg: GalaxyConfig, ctx):
 def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None, recompute: Optional[dict] = None,
                compile_options: Optional[dict] = None) -> dict:
     """Galaxy's own training loop (``train``): step times from one step's end to the next (with the GPU's fused
-    optimizer a step's loss is read once the next step's forward and backward are queued; the last step's read
-    ends the run). The row's ``stages_s``: the seconds of each stage before the timed
+    optimizer a step's loss is read once the next step's forward and backward are queued; the last warm-up step's
+    and the last step's reads wait for nothing queued after them, so the timed steps' span is exact). The row's ``stages_s``: the seconds of each stage before the timed
     steps (imports, ``activation_memory: auto``'s plan, the model's build, the first step with its compile), each
     on stderr as it ends."""
     stages, last = {}, [time.perf_counter()]
@@ -302,6 +305,7 @@ def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None, recomput
     from galaxy.loralib.quantized import frozen_bytes
     from galaxy.planner.activation import resolve_activation_memory
     from galaxy.train.loop import train
+    from galaxy.train.options import Reporting
 
     ctx = ParallelContext.serial("cuda" if torch.cuda.is_available() else "cpu", seed=0)  # CPU: a smoke run
     stage_ends("imports")
@@ -321,15 +325,16 @@ def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None, recomput
             prof.step()
 
     on_step = StepTimer(args.warmup, after_step)
+    reporting = Reporting(untimed_steps=args.warmup)  # the warm-up's last step ends before the timed ones begin
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     out = {}
     if prof is not None:
         with prof:
-            train(model, causal_lm_data(cfg), cfg, ctx, on_step=on_step)
+            train(model, causal_lm_data(cfg), cfg, ctx, reporting, on_step=on_step)
         out["profile"] = write_profile(prof, args)
     else:
-        train(model, causal_lm_data(cfg), cfg, ctx, on_step=on_step)
+        train(model, causal_lm_data(cfg), cfg, ctx, reporting, on_step=on_step)
     nbytes, count = frozen_bytes(model)
     return {"times": on_step.times, "resident_mib": resident[0], "frozen_bytes_per_param": nbytes / max(count, 1),
             "recompute": cfg.model.recompute, "recompute_num_layers": cfg.model.recompute_num_layers,
@@ -533,16 +538,20 @@ def run_one(args) -> dict:
     from galaxy.train.metrics import (PeakFlops, causal_flops_per_token, model_flops_per_token,
                                       peak_flops_per_device, throughput)
 
+    # The rate is the timed span over its steps: where steps go ahead, one step's interval (from the step before's
+    # end to its own) moves time between neighbours, and only their sum is the step (the median of intervals is
+    # kept beside it, as every row's spread).
     times = out.pop("times")
-    median = statistics.median(times)
+    mean = sum(times) / len(times)
     tokens = args.batch * args.seq
     cfg = config(args)  # LoRA's FLOPs: forward and input gradients of the frozen base (any base format)
     peak = (peak_flops_per_device(torch.device("cuda", 0), "bfloat16") if torch.cuda.is_available()
             else PeakFlops(None, "no GPU"))
-    rates = throughput(tokens, tokens * model_flops_per_token(cfg, args.seq), median, 1, peak,
+    rates = throughput(tokens, tokens * model_flops_per_token(cfg, args.seq), mean, 1, peak,
                        tokens * causal_flops_per_token(cfg, args.seq))
-    return {"contender": name, "step_ms": median * 1e3, "step_ms_min": min(times) * 1e3,
-            "step_ms_max": max(times) * 1e3, "steps_per_s": 1 / median, "tokens_per_s": rates["tokens_per_s"],
+    return {"contender": name, "step_ms": mean * 1e3, "step_ms_median": statistics.median(times) * 1e3,
+            "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
+            "times_ms": [round(x * 1e3, 3) for x in times], "steps_per_s": 1 / mean, "tokens_per_s": rates["tokens_per_s"],
             "mfu": rates["mfu"], "mfu_causal": rates["mfu_causal"],
             "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None, **out}
 
@@ -598,7 +607,7 @@ def search_lengths(start: int, floor: int, limit: int, fits: Callable[[int], boo
 
 def longest_sequence(args, name: str) -> dict:
     """``--max_seq``: the longest sequence ``name`` trains at, a length counting when two whole training steps
-    complete in a fresh process (an out-of-memory, any failure, is that length's row). The same search for every
+    complete after the first in a fresh process (an out-of-memory, any failure, is that length's row). The same search for every
     contender: powers of two from its start (up while they fit, down while they fail), then one bisection step
     between the last that fit and the first that failed. The row: the longest length with its step time, tokens/s,
     MFU and peak, and every try."""
@@ -606,7 +615,8 @@ def longest_sequence(args, name: str) -> dict:
 
     def fits(seq: int) -> bool:
         if seq not in tries:
-            row = run_child(args, name, seq=seq, steps=2, warmup=0, profile=None)
+            # the first step (the compile's) is not timed: two timed steps after it
+            row = run_child(args, name, seq=seq, steps=2, warmup=1, profile=None)
             tries[seq] = row
             print(json.dumps({"contender": name, "try_seq": seq, "fits": "step_ms" in row,
                               **{k: row[k] for k in ("step_ms", "peak_mib", "error") if k in row}}), flush=True)

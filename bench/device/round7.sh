@@ -43,6 +43,8 @@
 #   long8b takes LONG8B_SEQ (default 32,768); FP8_CONTENDERS / FP8B_CONTENDERS narrow parts fp8 / fp8b
 #   qlchunks the NF4 base at 65,536 tokens, every layer mlp+offload, the MLP in 2 and in 16 chunks (QLCHUNKS): whether
 #          what a compiled layer's backward holds grows with its chunks (98k's OOM held 21 dequantized MLP weights)
+# Round 14: part fp8 adds multi-kernel with two MLPs recomputed (the 1.3x line at the memory line); bench_lora's rows
+# are timed by their span since round 14 (steps that go ahead: one interval moves time between neighbours)
 # Carry: the lora set and torchao (installed beside bitsandbytes and liger-kernel on every contender's path):
 #   WHEELS=unsloth bash bench/device/prepare_carry.sh /work/main r7 && \
 #     python3 bench/device/slim_wheel.py /work/main/.whl/torchao-*.whl /work/main/.carry/r7/wheels
@@ -72,7 +74,8 @@ if [ "$mode" = start ]; then
         case $part in
             fp8) cmd="$cmd $lora --seq 1024 --batch 8 --steps 20 --warmup 3 --contenders ${FP8_CONTENDERS:-galaxy-lora-compiled,\
 galaxy-lora-fp8-compiled,galaxy-lora-fp8-compiled+mlp2,galaxy-lora-fp8-compiled+mlp3,galaxy-lora-fp8-cudagraphs,\
-galaxy-lora-fp8-cudagraphs+mlp2,galaxy-lora-fp8-cudagraphs-multikernel,unsloth-lora,unsloth-lora-sdpa} --json $dir/fp8_lora.json > $dir/fp8_lora.log 2>&1;" ;;
+galaxy-lora-fp8-cudagraphs+mlp2,galaxy-lora-fp8-cudagraphs-multikernel,galaxy-lora-fp8-cudagraphs-multikernel+mlp2,unsloth-lora,\
+unsloth-lora-sdpa} --json $dir/fp8_lora.json > $dir/fp8_lora.log 2>&1;" ;;
             long) cmd="$cmd $lora --seq 32768 --batch 1 --steps 3 --warmup 1 --contenders galaxy-lora-compiled+auto,\
 galaxy-lora-compiled+auto5.5,${LONG_UNSLOTH_LORA:-unsloth-lora-gc,unsloth-lora-gc-sdpa},galaxy-qlora-compiled+auto,\
 galaxy-qlora-compiled+auto4.2,\

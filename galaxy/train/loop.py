@@ -718,15 +718,17 @@ def train(model: nn.Module, batch_at: Callable[[int], dict], cfg: GalaxyConfig, 
         peak = peak_flops_per_device(ctx.device, t.dtype, peak_tflops)
         outputs = StepOutputs(ctx.rank == 0, start_step, t.max_steps, t.log_every, reporting.progress,
                               reporting.metrics_file, reporting.tensorboard_dir)
-        result, steady = TrainResult(), SteadyState(cfg, ctx.world_size, peak)
+        result, steady = TrainResult(), SteadyState(cfg, ctx.world_size, peak, reporting.untimed_steps)
         model.train()
         evaluates = lambda s: eval_at is not None and t.eval_every and (s % t.eval_every == 0 or s == t.max_steps)  # noqa: E731
         # A step goes ahead (its loss read and its settle after the next step's forward and backward are queued, so
         # that the device never waits for the host between steps) where the update needs no device sync
         # (``skips_on_device``) and nothing reads the state right after it: not the last step, nor one evaluated,
-        # saved or profiled after.
+        # saved or profiled after, nor the warm-up's last (the steady state is timed from its end: were it read
+        # after the next step is queued, part of that step would fall before the clock starts).
         may_go_ahead = trainer.skips_on_device() and profiler is None
         goes_ahead = lambda s: (may_go_ahead and s < t.max_steps and not evaluates(s)  # noqa: E731
+                                and s != start_step + reporting.untimed_steps
                                 and not (checkpoints is not None and checkpoints.due(s)))
         interrupted = lambda s: interrupts is not None and s < t.max_steps and interrupts.agreed(ctx)  # noqa: E731
         last_end = 0.0  # when the step before ended

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from galaxy.config import ConfigError
+from galaxy.train.metrics import WARMUP_STEPS
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,10 @@ class Reporting:
     """Rank 0's outputs: a ``progress`` bar, one JSON line a step in ``metrics_file``, TensorBoard events in
     ``tensorboard_dir``; MFU against ``peak_tflops`` (else the config's, else the device table's). With
     ``profile_step`` K (1-based) step K is profiled (FLOPs, communication; JSON to ``profile_json``) and left
-    out of the throughput figures. The default reports nothing: library callers stay quiet."""
+    out of the throughput figures. The steady state leaves out the first ``untimed_steps`` (not the learning rate's
+    ``warmup_steps``); the last of them ends
+    before the next step is queued, even where steps go ahead, so that the steady state's clock starts on an idle
+    device. The default reports nothing: library callers stay quiet."""
 
     progress: bool = False
     metrics_file: Optional[str] = None
@@ -23,8 +27,12 @@ class Reporting:
     peak_tflops: Optional[float] = None
     profile_step: Optional[int] = None
     profile_json: Optional[str] = None
+    untimed_steps: int = WARMUP_STEPS
 
     def __post_init__(self) -> None:
+        if self.untimed_steps < 0:
+            raise ConfigError(f"untimed_steps counts the steps before the steady state (0 or more), "
+                              f"got {self.untimed_steps}")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(f"peak_tflops must be positive, got {self.peak_tflops}")
         if self.profile_step is not None and self.profile_step < 1:

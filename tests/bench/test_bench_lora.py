@@ -206,5 +206,8 @@ def test_max_seq_on_cpu_finds_the_limit_and_keeps_every_try(tmp_path):
     galaxy, unsloth = json.loads((tmp_path / "out.json").read_text())["rows"]
     assert (galaxy["max_seq"], galaxy["reached_limit"], [t["seq"] for t in galaxy["tries"]]) == (64, True, [32, 64])
     assert galaxy["step_ms"] > 0 and "step_ms" in galaxy["tries"][1]
+    # two timed steps after the compile's; the step is their span over their count, the rates follow from it
+    assert len(galaxy["times_ms"]) == 2 and galaxy["step_ms"] == pytest.approx(sum(galaxy["times_ms"]) / 2, rel=1e-3)
+    assert galaxy["steps_per_s"] == pytest.approx(1e3 / galaxy["step_ms"], rel=1e-3)
     assert unsloth["max_seq"] is None and [t["seq"] for t in unsloth["tries"]] == [16, 32]
     assert all("found no CUDA device" in t["error"] for t in unsloth["tries"])

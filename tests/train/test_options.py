@@ -11,7 +11,8 @@ from galaxy.train.options import Checkpointing, Reporting
 
 
 @pytest.mark.parametrize("kwargs, key", [(dict(peak_tflops=0.0), "peak_tflops"), (dict(profile_step=0), "profile_step"),
-                                         (dict(profile_json="p.json"), "profile_json needs profile_step")])
+                                         (dict(profile_json="p.json"), "profile_json needs profile_step"),
+                                         (dict(untimed_steps=-1), "untimed_steps")])
 def test_bad_reporting_names_its_key(kwargs, key):
     with pytest.raises(ConfigError, match=key):
         Reporting(**kwargs)

@@ -268,7 +268,7 @@ def test_the_loop_reads_each_step_after_queueing_the_next_and_trains_as_the_sync
     cfg = GalaxyConfig.from_dict(SMALL, {"max_steps": 6, "optimizer_implementation": "fused", "eval_every": 4,
                                          "eval_iters": 1})
 
-    def run(save_every=0, save_dir=None, interrupts=None, resume=None):
+    def run(save_every=0, save_dir=None, interrupts=None, resume=None, untimed_steps=0):
         ctx = ParallelContext.serial("cpu")
         model = build_model(cfg, None, ctx)
         seen, forwards = [], []  # (step, loss) as each step ends, and how many training forwards had run by then
@@ -279,7 +279,7 @@ def test_the_loop_reads_each_step_after_queueing_the_next_and_trains_as_the_sync
                 interrupts.caught = signal.SIGTERM  # as its handler notes one
         model.register_forward_pre_hook(lambda m, args: forwards.append(None) if m.training else None)
         metrics = tmp_path / f"metrics{save_every}{resume is not None}.jsonl"
-        result = train(model, mlm_data(cfg)[0], cfg, ctx, Reporting(metrics_file=str(metrics)),
+        result = train(model, mlm_data(cfg)[0], cfg, ctx, Reporting(metrics_file=str(metrics), untimed_steps=untimed_steps),
                        Checkpointing(save_dir=save_dir, save_every=save_every, resume=resume),
                        eval_at=mlm_data(cfg)[0], on_step=on_step, interrupts=interrupts)
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -293,6 +293,11 @@ def test_the_loop_reads_each_step_after_queueing_the_next_and_trains_as_the_sync
     assert [(s, loss) for s, loss, _ in ahead[1]] == [(s, loss) for s, loss, _ in synchronous[1]]
     assert ahead[0] == synchronous[0] and ahead[2] == synchronous[2] and "eval_loss" in ahead[2][3]
     assert all(torch.equal(ahead[3][n], synchronous[3][n]) for n in ahead[3])
+    # with two untimed steps, step 2 (the warm-up's last: the steady state's clock starts at its end) ends before
+    # step 3 is queued, and the run is the same
+    warm = run(untimed_steps=2)
+    assert [f for _, _, f in warm[1]] == [2, 2, 4, 4, 6, 6] and warm[0] == ahead[0]
+    assert all(torch.equal(warm[3][n], ahead[3][n]) for n in ahead[3])
 
     # A signal noted while step 2 ends, with step 3 gone ahead: step 3 ends, is saved, and the run stops there;
     # resumed, it trains to the uninterrupted run's parameters.
@@ -334,12 +339,13 @@ def ahead_against_synchronous(ctx, poisoned: bool):
 
 @pytest.mark.parametrize("world,dp,pp", [(2, 1, 1), (4, 2, 1), (2, 1, 2)], ids=["mp2", "dp2-mp2", "pp2"])
 def test_steps_go_ahead_on_every_layout_as_the_synchronous_loop(dist_pool, world, dp, pp):
-    """Every rank's steps go ahead alike (each of steps 1-3 ends after the next step's forward) and the run equals
+    """Every rank's steps go ahead alike (steps 1 and 3 end after the next step's forward; step 2, the last of the
+    default two warm-up steps, before it) and the run equals
     the synchronous one bit for bit: losses, and every rank's parameters (mp collectives, dp gradient reduction,
     pipeline stages)."""
     for ahead_ended, sync_ended, ahead, sync, same in dist_pool.run(ahead_against_synchronous, world, False,
                                                                      dp=dp, pp=pp):
-        assert ahead_ended == [2, 3, 4, 4] and sync_ended == [1, 2, 3, 4]
+        assert ahead_ended == [2, 2, 4, 4] and sync_ended == [1, 2, 3, 4]
         assert ahead == sync and same
 
 
