@@ -47,8 +47,8 @@ whichever recipe or attention path it is.
 ``--max_seq``: the longest sequence each contender trains at (at ``--batch``), the same search for all: powers
 of two from a start (up while they fit, down while they fail), then one bisection step between the last that
 fit and the first that failed; a length counts when two whole training steps complete after a first one (the
-compile's, not timed), each try in a fresh
-process (an out-of-memory is that try's row, and its memory goes with the process), every search from
+compile's, not timed), each try in a fresh process (an out-of-memory is that try's row, and its memory goes
+with the process), every search from
 ``--max_seq_start``. Rows: the longest length, its step time, tokens/s, MFU and peak, and every try's.
 ``--card_gib G`` emulates a smaller card for every contender alike (each process's caching allocator capped at
 G GiB): on an H200 a 1B model's search would otherwise run to lengths whose steps take minutes.
@@ -290,9 +290,9 @@ def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None, recomput
                compile_options: Optional[dict] = None) -> dict:
     """Galaxy's own training loop (``train``): step times from one step's end to the next (with the GPU's fused
     optimizer a step's loss is read once the next step's forward and backward are queued; the last warm-up step's
-    and the last step's reads wait for nothing queued after them, so the timed steps' span is exact). The row's ``stages_s``: the seconds of each stage before the timed
-    steps (imports, ``activation_memory: auto``'s plan, the model's build, the first step with its compile), each
-    on stderr as it ends."""
+    and the last step's reads wait for nothing queued after them, so the timed steps' span is exact). The row's
+    ``stages_s``: the seconds of each stage before the timed steps (imports, ``activation_memory: auto``'s plan,
+    the model's build, the first step with its compile), each on stderr as it ends."""
     stages, last = {}, [time.perf_counter()]
 
     def stage_ends(name: str) -> None:
@@ -551,7 +551,8 @@ def run_one(args) -> dict:
                        tokens * causal_flops_per_token(cfg, args.seq))
     return {"contender": name, "step_ms": mean * 1e3, "step_ms_median": statistics.median(times) * 1e3,
             "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
-            "times_ms": [round(x * 1e3, 3) for x in times], "steps_per_s": 1 / mean, "tokens_per_s": rates["tokens_per_s"],
+            "times_ms": [round(x * 1e3, 3) for x in times], "steps_per_s": 1 / mean,
+            "tokens_per_s": rates["tokens_per_s"],
             "mfu": rates["mfu"], "mfu_causal": rates["mfu_causal"],
             "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None, **out}
 
@@ -607,8 +608,8 @@ def search_lengths(start: int, floor: int, limit: int, fits: Callable[[int], boo
 
 def longest_sequence(args, name: str) -> dict:
     """``--max_seq``: the longest sequence ``name`` trains at, a length counting when two whole training steps
-    complete after the first in a fresh process (an out-of-memory, any failure, is that length's row). The same search for every
-    contender: powers of two from its start (up while they fit, down while they fail), then one bisection step
+    complete after the first in a fresh process (an out-of-memory, any failure, is that length's row). The same
+    search for every contender: powers of two from its start (up while they fit, down while they fail), then one bisection step
     between the last that fit and the first that failed. The row: the longest length with its step time, tokens/s,
     MFU and peak, and every try."""
     tries: dict[int, dict] = {}

@@ -111,6 +111,9 @@ class ParallelContext:
     _generators: dict = field(default_factory=dict, repr=False)
     # Set by ``initialize`` for a multi-rank world: names a peer that dies (galaxy.core.heartbeat).
     heartbeat: Optional[Heartbeat] = field(default=None, repr=False, compare=False)
+    # Set by ``initialize`` for a multi-rank world: every rank over Gloo (the world itself where the world is Gloo),
+    # for the host's agreements (an interrupt): a flag reduced on it waits for no work queued on a device.
+    host_group: Optional[object] = field(default=None, repr=False, compare=False)
 
     @classmethod
     def serial(cls, device: str | torch.device = "cpu", seed: int = 0) -> "ParallelContext":
@@ -142,11 +145,12 @@ class ParallelContext:
             kwargs = {"device_id": device} if device.type == "cuda" else {}
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
             groups = build_groups(rank, world_size, dp_size, pp_size)
+            host_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
         except BaseException:
             heartbeat.stop(FAILED)
             raise
         return cls(rank=rank, world_size=world_size, device=device, seed=seed, backend=backend,
-                   stage_layers=stage_layers, heartbeat=heartbeat, **groups)
+                   stage_layers=stage_layers, heartbeat=heartbeat, host_group=host_group, **groups)
 
     @property
     def coords(self) -> tuple[int, int, int]:

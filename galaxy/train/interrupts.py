@@ -63,10 +63,14 @@ class Interrupts:
 
     def agreed(self, ctx) -> bool:
         """Whether any rank of ``ctx`` caught a signal: the same answer on every rank (a collective over the
-        context's groups, outside its byte counts)."""
+        context's host group, else its groups; outside its byte counts)."""
         groups = [comm.group for comm in (ctx.mp, ctx.pp, ctx.dp) if comm is not None and comm.size > 1]
         if not groups:  # alone: no device round trip (it would wait for every step queued on the device)
             return self.caught is not None
+        if ctx.host_group is not None:  # on the host: a device's queue goes on filling while the ranks agree
+            flag = torch.tensor([int(self.caught is not None)], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.host_group)
+            return bool(flag.item())
         flag = torch.tensor([int(self.caught is not None)], dtype=torch.int32, device=ctx.device)
         for group in groups:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)

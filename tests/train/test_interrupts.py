@@ -5,6 +5,7 @@ tests/train/checkpoint/helpers.py's (a tiny float64 BERT)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 
@@ -63,10 +64,17 @@ def test_a_signal_stops_after_its_step_which_is_saved_and_resumed_exactly(tmp_pa
     assert (step, checkpoint) == (3, str(tmp_path / "step_000003"))
 
 
-def test_every_rank_stops_after_the_step_one_rank_was_signalled_in(dist_pool, tmp_path):
+def interrupt_agreed_on_the_host(ctx, *args):
+    """``interrupt_then_resume`` with the ranks agreeing over a host group (``initialize`` makes one over Gloo
+    beside a GPU world's NCCL, every rank of the world; here the task's two ranks, its mp group) instead of the
+    mp, pp and dp groups."""
+    return interrupt_then_resume(dataclasses.replace(ctx, host_group=ctx.mp.group), *args)
+
+
+@pytest.mark.parametrize("agree", [interrupt_then_resume, interrupt_agreed_on_the_host], ids=["groups", "host"])
+def test_every_rank_stops_after_the_step_one_rank_was_signalled_in(dist_pool, tmp_path, agree):
     """Only the last rank gets SIGTERM: both agree on its step, save it together and resume exactly."""
-    stopped = dist_pool.run(interrupt_then_resume, 2, dict(plan="galaxy", max_steps=STEPS), str(tmp_path), 2,
-                            signal.SIGTERM)
+    stopped = dist_pool.run(agree, 2, dict(plan="galaxy", max_steps=STEPS), str(tmp_path), 2, signal.SIGTERM)
     assert stopped == [(2, str(tmp_path / "step_000002"))] * 2
 
 

@@ -279,7 +279,8 @@ def test_the_loop_reads_each_step_after_queueing_the_next_and_trains_as_the_sync
                 interrupts.caught = signal.SIGTERM  # as its handler notes one
         model.register_forward_pre_hook(lambda m, args: forwards.append(None) if m.training else None)
         metrics = tmp_path / f"metrics{save_every}{resume is not None}.jsonl"
-        result = train(model, mlm_data(cfg)[0], cfg, ctx, Reporting(metrics_file=str(metrics), untimed_steps=untimed_steps),
+        reporting = Reporting(metrics_file=str(metrics), untimed_steps=untimed_steps)
+        result = train(model, mlm_data(cfg)[0], cfg, ctx, reporting,
                        Checkpointing(save_dir=save_dir, save_every=save_every, resume=resume),
                        eval_at=mlm_data(cfg)[0], on_step=on_step, interrupts=interrupts)
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
