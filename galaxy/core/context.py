@@ -226,7 +226,7 @@ class ParallelContext:
         if wait_for_peers:
             # destroy_process_group drops only torch's references. A Gloo group joins its worker threads
             # (and rank 0's store its server thread) when the last reference goes, so the groups our
-            # Communicators hold kept them running as long as this context lived, up to the
+            # Communicators (and the host group) hold kept them running as long as this context lived, up to the
             # interpreter's exit in a rank that keeps it, where a worker freeing a finished work needs
             # the GIL and aborts the process ("terminate called without an active exception"). Dropped
             # here, they end now. Not after a failure: the group's destructor waits for the collectives
@@ -234,6 +234,7 @@ class ParallelContext:
             for comm in (self.mp, self.dp, self.pp, self.pp_ends, self.mp_grad):
                 if comm is not None:
                     comm.group = None
+            self.host_group = None
 
     def __enter__(self) -> "ParallelContext":
         return self
