@@ -131,18 +131,19 @@ def family_of(name: str) -> Optional[str]:
     return next((family for family, pattern in FAMILIES if pattern.search(name)), None)
 
 
-def best_per_family(rows: list) -> dict:
-    """For each family with a Galaxy row and another: Galaxy's fastest row (steps/s) against the fastest other (its
-    anchor, whichever attention path or recipe that is), and the ratios of their steps/s and peaks."""
+def best_per_family(rows: list, by: str = "steps_per_s") -> dict:
+    """For each family with a Galaxy row and another: Galaxy's best row against the best other (its anchor,
+    whichever attention path or recipe that is), and the ratios of their ``by`` and peaks. ``by`` is
+    ``steps_per_s`` for rows at one length, ``max_seq`` for ``--max_seq`` rows (their steps/s are at different
+    lengths: the longest context is the figure)."""
     out = {}
     for family, _ in FAMILIES:
-        timed = [r for r in rows if "step_ms" in r and family_of(r["contender"]) == family]
-        galaxy = [r for r in timed if r["contender"].startswith("galaxy")]
-        anchors = [r for r in timed if not r["contender"].startswith("galaxy")]
+        ranked = [r for r in rows if r.get(by) and "step_ms" in r and family_of(r["contender"]) == family]
+        galaxy = [r for r in ranked if r["contender"].startswith("galaxy")]
+        anchors = [r for r in ranked if not r["contender"].startswith("galaxy")]
         if galaxy and anchors:
-            g, a = (max(rs, key=lambda r: r["steps_per_s"]) for rs in (galaxy, anchors))
-            out[family] = {"galaxy": g["contender"], "anchor": a["contender"],
-                           "steps_per_s_ratio": g["steps_per_s"] / a["steps_per_s"],
+            g, a = (max(rs, key=lambda r: (r[by], r["steps_per_s"])) for rs in (galaxy, anchors))
+            out[family] = {"galaxy": g["contender"], "anchor": a["contender"], f"{by}_ratio": g[by] / a[by],
                            "peak_ratio": g["peak_mib"] / a["peak_mib"] if g.get("peak_mib") and a.get("peak_mib")
                            else None}
     return out
@@ -713,7 +714,8 @@ def main() -> int:
             row = longest_sequence(args, name) if args.max_seq else run_child(args, name)
             rows.append(row)
             print(json.dumps(row))
-    summary = best_per_family(rows)
+    by = "max_seq" if args.max_seq else "steps_per_s"
+    summary = best_per_family(rows, by)
     print(f"\n{'contender':<28} {'max seq':>8} {'step ms':>9} {'steps/s':>8} {'MFU':>6} {'causal':>6} "
           f"{'peak MiB':>9}")
     for r in rows:
@@ -726,8 +728,8 @@ def main() -> int:
             print(f"{r['contender']:<28} {(r.get('error') or r.get('skipped') or '')[-200:]}")
     for family, best in summary.items():
         peak = f", {best['peak_ratio']:.3f}x its peak" if best["peak_ratio"] else ""
-        print(f"{family}: {best['galaxy']} {best['steps_per_s_ratio']:.3f}x the steps/s of the fastest other, "
-              f"{best['anchor']}{peak}")
+        figure = "the longest context of the longest other" if args.max_seq else "the steps/s of the fastest other"
+        print(f"{family}: {best['galaxy']} {best[by + '_ratio']:.3f}x {figure}, {best['anchor']}{peak}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"facts": facts, "rows": rows, "summary": summary}, f, indent=2)

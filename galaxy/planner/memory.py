@@ -246,10 +246,15 @@ def choose_layer_memory(options: Sequence[ModeCost], layers: int, device_budget:
             scored.append((float(sum(n * float(c.extra_s) for c, n in zip(kept, counts))), float(host_bytes),
                            float(device_bytes), counts))
     if not scored:
-        least = min(kept, key=lambda c: float(c.kept) + float(c.rebuilt))
+        # One mode for every layer needs the least device memory of any plan: a mix holds at least its mode of
+        # least kept bytes on every layer, its largest rebuilt and in-flight bytes. Named among those within
+        # the host budget where any is.
+        within_host = [c for c in kept if float(stack_bytes([c], [layers])[1]) <= host_budget] or kept
+        least = min(within_host, key=lambda c: float(stack_bytes([c], [layers])[0]))
         need = float(stack_bytes([least], [layers])[0])
         raise ConfigError(f"config key 'memory_budget_gib': no per-layer memory plan of {layers} layers fits "
-                          f"{device_budget / 2**30:.2f} GiB for activations (every layer {least.mode} needs "
+                          f"{device_budget / 2**30:.2f} GiB for activations (the least, every layer "
+                          f"{least.mode}, needs "
                           f"{need / 2**30:.2f} GiB" + (f", within {host_budget / 2**30:.2f} GiB of host memory"
                                                        if np.isfinite(host_budget) else "")
                           + "); raise memory_budget_gib or shorten seq_length / micro_batch_size")

@@ -174,6 +174,20 @@ def test_every_launch_runs_both_of_unsloths_attention_paths_and_the_report_picks
     assert best["steps_per_s_ratio"] == pytest.approx(88.0 / 80.0) and best["peak_ratio"] == pytest.approx(9000 / 9900)
 
 
+def test_the_longest_context_summary_sets_lengths_against_lengths():
+    """``--max_seq`` rows hold each contender's steps/s at its own longest length: the summary compares the lengths
+    (a longer context steps slower, so steps/s would rank the shorter first)."""
+    rows = [{"contender": "galaxy-qlora-compiled+auto6.5", "max_seq": 98304, "step_ms": 4000.0,
+             "steps_per_s": 0.25, "peak_mib": 6905.0},
+            {"contender": "unsloth-qlora-gc-sdpa", "max_seq": 65536, "step_ms": 2500.0, "steps_per_s": 0.4,
+             "peak_mib": 7911.0},
+            {"contender": "unsloth-qlora-gc", "max_seq": None, "tries": []}]  # nothing fitted
+    best = best_per_family(rows, "max_seq")["nf4 base"]
+    assert (best["galaxy"], best["anchor"]) == ("galaxy-qlora-compiled+auto6.5", "unsloth-qlora-gc-sdpa")
+    assert best["max_seq_ratio"] == 1.5 and best["peak_ratio"] == pytest.approx(6905 / 7911)
+    assert best_per_family(rows)["nf4 base"]["steps_per_s_ratio"] == pytest.approx(0.25 / 0.4)
+
+
 @pytest.mark.parametrize("start", [512, 4096, 8192, 65536])
 def test_the_longest_length_search_is_the_same_from_any_start(start):
     """Powers of two up while they fit and down while they fail, then one bisection step: whatever the start (the

@@ -231,6 +231,8 @@ def test_auto_picks_the_fastest_mix_that_fits_and_refuses_in_one_line(probes):
                                                               memory_budget_gib=(least - 1) / 2**30)),
                                   ParallelContext.serial(CPU))
     assert "no per-layer memory plan of 3 layers fits" in str(err.value) and "\n" not in str(err.value)
+    # the refusal names the plan that needs least, and what it needs
+    assert f"the least, every layer full+offload, needs {(least - fixed) / 2**30:.2f} GiB" in str(err.value)
 
 
 def test_auto_runs_the_mlp_in_chunks_where_no_whole_mlp_plan_fits():
