@@ -45,6 +45,10 @@
 #          what a compiled layer's backward holds grows with its chunks (98k's OOM held 21 dequantized MLP weights)
 # Round 14: part fp8 adds multi-kernel with two MLPs recomputed (the 1.3x line at the memory line); bench_lora's rows
 # are timed by their span since round 14 (steps that go ahead: one interval moves time between neighbours)
+# Round 15 adds:
+#   fp8b   multi-kernel with two and three MLPs recomputed (issue 51's 0.8x memory line at 4,096 x 2)
+#   fp8_7b issue 51's LLaMA-7B line: part fp8's best rows and unsloth's two attention paths at LLaMA-7B shapes,
+#          1024 x 8, 10 timed steps after 3 (FP8_7B_CONTENDERS narrows it)
 # Carry: the lora set and torchao (installed beside bitsandbytes and liger-kernel on every contender's path):
 #   WHEELS=unsloth bash bench/device/prepare_carry.sh /work/main r7 && \
 #     python3 bench/device/slim_wheel.py /work/main/.whl/torchao-*.whl /work/main/.carry/r7/wheels
@@ -98,7 +102,12 @@ galaxy-lora-fp8-compiled,galaxy-lora-fp8-cudagraphs,galaxy-lora-compiled,unsloth
 > $dir/f8prof_$f.log 2>&1;"
                     done ;;
             fp8b) cmd="$cmd $lora --seq 4096 --batch 2 --steps 20 --warmup 3 --contenders ${FP8B_CONTENDERS:-galaxy-lora-compiled,\
-galaxy-lora-fp8-compiled,galaxy-lora-fp8-cudagraphs,galaxy-lora-fp8-cudagraphs-multikernel,unsloth-lora,unsloth-lora-sdpa} --json $dir/fp8_4096.json > $dir/fp8_4096.log 2>&1;" ;;
+galaxy-lora-fp8-compiled,galaxy-lora-fp8-cudagraphs,galaxy-lora-fp8-cudagraphs-multikernel,\
+galaxy-lora-fp8-cudagraphs-multikernel+mlp2,galaxy-lora-fp8-cudagraphs-multikernel+mlp3,unsloth-lora,unsloth-lora-sdpa} \
+--json $dir/fp8_4096.json > $dir/fp8_4096.log 2>&1;" ;;
+            fp8_7b) cmd="$cmd ${lora/llama-1b/llama-7b} --seq 1024 --batch 8 --steps 10 --warmup 3 --contenders \
+${FP8_7B_CONTENDERS:-galaxy-lora-compiled,galaxy-lora-fp8-cudagraphs-multikernel,galaxy-lora-fp8-cudagraphs-multikernel+mlp2,\
+unsloth-lora,unsloth-lora-sdpa} --json $dir/fp8_7b.json > $dir/fp8_7b.log 2>&1;" ;;
             qlmem) for q in nf4 none; do
                        cmd="$cmd python3 bench/long_context_memory.py --preset llama-1b --quantize $q --seqs 65536 98304 \
 --budget_gib 8 --measure --modes auto --memory_history $dir/qlmem_$q --json $dir/qlmem_$q.json > $dir/qlmem_$q.log 2>&1;"
@@ -123,7 +132,7 @@ galaxy-lora-compiled+auto${LONG8B_GIB:-21.0},unsloth-lora-gc-sdpa --json $dir/lo
             qlmem8) cmd="$cmd PYTORCH_ALLOC_CONF=expandable_segments:True python3 bench/long_context_memory.py \
 --preset llama-1b --quantize nf4 --seqs ${QLMEM8_SEQS:-98304} --budget_gib 8 --card_gib 8 --measure --modes auto \
 --memory_history $dir/qlmem8 --json $dir/qlmem8.json > $dir/qlmem8.log 2>&1;" ;;
-            *) echo "unknown part $part (fp8 | long | f8t | long8 | max | prof | f8prof | fp8b | qlmem | long8b | fp8k | qlmem8 | spy | qlchunks)"; exit 2 ;;
+            *) echo "unknown part $part (fp8 | long | f8t | long8 | max | prof | f8prof | fp8b | qlmem | long8b | fp8k | qlmem8 | spy | qlchunks | fp8_7b)"; exit 2 ;;
         esac
     done
     start_detached "$dir" r7 "$cmd"
