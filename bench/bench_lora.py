@@ -70,6 +70,7 @@ import re
 import statistics
 import subprocess
 import sys
+import traceback
 import tempfile
 import time
 from typing import Callable, Optional
@@ -534,6 +535,7 @@ def run_one(args) -> dict:
             return {"contender": name, "error": one_line(e)}
         return {"contender": name, "skipped": f"{type(e).__name__}: {e}"}
     except Exception as e:  # noqa: BLE001 -- a contender that cannot run is a row, not the end of the launch
+        traceback.print_exc()  # the row keeps one line; the log keeps where it came from
         return {"contender": name, "error": one_line(e),
                 "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None}
     from galaxy.train.metrics import (PeakFlops, causal_flops_per_token, model_flops_per_token,

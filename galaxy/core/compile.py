@@ -59,6 +59,12 @@ def compile_kwargs(mode: str, options: Optional[dict]) -> dict:
         return {"mode": None if mode == "default" else mode}
     from torch._inductor import list_mode_options
 
+    if options.get("triton.multi_kernel") and "fx_graph_cache" not in options:
+        # A multi-kernel graph loaded from inductor's FX graph cache fails to build (torch 2.11 + triton 3.6:
+        # MultiKernelCall hashes a reloaded Triton function whose lock is None, "'NoneType' object does not
+        # support the context manager protocol"); a second layer graph in one process is such a load (a few
+        # layers recomputed, the rest not), so multi-kernel graphs are compiled, never loaded.
+        options = {**options, "fx_graph_cache": False}
     return {"options": {**list_mode_options(mode, dynamic=False), **options}}
 
 

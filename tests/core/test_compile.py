@@ -207,8 +207,13 @@ def test_compile_options_go_to_inductor_beneath_the_modes_own(tmp_path):
 
     assert compile_kwargs("default", None) == {"mode": None}
     assert compile_kwargs("reduce-overhead", None) == {"mode": "reduce-overhead"}
+    # multi-kernel graphs are compiled, never loaded from the FX graph cache (a load fails under torch 2.11),
+    # unless the options say otherwise
     assert compile_kwargs("reduce-overhead", {"triton.multi_kernel": 1}) == \
-        {"options": {**list_mode_options("reduce-overhead", dynamic=False), "triton.multi_kernel": 1}}
+        {"options": {**list_mode_options("reduce-overhead", dynamic=False), "triton.multi_kernel": 1,
+                     "fx_graph_cache": False}}
+    assert compile_kwargs("default", {"triton.multi_kernel": 1, "fx_graph_cache": True})["options"]["fx_graph_cache"]
+    assert "fx_graph_cache" not in compile_kwargs("default", {"triton.multi_kernel": 0})["options"]
     assert compile_kwargs("reduce-overhead", {"triton.cudagraphs": False})["options"]["triton.cudagraphs"] is False
 
     fresh_dynamo()
