@@ -49,6 +49,11 @@
 #   fp8b   multi-kernel with two and three MLPs recomputed (issue 51's 0.8x memory line at 4,096 x 2)
 #   fp8_7b issue 51's LLaMA-7B line: part fp8's best rows and unsloth's two attention paths at LLaMA-7B shapes,
 #          1024 x 8, 10 timed steps after 3 (FP8_7B_CONTENDERS narrows it)
+# Round 16 adds:
+#   f8full issue 51's full-depth float8 line: LLaMA-7B (32 layers, 16 x 4096 tokens a step) does not train on one
+#          GPU, so rank 0 of a 4-GPU launch over torch's fake process group (bench_train --fake_world 4: the rank's
+#          memory and compute, no communication), Galaxy's pick (plan none, dp 4 on FSDP2, 4 rows a micro-batch),
+#          --float8 none | tensorwise (F8FULL_RECIPES)
 # Carry: the lora set and torchao (installed beside bitsandbytes and liger-kernel on every contender's path):
 #   WHEELS=unsloth bash bench/device/prepare_carry.sh /work/main r7 && \
 #     python3 bench/device/slim_wheel.py /work/main/.whl/torchao-*.whl /work/main/.carry/r7/wheels
@@ -108,6 +113,11 @@ galaxy-lora-fp8-cudagraphs-multikernel+mlp2,galaxy-lora-fp8-cudagraphs-multikern
             fp8_7b) cmd="$cmd ${lora/llama-1b/llama-7b} --seq 1024 --batch 8 --steps 10 --warmup 3 --contenders \
 ${FP8_7B_CONTENDERS:-galaxy-lora-compiled,galaxy-lora-fp8-cudagraphs-multikernel,galaxy-lora-fp8-cudagraphs-multikernel+mlp2,\
 unsloth-lora,unsloth-lora-sdpa} --json $dir/fp8_7b.json > $dir/fp8_7b.log 2>&1;" ;;
+            f8full) for f in ${F8FULL_RECIPES:-none tensorwise}; do
+                        cmd="$cmd python3 bench/bench_train.py --scenario llama7b --global_batch 16 --micro_batch 4 \
+--fake_world 4 --contenders ${F8FULL_CONTENDERS:-galaxy-tp+compile@dp4-fsdp2} --iters 6 --warmup 2 --float8 $f \
+--json $dir/f8full_$f.json > $dir/f8full_$f.log 2>&1;"
+                    done ;;
             qlmem) for q in nf4 none; do
                        cmd="$cmd python3 bench/long_context_memory.py --preset llama-1b --quantize $q --seqs 65536 98304 \
 --budget_gib 8 --measure --modes auto --memory_history $dir/qlmem_$q --json $dir/qlmem_$q.json > $dir/qlmem_$q.log 2>&1;"
@@ -132,7 +142,7 @@ galaxy-lora-compiled+auto${LONG8B_GIB:-21.0},unsloth-lora-gc-sdpa --json $dir/lo
             qlmem8) cmd="$cmd PYTORCH_ALLOC_CONF=expandable_segments:True python3 bench/long_context_memory.py \
 --preset llama-1b --quantize nf4 --seqs ${QLMEM8_SEQS:-98304} --budget_gib 8 --card_gib 8 --measure --modes auto \
 --memory_history $dir/qlmem8 --json $dir/qlmem8.json > $dir/qlmem8.log 2>&1;" ;;
-            *) echo "unknown part $part (fp8 | long | f8t | long8 | max | prof | f8prof | fp8b | qlmem | long8b | fp8k | qlmem8 | spy | qlchunks | fp8_7b)"; exit 2 ;;
+            *) echo "unknown part $part (fp8 | long | f8t | long8 | max | prof | f8prof | fp8b | qlmem | long8b | fp8k | qlmem8 | spy | qlchunks | fp8_7b | f8full)"; exit 2 ;;
         esac
     done
     start_detached "$dir" r7 "$cmd"
