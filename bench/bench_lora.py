@@ -97,6 +97,8 @@ CONTENDERS = ("galaxy-lora", "galaxy-lora-compiled", "galaxy-lora-cudagraphs", "
 # best of the others (``best_per_family``). The fp8 slot: fp8 contenders name "fp8" (issue 50's fp8 table).
 FAMILIES = (("fp8 base", re.compile(r"fp8")), ("nf4 base", re.compile(r"^(galaxy-qlora|peft-qlora|unsloth-qlora)")),
             ("bf16 base", re.compile(r"^(galaxy-lora|peft-bf16|unsloth-lora)")))
+# No other recipe trains LoRA over an fp8 base: its anchor is the fastest bf16-base row (issue 51's line).
+ANCHOR_FAMILY = {"fp8 base": "bf16 base"}
 
 # Every contender's LoRA (and bench_peft_mp's): r16, alpha 32 on q_proj / v_proj, no dropout.
 LORA = {"tuning": "lora", "lora_dim": 16, "lora_alpha": 32, "lora_dropout": 0.0,
@@ -136,12 +138,13 @@ def best_per_family(rows: list, by: str = "steps_per_s") -> dict:
     """For each family with a Galaxy row and another: Galaxy's best row against the best other (its anchor,
     whichever attention path or recipe that is), and the ratios of their ``by`` and peaks. ``by`` is
     ``steps_per_s`` for rows at one length, ``max_seq`` for ``--max_seq`` rows (their steps/s are at different
-    lengths: the longest context is the figure)."""
+    lengths: the longest context is the figure). A family no other recipe trains takes ``ANCHOR_FAMILY``'s."""
     out = {}
     for family, _ in FAMILIES:
         ranked = [r for r in rows if r.get(by) and "step_ms" in r and family_of(r["contender"]) == family]
         galaxy = [r for r in ranked if r["contender"].startswith("galaxy")]
-        anchors = [r for r in ranked if not r["contender"].startswith("galaxy")]
+        anchors = [r for r in rows if r.get(by) and "step_ms" in r and not r["contender"].startswith("galaxy")
+                   and family_of(r["contender"]) in (family, ANCHOR_FAMILY.get(family))]
         if galaxy and anchors:
             g, a = (max(rs, key=lambda r: (r[by], r["steps_per_s"])) for rs in (galaxy, anchors))
             out[family] = {"galaxy": g["contender"], "anchor": a["contender"], f"{by}_ratio": g[by] / a[by],

@@ -172,6 +172,12 @@ def test_every_launch_runs_both_of_unsloths_attention_paths_and_the_report_picks
     best = summary["bf16 base"]
     assert (best["galaxy"], best["anchor"]) == ("galaxy-lora-compiled", "unsloth-lora-sdpa")
     assert best["steps_per_s_ratio"] == pytest.approx(88.0 / 80.0) and best["peak_ratio"] == pytest.approx(9000 / 9900)
+    # LoRA over an fp8 base has no other recipe: it is set against the bf16 base's fastest other row
+    rows.append({"contender": "galaxy-lora-fp8-cudagraphs", "step_ms": 66.0, "steps_per_s": 1 / 0.066,
+                 "peak_mib": 7800.0})
+    fp8 = best_per_family(rows)["fp8 base"]
+    assert (fp8["galaxy"], fp8["anchor"]) == ("galaxy-lora-fp8-cudagraphs", "unsloth-lora-sdpa")
+    assert fp8["steps_per_s_ratio"] == pytest.approx(88.0 / 66.0) and fp8["peak_ratio"] == pytest.approx(7800 / 9900)
 
 
 def test_the_longest_context_summary_sets_lengths_against_lengths():
