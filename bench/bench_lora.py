@@ -70,9 +70,9 @@ import re
 import statistics
 import subprocess
 import sys
-import traceback
 import tempfile
 import time
+import traceback
 from typing import Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -140,10 +140,10 @@ def best_per_family(rows: list, by: str = "steps_per_s") -> dict:
     ``steps_per_s`` for rows at one length, ``max_seq`` for ``--max_seq`` rows (their steps/s are at different
     lengths: the longest context is the figure). A family no other recipe trains takes ``ANCHOR_FAMILY``'s."""
     out = {}
+    timed = [r for r in rows if r.get(by) and "step_ms" in r]
     for family, _ in FAMILIES:
-        ranked = [r for r in rows if r.get(by) and "step_ms" in r and family_of(r["contender"]) == family]
-        galaxy = [r for r in ranked if r["contender"].startswith("galaxy")]
-        anchors = [r for r in rows if r.get(by) and "step_ms" in r and not r["contender"].startswith("galaxy")
+        galaxy = [r for r in timed if r["contender"].startswith("galaxy") and family_of(r["contender"]) == family]
+        anchors = [r for r in timed if not r["contender"].startswith("galaxy")
                    and family_of(r["contender"]) in (family, ANCHOR_FAMILY.get(family))]
         if galaxy and anchors:
             g, a = (max(rs, key=lambda r: (r[by], r["steps_per_s"])) for rs in (galaxy, anchors))
