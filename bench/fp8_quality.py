@@ -14,6 +14,14 @@ pretraining run reads the same vocabulary).
 
     nice -n 19 python bench/fp8_quality.py --out docs/results/fp8_quality_2026-12-01_<commit>_cpu.json
 
+On a GPU the same comparison runs at other shapes, one run after another (``--sequential``: one device), with
+``--override`` keys over the small model's (issue 51's LLaMA-7B line: its 4 layers at 4,096 tokens a row,
+compiled, the whole standard library as text):
+
+    python3 bench/fp8_quality.py --parts pretrain --sequential --variants bf16,fp8-tensorwise --recursive \
+        --sources "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" \
+        --override preset=llama-7b --override num_hidden_layers=4 --override seq_length=4096 ... --out F.json
+
 The verdicts (fp8 / bf16) are in the JSON's ``summary``: the final training loss (mean of the last
 ``--tail`` steps) and the final held-out loss of each fp8 recipe against bf16's, and the tuned held-out
 loss of LoRA on the fp8 base against LoRA on the bf16 base.
@@ -44,9 +52,12 @@ VARIANTS = {"bf16": {}, "fp8-tensorwise": {"float8_training": "tensorwise"},
 LORA_METHODS = ("lora-bf16", "lora-fp8")
 
 
-def write_corpus(path: str, sources: str) -> int:
-    """One JSON line per source file; returns how many."""
-    files = sorted(glob.glob(os.path.join(sources, "*.py")))
+def write_corpus(path: str, sources: str, recursive: bool = False) -> int:
+    """One JSON line per source file (``recursive``: in every folder below ``sources`` but installed packages');
+    returns how many."""
+    pattern = os.path.join(sources, "**", "*.py") if recursive else os.path.join(sources, "*.py")
+    files = sorted(f for f in glob.glob(pattern, recursive=recursive)
+                   if not {"site-packages", "dist-packages"} & set(os.path.relpath(f, sources).split(os.sep)))
     if not files:
         raise SystemExit(f"no *.py under {sources}; pass --sources")
     with open(path, "w", encoding="utf-8") as f:
@@ -57,39 +68,41 @@ def write_corpus(path: str, sources: str) -> int:
 
 
 class Run:
-    """``cmd`` started from the repository root in a process of its own (one thread: the runs go side by side
+    """``cmd`` started from the repository root in a process of its own (``one_thread``: the runs go side by side
     on shared cores), its output to ``log``."""
 
-    def __init__(self, cmd: list[str], log: str):
-        self.cmd, self.log, self.start = cmd, log, time.time()
+    def __init__(self, cmd: list[str], log: str, one_thread: bool = True):
+        self.cmd, self.log, self.start, self.seconds = cmd, log, time.time(), None
+        env = dict(os.environ, PYTHONPATH=REPO, **({"OMP_NUM_THREADS": "1"} if one_thread else {}))
         with open(log, "w") as out:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                         env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
 
     def wait(self) -> float:
-        """Its wall seconds, once it ended well."""
+        """Its wall seconds, once it ended well (asked again: the same)."""
         if self.proc.wait() != 0:
             raise SystemExit(f"{' '.join(self.cmd)} failed ({self.proc.returncode}); see {self.log}")
-        return time.time() - self.start
+        if self.seconds is None:
+            self.seconds = time.time() - self.start
+        return self.seconds
 
 
-def shared_tokenizer(corpus: str) -> None:
+def shared_tokenizer(corpus: str, vocab_size: int) -> None:
     """The WordPiece every run reads, trained here once into Galaxy's tokenizer cache (runs side by side would
     each train one, and equally good vocabularies can differ: ``galaxy.data.tokenizer.train_wordpiece``)."""
     from galaxy.data.corpus import read_documents
     from galaxy.data.tokenizer import shared_wordpiece
 
-    shared_wordpiece(read_documents(corpus), PRETRAIN["vocab_size"], lambda make: make())
+    shared_wordpiece(read_documents(corpus), vocab_size, lambda make: make())
 
 
 def start_pretrain(name: str, overrides: dict, corpus: str, args) -> tuple[Run, dict, str]:
     metrics = os.path.join(args.work_dir, f"{name}.metrics.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
-    keys = dict(PRETRAIN, eval_every=args.eval_every, **overrides)
+    keys = dict(PRETRAIN, eval_every=args.eval_every, **args.overrides, **overrides)
     cmd = [sys.executable, "pretrain_galaxy.py", "--world", "1", "--max_steps", str(args.steps), "--data", corpus,
            "--metrics_file", metrics, "--no_progress", *sum((["--override", f"{k}={v}"] for k, v in keys.items()), [])]
-    return Run(cmd, os.path.join(args.work_dir, f"{name}.log")), keys, metrics
+    return Run(cmd, os.path.join(args.work_dir, f"{name}.log"), one_thread=not args.sequential), keys, metrics
 
 
 def pretrain_result(run: Run, keys: dict, metrics: str, args) -> dict:
@@ -137,6 +150,23 @@ def summarize(runs: dict, tuned: dict) -> dict:
     return summary
 
 
+def parse_override(text: str) -> tuple[str, object]:
+    """``key=value`` with the value read as JSON where it parses (numbers, booleans), else as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--override '{text}': expected key=value, e.g. num_hidden_layers=4")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="the results JSON")
@@ -147,7 +177,20 @@ def main(argv=None) -> int:
     p.add_argument("--tail", type=int, default=50, help="steps averaged for the final training loss")
     p.add_argument("--lora_steps", type=int, default=200)
     p.add_argument("--parts", default="pretrain,lora", help="pretrain, lora or both")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"pretraining runs, of {', '.join(VARIANTS)}")
+    p.add_argument("--override", type=parse_override, action="append", default=[], metavar="KEY=VALUE",
+                   help="a config key over the small model's, for every pretraining run (repeat the flag)")
+    p.add_argument("--sequential", action="store_true",
+                   help="one run after another, each with every core (one GPU holds one run)")
+    p.add_argument("--recursive", action="store_true", help="text from every folder below --sources")
     args = p.parse_args(argv)
+    args.overrides = dict(args.override)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    if "bf16" not in variants:
+        p.error("--variants needs bf16: every verdict is against it")
     os.makedirs(args.work_dir, exist_ok=True)
     parts = set(args.parts.split(","))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
@@ -159,18 +202,20 @@ def main(argv=None) -> int:
         torchao_version = torchao.__version__
     except ImportError:
         torchao_version = None
-    report = {"date": datetime.date.today().isoformat(), "commit": commit, "device": "cpu",
+    report = {"date": datetime.date.today().isoformat(), "commit": commit, "device": device_name(),
               "torch": torch.__version__, "torchao": torchao_version, "cpus": os.cpu_count(),
               "load_average_at_start": os.getloadavg()}
     started = {}
     if "pretrain" in parts:
         corpus = os.path.join(args.work_dir, "stdlib.jsonl")
-        report["corpus"] = {"sources": args.sources, "documents": write_corpus(corpus, args.sources),
+        report["corpus"] = {"sources": args.sources, "documents": write_corpus(corpus, args.sources, args.recursive),
                             "bytes": os.path.getsize(corpus), "held_out": "the last tenth of the documents"}
-        shared_tokenizer(corpus)
-        for name, overrides in VARIANTS.items():
+        shared_tokenizer(corpus, args.overrides.get("vocab_size", PRETRAIN["vocab_size"]))
+        for name in variants:
             print(f"-- {name}: {args.steps} steps", flush=True)
-            started[name] = start_pretrain(name, overrides, corpus, args)
+            started[name] = start_pretrain(name, VARIANTS[name], corpus, args)
+            if args.sequential:
+                started[name][0].wait()
     lora_run = None
     if "lora" in parts:
         print(f"-- {', '.join(LORA_METHODS)}: {args.lora_steps} steps", flush=True)
