@@ -101,7 +101,7 @@ def start_pretrain(name: str, overrides: dict, corpus: str, args) -> tuple[Run, 
         os.remove(metrics)
     keys = dict(PRETRAIN, eval_every=args.eval_every, **args.overrides, **overrides)
     cmd = [sys.executable, "pretrain_galaxy.py", "--world", "1", "--max_steps", str(args.steps), "--data", corpus,
-           "--metrics_file", metrics, "--no_progress", *sum((["--override", f"{k}={v}"] for k, v in keys.items()), [])]
+           "--metrics_file", metrics, "--no_progress", *sum((["--override", f"{k}={json.dumps(v) if isinstance(v, bool) else v}"] for k, v in keys.items()), [])]
     return Run(cmd, os.path.join(args.work_dir, f"{name}.log"), one_thread=not args.sequential), keys, metrics
 
 
