@@ -329,7 +329,9 @@ def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None, recomput
         if prof is not None:
             prof.step()
 
-    on_step = StepTimer(args.warmup, after_step)
+    # profiled: the queued work drains before the profiler's step, each step synchronous (as unsloth's rows)
+    drain = torch.cuda.synchronize if prof is not None and torch.cuda.is_available() else None
+    on_step = StepTimer(args.warmup, after_step, drain)
     reporting = Reporting(untimed_steps=args.warmup)  # the warm-up's last step ends before the timed ones begin
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()

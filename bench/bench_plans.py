@@ -106,16 +106,22 @@ def serial_pair(args, ctx: ParallelContext, **keys):
 class StepTimer:
     """An ``on_step`` callback of ``train``: each step's wall time after the first ``warmup`` steps, counted
     from the step before (the first from ``start``, called on making), and every step's loss; ``after()``,
-    when given, runs after each step outside the timed span (a profiler's ``step``, a memory reading)."""
+    when given, runs after each step outside the timed span (a profiler's ``step``, a memory reading).
+    ``drain`` (``torch.cuda.synchronize``), when given, waits for the queued GPU work before ``after()``: the
+    loop reports a step while the next one is queued, and the GPU would run that work inside ``after()``'s
+    excluded time (a profiler's step takes host milliseconds), a span shorter than the work it holds."""
 
-    def __init__(self, warmup: int = 0, after: Optional[Callable[[], None]] = None):
-        self.warmup, self.after, self.times, self.losses = warmup, after, [], []
+    def __init__(self, warmup: int = 0, after: Optional[Callable[[], None]] = None,
+                 drain: Optional[Callable[[], None]] = None):
+        self.warmup, self.after, self.drain, self.times, self.losses = warmup, after, drain, [], []
         self.start()
 
     def start(self) -> None:
         self.last = time.perf_counter()
 
     def __call__(self, step: int, loss: float) -> None:
+        if self.drain is not None:
+            self.drain()
         now = time.perf_counter()
         if step > self.warmup:
             self.times.append(now - self.last)
