@@ -15,11 +15,12 @@ pretraining run reads the same vocabulary).
     nice -n 19 python bench/fp8_quality.py --out docs/results/fp8_quality_2026-12-01_<commit>_cpu.json
 
 On a GPU the same comparison runs at other shapes, one run after another (``--sequential``: one device), with
-``--override`` keys over the small model's (issue 51's LLaMA-7B line: its 4 layers at 4,096 tokens a row,
-compiled, the whole standard library as text):
+``--override`` keys over the small model's (issue 51's LLaMA-7B line, ``bench/device/round7.sh`` part f8curve:
+its 4 layers at 4,096 tokens a row, compiled, the sources of the standard library and the installed packages as
+text, so that 1,000 steps do not repeat it):
 
     python3 bench/fp8_quality.py --parts pretrain --sequential --variants bf16,fp8-tensorwise --recursive \
-        --sources "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" \
+        --sources $(python3 -c 'import sysconfig; p = sysconfig.get_paths(); print(p["stdlib"], p["purelib"])') \
         --override preset=llama-7b --override num_hidden_layers=4 --override seq_length=4096 ... --out F.json
 
 The verdicts (fp8 / bf16) are in the JSON's ``summary``: the final training loss (mean of the last
@@ -52,14 +53,16 @@ VARIANTS = {"bf16": {}, "fp8-tensorwise": {"float8_training": "tensorwise"},
 LORA_METHODS = ("lora-bf16", "lora-fp8")
 
 
-def write_corpus(path: str, sources: str, recursive: bool = False) -> int:
-    """One JSON line per source file (``recursive``: in every folder below ``sources`` but installed packages');
-    returns how many."""
-    pattern = os.path.join(sources, "**", "*.py") if recursive else os.path.join(sources, "*.py")
-    files = sorted(f for f in glob.glob(pattern, recursive=recursive)
-                   if not {"site-packages", "dist-packages"} & set(os.path.relpath(f, sources).split(os.sep)))
+def write_corpus(path: str, sources: list[str], recursive: bool = False) -> int:
+    """One JSON line per source file of the ``sources`` folders (``recursive``: in every folder below them but
+    installed packages' folders, which a source of their own names); returns how many."""
+    files = []
+    for folder in sources:
+        pattern = os.path.join(folder, "**", "*.py") if recursive else os.path.join(folder, "*.py")
+        files += sorted(f for f in glob.glob(pattern, recursive=recursive)
+                        if not {"site-packages", "dist-packages"} & set(os.path.relpath(f, folder).split(os.sep)))
     if not files:
-        raise SystemExit(f"no *.py under {sources}; pass --sources")
+        raise SystemExit(f"no *.py under {', '.join(sources)}; pass --sources")
     with open(path, "w", encoding="utf-8") as f:
         for name in files:
             with open(name, encoding="utf-8", errors="replace") as src:
@@ -73,7 +76,8 @@ class Run:
 
     def __init__(self, cmd: list[str], log: str, one_thread: bool = True):
         self.cmd, self.log, self.start, self.seconds = cmd, log, time.time(), None
-        env = dict(os.environ, PYTHONPATH=REPO, **({"OMP_NUM_THREADS": "1"} if one_thread else {}))
+        path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)  # the caller's packages too
+        env = dict(os.environ, PYTHONPATH=path, **({"OMP_NUM_THREADS": "1"} if one_thread else {}))
         with open(log, "w") as out:
             self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
 
@@ -171,7 +175,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="the results JSON")
     p.add_argument("--work_dir", default="/tmp/fp8_quality", help="corpus, metrics, logs, the cached LoRA base")
-    p.add_argument("--sources", default="/usr/lib/python3.11", help="a directory of *.py files: the text")
+    p.add_argument("--sources", nargs="+", default=["/usr/lib/python3.11"],
+                   help="directories of *.py files: the text (the held-out tenth: the last documents)")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--eval_every", type=int, default=250)
     p.add_argument("--tail", type=int, default=50, help="steps averaged for the final training loss")

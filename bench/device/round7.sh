@@ -55,8 +55,10 @@
 #          memory and compute, no communication), Galaxy's pick (plan none, dp 4 on FSDP2, 4 rows a micro-batch),
 #          --float8 none | tensorwise (F8FULL_RECIPES)
 #   f8curve issue 51's quality line at LLaMA-7B shapes on the GPU: bench/fp8_quality.py pretrains the 7B's first 4
-#          layers (compiled, 2 x 4,096 tokens a step, 1,000 steps, the standard library's sources as text, vocabulary
-#          32,000) in bf16 and in float8 tensorwise (F8CURVE_VARIANTS), one after the other: ~5 min
+#          layers (compiled, 2 x 4,096 tokens a step, 1,000 steps, vocabulary 32,000) in bf16 and in float8 tensorwise
+#          (F8CURVE_VARIANTS), one after the other: ~6 min. The text: the sources of the standard library and of the
+#          installed packages (F8CURVE_SOURCES): the standard library alone (2.3 M tokens) ran 3.6 times through in
+#          round 17, where the training loss measures memorization
 #   prof4k the missed 2 x 4096 line's profile (issue 51): the graphed multi-kernel fp8 row (+mlp2) and unsloth's SDPA
 #          row, 10 timed steps after 3, each profiled (kernel tables, GPU time by category in the JSON)
 # Carry: the lora set and torchao (installed beside bitsandbytes and liger-kernel on every contender's path):
@@ -123,11 +125,12 @@ unsloth-lora,unsloth-lora-sdpa} --json $dir/fp8_7b.json > $dir/fp8_7b.log 2>&1;"
 --fake_world 4 --contenders ${F8FULL_CONTENDERS:-galaxy-tp+compile@dp4-fsdp2} --iters 6 --warmup 2 --float8 $f \
 --json $dir/f8full_$f.json > $dir/f8full_$f.log 2>&1;"
                     done ;;
-            f8curve) stdlib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
-                     cmd="$cmd python3 bench/fp8_quality.py --parts pretrain --sequential --recursive --sources $stdlib \
+            f8curve) text=$(python3 -c 'import sysconfig; p = sysconfig.get_paths(); print(p["stdlib"], p["purelib"])')
+                     cmd="$cmd python3 bench/fp8_quality.py --parts pretrain --sequential --recursive \
+--sources ${F8CURVE_SOURCES:-$text} \
 --variants ${F8CURVE_VARIANTS:-bf16,fp8-tensorwise} --steps ${F8CURVE_STEPS:-1000} --eval_every 100 --work_dir $dir/f8curve \
 --override preset=llama-7b --override num_hidden_layers=4 --override vocab_size=32000 --override seq_length=4096 \
---override global_batch_size=2 --override compile=true --override lr=3e-4 --override warmup_steps=100 \
+--override max_position_embeddings=4096 --override global_batch_size=2 --override compile=true --override lr=3e-4 --override warmup_steps=100 \
 --out $dir/f8curve.json > $dir/f8curve.log 2>&1;" ;;
             prof4k) mkdir -p "$dir/prof"
                     cmd="$cmd $lora --seq 4096 --batch 2 --steps 10 --warmup 3 --profile $dir/prof --contenders \
