@@ -59,6 +59,10 @@
 #          (F8CURVE_VARIANTS), one after the other: ~6 min. The text: the sources of the standard library and of the
 #          installed packages (F8CURVE_SOURCES): the standard library alone (2.3 M tokens) ran 3.6 times through in
 #          round 17, where the training loss measures memorization
+#   f8cli  the same setting as f8curve's runs in bench_train (stack4, 2 x 4,096 tokens a step, 2 rows a micro-batch,
+#          vocabulary 32,000, --float8 none | tensorwise): round 17's CLI steps took 65 ms a row at a vocabulary of
+#          27,315 where bench_train's took 45-48 at 32,000; with f8curve on the larger text (vocabulary 32,000) the two
+#          say whether the CLI or the odd vocabulary costs it
 #   prof4k the missed 2 x 4096 line's profile (issue 51): the graphed multi-kernel fp8 row (+mlp2) and unsloth's SDPA
 #          row, 10 timed steps after 3, each profiled (kernel tables, GPU time by category in the JSON)
 # Carry: the lora set and torchao (installed beside bitsandbytes and liger-kernel on every contender's path):
@@ -132,6 +136,10 @@ unsloth-lora,unsloth-lora-sdpa} --json $dir/fp8_7b.json > $dir/fp8_7b.log 2>&1;"
 --override preset=llama-7b --override num_hidden_layers=4 --override vocab_size=32000 --override seq_length=4096 \
 --override max_position_embeddings=4096 --override global_batch_size=2 --override compile=true --override lr=3e-4 --override warmup_steps=100 \
 --out $dir/f8curve.json > $dir/f8curve.log 2>&1;" ;;
+            f8cli) for f in none tensorwise; do
+                       cmd="$cmd ${train/,fsdp2-compile/} --global_batch 2 --micro_batch 2 --float8 $f \
+--json $dir/f8cli_$f.json > $dir/f8cli_$f.log 2>&1;"
+                   done ;;
             prof4k) mkdir -p "$dir/prof"
                     cmd="$cmd $lora --seq 4096 --batch 2 --steps 10 --warmup 3 --profile $dir/prof --contenders \
 galaxy-lora-fp8-cudagraphs-multikernel+mlp2,unsloth-lora-sdpa --json $dir/prof_4096.json > $dir/prof_4096.log 2>&1;" ;;
@@ -159,7 +167,7 @@ galaxy-lora-compiled+auto${LONG8B_GIB:-21.0},unsloth-lora-gc-sdpa --json $dir/lo
             qlmem8) cmd="$cmd PYTORCH_ALLOC_CONF=expandable_segments:True python3 bench/long_context_memory.py \
 --preset llama-1b --quantize nf4 --seqs ${QLMEM8_SEQS:-98304} --budget_gib 8 --card_gib 8 --measure --modes auto \
 --memory_history $dir/qlmem8 --json $dir/qlmem8.json > $dir/qlmem8.log 2>&1;" ;;
-            *) echo "unknown part $part (fp8 | long | f8t | long8 | max | prof | f8prof | fp8b | qlmem | long8b | fp8k | qlmem8 | spy | qlchunks | fp8_7b | f8full | f8curve | prof4k)"; exit 2 ;;
+            *) echo "unknown part $part (fp8 | long | f8t | long8 | max | prof | f8prof | fp8b | qlmem | long8b | fp8k | qlmem8 | spy | qlchunks | fp8_7b | f8full | f8curve | f8cli | prof4k)"; exit 2 ;;
         esac
     done
     start_detached "$dir" r7 "$cmd"
