@@ -104,8 +104,9 @@ def start_pretrain(name: str, overrides: dict, corpus: str, args) -> tuple[Run, 
     if os.path.exists(metrics):
         os.remove(metrics)
     keys = dict(PRETRAIN, eval_every=args.eval_every, **args.overrides, **overrides)
+    flags = [f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in keys.items()]  # true, not True
     cmd = [sys.executable, "pretrain_galaxy.py", "--world", "1", "--max_steps", str(args.steps), "--data", corpus,
-           "--metrics_file", metrics, "--no_progress", *sum((["--override", f"{k}={json.dumps(v) if isinstance(v, bool) else v}"] for k, v in keys.items()), [])]
+           "--metrics_file", metrics, "--no_progress", *sum((["--override", f] for f in flags), [])]
     return Run(cmd, os.path.join(args.work_dir, f"{name}.log"), one_thread=not args.sequential), keys, metrics
 
 
