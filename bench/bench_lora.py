@@ -9,7 +9,8 @@ Contenders (each in a fresh process, so one's memory and Liger's patches never r
 ``galaxy-qlora`` (the same over an NF4 base), ``galaxy-qlora-compiled`` (QLoRA with ``compile: true``: each
 layer's NF4 dequantize-and-matmul traced into its graph), ``galaxy-lora-fp8`` / ``galaxy-lora-fp8-compiled``
 (the same over an fp8 base, ``quantize_base: fp8``: its products on the fp8 tensor cores, each activation
-quantized per row, in the compiled layer fused into the op that makes it), ``-cudagraphs`` for any (``compile_mode:
+quantized per row, in the compiled layer fused into the op that makes it), ``galaxy-lora-fp8head*`` (the same with
+the frozen output head's logits on fp8 too, ``quantize_head: true``), ``-cudagraphs`` for any (``compile_mode:
 reduce-overhead``: each layer's kernels replayed as CUDA graphs), ``-autotune`` for either (``compile_mode:
 max-autotune-no-cudagraphs``: inductor times Triton GEMM templates, with the pointwise ops after them fused
 into their epilogues, against cuBLAS and keeps the fastest per product; ``-multikernel`` after any of these three
@@ -181,6 +182,11 @@ def galaxy_base_format(name: str) -> str:
     return "nf4" if name.startswith("galaxy-qlora") else "fp8" if name.startswith("galaxy-lora-fp8") else "none"
 
 
+def galaxy_head_on_fp8(name: str) -> bool:
+    """``galaxy-lora-fp8head*``: the fp8 base with the frozen output head's logits on fp8 too (``quantize_head``)."""
+    return name.startswith("galaxy-lora-fp8head")
+
+
 def unsloth_variant(name: str):
     """``unsloth-lora`` / ``unsloth-qlora``, then optionally ``-gc`` (its default ``use_gradient_checkpointing=
     "unsloth"`` instead of False) and ``-sdpa`` (xformers hidden, so its attention is PyTorch's SDPA):
@@ -213,7 +219,8 @@ def hf_step(model, cfg):
 
 
 def config(args, quantize: str = "none", compile_mode: Optional[str] = None,
-           recompute: Optional[dict] = None, compile_options: Optional[dict] = None) -> GalaxyConfig:
+           recompute: Optional[dict] = None, compile_options: Optional[dict] = None, head: bool = False
+           ) -> GalaxyConfig:
     """``compile_mode``: None runs eagerly, else ``compile: true`` in that torch.compile mode (with inductor's
     ``compile_options``); ``recompute``:
     model keys (``galaxy_recompute``). Positions reach the sequence length wherever it is longer than the
@@ -228,7 +235,7 @@ def config(args, quantize: str = "none", compile_mode: Optional[str] = None,
                   "compile_options": compile_options, **(recompute or {})},
         "train": {"global_batch_size": args.batch, "seq_length": args.seq, "max_steps": args.warmup + args.steps,
                   "dtype": "bfloat16", "lr": 1e-4, "warmup_steps": 0, "grad_clip": 1.0, "log_every": 10**6},
-        "peft": dict(LORA, quantize_base=quantize)})
+        "peft": dict(LORA, quantize_base=quantize, quantize_head=head)})
 
 
 def resident_mib() -> Optional[float]:
@@ -292,7 +299,7 @@ def galaxy_model(cfg: GalaxyConfig, ctx):
 
 
 def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None, recompute: Optional[dict] = None,
-               compile_options: Optional[dict] = None) -> dict:
+               compile_options: Optional[dict] = None, head: bool = False) -> dict:
     """Galaxy's own training loop (``train``): step times from one step's end to the next (with the GPU's fused
     optimizer a step's loss is read once the next step's forward and backward are queued; the last warm-up step's
     and the last step's reads wait for nothing queued after them, so the timed steps' span is exact). The row's
@@ -315,7 +322,7 @@ def run_galaxy(args, quantize: str, compile_mode: Optional[str] = None, recomput
     ctx = ParallelContext.serial("cuda" if torch.cuda.is_available() else "cpu", seed=0)  # CPU: a smoke run
     stage_ends("imports")
     # as the CLIs: activation_memory auto becomes each layer's memory mode before the model is built
-    cfg = resolve_activation_memory(config(args, quantize, compile_mode, recompute, compile_options), ctx)
+    cfg = resolve_activation_memory(config(args, quantize, compile_mode, recompute, compile_options, head), ctx)
     stage_ends("plan")
     model = galaxy_model(cfg, ctx)
     stage_ends("build")
@@ -532,7 +539,7 @@ def run_one(args) -> dict:
         elif name.startswith("galaxy"):
             base, keys = galaxy_recompute(name, args.card_gib)
             out = run_galaxy(args, galaxy_base_format(base), galaxy_compile_mode(base), keys,
-                             galaxy_compile_options(base))
+                             galaxy_compile_options(base), galaxy_head_on_fp8(base))
         else:
             out = run_peft(args, name)
     except ImportError as e:

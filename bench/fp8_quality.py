@@ -50,7 +50,7 @@ PRETRAIN = dict(preset="llama-tiny", vocab_size=1024, seq_length=128, global_bat
                 seed=1234)
 VARIANTS = {"bf16": {}, "fp8-tensorwise": {"float8_training": "tensorwise"},
             "fp8-rowwise": {"float8_training": "rowwise"}}
-LORA_METHODS = ("lora-bf16", "lora-fp8")
+LORA_METHODS = ("lora-bf16", "lora-fp8", "lora-fp8head")
 
 
 def write_corpus(path: str, sources: list[str], recursive: bool = False) -> int:
@@ -149,8 +149,10 @@ def summarize(runs: dict, tuned: dict) -> dict:
                          "final_eval_loss": r["final_eval_loss"], "bf16_final_eval_loss": base["final_eval_loss"],
                          "eval_loss_ratio": r["final_eval_loss"] / base["final_eval_loss"]}
     if tuned:
-        ours, theirs = (tuned["results"][m]["eval_loss_after"] for m in ("lora-fp8", "lora-bf16"))
-        summary["lora-fp8"] = {"eval_loss_after": ours, "bf16_eval_loss_after": theirs,
+        theirs = tuned["results"]["lora-bf16"]["eval_loss_after"]
+        for method in LORA_METHODS[1:]:
+            ours = tuned["results"][method]["eval_loss_after"]
+            summary[method] = {"eval_loss_after": ours, "bf16_eval_loss_after": theirs,
                                "eval_loss_ratio": ours / theirs}
     return summary
 

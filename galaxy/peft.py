@@ -35,7 +35,7 @@ from galaxy.loralib.model import lora_keeps, lora_target_names
 from galaxy.loralib.hf import CONFIG_FILE, WEIGHTS_FILE, load_full_tensors, read_adapter
 from galaxy.loralib.quantized_layers import FORMATS
 from galaxy.loralib.quantized import (cast_frozen_, dequantize_linears, frozen_bytes,  # noqa: F401
-                                     load_quantized, materialize, quantize_linears)
+                                     load_quantized, materialize, quantize_head, quantize_linears)
 from galaxy.loralib.utils import count_parameters, in_modules
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ class TuningOptions:
     init_std: float = 0.0  # > 0: zero-initialised factors (LoRA B, adapter/side up) drawn N(0, std); tests
     frozen_dtype: Optional[str] = None  # 'bfloat16' / 'float16': frozen weights stored so; None: left as built
     quantize_base: str = "none"  # 'nf4' (QLoRA) / 'int8' / 'fp8': frozen linears quantized, galaxy.loralib.quantized
+    quantize_head: bool = False  # with fp8: the frozen output head's logits on fp8 too (loralib.quantized.quantize_head)
 
     @classmethod
     def from_config(cls, cfg: GalaxyConfig, **overrides: Any) -> "TuningOptions":
@@ -206,6 +207,11 @@ def apply_options(model: nn.Module, opts: TuningOptions) -> nn.Module:
                          f"'{opts.method}' trains them; give build_base the tuning options apply_tuning gets")
     if opts.frozen_dtype is not None and opts.method != "full":
         cast_frozen_(model, getattr(torch, opts.frozen_dtype))
+    if opts.quantize_head:
+        if opts.quantize_base != "fp8":
+            raise ValueError(f"quantize_head puts the head's logits on the fp8 tensor cores beside an fp8 base; "
+                             f"quantize_base is '{opts.quantize_base}', not fp8")
+        quantize_head(model, backend=model.config.kernels)
     model.peft_config = opts
     trainable, total = count_parameters(model)
     logger.info("tuning '%s': %d of %d parameters trainable (%.3f%%)", opts.method, trainable, total,

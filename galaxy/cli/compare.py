@@ -70,12 +70,16 @@ PRETRAIN_STEPS = {"classification": 300, "instruction": 200}
 # Learning rates as researchers set them: PEFT methods train few parameters from zero and take a larger
 # one than full fine-tuning (used unless a config file or --override sets lr).
 METHOD_LR = {"full": 1e-3, "lora": 5e-3, "adapter": 5e-3, "side": 5e-3}
-# LoRA over a frozen base held in bf16 (bf16 autocast), QLoRA over the NF4-quantized base, and LoRA over the
-# fp8 base (galaxy.loralib.fp8: its products on fp8 values, the activations quantized per row).
+# LoRA over a frozen base held in bf16 (bf16 autocast), QLoRA over the NF4-quantized base, LoRA over the
+# fp8 base (galaxy.loralib.fp8: its products on fp8 values, the activations quantized per row), and over the
+# fp8 base with the output head's logits on fp8 too (quantize_head).
 VARIANTS = {"lora-bf16": ("lora", {"dtype": "bfloat16"}, {}),
             "qlora": ("lora", {"dtype": "bfloat16"}, {"quantize_base": "nf4"}),
-            "lora-fp8": ("lora", {"dtype": "bfloat16"}, {"quantize_base": "fp8"})}
+            "lora-fp8": ("lora", {"dtype": "bfloat16"}, {"quantize_base": "fp8"}),
+            "lora-fp8head": ("lora", {"dtype": "bfloat16"}, {"quantize_base": "fp8", "quantize_head": True})}
 COMPARED = METHODS + tuple(VARIANTS)
+# What a run compares unless --methods names others: lora-fp8head only by name (a causal LM's head; BERT has none).
+DEFAULT_METHODS = tuple(m for m in COMPARED if m != "lora-fp8head")
 METRIC = {"classification": ("eval_accuracy", "held-out accuracy"),
           "instruction": ("eval_perplexity", "held-out perplexity")}
 
@@ -108,7 +112,8 @@ def parse_args(argv=None, prog: Optional[str] = None) -> argparse.Namespace:
                    help="parallel plan (default: the config's, else none)")
     p.add_argument("--world", type=int, default=1, help="model-parallel ranks (local processes)")
     p.add_argument("--max_steps", type=int, default=None, help="tuning steps per method (default: the model's)")
-    p.add_argument("--methods", default=",".join(COMPARED), help="comma-separated subset of " + ",".join(COMPARED))
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help="comma-separated subset of " + ",".join(COMPARED))
     p.add_argument("--config_file", "--config", dest="config_file", default=None,
                    help="JSON config; omitted: the small defaults of the model's task")
     p.add_argument("--model_path", dest="base_path", default=None,

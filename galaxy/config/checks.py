@@ -159,6 +159,13 @@ def _validate_compute(cfg: ConfigSections) -> None:
     if q.quantize_base != "none" and m.fused_gate_up:
         raise ConfigError("config key 'quantize_base' quantizes each linear on its own, but fused_gate_up holds "
                           "gate and up as one [2, I, H] weight; set fused_gate_up to false")
+    if q.quantize_head and q.quantize_base != "fp8":
+        raise ConfigError(f"config key 'quantize_head' puts the output head's logits on the fp8 tensor cores beside "
+                          f"an fp8 base, but quantize_base is '{q.quantize_base}'; set quantize_base to fp8 or "
+                          "quantize_head to false")
+    if q.quantize_head and "lm_head" in (q.modules_to_save or []):
+        raise ConfigError("config key 'quantize_head' keeps the output head frozen, but modules_to_save trains "
+                          "lm_head; drop it from modules_to_save or set quantize_head to false")
     if q.quantize_base != "none" and q.lora_fusion:
         raise ConfigError("config key 'lora_fusion' (CCLoRA) merges W + BA, which a quantized base cannot hold; "
                           "set lora_fusion to false or quantize_base to none")

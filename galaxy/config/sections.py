@@ -235,6 +235,10 @@ class PeftConfig:
     # galaxy.loralib.int8), or 'fp8' (row-wise e4m3, 1 byte a weight, multiplied on the fp8 tensor cores with
     # the activations quantized per token row, galaxy.loralib.fp8); 'none' keeps them in frozen_dtype.
     quantize_base: str = "none"
+    # With quantize_base fp8, the frozen output head's logits product on the fp8 tensor cores too: its row-wise
+    # e4m3 copy kept beside the weight (+1 byte a head weight; the tied embedding and the head's input gradient
+    # read the weight itself). QLoRA and torchao keep the head in full precision: a choice of speed over that.
+    quantize_head: bool = False
 
 
 

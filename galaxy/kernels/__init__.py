@@ -13,11 +13,16 @@ without triton installed. (CoC and CCLoRA live in their own modules, ``coc`` and
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from galaxy.kernels import reference
 from galaxy.kernels._backend import (BACKENDS, resolve_backend, resolve_backend_for, triton_available,
                                      triton_interpret_enabled)
+
+if TYPE_CHECKING:
+    from galaxy.kernels.fp8 import FP8Matrix
 
 __all__ = [
     "BACKENDS",
@@ -136,8 +141,12 @@ def fused_linear_cross_entropy(
     num_targets: int | float | torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     backend: str = "auto",
+    weight_fp8: "FP8Matrix | None" = None,
 ) -> torch.Tensor:
     """``cross_entropy(hidden @ weight.T + bias, targets)`` for hidden [..., H], weight [V, H].
+
+    ``weight_fp8`` (a frozen ``weight``'s row-wise e4m3, ``galaxy.kernels.fp8``): the logits product on fp8
+    values (``hidden`` quantized per row), the gradient of ``hidden`` from ``weight`` (``logits_on_fp8``).
 
     The Triton path never materializes the full [N, V] logits or their gradient: it works in
     chunks of ``chunk_size`` tokens (default: chunk logits of at most ``CHUNK_LOGITS_BYTES``, a frozen
@@ -147,6 +156,9 @@ def fused_linear_cross_entropy(
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"fused_linear_cross_entropy supports reduction 'mean' or 'sum', got {reduction!r}")
+    if weight_fp8 is not None and weight.requires_grad:
+        raise ValueError("fused_linear_cross_entropy: weight_fp8 serves a frozen weight (its products give no "
+                         "weight gradient), but weight requires grad")
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1)
     if resolve_backend(backend, hidden, "fused_linear_cross_entropy") == "triton":
@@ -161,17 +173,17 @@ def fused_linear_cross_entropy(
             flat_hidden, weight, bias = cast(flat_hidden), cast(weight), cast(bias)
             with torch.autocast(kind, enabled=False):
                 return fused_linear_cross_entropy(flat_hidden, weight, flat_targets, ignore_index, reduction,
-                                                  chunk_size, num_targets, bias, backend)
+                                                  chunk_size, num_targets, bias, backend, weight_fp8)
         if not torch.is_grad_enabled():
             # Evaluation: detached inputs tell the Function to skip its in-forward gradients
             # (inside forward, needs_input_grad ignores no_grad).
             flat_hidden, weight = flat_hidden.detach(), weight.detach()
             bias = None if bias is None else bias.detach()
         return FusedLinearCrossEntropy.apply(
-            flat_hidden, weight, flat_targets, bias, ignore_index, reduction, num_targets, chunk_size, None
+            flat_hidden, weight, flat_targets, bias, ignore_index, reduction, num_targets, chunk_size, None, weight_fp8
         )
     return reference.fused_linear_cross_entropy(
-        flat_hidden, weight, flat_targets, ignore_index, reduction, num_targets, bias
+        flat_hidden, weight, flat_targets, ignore_index, reduction, num_targets, bias, weight_fp8
     )
 
 

@@ -104,10 +104,19 @@ def fused_linear_cross_entropy(
     reduction: str = "mean",
     num_targets=None,
     bias: torch.Tensor | None = None,
+    weight_fp8=None,
 ) -> torch.Tensor:
     """``cross_entropy(hidden @ weight.T + bias, targets)``. Materializes the full logits:
-    this is the oracle, not the memory-saving path."""
-    return cross_entropy(F.linear(hidden, weight, bias), targets, ignore_index, reduction, num_targets)
+    this is the oracle, not the memory-saving path. ``weight_fp8``: the logits product on ``weight``'s
+    row-wise e4m3 (``galaxy.kernels.fp8.logits_on_fp8``)."""
+    if weight_fp8 is None:
+        logits = F.linear(hidden, weight, bias)
+    else:
+        from galaxy.kernels.fp8 import logits_on_fp8
+
+        logits = logits_on_fp8(hidden, weight, weight_fp8, "torch")
+        logits = logits if bias is None else logits + bias
+    return cross_entropy(logits, targets, ignore_index, reduction, num_targets)
 
 
 def lora_linear(

@@ -272,7 +272,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, bias, ignore_index: int, reduction: str,
-                num_targets, chunk_size, block_v):
+                num_targets, chunk_size, block_v, weight_fp8=None):
         if reduction not in ("mean", "sum"):
             raise ValueError(f"fused_linear_cross_entropy supports reduction 'mean' or 'sum', got {reduction!r}")
         if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
@@ -301,7 +301,8 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, n_tokens, chunk_size):
             end = min(start + chunk_size, n_tokens)
             h_chunk = hidden[start:end]
-            logits = h_chunk @ weight.t()
+            # A frozen head stored in fp8 too (weight_fp8): its logits on the fp8 tensor cores.
+            logits = h_chunk @ weight.t() if weight_fp8 is None else weight_fp8.times_transposed(h_chunk)
             if bias is not None:
                 logits += bias
             # Overwrites logits with the gradient (softmax - onehot) / denom (0 on ignored rows).
@@ -337,4 +338,4 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         grad_h = scale_rows_(saved.pop(0), grad_output) if need_h else None
         grad_w = scale_rows_(saved.pop(0), grad_output) if need_w else None
         grad_b = saved.pop(0).mul_(grad_output).to(ctx.bias_dtype) if need_b else None
-        return grad_h, grad_w, None, grad_b, None, None, None, None, None
+        return grad_h, grad_w, None, grad_b, None, None, None, None, None, None

@@ -50,12 +50,10 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from galaxy.core.comm import Communicator
-from galaxy.kernels.fp8 import E4M3, cast_rows, quantize_rows, quantize_rows_reference, row_amax
+from galaxy.kernels.fp8 import (E4M3, TENSOR_CORE_MULTIPLE, FP8Matrix, cast_rows, quantize_rows,  # noqa: F401
+                                quantize_rows_reference, row_amax, runs_on_tensor_cores, scaled_product)
 
 logger = logging.getLogger(__name__)
-
-TENSOR_CORE_MULTIPLE = 16  # torch._scaled_mm's requirement on K and N
-
 
 @dataclass
 class FP8Rows:
@@ -87,44 +85,11 @@ def dequantize_fp8(q: FP8Rows, dtype: torch.dtype = torch.float32) -> torch.Tens
 
 
 @functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def runs_on_tensor_cores(device: torch.device, rows: int, cols: int) -> bool:
-    """Whether the products of a stored ``[rows, cols]`` fp8 matrix on ``device`` run ``torch._scaled_mm``
-    (given a bf16 compute dtype)."""
-    if device.type != "cuda" or rows % TENSOR_CORE_MULTIPLE or cols % TENSOR_CORE_MULTIPLE:
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
-
-
-@functools.lru_cache(maxsize=None)
 def note_off_tensor_cores(rows: int, cols: int) -> None:
     """Said once per shape: a stored ``[rows, cols]`` matrix whose dims keep it off ``_scaled_mm``."""
     logger.warning("fp8 base: a stored [%d, %d] weight has a dim that is not a multiple of %d, which "
                    "torch._scaled_mm needs; its products run on the fp8 values in bf16 (the same numbers, no fp8 "
                    "speed)", rows, cols, TENSOR_CORE_MULTIPLE)
-
-
-def scaled_product(a_codes: torch.Tensor, a_scale: torch.Tensor, b_codes: torch.Tensor,
-                   b_scale: Optional[torch.Tensor], out_dtype: torch.dtype, tensor_cores: bool,
-                   fast_accum: bool = False) -> torch.Tensor:
-    """``(a_codes @ b_codes) * a_scale * b_scale`` in ``out_dtype``: e4m3 ``a_codes [M, K]`` (row-major),
-    ``b_codes [K, N]``, ``a_scale [M, 1]``, ``b_scale [1, N]`` (None: ones). ``tensor_cores``: through
-    ``torch._scaled_mm`` when ``out_dtype`` is bf16 (``b_codes`` made column-major if it is not), with its
-    fast accumulation when ``fast_accum`` (torchao's recipes take it for the forward product only)."""
-    if tensor_cores and out_dtype == torch.bfloat16:
-        n = b_codes.shape[1]
-        b = b_codes if b_codes.stride(0) == 1 else b_codes.t().contiguous().t()
-        sb = b_scale if b_scale is not None else torch.ones(1, n, dtype=torch.float32, device=b.device)
-        return torch._scaled_mm(a_codes, b, a_scale.float(), sb.float().contiguous(), out_dtype=out_dtype,
-                                use_fast_accum=fast_accum)
-    compute = torch.float32 if out_dtype == torch.float16 else out_dtype  # fp16 would overflow at 448 * 448 * K
-    y = (a_codes.to(compute) @ b_codes.to(compute)).to(a_scale.dtype) * a_scale
-    if b_scale is not None:
-        y = y * b_scale.to(y.dtype)
-    return y.to(out_dtype)
 
 
 def _row_max_over(amax: torch.Tensor, comm: Communicator, phase: str) -> torch.Tensor:
@@ -136,9 +101,7 @@ def _row_max_over(amax: torch.Tensor, comm: Communicator, phase: str) -> torch.T
 
 def direct(a: torch.Tensor, q: FP8Rows, quantizer: str, tensor_cores: bool, phase: str) -> torch.Tensor:
     """``a S^T`` for ``a [M, cols]``: ``[M, rows]`` (``phase``: fwd | bwd)."""
-    a_codes, a_scale = quantize_rows(a, None, quantizer)
-    return scaled_product(a_codes, a_scale, q.values().t(), q.scale.view(1, -1), a.dtype, tensor_cores,
-                          phase == "fwd")
+    return FP8Matrix(q.values(), q.scale, tensor_cores).times_transposed(a, quantizer, phase == "fwd")
 
 
 def folded(a: torch.Tensor, q: FP8Rows, comm: Optional[Communicator], quantizer: str, tensor_cores: bool,

@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from galaxy.config import ConfigError
 from galaxy.core.layers import ParallelLinear, ShardSpec, grad_rule, shard_spec
-from galaxy.loralib.quantized_layers import FORMATS, QuantizedWeight, QuantLinear, row_parallel
+from galaxy.loralib.quantized_layers import FORMATS, FP8HeadCopy, QuantizedWeight, QuantLinear, row_parallel
 from galaxy.loralib.utils import in_modules, parent_of
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,41 @@ def quantize_linears(model: nn.Module, skip=(), backend: str = "auto", kind: str
         done.append(name)
     logger.info("%s: quantized %d linears (e.g. %s)", kind, len(done), done[:3])
     return done
+
+
+def quantize_head(model: nn.Module, backend: str = "auto") -> bool:
+    """``peft.quantize_head``: the frozen output head's logits product on the fp8 tensor cores. The head's
+    weight stays as it is (the tied embedding reads it, and the head's input gradient is multiplied by it);
+    its row-wise e4m3 copy (``FP8HeadCopy``, 1 byte a weight more) becomes the model's ``lm_head_fp8``, which
+    its forward multiplies the logits by, and is made again whenever a state dict is loaded into the model.
+    False on a pipeline stage without the head."""
+    if not hasattr(model, "lm_head_fp8"):
+        raise ConfigError(f"config key 'quantize_head' quantizes a causal LM's output head, which "
+                          f"{type(model).__name__} has not; set quantize_head to false")
+    from galaxy.loralib.layers import LoRALinear
+
+    head = model.lm_head
+    if head is None:
+        return False
+    if isinstance(head, LoRALinear) or head.weight.requires_grad:
+        raise ConfigError("config key 'quantize_head' keeps the output head frozen in fp8, but lm_head is "
+                          f"{'a LoRA target' if isinstance(head, LoRALinear) else 'trained'}; take lm_head out of "
+                          "lora_target_modules and modules_to_save, or set quantize_head to false")
+    model.lm_head_fp8 = _head_in_fp8(head.weight, backend)
+    model.register_load_state_dict_post_hook(lambda m, incompatible: _requantize_head(m, backend))
+    logger.info("fp8 head: the logits product on %s", "the fp8 tensor cores" if model.lm_head_fp8.tensor_cores
+                else "fp8 values in the compute dtype")
+    return True
+
+
+def _head_in_fp8(weight: torch.Tensor, backend: str) -> FP8HeadCopy:
+    whole = weight.full_tensor() if hasattr(weight, "full_tensor") else weight  # an FSDP2 shard: the whole head
+    return FP8HeadCopy.quantize(whole, None, False, backend)
+
+
+def _requantize_head(model: nn.Module, backend: str) -> None:
+    """The copy follows the weight a state dict brought (resuming, ``load_state_dict``)."""
+    model.lm_head_fp8 = _head_in_fp8(model.lm_head.weight, backend)
 
 
 def _mp_group(model: nn.Module):
@@ -108,7 +143,7 @@ def frozen_bytes(model: nn.Module) -> tuple[int, int]:
     for m in model.modules():
         if isinstance(m, QuantizedWeight):
             nbytes += m.nbytes()
-            count += m.shape[0] * m.shape[1]
+            count += 0 if m.COPY else m.shape[0] * m.shape[1]
     return nbytes, count
 
 

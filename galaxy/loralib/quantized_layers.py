@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from galaxy.core.comm import Communicator
 from galaxy.core.layers import GradRule, ParallelLinear, ShardSpec, grad_rule, set_param_meta, shard_spec
+from galaxy.kernels.fp8 import E4M3, FP8Matrix
 from galaxy.loralib.fp8 import FP8Rows, dequantize_fp8, fp8_linear, note_off_tensor_cores, quantize_fp8, \
     runs_on_tensor_cores
 from galaxy.loralib.int8 import Int8Rows, dequantize_int8, int8_linear, quantize_int8
@@ -37,12 +38,13 @@ class QuantizedWeight(nn.Module):
     FORMAT = ""
     BUFFERS: tuple[str, ...] = ()
     FP32_BUFFERS: tuple[str, ...] = ()  # scales: part of the format, never cast with the model
+    COPY = False  # a copy of a weight the model keeps too: its buffers are not saved, its weights not counted
 
     def __init__(self, rows, transposed: bool, spec: Optional[ShardSpec], backend: str = "auto",
                  comm: Optional[Communicator] = None):
         super().__init__()
         for name in self.BUFFERS:
-            self.register_buffer(name, getattr(rows, name))
+            self.register_buffer(name, getattr(rows, name), persistent=not self.COPY)
         self.cols, self.transposed, self.spec, self.backend = rows.cols, transposed, spec, backend
         self.comm = comm if spec is not None else None
 
@@ -183,6 +185,10 @@ class FP8Weight(QuantizedWeight):
     def rows(self) -> FP8Rows:
         return FP8Rows(self.codes, self.scale)
 
+    def matrix(self) -> FP8Matrix:
+        """The stored matrix as the products take it (``galaxy.kernels.fp8``)."""
+        return FP8Matrix(self.codes.view(E4M3), self.scale, self.tensor_cores)
+
     def dequantize_rows(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8(self.rows(), dtype)
 
@@ -191,6 +197,13 @@ class FP8Weight(QuantizedWeight):
 
 
 FORMATS = {"nf4": NF4Weight, "int8": Int8Weight, "fp8": FP8Weight}
+
+
+class FP8HeadCopy(FP8Weight):
+    """A frozen output head's row-wise e4m3 copy, which its logits product multiplies by
+    (``galaxy.loralib.quantized.quantize_head``); the head keeps its weight."""
+
+    COPY = True
 
 
 class QuantLinear(nn.Module):

@@ -67,7 +67,7 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) in full sizes, so the numbers do not depend on the plan. Shared
     (tied) parameters count once; quantized weights (buffers) count as the frozen weights they are."""
 
-    trainable, total = 0, sum(m.full_numel() for m in model.modules() if isinstance(m, QuantizedWeight))
+    trainable, total = 0, sum(m.full_numel() for m in model.modules() if isinstance(m, QuantizedWeight) and not m.COPY)
     for p in model.parameters():  # parameters() yields each shared Parameter once
         n = 1
         for d in full_shape(p):

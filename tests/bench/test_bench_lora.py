@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from bench.bench_lora import (CONTENDERS, best_per_family, config, family_of, galaxy_base_format, galaxy_compile_mode,
-                              galaxy_compile_options, galaxy_model, galaxy_recompute, search_lengths, unsloth_variant)
+                              galaxy_compile_options, galaxy_head_on_fp8, galaxy_model, galaxy_recompute, search_lengths,
+                              unsloth_variant)
 from galaxy.config import MODEL_PRESETS
 from galaxy.core.context import ParallelContext
 from galaxy.planner.activation import peak_allocated
@@ -71,6 +72,8 @@ def test_galaxy_base_formats():
     assert [galaxy_base_format(n) for n in ("galaxy-lora", "galaxy-lora-compiled", "galaxy-qlora-cudagraphs",
                                             "galaxy-lora-fp8", "galaxy-lora-fp8-compiled")] == \
         ["none", "none", "nf4", "fp8", "fp8"]
+    assert galaxy_base_format("galaxy-lora-fp8head-cudagraphs") == "fp8"
+    assert [galaxy_head_on_fp8(n) for n in ("galaxy-lora-fp8-compiled", "galaxy-lora-fp8head-compiled")] == [False, True]
     assert galaxy_compile_mode("galaxy-lora-fp8") is None
     assert galaxy_compile_mode("galaxy-lora-fp8-compiled") == "default"
     assert galaxy_compile_mode("galaxy-lora-fp8-cudagraphs-multikernel") == "reduce-overhead"

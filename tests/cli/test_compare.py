@@ -9,10 +9,10 @@ import pytest
 
 
 def _check_comparison(out, steps, metric):
-    from galaxy.cli.compare import COMPARED
+    from galaxy.cli.compare import DEFAULT_METHODS
 
     table = json.loads((out / "compare_tuning.json").read_text())
-    assert [r["method"] for r in table["results"]] == list(COMPARED)
+    assert [r["method"] for r in table["results"]] == list(DEFAULT_METHODS)
     assert table["metric"] == metric and os.path.isfile(os.path.join(table["base"], "config.json"))
     for row in table["results"]:
         assert len(row["losses"]) == steps and row["trainable_params"] <= row["total_params"]
@@ -30,7 +30,7 @@ def _check_comparison(out, steps, metric):
     assert rows["qlora"]["trainable_params"] == rows["lora-bf16"]["trainable_params"] == lora["trainable_params"]
     assert rows["lora-fp8"]["trainable_params"] == lora["trainable_params"]
     assert full["trainable_params"] == full["total_params"] and full["trainable_pct"] == 100
-    assert all(rows[m]["trainable_pct"] < 10 for m in COMPARED if m != "full")
+    assert all(rows[m]["trainable_pct"] < 10 for m in DEFAULT_METHODS if m != "full")
     assert side["saved_act_mb"] < full["saved_act_mb"]  # side-tuning keeps the fewest activations
     assert (out / "compare_tuning.png").stat().st_size > 1000
 

@@ -266,8 +266,8 @@ def qlora_pair(ctx, model_type, plan, uneven, **extra):
     if uneven:
         raw.update(UNEVEN[model_type][ctx.mp.size])
     cfg = GalaxyConfig.from_dict(raw)
-    opts = dict(init_std=0.2, targets=[t for t in LORA_TARGETS[model_type] if t not in ("embed_tokens",
-                                                                                       "word_embeddings")])
+    frozen = ("embed_tokens", "word_embeddings") + (("lm_head",) if extra.get("quantize_head") else ())
+    opts = dict(init_std=0.2, targets=[t for t in LORA_TARGETS[model_type] if t not in frozen])
     serial = apply_tuning(cls(cfg.model, seed=7), cfg, **opts)
     par = apply_tuning(cls(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=7), cfg, **opts)
     return serial, par
@@ -287,8 +287,9 @@ def _same_quantized_buffers(serial, par, ctx):
     assert checked
 
 
-def qlora_equals_serial(ctx, model_type, plan, uneven, kind="nf4"):
-    serial, par = qlora_pair(ctx, model_type, plan, uneven, quantize_base=kind)
+def qlora_equals_serial(ctx, model_type, plan, uneven, kind="nf4", head=False):
+    extra = dict(quantize_head=True) if head else {}  # the output head's logits on fp8 too (test_fp8_head)
+    serial, par = qlora_pair(ctx, model_type, plan, uneven, quantize_base=kind, **extra)
     _same_quantized_buffers(serial, par, ctx)
     serial, par = serial.double(), par.double()  # NF4 dequantized to fp64: exact products, fp64 sums
     _, worst = backward_both(serial, par, make_batch(model_type), ctx, edges(par))

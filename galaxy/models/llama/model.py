@@ -58,6 +58,7 @@ from galaxy.core.recompute import recomputed_when_compiled
 from galaxy.core.sp_attention import gather_kv, stream_order
 from galaxy.core.transitions import reduce_to_replicated
 from galaxy.kernels import apply_rope, fused_linear_cross_entropy, rms_norm, swiglu, swiglu_packed
+from galaxy.kernels.fp8 import logits_on_fp8
 from galaxy.models.base import (GalaxyModel, ModelOutput, activation, at_least_fp32, default_plan_and_context, plain,
                                 token_loss_sum, use_triton)
 from galaxy.models.generation import generate
@@ -449,6 +450,8 @@ class LlamaForCausalLM(LlamaHF, GalaxyModel):
                 # The head runs on the stream's (local) tokens: whole weight, CON's rule.
                 self.lm_head = ParallelLinear(config.hidden_size, config.vocab_size, bias=False,
                                               rule=region_rule(plan.con))
+        # The frozen head's row-wise e4m3 copy when its logits run on fp8 (galaxy.loralib.quantized.quantize_head)
+        self.lm_head_fp8: Optional[nn.Module] = None
         if not meta:
             self.init_weights(seed)
         mark_module(self, GradRule.REPLICATED)
@@ -482,7 +485,12 @@ class LlamaForCausalLM(LlamaHF, GalaxyModel):
         fused = (labels is not None and self.training
                  and use_triton(self.config.kernels, h, "fused_linear_cross_entropy")
                  and type(self.lm_head) in (ParallelLinear, TiedLMHead) and plain(self.lm_head))
-        logits = None if fused else self.lm_head(h)
+        head_fp8 = None if self.lm_head_fp8 is None else self.lm_head_fp8.matrix()
+        if fused:
+            logits = None
+        else:
+            logits = self.lm_head(h) if head_fp8 is None else logits_on_fp8(h, self.lm_head.weight, head_fp8,
+                                                                            self.config.kernels)
         loss = None
         if labels is not None:
             # Position t predicts labels[t + 1]: shift the full labels first, then take this rank's
@@ -492,7 +500,7 @@ class LlamaForCausalLM(LlamaHF, GalaxyModel):
             local = self.model.stream.to_stream(shifted)
             if fused:
                 loss = fused_linear_cross_entropy(h, self.lm_head.weight, local, IGNORE_INDEX, "mean",
-                                                  num_targets=count, backend="triton")
+                                                  num_targets=count, backend="triton", weight_fp8=head_fp8)
             else:
                 loss = token_loss_sum(logits, local, count, self.config.kernels, IGNORE_INDEX)
             if self.model.stream.sharded:
