@@ -106,7 +106,6 @@ def scaled_product(a_codes: torch.Tensor, a_scale: torch.Tensor, b_codes: torch.
     return y.to(out_dtype)
 
 
-
 @dataclass(frozen=True)
 class FP8Matrix:
     """A frozen matrix ``W [rows, cols]`` as row-wise e4m3: ``codes`` (``float8_e4m3fn``), fp32 ``scale``
