@@ -133,6 +133,10 @@ def _recompute_every_op(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 # outside such a Function (pytorch#177396; 2.13 routes a plain checkpoint through this same selective policy), so
 # its partitioner kept an fp8 MLP's projections and ``mlp`` took nothing off the peak.
 _EVERY_OP_RECOMPUTED = functools.partial(create_selective_checkpoint_contexts, _recompute_every_op)
+# What AOTAutograd's cache keys a graph's checkpointed regions by: the policy is fixed (every op recomputed), so a
+# constant names it. Without one, every compiled graph with a recomputed region bypassed that cache (torch 2.13:
+# "SAC context_fn does not have a cache_hash attribute") and was traced and partitioned again in each process.
+_EVERY_OP_RECOMPUTED.cache_hash = "galaxy.core.recompute: every op PREFER_RECOMPUTE"
 
 
 def recompute(fn: Callable, *args, generators: Sequence[torch.Generator] = (), **kwargs):
