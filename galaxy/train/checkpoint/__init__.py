@@ -35,7 +35,7 @@ import os
 import shutil
 import uuid
 from concurrent.futures import Future
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn as nn
@@ -47,13 +47,12 @@ from galaxy.train.checkpoint.files import (RNG_FILE, STATE_FILE, CheckpointError
                                            has_checkpoint, json_bytes, latest_valid_checkpoint, newest_complete,
                                            prune, publish, read_json, resolve_checkpoint, step_dir_name,
                                            verify_checkpoint, write_bytes)
-from galaxy.train.checkpoint.hf_export import export_hf
-from galaxy.train.checkpoint.regions import load_model, model_chunks, optimizer_chunks, read_optimizer_state
-from galaxy.train.checkpoint.shards import (DCP_METADATA_FILE, ShardReader, WritePlan, dcp_metadata_bytes,
-                                            manifest_tensors, plan_writes, write_chunks)
 from galaxy.train.checkpoint.state import (check_optimizer, gather_world_json, install_optimizer_state, jsonable,
                                            layout, param_groups, restore_rng, restore_scheduler, rng_record, run_record,
                                            state_record)
+
+if TYPE_CHECKING:
+    from galaxy.train.checkpoint.shards import WritePlan
 
 __all__ = ["CheckpointError", "CheckpointState", "PendingCheckpoint", "ResumeError", "export_hf",
            "has_checkpoint", "latest_valid_checkpoint", "load_checkpoint", "prune", "resolve_checkpoint",
@@ -62,6 +61,17 @@ __all__ = ["CheckpointError", "CheckpointState", "PendingCheckpoint", "ResumeErr
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2
+
+
+# The tensor files go through torch.distributed.checkpoint (``shards``; ``regions`` and ``hf_export`` build on it),
+# imported where a checkpoint is saved, loaded or exported: importing it costs about 0.5-1 s of CPU, which every
+# launcher paid for nothing (it imports ``lock`` from this package; the files, lock and state modules need no DCP).
+def __getattr__(name: str):
+    if name == "export_hf":
+        from galaxy.train.checkpoint.hf_export import export_hf
+
+        return export_hf
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass
@@ -154,6 +164,8 @@ class PendingCheckpoint:
 
     def _commit(self, written: list[dict]) -> None:
         """Rank 0, once every rank's shards are written: the JSON files, DCP's index, the manifest."""
+        from galaxy.train.checkpoint.shards import DCP_METADATA_FILE, dcp_metadata_bytes, manifest_tensors
+
         tensors = manifest_tensors(self.plan, written)
         entries = {}
         for record in written:
@@ -189,6 +201,9 @@ def save_checkpoint(directory: str, step: int, model: nn.Module, optimizer: torc
     ``grad_reducer`` (the trainer's ``GradReducer``; needed with ``mp_grad_reduce: sharded``): the
     sharded weights' masters and optimizer states are saved from its pieces, as regions of the full
     parameters."""
+    from galaxy.train.checkpoint.regions import model_chunks, optimizer_chunks
+    from galaxy.train.checkpoint.shards import plan_writes, write_chunks
+
     check_optimizer(optimizer)
     final = os.path.join(os.path.abspath(directory), step_dir_name(step))
     pieces = grad_reducer.shard_layout() if grad_reducer is not None else []
@@ -219,6 +234,9 @@ def save_checkpoint(directory: str, step: int, model: nn.Module, optimizer: torc
 
 def _load_tensors(path: str, manifest: dict, state_json: dict, model: nn.Module, optimizer,
                   pieces: list[dict]) -> None:
+    from galaxy.train.checkpoint.regions import load_model, read_optimizer_state
+    from galaxy.train.checkpoint.shards import ShardReader
+
     if optimizer is not None:
         check_optimizer(optimizer)
     if int(manifest.get("format_version", 1)) == 1:
