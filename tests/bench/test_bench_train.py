@@ -104,11 +104,15 @@ def alike_losses(tmp_path, lr, contenders=ALIKE, world=2):
     return {n: r["losses"] for n, r in rows.items()}, report
 
 
+# Two contenders at 2 rows per micro-batch beside the others' 1 (``name:mb<R>``), in the same launch: the rows test's.
+OWN_ROWS = "galaxy-tp:mb2,fsdp2-compile:mb2"
+
+
 @pytest.fixture(scope="module")
 def alike_trained(tmp_path_factory):
-    """The ALIKE rows trained at a learning rate of 1e-2: the alike test's rows, and the float8 test's un-converted
-    run (galaxy-none, float32, 1e-2)."""
-    return alike_losses(tmp_path_factory.mktemp("alike"), "1e-2")
+    """The ALIKE rows and OWN_ROWS' trained at a learning rate of 1e-2: the alike test's rows, the rows test's, and
+    the float8 test's un-converted run (galaxy-none, float32, 1e-2)."""
+    return alike_losses(tmp_path_factory.mktemp("alike"), "1e-2", f"{ALIKE},{OWN_ROWS}")
 
 
 def test_rows_that_start_alike_train_alike(alike_trained, tmp_path):
@@ -120,7 +124,7 @@ def test_rows_that_start_alike_train_alike(alike_trained, tmp_path):
     model (as compiled one-row micro-batches did on 2 x H200: bench/device/microbatch_check.sh)."""
     trained = alike_trained[0]
     for name, got in trained.items():
-        reference = trained["serial-eager" if name.startswith(("serial", "native")) else "galaxy-none"]
+        reference = trained["serial-eager" if name.startswith(("serial", "native", "fsdp2")) else "galaxy-none"]
         assert got == pytest.approx(reference, rel=1e-4), name
     # the reach is read on galaxy-none, which runs on rank 0 by itself: a launch of that one rank
     still = alike_losses(tmp_path, "1e-9", "galaxy-none", world=1)[0]
@@ -147,15 +151,15 @@ def test_float8_rows_train_galaxy_and_the_fsdp2_anchor_in_float8(tmp_path, alike
     assert rows["galaxy-none"]["losses"][1] != plain["rows"][0]["losses"][1]
 
 
-def test_each_contender_at_its_own_rows_in_one_launch(tmp_path):
-    """``name:mb<R>``: that contender runs R rows per micro-batch, the others ``--micro_batch``, in one launch
-    (each recipe at its best setting); the same plan at 2 rows and at 1 trains alike (the same global batch)."""
-    report, _ = bench(tmp_path, "--contenders", "galaxy-tp:mb2,galaxy-tp,fsdp2-compile:mb2", "--dtype", "float32",
-                      "--iters", "2", "--micro_batch", "1")
-    rows = {r["name"]: r for r in report["rows"]}
-    assert list(rows) == ["galaxy-tp:mb2", "galaxy-tp", "fsdp2-compile:mb2"]
+def test_each_contender_at_its_own_rows_in_one_launch(alike_trained):
+    """``name:mb<R>``: that contender runs R rows per micro-batch, the others ``--micro_batch`` (1), in one launch
+    (each recipe at its best setting); the same plan at 2 rows and at 1 trains alike (the same global batch). The
+    launch is the alike rows' (OWN_ROWS among them: a launch of its own cost seconds of CPU to start)."""
+    rows = {r["name"]: r for r in alike_trained[1]["rows"]}
+    assert list(rows) == f"{ALIKE},{OWN_ROWS}".split(",")
     assert all("error" not in r for r in rows.values()), rows
-    layout = {n: (r["dp"], r["micro_batch"], r["accumulation"]) for n, r in rows.items()}
+    layout = {n: (rows[n]["dp"], rows[n]["micro_batch"], rows[n]["accumulation"])
+              for n in ("galaxy-tp:mb2", "galaxy-tp", "fsdp2-compile:mb2")}
     assert layout == {"galaxy-tp:mb2": (1, 2, 2), "galaxy-tp": (1, 1, 4), "fsdp2-compile:mb2": (2, 2, 1)}
     assert rows["galaxy-tp:mb2"]["losses"] == pytest.approx(rows["galaxy-tp"]["losses"], rel=1e-4)
 
