@@ -23,6 +23,7 @@ from galaxy.emulate.host import HostCommandError, missing_prerequisite
 from galaxy.emulate.launch import run_emulated
 from galaxy.planner.cluster import OPS
 from tests import REPO
+from tests.in_process import run_script
 
 # Subprocess and wait limits are hang guards, not timings: generous enough for a host busy with other work
 # (a refusal that takes 3 s alone took over 60 s in one of 30 runs beside a loaded host, 2026-12-02).
@@ -221,8 +222,8 @@ def test_placement_packs_ranks_onto_cores_and_fills_the_rest():
 def test_training_cli_refuses_a_cluster_that_does_not_fit_this_machine(tmp_path):
     cluster = tmp_path / "c.json"
     cluster.write_text(json.dumps({"ranks": [{"compute_share": len(os.sched_getaffinity(0))}, {"compute_share": 1.0}]}))
-    out = subprocess.run([sys.executable, "pretrain_galaxy.py", "--emulate", str(cluster)], capture_output=True,
-                         text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, timeout=HANG_GUARD_S)
+    # in this process (tests.in_process): refused before any rank or emulated host starts
+    out = run_script(["pretrain_galaxy.py", "--emulate", str(cluster)], timeout=HANG_GUARD_S)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert str(cluster) in out.stderr and "'cpu_emulation': 'quota'" in out.stderr, out.stderr
 
@@ -531,9 +532,8 @@ def test_training_cli_refuses_emulate_with_rank_or_another_world(tmp_path):
     cluster = tmp_path / "c.json"
     cluster.write_text(json.dumps({"ranks": [{"compute_share": 1.0}, {"compute_share": 0.5}]}))
     for extra, says in ((["--rank", "0", "--world", "2"], "drop --rank"), (["--world", "3"], "disagrees")):
-        out = subprocess.run([sys.executable, "pretrain_galaxy.py", "--emulate", str(cluster), *extra],
-                             capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
-                             timeout=HANG_GUARD_S)
+        # in this process (tests.in_process): refused before any rank or emulated host starts
+        out = run_script(["pretrain_galaxy.py", "--emulate", str(cluster), *extra], timeout=HANG_GUARD_S)
         assert out.returncode == 2 and says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
