@@ -11,6 +11,7 @@ with ``dp=`` / ``pp=``, one whose mp, pp and dp groups split those ranks as ``wo
 from __future__ import annotations
 
 import importlib
+import multiprocessing.util
 import os
 import queue
 import sys
@@ -62,6 +63,11 @@ def _worker(rank: int, world: int, port: int, tasks, results, root: str) -> None
         except BaseException:
             results.put((rank, "error", traceback.format_exc()))
     base.shutdown()
+    # As the launcher's ranks end (galaxy.cli.launch._child): multiprocessing's own cleanup (the results queue's
+    # feeder flushed), then os._exit, which skips the interpreter's finalization: with torch._dynamo imported that
+    # took about 1.3 s of CPU a worker (2026-12-03), at each pool's close, the last thing a pytest worker waits for.
+    multiprocessing.util._exit_function()
+    os._exit(0)
 
 
 class DistPool:
