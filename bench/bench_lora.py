@@ -83,7 +83,7 @@ import torch  # noqa: E402
 # torch and the config alone here: the launch's own process and a contender that stops at its import (unsloth
 # without a GPU) do without Galaxy's model and training code (over a second of CPU a process); a contender's
 # process imports them where it runs.
-from bench import line_buffered_output  # noqa: E402
+from bench import exit_without_finalizing, line_buffered_output  # noqa: E402
 from galaxy.config import MODEL_PRESETS, GalaxyConfig  # noqa: E402
 
 # unsloth with both its attention paths (xformers where it loads, PyTorch's SDPA with -sdpa): its faster row is
@@ -752,4 +752,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     line_buffered_output()
-    sys.exit(main())
+    exit_without_finalizing(main() or 0)

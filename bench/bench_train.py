@@ -121,7 +121,6 @@ Multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -136,7 +135,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -157,7 +155,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from bench import line_buffered_output  # noqa: E402
+from bench import exit_without_finalizing, line_buffered_output  # noqa: E402
 from bench.step_profile import profile_step  # noqa: E402
 from bench.bench_coc import (PlainStack, RMSNorm, launch, publish, pytorch_tp_sp, release, rotate_half,  # noqa: E402
                              run_facts)
@@ -1608,20 +1606,6 @@ def main(argv: Optional[list[str]] = None) -> None:
         worker(0, args.fake_world, 0, args, None)
         return
     launch(worker, args, p, on_cpu=args.cpu)
-
-
-def exit_without_finalizing() -> None:
-    """End this process as Galaxy's ranks end (``galaxy.cli.launch._child``): what the interpreter's exit does
-    that matters (the atexit handlers, logging's and multiprocessing's among them; the streams flushed), then
-    ``os._exit``, which skips tearing every module down: with torch._dynamo imported that took about 1.4 s of CPU
-    a launch (2026-12-03; each point of a sweep is one). Not while a non-daemon thread runs (the interpreter would
-    wait for it)."""
-    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
-        return
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
