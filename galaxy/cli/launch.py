@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 
 from galaxy.cli.args import RunOptions, resume_path
 from galaxy.cli.output import LOG_FORMAT, bad_input, setup_logging
+from galaxy.cli.rank_processes import Handover, leave_forkserver, rank_process_context
 from galaxy.config import ConfigError, GalaxyConfig
 from galaxy.emulate import Cluster, cgroups, run_emulated
 from galaxy.emulate.launch import describe_exit
@@ -43,7 +44,9 @@ class Launch:
     # Local processes (--world N): where each rank sends the one line of its failure or interruption and
     # its warnings, for the launcher to print once (a multiprocessing SimpleQueue); None: a rank prints its own.
     reports: Any = None
-    launcher_pid: Optional[int] = None  # a rank the local launcher started: that launcher, which it must not outlive
+    # A rank the local launcher started: that launcher; once the rank runs (``die_with_launcher``), the process it
+    # must not outlive, its parent: the launcher, or the forkserver it was forked from, which ends with the launcher.
+    launcher_pid: Optional[int] = None
     save_dir: Optional[str] = None  # the run's checkpoints (--save_dir), locked for the run where rank 0 starts
 
     @property
@@ -111,25 +114,36 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _REPORT_CHARS = 1000
 
 
-def die_with_launcher(launcher_pid: Optional[int]) -> None:
-    """Make this rank end when the launcher that started it ends, however it ends (``kill -9`` included):
-    on Linux the kernel sends SIGKILL when the parent dies (``PR_SET_PDEATHSIG``); everywhere a thread
-    watches the parent and kills this process once it is another (``watch_launcher``). A rank left alone
-    would go on training and writing checkpoints that nobody asked for."""
+def die_with_launcher(launcher_pid: Optional[int]) -> Optional[int]:
+    """Make this rank end when the launcher that started it ends, however it ends (``kill -9`` included);
+    returns the process it watches: its parent, the launcher or the forkserver the launcher started it from
+    (``rank_processes``), which ends when the launcher does. On Linux the kernel sends SIGKILL when the parent
+    dies (``PR_SET_PDEATHSIG``); everywhere a thread watches the parent and kills this process once it is
+    another (``watch_launcher``). A rank left alone would go on training and writing checkpoints that nobody
+    asked for."""
     if launcher_pid is None:
-        return
+        return None
+    from galaxy.train.checkpoint.lock import parent_of
+
+    parent = os.getppid()
+    killed_with_parent()  # no effect if it fails: the watch remains
+    if os.getppid() != parent or launcher_pid not in (parent, parent_of(parent) or launcher_pid):
+        os.kill(os.getpid(), signal.SIGKILL)  # the launcher died before the prctl above
+    threading.Thread(target=watch_launcher, args=(parent,), name="galaxy-launcher-watch", daemon=True).start()
+    return parent
+
+
+def killed_with_parent() -> None:
+    """Have the kernel send this process SIGKILL when its parent dies (Linux ``PR_SET_PDEATHSIG``; elsewhere
+    nothing)."""
     if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # no effect if it fails: the watch remains
-    if os.getppid() != launcher_pid:  # the launcher died before the line above
-        os.kill(os.getpid(), signal.SIGKILL)
-    threading.Thread(target=watch_launcher, args=(launcher_pid,), name="galaxy-launcher-watch", daemon=True).start()
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def watch_launcher(launcher_pid: int, interval_s: float = 0.5) -> None:
-    """Kill this process (SIGKILL) once its parent is no longer ``launcher_pid``: the launcher died and this
+def watch_launcher(parent: int, interval_s: float = 0.5) -> None:
+    """Kill this process (SIGKILL) once its parent is no longer ``parent``: the launcher died and this
     process was handed to another parent."""
-    while os.getppid() == launcher_pid:
+    while os.getppid() == parent:
         time.sleep(interval_s)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -164,9 +178,15 @@ def log_through_launcher(reports, rank: int) -> None:
     logging.captureWarnings(True)
 
 
-def _child(fn, rank: int, launch: Launch, payload) -> None:
-    die_with_launcher(launch.launcher_pid)
+def _child(fn, rank: int, launch: Launch, payload, handover: Handover) -> None:
+    stale = handover.take()
+    leave_forkserver()
+    launch = replace(launch, launcher_pid=die_with_launcher(launch.launcher_pid))
     log_through_launcher(launch.reports, rank)
+    if stale and rank == 0:
+        logger.warning("%s changed since this process's first local launch, whose rank forkserver imported torch "
+                       "with the earlier values, which stay in force; they take effect in a new process",
+                       ", ".join(stale))
     code = run_rank(fn, rank, launch, payload)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
@@ -323,15 +343,16 @@ def launch_local(fn: Callable, launch: Launch, payload, cfg: GalaxyConfig) -> in
     takes it over); a second one kills them."""
     init = cfg.distributed.init_method
     launch.init_method = init if init.startswith("tcp://") else f"tcp://127.0.0.1:{free_port()}"
-    spawn = multiprocessing.get_context("spawn")
-    launch.reports = spawn.SimpleQueue()
+    processes = rank_process_context()
+    launch.reports = processes.SimpleQueue()
     child = replace(launch, launcher_pid=os.getpid())
     with CaughtSignals() as caught:
         # Started with the stop signals blocked: one that comes while a rank starts up waits for its
         # handler (sigterm_interrupts) instead of printing a traceback from the middle of an import.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
-            procs = [spawn.Process(target=_child, args=(fn, r, child, payload), name=f"rank{r}")
+            procs = [processes.Process(target=_child, args=(fn, r, child, payload, Handover.from_launcher()),
+                                       name=f"rank{r}")
                      for r in range(launch.world)]
             for p in procs:
                 p.start()

@@ -48,7 +48,8 @@ def _process_start(pid: int) -> Optional[int]:
     return int(stat[stat.rindex(b")") + 2:].split()[19])  # field 22; the name in parentheses may hold spaces
 
 
-def _parent_of(pid: int) -> Optional[int]:
+def parent_of(pid: int) -> Optional[int]:
+    """The parent of process ``pid`` (Linux ``/proc``); None where it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -109,7 +110,7 @@ class Owner:
         while pid and pid > 1:
             if pid == self.pid:
                 return self.pid_start is None or _process_start(pid) == self.pid_start
-            pid = _parent_of(pid)
+            pid = parent_of(pid)
         return False
 
 
