@@ -23,7 +23,6 @@ import argparse
 import gc
 import json
 import logging
-import multiprocessing
 import os
 import shutil
 import sys
@@ -34,7 +33,7 @@ import torch
 
 from galaxy.cli.args import build_config, checkpoint_model, flag_overrides, load_config, new_parser
 from galaxy.cli.compare_tasks import base_tokenizer, load_base, pretrained_base, topic_documents, write_topic_task
-from galaxy.cli.launch import Launch, interruptible, launch_ranks, rank_context, run_rank
+from galaxy.cli.launch import Launch, interruptible, launch_local, launch_ranks, rank_context, run_rank
 from galaxy.cli.output import bad_input, check_output_path, setup_logging
 from galaxy.cli.run import check_plan_for_cli
 from galaxy.config import PLAN_PRESETS, ConfigError, GalaxyConfig, Plan, canonical_keys, read_config_file
@@ -323,10 +322,6 @@ def compare_rank(rank: int, launch: Launch, payload) -> None:
             gc.collect()
 
 
-def _single(launch: Launch, payload) -> None:
-    sys.exit(run_rank(compare_rank, 0, launch, payload))
-
-
 def run_methods(jobs: list, files, world: int, log_level: str, in_process: bool = False) -> int:
     """Run ``jobs`` (``MethodRun``s) on the task ``files`` on ``world`` fresh local
     processes (``in_process``: world 1 in this process)."""
@@ -336,11 +331,7 @@ def run_methods(jobs: list, files, world: int, log_level: str, in_process: bool 
         return run_rank(compare_rank, 0, launch, payload)
     if world > 1:
         return launch_ranks(compare_rank, launch, payload, jobs[0].cfg)
-    # One rank still gets its own process, so its peak memory is its own.
-    proc = multiprocessing.get_context("spawn").Process(target=_single, args=(launch, payload))
-    proc.start()
-    proc.join()
-    return proc.exitcode
+    return launch_local(compare_rank, launch, payload, jobs[0].cfg)  # one rank, a process of its own: its own peak
 
 
 def format_table(rows: list[dict]) -> str:
