@@ -347,8 +347,9 @@ def launch_local(fn: Callable, launch: Launch, payload, cfg: GalaxyConfig) -> in
     launch.reports = processes.SimpleQueue()
     child = replace(launch, launcher_pid=os.getpid())
     with CaughtSignals() as caught:
-        # Started with the stop signals blocked: one that comes while a rank starts up waits for its
-        # handler (sigterm_interrupts) instead of printing a traceback from the middle of an import.
+        # Started with the stop signals blocked (a spawned rank inherits this mask, a forked one the forkserver's,
+        # which blocks them too): one that comes while a rank starts up waits for its handler (sigterm_interrupts)
+        # instead of printing a traceback from the middle of an import.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             procs = [processes.Process(target=_child, args=(fn, r, child, payload, Handover.from_launcher()),

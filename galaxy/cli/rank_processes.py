@@ -11,9 +11,10 @@ OpenMP pool started), which is what makes forking it safe; it ends when its laun
 
 A forked rank is the forkserver's child, not the launcher's, so it takes from the launcher what it would
 otherwise inherit from the forkserver (``Handover``): the environment as it is now and the launcher's stdout
-and stderr as they are now (a launcher may have redirected them since the forkserver started). Environment
-variables that torch reads while it is imported (``TORCH*``, ``OMP_*``, ...) keep the forkserver's values;
-where the launcher's differ the rank says so (``Handover.take``): they take effect in a new process.
+and stderr as they are now (a launcher may have redirected them since the forkserver started). The few environment
+variables read while the forkserver started and imported torch (``READ_AT_IMPORT``: the loader's, OpenMP's, torch's
+logging) keep the forkserver's values; where the launcher's differ the rank says so (``Handover.take``): they take
+effect in a new process.
 """
 
 from __future__ import annotations
@@ -26,8 +27,12 @@ from multiprocessing import reduction
 
 # What the forkserver imports (one module: it imports the rest and holds the stop signals, see there).
 PRELOAD = ["galaxy.cli.rank_forkserver"]
-# Variables read while torch, Triton and the OpenMP runtime are imported, fixed in the forkserver from then on.
-READ_AT_IMPORT = ("TORCH", "PYTORCH", "TRITON", "OMP_", "KMP_", "MKL_", "CUDA_", "LD_")
+# Variables read while the forkserver started and imported torch (the dynamic loader, the OpenMP and MKL runtimes,
+# torch's logging), fixed there from then on; the rest (CUDA_*, NCCL, TORCH_NCCL_*, TORCHINDUCTOR_*, Triton, Galaxy's
+# own) are read later, in the rank, after ``Handover.take``. OMP_NUM_THREADS is not among them: each local rank sets
+# its thread count itself (``galaxy.cli.launch.rank_context``).
+READ_AT_IMPORT = ("LD_", "OMP_", "KMP_", "MKL_", "TORCH_LOGS", "TORCH_SHOW_CPP_STACKTRACES", "TORCH_CPP_LOG_LEVEL")
+SET_BY_EACH_RANK = ("OMP_NUM_THREADS",)
 
 
 def rank_process_context():
@@ -78,8 +83,8 @@ class Handover:
     def take(self) -> list[str]:
         """Make this process's environment, stdout and stderr the launcher's; returns the variables read at
         import whose values differ from the launcher's (the forkserver's stay in force)."""
-        stale = sorted(k for k in set(os.environ) | set(self.environ)
-                       if k.startswith(READ_AT_IMPORT) and os.environ.get(k) != self.environ.get(k))
+        stale = sorted(k for k in set(os.environ) | set(self.environ) if k.startswith(READ_AT_IMPORT)
+                       and k not in SET_BY_EACH_RANK and os.environ.get(k) != self.environ.get(k))
         os.environ.clear()
         os.environ.update(self.environ)
         for fd, target in ((self.stdout, 1), (self.stderr, 2)):

@@ -61,14 +61,18 @@ def test_each_launch_hands_its_ranks_its_own_environment_and_streams(capfd, monk
 
 def test_a_variable_torch_reads_at_import_changed_since_the_forkserver_started_is_named(capfd, monkeypatch):
     """The forkserver imported torch with the environment of the first launch: a launch that changes a variable
-    read at import gets one warning naming it (it takes effect in a new process), not silence."""
+    read at import gets one warning naming it (it takes effect in a new process), not silence; one read later,
+    in the rank, is in force and not named."""
     assert launch_ranks(tell, Launch(2, None, None, None), None, GalaxyConfig()) == 0  # the forkserver runs
     capfd.readouterr()
-    name = f"TORCH_GALAXY_TEST_{uuid.uuid4().hex[:8].upper()}"
+    name = f"KMP_GALAXY_TEST_{uuid.uuid4().hex[:8].upper()}"  # OpenMP's prefix: read as the runtime loads
+    later = f"TORCH_NCCL_GALAXY_TEST_{uuid.uuid4().hex[:8].upper()}"  # read when a process group starts: in force
     monkeypatch.setenv(name, "1")
+    monkeypatch.setenv(later, "1")
     assert launch_ranks(tell, Launch(2, None, None, None), None, GalaxyConfig()) == 0
     err = capfd.readouterr().err
     assert err.count(f"{name} changed since this process's first local launch") == 1, err
+    assert later not in err, err
 
 
 TINY = ["--no_progress", "--override", "global_batch_size=4", "--override", "seq_length=16", "--override",
