@@ -4,6 +4,7 @@ its launcher; a stop signal sent to the whole process group ends the run as Ctrl
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -59,6 +60,7 @@ def test_each_launch_hands_its_ranks_its_own_environment_and_streams(capfd, monk
     assert seen[0] != {str(os.getpid())}, "the ranks were forked from the forkserver, not started by this process"
 
 
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="ranks are spawned here")
 def test_a_variable_torch_reads_at_import_changed_since_the_forkserver_started_is_named(capfd, monkeypatch):
     """The forkserver imported torch with the environment of the first launch: a launch that changes a variable
     read at import gets one warning naming it (it takes effect in a new process), not silence; one read later,
