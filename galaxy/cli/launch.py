@@ -181,6 +181,9 @@ def log_through_launcher(reports, rank: int) -> None:
 def _child(fn, rank: int, launch: Launch, payload, handover: Handover) -> None:
     stale = handover.take()
     leave_forkserver()
+    import torch
+
+    torch.set_num_threads(local_rank_threads(launch.world))
     launch = replace(launch, launcher_pid=die_with_launcher(launch.launcher_pid))
     log_through_launcher(launch.reports, rank)
     if stale and rank == 0:
@@ -199,6 +202,16 @@ def _child(fn, rank: int, launch: Launch, payload, handover: Handover) -> None:
     multiprocessing.util._exit_function()
     # Skips finalization, where a Gloo worker thread can abort ("terminate called without an active exception")
     os._exit(code)
+
+
+def local_rank_threads(world: int) -> int:
+    """Intra-op threads of a local rank: the launcher's OMP_NUM_THREADS where it sets one (as torchrun keeps
+    it), else this host's cores shared among the ranks. Set in the rank itself: a rank forked from the
+    forkserver would otherwise keep the thread count the forkserver's OpenMP read when it loaded."""
+    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if first.isdigit() and int(first) > 0:
+        return int(first)
+    return max(1, (os.cpu_count() or 1) // world)
 
 
 @contextlib.contextmanager
@@ -474,13 +487,9 @@ def first_failure(procs) -> Optional[int]:
 
 
 def rank_context(rank: int, launch: Launch, cfg: GalaxyConfig, log_level: str):
-    """This rank's ParallelContext (dp/pp/mp groups from the config); local processes share the cores."""
-    import torch
-
+    """This rank's ParallelContext (dp/pp/mp groups from the config)."""
     from galaxy.core.context import ParallelContext
 
-    if launch.rank is None and launch.world > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.world))
     setup_logging(log_level)
     dist_cfg = replace(cfg.distributed, init_method=launch.init_method or cfg.distributed.init_method)
     par = cfg.parallel

@@ -30,7 +30,7 @@ PRELOAD = ["galaxy.cli.rank_forkserver"]
 # Variables read while the forkserver started and imported torch (the dynamic loader, the OpenMP and MKL runtimes,
 # torch's logging), fixed there from then on; the rest (CUDA_*, NCCL, TORCH_NCCL_*, TORCHINDUCTOR_*, Triton, Galaxy's
 # own) are read later, in the rank, after ``Handover.take``. OMP_NUM_THREADS is not among them: each local rank sets
-# its thread count itself (``galaxy.cli.launch.rank_context``).
+# its thread count from it itself (``galaxy.cli.launch.local_rank_threads``).
 READ_AT_IMPORT = ("LD_", "OMP_", "KMP_", "MKL_", "TORCH_LOGS", "TORCH_SHOW_CPP_STACKTRACES", "TORCH_CPP_LOG_LEVEL")
 SET_BY_EACH_RANK = ("OMP_NUM_THREADS",)
 

@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from galaxy.cli.launch import Launch, launch_ranks
+from galaxy.cli.launch import Launch, launch_local, launch_ranks
 from galaxy.config import GalaxyConfig
 from tests import REPO
 
@@ -75,6 +75,27 @@ def test_a_variable_torch_reads_at_import_changed_since_the_forkserver_started_i
     err = capfd.readouterr().err
     assert err.count(f"{name} changed since this process's first local launch") == 1, err
     assert later not in err, err
+
+
+def tell_threads(rank: int, launch: Launch, payload) -> None:
+    import torch
+
+    print(f"rank {rank} mark=- parent=- parent_blocks=- threads={torch.get_num_threads()}")
+
+
+def test_a_local_rank_takes_its_thread_count_from_its_launcher(capfd, monkeypatch):
+    """The forkserver's OpenMP read OMP_NUM_THREADS once, when it loaded (this suite's: 1): a rank forked from
+    it uses its launcher's value of this launch (compare's one-rank launch too), or without one the cores
+    shared among the ranks."""
+    for world, threads, expected in ((1, "3", 3), (2, "2", 2), (2, None, max(1, (os.cpu_count() or 1) // 2))):
+        if threads is None:
+            monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        else:
+            monkeypatch.setenv("OMP_NUM_THREADS", threads)
+        assert launch_local(tell_threads, Launch(world, None, None, None), None, GalaxyConfig()) == 0
+        ranks = told(capfd.readouterr().out)
+        assert sorted(ranks) == list(range(world)) and {r["threads"] for r in ranks.values()} == {str(expected)}, \
+            (world, threads, ranks)
 
 
 TINY = ["--no_progress", "--override", "global_batch_size=4", "--override", "seq_length=16", "--override",
