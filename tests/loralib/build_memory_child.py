@@ -95,9 +95,13 @@ def on_a_plan(spec: dict, cfg, ctx) -> dict:
 
 def run_all(specs: list) -> None:
     import torch  # noqa: F401 - imported before forking: the children share it
+    import torch._dynamo  # noqa: F401 - a child's first parameter init would import it (about 1 s of CPU each)
 
     import galaxy.peft  # noqa: F401
     import galaxy.models.llama  # noqa: F401
+    from galaxy.core.context import import_world_binders
+
+    import_world_binders()  # what a child's ParallelContext.initialize imports, here once
 
     from galaxy.cli.launch import free_port
 
