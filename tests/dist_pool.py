@@ -14,21 +14,29 @@ import importlib
 import multiprocessing.util
 import os
 import queue
+import signal
 import sys
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from galaxy.cli.launch import free_port
+from galaxy.cli.launch import STOP_SIGNALS, die_with_launcher, free_port
+from galaxy.cli.rank_processes import Handover, leave_forkserver, rank_process_context
 
 MAX_WORLD = 4
 TASK_TIMEOUT_S = 120
 
 
-def _worker(rank: int, world: int, port: int, tasks, results, root: str) -> None:
+def _worker(rank: int, world: int, port: int, tasks, results, root: str, handover: Handover, owner: int) -> None:
+    # Forked from the forkserver local launches use (torch and Galaxy imported there once): take the owner's
+    # environment and streams, die with it, and take stop signals as a spawned process would (the forkserver
+    # blocks them for its ranks, see galaxy.cli.rank_forkserver).
+    handover.take()
+    leave_forkserver()
+    die_with_launcher(owner)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     sys.path.insert(0, root)
     torch.set_num_threads(1)
     from galaxy.config import DistributedConfig
@@ -81,13 +89,16 @@ class DistPool:
         self._start()
 
     def _start(self):
-        spawn = mp.get_context("spawn")
-        self.tasks = [spawn.Queue() for _ in range(self.world)]
-        self.results = spawn.Queue()
+        # Forked as a launch's local ranks are (galaxy.cli.rank_processes), not spawned: a spawned worker imported
+        # torch, torch._dynamo and Galaxy again, seconds of CPU for each of the suite's pool workers.
+        context = rank_process_context()
+        self.tasks = [context.Queue() for _ in range(self.world)]
+        self.results = context.Queue()
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        port = free_port()
-        self.procs = [spawn.Process(target=_worker, args=(r, self.world, port, self.tasks[r], self.results, root),
-                                    daemon=True) for r in range(self.world)]
+        port, handover = free_port(), Handover.from_launcher()
+        self.procs = [context.Process(target=_worker, args=(r, self.world, port, self.tasks[r], self.results, root,
+                                                            handover, os.getpid()), daemon=True)
+                      for r in range(self.world)]
         for p in self.procs:
             p.start()
 
