@@ -289,14 +289,16 @@ class RankProfile:
 
     def whole_sizes(self, name: str, rows: int, most: int, inference: bool = False) -> tuple[np.ndarray, ...]:
         """``piece`` at every whole size from 0 to at least ``most`` (below ``WHOLE_SIZES``): index them by
-        sizes (a search asks for the same sizes millions of times)."""
-        used, measured, scales = self._source(name, rows, inference)
-        key = tuple(id(p) for p in used) + (rows, inference, scales)
+        sizes (a search asks for the same sizes millions of times). Keyed by what decides the table (the pieces and
+        the scales ``_source`` reads), so that a hit costs one lookup."""
+        key = ("whole", name, rows, inference, id(self.pieces), self.forward_compute_scale, self.step_compute_scale,
+               self.sustained_scale, self.layer_compute_scale, self.activation_scale)
         entry = self.tables.get(key)
         if entry is None or len(entry[1][0]) <= most:
+            used, measured, scales = self._source(name, rows, inference)
             whole = np.arange(1 << most.bit_length())
-            entry = (used, self._scaled(self._piece(used, measured, rows, whole, inference), scales))
-            self.tables[key] = entry  # holds ``used``: their ids stay theirs while cached
+            entry = (self.pieces, self._scaled(self._piece(used, measured, rows, whole, inference), scales))
+            self.tables[key] = entry  # holds the pieces: their id stays theirs while cached
         return entry[1]
 
     def _source(self, name: str, rows: int, inference: bool) -> tuple[tuple[Piece, ...], list[int], tuple]:
