@@ -78,6 +78,22 @@ def complete_checkpoints(save_dir) -> set[str]:
     return {d.name for d in save_dir.iterdir() if is_complete(str(d))}
 
 
+def describe(pids: list[int]) -> str:
+    """Each process as pid, parent, state and command line: which part of the run it is."""
+    described = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        described.append(f"pid {pid} (parent {fields[1]}, state {fields[0]}): {command[:300]}")
+    return "; ".join(described)
+
+
 def test_ranks_die_with_their_launcher_when_it_is_killed(tmp_path):
     """``kill -9`` of the launcher: within 5 s no rank (and no resource tracker) is left, so nothing trains
     on or rotates away the checkpoints that were there at the kill (those complete as the launcher is reaped:
@@ -96,7 +112,8 @@ def test_ranks_die_with_their_launcher_when_it_is_killed(tmp_path):
         killed_at = time.monotonic()
         while session_members(launcher.pid) and time.monotonic() - killed_at < 5:
             time.sleep(0.05)
-        assert session_members(launcher.pid) == [], "processes of the run outlived its launcher by 5 s"
+        left = session_members(launcher.pid)
+        assert left == [], f"processes of the run outlived its launcher by 5 s: {describe(left)}"
     finally:
         for pid in session_members(launcher.pid):
             os.kill(pid, signal.SIGKILL)
