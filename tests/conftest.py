@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 # One intra-op thread in every test (``one_intra_op_thread``) and in every process a test starts (they inherit
 # OMP_NUM_THREADS; a local launch of several ranks still sets each rank's own, galaxy.cli.launch.rank_context). The
-# tests' shapes are tiny: a second OpenMP thread gains nothing on them, and beside the other pytest worker and the
+# tests' shapes are tiny: a second OpenMP thread gains nothing on them, and beside the other pytest workers and the
 # ranks it spins waiting for work on a core another process needs (2026-12-02, one file alone on the busy 2-core
 # host: test_precision.py 96.8 s of CPU on two threads against 32.5 on one, test_equivalence.py 79.7 against 64.5;
 # test_finetune.py 139 against 14).
