@@ -58,18 +58,23 @@ def steps_logged(metrics) -> int:
     return len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
 
+def stat_fields(pid) -> list[str] | None:
+    """A process's /proc stat fields after its name (state, parent, group, session, ...), None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()
+
+
 def session_members(session: int) -> list[int]:
     """Live (not zombie) processes of a session: the launcher's, its ranks' and multiprocessing's resource
     tracker."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[3]) == session and fields[0] != "Z":
+        fields = stat_fields(pid)
+        if fields is not None and int(fields[3]) == session and fields[0] != "Z":
             found.append(int(pid))
     return found
 
@@ -82,15 +87,14 @@ def describe(pids: list[int]) -> str:
     """Each process as pid, parent, state and command line: which part of the run it is."""
     described = []
     for pid in pids:
+        fields = stat_fields(pid)
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        described.append(f"pid {pid} (parent {fields[1]}, state {fields[0]}): {command[:300]}")
+            fields = None
+        if fields is not None:
+            described.append(f"pid {pid} (parent {fields[1]}, state {fields[0]}): {command[:300]}")
     return "; ".join(described)
 
 
