@@ -88,13 +88,14 @@ def describe(pids: list[int]) -> str:
     described = []
     for pid in pids:
         fields = stat_fields(pid)
+        if fields is None:
+            continue
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
-            fields = None
-        if fields is not None:
-            described.append(f"pid {pid} (parent {fields[1]}, state {fields[0]}): {command[:300]}")
+            continue
+        described.append(f"pid {pid} (parent {fields[1]}, state {fields[0]}): {command[:300]}")
     return "; ".join(described)
 
 
