@@ -20,9 +20,9 @@ if not torch.cuda.is_available():
 # nothing does not import inductor (about 2 s of CPU) only to set it.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 # Every compiling process builds its kernels itself, one after another: with two compile threads (the default on
-# this 2-core host) each one first starts a pool of compile workers, an interpreter importing torch (about 3 s of
-# CPU), for graphs of a few kernels each, while the other pytest workers already keep both cores busy (2026-12-04,
-# the ten compiling test files alone, empty inductor cache: 715 s of CPU, 700 with one thread; the same g++ work).
+# this 2-core host) each one first starts a pool of compile workers, an interpreter importing torch (about 2.5 s of
+# CPU a process), for a test's ~20 kernels, while the other pytest workers already keep both cores busy (2026-12-04,
+# the ten compiling test files alone, empty inductor cache: 715 s of CPU, 700 with one thread; the same g++ calls).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # One intra-op thread in every test (``one_intra_op_thread``) and in every process a test starts (they inherit
 # OMP_NUM_THREADS; a local launch of several ranks still sets each rank's own, galaxy.cli.launch.rank_context). The
