@@ -175,6 +175,8 @@ def _validate_compute(cfg: ConfigSections) -> None:
                           "to true or drop compile_mode")
     if m.compile_options is not None:
         _validate_compile_options(m)
+    if m.compile_backend != "inductor":
+        _validate_compile_backend(m)
     if m.compile:
         lora = cfg.peft.lora_dropout if cfg.peft.tuning == "lora" else 0.0
         on = [f"{k}={v}" for k, v in (("hidden_dropout_prob", m.hidden_dropout_prob),
@@ -279,6 +281,23 @@ def _validate_compile_options(m) -> None:
         if not isinstance(value, (bool, int, float, str)):
             raise ConfigError(f"config key 'compile_options' sets '{key}' to {value!r}; give a number, a string "
                               "or true/false")
+
+
+def _validate_compile_backend(m) -> None:
+    """``compile_backend``: a backend torch.compile knows; modes and options are inductor's."""
+    if not m.compile:
+        raise ConfigError(f"config key 'compile_backend' is '{m.compile_backend}' but compile is false; set compile "
+                          "to true or drop compile_backend")
+    for key, unset in (("compile_mode", m.compile_mode == "default"), ("compile_options", m.compile_options is None)):
+        if not unset:
+            raise ConfigError(f"config key '{key}' is inductor's, but compile_backend is '{m.compile_backend}'; drop "
+                              f"{key} or set compile_backend to inductor")
+    from torch._dynamo import list_backends
+
+    known = list_backends(exclude_tags=())
+    if m.compile_backend not in known:
+        raise ConfigError(f"config key 'compile_backend' is '{m.compile_backend}', which torch.compile does not know; "
+                          f"use one of {', '.join(sorted(known))}")
 
 
 def _validate_precision_and_steps(cfg: ConfigSections) -> None:

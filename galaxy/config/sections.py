@@ -70,6 +70,11 @@ class ModelConfig:
     # inductor options for those layers over the mode's own (torch._inductor.list_options()), e.g.
     # {"triton.multi_kernel": 1}: a reduction compiled persistent and looped, the faster picked per size
     compile_options: Optional[dict] = None
+    # torch.compile's backend for those layers: inductor generates their kernels; aot_eager_decomp_partition traces
+    # them with inductor's decompositions and partitions them with its min-cut partitioner (which choose what is saved
+    # for backward; inductor's joint-graph rewrites aside) and runs the ops eagerly, building no kernel; any backend
+    # torch._dynamo.list_backends(exclude_tags=()) names
+    compile_backend: str = "inductor"
 
     @property
     def captures_cuda_graphs(self) -> bool:
@@ -315,7 +320,7 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes whose layers
 ACTIVATION_MEMORY_KEYS = ("activation_memory", "layer_memory", "memory_budget_gib", "host_memory_budget_gib",
                           "host_link_gb_per_s", "mlp_chunks")
 COMPUTE_KEYS = ("recompute", "recompute_num_layers", *ACTIVATION_MEMORY_KEYS, "fused_gate_up", "kernels", "compile",
-                "compile_mode", "compile_options")
+                "compile_mode", "compile_options", "compile_backend")
 FUSED_GATE_UP_NAMES = ("gate_proj", "up_proj", "gate_up_proj")
 
 

@@ -24,7 +24,9 @@ What runs eagerly instead, by rule:
 * Triton kernels (``kernels``) are not called inside a graph: there the torch references are traced
   and inductor generates the fused kernels; outside the layers (the head and its loss) the kernels
   run as configured.
-``compile_mode`` is torch.compile's mode for every layer, ``compile_options`` inductor options over the mode's
+``compile_backend`` is torch.compile's backend (inductor unless set; ``aot_eager_decomp_partition`` traces each
+layer with inductor's decompositions, partitions it with inductor's min-cut partitioner, then runs its ops eagerly,
+no kernel built: the tests that check which tensors a compiled layer saves, or how it meets hooks, use it). ``compile_mode`` is torch.compile's mode for every layer, ``compile_options`` inductor options over the mode's
 (e.g. ``{"triton.multi_kernel": 1}``). ``reduce-overhead`` replays each layer's forward
 and backward kernels as CUDA graphs (inductor's CUDA graph trees; the Trainer marks each step's start,
 ``step_begins``), for steps whose GPU waits on the host launching kernels; on a CPU it compiles as the default.
@@ -77,9 +79,10 @@ class CompiledLayer:
     """``layer.compute`` compiled, called in its place; a call while the layer's dropout is active
     runs the eager ``compute`` (see the module docstring)."""
 
-    def __init__(self, layer: nn.Module, comm: Communicator, mode: str = "default", options: Optional[dict] = None):
+    def __init__(self, layer: nn.Module, comm: Communicator, mode: str = "default", options: Optional[dict] = None,
+                 backend: str = "inductor"):
         self.layer, self.comm = layer, comm  # the layer is not a submodule: this is no nn.Module
-        self.compiled = torch.compile(layer.compute, dynamic=False, **compile_kwargs(mode, options))
+        self.compiled = torch.compile(layer.compute, dynamic=False, backend=backend, **compile_kwargs(mode, options))
 
     def __call__(self, *args):
         if self.comm.observers:

@@ -152,6 +152,7 @@ def probe_config(cfg: GalaxyConfig, seq: int, rows: int, recompute: str, mlp_chu
                 mlp_chunks=mlp_chunks,
                 memory_budget_gib=None, host_memory_budget_gib=None, host_link_gb_per_s=None, recompute="none",
                 recompute_num_layers=None, compile=False, compile_mode="default", compile_options=None,
+                compile_backend="inductor",
                 max_position_embeddings=max(cfg.model.max_position_embeddings, seq))
     return replace(cfg, model=m, train=replace(cfg.train, seq_length=seq, global_batch_size=rows),
                    data=replace(cfg.data, model_path=None))

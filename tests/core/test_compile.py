@@ -252,3 +252,28 @@ def test_compile_mode_is_one_of_torchs_and_needs_compile():
         GalaxyConfig.from_dict(dict(compile=True, compile_mode="fast"))
     with pytest.raises(ConfigError, match="config key 'compile_mode' is 'reduce-overhead' but compile is false"):
         GalaxyConfig.from_dict(dict(compile_mode="reduce-overhead"))
+
+
+def test_compile_backend_is_torchs_and_needs_compile():
+    """``compile_backend``: torch.compile's backend for the layers. ``aot_eager_decomp_partition`` traces and
+    partitions a layer as inductor would and runs its ops eagerly: inductor builds nothing, and the output is
+    the eager model's (float64)."""
+    fresh_dynamo()
+    raw = dict(llama_eq.TINY, seq_length=llama_eq.SEQ)
+    eager = LlamaForCausalLM(GalaxyConfig.from_dict(raw).model, ctx=ParallelContext.serial(), seed=3).double().eval()
+    cfg = GalaxyConfig.from_dict(dict(raw, compile=True, compile_backend="aot_eager_decomp_partition"))
+    model = LlamaForCausalLM(cfg.model, ctx=ParallelContext.serial(), seed=3).double().eval()
+    with torch.no_grad():
+        logits = model(**llama_eq.make_batch()).logits
+        assert torch.allclose(logits, eager(**llama_eq.make_batch()).logits, rtol=1e-12, atol=1e-12)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["inductor"], dict(counters["inductor"])
+    for raw_bad, message in (
+            (dict(compile_backend="aot_eager"), "'compile_backend' is 'aot_eager' but compile is false"),
+            (dict(compile=True, compile_backend="aot_eagre"), "'aot_eagre', which torch.compile does not know; use "
+                                                              "one of .*aot_eager,"),
+            (dict(compile=True, compile_backend="eager", compile_mode="reduce-overhead"),
+             "'compile_mode' is inductor's, but compile_backend is 'eager'"),
+            (dict(compile=True, compile_backend="eager", compile_options={"triton.multi_kernel": 1}),
+             "'compile_options' is inductor's")):
+        with pytest.raises(ConfigError, match=message):
+            GalaxyConfig.from_dict(raw_bad)

@@ -49,7 +49,7 @@ def build(ctx, case):
     cfg = GalaxyConfig.from_dict(dict(model_raw, **TRAIN, **extra))
     serial_cfg = GalaxyConfig.from_dict(dict(model_raw, **TRAIN, **{k: v for k, v in extra.items()
                                                                        if KEY_SECTION[k] in ("model", "train")
-                                                                       and k not in ("compile", "compile_mode")}))
+                                                                       and not k.startswith("compile")}))
     ctx.stage_layers = cfg.stage_layers()
     cls = LlamaForCausalLM if case.get("model") == "llama" else BertForMaskedLM
     model = cls(cfg.model, cfg.resolve_plan(ctx.mp.size), ctx, seed=11)

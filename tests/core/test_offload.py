@@ -123,11 +123,17 @@ def test_memory_modes_under_lora_and_qlora(dist_pool, model_type, tuning, world,
         dist_pool.run(compare_memory_modes, world, model_type, plan, False, tuning, mixes, chunks)
 
 
+# Traced and partitioned as inductor does, the ops run eagerly: the hooks meet the same compiled autograd function
+# and its saved tensors; inductor's kernels are tests/core/test_compile.py's.
+COMPILE_BACKEND = "aot_eager_decomp_partition"
+
+
 def compiled_step(model_type, extra, tuning):
     _, base = lm(model_type)
     cls, _ = lm(model_type)
     cfg = GalaxyConfig.from_dict(dict(base, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, seq_length=11,
-                                      num_hidden_layers=2, compile=True, **tuning, **extra))
+                                      num_hidden_layers=2, compile=True, compile_backend=COMPILE_BACKEND, **tuning,
+                                      **extra))
     model = apply_tuning(cls(cfg.model, None, ParallelContext.serial(seed=2), seed=3), cfg, init_std=0.1)
     for _ in range(2):  # the second step runs the compiled graphs the first one made
         model.zero_grad(set_to_none=True)
@@ -142,9 +148,8 @@ def compiled_step(model_type, extra, tuning):
 def test_memory_modes_of_compiled_layers(model_type, tuning):
     """The hooks set around a compiled layer take its compiled autograd function's saved tensors: offload and
     full recompute (around the compiled call) give bitwise the compiled model's loss and gradients; mlp and
-    selective recompute (inside the compiled graph, which inductor then fuses otherwise) to a relative error of
-    1e-5 (as tests/loralib/test_qlora_compile.py). In float32:
-    torch 2.11's inductor cannot compile a float64 attention backward with a mask on CPU."""
+    selective recompute (inside the compiled graph, which is then partitioned otherwise) to a relative error of
+    1e-5 (as tests/loralib/test_qlora_compile.py). In float32."""
     torch._dynamo.reset()  # each model compiles its own layers: the recompile limit counts them all
     loss, grads = compiled_step(model_type, {}, tuning)
     for mix, exact in ((["none+offload", "full+offload"], True), (["mlp+offload", "selective+offload"], False)):
