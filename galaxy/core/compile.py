@@ -26,7 +26,8 @@ What runs eagerly instead, by rule:
   run as configured.
 ``compile_backend`` is torch.compile's backend (inductor unless set; ``aot_eager_decomp_partition`` traces each
 layer with inductor's decompositions, partitions it with inductor's min-cut partitioner, then runs its ops eagerly,
-no kernel built: the tests that check which tensors a compiled layer saves, or how it meets hooks, use it). ``compile_mode`` is torch.compile's mode for every layer, ``compile_options`` inductor options over the mode's
+no kernel built: the tests that check which tensors a compiled layer saves, or how it meets hooks, use it).
+``compile_mode`` is torch.compile's mode for every layer, ``compile_options`` inductor options over the mode's
 (e.g. ``{"triton.multi_kernel": 1}``). ``reduce-overhead`` replays each layer's forward
 and backward kernels as CUDA graphs (inductor's CUDA graph trees; the Trainer marks each step's start,
 ``step_begins``), for steps whose GPU waits on the host launching kernels; on a CPU it compiles as the default.

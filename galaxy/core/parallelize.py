@@ -155,8 +155,8 @@ def configure_layer(layer: TransformerLayer, comm: Communicator, plan: Plan, cho
     layer.edges = LayerEdges(block_edge(comm, plan, plan.att, choice), mlp)
     layer.attention_core = recomputed_attention if mode.recompute == "selective" else attention
     layer.memory_mode = mode
-    layer.compiled = CompiledLayer(layer, comm, cfg.compile_mode, cfg.compile_options,
-                                                  cfg.compile_backend) if cfg.compile else None
+    layer.compiled = (CompiledLayer(layer, comm, cfg.compile_mode, cfg.compile_options, cfg.compile_backend)
+                      if cfg.compile else None)
 
 
 def parallelize(model: nn.Module, plan: Plan, comm: Communicator, cfg: ModelConfig, lora_fusion: bool = False) -> None:
