@@ -25,6 +25,7 @@ from galaxy.core.recompute import MemoryMode, layer_memory_modes, run_layer_with
 from galaxy.models.bert import BertForMaskedLM
 from galaxy.models.llama import LlamaForCausalLM
 from galaxy.peft import apply_tuning
+from tests import COMPILED_WITHOUT_KERNELS
 from tests.core.test_llama_equivalence import rel_err
 from tests.core.test_recompute import BERT, DROPOUT, LLAMA, UNEVEN, make_batch, same, streams
 
@@ -123,17 +124,11 @@ def test_memory_modes_under_lora_and_qlora(dist_pool, model_type, tuning, world,
         dist_pool.run(compare_memory_modes, world, model_type, plan, False, tuning, mixes, chunks)
 
 
-# Traced and partitioned as inductor does, the ops run eagerly: the hooks meet the same compiled autograd function
-# and its saved tensors; inductor's kernels are tests/core/test_compile.py's.
-COMPILE_BACKEND = "aot_eager_decomp_partition"
-
-
 def compiled_step(model_type, extra, tuning):
     _, base = lm(model_type)
     cls, _ = lm(model_type)
     cfg = GalaxyConfig.from_dict(dict(base, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, seq_length=11,
-                                      num_hidden_layers=2, compile=True, compile_backend=COMPILE_BACKEND, **tuning,
-                                      **extra))
+                                      num_hidden_layers=2, **COMPILED_WITHOUT_KERNELS, **tuning, **extra))
     model = apply_tuning(cls(cfg.model, None, ParallelContext.serial(seed=2), seed=3), cfg, init_std=0.1)
     for _ in range(2):  # the second step runs the compiled graphs the first one made
         model.zero_grad(set_to_none=True)

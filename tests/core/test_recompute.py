@@ -14,6 +14,7 @@ from galaxy.core.recompute import layer_modes
 from galaxy.models.bert import BertForMaskedLM
 from galaxy.models.llama import LlamaForCausalLM
 from galaxy.train.loop import Trainer
+from tests import COMPILED_WITHOUT_KERNELS
 
 SEQ, BATCH = 11, 4
 LLAMA = dict(model_type="llama", vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=8,
@@ -271,11 +272,6 @@ def test_bench_recompute_smoke(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in report["rows"]) and report["commit"]
 
 
-# The compiled layers are traced and partitioned as inductor does (its decompositions, its min-cut partitioner, which
-# choose what is saved for backward) and their ops run eagerly: inductor's kernels are tests/core/test_compile.py's.
-COMPILED = dict(compile=True, compile_backend="aot_eager_decomp_partition")
-
-
 def saved_by_a_compiled_step(model, batch) -> list:
     """The tensors a compiled model's forward under bf16 autocast saves for backward (the second step's:
     the first compiles)."""
@@ -311,7 +307,7 @@ def test_a_compiled_layer_rebuilds_its_normed_input_instead_of_keeping_it(tuning
             "lora_target_modules": ["q_proj", "v_proj"]} if tuning == "lora" else {}
     cfg = GalaxyConfig.from_dict({
         "model": dict(LLAMA, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, hidden_dropout_prob=0.0,
-                      attention_probs_dropout_prob=0.0, **COMPILED),
+                      attention_probs_dropout_prob=0.0, **COMPILED_WITHOUT_KERNELS),
         "train": {"seq_length": SEQ, "dtype": "bfloat16"}, "peft": peft})
     model = apply_tuning(LlamaForCausalLM(cfg.model, None, ParallelContext.serial("cpu"), seed=3), cfg)
     layer = model.model.layers[1]  # the second: the first layer's input needs no gradient
@@ -335,7 +331,7 @@ def test_a_compiled_bert_layer_rebuilds_its_mlp_input_instead_of_keeping_it():
         cfg = GalaxyConfig.from_dict({  # weights large enough that each layer's LayerNorm outputs differ
             "model": dict(BERT, hidden_size=64, num_attention_heads=4, hidden_dropout_prob=0.0,
                           attention_probs_dropout_prob=0.0, initializer_range=0.5,
-                          **(COMPILED if compile_ else {})),
+                          **(COMPILED_WITHOUT_KERNELS if compile_ else {})),
             "train": {"seq_length": SEQ, "dtype": "bfloat16"}})
         return BertForMaskedLM(cfg.model, None, ParallelContext.serial("cpu"), seed=3)
 
@@ -363,7 +359,7 @@ def test_a_compiled_mlp_rebuilds_its_activation_instead_of_keeping_it(model_type
     def build(compile_):
         cfg = GalaxyConfig.from_dict({
             "model": dict(raw, hidden_size=64, num_attention_heads=4, hidden_dropout_prob=0.0,
-                          attention_probs_dropout_prob=0.0, **(COMPILED if compile_ else {})),
+                          attention_probs_dropout_prob=0.0, **(COMPILED_WITHOUT_KERNELS if compile_ else {})),
             "train": {"seq_length": SEQ, "dtype": "bfloat16"}})
         return cls(cfg.model, None, ParallelContext.serial("cpu"), seed=3)
 

@@ -35,6 +35,7 @@ from galaxy.loralib.quantized import dequantize_linears, load_quantized, quantiz
 from galaxy.loralib.quantized_layers import FP8Weight, QuantizedWeight  # noqa: E402
 from galaxy.models.llama import LlamaForCausalLM  # noqa: E402
 from galaxy.peft import apply_tuning, build_base, export_merged, frozen_bytes, save_tuning  # noqa: E402
+from tests import COMPILED_WITHOUT_KERNELS  # noqa: E402
 from tests.core.test_llama_equivalence import RTOL, backward_both, rel_err  # noqa: E402
 from tests.kernels.test_fp8 import nearest_e4m3  # noqa: E402
 from tests.loralib.test_qlora import (TARGETS, _same_quantized_buffers, batch, cfg_for, hf_llama,  # noqa: E402,F401
@@ -337,8 +338,7 @@ def activation_bytes_saved(quantize_base: str, compile_: bool, recompute: str) -
     torch._dynamo.reset()
     cfg = GalaxyConfig.from_dict(dict(preset="llama-tiny", num_hidden_layers=1, seq_length=13, tuning="lora",
                                       dtype="bfloat16", quantize_base=quantize_base,
-                                      **(dict(compile=True, compile_backend="aot_eager_decomp_partition") if compile_
-                                         else {}),
+                                      **(COMPILED_WITHOUT_KERNELS if compile_ else {}),
                                       recompute=recompute))
     model = apply_tuning(LlamaForCausalLM(cfg.model, seed=1), cfg, init_std=0.1)
     held = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
@@ -363,8 +363,7 @@ def test_recompute_mlp_keeps_as_little_over_an_fp8_base_as_over_a_bf16_one(compi
     as over the bf16 one: the same bytes less. Compiled, the region's ops inside the fp8 linear's autograd
     Function are recomputed too (``galaxy.core.recompute``: under torch 2.11 a plain checkpoint marked only the
     ops outside it, the partitioner kept the projections' outputs, and the fp8 drop was 0; seen on CPU). Compiled
-    means traced and partitioned as inductor does, the ops run eagerly (``compile_backend``): the partitioner
-    chooses what is kept."""
+    without kernels (``COMPILED_WITHOUT_KERNELS``): the partitioner chooses what is kept."""
     drop = {base: activation_bytes_saved(base, compile_, "none") - activation_bytes_saved(base, compile_, "mlp")
             for base in ("none", "fp8")}
     assert drop["none"] > 0 and drop["fp8"] == drop["none"], drop
