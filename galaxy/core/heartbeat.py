@@ -6,8 +6,12 @@ Every rank runs one daemon thread that, each ``interval`` seconds, bumps its cou
 peer whose counter stops moving died or froze (SIGKILL, the OOM killer, a lost node). A rank that
 leaves writes why instead of a number: ``done`` (a clean shutdown), ``failed`` (after an error of
 its own), ``exited`` (the interpreter ended without a shutdown). Staleness is measured on this
-rank's monotonic clock, so clocks need not agree across machines. When rank 0, the store's host,
-is the one that died, the store stops answering, which names it as well.
+rank's monotonic clock, so clocks need not agree across machines, and over this rank's own reads: a
+peer is silent for ``s`` seconds when reads of the store at least an interval apart, spanning ``s``,
+saw its counter stand still. A pause of this process or of the store's host (a busy host, a VM
+stalled) delays reads without making a peer look silent. When rank 0, the store's host, is the one
+that died, its connection fails, which names it as well; a store that merely does not answer names
+it only after ``stale_after``.
 
 A failure surfaces in two ways, both naming the rank:
 
@@ -26,12 +30,13 @@ from __future__ import annotations
 import atexit
 import datetime
 import logging
+import math
 import os
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch.distributed as dist
 
@@ -58,6 +63,14 @@ def is_comm_error(error: BaseException) -> bool:
         return True
     text = str(error).lower()
     return isinstance(error, RuntimeError) and any(w in text for w in _COMM_WORDS)
+
+
+class Seen(NamedTuple):
+    """A peer's counter as this rank's reads of the store found it."""
+
+    value: str
+    since: float  # when a read first found this value (this rank's monotonic clock)
+    reads: int = 0  # reads since then that found it unchanged
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -89,8 +102,17 @@ class Schedule:
 
     @property
     def explain_wait_s(self) -> float:
-        """The longest ``explain`` waits for a dead peer's counter to stall."""
+        """The longest ``explain`` waits for a dead peer's counter to stall while the store answers."""
         return 2 * self.window + self.interval
+
+    @property
+    def explain_late_store_wait_s(self) -> float:
+        """The longest it waits while the store is late (its silence names rank 0 after ``stale_after``)."""
+        return self.stale_after + self.interval
+
+    def reads_for(self, seconds: float) -> int:
+        """How many reads, an interval apart at least, span ``seconds``."""
+        return math.ceil(seconds / self.interval - 1e-9)
 
 
 class Heartbeat:
@@ -109,7 +131,7 @@ class Heartbeat:
             wait_for_workers=False)
         now = time.monotonic()
         self._beats = 0
-        self._seen = {r: ("", now) for r in self.peers}  # last value read, when it last changed
+        self._seen = {r: Seen("", now) for r in self.peers}
         self._store_ok = now
         self._store_error = ""
         self._failure: Optional[RankFailure] = None
@@ -144,9 +166,8 @@ class Heartbeat:
             if values is not None:
                 self._store_ok = now
                 for r, v in zip(self.peers, values):
-                    v = v.decode()
-                    if v != self._seen[r][0]:
-                        self._seen[r] = (v, now)
+                    v, seen = v.decode(), self._seen[r]
+                    self._seen[r] = seen._replace(reads=seen.reads + 1) if v == seen.value else Seen(v, now)
             if self._failure is None:
                 self._failure = self._diagnose(now, self.schedule.stale_after, include_exited=False)
                 if self._failure is not None:
@@ -163,20 +184,27 @@ class Heartbeat:
                     pass
             os._exit(1)  # the main thread may be blocked inside a collective, where no exception reaches it
 
+    def _unchanged(self, seen: Seen, after: float) -> bool:
+        """Whether this rank's reads found ``seen`` unchanged for ``after`` seconds (judged at the store's last
+        answer, so a lost store does not make every peer look silent)."""
+        return seen.reads >= self.schedule.reads_for(after) and self._store_ok - seen.since >= after
+
     def _diagnose(self, now: float, after: float, include_exited: bool) -> Optional[RankFailure]:
         """The failed peer(s) as seen at ``now``: silent for ``after`` seconds, or left after an error
         (or, with ``include_exited``, left without a shutdown). Call with the lock held."""
-        # Judged at the last answer from the store, so a lost store does not make every peer look silent.
-        silent = [r for r, (v, t) in self._seen.items() if v not in LEFT and self._store_ok - t >= after]
+        silent = [r for r, seen in self._seen.items() if seen.value not in LEFT and self._unchanged(seen, after)]
         if silent:
             return self._silent(silent, now)
-        if self.rank != 0 and now - self._store_ok >= after:
-            state = self._seen[0][0]
+        # A store whose connection failed is gone; one that only has not answered may be late (its host, or this
+        # process, paused), and names rank 0 only when silent as long as a peer must be with no error to go on.
+        store_after = after if self._store_error else max(after, self.schedule.stale_after)
+        if self.rank != 0 and now - self._store_ok >= store_after:
+            state = self._seen[0].value
             if state in (FAILED, EXITED):
                 # Rank 0 left first, taking the store with it; when it failed because a peer had gone
                 # quiet, that peer is the cause.
-                quiet = [r for r, (v, t) in self._seen.items()
-                         if v not in LEFT and self._store_ok - t >= 2 * self.schedule.interval]
+                quiet = [r for r, seen in self._seen.items()
+                         if seen.value not in LEFT and self._unchanged(seen, 2 * self.schedule.interval)]
                 return self._silent(quiet, now) if quiet and state == FAILED else self._left([0], state)
             why = f" ({self._store_error})" if self._store_error else ""
             return RankFailure(f"rank 0 stopped responding: the rendezvous store it hosts at {self.host}:{self.port} "
@@ -185,13 +213,13 @@ class Heartbeat:
         # A peer that left after an error is named once it has been gone for ``after`` too: it may have
         # failed because another peer went silent, and that one is the cause.
         for state in (FAILED, EXITED) if include_exited else (FAILED,):
-            left = [r for r, (v, t) in self._seen.items() if v == state and now - t >= after]
+            left = [r for r, seen in self._seen.items() if seen.value == state and self._unchanged(seen, after)]
             if left:
                 return self._left(left, state)
         return None
 
     def _silent(self, ranks: list[int], now: float) -> RankFailure:
-        age = max(now - self._seen[r][1] for r in ranks)
+        age = max(now - self._seen[r].since for r in ranks)
         return RankFailure(f"{_ranks_text(ranks)} stopped responding (no heartbeat for {age:.1f} s); "
                            "the other ranks are exiting", ranks)
 
@@ -211,12 +239,17 @@ class Heartbeat:
                 return self._failure
         if (error is not None and not is_comm_error(error)) or not self._thread.is_alive():
             return None
-        deadline = time.monotonic() + self.schedule.explain_wait_s
+        start = time.monotonic()
+        deadline, last_resort = start + self.schedule.explain_wait_s, start + self.schedule.explain_late_store_wait_s
         while True:
             now = time.monotonic()
             with self._lock:
                 failure = self._diagnose(now, self.schedule.window, include_exited=True)
-            if failure is not None or now >= deadline:
+                # A late store (its host or this process paused): what was read is old; wait as long again for new
+                # reads once it answers.
+                if self._store is not None and now - self._store_ok >= self.schedule.window:
+                    deadline = max(deadline, now + self.schedule.explain_wait_s)
+            if failure is not None or now >= min(deadline, last_resort):
                 return failure
             time.sleep(self.schedule.interval / 4)
 
@@ -238,8 +271,8 @@ class Heartbeat:
 
     def _some_peer_quiet(self) -> bool:
         with self._lock:
-            return any(v not in LEFT and self._store_ok - t >= 2 * self.schedule.interval
-                       for v, t in self._seen.values())
+            return any(seen.value not in LEFT and self._unchanged(seen, 2 * self.schedule.interval)
+                       for seen in self._seen.values())
 
     def _linger(self, store: dist.Store) -> None:
         """Rank 0 hosts the store: leaving at once after a peer went quiet would take it away before the

@@ -32,6 +32,8 @@ TIMEOUT_S = 40
 # Hang guards, not verdicts on speed: a rank still starting, or a survivor still running, this long after is
 # stuck, not slow (a host busy to a load of 40 takes minutes to start three ranks).
 START_S, HANG_S = 600, 8 * TIMEOUT_S
+# Longer than a survivor waits for a dead peer's counter to stall, shorter than a silent store takes to name rank 0.
+PAUSE_S = 2 * Schedule.for_timeout(TIMEOUT_S).window
 # A tiny data-parallel run (every rank a dp rank) that would train for hours if the survivors did not stop.
 ARGS = ["pretrain_dp_bert.py", "--no_progress", "--max_steps", "100000",
         "--override", f"timeout_s={TIMEOUT_S}", "--override", "global_batch_size=12", "--override", "seq_length=16",
@@ -46,12 +48,15 @@ def kill_all(procs) -> None:
         p.wait()
 
 
-@pytest.mark.parametrize("world,victim,sig", [
-    (3, 2, signal.SIGKILL),
-    (2, 0, signal.SIGKILL),  # rank 0 also hosts the rendezvous store
-    (2, 1, signal.SIGSTOP),  # frozen with its sockets open: no collective fails, the watchdog ends the survivor
+@pytest.mark.parametrize("world,victim,sig,pause_store_s", [
+    (3, 2, signal.SIGKILL, 0),
+    # rank 0, the store's host, paused (a busy host, a stalled VM) as rank 2 dies: rank 1's reads come late, and
+    # rank 0 sees none of rank 1's beats while paused; both still name rank 2
+    (3, 2, signal.SIGKILL, PAUSE_S),
+    (2, 0, signal.SIGKILL, 0),  # rank 0 also hosts the rendezvous store
+    (2, 1, signal.SIGSTOP, 0),  # frozen with its sockets open: no collective fails, the watchdog ends the survivor
 ])
-def test_survivors_name_a_dead_rank_and_exit(tmp_path, world, victim, sig):
+def test_survivors_name_a_dead_rank_and_exit(tmp_path, world, victim, sig, pause_store_s):
     """Ranks started one per shell (``--rank r``); one is killed (or frozen) after a few steps."""
     metrics = tmp_path / "m.jsonl"
     env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
@@ -68,8 +73,13 @@ def test_survivors_name_a_dead_rank_and_exit(tmp_path, world, victim, sig):
                 (tmp_path / f"rank{r}.err").read_text()[-1000:] for r in ended)
             assert time.monotonic() < deadline, "training never got going"
             time.sleep(0.05)
+        if pause_store_s:
+            procs[0].send_signal(signal.SIGSTOP)
         procs[victim].send_signal(sig)
         killed_at = time.monotonic()
+        if pause_store_s:
+            time.sleep(pause_store_s)
+            procs[0].send_signal(signal.SIGCONT)
         survivors = [r for r in range(world) if r != victim]
         for r in survivors:
             try:
@@ -101,7 +111,8 @@ def test_the_watchdog_acts_within_the_collective_timeout(timeout_s):
     collective failed) decides well before it."""
     schedule = Schedule.for_timeout(timeout_s)
     assert schedule.watchdog_exit_s < timeout_s, schedule
-    assert schedule.explain_wait_s < schedule.stale_after + schedule.grace, schedule
+    assert schedule.explain_wait_s < schedule.explain_late_store_wait_s < schedule.stale_after + schedule.grace, \
+        schedule
 
 
 def train_then_die(rank: int, launch: Launch, payload) -> None:
