@@ -44,8 +44,8 @@ class Launch:
     # Local processes (--world N): where each rank sends the one line of its failure or interruption and
     # its warnings, for the launcher to print once (a multiprocessing SimpleQueue); None: a rank prints its own.
     reports: Any = None
-    # A rank the local launcher started: that launcher; once the rank runs (``die_with_launcher``), the process it
-    # must not outlive, its parent: the launcher, or the forkserver it was forked from, which ends with the launcher.
+    # A rank the local launcher started: that launcher, the process it must not outlive (its parent, or its parent's
+    # parent where it was forked from the launcher's forkserver, which ends with the launcher).
     launcher_pid: Optional[int] = None
     save_dir: Optional[str] = None  # the run's checkpoints (--save_dir), locked for the run where rank 0 starts
 
@@ -114,15 +114,15 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _REPORT_CHARS = 1000
 
 
-def die_with_launcher(launcher_pid: Optional[int]) -> Optional[int]:
-    """Make this rank end when the launcher that started it ends, however it ends (``kill -9`` included);
-    returns the process it watches: its parent, the launcher or the forkserver the launcher started it from
-    (``rank_processes``), which ends when the launcher does. On Linux the kernel sends SIGKILL when the parent
-    dies (``PR_SET_PDEATHSIG``); everywhere a thread watches the parent and kills this process once it is
-    another (``watch_launcher``). A rank left alone would go on training and writing checkpoints that nobody
-    asked for."""
+def die_with_launcher(launcher_pid: Optional[int]) -> None:
+    """Make this rank end when the launcher that started it ends, however it ends (``kill -9`` included), by
+    watching its parent: the launcher or the forkserver the launcher started it from (``rank_processes``), which
+    ends when the launcher does. On Linux the kernel sends SIGKILL when the parent dies (``PR_SET_PDEATHSIG``);
+    everywhere a thread watches the parent and kills this process once it is another (``watch_launcher``). A rank
+    left alone would go on training and writing checkpoints that nobody asked for (``Interrupts.check_launcher``
+    stops it before a write in the moments before it dies)."""
     if launcher_pid is None:
-        return None
+        return
     from galaxy.train.checkpoint.lock import parent_of
 
     parent = os.getppid()
@@ -130,7 +130,6 @@ def die_with_launcher(launcher_pid: Optional[int]) -> Optional[int]:
     if os.getppid() != parent or launcher_pid not in (parent, parent_of(parent) or launcher_pid):
         os.kill(os.getpid(), signal.SIGKILL)  # the launcher died before the prctl above
     threading.Thread(target=watch_launcher, args=(parent,), name="galaxy-launcher-watch", daemon=True).start()
-    return parent
 
 
 def killed_with_parent() -> None:
@@ -184,7 +183,7 @@ def _child(fn, rank: int, launch: Launch, payload, handover: Handover) -> None:
     import torch
 
     torch.set_num_threads(local_rank_threads(launch.world))
-    launch = replace(launch, launcher_pid=die_with_launcher(launch.launcher_pid))
+    die_with_launcher(launch.launcher_pid)
     log_through_launcher(launch.reports, rank)
     if stale and rank == 0:
         logger.warning("%s changed since this process's first local launch, whose rank forkserver imported torch "

@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from galaxy.train.checkpoint.lock import parent_of
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -37,10 +39,12 @@ class LauncherGone(RuntimeError):
 class Interrupts:
     """Signals caught while training runs (a context manager: the handlers are installed on entry, from
     the main thread only, and the previous ones restored on exit), and the launcher this rank must not
-    outlive (``launcher_pid``: its parent, None when it has none to watch)."""
+    outlive (``launcher_pid``: this rank's parent, or its parent's parent when the launcher started it from a
+    forkserver; None when it has none to watch)."""
 
     def __init__(self, launcher_pid: Optional[int] = None):
         self.launcher_pid = launcher_pid
+        self._parent = os.getppid()  # where /proc cannot say who the parent's parent is: the parent must not change
         self.caught: Optional[int] = None  # the first signal
         self._previous: dict[int, object] = {}
 
@@ -77,7 +81,15 @@ class Interrupts:
         return bool(flag.item())
 
     def check_launcher(self) -> None:
-        """Raise ``LauncherGone`` when this rank's launcher has died (its parent is another process now)."""
-        if self.launcher_pid is not None and os.getppid() != self.launcher_pid:
+        """Raise ``LauncherGone`` when this rank's launcher has died. A rank forked from the launcher's forkserver
+        checks the forkserver's parent: between the launcher's death and the forkserver's (its parent-death
+        signal), the forkserver is still this rank's parent, and a busy host may run several steps in between."""
+        if self.launcher_pid is None:
+            return
+        parent = os.getppid()
+        if parent == self.launcher_pid:
+            return
+        grandparent = parent_of(parent)
+        if grandparent != self.launcher_pid and (grandparent is not None or parent != self._parent):
             raise LauncherGone(f"the launcher (pid {self.launcher_pid}) that started this rank is gone; the rank "
                                "stops without writing a checkpoint")

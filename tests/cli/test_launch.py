@@ -201,6 +201,55 @@ def test_the_parent_watch_ends_a_rank_whose_launcher_died():
             os.kill(child, signal.SIGKILL)
 
 
+# A launcher, a forkserver it starts (without a parent-death signal: it outlives the launcher here, as the real one
+# does until the kernel runs it to its death) and a rank the forkserver starts, which checks for its launcher.
+FORKSERVER_TREE = """
+import os, subprocess, sys, time
+role, code = sys.argv[1], sys.argv[2]
+if role != "rank":
+    launcher = str(os.getpid()) if role == "launcher" else sys.argv[3]
+    subprocess.Popen([sys.executable, "-c", code, "forkserver" if role == "launcher" else "rank", code, launcher])
+    time.sleep(600)
+try:
+    from galaxy.train.interrupts import Interrupts, LauncherGone
+    interrupts = Interrupts(launcher_pid=int(sys.argv[3]))
+    interrupts.check_launcher()
+    print("alive", flush=True)
+    hang_guard = time.monotonic() + 120
+    while time.monotonic() < hang_guard:
+        interrupts.check_launcher()
+        time.sleep(0.05)
+    print("still running 120 s later", flush=True)
+except LauncherGone as e:
+    print(e, flush=True)
+except BaseException as e:
+    print(repr(e), flush=True)
+"""
+
+
+def test_a_rank_forked_from_a_forkserver_stops_writing_once_its_launcher_dies():
+    """A rank forked from the launcher's forkserver is the forkserver's child; the forkserver's parent-death signal
+    ends it, and then the rank, only once the kernel runs it, and on a busy host the rank trained and saved three more
+    steps in between (the whole suite beside a busy loop, 2026-12-04). ``check_launcher``, before every checkpoint
+    write, looks past the forkserver: while the launcher lives the rank goes on, once it is gone the rank says so."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=REPO)
+    launcher = subprocess.Popen([sys.executable, "-c", FORKSERVER_TREE, "launcher", FORKSERVER_TREE], env=env,
+                                stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert launcher.stdout.readline().strip() == "alive"
+        launcher.kill()
+        launcher.wait()
+        said = launcher.stdout.readline().strip()
+        assert said.startswith(f"the launcher (pid {launcher.pid}) that started this rank is gone"), said
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL)  # the forkserver and the rank, in the launcher's session
+
+
 def alive(pid: int) -> bool:
     """Running (not a zombie left for an init that does not reap)."""
     try:
