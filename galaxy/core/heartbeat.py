@@ -189,10 +189,14 @@ class Heartbeat:
         answer, so a lost store does not make every peer look silent)."""
         return seen.reads >= self.schedule.reads_for(after) and self._store_ok - seen.since >= after
 
+    def _quiet(self, after: float) -> list[int]:
+        """The peers still in the run whose counters this rank's reads found unchanged for ``after`` seconds."""
+        return [r for r, seen in self._seen.items() if seen.value not in LEFT and self._unchanged(seen, after)]
+
     def _diagnose(self, now: float, after: float, include_exited: bool) -> Optional[RankFailure]:
         """The failed peer(s) as seen at ``now``: silent for ``after`` seconds, or left after an error
         (or, with ``include_exited``, left without a shutdown). Call with the lock held."""
-        silent = [r for r, seen in self._seen.items() if seen.value not in LEFT and self._unchanged(seen, after)]
+        silent = self._quiet(after)
         if silent:
             return self._silent(silent, now)
         # A store whose connection failed is gone; one that only has not answered may be late (its host, or this
@@ -203,8 +207,7 @@ class Heartbeat:
             if state in (FAILED, EXITED):
                 # Rank 0 left first, taking the store with it; when it failed because a peer had gone
                 # quiet, that peer is the cause.
-                quiet = [r for r, seen in self._seen.items()
-                         if seen.value not in LEFT and self._unchanged(seen, 2 * self.schedule.interval)]
+                quiet = self._quiet(2 * self.schedule.interval)
                 return self._silent(quiet, now) if quiet and state == FAILED else self._left([0], state)
             why = f" ({self._store_error})" if self._store_error else ""
             return RankFailure(f"rank 0 stopped responding: the rendezvous store it hosts at {self.host}:{self.port} "
@@ -271,8 +274,7 @@ class Heartbeat:
 
     def _some_peer_quiet(self) -> bool:
         with self._lock:
-            return any(seen.value not in LEFT and self._unchanged(seen, 2 * self.schedule.interval)
-                       for seen in self._seen.values())
+            return bool(self._quiet(2 * self.schedule.interval))
 
     def _linger(self, store: dist.Store) -> None:
         """Rank 0 hosts the store: leaving at once after a peer went quiet would take it away before the
